@@ -1,6 +1,21 @@
 """agoq: low-bit activations, gradients and communication for LLM training, tuned per layer."""
 
-from agoq.runtime import QTensor, dequantize, quantize, quantized_nbytes
+from agoq.runtime import (
+    KINDS,
+    ActivationPolicy,
+    QTensor,
+    apply_activation_policy,
+    dequantize,
+    preset,
+    quantize,
+    quantized_nbytes,
+    remove_activation_policy,
+    stage_aware_policy,
+    stage_bits,
+    track_saved_tensors,
+)
 
 __version__ = "0.1.0"
-__all__ = ["QTensor", "quantize", "dequantize", "quantized_nbytes", "__version__"]
+__all__ = ["QTensor", "quantize", "dequantize", "quantized_nbytes", "ActivationPolicy", "KINDS", "preset",
+           "stage_aware_policy", "stage_bits", "apply_activation_policy", "remove_activation_policy",
+           "track_saved_tensors", "__version__"]

@@ -4,3 +4,10 @@ from agoq.runtime.qtensor import QTensor, quantized_nbytes
 from agoq.runtime.quantize import dequantize, quantize
 
 __all__ = ["QTensor", "quantize", "dequantize", "quantized_nbytes"]
+
+from agoq.runtime.laaq import apply_activation_policy, remove_activation_policy  # noqa: E402
+from agoq.runtime.policy import KINDS, ActivationPolicy, preset, stage_aware_policy, stage_bits  # noqa: E402
+from agoq.runtime.saved_bytes import track_saved_tensors  # noqa: E402
+
+__all__ += ["apply_activation_policy", "remove_activation_policy", "ActivationPolicy", "KINDS", "preset",
+            "stage_aware_policy", "stage_bits", "track_saved_tensors"]
