@@ -19,6 +19,8 @@ from torch import nn
 from agoq.runtime.policy import KEEP, RECOMPUTE, ActivationPolicy, as_policy
 from agoq.runtime.qtensor import QTensor
 from agoq.runtime.quantize import dequantize, quantize
+from agoq.runtime.rmsnorm import rms_norm, rms_norm_backward
+from agoq.runtime.swiglu import swiglu, swiglu_backward
 from agoq.runtime.saved_bytes import find_decoder_layers, label, scope
 
 
@@ -74,25 +76,6 @@ class _Stash:
         return out
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The RMSNorm forward of LLaMA (float32 statistics, result in x's dtype times the weight)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def _rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor):
-    """Gradients (input, weight) of `_rms_norm` at x for the output gradient `grad`."""
-    xf = x.float()
-    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    n = xf * r
-    g = grad.float()
-    grad_w = (g * n.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-    dn = g * weight.float()
-    dx = r * (dn - n * (dn * n).mean(-1, keepdim=True))
-    return dx.to(x.dtype), grad_w
-
-
 def _linear_grads(dy: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, has_bias: bool, needs):
     """(grad input, grad weight, grad bias) of y = inp @ weight.T + bias; None where not needed."""
     dy2 = dy.reshape(-1, dy.shape[-1])
@@ -111,7 +94,7 @@ class _NormLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, norm_weight, eps, cfg, norm_setting, out_setting, out_kind, *weights_biases):
-        h = _rms_norm(x, norm_weight, eps)
+        h = rms_norm(x, norm_weight, eps)
         ys = [F.linear(h, weights_biases[i], weights_biases[i + 1]) for i in range(0, len(weights_biases), 2)]
         stash = _Stash(cfg)
         stash.add(x, norm_setting, "norm_input")
@@ -124,17 +107,18 @@ class _NormLinears(torch.autograd.Function):
     def backward(ctx, *dys):
         x, h = _Stash.restore(ctx)
         wb, w = ctx.weights_biases, ctx.norm_weight
-        if h is None:
-            h = _rms_norm(x, w, ctx.eps)
         grad_h = None
+        for j, dy in enumerate(dys):
+            gi = (dy.reshape(-1, dy.shape[-1]) @ wb[2 * j]).view(*dy.shape[:-1], -1)
+            grad_h = gi if grad_h is None else grad_h.add_(gi)
+        dx, dw, rebuilt = rms_norm_backward(x, w, ctx.eps, grad_h, want_output=h is None)
+        h = rebuilt if h is None else h
         param_grads = []
         for j, dy in enumerate(dys):
             weight, bias = wb[2 * j], wb[2 * j + 1]
-            needs = (True, ctx.needs_input_grad[7 + 2 * j], bias is not None and ctx.needs_input_grad[8 + 2 * j])
-            gi, gw, gb = _linear_grads(dy, h, weight, bias is not None, needs)
-            grad_h = gi if grad_h is None else grad_h.add_(gi)
+            needs = (False, ctx.needs_input_grad[7 + 2 * j], bias is not None and ctx.needs_input_grad[8 + 2 * j])
+            _, gw, gb = _linear_grads(dy, h, weight, bias is not None, needs)
             param_grads += [gw, gb]
-        dx, dw = _rms_norm_backward(x, w, ctx.eps, grad_h)
         return (dx, dw if ctx.needs_input_grad[1] else None, None, None, None, None, None, *param_grads)
 
 
@@ -161,7 +145,7 @@ class _SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, cfg, silu_setting, out_setting):
-        a = F.silu(gate) * up
+        a = swiglu(gate, up)
         stash = _Stash(cfg)
         stash.add(gate, silu_setting, "silu_input")
         stash.add(up, silu_setting, "silu_input")
@@ -173,13 +157,11 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gate, up, a = _Stash.restore(ctx)
-        if a is None:
-            a = F.silu(gate) * up
-        da, gw, gb = _linear_grads(dy, a, ctx.weight, ctx.has_bias, (True, *ctx.needs_input_grad[2:4]))
-        g, u, d = gate.float(), up.float(), da.float()
-        sig = torch.sigmoid(g)
-        d_up = (d * g * sig).to(up.dtype)
-        d_gate = (d * u * sig * (1.0 + g * (1.0 - sig))).to(gate.dtype)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        da = (dy2 @ ctx.weight).view(*dy.shape[:-1], -1)
+        d_gate, d_up, rebuilt = swiglu_backward(gate, up, da, want_output=a is None)
+        a = rebuilt if a is None else a
+        _, gw, gb = _linear_grads(dy, a, ctx.weight, ctx.has_bias, (False, *ctx.needs_input_grad[2:4]))
         return d_gate, d_up, gw, gb, None, None, None
 
 
