@@ -1,0 +1,167 @@
+"""The `agoq` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+DESCRIPTION = """agoq: low-bit activations, gradients and communication for LLM training.
+
+commands:
+  activations   compare activation policies on a model: bytes kept for backward per layer and kind
+                (measured and predicted), weight-gradient error and step time (the default command)
+  policy        print an activation policy as JSON (a preset, or stage-aware bits for pipelines)
+"""
+
+
+def _write_atomic(path: str, text: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, target)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def cmd_activations(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from agoq.models import build
+    from agoq.profiler import compare_policies
+    from agoq.runtime.policy import as_policy
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    policies = []
+    for item in args.policy.split(","):
+        item = item.strip()
+        if item.endswith(".json"):
+            policies.append(as_policy(json.loads(Path(item).read_text())))
+        else:
+            policies.append(as_policy(item))
+    model = build(args.model, dtype=dtype, device=device, seed=args.seed, num_layers=args.layers)
+    if args.seq > model.config.max_position_embeddings:
+        raise ValueError(f"--seq {args.seq} exceeds the model's max_position_embeddings "
+                         f"({model.config.max_position_embeddings})")
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq + 1), device=device, generator=gen)
+    bar = tqdm(total=len(policies), desc="policies", unit="policy", disable=args.quiet, file=sys.stderr)
+
+    def progress(name):
+        bar.set_postfix_str(name)
+        bar.update(0)
+
+    reports = compare_policies(model, policies, ids[:, :-1], ids[:, 1:], repeats=args.repeats,
+                               progress=lambda n: (progress(n), bar.update(1)))
+    bar.close()
+    base = next((r for r in reports if r.policy == "bf16"), None)
+    cfg = model.config
+    print(f"\nmodel {cfg.name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"micro-batch {args.batch} x {args.seq}, {args.dtype}, on {device}")
+    print(f"{'policy':>14s} {'kept/layer':>12s} {'vs bf16':>8s} {'pred-err':>10s} {'grad err':>9s} {'step':>9s}")
+    for r in reports:
+        per_layer = r.total_bytes / len(r.layer_bytes)
+        ratio = f"{r.total_bytes / base.total_bytes:.3f}" if base else "-"
+        print(f"{r.policy:>14s} {_human(per_layer):>12s} {ratio:>8s} {r.prediction_error:>9.2%} "
+              f"{r.grad_rel_error:>9.4f} {r.step_seconds * 1e3:>7.1f}ms")
+    print("\nbytes kept per kind (all layers):")
+    for r in reports:
+        print(f"  {r.policy}: " + ", ".join(f"{k} {_human(v)}" for k, v in sorted(r.by_kind.items())))
+    if args.out:
+        out = {"model": cfg.to_dict(), "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "device": device,
+               "reports": [{**r.__dict__, "total_bytes": r.total_bytes, "prediction_error": r.prediction_error}
+                           for r in reports]}
+        _write_atomic(args.out, json.dumps(out, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    from agoq.runtime.policy import preset, stage_aware_policy
+
+    if args.in_flight:
+        counts = [int(c) for c in args.in_flight.split(",")]
+        if args.layers is None:
+            raise ValueError("--in-flight needs --layers (the model's number of decoder layers)")
+        policy = stage_aware_policy(counts, args.layers)
+    else:
+        policy = preset(args.name)
+    text = policy.to_json() + "\n"
+    if args.out:
+        _write_atomic(args.out, text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agoq", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+
+    act = sub.add_parser("activations", help="compare activation policies on a model",
+                         description="Run one forward+backward per activation policy on random tokens and report "
+                                     "the bytes each decoder layer keeps for backward (measured by saved-tensor "
+                                     "hooks, and predicted from shapes), the weight-gradient relative L2 error "
+                                     "against the unmodified model, and the step time.")
+    act.add_argument("model", nargs="?", default="llama-tiny",
+                     help="preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b) or a HuggingFace config.json "
+                          "(default: llama-tiny)")
+    act.add_argument("--policy", default="bf16,agoq-paper,int8,int4,int2",
+                     help="comma-separated presets or policy .json files (default: all presets)")
+    act.add_argument("--batch", type=int, default=2, help="micro-batch size (default 2)")
+    act.add_argument("--seq", type=int, default=64, help="sequence length in tokens (default 64)")
+    act.add_argument("--layers", type=int, default=None, help="use only this many decoder layers")
+    act.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
+    act.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    act.add_argument("--repeats", type=int, default=3, help="timed steps per policy (median reported)")
+    act.add_argument("--seed", type=int, default=0)
+    act.add_argument("--out", default=None, help="also write the figures as JSON to this file")
+    act.add_argument("--quiet", action="store_true", help="no progress bar")
+    act.set_defaults(func=cmd_activations)
+
+    pol = sub.add_parser("policy", help="print an activation policy as JSON",
+                         description="Print a preset activation policy, or the stage-aware one for pipeline "
+                                     "parallelism (B_i = max(4, floor(4 N_1 / N_i)) bits for stage i holding N_i "
+                                     "micro-batches in flight), as JSON.")
+    pol.add_argument("name", nargs="?", default="agoq-paper", help="preset: bf16, agoq-paper, int8, int4, int2")
+    pol.add_argument("--in-flight", default=None, help="in-flight micro-batches per stage, e.g. 11,9,7,5")
+    pol.add_argument("--layers", type=int, default=None, help="number of decoder layers (with --in-flight)")
+    pol.add_argument("--out", default=None, help="write to this file instead of standard output")
+    pol.set_defaults(func=cmd_policy)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `agoq` console command; returns the exit code."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["activations"] + list(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotImplementedError, json.JSONDecodeError) as e:
+        print(f"agoq {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""agoq's search: cost models from a Profile and the per-layer bit-width optimisation (planned)."""

@@ -1,0 +1,1 @@
+"""agoq's training loop and launcher (planned)."""

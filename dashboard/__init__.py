@@ -1,0 +1,1 @@
+"""agoq's web dashboard over profiles, plans and runs (planned)."""
