@@ -35,11 +35,25 @@ def step(model, ids, labels):
     return loss
 
 
+def force_fused_keep(model):
+    """Every layer through LAAQ's fused functions with every kind kept at 16 bits: the runtime's own
+    bf16, to separate what quantizing costs from what the fused norm and SwiGLU kernels save."""
+    from agoq.runtime.laaq import QuantConfig, _layer_parts, _make_forward
+    from agoq.runtime.saved_bytes import find_decoder_layers
+
+    settings = agoq.ActivationPolicy().settings(0)
+    for layer in find_decoder_layers(model):
+        layer.forward = _make_forward(layer, _layer_parts(layer), settings, QuantConfig())
+        layer._agoq_settings = settings
+
+
 def set_variant(model, name):
     agoq.remove_activation_policy(model)
     remove_checkpointing(model)
     if name == "checkpoint":
         apply_checkpointing(model)
+    elif name == "fused-bf16":
+        force_fused_keep(model)
     else:
         agoq.apply_activation_policy(model, name)
 
@@ -52,7 +66,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--variants", default="bf16,checkpoint,agoq-paper,int8,int4")
+    parser.add_argument("--variants", default="bf16,checkpoint,fused-bf16,agoq-paper,int8,int4")
     parser.add_argument("--name", default="laaq_probe")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (no memory figures)")
@@ -106,7 +120,7 @@ def main() -> None:
             if i >= args.warmup:
                 times.append(start.elapsed_time(end))
                 peaks.append(torch.cuda.max_memory_allocated() - before)
-        policy = None if name == "checkpoint" else agoq.preset(name)
+        policy = None if name in ("checkpoint", "fused-bf16") else agoq.preset(name)
         predicted = None
         if policy is not None:
             predicted = predict_layer_bytes(shape, None if policy.keeps_everything(mid) else policy.settings(mid),
