@@ -218,6 +218,16 @@ SUPPORTED = ("agoq LlamaForCausalLM", "transformers LlamaForCausalLM", "transfor
              "transformers Qwen2ForCausalLM")
 
 
+def _is_silu(act) -> bool:
+    """Whether an activation computes SiLU, judged by what it returns (implementations differ by library)."""
+    probe = torch.linspace(-6.0, 6.0, 25, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            return bool(torch.allclose(act(probe), F.silu(probe), rtol=1e-6, atol=1e-9))
+    except Exception:  # an activation that cannot take a CPU float64 tensor is not one we know
+        return False
+
+
 def _layer_parts(layer: nn.Module) -> _LayerParts:
     attn, mlp = layer.self_attn, layer.mlp
     needed = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -228,7 +238,7 @@ def _layer_parts(layer: nn.Module) -> _LayerParts:
             raise NotImplementedError(f"{type(layer).__name__}.{owner} has no nn.Linear {missing}: not a LLaMA-style "
                                       f"layer; supported models: {', '.join(SUPPORTED)}")
     act = getattr(mlp, "act_fn", None)
-    if act is not None and not isinstance(act, nn.SiLU) and getattr(act, "__name__", "") != "silu":
+    if act is not None and not _is_silu(act):
         raise NotImplementedError(f"{type(mlp).__name__} uses activation {type(act).__name__}; LAAQ supports SwiGLU "
                                   "(SiLU) MLPs only")
     head_dim = int(attn.head_dim)
@@ -245,8 +255,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def laaq_layer_forward(parts: _LayerParts, settings: dict, cfg: QuantConfig, x: torch.Tensor,
-                       cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One LLaMA decoder layer, keeping each tensor kind for backward as `settings` says."""
+                       cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                       on_key_value=None) -> torch.Tensor:
+    """One LLaMA decoder layer, keeping each tensor kind for backward as `settings` says.
+
+    `on_key_value(k, v)`, if given, receives the rotated keys and the values (to fill a KV cache).
+    """
     B, S, _ = x.shape
     H, Hkv, D = parts.num_heads, parts.num_kv_heads, parts.head_dim
     n1 = parts.attn_norm
@@ -259,6 +273,8 @@ def laaq_layer_forward(parts: _LayerParts, settings: dict, cfg: QuantConfig, x: 
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
+    if on_key_value is not None:
+        on_key_value(k.detach(), v.detach())
     sdpa_kwargs = {"is_causal": True} if attn_mask is None else {"attn_mask": attn_mask}
     if Hkv != H:
         sdpa_kwargs["enable_gqa"] = True
@@ -291,12 +307,17 @@ def _make_forward(layer: nn.Module, parts: _LayerParts, settings: dict, cfg: Qua
     if _is_hf_layer(layer):
         def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                     use_cache=False, position_embeddings=None, **kwargs):
-            if not torch.is_grad_enabled() or use_cache or past_key_values is not None or position_embeddings is None:
+            layer_idx = getattr(self.self_attn, "layer_idx", 0)
+            decoding = past_key_values is not None and past_key_values.get_seq_length(layer_idx) > 0
+            if not torch.is_grad_enabled() or decoding or position_embeddings is None:
                 return original(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                 past_key_values=past_key_values, use_cache=use_cache,
                                 position_embeddings=position_embeddings, **kwargs)
+            on_kv = None
+            if past_key_values is not None:  # HF fills a cache in training too when config.use_cache is on
+                on_kv = lambda k, v: past_key_values.update(k, v, layer_idx)  # noqa: E731
             cos, sin = position_embeddings
-            return laaq_layer_forward(parts, settings, cfg, hidden_states, cos, sin, attention_mask)
+            return laaq_layer_forward(parts, settings, cfg, hidden_states, cos, sin, attention_mask, on_kv)
     else:
         def forward(self, x, cos, sin):
             if not torch.is_grad_enabled():
