@@ -55,7 +55,18 @@ def set_variant(model, name):
     elif name == "fused-bf16":
         force_fused_keep(model)
     else:
-        agoq.apply_activation_policy(model, name)
+        agoq.apply_activation_policy(model, variant_policy(name))
+
+
+def variant_policy(name):
+    """A preset, optionally with its format and block: "agoq-paper:nf4:64"."""
+    preset_name, *rest = name.split(":")
+    options = {}
+    if rest:
+        options["format"] = rest[0]
+    if len(rest) > 1:
+        options["block"] = int(rest[1])
+    return agoq.preset(preset_name, **options)
 
 
 def main() -> None:
@@ -66,7 +77,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--variants", default="bf16,checkpoint,fused-bf16,agoq-paper,int8,int4")
+    parser.add_argument("--variants", default="bf16,checkpoint,fused-bf16,agoq-paper,agoq-paper:nf4:64,int8,int4")
     parser.add_argument("--name", default="laaq_probe")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (no memory figures)")
@@ -120,7 +131,7 @@ def main() -> None:
             if i >= args.warmup:
                 times.append(start.elapsed_time(end))
                 peaks.append(torch.cuda.max_memory_allocated() - before)
-        policy = None if name in ("checkpoint", "fused-bf16") else agoq.preset(name)
+        policy = None if name in ("checkpoint", "fused-bf16") else variant_policy(name)
         predicted = None
         if policy is not None:
             predicted = predict_layer_bytes(shape, None if policy.keeps_everything(mid) else policy.settings(mid),
