@@ -50,7 +50,7 @@ def _timed_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tu
     loss.backward()
     if ids.is_cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - start, float(loss)
+    return time.perf_counter() - start, float(loss.detach())
 
 
 def compare_policies(model: nn.Module, policies: list[ActivationPolicy | str], ids: torch.Tensor,
@@ -88,7 +88,7 @@ def compare_policies(model: nn.Module, policies: list[ActivationPolicy | str], i
                 for k, v in kinds.items():
                     by_kind[k] = by_kind.get(k, 0) + v
             report = PolicyReport(policy.name, [log.layer_total(i) for i in range(n_layers)], predicted, by_kind,
-                                  (num / den) ** 0.5 if den else 0.0, times[len(times) // 2], float(loss))
+                                  (num / den) ** 0.5 if den else 0.0, times[len(times) // 2], float(loss.detach()))
             if raw == "bf16" and "bf16" not in policies:
                 continue
             reports.append(report)

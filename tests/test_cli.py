@@ -1,0 +1,57 @@
+"""The `agoq` command: main job, policy printing, and clear errors on bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from agoq.cli import main
+from agoq.runtime.policy import ActivationPolicy
+
+
+def test_activations_writes_report(tmp_path, capsys):
+    out = tmp_path / "sub" / "report.json"
+    seq = 19 + int.from_bytes(os.urandom(1), "little") % 13
+    code = main(["activations", "--quiet", "--seq", str(seq), "--batch", "3", "--dtype", "fp32",
+                 "--policy", "bf16,int8,agoq-paper", "--repeats", "1", "--out", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "agoq-paper" in text and "int8" in text
+    report = json.loads(out.read_text())
+    by_name = {r["policy"]: r for r in report["reports"]}
+    assert set(by_name) == {"bf16", "int8", "agoq-paper"}
+    assert by_name["bf16"]["grad_rel_error"] == 0.0
+    assert 0 < by_name["int8"]["grad_rel_error"] < by_name["agoq-paper"]["grad_rel_error"]
+    assert max(by_name["agoq-paper"]["total_bytes"], by_name["int8"]["total_bytes"]) < by_name["bf16"]["total_bytes"]
+    for r in report["reports"]:
+        assert r["prediction_error"] < 0.02
+
+
+def test_policy_file_round_trip(tmp_path):
+    path = tmp_path / "policy.json"
+    assert main(["policy", "--in-flight", "11,9,7,5", "--layers", "8", "--out", str(path)]) == 0
+    assert main(["activations", "--quiet", "--seq", "11", "--repeats", "1", "--policy", str(path)]) == 2  # 3 layers
+    assert main(["policy", "--in-flight", "11,9,7,5", "--layers", "3", "--out", str(tmp_path / "p3.json")]) == 0
+    policy = ActivationPolicy.from_dict(json.loads(path.read_text()))
+    assert [policy.settings(i)["silu_input"] for i in range(8)] == [4, 4, 4, 4, 6, 6, 8, 8]
+    # a policy file is accepted by `agoq activations`
+    assert main(["activations", "--quiet", "--seq", "11", "--repeats", "1", "--policy", str(tmp_path / "p3.json")]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["activations", "no-such-model"], "no-such-model"),
+    (["activations", "--policy", "int9"], "unknown activation policy preset"),
+    (["activations", "--seq", "100000"], "max_position_embeddings"),
+    (["policy", "--in-flight", "3,2"], "--layers"),
+    (["activations", "missing.json"], "missing.json"),
+])
+def test_bad_input_exits_2_with_message(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_console_entry_point_help():
+    res = subprocess.run([sys.executable, "-m", "agoq.cli", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "activations" in res.stdout and "policy" in res.stdout
