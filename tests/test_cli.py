@@ -33,7 +33,7 @@ def test_policy_file_round_trip(tmp_path):
     path = tmp_path / "policy.json"
     assert main(["policy", "--in-flight", "11,9,7,5", "--layers", "8", "--out", str(path)]) == 0
     assert main(["activations", "--quiet", "--seq", "11", "--repeats", "1", "--policy", str(path)]) == 2  # 3 layers
-    assert main(["policy", "--in-flight", "11,9,7,5", "--layers", "3", "--out", str(tmp_path / "p3.json")]) == 0
+    assert main(["policy", "--in-flight", "7,5,3", "--layers", "3", "--out", str(tmp_path / "p3.json")]) == 0
     policy = ActivationPolicy.from_dict(json.loads(path.read_text()))
     assert [policy.settings(i)["silu_input"] for i in range(8)] == [4, 4, 4, 4, 6, 6, 8, 8]
     # a policy file is accepted by `agoq activations`
