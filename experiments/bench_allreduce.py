@@ -1,0 +1,120 @@
+"""Gradient all-reduce on several GPUs: agoq's 8-bit all-reduce against NCCL and torch's DDP hooks.
+
+Run under torchrun, one process per GPU; set AGOQ_TRANSPORT to name the transport in the results
+(e.g. nvlink, or sockets with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo):
+
+    torchrun --nproc-per-node 2 experiments/bench_allreduce.py [--max-mib 1024] [--reps 20]
+
+Collectives (gradient of N MiB in fp32, quantization included in agoq's time):
+  nccl_fp32, nccl_bf16 (same values in bf16), agoq_8bit (quantized_all_reduce of the fp32 tensor).
+DDP backward of one parameter of N MiB in one bucket, per communication hook:
+  ddp_default (fp32 all-reduce), ddp_bf16_compress, ddp_quantization_pertensor, ddp_quangrad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, quantization_hooks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from agoq.runtime.quangrad import quangrad_hook  # noqa: E402
+from agoq.runtime.quantized_allreduce import quantized_all_reduce  # noqa: E402
+from experiments.record import write_result  # noqa: E402
+
+
+def timed(fn, reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn across ranks' max (CUDA events), after warm-up."""
+    times = []
+    for i in range(warmup + reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            t = torch.tensor([start.elapsed_time(end)], device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times.append(t.item())
+    return statistics.median(times)
+
+
+def ddp_time(numel: int, hook, reps: int) -> float:
+    p = nn.Parameter(torch.zeros(numel, device="cuda"))
+    module = nn.Module()
+    module.p = p
+    ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=numel * 4 / 2**20 + 1, device_ids=[torch.cuda.current_device()])
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    c = torch.randn(numel, device="cuda")
+
+    def step():
+        (ddp.module.p * c).sum().backward()
+        p.grad = None
+
+    return timed(step, reps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--min-mib", type=int, default=1)
+    parser.add_argument("--max-mib", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--no-ddp", action="store_true", help="skip the DDP hook comparison")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    transport = os.environ.get("AGOQ_TRANSPORT", "default")
+    sizes = []
+    mib = args.min_mib
+    while mib <= args.max_mib:
+        sizes.append(mib)
+        mib *= 4
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    for mib in sizes:
+        n = mib * 2**20 // 4
+        grad = torch.randn(n, device="cuda", generator=g)
+        exact = grad.double()
+        dist.all_reduce(exact)
+        test = grad.clone()
+        quantized_all_reduce(test, min_numel=0)
+        rel_err = ((test.double() - exact).norm() / exact.norm()).item()
+        work32, work16 = grad.clone(), grad.to(torch.bfloat16)
+        row = {"MiB_fp32": mib, "numel": n, "agoq_rel_err": rel_err,
+               "nccl_fp32_ms": timed(lambda: dist.all_reduce(work32), args.reps),
+               "nccl_bf16_ms": timed(lambda: dist.all_reduce(work16), args.reps),
+               "agoq_8bit_ms": timed(lambda: quantized_all_reduce(work32, min_numel=0), args.reps)}
+        if not args.no_ddp:
+            for name, hook in [("ddp_default", None), ("ddp_bf16_compress", default_hooks.bf16_compress_hook),
+                               ("ddp_quantization_pertensor", quantization_hooks.quantization_pertensor_hook),
+                               ("ddp_quangrad", quangrad_hook)]:
+                row[f"{name}_ms"] = ddp_time(n, hook, max(3, args.reps // 4))
+        row["speedup_vs_fp32"] = row["nccl_fp32_ms"] / row["agoq_8bit_ms"]
+        row["speedup_vs_bf16"] = row["nccl_bf16_ms"] / row["agoq_8bit_ms"]
+        rows.append(row)
+        if rank == 0:
+            print(f"{mib:5d} MiB  fp32 {row['nccl_fp32_ms']:8.3f}  bf16 {row['nccl_bf16_ms']:8.3f}  "
+                  f"agoq8 {row['agoq_8bit_ms']:8.3f} ms  x{row['speedup_vs_fp32']:.2f} vs fp32  "
+                  f"x{row['speedup_vs_bf16']:.2f} vs bf16  err {rel_err:.4f}  "
+                  + "  ".join(f"{k[4:-3]} {v:.3f}" for k, v in row.items() if k.startswith("ddp_")), flush=True)
+        del grad, exact, test, work32, work16
+    if rank == 0:
+        print("wrote", write_result(f"allreduce_{world}gpu_{transport}",
+                                    {"world": world, "transport": transport, "rows": rows}, args.out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
