@@ -43,13 +43,22 @@ def sum_shards_reference(codes: torch.Tensor, scales: torch.Tensor, block: int) 
     return values.sum(0).view(-1)
 
 
+def sum_shards(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """`sum_shards_reference` through the Triton kernel on CUDA."""
+    if not codes.is_cuda:
+        return sum_shards_reference(codes, scales, block)
+    from agoq.runtime.shard_sum_triton import sum_shards_triton
+
+    return sum_shards_triton(codes, scales, block, _ZERO_CODE)
+
+
 def all_reduce_codes(data: torch.Tensor, scales: torch.Tensor, numel: int, block: int, group=None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum 8-bit block-quantized tensors over `group`: steps 2-5 above on (codes, scales) of `numel` values.
 
     Returns the reduced (codes [numel] uint8, scales [blocks] float32), identical on every rank.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     nb = num_blocks(numel, block)
     per = -(-nb // world)  # blocks per shard
     codes = torch.full((world * per * block,), _ZERO_CODE, dtype=torch.uint8, device=data.device)
@@ -59,12 +68,11 @@ def all_reduce_codes(data: torch.Tensor, scales: torch.Tensor, numel: int, block
     recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(sc)
     dist.all_to_all_single(recv_codes, codes, group=group)
     dist.all_to_all_single(recv_scales, sc, group=group)
-    total = sum_shards_reference(recv_codes.view(world, per * block), recv_scales.view(world, per), block)
+    total = sum_shards(recv_codes.view(world, per * block), recv_scales.view(world, per), block)
     mine = quantize(total, 8, block, check_finite=False)
     out_codes, out_scales = torch.empty_like(codes), torch.empty_like(sc)
     _all_gather_flat(out_codes, mine.data, group)
     _all_gather_flat(out_scales, mine.scales, group)
-    del rank
     return out_codes[:numel], out_scales[:nb]
 
 
@@ -93,8 +101,13 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, average: bool = Fa
         bad = int((~torch.isfinite(scales)).sum())
         raise FloatingPointError(f"quantized_all_reduce: the reduced tensor has {bad} block(s) of {block} values "
                                  "holding inf or NaN (some rank's input was not finite)")
-    result = dequantize(QTensor(codes, scales, flat.shape, torch.float32, 8, block), torch.float32)
     if average:
-        result.div_(world)
-    tensor.copy_(result.view(tensor.shape))
+        scales = scales / world
+    reduced = QTensor(codes, scales, flat.shape, torch.float32, 8, block)
+    if tensor.is_cuda and tensor.is_contiguous():  # dequantize straight into the caller's tensor
+        from agoq.runtime.quant_triton import dequantize_triton
+
+        dequantize_triton(codes, scales, 8, block, flat.numel(), "int", tensor.dtype, out=tensor.view(-1))
+    else:
+        tensor.copy_(dequantize(reduced, torch.float32).view(tensor.shape))
     return tensor

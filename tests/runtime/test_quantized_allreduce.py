@@ -98,3 +98,19 @@ def test_error_does_not_grow_with_world_size():
         exact = sum(_local_grad(seed, r, 60_001, "gauss").double() for r in range(world))
         errs[world] = ((y.double() - exact).norm() / exact.norm()).item()
     assert errs[4] < errs[2] * 1.5, f"seed {seed}: {errs}"
+
+
+def test_shard_sum_kernel_matches_reference():
+    """The Triton shard sum (interpreter on CPU) equals the torch reference exactly."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and no interpreter")
+    from agoq.runtime.quantized_allreduce import _ZERO_CODE, sum_shards_reference
+    from agoq.runtime.shard_sum_triton import sum_shards_triton
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+    world, blocks, block = 3, 7, 256
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    codes = torch.randint(0, 255, (world, blocks * block), generator=g, dtype=torch.uint8).to(dev)
+    scales = torch.rand(world, blocks, generator=g).to(dev)
+    assert torch.equal(sum_shards_triton(codes, scales, block, _ZERO_CODE),
+                       sum_shards_reference(codes, scales, block))
