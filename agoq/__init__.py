@@ -4,10 +4,13 @@ from agoq.runtime import (
     KINDS,
     ActivationPolicy,
     QTensor,
+    QuantizedGradients,
     apply_activation_policy,
     dequantize,
     preset,
+    quangrad_hook,
     quantize,
+    quantized_all_reduce,
     quantized_nbytes,
     remove_activation_policy,
     stage_aware_policy,
@@ -18,4 +21,4 @@ from agoq.runtime import (
 __version__ = "0.1.0"
 __all__ = ["QTensor", "quantize", "dequantize", "quantized_nbytes", "ActivationPolicy", "KINDS", "preset",
            "stage_aware_policy", "stage_bits", "apply_activation_policy", "remove_activation_policy",
-           "track_saved_tensors", "__version__"]
+           "track_saved_tensors", "QuantizedGradients", "quangrad_hook", "quantized_all_reduce", "__version__"]

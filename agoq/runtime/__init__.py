@@ -11,3 +11,8 @@ from agoq.runtime.saved_bytes import track_saved_tensors  # noqa: E402
 
 __all__ += ["apply_activation_policy", "remove_activation_policy", "ActivationPolicy", "KINDS", "preset",
             "stage_aware_policy", "stage_bits", "track_saved_tensors"]
+
+from agoq.runtime.quangrad import QuantizedGradients, quangrad_hook  # noqa: E402
+from agoq.runtime.quantized_allreduce import quantized_all_reduce  # noqa: E402
+
+__all__ += ["QuantizedGradients", "quangrad_hook", "quantized_all_reduce"]
