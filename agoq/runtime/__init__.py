@@ -16,3 +16,7 @@ from agoq.runtime.quangrad import QuantizedGradients, quangrad_hook  # noqa: E40
 from agoq.runtime.quantized_allreduce import quantized_all_reduce  # noqa: E402
 
 __all__ += ["QuantizedGradients", "quangrad_hook", "quantized_all_reduce"]
+
+from agoq.runtime.sdp4bit import SDP4BitOptimizer, qwd_all_gather, tlq_hs_reduce_scatter  # noqa: E402
+
+__all__ += ["SDP4BitOptimizer", "qwd_all_gather", "tlq_hs_reduce_scatter"]
