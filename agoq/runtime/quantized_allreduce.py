@@ -39,12 +39,12 @@ def _all_gather_flat(out: torch.Tensor, mine: torch.Tensor, group) -> None:
 def sum_shards_reference(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """float32 sum over W of dequantized shards: codes [W, blocks * block] uint8, scales [W, blocks]."""
     w, nb = scales.shape
-    values = (codes.view(w, nb, block).to(torch.float32) - _ZERO_CODE) * scales.view(w, nb, 1)
+    values = (codes.reshape(w, nb, block).to(torch.float32) - _ZERO_CODE) * scales.reshape(w, nb, 1)
     return values.sum(0).view(-1)
 
 
 def sum_shards(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """`sum_shards_reference` through the Triton kernel on CUDA."""
+    """`sum_shards_reference` through the Triton kernel on CUDA (rows may be strided views)."""
     if not codes.is_cuda:
         return sum_shards_reference(codes, scales, block)
     from agoq.runtime.shard_sum_triton import sum_shards_triton
@@ -52,11 +52,28 @@ def sum_shards(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.T
     return sum_shards_triton(codes, scales, block, _ZERO_CODE)
 
 
+def _pack_rows(codes: torch.Tensor, scales: torch.Tensor, rows: int, per: int, block: int) -> torch.Tensor:
+    """One uint8 buffer [rows, per*block + 4*per]: each row holds one shard's codes, then its scales."""
+    width = per * block
+    buf = torch.empty(rows, width + 4 * per, dtype=torch.uint8, device=codes.device)
+    buf[:, :width].copy_(codes.view(rows, width))
+    buf[:, width:].copy_(scales.view(rows, per).contiguous().view(torch.uint8))
+    return buf
+
+
+def _split_rows(buf: torch.Tensor, per: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views (codes [rows, per*block], scales [rows, per] float32) into a buffer from `_pack_rows`."""
+    width = per * block
+    return buf[:, :width], buf[:, width:].view(torch.float32)
+
+
 def all_reduce_codes(data: torch.Tensor, scales: torch.Tensor, numel: int, block: int, group=None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum 8-bit block-quantized tensors over `group`: steps 2-5 above on (codes, scales) of `numel` values.
 
-    Returns the reduced (codes [numel] uint8, scales [blocks] float32), identical on every rank.
+    Each shard travels as one row of codes followed by its scales, so the reduction takes two
+    collectives. Returns the reduced (codes [numel] uint8, scales [blocks] float32), identical on
+    every rank.
     """
     world = dist.get_world_size(group)
     nb = num_blocks(numel, block)
@@ -65,15 +82,15 @@ def all_reduce_codes(data: torch.Tensor, scales: torch.Tensor, numel: int, block
     codes[:numel].copy_(data[:numel])
     sc = torch.zeros(world * per, dtype=torch.float32, device=data.device)
     sc[:nb].copy_(scales)
-    recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(sc)
-    dist.all_to_all_single(recv_codes, codes, group=group)
-    dist.all_to_all_single(recv_scales, sc, group=group)
-    total = sum_shards(recv_codes.view(world, per * block), recv_scales.view(world, per), block)
+    send = _pack_rows(codes, sc, world, per, block)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    total = sum_shards(*_split_rows(recv, per, block), block)
     mine = quantize(total, 8, block, check_finite=False)
-    out_codes, out_scales = torch.empty_like(codes), torch.empty_like(sc)
-    _all_gather_flat(out_codes, mine.data, group)
-    _all_gather_flat(out_scales, mine.scales, group)
-    return out_codes[:numel], out_scales[:nb]
+    gathered = torch.empty_like(send)
+    _all_gather_flat(gathered.view(-1), _pack_rows(mine.data, mine.scales, 1, per, block).view(-1), group)
+    out_codes, out_scales = _split_rows(gathered, per, block)
+    return out_codes.reshape(-1)[:numel], out_scales.reshape(-1)[:nb]
 
 
 def quantized_all_reduce(tensor: torch.Tensor, group=None, *, average: bool = False, block: int = DEFAULT_BLOCK,
