@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import tempfile
@@ -21,14 +22,24 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a collective left waiting by a failed peer errors out instead of hanging the test run
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
+    succeeded = False
     try:
         result = fn(rank, world, *args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
+        succeeded = True
     except BaseException:  # report the failure to the parent, whatever it was
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
+    try:
+        if succeeded:
+            dist.barrier()
         dist.destroy_process_group()
+    finally:
+        # The result is on disk. Leave without running interpreter-exit destructors, where a
+        # background communication thread torn down late can abort the process
+        # ("terminate called without an active exception") after everything succeeded.
+        os._exit(0)
 
 
 def run_workers(fn, world: int, *args) -> list:
