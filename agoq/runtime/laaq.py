@@ -20,8 +20,8 @@ from agoq.runtime.policy import KEEP, RECOMPUTE, ActivationPolicy, as_policy
 from agoq.runtime.qtensor import QTensor
 from agoq.runtime.quantize import dequantize, quantize
 from agoq.runtime.rmsnorm import rms_norm, rms_norm_backward
-from agoq.runtime.swiglu import swiglu, swiglu_backward
 from agoq.runtime.saved_bytes import find_decoder_layers, label, scope
+from agoq.runtime.swiglu import swiglu, swiglu_backward
 
 
 @dataclass(frozen=True)
