@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,25 +26,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, quantizat
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agoq.runtime.quangrad import quangrad_hook  # noqa: E402
 from agoq.runtime.quantized_allreduce import quantized_all_reduce  # noqa: E402
+from experiments.collective_timing import median_ms_across_ranks  # noqa: E402
 from experiments.record import write_result  # noqa: E402
-
-
-def timed(fn, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn across ranks' max (CUDA events), after warm-up."""
-    times = []
-    for i in range(warmup + reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            t = torch.tensor([start.elapsed_time(end)], device="cuda")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times.append(t.item())
-    return statistics.median(times)
 
 
 def ddp_time(numel: int, hook, reps: int) -> float:
@@ -61,7 +43,7 @@ def ddp_time(numel: int, hook, reps: int) -> float:
         (ddp.module.p * c).sum().backward()
         p.grad = None
 
-    return timed(step, reps)
+    return median_ms_across_ranks(step, reps)
 
 
 def main() -> None:
@@ -93,9 +75,9 @@ def main() -> None:
         rel_err = ((test.double() - exact).norm() / exact.norm()).item()
         work32, work16 = grad.clone(), grad.to(torch.bfloat16)
         row = {"MiB_fp32": mib, "numel": n, "agoq_rel_err": rel_err,
-               "nccl_fp32_ms": timed(lambda: dist.all_reduce(work32), args.reps),
-               "nccl_bf16_ms": timed(lambda: dist.all_reduce(work16), args.reps),
-               "agoq_8bit_ms": timed(lambda: quantized_all_reduce(work32, min_numel=0), args.reps)}
+               "nccl_fp32_ms": median_ms_across_ranks(lambda: dist.all_reduce(work32), args.reps),
+               "nccl_bf16_ms": median_ms_across_ranks(lambda: dist.all_reduce(work16), args.reps),
+               "agoq_8bit_ms": median_ms_across_ranks(lambda: quantized_all_reduce(work32, min_numel=0), args.reps)}
         if not args.no_ddp:
             for name, hook in [("ddp_default", None), ("ddp_bf16_compress", default_hooks.bf16_compress_hook),
                                ("ddp_quantization_pertensor", quantization_hooks.quantization_pertensor_hook),

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agoq.runtime.sdp4bit import (WEIGHT_BLOCK, exact_reduce_scatter, qwd_all_gather, shard_bounds,  # noqa: E402
                                   tlq_hs_reduce_scatter)
+from experiments.collective_timing import median_ms_across_ranks  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
 MiB = 2**20
@@ -62,31 +61,6 @@ def _numel(mib: float, world: int) -> int:
     return max(unit, int(mib * MiB / 4) // unit * unit)
 
 
-def timed(fn, iters: int, warmup: int, cuda: bool) -> float:
-    """Median milliseconds of fn() over `iters` runs after `warmup`, the slowest rank's median."""
-    times = []
-    sync = torch.zeros(1, device="cuda" if cuda else "cpu")
-    for i in range(warmup + iters):
-        dist.all_reduce(sync)  # line the ranks up (a barrier that needs no device guess)
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
-    med = torch.tensor([statistics.median(times)], dtype=torch.float64, device="cuda" if cuda else "cpu")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return float(med)
-
-
 def _gather_into(out: torch.Tensor, x: torch.Tensor) -> None:
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x)
 
@@ -103,9 +77,10 @@ def measure(mib: float, args, world: int, rank: int, device: torch.device) -> di
     out = torch.empty(n // world, device=device, dtype=torch.bfloat16)
     seeds = iter(range(10**9))
     row = {"fp32_mib": mib, "numel": n}
-    row["tlq_hs_ms"] = timed(lambda: tlq_hs_reduce_scatter(grad, node_size=args.node_size, seed=next(seeds)),
-                             args.iters, args.warmup, cuda)
-    row["bf16_reduce_scatter_ms"] = timed(lambda: _reduce_scatter_into(out, grad), args.iters, args.warmup, cuda)
+    row["tlq_hs_ms"] = median_ms_across_ranks(
+        lambda: tlq_hs_reduce_scatter(grad, node_size=args.node_size, seed=next(seeds)), args.iters, args.warmup, cuda)
+    row["bf16_reduce_scatter_ms"] = median_ms_across_ranks(lambda: _reduce_scatter_into(out, grad), args.iters,
+                                                           args.warmup, cuda)
     del grad, out
     torch.manual_seed(7)  # the same weights on every rank
     prev = torch.randn(n, device=device).to(torch.bfloat16)
@@ -113,8 +88,10 @@ def measure(mib: float, args, world: int, rank: int, device: torch.device) -> di
     new = prev[start:end].float() + 1e-3 * torch.randn(end - start, device=device, generator=gen)
     full = torch.empty(n, device=device, dtype=torch.bfloat16)
     shard = new.to(torch.bfloat16)
-    row["qwd_ms"] = timed(lambda: qwd_all_gather(new, prev, seed=next(seeds)), args.iters, args.warmup, cuda)
-    row["bf16_all_gather_ms"] = timed(lambda: _gather_into(full, shard), args.iters, args.warmup, cuda)
+    row["qwd_ms"] = median_ms_across_ranks(lambda: qwd_all_gather(new, prev, seed=next(seeds)), args.iters,
+                                           args.warmup, cuda)
+    row["bf16_all_gather_ms"] = median_ms_across_ranks(lambda: _gather_into(full, shard), args.iters, args.warmup,
+                                                       cuda)
     row["reduce_scatter_speedup"] = row["bf16_reduce_scatter_ms"] / row["tlq_hs_ms"]
     row["all_gather_speedup"] = row["bf16_all_gather_ms"] / row["qwd_ms"]
     shard_n = n // world
