@@ -100,35 +100,23 @@ def test_error_does_not_grow_with_world_size():
     assert errs[4] < errs[2] * 1.5, f"seed {seed}: {errs}"
 
 
-def test_shard_sum_kernel_matches_reference():
-    """The Triton shard sum (interpreter on CPU) equals the torch reference exactly."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and no interpreter")
-    from agoq.runtime.quantized_allreduce import _ZERO_CODE, sum_shards_reference
-    from agoq.runtime.shard_sum_triton import sum_shards_triton
-
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
-    world, blocks, block = 3, 7, 256
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    codes = torch.randint(0, 255, (world, blocks * block), generator=g, dtype=torch.uint8).to(dev)
-    scales = torch.rand(world, blocks, generator=g).to(dev)
-    assert torch.equal(sum_shards_triton(codes, scales, block, _ZERO_CODE),
-                       sum_shards_reference(codes, scales, block))
-
-
-def test_shard_sum_kernel_on_packed_rows():
-    """The kernel reads codes and scales straight out of the packed wire buffer (strided rows)."""
+@pytest.mark.parametrize("layout", ["contiguous", "packed"])
+def test_shard_sum_kernel_matches_reference(layout):
+    """The Triton shard sum (interpreter on CPU) equals the torch reference exactly, on contiguous rows
+    and on rows read straight out of the packed wire buffer (codes then scales, strided)."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and no interpreter")
     from agoq.runtime.quantized_allreduce import _ZERO_CODE, _pack_rows, _split_rows, sum_shards_reference
     from agoq.runtime.shard_sum_triton import sum_shards_triton
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
-    world, per, block = 4, 3, 128
+    world, per, block = (3, 7, 256) if layout == "contiguous" else (4, 3, 128)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     codes = torch.randint(0, 255, (world * per * block,), generator=g, dtype=torch.uint8).to(dev)
     scales = torch.rand(world * per, generator=g).to(dev)
-    c, s = _split_rows(_pack_rows(codes, scales, world, per, block), per, block)
-    assert torch.equal(c.reshape(-1), codes) and torch.equal(s.reshape(-1), scales)
+    c, s = codes.view(world, -1), scales.view(world, -1)
+    if layout == "packed":
+        c, s = _split_rows(_pack_rows(codes, scales, world, per, block), per, block)
+        assert torch.equal(c.reshape(-1), codes) and torch.equal(s.reshape(-1), scales)
     assert torch.equal(sum_shards_triton(c, s, block, _ZERO_CODE),
                        sum_shards_reference(codes.view(world, -1), scales.view(world, -1), block))
