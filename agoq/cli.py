@@ -27,6 +27,17 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, target)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -123,12 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: llama-tiny)")
     act.add_argument("--policy", default="bf16,agoq-paper,int8,int4,int2",
                      help="comma-separated presets or policy .json files (default: all presets)")
-    act.add_argument("--batch", type=int, default=2, help="micro-batch size (default 2)")
-    act.add_argument("--seq", type=int, default=64, help="sequence length in tokens (default 64)")
-    act.add_argument("--layers", type=int, default=None, help="use only this many decoder layers")
+    act.add_argument("--batch", type=_positive_int, default=2, help="micro-batch size (default 2)")
+    act.add_argument("--seq", type=_positive_int, default=64, help="sequence length in tokens (default 64)")
+    act.add_argument("--layers", type=_positive_int, default=None, help="use only this many decoder layers")
     act.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
     act.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    act.add_argument("--repeats", type=int, default=3, help="timed steps per policy (median reported)")
+    act.add_argument("--repeats", type=_positive_int, default=3, help="timed steps per policy (median reported)")
     act.add_argument("--seed", type=int, default=0)
     act.add_argument("--out", default=None, help="also write the figures as JSON to this file")
     act.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -140,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "micro-batches in flight), as JSON.")
     pol.add_argument("name", nargs="?", default="agoq-paper", help="preset: bf16, agoq-paper, int8, int4, int2")
     pol.add_argument("--in-flight", default=None, help="in-flight micro-batches per stage, e.g. 11,9,7,5")
-    pol.add_argument("--layers", type=int, default=None, help="number of decoder layers (with --in-flight)")
+    pol.add_argument("--layers", type=_positive_int, default=None, help="number of decoder layers (with --in-flight)")
     pol.add_argument("--out", default=None, help="write to this file instead of standard output")
     pol.set_defaults(func=cmd_policy)
     return parser

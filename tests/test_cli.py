@@ -52,6 +52,14 @@ def test_bad_input_exits_2_with_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--seq", "-3"), ("--repeats", "x"), ("--layers", "0")])
+def test_non_positive_sizes_rejected_by_the_parser(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["activations", flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: expected a positive integer" in capsys.readouterr().err
+
+
 def test_console_entry_point_help():
     res = subprocess.run([sys.executable, "-m", "agoq.cli", "--help"], capture_output=True, text=True)
     assert res.returncode == 0 and "activations" in res.stdout and "policy" in res.stdout
