@@ -4,30 +4,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from agoq.files import write_atomic
+from agoq.units import format_bytes
 
 DESCRIPTION = """agoq: low-bit activations, gradients and communication for LLM training.
 
 commands:
+  profile       measure a model on this hardware: bytes, error and sensitivity per layer and kind
+  search        turn a profile and a memory budget into a plan (MILP, Optuna)
+  train         train a model, in plain bf16 or with a plan, on one GPU or many (torchrun)
+  dashboard     serve a web page of profiles, plans, searches and runs
+  demo          the whole loop on a tiny model on the CPU, then the dashboard command to see it
   activations   compare activation policies on a model: bytes kept for backward per layer and kind
                 (measured and predicted), weight-gradient error and step time (the default command)
   policy        print an activation policy as JSON (a preset, or stage-aware bits for pipelines)
 """
 
 
-def _write_atomic(path: str, text: str) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, target)
-
-
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:
         value = int(text)
@@ -38,12 +35,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
+def size_bytes(text: str) -> int:
+    """argparse type: a size such as 30GiB, 1.5GB or 4096, in bytes."""
+    from agoq.units import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_activations(args: argparse.Namespace) -> int:
@@ -86,16 +85,16 @@ def cmd_activations(args: argparse.Namespace) -> int:
     for r in reports:
         per_layer = r.total_bytes / len(r.layer_bytes)
         ratio = f"{r.total_bytes / base.total_bytes:.3f}" if base else "-"
-        print(f"{r.policy:>14s} {_human(per_layer):>12s} {ratio:>8s} {r.prediction_error:>9.2%} "
+        print(f"{r.policy:>14s} {format_bytes(per_layer):>12s} {ratio:>8s} {r.prediction_error:>9.2%} "
               f"{r.grad_rel_error:>9.4f} {r.step_seconds * 1e3:>7.1f}ms")
     print("\nbytes kept per kind (all layers):")
     for r in reports:
-        print(f"  {r.policy}: " + ", ".join(f"{k} {_human(v)}" for k, v in sorted(r.by_kind.items())))
+        print(f"  {r.policy}: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(r.by_kind.items())))
     if args.out:
         out = {"model": cfg.to_dict(), "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "device": device,
                "reports": [{**r.__dict__, "total_bytes": r.total_bytes, "prediction_error": r.prediction_error}
                            for r in reports]}
-        _write_atomic(args.out, json.dumps(out, indent=2) + "\n")
+        write_atomic(args.out, json.dumps(out, indent=2) + "\n")
         print(f"\nwrote {args.out}")
     return 0
 
@@ -112,17 +111,44 @@ def cmd_policy(args: argparse.Namespace) -> int:
         policy = preset(args.name)
     text = policy.to_json() + "\n"
     if args.out:
-        _write_atomic(args.out, text)
+        write_atomic(args.out, text)
         print(f"wrote {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0
 
 
+# Stage commands live beside their stage: each module has `configure(parser)`, which adds the
+# arguments and sets `func`, and a one-line `HELP`.
+STAGE_COMMANDS = {
+    "profile": "agoq.profiler.command",
+    "search": "agoq.search.command",
+    "train": "agoq.train.command",
+    "dashboard": "dashboard.command",
+    "demo": "agoq.demo",
+}
+
+
+def _add_stage_commands(sub) -> None:
+    import importlib
+
+    for name, module_name in STAGE_COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # that stage is not installed in this build
+        parser = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.configure(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agoq", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
+    _add_stage_commands(sub)
 
     act = sub.add_parser("activations", help="compare activation policies on a model",
                          description="Run one forward+backward per activation policy on random tokens and report "
@@ -134,12 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: llama-tiny)")
     act.add_argument("--policy", default="bf16,agoq-paper,int8,int4,int2",
                      help="comma-separated presets or policy .json files (default: all presets)")
-    act.add_argument("--batch", type=_positive_int, default=2, help="micro-batch size (default 2)")
-    act.add_argument("--seq", type=_positive_int, default=64, help="sequence length in tokens (default 64)")
-    act.add_argument("--layers", type=_positive_int, default=None, help="use only this many decoder layers")
+    act.add_argument("--batch", type=positive_int, default=2, help="micro-batch size (default 2)")
+    act.add_argument("--seq", type=positive_int, default=64, help="sequence length in tokens (default 64)")
+    act.add_argument("--layers", type=positive_int, default=None, help="use only this many decoder layers")
     act.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
     act.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    act.add_argument("--repeats", type=_positive_int, default=3, help="timed steps per policy (median reported)")
+    act.add_argument("--repeats", type=positive_int, default=3, help="timed steps per policy (median reported)")
     act.add_argument("--seed", type=int, default=0)
     act.add_argument("--out", default=None, help="also write the figures as JSON to this file")
     act.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -151,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "micro-batches in flight), as JSON.")
     pol.add_argument("name", nargs="?", default="agoq-paper", help="preset: bf16, agoq-paper, int8, int4, int2")
     pol.add_argument("--in-flight", default=None, help="in-flight micro-batches per stage, e.g. 11,9,7,5")
-    pol.add_argument("--layers", type=_positive_int, default=None, help="number of decoder layers (with --in-flight)")
+    pol.add_argument("--layers", type=positive_int, default=None, help="number of decoder layers (with --in-flight)")
     pol.add_argument("--out", default=None, help="write to this file instead of standard output")
     pol.set_defaults(func=cmd_policy)
     return parser

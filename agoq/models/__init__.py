@@ -83,3 +83,18 @@ def build(spec: ModelSpec, *, dtype: torch.dtype | None = None,
 
 
 __all__ = ["PRESETS", "LlamaConfig", "LlamaForCausalLM", "resolve_config", "build", "ModelSpec"]
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A 16-hex-digit identity of a model's architecture: a SHA-256 over its parameters' names and shapes.
+
+    Dtype, device and weight values do not enter, so a bf16 model on the GPU and the fp32 one on the
+    CPU share a fingerprint; another layer count, width or vocabulary does not. Profiles, plans and
+    runs carry it so a plan made for one model is refused by another.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,51 @@
+"""Writing files so that a crash never leaves a half-written one in place of a good one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write text or bytes to `path` via a temporary file in the same folder and an atomic rename."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Atomically write `obj` as indented JSON (with a final newline)."""
+    return write_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def write_with(path: str | os.PathLike, writer: Callable[[str], None]) -> Path:
+    """Atomically produce `path` with `writer(tmp_path)`, for writers that want a file name
+    (pandas.to_parquet, torch.save)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        writer(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return target

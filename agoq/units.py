@@ -1,0 +1,30 @@
+"""Sizes as people write them ("30GiB", "512MB") and as agoq prints them."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from a size such as 30GiB, 1.5GB, 512MiB, 4096 (plain bytes); raises ValueError."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must be >= 0 bytes, got {text}")
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}: write a number with an optional unit, e.g. 30GiB, "
+                         "1.5GB, 512MiB or 4096 (bytes)")
+    return int(round(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in binary units: '512 B', '3.2 MiB', '14.6 GiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
