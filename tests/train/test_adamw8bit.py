@@ -8,8 +8,9 @@ import torch
 from agoq.train.adamw8bit import AdamW8bit, dequantize_blocks, quantize_blocks
 
 # documented tolerance: after 60 steps of a noisy least-squares problem, the distance travelled by the
-# parameters differs from exact AdamW's by under 5 % (relative L2); measured about 1-2 %
-TRAJECTORY_TOLERANCE = 0.05
+# parameters differs from exact AdamW's by under 7 % (relative L2); measured 4.6-4.8 % over seeds 0..4,
+# about what 3 mantissa bits (<= 3.1 % rounding error per value and step) on both moments give
+TRAJECTORY_TOLERANCE = 0.07
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
