@@ -535,13 +535,20 @@ def _nf4_lut(device: str, cells_per_unit: int) -> torch.Tensor:
 
 
 def quantize_triton(
-    flat: torch.Tensor, bits: int, block: int, fmt: str = "int", seed: int | None = None
+    flat: torch.Tensor, bits: int, block: int, fmt: str = "int", seed: int | None = None,
+    data_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a contiguous flat tensor: (packed uint8 codes, float32 scales); `seed` selects stochastic rounding."""
+    """Quantize a contiguous flat tensor: (packed uint8 codes, float32 scales); `seed` selects stochastic rounding.
+
+    `data_out` / `scales_out` (contiguous, e.g. views into a wire buffer) receive the result instead of
+    new tensors; they must hold at least the packed bytes and the blocks.
+    """
     n = flat.numel()
     nb, nbytes = num_blocks(n, block), packed_nbytes(n, bits)
-    data = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
-    scales = torch.empty(nb, dtype=torch.float32, device=flat.device)
+    data = torch.empty(nbytes, dtype=torch.uint8, device=flat.device) if data_out is None else data_out
+    scales = torch.empty(nb, dtype=torch.float32, device=flat.device) if scales_out is None else scales_out
+    if data.numel() < nbytes or scales.numel() < nb or not (data.is_contiguous() and scales.is_contiguous()):
+        raise ValueError(f"quantize_triton: outputs must be contiguous and hold {nbytes} bytes and {nb} scales")
     if n == 0:
         return data, scales
     bpp = _blocks_per_program(block)

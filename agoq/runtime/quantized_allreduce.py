@@ -4,13 +4,18 @@ A plain reduce-scatter of int8 values would add them on the wire and overflow, s
 taken in 8 bits:
   1. the tensor is block-quantized to int8 (one float32 scale per block), and its blocks are split
      into W contiguous shards of ceil(blocks / W) blocks each (the last ones may be short or empty);
-  2. all-to-all: rank j receives shard j, codes and scales, from every rank;
+  2. rank j receives shard j, codes and scales, from every rank (an all-to-all);
   3. rank j dequantizes the W copies of its shard, sums them in float32,
   4. and requantizes the sum with fresh scales;
-  5. all-gather: every rank receives every reduced shard,
+  5. every rank receives every reduced shard (an all-gather),
   6. and dequantizes them: all ranks end with bit-identical results.
 Each value is rounded twice (once locally, once after the sum) whatever the world size, so the error
 does not grow with W the way a ring of rounded partial sums would.
+
+Shards travel as rows of codes followed by scales (agoq/runtime/wire_rows.py), written and read by
+the kernels in place. Steps 2 and 5 are NCCL / gloo collectives, or, between the GPUs of one node
+under NCCL, direct writes into the peers' symmetric memory (agoq/runtime/symmetric_transport.py);
+AGOQ_ALLREDUCE_TRANSPORT=collectives forces the collectives.
 
 A block holding inf or NaN on any rank makes that block NaN on every rank after the reduction (the
 way AMP's overflow check expects to find it); `check_finite=True` raises instead, on every rank.
@@ -21,75 +26,94 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from agoq.runtime.qtensor import QTensor, int_qmax, num_blocks
-from agoq.runtime.quantize import dequantize, quantize
+from agoq.runtime.qtensor import num_blocks
+from agoq.runtime.symmetric_transport import Workspace
+from agoq.runtime.wire_rows import ZERO_CODE, dequantize_from, quantize_into, row_bytes, split_row, sum_rows
 
 DEFAULT_BLOCK = 256
 MIN_NUMEL = 1 << 16  # tensors with fewer values take the plain all-reduce: too small to gain
-_ZERO_CODE = int_qmax(8)  # the code of 0.0 in the symmetric 8-bit format
+_ZERO_CODE = ZERO_CODE
 
 
-def _all_gather_flat(out: torch.Tensor, mine: torch.Tensor, group) -> None:
+def _all_gather_rows(out: torch.Tensor, mine: torch.Tensor, group) -> None:
     if dist.get_backend(group) == "nccl":
-        dist.all_gather_into_tensor(out, mine, group=group)
+        dist.all_gather_into_tensor(out.view(-1), mine, group=group)
     else:
-        dist.all_gather(list(out.chunk(dist.get_world_size(group))), mine, group=group)
+        dist.all_gather(list(out.unbind(0)), mine, group=group)
 
 
-def sum_shards_reference(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """float32 sum over W of dequantized shards: codes [W, blocks * block] uint8, scales [W, blocks]."""
-    w, nb = scales.shape
-    values = (codes.reshape(w, nb, block).to(torch.float32) - _ZERO_CODE) * scales.reshape(w, nb, 1)
-    return values.sum(0).view(-1)
+def _layout(numel: int, block: int, world: int) -> tuple[int, int]:
+    """(blocks per shard, bytes per row)."""
+    per = -(-num_blocks(numel, block) // world)
+    return per, row_bytes(per, block)
 
 
-def sum_shards(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-    """`sum_shards_reference` through the Triton kernel on CUDA (rows may be strided views)."""
-    if not codes.is_cuda:
-        return sum_shards_reference(codes, scales, block)
-    from agoq.runtime.shard_sum_triton import sum_shards_triton
-
-    return sum_shards_triton(codes, scales, block, _ZERO_CODE)
-
-
-def _pack_rows(codes: torch.Tensor, scales: torch.Tensor, rows: int, per: int, block: int) -> torch.Tensor:
-    """One uint8 buffer [rows, per*block + 4*per]: each row holds one shard's codes, then its scales."""
+def _bounds(numel: int, per: int, block: int, world: int) -> list[tuple[int, int]]:
     width = per * block
-    buf = torch.empty(rows, width + 4 * per, dtype=torch.uint8, device=codes.device)
-    buf[:, :width].copy_(codes.view(rows, width))
-    buf[:, width:].copy_(scales.view(rows, per).contiguous().view(torch.uint8))
-    return buf
+    return [(min(numel, d * width), min(numel, (d + 1) * width)) for d in range(world)]
 
 
-def _split_rows(buf: torch.Tensor, per: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views (codes [rows, per*block], scales [rows, per] float32) into a buffer from `_pack_rows`."""
-    width = per * block
-    return buf[:, :width], buf[:, width:].view(torch.float32)
+def _reduce_flat(flat: torch.Tensor, group, block: int, divisor: int) -> torch.Tensor:
+    """Steps 1-6 on a contiguous flat float tensor, in place; returns the reduced scales (for checks)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    per, rb = _layout(flat.numel(), block, world)
+    bounds = _bounds(flat.numel(), per, block, world)
+    ws = Workspace.get(group, rb) if flat.is_cuda else None
+    if ws is not None:
+        p = ws.flip()
+        for d, (lo, hi) in enumerate(bounds):
+            quantize_into(flat[lo:hi], ws.inbox(d, p, rb)[rank], per, block)
+        ws.barrier()
+        total = sum_rows(ws.inbox(rank, p, rb), per, block)
+        mine = ws.outbox(rank, p, rb)[rank]
+        quantize_into(total, mine, per, block)
+        for d in range(world):
+            if d != rank:
+                ws.outbox(d, p, rb)[rank].copy_(mine)
+        ws.barrier()
+        gathered = ws.outbox(rank, p, rb)
+    else:
+        send = torch.empty(world, rb, dtype=torch.uint8, device=flat.device)
+        for d, (lo, hi) in enumerate(bounds):
+            quantize_into(flat[lo:hi], send[d], per, block)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        mine = torch.empty(rb, dtype=torch.uint8, device=flat.device)
+        quantize_into(sum_rows(recv, per, block), mine, per, block)
+        gathered = torch.empty_like(send)
+        _all_gather_rows(gathered, mine, group)
+    for s, (lo, hi) in enumerate(bounds):
+        dequantize_from(gathered[s], per, block, flat[lo:hi], divisor)
+    return split_row(gathered, per, block)[1]
 
 
 def all_reduce_codes(data: torch.Tensor, scales: torch.Tensor, numel: int, block: int, group=None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum 8-bit block-quantized tensors over `group`: steps 2-5 above on (codes, scales) of `numel` values.
+    """Sum 8-bit block-quantized tensors over `group`: steps 2-5 on (codes, scales) of `numel` values.
 
-    Each shard travels as one row of codes followed by its scales, so the reduction takes two
-    collectives. Returns the reduced (codes [numel] uint8, scales [blocks] float32), identical on
-    every rank.
+    For buffers that stay quantized (QuanGrad's gradient storage). Returns the reduced
+    (codes [numel] uint8, scales [blocks] float32), identical on every rank.
     """
     world = dist.get_world_size(group)
     nb = num_blocks(numel, block)
-    per = -(-nb // world)  # blocks per shard
-    codes = torch.full((world * per * block,), _ZERO_CODE, dtype=torch.uint8, device=data.device)
-    codes[:numel].copy_(data[:numel])
-    sc = torch.zeros(world * per, dtype=torch.float32, device=data.device)
-    sc[:nb].copy_(scales)
-    send = _pack_rows(codes, sc, world, per, block)
+    per, rb = _layout(numel, block, world)
+    width = per * block
+    send = torch.empty(world, rb, dtype=torch.uint8, device=data.device)
+    codes, sc = split_row(send, per, block)
+    for d in range(world):
+        lo, hi = min(numel, d * width), min(numel, (d + 1) * width)
+        codes[d, :hi - lo].copy_(data[lo:hi])
+        codes[d, hi - lo:].fill_(ZERO_CODE)
+        blo, bhi = min(nb, d * per), min(nb, (d + 1) * per)
+        sc[d, :bhi - blo].copy_(scales[blo:bhi])
+        sc[d, bhi - blo:].zero_()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    total = sum_shards(*_split_rows(recv, per, block), block)
-    mine = quantize(total, 8, block, check_finite=False)
+    mine = torch.empty(rb, dtype=torch.uint8, device=data.device)
+    quantize_into(sum_rows(recv, per, block), mine, per, block)
     gathered = torch.empty_like(send)
-    _all_gather_flat(gathered.view(-1), _pack_rows(mine.data, mine.scales, 1, per, block).view(-1), group)
-    out_codes, out_scales = _split_rows(gathered, per, block)
+    _all_gather_rows(gathered, mine, group)
+    out_codes, out_scales = split_row(gathered, per, block)
     return out_codes.reshape(-1)[:numel], out_scales.reshape(-1)[:nb]
 
 
@@ -111,20 +135,13 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, average: bool = Fa
         if average:
             tensor.div_(world) if tensor.is_floating_point() else tensor.floor_divide_(world)
         return tensor
-    flat = tensor.detach().reshape(-1)
-    q = quantize(flat, 8, block, check_finite=False)
-    codes, scales = all_reduce_codes(q.data, q.scales, flat.numel(), block, group)
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    flat = work.detach().view(-1)
+    scales = _reduce_flat(flat, group, block, world if average else 1)
+    if work is not tensor:
+        tensor.copy_(work)
     if check_finite and not bool(torch.isfinite(scales).all()):
         bad = int((~torch.isfinite(scales)).sum())
         raise FloatingPointError(f"quantized_all_reduce: the reduced tensor has {bad} block(s) of {block} values "
                                  "holding inf or NaN (some rank's input was not finite)")
-    if average:
-        scales = scales / world
-    reduced = QTensor(codes, scales, flat.shape, torch.float32, 8, block)
-    if tensor.is_cuda and tensor.is_contiguous():  # dequantize straight into the caller's tensor
-        from agoq.runtime.quant_triton import dequantize_triton
-
-        dequantize_triton(codes, scales, 8, block, flat.numel(), "int", tensor.dtype, out=tensor.view(-1))
-    else:
-        tensor.copy_(dequantize(reduced, torch.float32).view(tensor.shape))
     return tensor
