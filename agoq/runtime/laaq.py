@@ -9,6 +9,7 @@ so the `bf16` policy changes nothing. The change is undone by `remove_activation
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass
 
@@ -33,6 +34,20 @@ class QuantConfig:
     rounding: str = "nearest"
 
 
+_observers: list = []  # callbacks of `observe_kept_tensors`, innermost last
+
+
+@contextlib.contextmanager
+def observe_kept_tensors(callback):
+    """While inside, call `callback(kind, tensor, setting)` for every tensor a LAAQ layer is about to keep
+    for backward, before it is quantized (setting: bits, 16 or "recompute"). For measuring, not training."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
 class _Stash:
     """Collects tensors to save for backward, each kept raw or as a QTensor, and restores them."""
 
@@ -40,6 +55,9 @@ class _Stash:
         self.cfg, self.tensors, self.meta = cfg, [], []
 
     def add(self, t: torch.Tensor | None, setting, kind: str) -> None:
+        if t is not None:
+            for observe in _observers:
+                observe(kind, t, setting)
         if t is None or setting == RECOMPUTE:
             self.meta.append(None)
             return

@@ -1,0 +1,172 @@
+"""Time the collectives training uses, per message size, on the process group it will use.
+
+Paths, each timed where it applies:
+  all_reduce      nccl-fp32, nccl-bf16 (torch.distributed), quangrad8 (agoq.quantized_all_reduce)
+  reduce_scatter  nccl-fp32, nccl-bf16, sdp4bit (TLq-HS, agoq.runtime.sdp4bit.tlq_hs_reduce_scatter)
+  all_gather      nccl-fp32, nccl-bf16, sdp4bit (qWD, agoq.runtime.sdp4bit.qwd_all_gather)
+The "nccl-*" paths are torch.distributed's own collectives on whatever backend the group has (NCCL
+on GPUs, gloo on the CPU; the `backend` column says which). `message_bytes` is the fp32 gradient
+bytes the collective moves (the full tensor, not a shard); `seconds` is each rank's median over
+`iters` runs after a warm-up, ranks lined up before each run, then the slowest rank's median.
+
+`spawn_collectives(world_size)` starts that many local processes; `profile_collectives()` runs on an
+existing group (under torchrun), every rank calling it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+PATHS = ("nccl-fp32", "nccl-bf16", "quangrad8", "sdp4bit")
+GPU_SIZES = tuple(1 << s for s in range(20, 31, 2))  # 1 MiB, 4 MiB, ..., 1 GiB
+CPU_SIZES = (16 << 10, 256 << 10)
+
+
+def _median_across_ranks(fn, iters: int, device: torch.device, warmup: int = 2) -> float:
+    """Seconds of fn(): each rank's median over `iters` runs, then the largest over ranks."""
+    cuda = device.type == "cuda"
+    sync = torch.zeros(1, device=device)
+    times = []
+    for i in range(warmup + iters):
+        dist.all_reduce(sync)
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return float(med)
+
+
+def _cases(numel: int, world: int, rank: int, device: torch.device):
+    """(op, path, function) for every collective timed at one message size."""
+    from agoq.runtime.quantized_allreduce import quantized_all_reduce
+    from agoq.runtime.sdp4bit import qwd_all_gather, shard_bounds, tlq_hs_reduce_scatter
+
+    gen = torch.Generator(device=device).manual_seed(rank)
+    full32 = torch.randn(numel, generator=gen, device=device) * 1e-3
+    per = -(-numel // world)
+    cases = []
+    for path, dtype in (("nccl-fp32", torch.float32), ("nccl-bf16", torch.bfloat16)):
+        t = full32.to(dtype)
+        big = torch.zeros(per * world, dtype=dtype, device=device)
+        small = torch.zeros(per, dtype=dtype, device=device)
+        cases.append(("all_reduce", path, lambda t=t: dist.all_reduce(t)))
+        cases.append(("reduce_scatter", path, lambda b=big, s=small: dist.reduce_scatter_tensor(s, b)))
+        cases.append(("all_gather", path, lambda b=big, s=small: dist.all_gather_into_tensor(b, s)))
+    q = full32.clone()
+    cases.append(("all_reduce", "quangrad8", lambda: quantized_all_reduce(q)))
+    cases.append(("reduce_scatter", "sdp4bit", lambda: tlq_hs_reduce_scatter(full32, seed=0)))
+    start, end = shard_bounds(numel, world)[rank]
+    new_shard = full32[start:end] + 1e-4
+    cases.append(("all_gather", "sdp4bit", lambda: qwd_all_gather(new_shard, full32, seed=0)))
+    return cases
+
+
+def profile_collectives(sizes: list[int], iters: int = 5, progress: bool = False) -> tuple[list[dict], list[dict]]:
+    """Time every (op, path) at every message size (bytes of fp32) on the default process group.
+
+    Every rank must call it; returns (rows, failures), the same on every rank.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    rows, failures = [], []
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+        import sys
+
+        bar = tqdm(total=len(sizes) * 9, desc="collectives", unit="case", file=sys.stderr)
+    for size in sizes:
+        numel = max(size // 4, world * 128)
+        for op, path, fn in _cases(numel, world, rank, device):
+            ok = torch.ones(1, device=device)
+            try:
+                seconds = _median_across_ranks(fn, iters, device)
+            except Exception as e:  # noqa: BLE001 - an unsupported collective is recorded, the rest go on
+                failures.append({"what": f"collective {op} {path} {numel * 4} bytes",
+                                 "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]})
+                seconds = None
+                ok.zero_()
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if seconds is not None and bool(ok.item()):
+                rows.append({"op": op, "path": path, "world_size": world, "message_bytes": numel * 4,
+                             "seconds": seconds, "backend": backend})
+            if bar is not None:
+                bar.update(1)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if bar is not None:
+        bar.close()
+    return rows, failures
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank: int, world: int, port: int, out_dir: str, sizes: list[int], iters: int, use_cuda: bool) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch renames collectives across versions
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    result: dict
+    try:
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+        rows, failures = profile_collectives(sizes, iters, progress=True)
+        result = {"rows": rows, "failures": failures}
+    except BaseException:  # reported to the parent, whatever it was
+        result = {"error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        os._exit(0)  # leave without interpreter-exit destructors of communication threads
+
+
+def spawn_collectives(world_size: int, sizes: list[int] | None = None, iters: int | None = None,
+                      use_cuda: bool | None = None) -> tuple[list[dict], list[dict]]:
+    """Start `world_size` local processes (NCCL, one GPU each, or gloo on the CPU) and time the
+    collectives; returns (rows, failures)."""
+    import torch.multiprocessing as mp
+
+    if use_cuda is None:
+        use_cuda = torch.cuda.is_available()
+    if use_cuda and torch.cuda.device_count() < world_size:
+        raise ValueError(f"--world-size {world_size} needs {world_size} GPUs, this machine has "
+                         f"{torch.cuda.device_count()}")
+    sizes = list(sizes or (GPU_SIZES if use_cuda else CPU_SIZES))
+    iters = iters or (10 if use_cuda else 3)
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_spawned, args=(world_size, _free_port(), out_dir, sizes, iters, use_cuda),
+                           nprocs=world_size, join=True, start_method="spawn")
+        with open(os.path.join(out_dir, "0.json")) as f:
+            result = json.load(f)
+    if "error" in result:
+        raise RuntimeError(f"collective profiling failed on rank 0:\n{result['error']}")
+    return result["rows"], result["failures"]

@@ -1,0 +1,62 @@
+"""Time of the kernels an option adds to a step: quantize + dequantize, or the recompute in backward.
+
+Times are for the tensors of one layer's kind at the profiled shapes, on the profiled device (CUDA
+events on a GPU, a host clock on the CPU), median of `repeats` runs after a warm-up. All layers of
+a model share shapes, so each (kind, option) is timed once.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from agoq.profiler.options import Option
+from agoq.runtime.quantize import dequantize, quantize
+from agoq.runtime.rmsnorm import rms_norm
+from agoq.runtime.swiglu import swiglu
+
+
+def median_seconds(fn, device: torch.device, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall seconds of fn() on `device` (synchronised on CUDA)."""
+    cuda = device.type == "cuda"
+    times = []
+    for i in range(warmup + repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def quantize_times(shapes: list[tuple[int, ...]], option: Option, block: int, dtype: torch.dtype,
+                   device: torch.device, repeats: int = 5) -> tuple[float, float]:
+    """(quantize seconds, dequantize seconds) for all tensors of `shapes` under `option`."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    tensors = [torch.randn(s, generator=gen, device=device, dtype=torch.float32).to(dtype) for s in shapes]
+    qs = [quantize(t, option.bits, block, "nearest", option.format, check_finite=False) for t in tensors]
+    q_time = median_seconds(lambda: [quantize(t, option.bits, block, "nearest", option.format,
+                                              check_finite=False) for t in tensors], device, repeats)
+    d_time = median_seconds(lambda: [dequantize(q) for q in qs], device, repeats)
+    return q_time, d_time
+
+
+def recompute_time(kind: str, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+                   repeats: int = 5) -> float:
+    """Seconds to rebuild a recomputable kind in backward: the RMSNorm output (qkv_input, ffn1_input)
+    from its input, or SiLU(gate) * up (ffn2_input) from gate and up."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    if kind in ("qkv_input", "ffn1_input"):
+        x = torch.randn(shapes[0], generator=gen, device=device, dtype=torch.float32).to(dtype)
+        w = torch.ones(shapes[0][-1], device=device, dtype=dtype)
+        return median_seconds(lambda: rms_norm(x, w, 1e-5), device, repeats)
+    if kind == "ffn2_input":
+        gate = torch.randn(shapes[0], generator=gen, device=device, dtype=torch.float32).to(dtype)
+        up = torch.randn(shapes[0], generator=gen, device=device, dtype=torch.float32).to(dtype)
+        return median_seconds(lambda: swiglu(gate, up), device, repeats)
+    raise ValueError(f"{kind} cannot be recomputed")

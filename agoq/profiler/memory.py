@@ -1,0 +1,130 @@
+"""The memory model of a training step, and the measured peak of real steps to calibrate it.
+
+    peak = weights + gradients + optimizer state + activations kept for backward + fixed
+
+Weights and gradients are the parameters' bytes (gradients kept allocated between steps, as
+`zero_grad(set_to_none=False)` does); optimizer state is torch AdamW's two moments in the
+parameters' dtype; activations are the per-layer bytes of the profile (predict_layer_bytes, equal
+to the saved-tensor tracker's count) plus what the embedding, final norm, LM head and loss keep
+(measured by the tracker); `fixed` is everything else (logits' gradient, allocator workspace),
+calibrated as measured - predicted on the bf16 step and then used to predict the other policies.
+
+On a GPU the peak is torch.cuda.max_memory_allocated over one fwd + bwd + AdamW step after a warm-up
+step. On the CPU there is no allocator statistic, so measured peaks and `fixed` are left null
+(not measured) and only the activation bytes are measured (by the tracker).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from agoq.profiler.model_source import next_token_loss
+from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.runtime.laaq import apply_activation_policy, remove_activation_policy
+from agoq.runtime.policy import as_policy
+from agoq.runtime.qtensor import quantized_nbytes
+from agoq.runtime.saved_bytes import track_saved_tensors
+
+GRAD_BLOCK = 256  # QuanGrad's block: one float32 scale per 256 gradient values
+OPTIMIZER_BLOCK = 256  # block of the 8-bit AdamW moments
+
+
+def static_bytes(model: nn.Module) -> dict[str, int]:
+    """Weights, gradients (bf16 and 8-bit QuanGrad) and optimizer state (AdamW, 8-bit AdamW), in bytes."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in params)
+    return {
+        "weights_bytes": weights,
+        "gradients_bytes_bf16": grads,
+        "gradients_bytes_quangrad8": sum(quantized_nbytes(p.numel(), 8, GRAD_BLOCK) for p in params),
+        "optimizer_bytes_adamw": 2 * grads,
+        "optimizer_bytes_adamw8bit": sum(2 * quantized_nbytes(p.numel(), 8, OPTIMIZER_BLOCK) for p in params),
+    }
+
+
+def predicted_activation_bytes(shape: LayerShape, num_layers: int, policy, outside_bytes: int) -> int:
+    """Bytes kept for backward by the whole model under `policy`: every layer's prediction plus `outside_bytes`."""
+    policy = as_policy(policy)
+    total = outside_bytes
+    for i in range(num_layers):
+        settings = None if policy.keeps_everything(i) else policy.settings(i)
+        total += sum(predict_layer_bytes(shape, settings, policy.block).values())
+    return total
+
+
+def measure_step(model: nn.Module, ids: torch.Tensor, policy) -> dict:
+    """One real training step (fwd + bwd + AdamW) under `policy`: measured peak (GPU), step seconds,
+    and the activation bytes the tracker counted (total and outside the decoder layers)."""
+    device = ids.device
+    cuda = device.type == "cuda"
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.0)  # lr 0: the weights do not move between policies
+    apply_activation_policy(model, policy)
+    try:
+        with track_saved_tensors(model) as log:
+            loss = next_token_loss(model, ids)
+        loss.backward()
+        opt.step()  # warm-up: allocates gradients and optimizer state
+        del loss
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=False)
+        loss = next_token_loss(model, ids)
+        loss.backward()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    finally:
+        remove_activation_policy(model)
+        model.zero_grad(set_to_none=True)
+        del opt
+        if cuda:
+            torch.cuda.empty_cache()
+    return {"measured_peak_bytes": peak, "step_seconds": seconds,
+            "measured_activation_bytes": log.total(), "outside_bytes": sum(log.outside.values())}
+
+
+def memory_section(model: nn.Module, shape: LayerShape, num_layers: int, ids: torch.Tensor,
+                   policies=("bf16", "agoq-paper"), failures: list | None = None) -> dict:
+    """The profile.json "memory" section: static parts, calibrated fixed part, and predicted vs
+    measured peak for each policy (calibrated on the first)."""
+    section = static_bytes(model)
+    base = section["weights_bytes"] + section["gradients_bytes_bf16"] + section["optimizer_bytes_adamw"]
+    steps, fixed = [], None
+    for name in policies:
+        try:
+            m = measure_step(model, ids, name)
+        except Exception as e:  # noqa: BLE001 - an OOM on one policy is recorded, the profile goes on
+            if failures is not None:
+                failures.append({"what": f"memory step policy={name}", "error": f"{type(e).__name__}: {e}"[:500]})
+            steps.append({"policy": name, "measured_peak_bytes": None, "predicted_peak_bytes": None,
+                          "step_seconds": None})
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
+        activations = predicted_activation_bytes(shape, num_layers, name, m["outside_bytes"])
+        if fixed is None and m["measured_peak_bytes"] is not None:
+            fixed = m["measured_peak_bytes"] - base - activations
+        predicted = base + activations + (fixed or 0)
+        step = {"policy": name, "measured_peak_bytes": m["measured_peak_bytes"], "predicted_peak_bytes": predicted,
+                "step_seconds": m["step_seconds"], "predicted_activation_bytes": activations,
+                "measured_activation_bytes": m["measured_activation_bytes"]}
+        if m["measured_peak_bytes"]:
+            step["relative_error"] = (predicted - m["measured_peak_bytes"]) / m["measured_peak_bytes"]
+        steps.append(step)
+    section["fixed_bytes"] = fixed
+    section["steps"] = steps
+    if fixed is None:
+        section["notes"] = ["peak memory not measured on this device (no allocator statistics on the CPU): "
+                            "measured_peak_bytes and fixed_bytes are null; predicted_peak_bytes leaves fixed out"]
+    else:
+        section["notes"] = [f"fixed_bytes calibrated on the {policies[0]} step; the other steps are predictions"]
+    return section

@@ -1,0 +1,74 @@
+"""Quantization error of the tensors a model really keeps, per decoder layer, kind and option.
+
+One forward pass per batch runs with every kind routed through LAAQ's stash (the `int8` policy; the
+forward values do not depend on the policy), and `observe_kept_tensors` hands each tensor to us
+before it is quantized: exactly the tensors the runtime would store. Each is quantized and
+dequantized with every option; squared errors and squared norms are summed per (layer, kind, option)
+over all its tensors and batches, so the reported error is ||x' - x|| / ||x|| over the lot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from agoq.profiler.model_source import next_token_loss
+from agoq.profiler.options import Option
+from agoq.runtime.laaq import apply_activation_policy, observe_kept_tensors, remove_activation_policy
+from agoq.runtime.quantize import dequantize, quantize
+from agoq.runtime.saved_bytes import find_decoder_layers
+
+
+def relative_error(x: torch.Tensor, option: Option, block: int) -> tuple[float, float]:
+    """(sum of squared quantization errors, sum of squares) of x under `option`, in float64."""
+    q = quantize(x, option.bits, block, "nearest", option.format, check_finite=False)
+    xd = x.double()
+    err = (dequantize(q).double() - xd).pow(2).sum().item()
+    return err, xd.pow(2).sum().item()
+
+
+def sqnr_db(rel_error: float) -> float:
+    """Signal-to-quantization-noise ratio in dB from a relative L2 error (inf for 0)."""
+    return math.inf if rel_error == 0 else -20.0 * math.log10(rel_error)
+
+
+def measure_tensor_errors(model: nn.Module, batches: list[torch.Tensor], options: dict[str, list[Option]],
+                          block: int) -> dict[tuple[int, str, str, str], float]:
+    """Relative L2 error per (layer, kind, option, format) over `batches` (token ids [B, S+1]).
+
+    `options[kind]` lists the options to measure (non-quantized ones are skipped).
+    """
+    sums: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    layer_now: list[int] = []
+    handles = []
+
+    def leave(module, args, output) -> None:
+        layer_now.pop()
+
+    for index, layer in enumerate(find_decoder_layers(model)):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=index: layer_now.append(i)))
+        handles.append(layer.register_forward_hook(leave))
+
+    def observe(kind: str, t: torch.Tensor, setting) -> None:
+        if not layer_now:
+            return
+        for option in options.get(kind, []):
+            if option.quantized:
+                err, norm = relative_error(t.detach(), option, block)
+                acc = sums[(layer_now[-1], kind, option.option, option.format)]
+                acc[0] += err
+                acc[1] += norm
+
+    apply_activation_policy(model, "int8")
+    try:
+        with observe_kept_tensors(observe), torch.enable_grad():
+            for ids in batches:
+                next_token_loss(model, ids)  # forward only: the graph is dropped
+    finally:
+        remove_activation_policy(model)
+        for h in handles:
+            h.remove()
+    return {key: (e / n) ** 0.5 if n > 0 else 0.0 for key, (e, n) in sums.items()}
