@@ -1,0 +1,310 @@
+"""Cost models: memory (bytes), step time (seconds) and gradient error of a per-layer choice, from a Profile.
+
+A `ChoiceProblem` lists, for every (layer, kind), its options with their memory, time and error, plus a
+whole-layer `checkpoint` option per layer. Exactly one option is picked per (layer, kind), unless the
+layer is checkpointed, in which case none is (the layer then keeps only its input).
+
+  memory of stage s = in_flight[s] x (bytes the stage's layers keep per micro-batch)
+                      + the stage's share of weights, gradients (by gradient mode) and optimizer state
+                      + the profile's fixed bytes
+  step time         = grad_accum x (bf16 step + extra seconds of the chosen options) + communication
+  error             = sum of the chosen options' measured sensitivities (0 for 16, recompute, checkpoint)
+
+Two per-layer corrections keep the memory model exact for agoq's runtime: a layer whose kinds are all 16
+runs unmodified and keeps what the plain model keeps (float32 norm statistics and all: `unmodified_extra`),
+and with attention and o_proj_input both at 16 the o_proj input is a view of attention's output, so it
+costs nothing (`shared_credit`). Both are computed with the runtime's byte predictor from the profile's
+model config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+
+from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.runtime.policy import KEEP, KINDS, RECOMPUTE
+from agoq.search.profile_data import ProfileData
+
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
+COMM_PATHS = {"bf16": "nccl-bf16", "quangrad8": "quangrad8", "sdp4bit": "sdp4bit"}
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Settings outside the per-layer choice: what the Optuna study varies (defaults: the profile's)."""
+
+    block: Optional[int] = None           # values per quantization scale (None: the profile's block)
+    format: str = "int"                   # "int" or "nf4" (4-bit options use the codebook)
+    floor_bits: tuple = ()                # ((kind, bits), ...): no quantized option below these bits
+    micro_batch: Optional[int] = None     # sequences per micro-batch (None: the profile's)
+    grad_accum: int = 1                   # micro-batches per optimizer step
+    gradient_mode: str = "bf16"           # bf16, quangrad8 or sdp4bit
+    schedule: str = "1f1b"                # pipeline schedule whose in-flight counts apply
+    layer_stage: Optional[tuple] = None   # pipeline stage per layer (None: the profile's split)
+    allow_checkpoint: bool = True         # offer whole-layer checkpointing
+
+    def floors(self) -> dict[str, int]:
+        return dict(self.floor_bits)
+
+
+@dataclass
+class ChoiceProblem:
+    """Arrays describing every option (index i) and layer (index l); sizes in bytes, times in seconds."""
+
+    layer: np.ndarray          # [n] layer of option i
+    kind: np.ndarray           # [n] kind index (into KINDS) of option i
+    option: list               # [n] "16", "8", ..., "recompute"
+    memory: np.ndarray         # [n] bytes option i adds to its stage's peak (already x in-flight)
+    seconds: np.ndarray        # [n] seconds option i adds per step
+    error: np.ndarray          # [n] gradient error option i adds
+    layer_stage: np.ndarray    # [L] stage of each layer
+    checkpoint_memory: np.ndarray   # [L] bytes a checkpointed layer adds (its input x in-flight)
+    checkpoint_seconds: np.ndarray  # [L] seconds a checkpointed layer adds (its forward, again)
+    allow_checkpoint: bool
+    unmodified_extra: np.ndarray    # [L] bytes added when every kind of the layer is 16
+    shared_credit: np.ndarray       # [L] bytes saved when attention and o_proj_input are both 16
+    static_bytes: np.ndarray        # [S] weights + gradients + optimizer + fixed, per stage
+    base_seconds: float             # step time before the options' extras (bf16 step x accum + comm)
+    seconds_scale: float = 1.0      # each option's seconds are already multiplied by grad_accum
+    notes: list = field(default_factory=list)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_stage)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.static_bytes)
+
+    def groups(self) -> dict[tuple[int, int], np.ndarray]:
+        """(layer, kind index) -> indices of its options."""
+        out: dict[tuple[int, int], list[int]] = {}
+        for i, (l, k) in enumerate(zip(self.layer, self.kind)):
+            out.setdefault((int(l), int(k)), []).append(i)
+        return {g: np.array(v) for g, v in out.items()}
+
+    def sixteen(self) -> np.ndarray:
+        """Boolean mask of the '16' options."""
+        return np.array([o == "16" for o in self.option])
+
+    def evaluate(self, chosen: np.ndarray, checkpoint: np.ndarray) -> dict:
+        """Memory per stage, step seconds and error of a choice.
+
+        `chosen`: option indices (one per (layer, kind) of non-checkpointed layers); `checkpoint`: bool [L].
+        """
+        chosen = np.asarray(chosen, dtype=int)
+        ckpt = np.asarray(checkpoint, dtype=bool)
+        mem = self.static_bytes.astype(float).copy()
+        np.add.at(mem, self.layer_stage[self.layer[chosen]], self.memory[chosen])
+        np.add.at(mem, self.layer_stage[ckpt], self.checkpoint_memory[ckpt])
+        is16 = self.sixteen()
+        for l in range(self.num_layers):
+            if ckpt[l]:
+                continue
+            mine = chosen[self.layer[chosen] == l]
+            kinds16 = {int(self.kind[i]) for i in mine if is16[i]}
+            if len(kinds16) == len({int(self.kind[i]) for i in mine}):
+                mem[self.layer_stage[l]] += self.unmodified_extra[l]
+            if {KINDS.index("attention"), KINDS.index("o_proj_input")} <= kinds16:
+                mem[self.layer_stage[l]] -= self.shared_credit[l]
+        seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum())
+        return {"peak_bytes_per_stage": [int(round(m)) for m in mem], "step_seconds": seconds,
+                "grad_error": float(self.error[chosen].sum())}
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _layer_shape(profile: ProfileData, micro_batch: int) -> Optional[LayerShape]:
+    config = profile.model_config()
+    if not config:
+        return None
+    from agoq.models import resolve_config
+
+    try:
+        cfg = resolve_config(dict(config))
+    except (ValueError, TypeError):
+        return None
+    elem = ELEM_BYTES.get(str(profile.settings.get("dtype", "bf16")), 2)
+    return LayerShape.from_config(cfg, micro_batch, int(profile.settings.get("seq_len", 1)), elem)
+
+
+def _kind_bytes(shape: LayerShape, kind: str, setting, block: int) -> int:
+    """Bytes of one kind under one setting inside a LAAQ layer (the others quantized, so nothing shares)."""
+    settings = {k: 8 for k in KINDS}
+    settings[kind] = setting
+    return predict_layer_bytes(shape, settings, block)[kind]
+
+
+def _collective_seconds(profile: ProfileData, mode: str, message_bytes: float) -> float:
+    """Seconds the gradient collective of `mode` takes for `message_bytes` fp32 bytes (log-log interpolation)."""
+    table = profile.collectives
+    if table is None or not len(table):
+        return 0.0
+    rows = table[table["path"] == COMM_PATHS[mode]]
+    if not len(rows):
+        return float("nan")
+    per_size = rows.groupby("message_bytes")["seconds"].sum().sort_index()
+    xs, ys = np.log(per_size.index.to_numpy(float)), np.log(np.maximum(per_size.to_numpy(float), 1e-12))
+    x = math.log(max(message_bytes, 1.0))
+    if len(xs) == 1:
+        return float(per_size.iloc[0] * message_bytes / per_size.index[0])
+    if x <= xs[0]:
+        slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+    elif x >= xs[-1]:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    else:
+        return float(math.exp(np.interp(x, xs, ys)))
+    anchor = 0 if x <= xs[0] else -1
+    return float(math.exp(ys[anchor] + slope * (x - xs[anchor])))
+
+
+def gradient_modes(profile: ProfileData) -> list[str]:
+    """Gradient modes the profile has the figures for (bf16 always; sdp4bit needs several ranks)."""
+    mem = profile.memory
+    modes = ["bf16"]
+    if mem.get("gradients_bytes_quangrad8") is not None:
+        modes.append("quangrad8")
+    if int(profile.settings.get("world_size", 1) or 1) > 1:
+        modes.append("sdp4bit")
+    return modes
+
+
+def static_bytes_total(profile: ProfileData, mode: str) -> float:
+    """Weights + gradients + optimizer state of the whole model under a gradient mode, in bytes."""
+    mem = profile.memory
+    weights = float(mem.get("weights_bytes") or profile.header["model"].get("weight_bytes") or 0)
+    grads_bf16 = float(mem.get("gradients_bytes_bf16") or weights)
+    optimizer = float(mem.get("optimizer_bytes_adamw") or 0)
+    world = int(profile.settings.get("world_size", 1) or 1)
+    if mode == "bf16":
+        return weights + grads_bf16 + optimizer
+    if mode == "quangrad8":
+        return weights + float(mem.get("gradients_bytes_quangrad8") or grads_bf16) + optimizer
+    if mode == "sdp4bit":  # sharded data parallelism: gradient and optimizer shards of 1/world each
+        return weights + (grads_bf16 + optimizer) / world
+    raise ValueError(f"gradient mode must be one of {', '.join(GRADIENT_MODES)}, got {mode!r}")
+
+
+def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem:
+    """The ChoiceProblem of a profile under `knobs` (see the module docstring for the cost models)."""
+    notes: list[str] = []
+    L = profile.num_layers
+    mb0 = int(profile.settings.get("micro_batch", 1) or 1)
+    mb = knobs.micro_batch or mb0
+    block0 = int(profile.settings.get("block", 128) or 128)
+    block = knobs.block or block0
+    shape0, shape = _layer_shape(profile, mb0), _layer_shape(profile, mb)
+    if shape0 is None and (mb != mb0 or block != block0):
+        raise ValueError("the profile has no model config: micro-batch and block size cannot differ from the "
+                         "profiled ones")
+    stages = np.array(knobs.layer_stage if knobs.layer_stage is not None else profile.layer_stage(), dtype=int)
+    S = int(stages.max()) + 1
+    in_flight = profile.in_flight(knobs.schedule)
+    if len(in_flight) < S:
+        raise ValueError(f"the profile has in-flight counts for {len(in_flight)} stage(s), the plan uses {S}")
+    if knobs.gradient_mode not in gradient_modes(profile):
+        raise ValueError(f"gradient mode {knobs.gradient_mode!r} needs figures the profile lacks "
+                         f"(available: {', '.join(gradient_modes(profile))})")
+    floors = knobs.floors()
+    table = profile.table
+    fmt_ok = table["format"].isin(["bf16", "recompute", "int"] + (["nf4"] if knobs.format == "nf4" else []))
+    if knobs.format == "nf4":  # the codebook replaces the int 4-bit row where the profile measured one
+        has_nf4 = set(map(tuple, table.loc[table["format"] == "nf4", ["layer", "kind"]].to_numpy().tolist()))
+        fmt_ok &= ~((table["format"] == "int") & (table["bits"] == 4)
+                    & [(int(a), b) in has_nf4 for a, b in zip(table["layer"], table["kind"])])
+    rows = table[fmt_ok]
+    rows = rows[[(o in ("16", "recompute")) or int(o) >= floors.get(k, 0) for o, k in zip(rows["option"], rows["kind"])]]
+    rows = rows.drop_duplicates(["layer", "kind", "option"]).sort_values(["layer", "kind", "option"])
+
+    cache: dict = {}
+
+    def scale(kind: str, option: str) -> float:
+        if shape0 is None or (mb == mb0 and block == block0):
+            return 1.0
+        key = (kind, option)
+        if key not in cache:
+            setting = RECOMPUTE if option == "recompute" else int(option)
+            before = _kind_bytes(shape0, kind, setting, block0)
+            cache[key] = _kind_bytes(shape, kind, setting, block) / before if before else 0.0
+        return cache[key]
+
+    layer = rows["layer"].to_numpy(int)
+    kind = np.array([KINDS.index(k) for k in rows["kind"]])
+    option = [str(o) for o in rows["option"]]
+    per_mb = np.array([b * scale(k, o) for b, k, o in zip(rows["bytes"], rows["kind"], option)], dtype=float)
+    flight = np.array([in_flight[s] for s in stages], dtype=float)
+    memory = per_mb * flight[layer]
+    accum = int(knobs.grad_accum)
+    time_scale = accum * mb / mb0
+    seconds = rows["extra_seconds"].to_numpy(float) * time_scale
+    error = rows["sensitivity"].to_numpy(float)
+
+    unmodified = np.zeros(L)
+    credit = np.zeros(L)
+    if shape is not None:
+        plain = sum(predict_layer_bytes(shape, None, block).values())
+        for l in range(L):
+            sel = rows[(rows["layer"] == l) & (rows["option"] == "16")]
+            by_kind = {k: b * scale(k, "16") for k, b in zip(sel["kind"], sel["bytes"])}
+            credit[l] = by_kind.get("o_proj_input", 0.0) * flight[l]
+            if len(by_kind) == len(KINDS):
+                unmodified[l] = max(0.0, plain - (sum(by_kind.values()) - by_kind.get("o_proj_input", 0.0))) * flight[l]
+    else:
+        notes.append("no model config in the profile: layers left all at 16 bits are costed as the sum of their kinds")
+
+    hidden = shape.hidden if shape is not None else None
+    elem = ELEM_BYTES.get(str(profile.settings.get("dtype", "bf16")), 2)
+    if hidden is None:
+        config = profile.model_config() or {}
+        hidden = config.get("hidden_size")
+    tokens = mb * int(profile.settings.get("seq_len", 1))
+    checkpoint_memory = np.array([tokens * hidden * elem * flight[l] for l in range(L)], dtype=float) \
+        if hidden else np.zeros(L)
+    forward = (profile.header.get("timing") or {}).get("layer_forward_seconds")
+    bf16_step = profile.bf16_step_seconds()
+    allow_ckpt = knobs.allow_checkpoint and bool(hidden)
+    if forward is not None and len(forward) == L:
+        checkpoint_seconds = np.array(forward, dtype=float) * time_scale
+    elif bf16_step is not None:
+        checkpoint_seconds = np.full(L, bf16_step / (3.0 * L)) * time_scale
+        notes.append("layer forward time estimated as a third of the bf16 step per layer (the profile has no "
+                     "timing.layer_forward_seconds)")
+    else:
+        checkpoint_seconds = np.zeros(L)
+        if allow_ckpt:
+            notes.append("no layer forward time and no bf16 step time in the profile: whole-layer checkpointing "
+                         "is not offered")
+        allow_ckpt = False
+    if not hidden and knobs.allow_checkpoint:
+        notes.append("no hidden size in the profile: whole-layer checkpointing is not offered")
+
+    share = np.bincount(stages, minlength=S) / L
+    static = static_bytes_total(profile, knobs.gradient_mode) * share
+    fixed = float(profile.memory.get("fixed_bytes") or 0) * (mb / mb0)
+    static = static + fixed
+    base = 0.0
+    if bf16_step is not None:
+        base = bf16_step * time_scale
+    else:
+        notes.append("no bf16 step time in the profile: predicted step times count only the options' extras")
+    params = float(profile.header["model"].get("parameters") or 0)
+    comm = _collective_seconds(profile, knobs.gradient_mode, params * 4) if params else 0.0
+    if math.isnan(comm):
+        notes.append(f"no collective timing for gradient mode {knobs.gradient_mode}: communication not counted")
+        comm = 0.0
+    return ChoiceProblem(layer, kind, option, memory, seconds, error, stages, checkpoint_memory, checkpoint_seconds,
+                         allow_ckpt, unmodified, credit, static, base + comm, time_scale, notes)
+
+
+def with_knobs(knobs: Knobs, **changes) -> Knobs:
+    """A copy of `knobs` with some fields changed."""
+    return replace(knobs, **changes)
+
+
+__all__ = ["Knobs", "ChoiceProblem", "build_problem", "gradient_modes", "static_bytes_total", "with_knobs", "KEEP"]

@@ -1,0 +1,239 @@
+"""The exact per-layer choice: a mixed-integer program solved with scipy.optimize.milp (HiGHS).
+
+Variables: x_i (option i chosen), c_l (layer l checkpointed), u_l (layer l all at 16 bits, so it runs
+unmodified), w_l (attention and o_proj_input both at 16, so o_proj's input is shared). Constraints:
+
+  for each (layer l, kind k):   sum_{i in (l,k)} x_i + c_l = 1
+  u_l >= sum_k x_{l,k,16} - (K - 1)          (costs memory, so the solver keeps it at its lower bound)
+  w_l <= x_{l,attention,16},  w_l <= x_{l,o_proj,16}      (saves memory, so it is pushed up to them)
+  for each stage s:   sum memory + static_s <= budget_s
+  optionally:         step seconds <= time cap
+
+Objective: gradient error (ties broken by time) or step time (ties broken by error).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from agoq.runtime.policy import KINDS
+from agoq.search.costs import ChoiceProblem
+from agoq.units import format_bytes
+
+OBJECTIVES = ("error", "time")
+TIE_BREAK = 1e-6
+GAP = 1e-7  # relative MIP gap: optimal for all practical purposes
+
+
+class InfeasibleBudget(ValueError):
+    """No choice fits the budget; `smallest_budget` (bytes) is the least per-stage budget that does."""
+
+    def __init__(self, message: str, smallest_budget: Optional[int]):
+        super().__init__(message)
+        self.smallest_budget = smallest_budget
+
+
+@dataclass
+class Allocation:
+    """A solved choice: the option index chosen per (layer, kind), checkpointed layers, and its costs."""
+
+    chosen: np.ndarray        # option indices
+    checkpoint: np.ndarray    # bool per layer
+    peak_bytes_per_stage: list
+    step_seconds: float
+    grad_error: float
+
+    def settings(self, problem: ChoiceProblem) -> list[dict]:
+        """Per layer: {'checkpoint': bool, 'kinds': {kind: setting}} in Plan form."""
+        out = [{"checkpoint": bool(c), "kinds": {k: 16 for k in KINDS}} for c in self.checkpoint]
+        for i in self.chosen:
+            l, kind, opt = int(problem.layer[i]), KINDS[int(problem.kind[i])], problem.option[i]
+            out[l]["kinds"][kind] = opt if opt == "recompute" else int(opt)
+        return out
+
+
+class _Model:
+    """The MILP's matrices for one problem; budgets and objective are filled in per solve."""
+
+    def __init__(self, p: ChoiceProblem):
+        n, L, S = len(p.option), p.num_layers, p.num_stages
+        self.p, self.n, self.L, self.S = p, n, L, S
+        self.nv = n + 3 * L   # x, c, u, w
+        self.c0, self.u0, self.w0 = n, n + L, n + 2 * L
+        rows, cols, vals, lo, hi = [], [], [], [], []
+        r = 0
+        groups = p.groups()
+        self.groups = groups
+        for (l, _k), idx in groups.items():
+            rows += [r] * (len(idx) + 1)
+            cols += list(idx) + [self.c0 + l]
+            vals += [1.0] * (len(idx) + 1)
+            lo.append(1.0)
+            hi.append(1.0)
+            r += 1
+        is16 = p.sixteen()
+        att, oproj = KINDS.index("attention"), KINDS.index("o_proj_input")
+        kinds_per_layer = np.zeros(L, dtype=int)
+        for (l, _k) in groups:
+            kinds_per_layer[l] += 1
+        sixteen_by_layer: dict[int, list[int]] = {}
+        for i in np.nonzero(is16)[0]:
+            sixteen_by_layer.setdefault(int(p.layer[i]), []).append(int(i))
+        for l in range(L):
+            s16 = sixteen_by_layer.get(l, [])
+            if p.unmodified_extra[l] > 0 and len(s16) == kinds_per_layer[l]:
+                rows += [r] * (len(s16) + 1)
+                cols += s16 + [self.u0 + l]
+                vals += [1.0] * len(s16) + [-1.0]
+                lo.append(-np.inf)
+                hi.append(kinds_per_layer[l] - 1.0)
+                r += 1
+            if p.shared_credit[l] > 0:
+                for i in s16:
+                    if p.kind[i] in (att, oproj):
+                        rows += [r, r]
+                        cols += [self.w0 + l, i]
+                        vals += [1.0, -1.0]
+                        lo.append(-np.inf)
+                        hi.append(0.0)
+                        r += 1
+        self.structure = LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(r, self.nv)).tocsr(), lo, hi)
+        # which credit variables may be non-zero: only where both 16 options exist
+        w_possible = np.zeros(L, dtype=bool)
+        for l in range(L):
+            kinds16 = {int(p.kind[i]) for i in sixteen_by_layer.get(l, [])}
+            w_possible[l] = p.shared_credit[l] > 0 and {att, oproj} <= kinds16
+        upper = np.ones(self.nv)
+        upper[self.c0:self.c0 + L] = 1.0 if p.allow_checkpoint else 0.0
+        upper[self.w0:self.w0 + L] = w_possible.astype(float)
+        self.bounds = Bounds(np.zeros(self.nv), upper)
+        # per-stage memory rows and the time row
+        mem = np.zeros((S, self.nv))
+        stage_of_opt = p.layer_stage[p.layer]
+        np.add.at(mem, (stage_of_opt, np.arange(n)), p.memory)
+        mem[p.layer_stage, self.c0 + np.arange(L)] = p.checkpoint_memory
+        mem[p.layer_stage, self.u0 + np.arange(L)] = p.unmodified_extra
+        mem[p.layer_stage, self.w0 + np.arange(L)] = -p.shared_credit
+        self.memory_rows = mem
+        t = np.zeros(self.nv)
+        t[:n] = p.seconds
+        t[self.c0:self.c0 + L] = p.checkpoint_seconds
+        self.time_row = t
+        e = np.zeros(self.nv)
+        e[:n] = p.error
+        self.error_row = e
+
+    def solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
+              time_limit: Optional[float] = None):
+        """Lexicographic: the best primary objective (error or time), then, among choices within a hair of
+        it, the best secondary one (time or error), then the least memory."""
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+        p = self.p
+        constraints = [self.structure,
+                       LinearConstraint(self.memory_rows, -np.inf, np.asarray(budgets, float) - p.static_bytes)]
+        if time_cap is not None:
+            constraints.append(LinearConstraint(self.time_row[None, :], -np.inf, time_cap - p.base_seconds))
+        primary, secondary = (self.error_row, self.time_row) if objective == "error" else (self.time_row, self.error_row)
+        integrality = np.ones(self.nv)
+        options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
+        first = milp(primary, constraints=constraints, integrality=integrality, bounds=self.bounds, options=options)
+        if first.x is None:
+            return first
+        best = float(primary @ np.round(first.x))
+        slack = max(abs(best) * 1e-9, 1e-12)
+        mem_scale = max(float(np.abs(self.memory_rows).sum()), 1e-30)
+        sec_scale = max(float(np.abs(secondary).sum()), 1e-30)
+        c = secondary / sec_scale + TIE_BREAK * self.memory_rows.sum(0) / mem_scale
+        second = milp(c, constraints=constraints + [LinearConstraint(primary[None, :], -np.inf, best + slack)],
+                      integrality=integrality, bounds=self.bounds, options=options)
+        return second if second.x is not None else first
+
+    def allocation(self, x: np.ndarray) -> Allocation:
+        x = np.round(x).astype(int)
+        chosen = np.nonzero(x[:self.n])[0]
+        ckpt = x[self.c0:self.c0 + self.L].astype(bool)
+        figures = self.p.evaluate(chosen, ckpt)
+        return Allocation(chosen, ckpt, figures["peak_bytes_per_stage"], figures["step_seconds"],
+                          figures["grad_error"])
+
+
+class Solver:
+    """Solves one ChoiceProblem for many budgets (the matrices are built once)."""
+
+    def __init__(self, problem: ChoiceProblem):
+        self.problem = problem
+        self._model = _Model(problem)
+
+    def _budgets(self, budget) -> np.ndarray:
+        b = np.asarray(budget, dtype=float)
+        return np.full(self.problem.num_stages, float(b)) if b.ndim == 0 else b
+
+    def smallest_budget(self, time_cap: Optional[float] = None) -> Optional[int]:
+        """The least per-stage budget (bytes, same for every stage) that some choice fits; None when the
+        time cap alone cannot be met."""
+        m = self._model
+        S = self.problem.num_stages
+        # minimise t subject to memory_s <= t for every stage: append t as the last variable
+        nv = m.nv + 1
+        mem = np.hstack([m.memory_rows, -np.ones((S, 1))])
+        structure = LinearConstraint(np.hstack([m.structure.A.toarray(), np.zeros((m.structure.A.shape[0], 1))]),
+                                     m.structure.lb, m.structure.ub)
+        cons = [structure, LinearConstraint(mem, -np.inf, -self.problem.static_bytes)]
+        if time_cap is not None:
+            cons.append(LinearConstraint(np.append(m.time_row, 0.0)[None, :], -np.inf, time_cap - self.problem.base_seconds))
+        c = np.zeros(nv)
+        c[-1] = 1.0
+        lb = np.append(m.bounds.lb, 0.0)
+        ub = np.append(m.bounds.ub, np.inf)
+        integrality = np.append(np.ones(m.nv), 0)
+        res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub), options={"mip_rel_gap": GAP})
+        if res.x is None:
+            return None
+        alloc = m.allocation(res.x[:-1])
+        return int(max(alloc.peak_bytes_per_stage))
+
+    def solve(self, budget, objective: str = "error", time_cap: Optional[float] = None,
+              time_limit: Optional[float] = None) -> Allocation:
+        """The best choice under `budget` bytes per stage (a number, or one per stage).
+
+        Raises InfeasibleBudget, whose message gives the smallest feasible budget.
+        """
+        budgets = self._budgets(budget)
+        res = self._model.solve(budgets, objective, time_cap, time_limit)
+        if res.x is None:
+            raise self._infeasible(budgets, time_cap, res.message)
+        return self._model.allocation(res.x)
+
+    def _infeasible(self, budgets: np.ndarray, time_cap: Optional[float], why: str) -> InfeasibleBudget:
+        smallest = self.smallest_budget(time_cap)
+        asked = ", ".join(format_bytes(b) for b in budgets)
+        if smallest is None:
+            fastest = self.smallest_time()
+            return InfeasibleBudget(f"no choice meets the time cap of {time_cap:.4f} s per step at any memory budget; "
+                                    f"the fastest choice takes {fastest:.4f} s: raise --time-cap", None)
+        cap = f" within the time cap of {time_cap:.4f} s" if time_cap is not None else ""
+        return InfeasibleBudget(
+            f"no choice fits a budget of {asked} per stage{cap}: the smallest feasible budget is "
+            f"{format_bytes(smallest)} ({smallest} bytes); give --budget {int(np.ceil(smallest / 2**20))}MiB or more "
+            f"(solver: {why})", smallest)
+
+    def smallest_time(self) -> float:
+        """Seconds per step of the fastest choice, memory aside."""
+        alloc = self.solve(np.full(self.problem.num_stages, np.inf), objective="time")
+        return alloc.step_seconds
+
+
+def solve(problem: ChoiceProblem, budget, objective: str = "error", time_cap: Optional[float] = None) -> Allocation:
+    """Solve one problem at one budget (bytes per stage); see `Solver.solve`."""
+    return Solver(problem).solve(budget, objective, time_cap)
+
+
+def budgets_between(low: float, high: float, count: int) -> Sequence[float]:
+    """`count` budgets spread evenly from `low` to `high` bytes (both included)."""
+    return list(np.linspace(low, high, count)) if count > 1 else [high]

@@ -1,0 +1,167 @@
+"""Reading a Profile folder (docs/formats.md: profile.json, profile.parquet, collectives.parquet).
+
+Only the documented files are read, with pandas; nothing of the profiler's code is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+
+from agoq.runtime.policy import KINDS, RECOMPUTABLE
+
+PROFILE_SCHEMA_KIND = "agoq.profile"
+PROFILE_SCHEMA_MAJOR = 1
+REQUIRED_COLUMNS = ("layer", "kind", "option", "bits", "format", "bytes", "sensitivity", "extra_seconds")
+
+
+@dataclass
+class ProfileData:
+    """A profile as the search uses it: the JSON header, the per-(layer, kind, option) table, collectives."""
+
+    path: Path
+    header: dict[str, Any]
+    table: pd.DataFrame
+    collectives: Optional[pd.DataFrame] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers profiled."""
+        return int(self.header["model"]["num_layers"])
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.header.get("settings", {})
+
+    @property
+    def memory(self) -> dict[str, Any]:
+        return self.header.get("memory", {})
+
+    @property
+    def fingerprint(self) -> str:
+        return self.header["model"]["fingerprint"]
+
+    @property
+    def model_name(self) -> str:
+        m = self.header["model"]
+        return str(m.get("name") or m.get("spec") or "model")
+
+    @property
+    def pipeline(self) -> dict[str, Any]:
+        return self.header.get("pipeline") or {}
+
+    def layer_stage(self) -> list[int]:
+        """Pipeline stage of each layer (all 0 without a pipeline)."""
+        stages = self.pipeline.get("layer_stage")
+        return [int(s) for s in stages] if stages else [0] * self.num_layers
+
+    def num_stages(self) -> int:
+        return int(self.pipeline.get("stages") or 1)
+
+    def in_flight(self, schedule: str = "1f1b") -> list[int]:
+        """Micro-batches each stage holds at its peak under `schedule` (1 per stage when not profiled)."""
+        table = self.pipeline.get("in_flight") or {}
+        counts = table.get(schedule)
+        if counts is None:
+            if table:
+                raise ValueError(f"{self.path}: the profile has in-flight counts for schedule(s) {sorted(table)}, "
+                                 f"not {schedule!r}")
+            return [1] * self.num_stages()
+        return [int(c) for c in counts]
+
+    def bf16_step_seconds(self) -> Optional[float]:
+        """Measured step time of the plain bf16 model, if the profile has one."""
+        for step in self.memory.get("steps", []) or []:
+            if step.get("policy") == "bf16" and step.get("step_seconds") is not None:
+                return float(step["step_seconds"])
+        return None
+
+    def model_config(self) -> Optional[dict]:
+        return self.header["model"].get("config")
+
+
+def _schema_check(header: dict, where: Path) -> None:
+    schema = header.get("schema")
+    if not isinstance(schema, str):
+        raise ValueError(f"{where}: schema: missing (expected '{PROFILE_SCHEMA_KIND}/{PROFILE_SCHEMA_MAJOR}')")
+    m = re.fullmatch(r"([a-z_.]+)/(\d+)(?:\.\d+)*", schema)
+    if not m or m.group(1) != PROFILE_SCHEMA_KIND:
+        raise ValueError(f"{where}: schema: {schema!r} is not a profile schema "
+                         f"(expected '{PROFILE_SCHEMA_KIND}/{PROFILE_SCHEMA_MAJOR}')")
+    if int(m.group(2)) > PROFILE_SCHEMA_MAJOR:
+        raise ValueError(f"{where}: schema: {schema!r} is newer than this agoq reads: upgrade agoq")
+
+
+def _check_table(table: pd.DataFrame, num_layers: int, where: Path) -> pd.DataFrame:
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.columns]
+    if missing:
+        raise ValueError(f"{where}: missing column(s) {missing}")
+    table = table.copy()
+    table["option"] = table["option"].astype(str)
+    table["kind"] = table["kind"].astype(str)
+    bad_kinds = sorted(set(table["kind"]) - set(KINDS))
+    if bad_kinds:
+        raise ValueError(f"{where}: kind: unknown kind(s) {bad_kinds}; the kinds are {', '.join(KINDS)}")
+    layers = set(int(v) for v in table["layer"])
+    if layers != set(range(num_layers)):
+        raise ValueError(f"{where}: layer: rows cover layers {sorted(layers)[:8]}..., expected 0..{num_layers - 1} "
+                         "(profile.json model.num_layers)")
+    for col in ("bytes", "sensitivity", "extra_seconds"):
+        values = pd.to_numeric(table[col], errors="coerce")
+        if values.isna().any() or (values < 0).any() or not values.map(math.isfinite).all():
+            rows = table.loc[values.isna() | (values < 0)].head(3)
+            raise ValueError(f"{where}: {col}: must be finite and >= 0; e.g. rows\n{rows}")
+        table[col] = values.astype(float)
+    table["bytes"] = table["bytes"].astype("int64")
+    rec = table["option"] == "recompute"
+    bad = table.loc[rec & ~table["kind"].isin(list(RECOMPUTABLE))]
+    if len(bad):
+        raise ValueError(f"{where}: option: 'recompute' given for kind(s) {sorted(set(bad['kind']))}, which cannot "
+                         "be recomputed")
+    sixteen = table[table["option"] == "16"].groupby(["layer", "kind"]).size()
+    if len(sixteen) != num_layers * len(set(table["kind"])):
+        raise ValueError(f"{where}: option: every (layer, kind) needs a '16' row (the tensor kept as is)")
+    return table
+
+
+def load_profile(path: str | Path) -> ProfileData:
+    """Read and check a Profile folder; raises FileNotFoundError / ValueError saying what is wrong."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"profile folder not found: {folder} (make one with `agoq profile MODEL --out DIR`)")
+    header_path, table_path = folder / "profile.json", folder / "profile.parquet"
+    for p in (header_path, table_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"{p} not found: {folder} is not a complete profile folder")
+    try:
+        header = json.loads(header_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{header_path}: not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{header_path}: must hold a JSON object")
+    _schema_check(header, header_path)
+    model = header.get("model") or {}
+    for key in ("fingerprint", "num_layers"):
+        if key not in model:
+            raise ValueError(f"{header_path}: model.{key}: missing")
+    try:
+        table = pd.read_parquet(table_path)
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise ValueError(f"{table_path}: cannot read: {e}") from None
+    table = _check_table(table, int(model["num_layers"]), table_path)
+    collectives = None
+    coll_path = folder / "collectives.parquet"
+    if coll_path.is_file():
+        collectives = pd.read_parquet(coll_path)
+    data = ProfileData(folder, header, table, collectives)
+    stages = data.layer_stage()
+    if len(stages) != data.num_layers:
+        raise ValueError(f"{header_path}: pipeline.layer_stage: {len(stages)} entries for {data.num_layers} layers")
+    return data

@@ -1,0 +1,96 @@
+"""Write a Profile folder in the documented format (docs/formats.md) with bytes from the runtime's byte
+predictor and random sensitivities and times, for testing the search without running the profiler."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pandas as pd
+
+from agoq.models import build, fingerprint
+from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.runtime.policy import KINDS, RECOMPUTABLE, split_layers
+
+BITS = (8, 6, 5, 4, 3, 2)
+
+
+def kind_bytes(shape: LayerShape, kind: str, setting, block: int) -> int:
+    settings = {k: 8 for k in KINDS}
+    settings[kind] = setting
+    return predict_layer_bytes(shape, settings, block)[kind]
+
+
+def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_layers: int | None = None,
+                  micro_batch: int = 2, seq_len: int = 48, block: int = 128, stages: int = 1,
+                  in_flight: list[int] | None = None, world_size: int = 1, collectives: bool = False,
+                  bits=BITS, step_seconds: float | None = 0.05, layer_forward: bool = False) -> Path:
+    """A profile of `model` at micro-batch x seq_len tokens; returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    m = build(model, device="meta", num_layers=num_layers)
+    cfg = m.config
+    L = cfg.num_hidden_layers
+    shape = LayerShape.from_config(cfg, micro_batch, seq_len, 2)
+    rows = []
+    for layer in range(L):
+        for kind in KINDS:
+            base_err = rng.uniform(0.001, 0.2) * (3.0 if kind == "attention" else 1.0)
+            options = [("16", 16, "bf16")] + [(str(b), b, "int") for b in bits]
+            if kind in RECOMPUTABLE:
+                options.append(("recompute", 0, "recompute"))
+            for option, b, fmt in options:
+                setting = "recompute" if option == "recompute" else b
+                nbytes = kind_bytes(shape, kind, setting, block)
+                if option == "16":
+                    sens, extra = 0.0, 0.0
+                elif option == "recompute":
+                    sens, extra = 0.0, rng.uniform(1e-4, 1e-3)
+                else:
+                    sens = base_err * 2.0 ** (4 - b) * rng.uniform(0.8, 1.2)
+                    extra = rng.uniform(1e-5, 1e-4)
+                rows.append({"layer": layer, "kind": kind, "option": option, "bits": b, "format": fmt,
+                             "shape": f"{micro_batch}x{seq_len}x{cfg.hidden_size}", "bytes": nbytes,
+                             "quant_error": 0.0 if b in (0, 16) else sens / 2, "sqnr_db": float("inf"),
+                             "sensitivity": sens, "extra_seconds": extra,
+                             "quantize_seconds": float("nan"), "dequantize_seconds": float("nan"),
+                             "recompute_seconds": extra if option == "recompute" else float("nan")})
+    pd.DataFrame(rows).to_parquet(folder / "profile.parquet")
+    params = sum(p.numel() for p in m.parameters())
+    layer_stage = split_layers(L, stages)
+    if in_flight is None:
+        in_flight = [stages - s for s in range(stages)]
+    header = {
+        "schema": "agoq.profile/1",
+        "model": {"spec": model, "name": cfg.name, "fingerprint": fingerprint(m), "config": cfg.to_dict(),
+                  "num_layers": L, "parameters": params, "weight_bytes": 2 * params},
+        "settings": {"seq_len": seq_len, "micro_batch": micro_batch, "dtype": "bf16", "device": "cpu",
+                     "bits": list(bits), "formats": ["int"], "block": block, "batches": 2, "seed": 0,
+                     "pipeline_stages": stages, "micro_batches": max(in_flight), "world_size": world_size,
+                     "budget_bytes": None},
+        "hardware": {"device": "cpu", "name": "test", "memory_bytes": None, "count": 1, "cpu_count": 2},
+        "software": {"agoq": "0.1.0"},
+        "date": "2026-11-21T00:00:00+00:00",
+        "memory": {"weights_bytes": 2 * params, "gradients_bytes_bf16": 2 * params,
+                   "gradients_bytes_quangrad8": params + 4 * (params // 256 + 1),
+                   "optimizer_bytes_adamw": 8 * params, "optimizer_bytes_adamw8bit": 2 * params,
+                   "fixed_bytes": rng.randrange(10**5, 10**6),
+                   "steps": [] if step_seconds is None else [{"policy": "bf16", "measured_peak_bytes": None,
+                                                             "predicted_peak_bytes": None,
+                                                             "step_seconds": step_seconds}]},
+        "pipeline": {"stages": stages, "micro_batches": max(in_flight), "layer_stage": layer_stage,
+                     "in_flight": {"1f1b": in_flight}},
+        "failures": [],
+    }
+    if layer_forward:
+        header["timing"] = {"layer_forward_seconds": [rng.uniform(1e-3, 2e-3) for _ in range(L)]}
+    (folder / "profile.json").write_text(json.dumps(header, indent=2))
+    if collectives:
+        coll = []
+        for path, factor in (("nccl-bf16", 1.0), ("quangrad8", 0.4), ("sdp4bit", 0.3)):
+            for size in (2**20, 2**24, 2**28):
+                coll.append({"op": "all_reduce", "path": path, "world_size": world_size, "message_bytes": size,
+                             "seconds": factor * size / 1e10})
+        pd.DataFrame(coll).to_parquet(folder / "collectives.parquet")
+    return folder

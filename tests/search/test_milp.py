@@ -1,0 +1,130 @@
+"""The MILP against brute force on small random instances: same optimum, feasible, and the smallest
+feasible budget it reports is the true one."""
+
+import itertools
+import os
+import random
+
+import numpy as np
+import pytest
+
+from agoq.runtime.policy import KINDS, RECOMPUTABLE
+from agoq.search.costs import ChoiceProblem
+from agoq.search.milp import InfeasibleBudget, Solver
+
+
+def fresh_rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    return seed, random.Random(seed)
+
+
+def random_problem(rng, layers, kinds_per_layer, stages=1):
+    """A problem with random costs; kinds include attention and o_proj_input so the shared-input credit and
+    the unmodified-layer surcharge are exercised."""
+    kinds = ["attention", "o_proj_input", "qkv_input", "silu_input"][:kinds_per_layer]
+    layer, kind, option, memory, seconds, error = [], [], [], [], [], []
+    for l in range(layers):
+        for k in kinds:
+            opts = ["16"] + rng.sample(["8", "5", "4", "3", "2"], rng.randint(1, 2))
+            if k in RECOMPUTABLE and rng.random() < 0.7:
+                opts.append("recompute")
+            big = rng.uniform(50, 150)
+            for o in opts:
+                layer.append(l)
+                kind.append(KINDS.index(k))
+                option.append(o)
+                if o == "16":
+                    memory.append(big), seconds.append(0.0), error.append(0.0)
+                elif o == "recompute":
+                    memory.append(0.0), seconds.append(rng.uniform(0.5, 2.0)), error.append(0.0)
+                else:
+                    b = int(o)
+                    memory.append(big * b / 16 + rng.uniform(0, 3))
+                    seconds.append(rng.uniform(0.05, 0.3))
+                    error.append(rng.uniform(0.01, 0.1) * 2.0 ** (4 - b))
+    stage_of = np.array(sorted(rng.randrange(stages) for _ in range(layers)))
+    stage_of[:stages] = np.arange(stages) if layers >= stages else stage_of[:stages]
+    stage_of = np.sort(stage_of)
+    memory = np.round(memory)  # bytes are whole numbers
+    return ChoiceProblem(
+        np.array(layer), np.array(kind), option, np.array(memory, float), np.array(seconds, float),
+        np.array(error, float), stage_of, np.array([rng.randint(10, 40) for _ in range(layers)], float),
+        np.array([rng.uniform(1, 4) for _ in range(layers)]), rng.random() < 0.8,
+        np.array([rng.randint(0, 30) for _ in range(layers)], float), np.array([rng.randint(0, 20) for _ in range(layers)], float),
+        np.array([rng.randint(100, 200) for _ in range(stages)], float), 1.0)
+
+
+def brute_force(p: ChoiceProblem):
+    """Every choice, evaluated with the cost model's own `evaluate` (the reference for the MILP's matrices)."""
+    groups = p.groups()
+    per_layer = []
+    for l in range(p.num_layers):
+        mine = [idx for (gl, _), idx in sorted(groups.items()) if gl == l]
+        choices = [(tuple(c), False) for c in itertools.product(*mine)]
+        if p.allow_checkpoint:
+            choices.append(((), True))
+        per_layer.append(choices)
+    out = []
+    for combo in itertools.product(*per_layer):
+        chosen = np.array([i for c, _ in combo for i in c], dtype=int)
+        ckpt = np.array([k for _, k in combo])
+        f = p.evaluate(chosen, ckpt)
+        out.append((max(np.array(f["peak_bytes_per_stage"]) - 0), f))
+    return out
+
+
+@pytest.mark.parametrize("objective", ["error", "time"])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_same_optimum_as_brute_force(objective, stages):
+    seed, rng = fresh_rng()
+    for trial in range(4):
+        p = random_problem(rng, layers=3, kinds_per_layer=rng.choice([2, 3]), stages=stages)
+        everything = brute_force(p)
+        solver = Solver(p)
+        peaks = sorted({tuple(f["peak_bytes_per_stage"]) for _, f in everything})
+        low = min(max(pk) for pk in peaks)
+        high = max(max(pk) for pk in peaks)
+        for budget in (low, rng.uniform(low, high), rng.uniform(low, high), high):
+            cap = None
+            if objective == "error" and rng.random() < 0.5:
+                times = [f["step_seconds"] for _, f in everything]
+                cap = rng.uniform(min(times), max(times))
+            key = "grad_error" if objective == "error" else "step_seconds"
+            fits = [f for _, f in everything if max(f["peak_bytes_per_stage"]) <= budget
+                    and (cap is None or f["step_seconds"] <= cap + 1e-9)]
+            if not fits:
+                with pytest.raises(InfeasibleBudget):
+                    solver.solve(budget, objective, cap)
+                continue
+            best = min(f[key] for f in fits)
+            alloc = solver.solve(budget, objective, cap)
+            got = alloc.grad_error if objective == "error" else alloc.step_seconds
+            assert got == pytest.approx(best, rel=1e-7, abs=1e-9), f"seed {seed} trial {trial} budget {budget}"
+            assert max(alloc.peak_bytes_per_stage) <= budget + 1, f"seed {seed}"
+            if cap is not None:
+                assert alloc.step_seconds <= cap + 1e-6, f"seed {seed}"
+
+
+def test_smallest_budget_is_the_true_minimum():
+    seed, rng = fresh_rng()
+    for trial in range(5):
+        p = random_problem(rng, layers=3, kinds_per_layer=2, stages=rng.choice([1, 2]))
+        everything = brute_force(p)
+        true_min = min(max(f["peak_bytes_per_stage"]) for _, f in everything)
+        solver = Solver(p)
+        smallest = solver.smallest_budget()
+        assert smallest == pytest.approx(true_min, abs=1), f"seed {seed}"
+        solver.solve(smallest + 1)  # feasible
+        with pytest.raises(InfeasibleBudget) as e:
+            solver.solve(true_min * 0.9)
+        assert e.value.smallest_budget == smallest
+        assert "smallest feasible budget" in str(e.value) and str(smallest) in str(e.value)
+
+
+def test_time_cap_that_nothing_meets():
+    seed, rng = fresh_rng()
+    p = random_problem(rng, layers=2, kinds_per_layer=2)
+    fastest = min(f["step_seconds"] for _, f in brute_force(p))
+    with pytest.raises(InfeasibleBudget, match="time cap"):
+        Solver(p).solve(1e12, "error", time_cap=fastest * 0.5)
+    Solver(p).solve(1e12, "error", time_cap=fastest + 1e-9)
