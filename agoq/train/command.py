@@ -1,0 +1,114 @@
+"""Train a LLaMA-style model in plain bf16 (the baseline) or with a plan from `agoq search`.
+
+One process trains on the CPU or one GPU. Under torchrun each process is one rank:
+  torchrun --nproc-per-node 2 -m agoq.cli train MODEL --parallel ddp       (QuanGrad with a quangrad8 plan)
+  torchrun --nproc-per-node 2 -m agoq.cli train MODEL --parallel sharded   (SDP4Bit with --gradients sdp4bit)
+  torchrun --nproc-per-node 4 -m agoq.cli train MODEL --parallel pipeline --grad-accum 8   (1F1B, stage bits)
+
+Without --data a built-in synthetic corpus is used; a text file is read as bytes (vocabulary 256) or
+with --tokenizer; the last 10 % is held out for validation. The run folder receives run.json,
+metrics.jsonl (loss, grad_norm, lr, tokens_per_s, step_seconds, peak_bytes per rank each step,
+val_loss every --eval-every steps) and checkpoint/ (replaced atomically every --checkpoint-every
+steps). Kill the run at any time and start it again with --resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "train a model in bf16 or with a plan, on one GPU or many (torchrun)"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add `agoq train`'s arguments."""
+    from agoq.cli import positive_int
+
+    def non_negative_int(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+        return value
+
+    def positive_float(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+        return value
+
+    p = parser
+    p.add_argument("model", help="preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b) or a HuggingFace config.json; "
+                                 "its vocabulary is raised to the tokenizer's when smaller (recorded in run.json)")
+    p.add_argument("--plan", default=None, help="plan.json from `agoq search` / `agoq profile --budget`: activation "
+                                                "bits, checkpointed layers, gradient mode, batch shape (default: none, "
+                                                "plain bf16)")
+    p.add_argument("--policy", default=None,
+                   help="instead of a plan: an activation policy preset (agoq-paper, int8, int4, ...), a policy .json, "
+                        "or stage-aware (agoq-paper with per-stage bits for --parallel pipeline)")
+    p.add_argument("--gradients", choices=("bf16", "quangrad8", "sdp4bit"), default=None,
+                   help="gradient storage and all-reduce, overriding the plan's: bf16 (the parameters' dtype), "
+                        "quangrad8 (8-bit buffer and 8-bit all-reduce), sdp4bit (with --parallel sharded) "
+                        "(default: the plan's, else bf16)")
+    p.add_argument("--checkpoint-all", action="store_true",
+                   help="recompute every decoder layer in backward (activation checkpointing, the usual way to fit "
+                        "a budget; what plans are compared with)")
+    p.add_argument("--data", default=None, help="text file to train on, split 90/10 into train/validation "
+                                                "(default: a built-in synthetic corpus, 1 MB)")
+    p.add_argument("--tokenizer", default=None, help="HuggingFace tokenizers JSON (default: bytes, vocabulary 256)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the plan's, else 256)")
+    p.add_argument("--micro-batch", type=positive_int, default=None,
+                   help="sequences per micro-batch and rank (default: the plan's, else 8)")
+    p.add_argument("--grad-accum", type=positive_int, default=None,
+                   help="micro-batches per optimizer step; with --parallel pipeline the 1F1B micro-batches, at least "
+                        "the number of stages (default: the plan's, else 1; pipeline: the number of stages)")
+    p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (default 1e-3); "
+                                                                   "cosine decay to lr/10 after warmup")
+    p.add_argument("--warmup", type=non_negative_int, default=None,
+                   help="linear warmup steps (default: min(100, steps/10))")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (default 0.1)")
+    p.add_argument("--clip", type=float, default=1.0, help="clip the gradient norm to this (0: off; default 1.0)")
+    p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw",
+                   help="adamw (float32 moments) or adamw8bit (8-bit block-quantized moments, float32 update); "
+                        "--parallel sharded always uses SDP4Bit's sharded AdamW (default adamw)")
+    p.add_argument("--parallel", choices=("none", "ddp", "sharded", "pipeline"), default=None,
+                   help="how several processes share the work (default: none for one process, ddp under torchrun)")
+    p.add_argument("--pipeline-stages", type=positive_int, default=None,
+                   help="pipeline stages (must equal the number of processes; default: the number of processes)")
+    p.add_argument("--checkpoint-every", type=non_negative_int, default=100,
+                   help="save a checkpoint every N steps, and at the end (0: only at the end; default 100)")
+    p.add_argument("--eval-every", type=positive_int, default=None,
+                   help="validation loss every N steps and at the end (default: steps/10)")
+    p.add_argument("--eval-batches", type=positive_int, default=8,
+                   help="validation micro-batches per evaluation (default 8)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint "
+                                                        "(starts from step 0 when it has none)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None,
+                   help="parameter and activation dtype (default: bf16 on GPUs, fp32 on the CPU); with bf16 the "
+                        "optimizer keeps float32 master weights")
+    p.add_argument("--out", default="runs/train", help="run folder: run.json, metrics.jsonl, checkpoint/ "
+                                                       "(default runs/train)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `agoq train` with parsed arguments; returns the exit code (1 when training failed)."""
+    from agoq.train.trainer import TrainConfig, train
+
+    cfg = TrainConfig(model=args.model, plan=args.plan, policy=args.policy, gradients=args.gradients,
+                      data=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                      grad_accum=args.grad_accum, steps=args.steps, lr=args.lr, warmup=args.warmup,
+                      weight_decay=args.weight_decay, clip=args.clip, optimizer=args.optimizer,
+                      parallel=args.parallel, pipeline_stages=args.pipeline_stages,
+                      checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+                      eval_batches=args.eval_batches, resume=args.resume, seed=args.seed, device=args.device,
+                      dtype=args.dtype, out=args.out, checkpoint_all=args.checkpoint_all, quiet=args.quiet)
+    return train(cfg)
