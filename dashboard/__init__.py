@@ -1,1 +1,2 @@
-"""agoq's web dashboard over profiles, plans and runs (planned)."""
+"""agoq's web dashboard: a read-only FastAPI app with Plotly pages over the profiles, searches, plans
+and training runs found under one folder (`agoq dashboard --root DIR`; `dashboard.app.create_app`)."""

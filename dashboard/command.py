@@ -1,0 +1,77 @@
+"""Serve a web page over agoq's outputs: the profiles, searches (Pareto fronts, Optuna studies), plans
+and training runs found under --root, rescanned as new ones appear.
+
+Pages: / (overview), /profile, /search, /plan, /runs (pick runs to compare); the JSON API is under
+/api/ and documented at /docs (OpenAPI at /openapi.json). The dashboard only reads: it never writes
+under --root, and no request reaches a file outside it.
+
+It listens on 127.0.0.1 unless told otherwise; listening on any other address needs a token (--token
+or the environment variable AGOQ_DASHBOARD_TOKEN), which every request must then carry: open
+http://HOST:PORT/?token=TOKEN once (a cookie keeps it), or send the header X-Agoq-Token.
+
+example:
+  agoq dashboard --root runs/demo
+  AGOQ_DASHBOARD_TOKEN=$(openssl rand -hex 16) agoq dashboard --root /data/agoq --host 0.0.0.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import secrets
+import sys
+
+HELP = "serve a web page of profiles, plans, searches and runs"
+TOKEN_ENV = "AGOQ_DASHBOARD_TOKEN"
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or address to listen on) only accepts connections from this machine."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `agoq dashboard`."""
+    from agoq.cli import positive_int
+
+    parser.add_argument("--root", required=True,
+                        help="folder to look in (searched recursively, up to 8 levels; e.g. the folder `agoq demo` wrote)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; any other needs a token)")
+    parser.add_argument("--port", type=positive_int, default=8000, help="TCP port (default 8000)")
+    parser.add_argument("--token", default=None,
+                        help=f"access token every request must carry (default: ${TOKEN_ENV}; required "
+                             "when --host is not a loopback address)")
+    parser.add_argument("--rescan-seconds", type=float, default=2.0,
+                        help="how long a scan of --root is reused before a request rescans it (default 2 s)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the arguments, build the app and serve it until interrupted."""
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    if not is_loopback(args.host) and not token:
+        raise ValueError(f"--host {args.host} accepts connections from other machines, so it needs a token: "
+                         f"pass --token (or set {TOKEN_ENV}), e.g. --token {secrets.token_hex(16)}")
+    if token is not None and len(token) < 8:
+        raise ValueError("--token is too short: use at least 8 characters (e.g. `openssl rand -hex 16`)")
+    if args.rescan_seconds < 0:
+        raise ValueError("--rescan-seconds must be >= 0")
+    import uvicorn
+
+    from dashboard.app import create_app
+
+    allowed = None if token else LOOPBACK_NAMES | {args.host.lower()}
+    app = create_app(args.root, token=token, allowed_hosts=allowed, ttl=args.rescan_seconds)
+    shown_host = f"[{args.host}]" if ":" in args.host else args.host
+    address = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
+    print(f"agoq dashboard: serving {app.state.dashboard.catalog.root} at {address}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

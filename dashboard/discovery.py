@@ -1,0 +1,145 @@
+"""Finding agoq's outputs under a root folder: profiles, searches (Pareto fronts and Optuna studies),
+plans and runs, each named by its path relative to the root.
+
+The catalog never follows a path out of the root: directory symlinks are not descended into, file
+symlinks are kept only when they resolve inside the root, and a request's id is only ever looked up
+in the catalog, never joined onto the root.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KINDS = ("profiles", "searches", "plans", "runs")
+SKIP_DIRS = {"checkpoint", "__pycache__", "node_modules"}
+PLAN_MARK = b'"agoq.plan/'
+STUDY_FILES = ("study.db", "study.journal")
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One thing found under the root: `kind` (profiles, searches, plans, runs), `id` (its path
+    relative to the root, '/'-separated; '.' for the root itself) and its absolute `path` (a folder,
+    or for plans a file)."""
+
+    kind: str
+    id: str
+    path: Path
+
+
+@dataclass
+class Index:
+    """Everything found by one scan, by kind and id, with the time of the scan (seconds since the
+    epoch) and the scan's problems (paths skipped and why)."""
+
+    items: dict[str, dict[str, Artifact]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    scanned_at: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+
+def inside(root: Path, path: Path) -> bool:
+    """Whether `path`, with every symlink resolved, lies inside `root` (itself resolved)."""
+    try:
+        path.resolve(strict=True).relative_to(root)
+        return True
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def _relative_id(root: Path, path: Path) -> str:
+    rel = path.relative_to(root).as_posix()
+    return rel or "."
+
+
+def _looks_like_plan(path: Path) -> bool:
+    if path.name == "plan.json":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return PLAN_MARK in f.read(4096)
+    except OSError:
+        return False
+
+
+def scan(root: Path, max_depth: int = 8) -> Index:
+    """Walk `root` (already resolved) and index every profile folder (profile.json), run folder
+    (run.json), search folder (pareto.csv or an Optuna study.db / study.journal) and plan file
+    (plan.json, or any JSON file whose schema is agoq.plan/N). Hidden folders, checkpoints and
+    anything deeper than `max_depth` are skipped; so is every symlink leading out of `root`."""
+    index = Index(scanned_at=time.time())
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=None):
+        here = Path(dirpath)
+        depth = len(here.relative_to(root).parts)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS
+                             and not (here / d).is_symlink())
+        if depth >= max_depth:
+            dirnames[:] = []
+        names = set(filenames)
+        usable = set()
+        for name in names:
+            p = here / name
+            if p.is_symlink() and not inside(root, p):
+                index.problems.append(f"{_relative_id(root, p)}: a symlink leading outside the root, skipped")
+                continue
+            usable.add(name)
+        folder_id = _relative_id(root, here)
+        if "profile.json" in usable:
+            index.items["profiles"][folder_id] = Artifact("profiles", folder_id, here)
+        if "run.json" in usable:
+            index.items["runs"][folder_id] = Artifact("runs", folder_id, here)
+        if "pareto.csv" in usable or any(s in usable for s in STUDY_FILES):
+            index.items["searches"][folder_id] = Artifact("searches", folder_id, here)
+        for name in sorted(usable):
+            if name.endswith(".json") and name not in ("profile.json", "run.json") and not name.startswith("."):
+                p = here / name
+                if _looks_like_plan(p):
+                    plan_id = _relative_id(root, p)
+                    index.items["plans"][plan_id] = Artifact("plans", plan_id, p)
+    return index
+
+
+class Catalog:
+    """The index of a root folder, rescanned when a request asks for it and the last scan is older
+    than `ttl` seconds (so new runs show up while the dashboard is running, and a burst of requests
+    costs one scan)."""
+
+    def __init__(self, root: str | os.PathLike, ttl: float = 2.0):
+        resolved = Path(root).resolve()
+        if not resolved.is_dir():
+            raise FileNotFoundError(f"--root {root}: no such folder; give the folder that holds your profiles, "
+                                    "searches and runs (e.g. the one `agoq demo` printed)")
+        self.root = resolved
+        self.ttl = ttl
+        self._index = Index()
+        self._lock = threading.Lock()
+
+    def index(self, refresh: bool = False) -> Index:
+        """The current index; rescans first when `refresh` is set or the last scan is older than ttl."""
+        with self._lock:
+            if refresh or time.time() - self._index.scanned_at > self.ttl:
+                self._index = scan(self.root)
+            return self._index
+
+    def get(self, kind: str, artifact_id: str) -> Artifact:
+        """The artifact of `kind` named `artifact_id`; KeyError when there is none. The id is only
+        compared with the ids found by the scan, and the found path is checked to still lie inside
+        the root, so no request can reach a file outside it."""
+        if kind not in KINDS:
+            raise KeyError(kind)
+        found = self.index().items[kind].get(artifact_id)
+        if found is None:
+            found = self.index(refresh=True).items[kind].get(artifact_id)
+        if found is None or not inside(self.root, found.path):
+            raise KeyError(artifact_id)
+        return found
+
+    def child(self, artifact: Artifact, name: str) -> Path | None:
+        """The file `name` inside a folder artifact, or None when it is absent or leads outside the root."""
+        path = artifact.path / name
+        if not path.exists() or not inside(self.root, path):
+            return None
+        return path

@@ -1,0 +1,196 @@
+"""Plotly figures (as plain JSON-ready dicts) built from the data the API returns."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+           "#7f7f7f", "#bcbd22")
+BASE_LAYOUT = {"margin": {"l": 70, "r": 30, "t": 50, "b": 60}, "template": "plotly_white", "height": 420,
+               "legend": {"orientation": "h", "y": -0.2}}
+
+
+def byte_unit(largest: float | None) -> tuple[str, float]:
+    """A readable binary unit for byte values up to `largest`: (name, bytes per unit)."""
+    for name, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if largest is not None and largest >= size:
+            return name, size
+    return "B", 1.0
+
+
+def _scaled(values: list, size: float) -> list:
+    return [None if v is None else v / size for v in values]
+
+
+def _figure(data: list[dict], title: str, **layout: Any) -> dict[str, Any]:
+    import plotly.graph_objects as go
+
+    fig = go.Figure(data=data, layout={**BASE_LAYOUT, "title": {"text": title}, **layout})
+    return json.loads(fig.to_json())
+
+
+def heat_map(z: list[list], x: list, y: list, title: str, colorbar: str, text: list[list] | None = None,
+             **trace: Any) -> dict[str, Any]:
+    """A heat map, rows y (layers) by columns x (kinds)."""
+    spec = {"type": "heatmap", "z": z, "x": x, "y": y, "colorbar": {"title": {"text": colorbar}},
+            "hoverongaps": False, **trace}
+    if text is not None:
+        spec.update(text=text, texttemplate="%{text}")
+    return _figure([spec], title, xaxis={"title": {"text": "tensor kind"}, "type": "category"},
+                   yaxis={"title": {"text": "layer"}, "type": "category", "autorange": "reversed"},
+                   height=max(320, 26 * len(y) + 160))
+
+
+def profile_maps(maps: dict[str, Any]) -> list[dict[str, Any]]:
+    """Sensitivity and bytes heat maps of a profile at the chosen option."""
+    option = maps["option"]
+    bytes_max = max((v for row in maps["bytes"] for v in row if v is not None), default=None)
+    unit, size = byte_unit(bytes_max)
+    return [
+        heat_map(maps["sensitivity"], maps["kinds"], maps["layers"],
+                 f"Sensitivity at option {option}: weight-gradient error when only this tensor uses it",
+                 "rel. L2", colorscale="Viridis"),
+        heat_map([_scaled(r, size) for r in maps["bytes"]], maps["kinds"], maps["layers"],
+                 f"Bytes kept per micro-batch at option {option}", unit, colorscale="Blues"),
+    ]
+
+
+def error_curves(curves: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean tensor error and mean gradient sensitivity against bit width, one line per kind."""
+    figs = []
+    for key, title in (("quant_error", "Tensor error vs bit width (mean over layers)"),
+                       ("sensitivity", "Weight-gradient sensitivity vs bit width (mean over layers)")):
+        data = []
+        for i, c in enumerate(curves):
+            label = c["kind"] + ("" if c["format"] == "int" else f" ({c['format']})")
+            data.append({"type": "scatter", "mode": "lines+markers", "name": label, "x": c["bits"], "y": c[key],
+                         "line": {"color": PALETTE[i % len(PALETTE)]}})
+        figs.append(_figure(data, title, xaxis={"title": {"text": "bits"}, "dtick": 1},
+                            yaxis={"title": {"text": "relative L2 error"}, "type": "log"}))
+    return figs
+
+
+def collective_times(series: list[dict[str, Any]]) -> dict[str, Any]:
+    """Collective time against message size, log-log, one line per (op, path, world size)."""
+    data = []
+    for i, s in enumerate(series):
+        data.append({"type": "scatter", "mode": "lines+markers", "name": f"{s['op']} {s['path']} (x{s['world_size']})",
+                     "x": s["message_bytes"], "y": [None if v is None else v * 1e3 for v in s["seconds"]],
+                     "line": {"color": PALETTE[i % len(PALETTE)]}})
+    return _figure(data, "Collective time vs message size",
+                   xaxis={"title": {"text": "message (fp32 gradient bytes)"}, "type": "log"},
+                   yaxis={"title": {"text": "time (ms)"}, "type": "log"})
+
+
+def pareto_front(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Predicted peak memory against predicted step time, coloured by predicted gradient error; the
+    validated plans' measured points are drawn as crosses joined to their prediction."""
+    peaks = [r.get("predicted_peak_bytes") for r in rows]
+    unit, size = byte_unit(max((p for p in peaks if p is not None), default=None))
+    labels = [str(r.get("plan") or f"row {i}") for i, r in enumerate(rows)]
+    data = [{"type": "scatter", "mode": "markers", "name": "predicted",
+             "x": _scaled(peaks, size), "y": [None if r.get("predicted_step_seconds") is None
+                                              else r["predicted_step_seconds"] * 1e3 for r in rows],
+             "text": labels,
+             "marker": {"size": 11, "color": [r.get("predicted_grad_error") for r in rows],
+                        "colorscale": "Plasma", "showscale": True,
+                        "colorbar": {"title": {"text": "grad error"}}},
+             "hovertemplate": "%{text}<br>peak %{x:.3f} " + unit + "<br>step %{y:.2f} ms"
+                              "<br>grad error %{marker.color:.4f}<extra></extra>"}]
+    validated = [r for r in rows if r.get("validated")]
+    if validated:
+        mx = [r.get("measured_peak_bytes", r.get("predicted_peak_bytes")) for r in validated]
+        my = [r.get("measured_step_seconds", r.get("predicted_step_seconds")) for r in validated]
+        data.append({"type": "scatter", "mode": "markers", "name": "measured",
+                     "x": _scaled(mx, size), "y": [None if v is None else v * 1e3 for v in my],
+                     "marker": {"symbol": "x", "size": 12, "color": "black"},
+                     "text": [str(r.get("plan") or "") for r in validated]})
+        seg_x, seg_y = [], []
+        for r, x, y in zip(validated, mx, my):
+            seg_x += [r.get("predicted_peak_bytes"), x, None]
+            seg_y += [r.get("predicted_step_seconds"), y, None]
+        data.append({"type": "scatter", "mode": "lines", "name": "prediction -> measurement",
+                     "x": _scaled(seg_x, size), "y": [None if v is None else v * 1e3 for v in seg_y],
+                     "line": {"color": "gray", "dash": "dot"}, "hoverinfo": "skip"})
+    return _figure(data, "Pareto front: memory vs step time",
+                   xaxis={"title": {"text": f"peak memory ({unit})"}},
+                   yaxis={"title": {"text": "step time (ms)"}})
+
+
+def study_trials(study: dict[str, Any]) -> dict[str, Any] | None:
+    """An Optuna study's finished trials: the first two objectives against each other, or the one
+    objective against trial number."""
+    trials = study.get("trials") or []
+    if not trials:
+        return None
+    names = study.get("objectives") or [f"objective {i}" for i in range(len(study.get("directions") or [1]))]
+    if len(trials[0]["values"]) >= 2:
+        data = [{"type": "scatter", "mode": "markers", "name": "trials",
+                 "x": [t["values"][0] for t in trials], "y": [t["values"][1] for t in trials],
+                 "text": [f"trial {t['number']}" for t in trials], "marker": {"color": "#1f77b4", "size": 8}}]
+        return _figure(data, f"Optuna study {study['name']}: {len(trials)} finished trials",
+                       xaxis={"title": {"text": str(names[0])}}, yaxis={"title": {"text": str(names[1])}})
+    data = [{"type": "scatter", "mode": "markers", "name": "trials", "x": [t["number"] for t in trials],
+             "y": [t["values"][0] if t["values"] else None for t in trials]}]
+    return _figure(data, f"Optuna study {study['name']}: {len(trials)} finished trials",
+                   xaxis={"title": {"text": "trial"}}, yaxis={"title": {"text": str(names[0])}})
+
+
+def plan_bits(bits: dict[str, Any]) -> dict[str, Any]:
+    """The plan's bit width per layer and kind (R: recomputed, ckpt: whole layer checkpointed)."""
+    ylabels = [f"{layer} (stage {stage})" if max(bits["stages"] or [0]) > 0 else layer
+               for layer, stage in zip(bits["layers"], bits["stages"])]
+    return heat_map(bits["bits"], bits["kinds"], ylabels, "Chosen plan: bits per layer and tensor kind",
+                    "bits (0 = recompute)", text=bits["text"], colorscale="RdYlGn", zmin=-1, zmax=16)
+
+
+def memory_breakdown(mem: dict[str, Any]) -> dict[str, Any]:
+    """Stacked bars per stage: the predicted parts of the peak, beside each measured peak."""
+    parts = mem["predicted_parts"]
+    measured = mem["measured_peak"]
+    largest = max([v or 0 for p in parts.values() for v in p] + [v or 0 for m in measured.values() for v in m]
+                  + [v or 0 for v in mem["predicted_peak"]] + [0])
+    unit, size = byte_unit(largest)
+    data = []
+    for i, (name, values) in enumerate(parts.items()):
+        data.append({"type": "bar", "name": f"predicted {name}", "marker": {"color": PALETTE[i]},
+                     "x": [f"stage {s}: predicted" for s in mem["stages"]], "y": _scaled(values, size)})
+    for j, (label, values) in enumerate(measured.items()):
+        data.append({"type": "bar", "name": f"measured ({label})",
+                     "marker": {"color": "#444444", "pattern": {"shape": "/x+-."[j % 5]}},
+                     "x": [f"stage {s}: {label}" for s in mem["stages"][:len(values)]], "y": _scaled(values, size)})
+    return _figure(data, "Memory per stage: predicted parts beside measured peak", barmode="stack",
+                   yaxis={"title": {"text": unit}}, xaxis={"type": "category"})
+
+
+def run_curves(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Loss with validation loss (dashed), tokens/s, and peak memory per rank, one colour per run."""
+    loss, speed, memory = [], [], []
+    largest = max((v or 0 for r in runs for p in r["curves"]["peak_bytes"] for v in p["value"]), default=0)
+    unit, size = byte_unit(largest)
+    for i, r in enumerate(runs):
+        color = PALETTE[i % len(PALETTE)]
+        s = r["curves"]["series"]
+        loss.append({"type": "scattergl" if len(s["loss"]["step"]) > 5000 else "scatter", "mode": "lines",
+                     "name": f"{r['id']} loss", "x": s["loss"]["step"], "y": s["loss"]["value"],
+                     "line": {"color": color}})
+        if s["val_loss"]["step"]:
+            loss.append({"type": "scatter", "mode": "lines+markers", "name": f"{r['id']} val loss",
+                         "x": s["val_loss"]["step"], "y": s["val_loss"]["value"],
+                         "line": {"color": color, "dash": "dash"}})
+        speed.append({"type": "scatter", "mode": "lines", "name": r["id"], "x": s["tokens_per_s"]["step"],
+                      "y": s["tokens_per_s"]["value"], "line": {"color": color},
+                      "customdata": s["tokens_per_s"].get("elapsed_s"),
+                      "hovertemplate": "step %{x}<br>%{y:.0f} tokens/s<br>%{customdata:.1f} s<extra></extra>"})
+        for p in r["curves"]["peak_bytes"]:
+            memory.append({"type": "scatter", "mode": "lines", "name": f"{r['id']} rank {p['rank']}",
+                           "x": p["step"], "y": _scaled(p["value"], size),
+                           "line": {"color": color, "dash": ("solid", "dot", "dash", "dashdot")[p["rank"] % 4]}})
+    return [
+        _figure(loss, "Loss (solid) and validation loss (dashed)", xaxis={"title": {"text": "step"}},
+                yaxis={"title": {"text": "loss"}}),
+        _figure(speed, "Throughput", xaxis={"title": {"text": "step"}}, yaxis={"title": {"text": "tokens/s"}}),
+        _figure(memory, "Peak memory per rank", xaxis={"title": {"text": "step"}},
+                yaxis={"title": {"text": unit}}),
+    ]

@@ -1,0 +1,63 @@
+"""Reading agoq's files as docs/formats.md defines them, read-only, with errors that say which file
+and which field was wrong (the pages show them as messages)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+SUPPORTED = {"profile": 1, "plan": 1, "run": 1}
+
+
+class BrokenFile(ValueError):
+    """A file that exists but cannot be read as the format it should have."""
+
+
+def read_json(path: Path, kind: str) -> dict[str, Any]:
+    """Parse `path` and check that its `schema` is agoq.<kind>/N with N no newer than this dashboard
+    reads; raises BrokenFile naming the file and the problem."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise BrokenFile(f"{path.name}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BrokenFile(f"{path.name}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise BrokenFile(f"{path.name}: expected a JSON object, found {type(data).__name__}")
+    schema = data.get("schema")
+    prefix = f"agoq.{kind}/"
+    if not isinstance(schema, str) or not schema.startswith(prefix):
+        raise BrokenFile(f"{path.name}: field 'schema' is {schema!r}, expected '{prefix}{SUPPORTED[kind]}'")
+    try:
+        major = int(schema[len(prefix):].split(".")[0])
+    except ValueError:
+        raise BrokenFile(f"{path.name}: field 'schema' {schema!r} has no version number") from None
+    if major > SUPPORTED[kind]:
+        raise BrokenFile(f"{path.name}: field 'schema' is {schema!r}, newer than this dashboard reads "
+                         f"({prefix}{SUPPORTED[kind]}); upgrade agoq")
+    return data
+
+
+def clean(value: Any) -> Any:
+    """`value` made safe for strict JSON: NaN and infinities become None (numpy scalars and arrays
+    become plain numbers and lists)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    if hasattr(value, "tolist"):  # numpy scalars and arrays
+        return clean(value.tolist())
+    return value
+
+
+def number(value: Any) -> float | None:
+    """A finite float from a JSON/CSV value, or None."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None

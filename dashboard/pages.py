@@ -1,0 +1,353 @@
+"""HTML pages over the dashboard's data: tables of key figures and Plotly charts whose figures are
+embedded as JSON and drawn by static/dashboard.js with the Plotly bundle the app serves itself."""
+
+from __future__ import annotations
+
+import datetime as dt
+import html
+import json
+import math
+from typing import Any, Iterable
+from urllib.parse import urlencode
+
+from dashboard import figures
+
+
+def esc(value: Any) -> str:
+    """Text made safe for HTML."""
+    return html.escape("" if value is None else str(value))
+
+
+def fmt_bytes(n: Any) -> str:
+    """Bytes in binary units, or an en dash when unknown."""
+    if n is None or (isinstance(n, float) and not math.isfinite(n)):
+        return "–"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def fmt_num(x: Any, digits: int = 4) -> str:
+    """A number with `digits` significant digits, or an en dash when unknown."""
+    if x is None:
+        return "–"
+    if isinstance(x, (int, float)):
+        return f"{x:.{digits}g}" if isinstance(x, float) else str(x)
+    return esc(x)
+
+
+def fmt_seconds(x: Any) -> str:
+    """Seconds shown in ms below one second."""
+    if x is None:
+        return "–"
+    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def fmt_time(epoch: float) -> str:
+    """An epoch time as UTC."""
+    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def link(path: str, **params: Any) -> str:
+    """A URL to one of the dashboard's pages with query parameters (ids stay readable)."""
+    pairs = []
+    for key, value in params.items():
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if v is not None:
+                pairs.append((key, v))
+    return path + ("?" + urlencode(pairs, safe="/") if pairs else "")
+
+
+def message(text: str, kind: str = "info") -> str:
+    """A message box (info, empty or error)."""
+    return f'<div class="msg {kind}">{esc(text)}</div>'
+
+
+class Page:
+    """One page being built: HTML sections and the figures they reference."""
+
+    def __init__(self, title: str):
+        self.title = title
+        self.parts: list[str] = []
+        self.figures: list[dict[str, Any]] = []
+        self.refresh_seconds: int | None = None
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+
+    def figure(self, fig: dict[str, Any] | None) -> None:
+        """Add a chart (nothing when `fig` is None)."""
+        if fig is None:
+            return
+        n = len(self.figures)
+        self.figures.append(fig)
+        self.add(f'<div class="plot" id="plot-{n}" data-figure="figure-{n}"></div>')
+
+    def error_or(self, data: Any, what: str) -> bool:
+        """Show data's error as a message and return False; True when there is no error."""
+        if isinstance(data, dict) and "error" in data and len(data) == 1:
+            self.add(message(f"{what}: {data['error']}", "error"))
+            return False
+        return True
+
+    def render(self) -> str:
+        scripts = []
+        for n, fig in enumerate(self.figures):
+            payload = json.dumps(fig, allow_nan=False).replace("<", "\\u003c").replace(">", "\\u003e") \
+                .replace("&", "\\u0026")
+            scripts.append(f'<script type="application/json" id="figure-{n}">{payload}</script>')
+        refresh = (f'<meta http-equiv="refresh" content="{self.refresh_seconds}">'
+                   if self.refresh_seconds else "")
+        return (
+            "<!doctype html><html lang=en><head><meta charset=utf-8>"
+            f"<meta name=viewport content='width=device-width, initial-scale=1'>{refresh}"
+            f"<title>agoq · {esc(self.title)}</title>"
+            '<link rel="stylesheet" href="/static/dashboard.css">'
+            '<script src="/static/plotly.min.js"></script><script src="/static/dashboard.js" defer></script>'
+            "</head><body><header><nav><a href='/'>overview</a><a href='/runs'>runs</a>"
+            "<a href='/docs'>API</a></nav>"
+            f"<h1>{esc(self.title)}</h1></header><main>{''.join(self.parts)}</main>{''.join(scripts)}</body></html>"
+        )
+
+
+def table(headers: Iterable[str], rows: Iterable[Iterable[str]], empty: str = "") -> str:
+    """An HTML table from already-escaped cells."""
+    rows = list(rows)
+    if not rows:
+        return message(empty, "empty") if empty else ""
+    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def error_row(entry: dict[str, Any], href: str, width: int) -> list[str]:
+    return [f'<a href="{esc(href)}">{esc(entry["id"])}</a>', f'<span class="bad">{esc(entry["error"])}</span>'] \
+        + [""] * (width - 2)
+
+
+# --- pages ------------------------------------------------------------------------------------------
+
+def overview(data: dict[str, Any]) -> str:
+    """The overview: everything found under the root, with key figures."""
+    page = Page("overview")
+    page.add(f"<p class=meta>root <code>{esc(data['root'])}</code>, scanned {esc(fmt_time(data['scanned_at']))} "
+             "(new folders show up on reload) · <a href='/?refresh=1'>rescan now</a></p>")
+    counts = {k: len(data[k]) for k in ("profiles", "searches", "plans", "runs")}
+    page.add("<div class=cards>" + "".join(f"<div class=card><b>{n}</b>{k}</div>" for k, n in counts.items())
+             + "</div>")
+    if not any(counts.values()):
+        page.add(message("Nothing found under this root yet. Run `agoq demo --out DIR` (or `agoq profile`, "
+                         "`agoq search`, `agoq train` with --out under this folder), then reload.", "empty"))
+
+    page.add("<h2>Profiles</h2>")
+    rows = []
+    for p in data["profiles"]:
+        href = link("/profile", id=p["id"])
+        if "error" in p:
+            rows.append(error_row(p, href, 7))
+            continue
+        rows.append([f'<a href="{esc(href)}">{esc(p["id"])}</a>', esc(p["model"]), fmt_num(p["num_layers"]),
+                     fmt_num(p["parameters"]), esc(p["device"]), esc(p["date"]), fmt_num(len(p["failures"]))])
+    page.add(table(["profile", "model", "layers", "parameters", "device", "date", "failures"], rows,
+                   "No profiles yet (agoq profile MODEL --out DIR)."))
+
+    page.add("<h2>Searches</h2>")
+    rows = []
+    for s in data["searches"]:
+        href = link("/search", id=s["id"])
+        if "error" in s:
+            rows.append(error_row(s, href, 7))
+            continue
+        rows.append([f'<a href="{esc(href)}">{esc(s["id"])}</a>', fmt_num(s["pareto_plans"]), fmt_num(s["validated"]),
+                     fmt_bytes(s["budget_bytes"]), fmt_bytes(s["lowest_peak_bytes"]), esc(s["chosen_plan"]),
+                     esc(s["study"])])
+    page.add(table(["search", "Pareto plans", "validated", "budget", "lowest predicted peak", "chosen plan",
+                    "Optuna study"], rows, "No searches yet (agoq search --profile DIR --budget SIZE --out DIR)."))
+
+    page.add("<h2>Plans</h2>")
+    rows = []
+    for p in data["plans"]:
+        href = link("/plan", id=p["id"])
+        if "error" in p:
+            rows.append(error_row(p, href, 8))
+            continue
+        rows.append([f'<a href="{esc(href)}">{esc(p["id"])}</a>', esc(p["model"]), fmt_bytes(p["budget_bytes"]),
+                     fmt_bytes(p["predicted_peak_bytes"]), fmt_seconds(p["predicted_step_seconds"]),
+                     fmt_num(p["predicted_grad_error"]), fmt_bytes(p["measured_peak_bytes"]) if p["validated"] else "no",
+                     esc(p["method"])])
+    page.add(table(["plan", "model", "budget", "predicted peak", "predicted step", "grad error",
+                    "measured peak", "method"], rows, "No plans yet."))
+
+    page.add("<h2>Runs</h2>")
+    page.add(run_table(data["runs"], selected=set()))
+    if data["problems"]:
+        page.add("<h2>Skipped</h2>" + "".join(message(p, "error") for p in data["problems"]))
+    return page.render()
+
+
+def run_table(items: list[dict[str, Any]], selected: set[str]) -> str:
+    """The run picker: a table of runs with checkboxes, submitted to the runs page."""
+    rows = []
+    for r in items:
+        box = (f'<input type=checkbox name=id value="{esc(r["id"])}"' + (" checked" if r["id"] in selected else "")
+               + ">")
+        href = link("/runs", id=r["id"])
+        if "error" in r:
+            rows.append([box] + error_row(r, href, 9))
+            continue
+        rows.append([box, f'<a href="{esc(href)}">{esc(r["id"])}</a>', esc(r["model"]), esc(r["plan"]),
+                     esc(r["status"]) + (f' <span class=bad>{esc(r["message"])}</span>' if r.get("message") else ""),
+                     f'{fmt_num(r["step"])} / {fmt_num(r["steps"])}', fmt_num(r["last_loss"]),
+                     fmt_num(r["last_val_loss"]), fmt_num(r["median_tokens_per_s"], 5), fmt_bytes(r["max_peak_bytes"])])
+    if not rows:
+        return message("No runs yet (agoq train MODEL --out DIR).", "empty")
+    return ("<form method=get action='/runs'>" +
+            table(["", "run", "model", "plan", "status", "step", "loss", "val loss", "tokens/s", "peak"], rows)
+            + "<button type=submit>compare selected runs</button></form>")
+
+
+def profile(data: dict[str, Any]) -> str:
+    """A profile: key figures, heat maps, error curves, collective times."""
+    s = data["summary"]
+    page = Page(f"profile {data['id']}")
+    settings = s.get("settings") or {}
+    page.add(table(["model", "fingerprint", "layers", "parameters", "device", "micro-batch", "seq", "date"],
+                   [[esc(s["model"]), f"<code>{esc(s['fingerprint'])}</code>", fmt_num(s["num_layers"]),
+                     fmt_num(s["parameters"]), esc(s["device"]), fmt_num(settings.get("micro_batch")),
+                     fmt_num(settings.get("seq_len")), esc(s["date"])]]))
+    steps = (s.get("memory") or {}).get("steps") or []
+    if steps:
+        page.add("<h2>Measured steps</h2>")
+        page.add(table(["policy", "measured peak", "predicted peak", "step time"],
+                       [[esc(st.get("policy")), fmt_bytes(st.get("measured_peak_bytes")),
+                         fmt_bytes(st.get("predicted_peak_bytes")), fmt_seconds(st.get("step_seconds"))]
+                        for st in steps]))
+    for f in s.get("failures") or []:
+        page.add(message(f"{f.get('what')}: {f.get('error')}", "error"))
+    maps = data["maps"]
+    page.add("<h2>Per layer and kind</h2>")
+    if page.error_or(maps, "profile.parquet"):
+        page.add("<p class=options>option: " + " ".join(
+            f'<a href="{esc(link("/profile", id=data["id"], option=o))}"' + (" class=on" if o == maps["option"] else "")
+            + f">{esc(o)}</a>" for o in maps["options"]) + "</p>")
+        for fig in figures.profile_maps(maps):
+            page.figure(fig)
+    page.add("<h2>Error vs bit width</h2>")
+    if page.error_or(data["curves"], "profile.parquet"):
+        if data["curves"]["curves"]:
+            for fig in figures.error_curves(data["curves"]["curves"]):
+                page.figure(fig)
+        else:
+            page.add(message("no quantized options in this profile", "empty"))
+    page.add("<h2>Collectives</h2>")
+    coll = data["collectives"]
+    if page.error_or(coll, "collectives.parquet"):
+        if coll["series"]:
+            page.figure(figures.collective_times(coll["series"]))
+        else:
+            page.add(message(coll["message"], "empty"))
+    return page.render()
+
+
+def _plan_sections(page: Page, data: dict[str, Any]) -> None:
+    s = data["summary"]
+    page.add(table(["model", "budget", "gradients", "stages", "predicted peak", "measured peak",
+                    "predicted step", "measured step", "grad error", "method"],
+                   [[esc(s["model"]), fmt_bytes(s["budget_bytes"]), esc(s["gradients"]), fmt_num(s["stages"]),
+                     fmt_bytes(s["predicted_peak_bytes"]), fmt_bytes(s["measured_peak_bytes"]),
+                     fmt_seconds(s["predicted_step_seconds"]), fmt_seconds(s["measured_step_seconds"]),
+                     fmt_num(s["predicted_grad_error"]), esc(s["method"])]]))
+    if page.error_or(data["bits"], "plan layers"):
+        page.figure(figures.plan_bits(data["bits"]))
+    mem = data["memory"]
+    if page.error_or(mem, "memory breakdown"):
+        if not mem["profile_found"]:
+            page.add(message("No profile of this model (same fingerprint) under the root: weights, gradients and "
+                             "optimizer state are not split out of the predicted peak.", "info"))
+        page.figure(figures.memory_breakdown(mem))
+    if data["runs"]:
+        page.add("<p>Trained with this plan: " + ", ".join(
+            f'<a href="{esc(link("/runs", id=r))}">{esc(r)}</a>' for r in data["runs"]) + "</p>")
+
+
+def plan(data: dict[str, Any]) -> str:
+    """A plan: key figures, bit-width map, memory breakdown."""
+    page = Page(f"plan {data['id']}")
+    _plan_sections(page, data)
+    return page.render()
+
+
+def search(data: dict[str, Any]) -> str:
+    """A search: Pareto front, chosen plan, Optuna study."""
+    page = Page(f"search {data['id']}")
+    pareto = data["pareto"]
+    page.add("<h2>Pareto front</h2>")
+    if page.error_or(pareto, "pareto.csv"):
+        if pareto["rows"]:
+            page.figure(figures.pareto_front(pareto["rows"]))
+            cols = [c for c in pareto["columns"] if c]
+            page.add(table(cols, [[fmt_bytes(r.get(c)) if c.endswith("_bytes") else fmt_num(r.get(c))
+                                   for c in cols] for r in pareto["rows"]]))
+        else:
+            page.add(message(pareto["message"], "empty"))
+    page.add("<h2>Chosen plan</h2>")
+    chosen = data["chosen_plan"]
+    if page.error_or(chosen, "chosen plan"):
+        page.add(f'<p><a href="{esc(link("/plan", id=chosen["id"]))}">{esc(chosen["id"])}</a></p>')
+        _plan_sections(page, chosen)
+    page.add("<h2>Optuna study</h2>")
+    study = data["study"]
+    if page.error_or(study, "study"):
+        if not study["studies"]:
+            page.add(message(f"{study['file']} holds no study", "empty"))
+        for st in study["studies"]:
+            states = ", ".join(f"{k.lower()} {v}" for k, v in sorted(st["states"].items()))
+            page.add(f"<p>{esc(study['file'])}: study <b>{esc(st['name'])}</b>, "
+                     f"{esc(', '.join(st['directions']))}; trials: {esc(states) or 'none'}</p>")
+            fig = figures.study_trials(st)
+            if fig is None:
+                page.add(message("no finished trials", "empty"))
+            page.figure(fig)
+    return page.render()
+
+
+def runs(all_runs: list[dict[str, Any]], chosen: list[dict[str, Any]], selected: list[str],
+         errors: list[str]) -> str:
+    """The runs page: the picker, then the chosen runs' curves overlaid."""
+    page = Page("runs")
+    for e in errors:
+        page.add(message(e, "error"))
+    page.add(run_table(all_runs, set(selected)))
+    if chosen:
+        for fig in figures.run_curves(chosen):
+            page.figure(fig)
+        thinned = [c for c in chosen if c["curves"]["train_points"] > c["curves"]["max_points"]]
+        if thinned:
+            page.add("<p class=meta>Long runs are thinned to the lowest and highest point of each of "
+                     f"{chosen[0]['curves']['max_points'] // 2} buckets per curve.</p>")
+        empty = [c["id"] for c in chosen if not c["curves"]["train_points"]]
+        if empty:
+            page.add(message("no metrics yet: " + ", ".join(empty), "empty"))
+    elif all_runs:
+        page.add(message("Pick runs above to compare them.", "empty"))
+    if any(r.get("status") == "running" for r in chosen_summaries(all_runs, selected)):
+        page.refresh_seconds = 30
+    return page.render()
+
+
+def chosen_summaries(all_runs: list[dict[str, Any]], selected: list[str]) -> list[dict[str, Any]]:
+    """The overview entries of the selected runs."""
+    chosen = set(selected)
+    return [r for r in all_runs if r["id"] in chosen]
+
+
+def error_page(title: str, text: str) -> str:
+    """A page holding only a message (unknown id, broken file)."""
+    page = Page(title)
+    page.add(message(text, "error"))
+    page.add("<p><a href='/'>back to the overview</a></p>")
+    return page.render()
+

@@ -1,0 +1,145 @@
+"""A Profile folder (profile.json, profile.parquet, collectives.parquet) turned into what the profile
+page shows: key figures, layer x kind heat maps of sensitivity and bytes at one option, error vs
+bit-width curves per kind, and collective time vs message size per path."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from dashboard.formats import BrokenFile, clean, number, read_json
+
+TABLE_COLUMNS = ("layer", "kind", "option", "bits", "bytes", "quant_error", "sensitivity")
+COLLECTIVE_COLUMNS = ("op", "path", "world_size", "message_bytes", "seconds")
+
+
+def stat_key(path: Path) -> tuple[int, int] | None:
+    """(mtime in ns, size in bytes) of a file, or None when it is absent: a cache key that changes
+    whenever the file is rewritten."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+@lru_cache(maxsize=32)
+def _read_table(path: str, key: tuple[int, int], columns: tuple[str, ...]):
+    import pandas as pd
+
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as e:  # pyarrow raises many kinds of errors on a damaged file
+        raise BrokenFile(f"{Path(path).name}: cannot read it as parquet ({type(e).__name__}: {e})") from None
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise BrokenFile(f"{Path(path).name}: missing column(s) {', '.join(missing)}")
+    return frame
+
+
+def read_table(path: Path, columns: tuple[str, ...]):
+    """The parquet file at `path` as a DataFrame (cached until the file changes); BrokenFile when
+    it cannot be read or lacks one of `columns`."""
+    key = stat_key(path)
+    if key is None:
+        raise BrokenFile(f"{path.name}: missing")
+    return _read_table(str(path), key, columns)
+
+
+def option_order(option: str) -> tuple[int, int]:
+    """Sort key for options: 16 first, then narrower widths, recompute last."""
+    if option == "recompute":
+        return (1, 0)
+    try:
+        return (0, -int(option))
+    except ValueError:
+        return (0, 1)
+
+
+def summary(folder: Path) -> dict[str, Any]:
+    """Key figures of a profile: model, hardware, date, settings, number of table rows and failures."""
+    meta = read_json(folder / "profile.json", "profile")
+    model = meta.get("model") or {}
+    hardware = meta.get("hardware") or {}
+    memory = meta.get("memory") or {}
+    out = {
+        "model": model.get("name") or model.get("spec"),
+        "fingerprint": model.get("fingerprint"),
+        "num_layers": model.get("num_layers"),
+        "parameters": model.get("parameters"),
+        "weight_bytes": model.get("weight_bytes"),
+        "device": hardware.get("name") or hardware.get("device"),
+        "date": meta.get("date"),
+        "settings": meta.get("settings") or {},
+        "memory": memory,
+        "failures": meta.get("failures") or [],
+        "has_table": (folder / "profile.parquet").exists(),
+        "has_collectives": (folder / "collectives.parquet").exists(),
+    }
+    return clean(out)
+
+
+def layer_kind_maps(folder: Path, option: str | None = None) -> dict[str, Any]:
+    """Heat maps over (layer, kind) at one option ("4", "8", "recompute", ...; default 4 bits when
+    profiled, else the narrowest width): sensitivity (relative L2 error of all weight gradients) and
+    bytes kept per micro-batch. Rows are layers, columns kinds in the order the profile lists them."""
+    frame = read_table(folder / "profile.parquet", TABLE_COLUMNS)
+    frame = frame.assign(option=frame["option"].astype(str))
+    options = sorted(frame["option"].unique().tolist(), key=option_order)
+    if not options:
+        raise BrokenFile("profile.parquet: no rows")
+    if option is None:
+        widths = [o for o in options if o.isdigit() and o != "16"]
+        option = "4" if "4" in options else (widths[-1] if widths else options[0])
+    if option not in options:
+        raise KeyError(f"option {option!r} is not in this profile; it has {', '.join(options)}")
+    kinds = list(dict.fromkeys(frame["kind"].astype(str)))
+    layers = sorted(int(x) for x in frame["layer"].unique())
+    rows = frame[frame["option"] == option]
+    if "format" in rows.columns and rows["format"].nunique() > 1:
+        rows = rows[rows["format"] == sorted(rows["format"].unique(), key=lambda f: f != "int")[0]]
+    grid = {name: [[None] * len(kinds) for _ in layers] for name in ("sensitivity", "bytes", "quant_error")}
+    li = {layer: i for i, layer in enumerate(layers)}
+    ki = {kind: j for j, kind in enumerate(kinds)}
+    for rec in rows[["layer", "kind", "sensitivity", "bytes", "quant_error"]].itertuples(index=False):
+        i, j = li[int(rec.layer)], ki[str(rec.kind)]
+        grid["sensitivity"][i][j] = number(rec.sensitivity)
+        grid["bytes"][i][j] = number(rec.bytes)
+        grid["quant_error"][i][j] = number(rec.quant_error)
+    return clean({"option": option, "options": options, "layers": layers, "kinds": kinds, **grid})
+
+
+def error_curves(folder: Path) -> dict[str, Any]:
+    """Per kind (and format), the mean over layers of the tensor's own error and of the weight-gradient
+    sensitivity, against bit width (quantized options only; 16 and recompute are left out)."""
+    frame = read_table(folder / "profile.parquet", TABLE_COLUMNS)
+    quant = frame[(frame["bits"] > 0) & (frame["bits"] < 16)]
+    group_cols = ["kind", "format"] if "format" in quant.columns else ["kind"]
+    curves = []
+    for key, part in quant.groupby(group_cols, sort=False):
+        key = key if isinstance(key, tuple) else (key,)
+        means = part.groupby("bits")[["quant_error", "sensitivity"]].mean().sort_index()
+        curves.append({"kind": str(key[0]), "format": str(key[1]) if len(key) > 1 else "int",
+                       "bits": [int(b) for b in means.index],
+                       "quant_error": [number(v) for v in means["quant_error"]],
+                       "sensitivity": [number(v) for v in means["sensitivity"]]})
+    return clean({"curves": curves})
+
+
+def collectives(folder: Path) -> dict[str, Any]:
+    """Collective time against message size, one series per (op, path, world size); empty when the
+    profile measured none."""
+    path = folder / "collectives.parquet"
+    if not path.exists():
+        return {"series": [], "message": "no collectives.parquet: this profile measured no collectives "
+                                          "(profile with a process group or --world-size to get them)"}
+    frame = read_table(path, COLLECTIVE_COLUMNS)
+    series = []
+    for (op, comm_path, world), part in frame.groupby(["op", "path", "world_size"], sort=True):
+        part = part.sort_values("message_bytes")
+        series.append({"op": str(op), "path": str(comm_path), "world_size": int(world),
+                       "message_bytes": [number(v) for v in part["message_bytes"]],
+                       "seconds": [number(v) for v in part["seconds"]]})
+    return clean({"series": series, "message": None if series else "collectives.parquet has no rows"})

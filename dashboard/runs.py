@@ -1,0 +1,177 @@
+"""A Run folder (run.json, metrics.jsonl) turned into key figures and thinned curves: loss and
+validation loss against step, tokens/s and peak memory per rank against step and elapsed time.
+
+metrics.jsonl grows while a run trains, so it is read incrementally: each request parses only the
+complete lines appended since the last one (a rewritten or truncated file is read again from the
+start)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dashboard.downsample import minmax_indices
+from dashboard.formats import clean, number, read_json
+
+TRAIN_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_seconds", "time")
+VAL_FIELDS = ("step", "val_loss", "time")
+
+
+@dataclass
+class Metrics:
+    """Columns parsed so far from one metrics.jsonl; `offset` is the byte just after the last complete line."""
+
+    inode: int = -1
+    offset: int = 0
+    train: dict[str, list] = field(default_factory=lambda: {k: [] for k in TRAIN_FIELDS})
+    peak: list[list] = field(default_factory=list)
+    val: dict[str, list] = field(default_factory=lambda: {k: [] for k in VAL_FIELDS})
+    bad_lines: int = 0
+
+
+class MetricsStore:
+    """Parsed metrics per file, kept up to date by reading only what was appended."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, Metrics] = {}
+        self._lock = threading.Lock()
+
+    def read(self, path: Path) -> Metrics:
+        """The metrics of `path` up to its last complete line (an absent file reads as empty)."""
+        with self._lock:
+            key = str(path)
+            try:
+                st = os.stat(path)
+            except OSError:
+                return Metrics()
+            current = self._files.get(key)
+            if current is None or current.inode != st.st_ino or st.st_size < current.offset:
+                current = Metrics(inode=st.st_ino)
+                self._files[key] = current
+            if st.st_size > current.offset:
+                with open(path, "rb") as f:
+                    f.seek(current.offset)
+                    chunk = f.read(st.st_size - current.offset)
+                end = chunk.rfind(b"\n") + 1
+                for line in chunk[:end].splitlines():
+                    _parse_line(current, line)
+                current.offset += end
+            return current
+
+
+def _parse_line(m: Metrics, line: bytes) -> None:
+    if not line.strip():
+        return
+    try:
+        rec = json.loads(line)
+        step = int(rec["step"])
+    except (ValueError, KeyError, TypeError):
+        m.bad_lines += 1
+        return
+    if not isinstance(rec, dict):
+        m.bad_lines += 1
+        return
+    if "val_loss" in rec and "loss" not in rec:
+        m.val["step"].append(step)
+        m.val["val_loss"].append(number(rec.get("val_loss")))
+        m.val["time"].append(number(rec.get("time")))
+        return
+    m.train["step"].append(step)
+    for name in TRAIN_FIELDS[1:]:
+        m.train[name].append(number(rec.get(name)))
+    peak = rec.get("peak_bytes")
+    if isinstance(peak, (int, float)):
+        peak = [peak]
+    m.peak.append([number(v) for v in peak] if isinstance(peak, list) else [])
+    if "val_loss" in rec:
+        m.val["step"].append(step)
+        m.val["val_loss"].append(number(rec.get("val_loss")))
+        m.val["time"].append(number(rec.get("time")))
+
+
+def _array(values: list) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+
+
+def _thin(x: np.ndarray, y: np.ndarray, max_points: int, t: np.ndarray | None = None) -> dict[str, list]:
+    idx = minmax_indices(y, max_points)
+    out = {"step": x[idx].astype(np.int64).tolist(), "value": y[idx].tolist()}
+    if t is not None:
+        out["elapsed_s"] = t[idx].tolist()
+    return clean(out)
+
+
+def summary(folder: Path, store: MetricsStore) -> dict[str, Any]:
+    """Key figures of a run: model, plan or bf16, status, step reached, last loss and validation loss,
+    median tokens/s, highest peak memory of any rank, number of metric lines."""
+    meta = read_json(folder / "run.json", "run")
+    m = store.read(folder / "metrics.jsonl")
+    model = meta.get("model") or {}
+    plan = meta.get("plan")
+    settings = meta.get("settings") or {}
+    loss = [v for v in m.train["loss"] if v is not None]
+    val = [v for v in m.val["val_loss"] if v is not None]
+    tps = [v for v in m.train["tokens_per_s"] if v is not None]
+    peaks = [v for row in m.peak for v in row if v is not None]
+    plan_label = "bf16 (no plan)"
+    if isinstance(plan, dict):
+        source = plan.get("source") or {}
+        budget = number(plan.get("budget_bytes"))
+        plan_label = "plan" + (f" ({source.get('method')})" if source.get("method") else "")
+        if budget:
+            plan_label += f", budget {budget / 2**30:.3g} GiB"
+    return clean({
+        "model": model.get("name") or model.get("spec"),
+        "fingerprint": model.get("fingerprint"),
+        "plan": plan_label,
+        "status": meta.get("status"),
+        "message": meta.get("message"),
+        "step": meta.get("step"),
+        "steps": settings.get("steps"),
+        "parallel": settings.get("parallel"),
+        "world_size": (meta.get("world") or {}).get("size"),
+        "started": meta.get("started"),
+        "updated": meta.get("updated"),
+        "last_loss": loss[-1] if loss else None,
+        "last_val_loss": val[-1] if val else None,
+        "median_tokens_per_s": float(np.median(tps)) if tps else None,
+        "max_peak_bytes": max(peaks) if peaks else None,
+        "metric_lines": len(m.train["step"]) + len(m.val["step"]),
+        "bad_lines": m.bad_lines,
+    })
+
+
+def curves(folder: Path, store: MetricsStore, max_points: int = 2000) -> dict[str, Any]:
+    """The run's curves, each thinned to at most `max_points` points (min and max per bucket):
+    loss, val_loss, tokens_per_s and grad_norm against step (with elapsed seconds), and peak_bytes per
+    rank. Totals before thinning are given so a reader can tell how much was thinned."""
+    m = store.read(folder / "metrics.jsonl")
+    step = _array(m.train["step"])
+    t = _array(m.train["time"])
+    t0 = np.nanmin(t) if len(t) and np.isfinite(t).any() else np.nan
+    elapsed = t - t0
+    series = {}
+    for name in ("loss", "tokens_per_s", "grad_norm", "step_seconds", "lr"):
+        series[name] = _thin(step, _array(m.train[name]), max_points, elapsed)
+    vstep = _array(m.val["step"])
+    vt = _array(m.val["time"]) - t0
+    series["val_loss"] = _thin(vstep, _array(m.val["val_loss"]), max_points, vt)
+    ranks = max((len(row) for row in m.peak), default=0)
+    peak_series = []
+    for r in range(ranks):
+        y = np.array([row[r] if r < len(row) and row[r] is not None else np.nan for row in m.peak])
+        peak_series.append({"rank": r, **_thin(step, y, max_points, elapsed)})
+    return clean({"max_points": max_points, "train_points": len(step), "val_points": len(vstep),
+                  "bad_lines": m.bad_lines, "series": series, "peak_bytes": peak_series})
+
+
+def plan_of(folder: Path) -> dict[str, Any] | None:
+    """The plan a run trained with (as recorded in its run.json), or None for a plain run."""
+    plan = read_json(folder / "run.json", "run").get("plan")
+    return plan if isinstance(plan, dict) else None

@@ -1,0 +1,146 @@
+"""What the dashboard answers, as plain JSON-ready dicts: the API returns them as they are and the
+pages draw them. Unknown ids raise KeyError, unreadable files BrokenFile; a broken part of an
+artifact (say its parquet table) is reported in that part as {"error": "..."} while the rest is shown."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from dashboard import plans, profiles, runs, searches, studies
+from dashboard.discovery import Artifact, Catalog
+from dashboard.formats import BrokenFile, read_json
+
+MAX_POINTS_LIMIT = 20000
+
+
+def part(fn: Callable[[], Any]) -> Any:
+    """fn() or, when it fails on a broken file or a bad choice, {"error": message}."""
+    try:
+        return fn()
+    except (BrokenFile, KeyError) as e:
+        return {"error": e.args[0] if e.args else str(e)}
+
+
+class Dashboard:
+    """The data behind every endpoint, over the folders found under one root."""
+
+    def __init__(self, root: str | os.PathLike, ttl: float = 2.0):
+        self.catalog = Catalog(root, ttl=ttl)
+        self.metrics = runs.MetricsStore()
+
+    # --- overview -------------------------------------------------------------------------------
+    def overview(self, refresh: bool = False) -> dict[str, Any]:
+        """Everything found under the root with its key figures (or the error reading it)."""
+        index = self.catalog.index(refresh=refresh)
+        readers = {"profiles": lambda a: profiles.summary(a.path),
+                   "searches": self._search_summary,
+                   "plans": lambda a: plans.summary(plans.read_plan(a.path)),
+                   "runs": lambda a: runs.summary(a.path, self.metrics)}
+        out: dict[str, Any] = {"root": str(self.catalog.root), "scanned_at": index.scanned_at,
+                               "problems": list(index.problems)}
+        for kind, reader in readers.items():
+            items = []
+            for artifact_id, artifact in sorted(index.items[kind].items()):
+                entry = {"id": artifact_id}
+                try:
+                    entry.update(reader(artifact))
+                except BrokenFile as e:
+                    entry["error"] = str(e)
+                items.append(entry)
+            out[kind] = items
+        return out
+
+    def _search_summary(self, artifact: Artifact) -> dict[str, Any]:
+        pareto = searches.read_pareto(artifact.path)
+        rows = pareto["rows"]
+        study = searches.study_file(artifact.path)
+        peaks = [r["predicted_peak_bytes"] for r in rows if r.get("predicted_peak_bytes") is not None]
+        return {"pareto_plans": len(rows), "validated": sum(1 for r in rows if r["validated"]),
+                "lowest_peak_bytes": min(peaks) if peaks else None,
+                "budget_bytes": next((r.get("budget_bytes") for r in rows if r.get("budget_bytes")), None),
+                "chosen_plan": searches.chosen_plan_name(artifact.path, pareto),
+                "study": study.name if study else None}
+
+    # --- one artifact ---------------------------------------------------------------------------
+    def profile(self, artifact_id: str, option: str | None = None) -> dict[str, Any]:
+        """A profile's key figures, heat maps at `option`, error curves and collective times."""
+        a = self.catalog.get("profiles", artifact_id)
+        return {"id": a.id, "summary": profiles.summary(a.path),
+                "maps": part(lambda: profiles.layer_kind_maps(a.path, option)),
+                "curves": part(lambda: profiles.error_curves(a.path)),
+                "collectives": part(lambda: profiles.collectives(a.path))}
+
+    def plan(self, artifact_id: str) -> dict[str, Any]:
+        """A plan's key figures, bit-width map, memory breakdown, and the runs that trained with it."""
+        a = self.catalog.get("plans", artifact_id)
+        plan = plans.read_plan(a.path)
+        used_by = self._runs_with(plan)
+        return {"id": a.id, "summary": plans.summary(plan), "bits": part(lambda: plans.bit_map(plan)),
+                "memory": part(lambda: plans.memory_breakdown(plan, self._profile_for(plan), used_by)),
+                "runs": sorted(used_by)}
+
+    def search(self, artifact_id: str) -> dict[str, Any]:
+        """A search's Pareto front, its chosen plan (as `plan` gives it) and its Optuna studies."""
+        a = self.catalog.get("searches", artifact_id)
+        pareto = part(lambda: searches.read_pareto(a.path))
+        name = searches.chosen_plan_name(a.path, pareto) if "rows" in pareto else None
+        chosen: Any = {"error": "no plan file in this search folder"}
+        if name:
+            plan_id = name if a.id == "." else f"{a.id}/{name}"
+            chosen = part(lambda: self.plan(plan_id))
+        study = searches.study_file(a.path)
+        study_part: Any = {"error": "no Optuna study (study.db or study.journal) in this search folder"}
+        if study is not None and self.catalog.child(a, study.name) is not None:
+            study_part = part(lambda: {"file": study.name, "studies": studies.read_studies(study)})
+        return {"id": a.id, "pareto": pareto, "chosen_plan": chosen, "study": study_part}
+
+    def run(self, artifact_id: str) -> dict[str, Any]:
+        """A run's key figures and settings."""
+        a = self.catalog.get("runs", artifact_id)
+        meta = read_json(a.path / "run.json", "run")
+        return {"id": a.id, "summary": runs.summary(a.path, self.metrics),
+                "settings": meta.get("settings"), "world": meta.get("world"), "hardware": meta.get("hardware")}
+
+    def curves(self, artifact_id: str, max_points: int = 2000) -> dict[str, Any]:
+        """A run's curves thinned to at most `max_points` points each."""
+        if not 4 <= max_points <= MAX_POINTS_LIMIT:
+            raise ValueError(f"points must be between 4 and {MAX_POINTS_LIMIT}, got {max_points}")
+        a = self.catalog.get("runs", artifact_id)
+        read_json(a.path / "run.json", "run")
+        return {"id": a.id, "curves": runs.curves(a.path, self.metrics, max_points)}
+
+    # --- links between artifacts ----------------------------------------------------------------
+    def _profile_for(self, plan: dict[str, Any]) -> dict[str, Any] | None:
+        """profile.json of the model the plan is for (same fingerprint), preferring the folder the
+        plan names as its source."""
+        fingerprint = (plan.get("model") or {}).get("fingerprint")
+        source = Path(str((plan.get("source") or {}).get("profile") or "")).name
+        found = []
+        for a in self.catalog.index().items["profiles"].values():
+            try:
+                meta = read_json(a.path / "profile.json", "profile")
+            except BrokenFile:
+                continue
+            if (meta.get("model") or {}).get("fingerprint") == fingerprint:
+                found.append((a.path.name != source, a.id, meta))
+        return min(found, key=lambda f: f[:2])[2] if found else None
+
+    def _runs_with(self, plan: dict[str, Any]) -> dict[str, list]:
+        """Runs that trained with this plan (same model, budget and per-layer choices): run id ->
+        highest peak bytes per rank."""
+        out = {}
+        for a in self.catalog.index().items["runs"].values():
+            try:
+                used = runs.plan_of(a.path)
+            except BrokenFile:
+                continue
+            if not used or used.get("layers") != plan.get("layers") or used.get("budget_bytes") != plan.get("budget_bytes") \
+                    or (used.get("model") or {}).get("fingerprint") != (plan.get("model") or {}).get("fingerprint"):
+                continue
+            m = self.metrics.read(a.path / "metrics.jsonl")
+            ranks = max((len(r) for r in m.peak), default=0)
+            out[a.id] = [max((row[i] for row in m.peak if i < len(row) and row[i] is not None), default=None)
+                         for i in range(ranks)]
+        return out
