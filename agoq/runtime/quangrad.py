@@ -33,27 +33,53 @@ def accumulate_reference(codes: torch.Tensor, scales: torch.Tensor, grad: torch.
 
 
 class QuantizedGradients:
-    """The gradients of `params` in 8-bit storage (block `block`, float32 scales)."""
+    """The gradients of `params` in 8-bit storage (block `block`, float32 scales).
 
-    def __init__(self, params: Iterable[nn.Parameter], block: int = DEFAULT_BLOCK, capture: bool = True):
+    The buffer is laid out in reverse parameter order (the order backward produces gradients in) and
+    cut into buckets of about `bucket_bytes` of storage. `all_reduce()` reduces bucket by bucket, so
+    the temporary wire buffers stay bucket-sized. With `overlap=True`, call `prepare_sync()` before
+    the last micro-batch's backward: each bucket's all-reduce then starts as soon as backward has
+    delivered all of its gradients (on a side CUDA stream on the GPU), and `wait()` (or `to_grads()`)
+    finishes them.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], block: int = DEFAULT_BLOCK, capture: bool = True,
+                 bucket_bytes: int = 25 * 2**20, overlap: bool = False, group=None):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("QuantizedGradients needs at least one parameter that requires grad")
         devices = {p.device for p in self.params}
         if len(devices) > 1:
             raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.block = block
-        self.slices: list[tuple[int, int]] = []  # (first block, number of blocks) per parameter
-        first = 0
-        for p in self.params:
-            nb = num_blocks(p.numel(), block)
-            self.slices.append((first, nb))
+        self.group = group
+        self.overlap = overlap
+        self.slices: list[tuple[int, int]] = [(0, 0)] * len(self.params)  # (first block, blocks) per parameter
+        self.buckets: list[list[int]] = []  # parameter indices, in the order backward fills them
+        first, size = 0, 0
+        for i in reversed(range(len(self.params))):
+            nb = num_blocks(self.params[i].numel(), block)
+            if self.buckets and size + nb * (block + 4) <= bucket_bytes:
+                self.buckets[-1].append(i)
+                size += nb * (block + 4)
+            else:
+                self.buckets.append([i])
+                size = nb * (block + 4)
+            self.slices[i] = (first, nb)
             first += nb
+        self._bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         device = self.params[0].device
         self.codes = torch.full((first * block,), _ZERO_CODE, dtype=torch.uint8, device=device)
         self.scales = torch.zeros(first, dtype=torch.float32, device=device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._capture) for p in self.params] if capture else []
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._syncing = False
+        self._pending: list[int] = []
+        self._launched = 0
+        self._average = True
+        self._stream = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
 
     @property
     def nbytes(self) -> int:
@@ -64,32 +90,95 @@ class QuantizedGradients:
         first, nb = self.slices[i]
         return self.codes[first * self.block:(first + nb) * self.block], self.scales[first:first + nb]
 
+    def _bucket_range(self, b: int) -> tuple[int, int]:
+        """(first block, blocks) of bucket b: its parameters' slices are adjacent."""
+        firsts = [self.slices[i] for i in self.buckets[b]]
+        lo = min(f for f, _ in firsts)
+        return lo, sum(nb for _, nb in firsts)
+
     def _capture(self, p: nn.Parameter) -> None:
+        i = self._index[id(p)]
         self.add_(p, p.grad)
         p.grad = None
+        if self._syncing:
+            b = self._bucket_of[i]
+            self._pending[b] -= 1
+            while self._launched < len(self.buckets) and self._pending[self._launched] == 0:
+                self._reduce_bucket(self._launched)  # in bucket order on every rank
+                self._launched += 1
 
     def add_(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Add `grad` (any float dtype) to `param`'s 8-bit gradient."""
+        """Add `grad` (any float dtype) to `param`'s 8-bit gradient (one fused kernel on the GPU)."""
         codes, scales = self._views(self._index[id(param)])
-        accumulate_reference(codes, scales, grad.detach(), self.block)
+        if codes.is_cuda and self.block & (self.block - 1) == 0:
+            from agoq.runtime.quangrad_triton import accumulate_triton
+
+            accumulate_triton(codes, scales, grad.detach(), self.block)
+        else:
+            accumulate_reference(codes, scales, grad.detach(), self.block)
 
     def zero_(self) -> None:
         """Set every gradient to zero."""
+        self.wait()
         self.codes.fill_(_ZERO_CODE)
         self.scales.zero_()
 
-    def all_reduce(self, group=None, average: bool = True) -> None:
-        """Sum (or average) the gradients over `group` with the 8-bit all-reduce; all ranks end identical."""
-        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    def _world(self, group) -> int:
+        return dist.get_world_size(group) if dist.is_initialized() else 1
+
+    def _reduce_bucket(self, b: int) -> None:
+        world = self._world(self.group)
+        if world == 1:
             return
-        codes, scales = all_reduce_codes(self.codes, self.scales, self.codes.numel(), self.block, group)
-        if average:
-            scales = scales / dist.get_world_size(group)
-        self.codes.copy_(codes)
-        self.scales.copy_(scales)
+        first, nb = self._bucket_range(b)
+        codes = self.codes[first * self.block:(first + nb) * self.block]
+        scales = self.scales[first:first + nb]
+        divisor = world if self._average else 1
+        if self._stream is None:
+            all_reduce_codes(codes, scales, codes.numel(), self.block, self.group, divisor)
+            return
+        ready = torch.cuda.Event()
+        ready.record()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            all_reduce_codes(codes, scales, codes.numel(), self.block, self.group, divisor)
+
+    def prepare_sync(self, average: bool = True) -> None:
+        """Reduce each bucket during the coming backward as soon as its gradients are all in (overlap)."""
+        self.wait()
+        self._syncing = True
+        self._average = average
+        self._pending = [len(members) for members in self.buckets]
+        self._launched = 0
+
+    def wait(self) -> None:
+        """Finish an overlapped reduction: reduce the buckets backward did not complete, then join streams."""
+        if not self._syncing:
+            return
+        self._syncing = False
+        while self._launched < len(self.buckets):  # parameters that got no gradient this step
+            self._reduce_bucket(self._launched)
+            self._launched += 1
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+
+    def all_reduce(self, group=None, average: bool = True) -> None:
+        """Sum (or average) the gradients over the group with the 8-bit all-reduce, bucket by bucket;
+        all ranks end identical. (With prepare_sync() before backward, this only waits.)"""
+        if self._syncing:
+            self.wait()
+            return
+        if group is not None:
+            self.group = group
+        self._average = average
+        for b in range(len(self.buckets)):
+            self._reduce_bucket(b)
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
 
     def gradient(self, param: nn.Parameter, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One parameter's gradient, dequantized, in its shape."""
+        self.wait()
         i = self._index[id(param)]
         codes, scales = self._views(i)
         flat = dequantize(QTensor(codes, scales, codes.shape, dtype, 8, self.block), dtype)

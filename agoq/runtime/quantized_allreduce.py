@@ -53,68 +53,65 @@ def _bounds(numel: int, per: int, block: int, world: int) -> list[tuple[int, int
     return [(min(numel, d * width), min(numel, (d + 1) * width)) for d in range(world)]
 
 
-def _reduce_flat(flat: torch.Tensor, group, block: int, divisor: int) -> torch.Tensor:
-    """Steps 1-6 on a contiguous flat float tensor, in place; returns the reduced scales (for checks)."""
+def _reduce_rows(fill, per: int, block: int, device: torch.device, group) -> torch.Tensor:
+    """Steps 2-5: `fill(d, row)` writes this rank's shard d into a row; returns the gathered reduced
+    rows [W, row_bytes], identical on every rank (valid until the next call on this group)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    per, rb = _layout(flat.numel(), block, world)
-    bounds = _bounds(flat.numel(), per, block, world)
-    ws = Workspace.get(group, rb) if flat.is_cuda else None
+    rb = row_bytes(per, block)
+    ws = Workspace.get(group, rb) if device.type == "cuda" else None
     if ws is not None:
         p = ws.flip()
-        for d, (lo, hi) in enumerate(bounds):
-            quantize_into(flat[lo:hi], ws.inbox(d, p, rb)[rank], per, block)
+        for d in range(world):
+            fill(d, ws.inbox(d, p, rb)[rank])
         ws.barrier()
-        total = sum_rows(ws.inbox(rank, p, rb), per, block)
         mine = ws.outbox(rank, p, rb)[rank]
-        quantize_into(total, mine, per, block)
+        quantize_into(sum_rows(ws.inbox(rank, p, rb), per, block), mine, per, block)
         for d in range(world):
             if d != rank:
                 ws.outbox(d, p, rb)[rank].copy_(mine)
         ws.barrier()
-        gathered = ws.outbox(rank, p, rb)
-    else:
-        send = torch.empty(world, rb, dtype=torch.uint8, device=flat.device)
-        for d, (lo, hi) in enumerate(bounds):
-            quantize_into(flat[lo:hi], send[d], per, block)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        mine = torch.empty(rb, dtype=torch.uint8, device=flat.device)
-        quantize_into(sum_rows(recv, per, block), mine, per, block)
-        gathered = torch.empty_like(send)
-        _all_gather_rows(gathered, mine, group)
-    for s, (lo, hi) in enumerate(bounds):
-        dequantize_from(gathered[s], per, block, flat[lo:hi], divisor)
-    return split_row(gathered, per, block)[1]
-
-
-def all_reduce_codes(data: torch.Tensor, scales: torch.Tensor, numel: int, block: int, group=None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum 8-bit block-quantized tensors over `group`: steps 2-5 on (codes, scales) of `numel` values.
-
-    For buffers that stay quantized (QuanGrad's gradient storage). Returns the reduced
-    (codes [numel] uint8, scales [blocks] float32), identical on every rank.
-    """
-    world = dist.get_world_size(group)
-    nb = num_blocks(numel, block)
-    per, rb = _layout(numel, block, world)
-    width = per * block
-    send = torch.empty(world, rb, dtype=torch.uint8, device=data.device)
-    codes, sc = split_row(send, per, block)
+        return ws.outbox(rank, p, rb)
+    send = torch.empty(world, rb, dtype=torch.uint8, device=device)
     for d in range(world):
-        lo, hi = min(numel, d * width), min(numel, (d + 1) * width)
-        codes[d, :hi - lo].copy_(data[lo:hi])
-        codes[d, hi - lo:].fill_(ZERO_CODE)
-        blo, bhi = min(nb, d * per), min(nb, (d + 1) * per)
-        sc[d, :bhi - blo].copy_(scales[blo:bhi])
-        sc[d, bhi - blo:].zero_()
+        fill(d, send[d])
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    mine = torch.empty(rb, dtype=torch.uint8, device=data.device)
+    mine = torch.empty(rb, dtype=torch.uint8, device=device)
     quantize_into(sum_rows(recv, per, block), mine, per, block)
     gathered = torch.empty_like(send)
     _all_gather_rows(gathered, mine, group)
+    return gathered
+
+
+def all_reduce_codes(data: torch.Tensor, scales: torch.Tensor, numel: int, block: int, group=None,
+                     divisor: int = 1) -> None:
+    """Sum 8-bit block-quantized values over `group`, in place: codes `data` [>= numel] uint8 and
+    `scales` [blocks] float32 of `numel` values (QuanGrad's gradient storage, which stays 8-bit).
+    The reduced scales are divided by `divisor` (the world size for a mean); all ranks end identical."""
+    world = dist.get_world_size(group)
+    nb = num_blocks(numel, block)
+    per, _ = _layout(numel, block, world)
+    width = per * block
+
+    def fill(d: int, row: torch.Tensor) -> None:
+        codes, sc = split_row(row, per, block)
+        lo, hi = min(numel, d * width), min(numel, (d + 1) * width)
+        codes[:hi - lo].copy_(data[lo:hi])
+        codes[hi - lo:].fill_(ZERO_CODE)
+        blo, bhi = min(nb, d * per), min(nb, (d + 1) * per)
+        sc[:bhi - blo].copy_(scales[blo:bhi])
+        sc[bhi - blo:].zero_()
+
+    gathered = _reduce_rows(fill, per, block, data.device, group)
     out_codes, out_scales = split_row(gathered, per, block)
-    return out_codes.reshape(-1)[:numel], out_scales.reshape(-1)[:nb]
+    for d in range(world):
+        lo, hi = min(numel, d * width), min(numel, (d + 1) * width)
+        data[lo:hi].copy_(out_codes[d, :hi - lo])
+        blo, bhi = min(nb, d * per), min(nb, (d + 1) * per)
+        if divisor == 1:
+            scales[blo:bhi].copy_(out_scales[d, :bhi - blo])
+        else:
+            torch.div(out_scales[d, :bhi - blo], divisor, out=scales[blo:bhi])
 
 
 def quantized_all_reduce(tensor: torch.Tensor, group=None, *, average: bool = False, block: int = DEFAULT_BLOCK,
@@ -137,7 +134,13 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, average: bool = Fa
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = work.detach().view(-1)
-    scales = _reduce_flat(flat, group, block, world if average else 1)
+    per, _ = _layout(flat.numel(), block, world)
+    bounds = _bounds(flat.numel(), per, block, world)
+    gathered = _reduce_rows(lambda d, row: quantize_into(flat[slice(*bounds[d])], row, per, block),
+                            per, block, flat.device, group)
+    for s, (lo, hi) in enumerate(bounds):
+        dequantize_from(gathered[s], per, block, flat[lo:hi], world if average else 1)
+    scales = split_row(gathered, per, block)[1]
     if work is not tensor:
         tensor.copy_(work)
     if check_finite and not bool(torch.isfinite(scales).all()):
