@@ -6,7 +6,12 @@ Run under torchrun, one process per GPU; set AGOQ_TRANSPORT to name the transpor
     torchrun --nproc-per-node 2 experiments/bench_allreduce.py [--max-mib 1024] [--reps 20]
 
 Collectives (gradient of N MiB in fp32, quantization included in agoq's time):
-  nccl_fp32, nccl_bf16 (same values in bf16), agoq_8bit (quantized_all_reduce of the fp32 tensor).
+  nccl_fp32, nccl_bf16 (same values in bf16), agoq_8bit (quantized_all_reduce of the fp32 tensor, with
+  the transport it picks: symmetric memory on one node), agoq_8bit_collectives (forced onto NCCL
+  all-to-all + all-gather). Both transports must give the same bytes; the run checks it.
+QuanGrad's fused accumulate kernel (rank 0): 8-bit buffer += fp32 gradient, against the torch ops.
+For the socket stand-in of a network, set AGOQ_ALLREDUCE_TRANSPORT=collectives too (symmetric memory
+would ride NVLink).
 DDP backward of one parameter of N MiB in one bucket, per communication hook:
   ddp_default (fp32 all-reduce), ddp_bf16_compress, ddp_quantization_pertensor, ddp_quangrad.
 """
@@ -46,6 +51,40 @@ def ddp_time(numel: int, hook, reps: int) -> float:
     return median_ms_across_ranks(step, reps)
 
 
+def accumulate_timing(reps: int, mib: int = 256) -> dict:
+    """QuanGrad's accumulate (8-bit buffer += fp32 gradient of `mib` MiB): fused kernel vs torch ops."""
+    from agoq.runtime.quangrad import accumulate_reference
+    from agoq.runtime.quangrad_triton import accumulate_triton
+
+    n, block = mib * 2**20 // 4, 256
+    grad = torch.randn(n, device="cuda")
+    codes = torch.full((n,), 127, dtype=torch.uint8, device="cuda")
+    scales = torch.zeros(n // block, device="cuda")
+    out = {}
+    for name, fn in [("fused_kernel", accumulate_triton), ("torch_ops", accumulate_reference)]:
+        c, sc = codes.clone(), scales.clone()
+        fn(c, sc, grad, block)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(c, sc, grad, block)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        ms = sorted(times)[len(times) // 2]
+        out[f"{name}_ms"] = ms
+        out[f"{name}_GBps"] = (n * 4 + 2 * n + 2 * 4 * (n // block)) / ms / 1e6  # grad + codes in/out + scales
+    c1, s1, c2, s2 = codes.clone(), scales.clone(), codes.clone(), scales.clone()
+    for _ in range(3):
+        accumulate_triton(c1, s1, grad, block)
+        accumulate_reference(c2, s2, grad, block)
+    out["bytes_equal_reference"] = bool(torch.equal(c1, c2) and torch.equal(s1, s2))
+    out["MiB_fp32_gradient"] = mib
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--min-mib", type=int, default=1)
@@ -74,10 +113,21 @@ def main() -> None:
         quantized_all_reduce(test, min_numel=0)
         rel_err = ((test.double() - exact).norm() / exact.norm()).item()
         work32, work16 = grad.clone(), grad.to(torch.bfloat16)
+        forced = os.environ.get("AGOQ_ALLREDUCE_TRANSPORT")
+        os.environ["AGOQ_ALLREDUCE_TRANSPORT"] = "collectives"
+        via_collectives = grad.clone()
+        quantized_all_reduce(via_collectives, min_numel=0)
+        collectives_ms = median_ms_across_ranks(lambda: quantized_all_reduce(work32, min_numel=0), args.reps)
+        if forced is None:
+            del os.environ["AGOQ_ALLREDUCE_TRANSPORT"]
+        else:
+            os.environ["AGOQ_ALLREDUCE_TRANSPORT"] = forced
         row = {"MiB_fp32": mib, "numel": n, "agoq_rel_err": rel_err,
+               "transports_bit_identical": bool(torch.equal(test, via_collectives)),
                "nccl_fp32_ms": median_ms_across_ranks(lambda: dist.all_reduce(work32), args.reps),
                "nccl_bf16_ms": median_ms_across_ranks(lambda: dist.all_reduce(work16), args.reps),
-               "agoq_8bit_ms": median_ms_across_ranks(lambda: quantized_all_reduce(work32, min_numel=0), args.reps)}
+               "agoq_8bit_ms": median_ms_across_ranks(lambda: quantized_all_reduce(work32, min_numel=0), args.reps),
+               "agoq_8bit_collectives_ms": collectives_ms}
         if not args.no_ddp:
             for name, hook in [("ddp_default", None), ("ddp_bf16_compress", default_hooks.bf16_compress_hook),
                                ("ddp_quantization_pertensor", quantization_hooks.quantization_pertensor_hook),
@@ -87,14 +137,22 @@ def main() -> None:
         row["speedup_vs_bf16"] = row["nccl_bf16_ms"] / row["agoq_8bit_ms"]
         rows.append(row)
         if rank == 0:
+            print(f"  8-bit via collectives {collectives_ms:.3f} ms; transports bit-identical: "
+                  f"{row['transports_bit_identical']}", flush=True)
             print(f"{mib:5d} MiB  fp32 {row['nccl_fp32_ms']:8.3f}  bf16 {row['nccl_bf16_ms']:8.3f}  "
                   f"agoq8 {row['agoq_8bit_ms']:8.3f} ms  x{row['speedup_vs_fp32']:.2f} vs fp32  "
                   f"x{row['speedup_vs_bf16']:.2f} vs bf16  err {rel_err:.4f}  "
                   + "  ".join(f"{k[4:-3]} {v:.3f}" for k, v in row.items() if k.startswith("ddp_")), flush=True)
         del grad, exact, test, work32, work16
+    accumulate = accumulate_timing(args.reps) if rank == 0 else None
     if rank == 0:
+        print("accumulate:", accumulate, flush=True)
+        from agoq.runtime.symmetric_transport import _WORKSPACES
+
         print("wrote", write_result(f"allreduce_{world}gpu_{transport}",
-                                    {"world": world, "transport": transport, "rows": rows}, args.out))
+                                    {"world": world, "transport": transport,
+                                     "symmetric_memory_used": bool(_WORKSPACES), "rows": rows,
+                                     "quangrad_accumulate": accumulate}, args.out))
     dist.destroy_process_group()
 
 
