@@ -16,7 +16,7 @@ from agoq.runtime.quant_reference import LIFT, TINY_SCALE
 from agoq.runtime.quant_triton import _USE_ASM, _floor_bits, _nanmax, _sanitize
 
 BLOCKS_PER_PROGRAM = 8
-QMAX = 127
+QMAX = tl.constexpr(127)
 
 
 @triton.jit
