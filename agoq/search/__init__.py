@@ -1,1 +1,6 @@
-"""agoq's search: cost models from a Profile and the per-layer bit-width optimisation (planned)."""
+"""agoq's search: cost models from a Profile, the exact per-layer choice (MILP), the Optuna study over the
+knobs it cannot add up, Pareto fronts and validation of plans by real runs."""
+
+from agoq.search.orchestrate import plan_from_profile, search
+
+__all__ = ["plan_from_profile", "search"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
+import pandas as pd
 
 from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.runtime.policy import KEEP, KINDS, RECOMPUTE
@@ -220,7 +221,16 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
                     & [(int(a), b) in has_nf4 for a, b in zip(table["layer"], table["kind"])])
     rows = table[fmt_ok]
     rows = rows[[(o in ("16", "recompute")) or int(o) >= floors.get(k, 0) for o, k in zip(rows["option"], rows["kind"])]]
-    rows = rows.drop_duplicates(["layer", "kind", "option"]).sort_values(["layer", "kind", "option"])
+    rows = rows.drop_duplicates(["layer", "kind", "option"]).sort_values(["layer", "kind", "option"]).copy()
+    # o_proj_input at 16 shares attention's output while attention is 16: profiles give that shared size
+    # as `bytes` and the full size as `bytes_unshared`; the full size is costed here and the sharing is
+    # the per-layer credit below
+    if "bytes_unshared" in rows.columns:
+        full = pd.to_numeric(rows["bytes_unshared"], errors="coerce")
+        rows["bytes"] = np.where(full.notna(), full, rows["bytes"])
+    elif shape0 is not None:
+        zero_16 = (rows["kind"] == "o_proj_input") & (rows["option"] == "16") & (rows["bytes"] == 0)
+        rows.loc[zero_16, "bytes"] = _kind_bytes(shape0, "o_proj_input", KEEP, block0)
 
     cache: dict = {}
 
@@ -302,9 +312,19 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
                          allow_ckpt, unmodified, credit, static, base + comm, time_scale, notes)
 
 
+def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:
+    """The same problem where each layer either keeps everything (16) or is checkpointed whole: the
+    full-or-selective activation checkpointing that agoq competes with."""
+    keep = np.array([o == "16" for o in problem.option])
+    idx = np.nonzero(keep)[0]
+    return replace(problem, layer=problem.layer[idx], kind=problem.kind[idx], option=[problem.option[i] for i in idx],
+                   memory=problem.memory[idx], seconds=problem.seconds[idx], error=problem.error[idx],
+                   notes=list(problem.notes))
+
+
 def with_knobs(knobs: Knobs, **changes) -> Knobs:
     """A copy of `knobs` with some fields changed."""
     return replace(knobs, **changes)
 
 
-__all__ = ["Knobs", "ChoiceProblem", "build_problem", "gradient_modes", "static_bytes_total", "with_knobs", "KEEP"]
+__all__ = ["Knobs", "ChoiceProblem", "build_problem", "checkpointing_only", "gradient_modes", "static_bytes_total", "with_knobs", "KEEP"]

@@ -237,3 +237,26 @@ def solve(problem: ChoiceProblem, budget, objective: str = "error", time_cap: Op
 def budgets_between(low: float, high: float, count: int) -> Sequence[float]:
     """`count` budgets spread evenly from `low` to `high` bytes (both included)."""
     return list(np.linspace(low, high, count)) if count > 1 else [high]
+
+
+CHECKPOINT_CAP = "checkpoint"
+
+
+def checkpointing_seconds(problem: ChoiceProblem, budget) -> Optional[float]:
+    """Predicted step seconds of the fastest full-or-selective checkpointing (each layer kept whole or
+    checkpointed) that fits `budget` bytes per stage; None when even full checkpointing does not fit."""
+    from agoq.search.costs import checkpointing_only
+
+    try:
+        return Solver(checkpointing_only(problem)).solve(budget, "time").step_seconds
+    except InfeasibleBudget:
+        return None
+
+
+def resolve_time_cap(problem: ChoiceProblem, budget, time_cap) -> Optional[float]:
+    """Seconds for a time cap given as seconds, None, or "checkpoint" (no slower than the best checkpointing
+    configuration that fits the budget; no cap when none fits)."""
+    if time_cap == CHECKPOINT_CAP:
+        seconds = checkpointing_seconds(problem, budget)
+        return None if seconds is None else seconds * (1 + 1e-9) + 1e-12
+    return time_cap

@@ -50,8 +50,10 @@ def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_lay
                 else:
                     sens = base_err * 2.0 ** (4 - b) * rng.uniform(0.8, 1.2)
                     extra = rng.uniform(1e-5, 1e-4)
+                shared = 0 if (kind, option) == ("o_proj_input", "16") else nbytes  # attention at 16 keeps it
                 rows.append({"layer": layer, "kind": kind, "option": option, "bits": b, "format": fmt,
-                             "shape": f"{micro_batch}x{seq_len}x{cfg.hidden_size}", "bytes": nbytes,
+                             "shape": f"{micro_batch}x{seq_len}x{cfg.hidden_size}", "bytes": shared,
+                             "bytes_unshared": nbytes,
                              "quant_error": 0.0 if b in (0, 16) else sens / 2, "sqnr_db": float("inf"),
                              "sensitivity": sens, "extra_seconds": extra,
                              "quantize_seconds": float("nan"), "dequantize_seconds": float("nan"),

@@ -1,0 +1,141 @@
+"""Turn a profile and a memory budget into a plan: per layer and tensor kind, a bit width (2..8), 16 or
+"recompute", or the whole layer checkpointed, chosen to minimise gradient error (or step time) while every
+pipeline stage's predicted peak memory stays within the budget.
+
+  milp    exact per-layer choice with scipy's MILP solver, plus the memory/error Pareto front over
+          --front-budgets budgets (from the smallest feasible one to the unconstrained plan's peak)
+  optuna  a multi-objective Optuna study (memory, time, error) over the knobs the MILP cannot add up:
+          block size, 4-bit format, gradient mode, micro-batch x gradient accumulation, per-kind floor
+          bits, pipeline stage boundaries; each trial's per-layer choice is solved by the MILP, and the
+          first trial is the MILP plan. The study is stored (default OUT_DIR/study.db, SQLite) and an
+          interrupted search resumes where it stopped when run again.
+  both    the two together (default for --method when --trials is given)
+
+Writes the chosen plan (--out), pareto.csv beside it (one row per Pareto-optimal plan, MILP and Optuna)
+and the front's plans in OUT_STEM-pareto/. With --validate K, the K best plans are run for real (a few
+training steps on random tokens) and the measured peak memory (GPU only), step time and loss deviation
+from bf16 are written into the plans, pareto.csv and the study.
+
+Example:  agoq search --profile runs/probe-profile --budget 30GiB --out runs/probe-plan/plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from agoq.cli import positive_int, size_bytes
+from agoq.units import format_bytes
+
+HELP = "turn a profile and a memory budget into a plan (MILP, Optuna)"
+
+
+def time_cap(text: str):
+    """argparse type of --time-cap: seconds > 0, 'checkpoint' or 'none'."""
+    if text in ("checkpoint", "none"):
+        return None if text == "none" else text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, 'checkpoint' or 'none', got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"the time cap must be > 0 seconds, got {value}")
+    return value
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add `agoq search`'s arguments."""
+    parser.add_argument("--profile", required=True, help="profile folder written by `agoq profile` (profile.json, "
+                                                         "profile.parquet)")
+    parser.add_argument("--budget", required=True, type=size_bytes,
+                        help="memory budget per GPU (each pipeline stage), e.g. 30GiB, 1.5GB or bytes")
+    parser.add_argument("--out", required=True, help="the plan file to write, e.g. plan.json; pareto.csv, the "
+                                                    "front's plans and the study go in the same folder")
+    parser.add_argument("--method", choices=("milp", "optuna", "both"), default=None,
+                        help="milp (exact, default), optuna (knobs, multi-objective) or both "
+                             "(default: both when --trials is given, else milp)")
+    parser.add_argument("--objective", choices=("error", "time"), default="error",
+                        help="what the chosen plan minimises: predicted gradient error or step time (default error)")
+    parser.add_argument("--time-cap", type=time_cap, default="checkpoint", metavar="SECONDS|checkpoint|none",
+                        help="largest predicted step time allowed: seconds, 'checkpoint' (no slower than the "
+                             "fastest full-or-selective activation checkpointing that fits the budget; no cap "
+                             "when none fits) or 'none' (default checkpoint). Without a cap, minimising error "
+                             "prefers recomputation, which has none")
+    parser.add_argument("--trials", type=positive_int, default=None,
+                        help="Optuna trials the study should hold in total (default 40 with --method optuna/both)")
+    parser.add_argument("--sampler", choices=("nsga2", "tpe"), default="nsga2",
+                        help="Optuna sampler, both honour the budget as a constraint (default nsga2)")
+    parser.add_argument("--storage", default=None,
+                        help="Optuna storage: a database URL (sqlite:///file.db, postgresql://...) or a path "
+                             "ending in .journal (several processes on one file system); default "
+                             "sqlite:///OUT_DIR/study.db")
+    parser.add_argument("--study-name", default="agoq-search", help="Optuna study name (default agoq-search)")
+    parser.add_argument("--workers", type=positive_int, default=1,
+                        help="trials measured at a time (with --measure-trials, on Ray); >1 also means other "
+                             "processes may share the study, so interrupted trials are not failed (default 1)")
+    parser.add_argument("--measure-trials", action="store_true",
+                        help="run every feasible Optuna trial's plan for real and use measured peak and time")
+    parser.add_argument("--ray-address", default=None,
+                        help="run measurements as Ray tasks: 'local' starts Ray on this machine, an address "
+                             "(e.g. ray://head:10001 or auto) joins a cluster (default: no Ray, in this process)")
+    parser.add_argument("--validate", type=int, default=0, metavar="K",
+                        help="run the K best plans for real and record measured figures (default 0)")
+    parser.add_argument("--validate-steps", type=positive_int, default=4,
+                        help="training steps per measured plan, the first not timed (default 4)")
+    parser.add_argument("--front-budgets", type=int, default=20,
+                        help="budgets of the MILP memory/error Pareto front (default 20; 0: none)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the Optuna sampler and the measured runs")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `agoq search`; returns the exit code."""
+    from agoq.search.orchestrate import search, write_outputs
+    from agoq.search.profile_data import load_profile
+
+    if args.validate < 0:
+        raise ValueError(f"--validate must be >= 0, got {args.validate}")
+    if args.front_budgets < 0:
+        raise ValueError(f"--front-budgets must be >= 0, got {args.front_budgets}")
+    method = args.method or ("both" if args.trials else "milp")
+    out = Path(args.out)
+    if out.suffix != ".json":
+        raise ValueError(f"--out must name a .json file, got {out}")
+    profile = load_profile(args.profile)
+    storage = args.storage
+    if storage is None and args.workers > 1:
+        storage = str(out.parent.resolve() / "study.journal")
+    outcome = search(profile, args.budget, method=method, objective=args.objective, time_cap=args.time_cap,
+                     trials=args.trials or 40, storage=storage, study_name=args.study_name, sampler=args.sampler,
+                     ray_address=args.ray_address, measure_trials=args.measure_trials, parallel=args.workers,
+                     validate=args.validate, validate_steps=args.validate_steps, front_budgets=args.front_budgets,
+                     out_dir=out.parent, seed=args.seed, progress=not args.quiet)
+    written = write_outputs(outcome, out)
+    plan = outcome.plan
+    pred = plan.predicted
+    print(f"plan for {plan.model.name} under {format_bytes(args.budget)} per GPU ({plan.source.method}, "
+          f"objective {args.objective}):")
+    print(f"  predicted peak {', '.join(format_bytes(b) for b in pred.peak_bytes_per_stage)} per stage; "
+          f"activations {', '.join(format_bytes(b) for b in pred.activation_bytes_per_stage)}; "
+          f"step {pred.step_seconds:.4f} s; gradient error {pred.grad_error:.4g}")
+    counts: dict = {}
+    for lp in plan.layers:
+        if lp.checkpoint:
+            counts["checkpoint"] = counts.get("checkpoint", 0) + 1
+            continue
+        for setting in lp.kinds.values():
+            counts[str(setting)] = counts.get(str(setting), 0) + 1
+    print("  choices: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    if plan.measured is not None:
+        m = plan.measured
+        peak = m.peak_bytes_per_stage[0] if m.peak_bytes_per_stage else None
+        print(f"  measured: peak {format_bytes(peak) if peak is not None else 'not measured'}, step "
+              f"{m.step_seconds:.4f} s, loss deviation from bf16 {m.loss_deviation:.3%}")
+    if outcome.trials_total:
+        print(f"  optuna: {outcome.trials_run} trial(s) run now, {outcome.trials_total} in the study")
+    for note in dict.fromkeys(outcome.notes):
+        print(f"  note: {note}", file=sys.stderr)
+    print(f"wrote {written['plan']}, {written['pareto']} and {written['plans']}/")
+    return 0

@@ -1,0 +1,248 @@
+"""The whole search: profile -> MILP and/or Optuna -> best plan, Pareto front (CSV + plans), validation.
+
+`plan_from_profile` is the one-call form that `agoq profile --budget` uses.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from agoq.files import write_atomic
+from agoq.plan import Plan
+from agoq.search.costs import Knobs, build_problem
+from agoq.search.milp import InfeasibleBudget, Solver, resolve_time_cap
+from agoq.search.pareto import FrontPoint, memory_error_front
+from agoq.search.plan_builder import build_plan
+from agoq.search.profile_data import ProfileData, load_profile
+
+METHODS = ("milp", "optuna", "both")
+CSV_COLUMNS = ["source", "trial", "budget_bytes", "predicted_peak_bytes", "predicted_step_seconds",
+               "predicted_grad_error", "block", "format", "gradient_mode", "micro_batch", "grad_accum",
+               "floors", "plan", "measured_peak_bytes", "measured_step_seconds", "measured_loss_deviation"]
+
+
+@dataclass
+class Candidate:
+    """A plan the search produced, with where it came from (milp budget point or optuna trial)."""
+
+    plan: Plan
+    source: str
+    budget_bytes: float
+    trial: Optional[int] = None
+    on_front: bool = True
+    file: Optional[str] = None
+
+    def key(self, objective: str) -> tuple:
+        p = self.plan.predicted
+        peak = max(p.peak_bytes_per_stage)
+        return (p.grad_error, p.step_seconds, peak) if objective == "error" else (p.step_seconds, p.grad_error, peak)
+
+
+@dataclass
+class SearchOutcome:
+    """What a search produced: the chosen plan, every front candidate, and notes for the user."""
+
+    plan: Plan
+    candidates: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    trials_run: int = 0
+    trials_total: int = 0
+
+
+def _infeasible_error(e: InfeasibleBudget, profile: ProfileData) -> ValueError:
+    return ValueError(f"{e} (profile {profile.path})")
+
+
+def _milp_plan(profile: ProfileData, knobs: Knobs, budget: int, objective: str, time_cap: Optional[float]):
+    problem = build_problem(profile, knobs)
+    solver = Solver(problem)
+    try:
+        alloc = solver.solve(budget, objective, resolve_time_cap(problem, budget, time_cap))
+    except InfeasibleBudget as e:
+        raise _infeasible_error(e, profile) from None
+    return problem, solver, alloc
+
+
+def plan_from_profile(profile_dir, budget_bytes: int, *, objective: str = "error",
+                      time_cap="checkpoint", knobs: Knobs = Knobs()) -> Plan:
+    """The MILP-optimal plan of a profile (folder or ProfileData) under `budget_bytes` per GPU (stage).
+
+    `time_cap`: seconds per step, None, or "checkpoint" (default: no slower than the best full-or-selective
+    checkpointing that fits the budget). Raises ValueError with the smallest feasible budget when none fits."""
+    profile = profile_dir if isinstance(profile_dir, ProfileData) else load_profile(profile_dir)
+    problem, _, alloc = _milp_plan(profile, knobs, budget_bytes, objective, time_cap)
+    return build_plan(profile, problem, alloc, knobs, budget_bytes, "milp", objective)
+
+
+def search(profile: ProfileData, budget: int, *, method: str = "milp", objective: str = "error",
+           time_cap="checkpoint", trials: int = 40, storage: Optional[str] = None,
+           study_name: str = "agoq-search", sampler: str = "nsga2", ray_address: Optional[str] = None,
+           measure_trials: bool = False, parallel: int = 1, validate: int = 0, validate_steps: int = 4,
+           front_budgets: int = 20, out_dir: Optional[Path] = None, seed: int = 0, progress: bool = True,
+           stop_after: Optional[int] = None) -> SearchOutcome:
+    """Run the search (see `agoq search --help`); plans of the fronts are built but not written."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    knobs = Knobs()
+    problem, solver, alloc = _milp_plan(profile, knobs, budget, objective, time_cap)
+    outcome = SearchOutcome(build_plan(profile, problem, alloc, knobs, budget, "milp", objective))
+    outcome.notes += problem.notes
+    candidates = [Candidate(outcome.plan, "milp", budget)]
+    if method in ("milp", "both") and front_budgets > 0:
+        cap = (lambda b: resolve_time_cap(problem, b, time_cap)) if time_cap == "checkpoint" else time_cap
+        for point in memory_error_front(problem, front_budgets, objective, cap, solver, progress):
+            candidates.append(Candidate(build_plan(profile, problem, point.alloc, knobs, int(point.budget_bytes),
+                                                   "milp", objective), "milp-front", point.budget_bytes))
+    runner = None
+    if ray_address is not None or (measure_trials and method != "milp"):
+        from agoq.search.validation import Runner
+
+        runner = Runner(ray_address)
+    if method in ("optuna", "both"):
+        from agoq.search.study import KnobSpace, knobs_from_trial, run_study
+
+        if storage is None:
+            storage = f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}"
+        measure = None
+        if measure_trials:
+            measure = _trial_measurer(profile, budget, objective, runner, validate_steps, seed)
+        result = run_study(profile, budget, storage=storage, study_name=study_name, trials=trials,
+                           objective=objective, time_cap=time_cap, sampler=sampler, seed=seed, measure=measure,
+                           parallel=parallel, progress=progress, stop_after=stop_after)
+        outcome.trials_run = result.ran
+        outcome.trials_total = len(result.study.trials)
+        space = KnobSpace(profile)
+        for t in result.front:
+            k = knobs_from_trial(t, space)
+            prob, _, a = _milp_plan(profile, k, budget, objective, time_cap)
+            plan = build_plan(profile, prob, a, k, budget, "optuna", objective)
+            plan.source.trial = t.number
+            if "measured" in t.user_attrs:
+                m = t.user_attrs["measured"]
+                plan.measured = {"peak_bytes_per_stage": [m.get("peak_bytes")] + [None] * (plan.pipeline.stages - 1),
+                                 "step_seconds": m.get("step_seconds"), "loss_deviation": m.get("loss_deviation"),
+                                 "date": m.get("date")}
+            candidates.append(Candidate(plan, "optuna", budget, trial=t.number))
+        study = result.study
+    else:
+        study = None
+    best = min((c for c in candidates if c.source in ("milp", "optuna")), key=lambda c: c.key(objective))
+    outcome.plan = best.plan
+    outcome.candidates = candidates
+    if validate > 0:
+        from agoq.search.validation import Runner, validate_plans
+
+        runner = runner or Runner(ray_address)
+        ranked = [best] + sorted((c for c in candidates if c is not best and c.budget_bytes >= 0
+                                  and max(c.plan.predicted.peak_bytes_per_stage) <= budget),
+                                 key=lambda c: c.key(objective))
+        chosen, seen = [], set()
+        for c in ranked:
+            sig = c.plan.model_dump_json(include={"layers", "activations", "training", "gradients"})
+            if sig not in seen:
+                seen.add(sig)
+                chosen.append(c)
+            if len(chosen) == validate:
+                break
+        config = profile.model_config()
+        if not config:
+            raise ValueError("--validate needs the model config in profile.json (model.config)")
+        validate_plans([c.plan for c in chosen], config, dtype=str(profile.settings.get("dtype", "bf16")),
+                       steps=validate_steps, seed=seed, runner=runner)
+        if study is not None:
+            for c in chosen:
+                if c.trial is not None:
+                    study.set_user_attr(f"validated_trial_{c.trial}", c.plan.measured.model_dump(mode="json"))
+            study.set_user_attr("validated", [{"source": c.source, "trial": c.trial,
+                                               "measured": c.plan.measured.model_dump(mode="json")} for c in chosen])
+    return outcome
+
+
+def _trial_measurer(profile: ProfileData, budget: int, objective: str, runner, steps: int, seed: int):
+    """measure(list of TrialResult) -> measured dicts, running each trial's plan for real."""
+    from agoq.search.plan_builder import build_plan
+    from agoq.search.validation import loss_deviation, measure_plan
+
+    config = profile.model_config()
+    if not config:
+        raise ValueError("measuring trials needs the model config in profile.json (model.config)")
+    dtype = str(profile.settings.get("dtype", "bf16"))
+    reference: dict = {}
+
+    def measure(results: list) -> list:
+        jobs = []
+        for r in results:
+            plan = build_plan(profile, r.problem, r.alloc, r.knobs, budget, "optuna", objective)
+            jobs.append(dict(plan=plan.to_dict(), model_config=config, dtype=dtype, micro_batch=plan.training.micro_batch,
+                             seq_len=plan.training.seq_len, grad_accum=plan.training.grad_accum, steps=steps, seed=seed))
+        shapes = sorted({(j["micro_batch"], j["seq_len"], j["grad_accum"]) for j in jobs} - set(reference))
+        refs = [dict(plan=None, model_config=config, dtype=dtype, micro_batch=a, seq_len=b, grad_accum=c, steps=steps,
+                     seed=seed) for a, b, c in shapes]
+        out = runner.map(measure_plan, jobs + refs)
+        for shape, r in zip(shapes, out[len(jobs):]):
+            reference[shape] = r
+        measured = []
+        for j, r in zip(jobs, out[:len(jobs)]):
+            ref = reference[(j["micro_batch"], j["seq_len"], j["grad_accum"])]
+            from agoq.search.plan_builder import now
+
+            measured.append({"peak_bytes": r["peak_bytes"], "step_seconds": r["step_seconds"],
+                             "loss_deviation": loss_deviation(r["losses"], ref["losses"]), "date": now()})
+        return measured
+
+    return measure
+
+
+def pareto_rows(candidates: list, plan_names: dict) -> list[dict]:
+    """Rows of pareto.csv: the MILP memory/error front and the Optuna front."""
+    rows = []
+    for c in candidates:
+        if c.source == "milp":
+            continue
+        p = c.plan
+        k = {"block": p.activations.block, "format": p.activations.format, "gradient_mode": p.gradients.mode,
+             "micro_batch": p.training.micro_batch, "grad_accum": p.training.grad_accum}
+        m = p.measured
+        row = {"source": c.source, "trial": c.trial, "budget_bytes": int(c.budget_bytes),
+               "predicted_peak_bytes": max(p.predicted.peak_bytes_per_stage),
+               "predicted_step_seconds": p.predicted.step_seconds, "predicted_grad_error": p.predicted.grad_error,
+               **k, "floors": "", "plan": plan_names.get(id(c), ""),
+               "measured_peak_bytes": None if m is None else next((v for v in m.peak_bytes_per_stage if v is not None), None),
+               "measured_step_seconds": None if m is None else m.step_seconds,
+               "measured_loss_deviation": None if m is None else m.loss_deviation}
+        floors = (p.source.model_extra or {}).get("floor_bits") or {}
+        row["floors"] = " ".join(f"{kind}>={bits}" for kind, bits in floors.items())
+        rows.append(row)
+    return rows
+
+
+def write_outputs(outcome: SearchOutcome, out: Path) -> dict:
+    """Write plan.json (`out`), the front's plans (OUT_STEM-pareto/NN.json) and pareto.csv beside it."""
+    out = Path(out)
+    folder = out.parent
+    outcome.plan.save(out)
+    plans_dir = folder / f"{out.stem}-pareto"
+    names = {}
+    i = 0
+    for c in outcome.candidates:
+        if c.source == "milp":
+            continue
+        name = f"{plans_dir.name}/{c.source}-{i:02d}.json"
+        c.plan.save(folder / name)
+        names[id(c)] = name
+        i += 1
+    rows = pareto_rows(outcome.candidates, names)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
+                         for k, v in row.items()})
+    csv_path = folder / "pareto.csv"
+    write_atomic(csv_path, buf.getvalue())
+    return {"plan": out, "pareto": csv_path, "plans": plans_dir}

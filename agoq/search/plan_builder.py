@@ -1,0 +1,49 @@
+"""Turning a solved allocation into a Plan (agoq.plan), with the cost models' predictions filled in."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+from agoq.plan import Plan
+from agoq.search.costs import ChoiceProblem, Knobs
+from agoq.search.milp import Allocation
+from agoq.search.profile_data import ProfileData
+
+
+def now() -> str:
+    """The current UTC time, ISO 8601, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, knobs: Knobs,
+               budget_bytes: Optional[int], method: str, objective: str) -> Plan:
+    """A validated Plan for `alloc` (the choice), `knobs` (block, format, micro-batch, gradient mode ...)."""
+    settings = alloc.settings(problem)
+    layers = [{"layer": l, "stage": int(problem.layer_stage[l]), **settings[l]} for l in range(problem.num_layers)]
+    activation = [int(peak - static) for peak, static in zip(alloc.peak_bytes_per_stage, problem.static_bytes)]
+    s = profile.settings
+    data = {
+        "schema": "agoq.plan/1",
+        "model": {"name": profile.model_name, "fingerprint": profile.fingerprint},
+        "budget_bytes": int(budget_bytes) if budget_bytes is not None else None,
+        "activations": {"block": int(knobs.block or s.get("block", 128)), "format": knobs.format,
+                        "rounding": "nearest"},
+        "layers": layers,
+        "gradients": {"mode": knobs.gradient_mode, "block": 256, "bucket_bytes": 25 * 2**20},
+        "pipeline": {"stages": problem.num_stages, "micro_batches": int(s.get("micro_batches", 1) or 1),
+                     "schedule": knobs.schedule},
+        "training": {"micro_batch": int(knobs.micro_batch or s.get("micro_batch", 1) or 1),
+                     "seq_len": int(s.get("seq_len", 1) or 1), "grad_accum": int(knobs.grad_accum)},
+        "predicted": {"peak_bytes_per_stage": [int(p) for p in alloc.peak_bytes_per_stage],
+                      "activation_bytes_per_stage": activation, "step_seconds": float(alloc.step_seconds),
+                      "grad_error": float(alloc.grad_error)},
+        "measured": None,
+        "source": {"method": method, "objective": objective, "profile": str(profile.path), "date": now()},
+    }
+    floors = {k: b for k, b in knobs.floor_bits if b > 2}
+    if floors:
+        data["source"]["floor_bits"] = floors
+    if problem.notes:
+        data["source"]["notes"] = list(problem.notes)
+    return Plan.model_validate(data)

@@ -1,0 +1,266 @@
+"""Multi-objective search over the knobs the per-layer MILP cannot add up: an Optuna study (ask/tell).
+
+Each trial picks knobs (block size, 4-bit format, gradient mode, micro-batch and gradient accumulation at a
+fixed number of sequences per step, per-kind floor bits, pipeline stage boundaries), solves the per-layer
+choice exactly with the MILP under the budget, and reports three objectives, all minimised: peak memory
+(bytes, the largest stage's), step time (seconds) and gradient error. With `measure`, each trial's plan
+is also run for real (as a Ray task when a runner has Ray) and the measured peak and step time replace
+the predicted ones. A plan over budget is reported as a constraint violation (NSGA-II and TPE honour
+it). The first trial is the MILP plan with the profile's own knobs (warm start).
+
+Storage: Optuna's; an SQLite file by default, a journal file (``*.journal``) for several processes on
+one file system, or any database URL (e.g. PostgreSQL) for several machines. Rerunning with the same
+storage and study name resumes: only the trials still missing are run.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from agoq.runtime.policy import KINDS
+from agoq.search.costs import Knobs, build_problem, gradient_modes
+from agoq.search.milp import InfeasibleBudget, Solver, resolve_time_cap
+from agoq.search.profile_data import ProfileData
+
+SAMPLERS = ("nsga2", "tpe")
+BLOCKS = (32, 64, 128, 256)
+FLOOR_BITS = (2, 3, 4, 5, 6, 8)
+DEFAULT_STUDY = "agoq-search"
+
+
+def open_storage(storage: str):
+    """An Optuna storage from a URL (sqlite:///..., postgresql://...) or a path ending in .journal."""
+    import optuna
+
+    if storage.endswith(".journal") and "://" not in storage:
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        Path(storage).parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(storage))
+    if storage.startswith("sqlite:///"):
+        Path(storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.RDBStorage(storage) if "://" in storage else storage
+
+
+def _constraints(trial) -> list[float]:
+    return list(trial.user_attrs.get("constraint", [1.0]))
+
+
+@dataclass
+class TrialResult:
+    """One finished trial: its knobs, allocation, figures and (if run) measurement."""
+
+    number: int
+    knobs: Knobs
+    alloc: Any
+    problem: Any
+    feasible: bool
+    measured: Optional[dict] = None
+    values: tuple = ()
+
+
+@dataclass
+class StudyResult:
+    """The study's completed trials (this run's and earlier ones') and its feasible Pareto front."""
+
+    study: Any
+    trials: list = field(default_factory=list)      # TrialResult of the trials run now
+    front: list = field(default_factory=list)       # optuna FrozenTrial of the feasible Pareto front
+    ran: int = 0
+
+
+class KnobSpace:
+    """Which knobs a profile allows, and turning a trial's suggestions into Knobs."""
+
+    def __init__(self, profile: ProfileData, sequences_per_step: Optional[int] = None):
+        self.profile = profile
+        s = profile.settings
+        self.has_config = bool(profile.model_config())
+        self.mb0 = int(s.get("micro_batch", 1) or 1)
+        self.sequences = int(sequences_per_step or self.mb0)
+        self.micro_batches = [d for d in range(1, self.sequences + 1) if self.sequences % d == 0] \
+            if self.has_config else [self.mb0]
+        self.modes = gradient_modes(profile)
+        self.formats = ["int", "nf4"] if (profile.table["format"] == "nf4").any() else ["int"]
+        self.block0 = int(s.get("block", 128) or 128)
+        self.blocks = sorted(set(BLOCKS) | {self.block0}) if self.has_config else [self.block0]
+        self.stages = profile.num_stages()
+        self.layer_stage0 = profile.layer_stage()
+        quantized = profile.table[~profile.table["option"].isin(["16", "recompute"])]
+        self.floor_choices = sorted({int(b) for b in quantized["bits"]}) or [2]
+
+    def defaults(self) -> dict:
+        """The profile's own knobs: the warm-start trial."""
+        d = {"block": self.block0, "format": "int", "gradient_mode": "bf16", "micro_batch": min(self.mb0, self.sequences)
+             if self.mb0 in self.micro_batches else self.micro_batches[-1]}
+        d.update({f"floor_{k}": self.floor_choices[0] for k in KINDS})
+        d.update({f"stage_shift_{i}": 0 for i in range(1, self.stages)})
+        return d
+
+    def suggest(self, trial) -> Knobs:
+        block = trial.suggest_categorical("block", self.blocks)
+        fmt = trial.suggest_categorical("format", self.formats)
+        mode = trial.suggest_categorical("gradient_mode", self.modes)
+        mb = trial.suggest_categorical("micro_batch", self.micro_batches)
+        floors = tuple((k, trial.suggest_categorical(f"floor_{k}", self.floor_choices)) for k in KINDS)
+        layer_stage = None
+        if self.stages > 1:
+            bounds = [self.layer_stage0.index(s) for s in range(1, self.stages)]
+            L = len(self.layer_stage0)
+            moved = []
+            for i, b in enumerate(bounds, start=1):
+                shift = trial.suggest_int(f"stage_shift_{i}", -2, 2)
+                moved.append(b + shift)
+            if all(0 < a < b for a, b in zip([0] + moved, moved + [L])):
+                layer_stage = tuple(int(np.searchsorted(moved, l, side="right")) for l in range(L))
+            else:
+                layer_stage = tuple(self.layer_stage0)
+        return Knobs(block=block, format=fmt, floor_bits=floors, micro_batch=mb, grad_accum=self.sequences // mb,
+                     gradient_mode=mode, layer_stage=layer_stage)
+
+
+def knobs_dict(knobs: Knobs) -> dict:
+    """Knobs as flat, CSV-ready values."""
+    d = {"block": knobs.block, "format": knobs.format, "gradient_mode": knobs.gradient_mode,
+         "micro_batch": knobs.micro_batch, "grad_accum": knobs.grad_accum}
+    d.update({f"floor_{k}": b for k, b in knobs.floor_bits})
+    if knobs.layer_stage is not None:
+        d["layer_stage"] = "".join(map(str, knobs.layer_stage))
+    return d
+
+
+def run_study(profile: ProfileData, budget: int, *, storage: str, study_name: str = DEFAULT_STUDY,
+              trials: int = 40, objective: str = "error", time_cap="checkpoint",
+              sampler: str = "nsga2", seed: int = 0, sequences_per_step: Optional[int] = None,
+              measure: Optional[Callable[[list], list]] = None, parallel: int = 1,
+              progress: bool = True, stop_after: Optional[int] = None) -> StudyResult:
+    """Run the study until it holds `trials` finished trials (resuming an existing one); returns them.
+
+    `measure(list of (TrialResult)) -> list of dicts with peak_bytes and step_seconds` runs plans for
+    real (`parallel` at a time); `stop_after` stops this call after that many new trials (to test resume).
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    # optuna >= 5 reads constraints the trial states itself; older versions take a function
+    own_constraints = hasattr(optuna.trial.Trial, "set_constraint")
+    extra = {} if own_constraints else {"constraints_func": _constraints}
+    if sampler == "nsga2":
+        smp = optuna.samplers.NSGAIISampler(seed=seed, population_size=max(4, min(20, trials // 2)), **extra)
+    else:
+        smp = optuna.samplers.TPESampler(seed=seed, multivariate=True, **extra)
+    study = optuna.create_study(study_name=study_name, storage=open_storage(storage), sampler=smp,
+                                directions=["minimize", "minimize", "minimize"], load_if_exists=True)
+    meta = {"budget_bytes": int(budget), "objective": objective, "profile": str(profile.path),
+            "fingerprint": profile.fingerprint}
+    old = study.user_attrs.get("search")
+    if old and (old["budget_bytes"] != meta["budget_bytes"] or old["fingerprint"] != meta["fingerprint"]):
+        raise ValueError(f"study {study_name!r} in {storage} was made for another budget or model ({old}); "
+                         "use another --out folder, --storage or --study-name")
+    study.set_user_attr("search", meta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # set_metric_names is marked experimental
+        study.set_metric_names(["peak_bytes", "step_seconds", "grad_error"])
+    if parallel <= 1:  # one process owns the study: trials left running by an interrupted run failed
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            study.tell(t.number, state=TrialState.FAIL)
+    space = KnobSpace(profile, sequences_per_step)
+    finished = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    if not study.trials:
+        study.enqueue_trial(space.defaults())
+    todo = max(0, trials - len(finished))
+    if stop_after is not None:
+        todo = min(todo, stop_after)
+    result = StudyResult(study)
+    bar = None
+    if progress and todo:
+        from tqdm import tqdm
+
+        bar = tqdm(total=todo, desc="optuna trials", unit="trial", file=sys.stderr)
+    solvers: dict = {}
+    while todo > 0:
+        batch = []
+        for _ in range(min(parallel, todo)):
+            trial = study.ask()
+            knobs = space.suggest(trial)
+            batch.append((trial, knobs))
+        results = []
+        for trial, knobs in batch:
+            key = knobs
+            if key not in solvers:
+                problem = build_problem(profile, knobs)
+                solvers[key] = (problem, Solver(problem), resolve_time_cap(problem, budget, time_cap))
+            problem, solver, cap = solvers[key]
+            try:
+                alloc = solver.solve(budget, objective, cap)
+                feasible = True
+            except InfeasibleBudget as e:
+                if e.smallest_budget is None:
+                    study.tell(trial, state=TrialState.FAIL)
+                    todo -= 1
+                    if bar:
+                        bar.update(1)
+                    continue
+                alloc = solver.solve(e.smallest_budget, objective, cap)
+                feasible = False
+            results.append((trial, TrialResult(trial.number, knobs, alloc, problem, feasible)))
+        measured = measure([r for _, r in results if r.feasible]) if measure else []
+        it = iter(measured)
+        for trial, r in results:
+            peak = float(max(r.alloc.peak_bytes_per_stage))
+            seconds = r.alloc.step_seconds
+            if r.feasible and measure:
+                r.measured = next(it)
+                if r.measured.get("peak_bytes") is not None:
+                    peak = float(r.measured["peak_bytes"])
+                seconds = float(r.measured["step_seconds"])
+                trial.set_user_attr("measured", r.measured)
+            trial.set_user_attr("constraint", [peak - budget])
+            if own_constraints:
+                trial.set_constraint("peak_over_budget", peak - budget)
+            trial.set_user_attr("predicted", {"peak_bytes_per_stage": r.alloc.peak_bytes_per_stage,
+                                              "step_seconds": r.alloc.step_seconds, "grad_error": r.alloc.grad_error})
+            trial.set_user_attr("knobs", knobs_dict(r.knobs))
+            r.values = (peak, seconds, r.alloc.grad_error)
+            study.tell(trial, list(r.values))
+            result.trials.append(r)
+            todo -= 1
+            result.ran += 1
+            if bar:
+                bar.update(1)
+    if bar:
+        bar.close()
+    result.front = feasible_front(study)
+    return result
+
+
+def feasible_front(study) -> list:
+    """The study's Pareto-optimal completed trials among those within the budget."""
+    from optuna.trial import TrialState
+
+    from agoq.search.pareto import non_dominated
+
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if all(c <= 0 for c in t.user_attrs.get("constraint", [1.0]))]
+    unique: dict = {}
+    for t in done:  # trials whose knobs differ but whose figures are the same: keep the first
+        unique.setdefault(tuple(t.values), t)
+    return sorted(non_dominated(list(unique.values()), lambda t: tuple(t.values)), key=lambda t: tuple(t.values))
+
+
+def knobs_from_trial(trial, space: KnobSpace) -> Knobs:
+    """Rebuild a trial's Knobs from its parameters (for a trial of an earlier run)."""
+    import optuna
+
+    fixed = optuna.trial.FixedTrial(trial.params)
+    return space.suggest(fixed)

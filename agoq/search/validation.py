@@ -1,0 +1,160 @@
+"""Validation: run plans for real (a few training steps on random tokens of the profiled model) and measure
+peak memory, step time and loss deviation from plain bf16 training; in this process or as Ray tasks.
+
+Peak memory is `torch.cuda.max_memory_allocated` over the steps (weights, gradients, AdamW state and
+activations: what the plan's predicted peak counts); on a CPU it is not measured and recorded as None.
+Gradients are kept in bf16 here whatever the plan's gradient mode (a single process has no all-reduce).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from agoq.search.plan_builder import now
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16", micro_batch: int = 1,
+                 seq_len: int = 64, grad_accum: int = 1, steps: int = 4, seed: int = 0,
+                 device: Optional[str] = None, lr: float = 1e-4) -> dict[str, Any]:
+    """Train `steps` AdamW steps of the model (`model_config`, a LlamaConfig dict) with `plan` applied (None:
+    plain model) on random tokens; returns peak bytes (None on CPU), median step seconds (first step
+    excluded), the losses and the device."""
+    import torch
+
+    from agoq.models import build
+    from agoq.plan import plan_from_dict
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build(dict(model_config), dtype=torch_dtype, device=device, seed=seed)
+    if plan is not None:
+        plan_from_dict(plan).apply(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    vocab = model.config.vocab_size
+    batches = [torch.randint(0, vocab, (micro_batch, seq_len + 1), device=device, generator=gen)
+               for _ in range(steps * grad_accum)]
+    losses, times = [], []
+    for step in range(steps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for a in range(grad_accum):
+            ids = batches[step * grad_accum + a]
+            loss = model(ids[:, :-1], ids[:, 1:]) / grad_accum
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(total)
+    peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
+    del model, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    timed = times[1:] if len(times) > 1 else times
+    return {"peak_bytes": peak, "step_seconds": statistics.median(timed), "losses": losses, "device": device}
+
+
+def loss_deviation(losses: Sequence[float], reference: Sequence[float]) -> float:
+    """Mean relative deviation |loss - reference| / |reference| over the steps."""
+    pairs = [(a, b) for a, b in zip(losses, reference)]
+    if not pairs:
+        return float("nan")
+    return sum(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs) / len(pairs)
+
+
+class Runner:
+    """Runs measurement functions here (address None) or as Ray tasks ("local" starts a Ray instance on
+    this machine; any other address joins that cluster). Ray is imported only when used."""
+
+    def __init__(self, ray_address: Optional[str] = None):
+        self.ray = None
+        if ray_address is not None:
+            try:
+                import ray
+            except ImportError as e:
+                raise ValueError("--ray-address needs the ray package (pip install ray)") from e
+            if not ray.is_initialized():
+                kwargs = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+                if ray_address == "local":
+                    ray.init(num_cpus=None, **kwargs)
+                else:
+                    ray.init(address=ray_address, **kwargs)
+            self.ray = ray
+
+    def map(self, fn: Callable, jobs: Sequence[dict], progress: Optional[str] = None) -> list:
+        """fn(**job) for every job, in order; in parallel on Ray."""
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(jobs), desc=progress, unit="run", file=sys.stderr)
+        if self.ray is None:
+            out = []
+            for job in jobs:
+                out.append(fn(**job))
+                if bar:
+                    bar.update(1)
+        else:
+            ray = self.ray
+            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+            remote = ray.remote(num_gpus=gpus)(fn)
+            refs = [remote.remote(**job) for job in jobs]
+            pending = list(refs)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                if bar:
+                    bar.update(len(done))
+            out = ray.get(refs)
+        if bar:
+            bar.close()
+        return out
+
+
+def validate_plans(plans: list, model_config: dict, *, dtype: str = "bf16", steps: int = 4, seed: int = 0,
+                   runner: Optional[Runner] = None, device: Optional[str] = None) -> list[dict]:
+    """Measure each plan (agoq.plan.Plan) and plain bf16 training of the same model, batch and data; writes
+    `measured` into each plan and returns the measured dicts."""
+    runner = runner or Runner()
+    jobs = [dict(plan=None if p is None else p.to_dict(), model_config=model_config, dtype=dtype,
+                 micro_batch=p.training.micro_batch, seq_len=p.training.seq_len, grad_accum=p.training.grad_accum,
+                 steps=steps, seed=seed, device=device) for p in plans]
+    shapes = {(j["micro_batch"], j["seq_len"], j["grad_accum"]) for j in jobs}
+    refs = [dict(plan=None, model_config=model_config, dtype=dtype, micro_batch=mb, seq_len=sl, grad_accum=ga,
+                 steps=steps, seed=seed, device=device) for mb, sl, ga in sorted(shapes)]
+    results = runner.map(measure_plan, jobs + refs, progress="validating plans")
+    reference = {(j["micro_batch"], j["seq_len"], j["grad_accum"]): r for j, r in zip(refs, results[len(jobs):])}
+    measured = []
+    for plan, job, r in zip(plans, jobs, results[:len(jobs)]):
+        ref = reference[(job["micro_batch"], job["seq_len"], job["grad_accum"])]
+        stages = plan.pipeline.stages
+        entry = {"peak_bytes_per_stage": [r["peak_bytes"]] + [None] * (stages - 1),
+                 "step_seconds": r["step_seconds"], "loss_deviation": loss_deviation(r["losses"], ref["losses"]),
+                 "date": now(), "device": r["device"], "steps": steps,
+                 "bf16_step_seconds": ref["step_seconds"], "bf16_peak_bytes": ref["peak_bytes"]}
+        if r["peak_bytes"] is None:
+            entry["note"] = "peak memory not measured on a CPU"
+        if stages > 1:
+            entry["note"] = "the whole model ran in one process: the peak is not per pipeline stage"
+            entry["peak_bytes_per_stage"] = [None] * stages
+            entry["whole_model_peak_bytes"] = r["peak_bytes"]
+        if plan.gradients.mode != "bf16":
+            entry["gradients"] = "measured with bf16 gradients (one process, no all-reduce)"
+        plan.measured = entry
+        measured.append(entry)
+    return measured

@@ -1,0 +1,187 @@
+"""Cost models against independent references: the bytes autograd really keeps for a plan's choice on
+llama-tiny, closed-form stage memory and step time, micro-batch / block rescaling against a profile written
+at the new size, and the profile reader's errors."""
+
+import json
+import math
+import os
+import random
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import agoq
+from agoq.models import build
+from agoq.plan import remove_plan
+from agoq.search.costs import Knobs, build_problem, checkpointing_only, static_bytes_total
+from agoq.search.milp import Solver
+from agoq.search.orchestrate import plan_from_profile
+from agoq.search.profile_data import load_profile
+from tests.search.synthetic_profile import write_profile
+
+
+def fresh_rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    return seed, random.Random(seed)
+
+
+def test_predicted_activation_bytes_equal_measured(tmp_path):
+    """Plans at budgets across the whole range (checkpointed layers, all-16 layers, shared o_proj input,
+    quantized kinds): the predicted activation bytes equal what track_saved_tensors measures."""
+    seed, rng = fresh_rng()
+    mb, seq = rng.choice([1, 2, 3]), rng.choice([19, 37, 50])
+    folder = write_profile(tmp_path / "p", rng, micro_batch=mb, seq_len=seq, num_layers=4)
+    profile = load_profile(folder)
+    problem = build_problem(profile)
+    solver = Solver(problem)
+    low = solver.smallest_budget()
+    high = max(solver.solve(math.inf).peak_bytes_per_stage)
+    model = build(profile.header["model"]["spec"], dtype=torch.bfloat16, num_layers=4, seed=seed % 2**31)
+    ids = torch.randint(0, model.config.vocab_size, (mb, seq + 1), generator=torch.Generator().manual_seed(seed))
+    seen = set()
+    for frac in (0.0, 0.1, 0.3, 0.6, 1.0, rng.random()):
+        budget = int(low + frac * (high - low))
+        for cap in (None, "checkpoint"):
+            plan = plan_from_profile(profile, budget, time_cap=cap)
+            plan.apply(model)
+            with agoq.track_saved_tensors(model) as log:
+                loss = model(ids[:, :-1], ids[:, 1:])
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            remove_plan(model)
+            measured = sum(log.layer_total(i) for i in range(4))
+            assert plan.predicted.activation_bytes_per_stage == [measured], \
+                f"seed {seed} budget {budget}: {[lp.model_dump() for lp in plan.layers]}"
+            assert max(plan.predicted.peak_bytes_per_stage) <= budget
+            seen.add((tuple(plan.checkpoint_layers()), tuple(str(plan.settings(i)) for i in range(4))))
+    assert len(seen) >= 3, "the budgets did not produce different plans"
+
+
+def test_stage_memory_and_time_closed_form(tmp_path):
+    """evaluate() of a random choice == a pandas computation straight from the profile's rows."""
+    seed, rng = fresh_rng()
+    stages = rng.choice([2, 3])
+    in_flight = [rng.randint(1, 6) for _ in range(stages)]
+    folder = write_profile(tmp_path / "p", rng, num_layers=6, stages=stages, in_flight=in_flight,
+                           collectives=True, world_size=2, layer_forward=True)
+    profile = load_profile(folder)
+    mode = rng.choice(["bf16", "quangrad8", "sdp4bit"])
+    problem = build_problem(profile, Knobs(gradient_mode=mode, grad_accum=2))
+    table = profile.table
+    header = profile.header
+    L = 6
+    # a random choice, with at least one layer quantized everywhere (no all-16 or sharing correction)
+    chosen, ckpt = [], np.zeros(L, dtype=bool)
+    ckpt[rng.randrange(1, L)] = True
+    expected_mem = np.zeros(stages)
+    expected_extra, expected_err = 0.0, 0.0
+    layer_stage = header["pipeline"]["layer_stage"]
+    for (l, k), idx in problem.groups().items():
+        if ckpt[l]:
+            continue
+        quantized = [i for i in idx if problem.option[i] not in ("16", "recompute")]
+        i = rng.choice(quantized) if l == 0 else rng.choice(list(idx))
+        chosen.append(i)
+    sixteen_layers = set()
+    for l in range(L):
+        mine = [i for i in chosen if problem.layer[i] == l]
+        if mine and all(problem.option[i] == "16" for i in mine):
+            sixteen_layers.add(l)
+    shares = set()
+    for l in range(L):
+        opts = {agoq.KINDS[problem.kind[i]]: problem.option[i] for i in chosen if problem.layer[i] == l}
+        if opts and opts["attention"] == "16" and opts["o_proj_input"] == "16":
+            shares.add(l)
+    for i in chosen:
+        l, kind, opt = int(problem.layer[i]), agoq.KINDS[problem.kind[i]], problem.option[i]
+        row = table[(table.layer == l) & (table.kind == kind) & (table.option == opt)].iloc[0]
+        nbytes = row["bytes_unshared"] if not (kind == "o_proj_input" and l in shares) else 0
+        expected_mem[layer_stage[l]] += in_flight[layer_stage[l]] * nbytes
+        expected_extra += 2 * row["extra_seconds"]
+        expected_err += row["sensitivity"]
+    from agoq.models import resolve_config
+    from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
+    shape = LayerShape.from_config(resolve_config(header["model"]["config"]), 2, header["settings"]["seq_len"])
+    plain = sum(predict_layer_bytes(shape, None).values())
+    for l in sixteen_layers:
+        laaq16 = table[(table.layer == l) & (table.option == "16")]["bytes_unshared"].sum()
+        o16 = table[(table.layer == l) & (table.option == "16") & (table.kind == "o_proj_input")]["bytes_unshared"].sum()
+        expected_mem[layer_stage[l]] += in_flight[layer_stage[l]] * (plain - (laaq16 - o16 * (l in shares)))
+    hidden = header["model"]["config"]["hidden_size"]
+    for l in np.nonzero(ckpt)[0]:
+        expected_mem[layer_stage[l]] += in_flight[layer_stage[l]] * 2 * header["settings"]["seq_len"] * hidden * 2
+        expected_extra += 2 * header["timing"]["layer_forward_seconds"][l]
+    counts = np.bincount(layer_stage, minlength=stages)
+    expected_mem += static_bytes_total(profile, mode) * counts / L + header["memory"]["fixed_bytes"]
+    coll = pd.read_parquet(folder / "collectives.parquet")
+    path = {"bf16": "nccl-bf16", "quangrad8": "quangrad8", "sdp4bit": "sdp4bit"}[mode]
+    per_byte = coll[coll.path == path]["seconds"].iloc[0] / coll[coll.path == path]["message_bytes"].iloc[0]
+    comm = per_byte * header["model"]["parameters"] * 4  # the fixture's times are linear in size
+    got = problem.evaluate(np.array(chosen), ckpt)
+    np.testing.assert_allclose(got["peak_bytes_per_stage"], expected_mem, rtol=0, atol=1, err_msg=f"seed {seed}")
+    assert got["step_seconds"] == pytest.approx(2 * 0.05 + expected_extra + comm, rel=1e-9), f"seed {seed}"
+    assert got["grad_error"] == pytest.approx(expected_err, rel=1e-12), f"seed {seed}"
+
+
+def test_micro_batch_and_block_rescaling_match_a_fresh_profile(tmp_path):
+    seed, rng = fresh_rng()
+    seq = rng.choice([17, 33])
+    mb_new, block_new = rng.choice([1, 3, 4]), rng.choice([32, 64, 256])
+    a = load_profile(write_profile(tmp_path / "a", random.Random(seed), micro_batch=2, seq_len=seq))
+    b = load_profile(write_profile(tmp_path / "b", random.Random(seed), micro_batch=mb_new, seq_len=seq, block=block_new))
+    pa = build_problem(a, Knobs(micro_batch=mb_new, block=block_new))
+    pb = build_problem(b)
+    assert pa.option == pb.option
+    np.testing.assert_allclose(pa.memory, pb.memory, rtol=1e-12, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(pa.unmodified_extra, pb.unmodified_extra, rtol=1e-12)
+    np.testing.assert_allclose(pa.shared_credit, pb.shared_credit, rtol=1e-12)
+    np.testing.assert_allclose(pa.checkpoint_memory, pb.checkpoint_memory, rtol=1e-12)
+
+
+def test_floor_bits_and_checkpointing_only(tmp_path):
+    seed, rng = fresh_rng()
+    profile = load_profile(write_profile(tmp_path / "p", rng))
+    floors = {"silu_input": 5, "attention": 8}
+    p = build_problem(profile, Knobs(floor_bits=tuple(floors.items())))
+    for kind, floor in floors.items():
+        opts = {p.option[i] for i in range(len(p.option)) if agoq.KINDS[p.kind[i]] == kind}
+        assert all(o == "16" or int(o) >= floor for o in opts) and "16" in opts
+    only = checkpointing_only(p)
+    assert set(only.option) == {"16"}
+    alloc = Solver(only).solve(math.inf, "time")
+    assert not alloc.checkpoint.any()
+    low = Solver(only).smallest_budget()
+    assert Solver(only).solve(low).checkpoint.all()
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("schema", "schema"), ("newer", "newer"), ("no_parquet", "profile.parquet"), ("column", "missing column"),
+    ("negative", "bytes"), ("kind", "unknown kind"), ("recompute", "cannot be recomputed"), ("layers", "layer"),
+])
+def test_profile_reader_errors(tmp_path, damage, match):
+    folder = write_profile(tmp_path / "p", random.Random(1), num_layers=2)
+    header = json.loads((folder / "profile.json").read_text())
+    table = pd.read_parquet(folder / "profile.parquet")
+    if damage == "schema":
+        header["schema"] = "agoq.plan/1"
+    elif damage == "newer":
+        header["schema"] = "agoq.profile/2"
+    elif damage == "no_parquet":
+        (folder / "profile.parquet").unlink()
+    elif damage == "column":
+        table = table.drop(columns=["sensitivity"])
+    elif damage == "negative":
+        table.loc[3, "bytes"] = -1
+    elif damage == "kind":
+        table.loc[0, "kind"] = "gate"
+    elif damage == "recompute":
+        table.loc[table.option == "recompute", "kind"] = "attention"
+    elif damage == "layers":
+        header["model"]["num_layers"] = 3
+    (folder / "profile.json").write_text(json.dumps(header))
+    if damage != "no_parquet":
+        table.to_parquet(folder / "profile.parquet")
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        load_profile(folder)
