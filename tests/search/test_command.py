@@ -1,0 +1,194 @@
+"""`agoq search` end to end: plan and Pareto front files, infeasible budgets, the Optuna study's storage and
+resume, validation runs (here and as Ray tasks)."""
+
+import csv
+import json
+import math
+import os
+import random
+
+import pytest
+
+from agoq.cli import main
+from agoq.models import build, fingerprint
+from agoq.plan import load_plan
+from agoq.search.milp import Solver
+from agoq.search.costs import build_problem
+from agoq.search.orchestrate import search
+from agoq.search.profile_data import load_profile
+from tests.search.synthetic_profile import write_profile
+
+
+def fresh_rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    return seed, random.Random(seed)
+
+
+@pytest.fixture
+def profile_dir(tmp_path):
+    seed, rng = fresh_rng()
+    return write_profile(tmp_path / "profile", rng, micro_batch=2, seq_len=40)
+
+
+def _bounds(folder):
+    solver = Solver(build_problem(load_profile(folder)))
+    return solver.smallest_budget(), max(solver.solve(math.inf).peak_bytes_per_stage)
+
+
+def _rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_milp_plan_and_front(profile_dir, tmp_path, capsys):
+    low, high = _bounds(profile_dir)
+    budget = (low + high) // 2
+    out = tmp_path / "search" / "plan.json"
+    assert main(["search", "--profile", str(profile_dir), "--budget", str(budget), "--out", str(out), "--quiet",
+                 "--front-budgets", "9"]) == 0
+    model = build("llama-tiny", device="meta")
+    plan = load_plan(out, model)
+    assert plan.model.fingerprint == fingerprint(model)
+    assert plan.budget_bytes == budget and max(plan.predicted.peak_bytes_per_stage) <= budget
+    assert plan.source.method == "milp"
+    rows = _rows(tmp_path / "search" / "pareto.csv")
+    assert 1 <= len(rows) <= 9
+    peaks = [int(r["predicted_peak_bytes"]) for r in rows]
+    errors = [float(r["predicted_grad_error"]) for r in rows]
+    times = [float(r["predicted_step_seconds"]) for r in rows]
+    assert peaks == sorted(peaks) and peaks[0] == low
+    for i in range(1, len(rows)):  # a front: more memory buys less error or less time
+        assert errors[i] < errors[i - 1] or times[i] < times[i - 1]
+    for r in rows:
+        front_plan = load_plan(tmp_path / "search" / r["plan"], model)
+        assert max(front_plan.predicted.peak_bytes_per_stage) == int(r["predicted_peak_bytes"])
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_infeasible_budget_names_the_smallest(profile_dir, tmp_path, capsys):
+    low, _ = _bounds(profile_dir)
+    out = tmp_path / "plan.json"
+    assert main(["search", "--profile", str(profile_dir), "--budget", str(low - 1000), "--out", str(out),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "smallest feasible budget" in err and str(low) in err
+    assert not out.exists()
+    assert main(["search", "--profile", str(profile_dir), "--budget", str(low), "--out", str(out), "--quiet",
+                 "--front-budgets", "0"]) == 0
+    assert load_plan(out).checkpoint_layers() == [0, 1, 2]  # only full checkpointing fits the smallest budget
+
+
+def test_bad_arguments(profile_dir, tmp_path, capsys):
+    assert main(["search", "--profile", str(tmp_path / "absent"), "--budget", "1GiB", "--out",
+                 str(tmp_path / "p.json")]) == 2
+    assert "profile folder not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["search", "--profile", str(profile_dir), "--budget", "lots", "--out", str(tmp_path / "p.json")])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["search", "--profile", str(profile_dir), "--budget", "1GiB", "--time-cap", "-1",
+              "--out", str(tmp_path / "p.json")])
+
+
+def test_optuna_resumes_an_interrupted_study(profile_dir, tmp_path):
+    """Run 3 trials and leave one hanging (as a killed process would), then run again asking for 7 in all:
+    the hanging one is failed, exactly 4 more run, and the first trial is the MILP plan's knobs."""
+    import optuna
+    from optuna.trial import TrialState
+
+    profile = load_profile(profile_dir)
+    low, high = _bounds(profile_dir)
+    budget = (low + high) // 2
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first = search(profile, budget, method="optuna", trials=7, storage=storage, stop_after=3, progress=False,
+                   front_budgets=0)
+    assert first.trials_run == 3
+    study = optuna.load_study(study_name="agoq-search", storage=storage)
+    study.ask()  # a trial that was running when its process died
+    second = search(profile, budget, method="optuna", trials=7, storage=storage, progress=False, front_budgets=0)
+    assert second.trials_run == 4
+    study = optuna.load_study(study_name="agoq-search", storage=storage)
+    states = [t.state for t in study.trials]
+    assert states.count(TrialState.COMPLETE) == 7 and states.count(TrialState.FAIL) == 1
+    assert study.trials[0].params["block"] == profile.settings["block"]
+    assert study.trials[0].params["gradient_mode"] == "bf16"
+    third = search(profile, budget, method="optuna", trials=7, storage=storage, progress=False, front_budgets=0)
+    assert third.trials_run == 0
+    # every optuna plan on the front fits the budget
+    for c in second.candidates:
+        assert max(c.plan.predicted.peak_bytes_per_stage) <= budget
+    with pytest.raises(ValueError, match="another budget"):
+        search(profile, budget + 1, method="optuna", trials=8, storage=storage, progress=False, front_budgets=0)
+
+
+def test_command_both_with_journal_storage(profile_dir, tmp_path, capsys):
+    low, high = _bounds(profile_dir)
+    out = tmp_path / "s" / "plan.json"
+    journal = tmp_path / "s" / "study.journal"
+    args = ["search", "--profile", str(profile_dir), "--budget", str((low + high) // 2), "--out", str(out),
+            "--quiet", "--trials", "6", "--storage", str(journal), "--sampler", "tpe", "--front-budgets", "4"]
+    assert main(args) == 0
+    assert journal.is_file()
+    text = capsys.readouterr().out
+    assert "6 trial(s) run now, 6 in the study" in text
+    args[args.index("--trials") + 1] = "8"
+    assert main(args) == 0
+    assert "2 trial(s) run now, 8 in the study" in capsys.readouterr().out
+    sources = {r["source"] for r in _rows(tmp_path / "s" / "pareto.csv")}
+    assert sources == {"milp-front", "optuna"}
+    assert load_plan(out).source.method in ("milp", "optuna")
+
+
+def test_validate_on_cpu(profile_dir, tmp_path, capsys):
+    low, high = _bounds(profile_dir)
+    out = tmp_path / "v" / "plan.json"
+    assert main(["search", "--profile", str(profile_dir), "--budget", str((low + high) // 2), "--out", str(out),
+                 "--quiet", "--validate", "2", "--validate-steps", "3", "--front-budgets", "3"]) == 0
+    plan = load_plan(out)
+    m = plan.measured
+    assert m is not None and m.step_seconds > 0 and math.isfinite(m.loss_deviation)
+    assert m.peak_bytes_per_stage == [None]  # not measurable on a CPU, and said so
+    assert "not measured" in m.model_extra["note"]
+    rows = _rows(tmp_path / "v" / "pareto.csv")
+    assert sum(1 for r in rows if r["measured_step_seconds"]) >= 1
+    assert "measured: peak not measured" in capsys.readouterr().out
+
+
+def test_validation_loss_deviation_is_zero_for_a_plain_plan(tmp_path):
+    """A plan that keeps everything at 16 bits trains exactly like the plain model: deviation 0."""
+    from agoq.plan import Plan
+    from agoq.search.validation import validate_plans
+
+    model = build("llama-tiny", device="meta")
+    plan = Plan(model={"name": "t", "fingerprint": fingerprint(model)}, layers=[{"layer": i} for i in range(3)],
+                training={"micro_batch": 2, "seq_len": 21})
+    quant = Plan(model={"name": "t", "fingerprint": fingerprint(model)},
+                 layers=[{"layer": i, "kinds": {k: 2 for k in ("norm_input", "silu_input", "o_proj_input")}}
+                         for i in range(3)], training={"micro_batch": 2, "seq_len": 21})
+    validate_plans([plan, quant], model.config.to_dict(), dtype="fp32", steps=3)
+    assert plan.measured.loss_deviation == 0.0
+    assert quant.measured.loss_deviation > 0.0
+
+
+def test_validation_as_ray_tasks(profile_dir, tmp_path):
+    ray = pytest.importorskip("ray")
+    from agoq.search.validation import Runner
+
+    try:
+        runner = Runner("local")
+    except Exception as e:  # no Ray on this machine (sandboxes without shared memory, ...)
+        pytest.skip(f"Ray could not start locally: {e}")
+    try:
+        profile = load_profile(profile_dir)
+        low, high = _bounds(profile_dir)
+        out = search(profile, (low + high) // 2, method="milp", validate=1, validate_steps=2, progress=False,
+                     front_budgets=0, ray_address="local")
+        m = out.plan.measured
+        assert m.step_seconds > 0 and math.isfinite(m.loss_deviation)
+        local = search(profile, (low + high) // 2, method="milp", validate=1, validate_steps=2, progress=False,
+                       front_budgets=0)
+        # same seed, same data, same model: the losses, hence the deviation, do not depend on where it ran
+        assert m.loss_deviation == pytest.approx(local.plan.measured.loss_deviation, rel=1e-6, abs=1e-9)
+        assert runner.ray is ray
+    finally:
+        ray.shutdown()
