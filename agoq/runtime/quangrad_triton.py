@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from agoq.runtime.quant_reference import LIFT, TINY_SCALE
-from agoq.runtime.quant_triton import _USE_ASM, _floor_bits, _nanmax, _sanitize
+from agoq.runtime.quant_triton import _USE_ASM, _floor_bits, _mul_rn, _nanmax, _sanitize
 
 BLOCKS_PER_PROGRAM = 8
 QMAX = tl.constexpr(127)
@@ -31,7 +31,7 @@ def _accumulate_kernel(codes_ptr, scales_ptr, grad_ptr, n, nblocks,
     code = tl.load(codes_ptr + off, mask=live, other=QMAX).to(tl.int32)
     scale = tl.load(scales_ptr + b, mask=live, other=0.0)
     g = tl.load(grad_ptr + off, mask=off < n, other=0.0).to(tl.float32)
-    v = (code - QMAX).to(tl.float32) * scale + g
+    v = _mul_rn((code - QMAX).to(tl.float32), scale, USE_ASM) + g  # two roundings, as the reference: no FMA
 
     absmax = tl.reduce(tl.abs(v), 1, _nanmax, keep_dims=True)  # [BPP, 1]; NaN as soon as one value is NaN
     s = tl.math.div_rn(absmax, QMAX * 1.0) + (absmax - absmax)  # inf -> NaN: a poisoned block

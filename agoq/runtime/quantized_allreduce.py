@@ -53,24 +53,26 @@ def _bounds(numel: int, per: int, block: int, world: int) -> list[tuple[int, int
     return [(min(numel, d * width), min(numel, (d + 1) * width)) for d in range(world)]
 
 
-def _reduce_rows(fill, per: int, block: int, device: torch.device, group) -> torch.Tensor:
-    """Steps 2-5: `fill(d, row)` writes this rank's shard d into a row; returns the gathered reduced
-    rows [W, row_bytes], identical on every rank (valid until the next call on this group)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+def _symmetric_rows(ws: Workspace, p: int, fill, per: int, block: int) -> torch.Tensor:
+    """Steps 2-5 through symmetric memory, buffer set `p` (see symmetric_transport)."""
+    world, rank = ws.world, ws.rank
     rb = row_bytes(per, block)
-    ws = Workspace.get(group, rb) if device.type == "cuda" else None
-    if ws is not None:
-        p = ws.flip()
-        for d in range(world):
-            fill(d, ws.inbox(d, p, rb)[rank])
-        ws.barrier()
-        mine = ws.outbox(rank, p, rb)[rank]
-        quantize_into(sum_rows(ws.inbox(rank, p, rb), per, block), mine, per, block)
-        for d in range(world):
-            if d != rank:
-                ws.outbox(d, p, rb)[rank].copy_(mine)
-        ws.barrier()
-        return ws.outbox(rank, p, rb)
+    for d in range(world):
+        fill(d, ws.inbox(d, p, rb)[rank])
+    ws.barrier()
+    mine = ws.outbox(rank, p, rb)[rank]
+    quantize_into(sum_rows(ws.inbox(rank, p, rb), per, block), mine, per, block)
+    for d in range(world):
+        if d != rank:
+            ws.outbox(d, p, rb)[rank].copy_(mine)
+    ws.barrier()
+    return ws.outbox(rank, p, rb)
+
+
+def _collective_rows(fill, per: int, block: int, device: torch.device, group) -> torch.Tensor:
+    """Steps 2-5 with an all-to-all and an all-gather."""
+    world = dist.get_world_size(group)
+    rb = row_bytes(per, block)
     send = torch.empty(world, rb, dtype=torch.uint8, device=device)
     for d in range(world):
         fill(d, send[d])
@@ -81,6 +83,15 @@ def _reduce_rows(fill, per: int, block: int, device: torch.device, group) -> tor
     gathered = torch.empty_like(send)
     _all_gather_rows(gathered, mine, group)
     return gathered
+
+
+def _reduce_rows(fill, per: int, block: int, device: torch.device, group) -> torch.Tensor:
+    """Steps 2-5: `fill(d, row)` writes this rank's shard d into a row; returns the gathered reduced
+    rows [W, row_bytes], identical on every rank (valid until the next call on this group)."""
+    ws = Workspace.get(group, row_bytes(per, block)) if device.type == "cuda" else None
+    if ws is not None:
+        return _symmetric_rows(ws, ws.flip(), fill, per, block)
+    return _collective_rows(fill, per, block, device, group)
 
 
 def all_reduce_codes(data: torch.Tensor, scales: torch.Tensor, numel: int, block: int, group=None,
@@ -134,12 +145,26 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, average: bool = Fa
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = work.detach().view(-1)
-    per, _ = _layout(flat.numel(), block, world)
+    per, rb = _layout(flat.numel(), block, world)
     bounds = _bounds(flat.numel(), per, block, world)
-    gathered = _reduce_rows(lambda d, row: quantize_into(flat[slice(*bounds[d])], row, per, block),
-                            per, block, flat.device, group)
-    for s, (lo, hi) in enumerate(bounds):
-        dequantize_from(gathered[s], per, block, flat[lo:hi], world if average else 1)
+    divisor = world if average else 1
+
+    def fill(d: int, row: torch.Tensor) -> None:
+        quantize_into(flat[bounds[d][0]:bounds[d][1]], row, per, block)
+
+    def drain(gathered: torch.Tensor) -> None:
+        for s, (lo, hi) in enumerate(bounds):
+            dequantize_from(gathered[s], per, block, flat[lo:hi], divisor)
+
+    ws = Workspace.get(group, rb) if flat.is_cuda else None
+    if ws is not None:
+        p = ws.flip()
+        key = (flat.data_ptr(), flat.numel(), flat.dtype, block, divisor)
+        ws.run(key, p, lambda: drain(_symmetric_rows(ws, p, fill, per, block)))
+        gathered = ws.outbox(ws.rank, p, rb)
+    else:
+        gathered = _collective_rows(fill, per, block, flat.device, group)
+        drain(gathered)
     scales = split_row(gathered, per, block)[1]
     if work is not tensor:
         tensor.copy_(work)

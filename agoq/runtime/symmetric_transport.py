@@ -7,6 +7,11 @@ reduced shard into every rank's outbox, waits at a barrier, and dequantizes its 
 The two buffer sets alternate between calls, so two barriers per call are enough: a rank can only
 reach the set it wrote two calls ago after every peer has passed a barrier that follows its reads.
 
+Host time dominates small and mid-sized reductions (a dozen kernel launches and two barriers), so a
+reduction that repeats on the same tensor (DDP's buckets, QuanGrad's buffer, a training step's
+gradients) is captured in a CUDA graph on its second call and replayed from then on, one graph per
+buffer set (AGOQ_ALLREDUCE_GRAPHS=0 turns this off).
+
 `Workspace.get(group, row_bytes)` returns None where symmetric memory cannot be used (no CUDA, not
 NCCL, ranks on several hosts, an older torch); callers then use the collectives.
 """
@@ -20,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 _WORKSPACES: dict[str, "Workspace"] = {}
+MAX_GRAPHS = 64  # per workspace; the oldest is dropped beyond this
 _DISABLED: set[str] = set()
 
 
@@ -47,6 +53,8 @@ class Workspace:
         self.peers = [self.buffer if r == self.rank else
                       self.handle.get_buffer(r, (2 * self.set_bytes,), torch.uint8, 0) for r in range(self.world)]
         self.parity = 0
+        self.graphs: dict[tuple, object] = {}  # (key, parity) -> number of eager runs so far, or a CUDAGraph
+        self.pool = None
 
     @staticmethod
     def get(group, row_bytes: int) -> "Workspace | None":
@@ -91,6 +99,41 @@ class Workspace:
         """Rank `rank`'s outbox [W, rb] of set `parity`."""
         base = parity * self.set_bytes + self.world * self.capacity
         return self.peers[rank][base:base + self.world * rb].view(self.world, rb)
+
+    def run(self, key: tuple, parity: int, body) -> None:
+        """Run `body()` (the reduction for `key` on buffer set `parity`): eagerly the first time, then
+        captured in a CUDA graph and replayed. The graph keeps the addresses it was captured with, so
+        `key` must pin them (the tensor's address, size and dtype)."""
+        if os.environ.get("AGOQ_ALLREDUCE_GRAPHS", "1") == "0" or torch.cuda.is_current_stream_capturing():
+            body()
+            return
+        slot = (key, parity)
+        entry = self.graphs.get(slot, 0)
+        if isinstance(entry, int):
+            if entry < 0:
+                body()
+                return
+            if entry == 0:
+                self.graphs[slot] = 1
+                body()  # warm-up: compiles kernels and settles allocations outside capture
+                return
+            if len(self.graphs) >= MAX_GRAPHS:
+                self.graphs.pop(next(iter(self.graphs)))
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    body()
+            except RuntimeError as e:  # capture refused: stay eager for this reduction
+                warnings.warn(f"agoq: the 8-bit all-reduce could not be captured in a CUDA graph ({e}); "
+                              "it runs eagerly")
+                self.graphs[slot] = -1
+                torch.cuda.synchronize()
+                body()
+                return
+            self.graphs[slot] = entry = graph
+        entry.replay()
 
     def barrier(self) -> None:
         """Every rank's earlier work on this stream is done and visible before anyone goes on."""
