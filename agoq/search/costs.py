@@ -296,7 +296,12 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
 
     share = np.bincount(stages, minlength=S) / L
     static = static_bytes_total(profile, knobs.gradient_mode) * share
-    fixed = float(profile.memory.get("fixed_bytes") or 0) * (mb / mb0)
+    fixed_bytes = profile.memory.get("fixed_bytes")
+    if fixed_bytes is None:  # not calibrated (no allocator statistics where it was profiled)
+        fixed_bytes = profile.memory.get("outside_activation_bytes") or 0
+        notes.append("the profile has no calibrated memory.fixed_bytes: the fixed part is only the activations "
+                     f"kept outside the decoder layers ({int(fixed_bytes)} bytes), workspace not counted")
+    fixed = float(fixed_bytes) * (mb / mb0)
     static = static + fixed
     base = 0.0
     if bf16_step is not None:

@@ -192,3 +192,33 @@ def test_validation_as_ray_tasks(profile_dir, tmp_path):
         assert runner.ray is ray
     finally:
         ray.shutdown()
+
+
+def test_on_a_real_profile(tmp_path):
+    """`agoq profile` then `agoq search` at budgets across the range: every plan loads for the profiled model,
+    fits its budget, and keeps exactly the activation bytes it predicts."""
+    import agoq
+    import torch
+    from agoq.plan import remove_plan
+
+    prof = tmp_path / "profile"
+    assert main(["profile", "llama-tiny", "--layers", "2", "--seq-len", "24", "--batches", "1", "--bits", "3,4,8",
+                 "--formats", "int", "--device", "cpu", "--out", str(prof), "--quiet"]) == 0
+    profile = load_profile(prof)
+    low, high = _bounds(prof)
+    model = build("llama-tiny", num_layers=2, dtype=torch.float32)
+    mb, seq = profile.settings["micro_batch"], profile.settings["seq_len"]
+    ids = torch.randint(0, model.config.vocab_size, (mb, seq + 1))
+    for frac in (0.0, 0.35, 0.7, 1.0):
+        budget = int(low + frac * (high - low))
+        out = tmp_path / f"s{frac}" / "plan.json"
+        assert main(["search", "--profile", str(prof), "--budget", str(budget), "--out", str(out), "--quiet",
+                     "--front-budgets", "3"]) == 0
+        plan = load_plan(out, model)
+        assert max(plan.predicted.peak_bytes_per_stage) <= budget
+        plan.apply(model)
+        with agoq.track_saved_tensors(model) as log:
+            loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        remove_plan(model)
+        assert plan.predicted.activation_bytes_per_stage == [log.layer_total(0) + log.layer_total(1)], budget
