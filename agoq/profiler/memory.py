@@ -110,7 +110,10 @@ def memory_section(model: nn.Module, shape: LayerShape, num_layers: int, ids: to
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             continue
-        activations = predicted_activation_bytes(shape, num_layers, name, m["outside_bytes"])
+        # what the embedding, final norm, head and loss keep does not depend on the policy: the first
+        # step's count is used for every prediction
+        section.setdefault("outside_activation_bytes", m["outside_bytes"])
+        activations = predicted_activation_bytes(shape, num_layers, name, section["outside_activation_bytes"])
         if fixed is None and m["measured_peak_bytes"] is not None:
             fixed = m["measured_peak_bytes"] - base - activations
         predicted = base + activations + (fixed or 0)

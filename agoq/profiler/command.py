@@ -1,0 +1,241 @@
+"""Measure a model on this machine and write a Profile folder (docs/formats.md):
+
+  DIR/profile.parquet   one row per (decoder layer, tensor kind, option): exact bytes kept for backward,
+                        the tensor's own quantization error (relative L2, SQNR) on real batches,
+                        sensitivity (relative L2 error of all weight gradients when only that layer and
+                        kind uses the option, against the same LAAQ runtime keeping 16 bits), and the
+                        quantize/dequantize or recompute time the option adds
+  DIR/profile.json      model fingerprint, settings, hardware, versions, memory model (predicted vs
+                        measured peak of a real bf16 and agoq-paper step), pipeline in-flight counts
+                        (1F1B and interleaved 1F1B, simulated), failures
+  DIR/collectives.parquet  with --world-size W or under torchrun: all-reduce / reduce-scatter /
+                        all-gather times per message size for nccl-fp32, nccl-bf16, quangrad8, sdp4bit
+  DIR/plan.json         with --budget: a bit-width plan
+
+MODEL is a preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b; fresh weights, nothing downloaded), a
+HuggingFace config.json (LLaMA, Mistral, Qwen2 families), or package.module:function returning an
+nn.Module with LLaMA-style decoder layers.
+
+examples:
+  agoq profile llama-tiny                                   # CPU, seconds
+  agoq profile probe --device cuda --out profiles/probe
+  agoq profile llama-3-8b --layers 4 --seq-len 4096 --micro-batch 1 --batches 1
+  agoq profile probe --world-size 2 --pipeline-stages 4 --micro-batches 8 --budget 30GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+HELP = "measure a model on this hardware: bytes, error and sensitivity per layer and kind"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one value")
+    return values
+
+
+def _str_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one value")
+    return values
+
+
+def _size_list(text: str) -> list[int]:
+    from agoq.cli import size_bytes
+
+    return [size_bytes(v) for v in _str_list(text)]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add `agoq profile`'s arguments to `parser` and set its function."""
+    from agoq.cli import positive_int, size_bytes
+
+    parser.add_argument("model", help="preset, HuggingFace config.json, or package.module:function")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="tokens per sequence (default: 4096 on CUDA, 64 on the CPU, at most the model's "
+                             "max_position_embeddings)")
+    parser.add_argument("--micro-batch", type=positive_int, default=2, help="sequences per micro-batch (default 2)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                        help="model dtype (default: bf16 on CUDA, fp32 on the CPU, whose bf16 matmuls are slow)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--layers", type=positive_int, default=None,
+                        help="profile only this many decoder layers of the model (default: all)")
+    parser.add_argument("--bits", type=_int_list, default=[2, 3, 4, 5, 6, 8],
+                        help="bit widths to measure, 2..8 (default 2,3,4,5,6,8)")
+    parser.add_argument("--formats", type=_str_list, default=["int", "nf4"],
+                        help="quantization formats: int (symmetric absmax), nf4 (4-bit codebook) (default int,nf4)")
+    parser.add_argument("--block", type=positive_int, default=128, help="values per quantization scale (default 128)")
+    parser.add_argument("--batches", type=positive_int, default=2,
+                        help="random token batches (fixed seeds) that errors and sensitivities average over "
+                             "(default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and batches (default 0)")
+    parser.add_argument("--budget", type=size_bytes, default=None,
+                        help="memory budget per GPU, e.g. 30GiB: also write DIR/plan.json")
+    parser.add_argument("--pipeline-stages", type=positive_int, default=1, help="pipeline stages P (default 1)")
+    parser.add_argument("--micro-batches", type=positive_int, default=None,
+                        help="micro-batches per step M for the pipeline counts (default: 2 x stages)")
+    parser.add_argument("--world-size", type=positive_int, default=1,
+                        help="time collectives in this many local processes (NCCL on GPUs, gloo on the CPU); "
+                             "under torchrun the launched group is used (default 1: no collectives)")
+    parser.add_argument("--collective-sizes", type=_size_list, default=None,
+                        help="message sizes for collectives, e.g. 1MiB,64MiB (default 1MiB..1GiB by 4x on "
+                             "GPUs, 16KiB,256KiB on the CPU)")
+    parser.add_argument("--ray", action="store_true", help="spread sensitivity runs over a new local Ray")
+    parser.add_argument("--ray-address", default=None,
+                        help="spread sensitivity runs over this Ray cluster (e.g. auto or ray://host:10001); "
+                             "default: no Ray")
+    parser.add_argument("--out", default=None, help="output folder (default ./profiles/<model name>)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run)
+
+
+def _under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def _torchrun_collectives(args, device: str) -> tuple[int, list[dict], list[dict]]:
+    """Collectives on the group torchrun launched; returns (rank, rows, failures)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from agoq.profiler.collectives import CPU_SIZES, GPU_SIZES, profile_collectives
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+    sizes = args.collective_sizes or list(GPU_SIZES if cuda else CPU_SIZES)
+    rows, failures = profile_collectives(sizes, 10 if cuda else 3, progress=not args.quiet)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank, rows, failures
+
+
+def _write_plan(out: Path, header: dict, shape, budget: int) -> str:
+    """Write DIR/plan.json; returns a line saying how it was made."""
+    from agoq.files import write_json
+    from agoq.profiler.profile import read_profile
+    from agoq.profiler.stage_rule_plan import stage_rule_plan
+    from agoq.units import format_bytes
+
+    try:
+        from agoq.search import plan_from_profile
+    except ImportError:  # the search needs scipy, pandas and pydantic; without them, the stage rule
+        plan_from_profile = None
+    if plan_from_profile is not None:
+        try:
+            plan = plan_from_profile(str(out), budget)
+        except ValueError as e:
+            raise ValueError(f"the profile is written to {out}, but no plan fits the budget: {e}") from None
+        plan.save(out / "plan.json")
+        return f"wrote {out / 'plan.json'} (agoq search, MILP, budget {format_bytes(budget)})"
+    try:
+        _, table = read_profile(out)
+    except ImportError:
+        table = None
+    plan = stage_rule_plan(header, table, shape, budget, str(out))
+    try:
+        from agoq.plan import plan_from_dict
+
+        plan_from_dict(plan).save(out / "plan.json")
+    except ImportError:  # the Plan schema needs pydantic; write the documented dict as is
+        write_json(out / "plan.json", plan)
+    peak = max(plan["predicted"]["peak_bytes_per_stage"])
+    line = (f"wrote {out / 'plan.json'}: agoq-paper scaled by the pipeline stage rule "
+            f"(bits per stage {plan['source']['stage_bits']}); the search (agoq search) is not available in "
+            f"this build, so the budget was not optimised for: predicted peak {format_bytes(peak)} vs budget "
+            f"{format_bytes(budget)}")
+    if peak > budget:
+        line += " (OVER BUDGET)"
+    return line
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `agoq profile`."""
+    import torch
+
+    from agoq.profiler.model_source import layer_shape, model_name
+    from agoq.profiler.profile import ProfileSettings, make_profile
+    from agoq.units import format_bytes
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible; use --device cpu")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    if args.ray and args.ray_address:
+        raise ValueError("give either --ray (a new local Ray) or --ray-address ADDR, not both")
+    micro_batches = args.micro_batches or 2 * args.pipeline_stages
+    if args.pipeline_stages > 1 and micro_batches < 1:
+        raise ValueError("--micro-batches must be >= 1")
+
+    collectives_torchrun = None
+    if _under_torchrun():
+        rank, rows, failures = _torchrun_collectives(args, device)
+        if rank != 0:
+            return 0
+        collectives_torchrun = (rows, failures)
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
+
+    from agoq.models import PRESETS
+    from agoq.models import resolve_config
+
+    seq_len = args.seq_len
+    if seq_len is None:
+        seq_len = 4096 if device.startswith("cuda") else 64
+        if args.model in PRESETS:
+            seq_len = min(seq_len, resolve_config(args.model).max_position_embeddings)
+    out = Path(args.out or Path("profiles") / model_name(args.model))
+    settings = ProfileSettings(
+        spec=args.model, seq_len=seq_len, micro_batch=args.micro_batch, dtype=dtype, device=device,
+        bits=args.bits, formats=args.formats, block=args.block, batches=args.batches, seed=args.seed,
+        layers=args.layers, pipeline_stages=args.pipeline_stages, micro_batches=micro_batches,
+        world_size=1 if collectives_torchrun else args.world_size, budget_bytes=args.budget,
+        ray_address="local" if args.ray else args.ray_address, collective_sizes=args.collective_sizes)
+    say = (lambda *a: None) if args.quiet else (lambda text: print(text, file=sys.stderr))
+    header = make_profile(settings, out, progress=not args.quiet, say=say)
+    if collectives_torchrun is not None:
+        from agoq.profiler.profile import attach_collectives
+
+        header = attach_collectives(out, header, *collectives_torchrun)
+    files = header["files"]
+    print(f"wrote {out / 'profile.json'} and {out / files['table']}"
+          + (f" and {out / files['collectives']}" if "collectives" in files else ""))
+    if files["table"].endswith(".csv"):
+        print("note: pyarrow is not installed, so the table was written as CSV instead of parquet")
+    memory = header["memory"]
+    for step in memory["steps"]:
+        measured = step.get("measured_peak_bytes")
+        pred = step.get("predicted_peak_bytes")
+        text = f"  {step['policy']:>10s}: predicted peak {format_bytes(pred) if pred is not None else '-'}"
+        text += f", measured {format_bytes(measured)}" if measured else ", measured: not measured on this device"
+        if step.get("relative_error") is not None:
+            text += f" ({step['relative_error']:+.1%})"
+        print(text)
+    pipe = header["pipeline"]
+    if pipe["stages"] > 1:
+        print(f"  pipeline {pipe['stages']} stages x {pipe['micro_batches']} micro-batches, in flight: "
+              + ", ".join(f"{k} {v}" for k, v in pipe["in_flight"].items()))
+    if header["failures"]:
+        print(f"{len(header['failures'])} measurement(s) failed (listed in profile.json 'failures'); first: "
+              f"{header['failures'][0]['what']}: {header['failures'][0]['error']}")
+    if args.budget is not None:
+        from agoq.profiler.model_source import load_model
+
+        model = load_model(args.model, dtype=dtype, device="meta", num_layers=args.layers)
+        print(_write_plan(out, header, layer_shape(model, args.micro_batch, seq_len), args.budget))
+    return 0

@@ -1,0 +1,343 @@
+"""Making a Profile folder (docs/formats.md): every measurement of one model, written atomically.
+
+`make_profile(settings, out_dir)` measures and writes DIR/profile.json, DIR/profile.parquet (and
+DIR/collectives.parquet with a process group); `read_profile(dir)` reads them back with pandas.
+A measurement that fails (an OOM, an exception) is listed in profile.json "failures" and the profile
+goes on; an option whose sensitivity could not be measured is left out of profile.parquet, so no
+later stage can pick it unmeasured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from agoq.files import write_json, write_with
+from agoq.profiler.kernel_time import quantize_times, recompute_time
+from agoq.profiler.memory import memory_section
+from agoq.profiler.model_source import (layer_shape, load_model, model_config_dict, model_name, token_batches,
+                                        vocab_size)
+from agoq.profiler.options import check_bits_formats, kind_options, kind_shapes, option_bytes, shape_text
+from agoq.profiler.pipeline import pipeline_summary
+from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chunk
+from agoq.profiler.tensor_error import measure_tensor_errors, sqnr_db
+from agoq.runtime.policy import KINDS
+from agoq.runtime.saved_bytes import find_decoder_layers
+
+SCHEMA = "agoq.profile/1"
+COLUMNS = ("layer", "kind", "option", "bits", "format", "shape", "bytes", "bytes_unshared", "bytes_measured",
+           "quant_error", "sqnr_db", "sensitivity", "extra_seconds", "quantize_seconds", "dequantize_seconds",
+           "recompute_seconds")
+
+
+@dataclass
+class ProfileSettings:
+    """What to profile and how (see `agoq profile --help` for each field's meaning and unit)."""
+
+    spec: str
+    seq_len: int = 128
+    micro_batch: int = 2
+    dtype: str = "bf16"
+    device: str = "cpu"
+    bits: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 6, 8])
+    formats: list[str] = field(default_factory=lambda: ["int", "nf4"])
+    block: int = 128
+    batches: int = 2
+    seed: int = 0
+    layers: int | None = None
+    pipeline_stages: int = 1
+    micro_batches: int = 1
+    world_size: int = 1
+    budget_bytes: int | None = None
+    ray_address: str | None = None  # None: no Ray; "local": a new local Ray; else a cluster address
+    collective_sizes: list[int] | None = None
+    timing_repeats: int | None = None  # None: 5 on CUDA, 1 on the CPU
+
+
+def hardware(device: str) -> dict:
+    """The profile.json "hardware" section."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(device).index or 0
+        props = torch.cuda.get_device_properties(index)
+        return {"device": "cuda", "name": props.name, "memory_bytes": props.total_memory,
+                "count": torch.cuda.device_count(), "cpu_count": os.cpu_count()}
+    return {"device": "cpu", "name": platform.processor() or platform.machine(), "memory_bytes": None,
+            "count": 1, "cpu_count": os.cpu_count()}
+
+
+def software() -> dict:
+    """The profile.json "software" section: versions of agoq, torch, triton, python, transformers."""
+    import agoq
+
+    out = {"agoq": agoq.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
+    for name in ("triton", "transformers"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    return out
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}"[:500]
+
+
+class _Progress:
+    """A tqdm bar on stderr, or nothing."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar = enabled, None
+
+    def start(self, total: int, desc: str) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.close()
+            self.bar = tqdm(total=total, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _measure_sensitivities(settings: ProfileSettings, model, batches, measurements: list[Measurement],
+                           progress: _Progress, say) -> list[dict]:
+    if settings.ray_address is None:
+        meter = SensitivityMeter(model, batches, settings.block)
+        return measure_chunk(meter, measurements, progress.update)
+    from agoq.profiler.ray_tasks import ray_measure
+
+    job = {"spec": settings.spec, "dtype": settings.dtype, "device": settings.device, "seed": settings.seed,
+           "batches": settings.batches, "micro_batch": settings.micro_batch, "seq_len": settings.seq_len,
+           "block": settings.block, "layers": settings.layers}
+    by_layer: dict[int, list[dict]] = {}
+    for m in measurements:
+        by_layer.setdefault(m.layer, []).append(asdict(m))
+    address = None if settings.ray_address == "local" else settings.ray_address
+    say(f"sensitivity: {len(by_layer)} Ray tasks (one per layer) on {address or 'a local Ray'}")
+    return ray_measure(job, list(by_layer.values()), address, progress.update)
+
+
+def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress: bool = True,
+                 say=print) -> dict:
+    """Measure the model of `settings` and write the Profile folder `out_dir`; returns profile.json's dict."""
+    check_bits_formats(settings.bits, settings.formats)
+    out = Path(out_dir)
+    failures: list[dict] = []
+    bar = _Progress(progress)
+    device = torch.device(settings.device)
+    model = load_model(settings.spec, dtype=settings.dtype, device=settings.device, seed=settings.seed,
+                       num_layers=settings.layers)
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if max_pos is not None and settings.seq_len > max_pos:
+        raise ValueError(f"--seq-len {settings.seq_len} exceeds the model's max_position_embeddings ({max_pos})")
+    num_layers = len(find_decoder_layers(model))
+    shape = layer_shape(model, settings.micro_batch, settings.seq_len)
+    batches = token_batches(vocab_size(model), settings.batches, settings.micro_batch, settings.seq_len,
+                            settings.seed, device)
+    options = {k: kind_options(k, settings.bits, settings.formats) for k in KINDS}
+    repeats = settings.timing_repeats or (5 if device.type == "cuda" else 1)
+
+    # tensor errors on the tensors LAAQ keeps
+    say(f"profiling {model_name(settings.spec)}: {num_layers} layers, micro-batch {settings.micro_batch} x "
+        f"{settings.seq_len} tokens, {settings.dtype} on {settings.device}")
+    errors: dict = {}
+    try:
+        errors = measure_tensor_errors(model, batches, options, settings.block)
+    except Exception as e:  # noqa: BLE001
+        failures.append({"what": "tensor quantization errors", "error": _short(e)})
+
+    # kernel and recompute times, once per (kind, option): every layer has the same shapes
+    times: dict[tuple[str, str, str], tuple[float, float, float]] = {}
+    per_kind = [(k, o) for k in KINDS for o in options[k] if o.option != "16"]
+    bar.start(len(per_kind), "kernel times")
+    for kind, opt in per_kind:
+        nan = math.nan
+        try:
+            if opt.quantized:
+                q, d = quantize_times(kind_shapes(shape, kind), opt, settings.block, next(model.parameters()).dtype,
+                                      device, repeats)
+                times[(kind, opt.option, opt.format)] = (q, d, nan)
+            else:
+                r = recompute_time(kind, kind_shapes(shape, kind), next(model.parameters()).dtype, device, repeats)
+                times[(kind, opt.option, opt.format)] = (nan, nan, r)
+        except Exception as e:  # noqa: BLE001
+            failures.append({"what": f"kernel time kind={kind} option={opt.label}", "error": _short(e)})
+        bar.update()
+    bar.close()
+
+    # sensitivities
+    measurements = [Measurement(layer, k, o.option, o.format) for layer in range(num_layers) for k in KINDS
+                    for o in options[k]]
+    runs = sum(1 for m in measurements if m.option != "16")
+    say(f"sensitivity: {runs} measurements x {settings.batches} batches (+ 2 references x {settings.batches})")
+    bar.start(len(measurements), "sensitivity")
+    results = _measure_sensitivities(settings, model, batches, measurements, bar, say)
+    bar.close()
+    by_key = {(r["layer"], r["kind"], r["option"], r["format"]): r for r in results}
+
+    rows = []
+    for m in measurements:
+        r = by_key.get((m.layer, m.kind, m.option, m.format))
+        if r is None or "error" in r:
+            failures.append({"what": m.describe(), "error": (r or {}).get("error", "not measured")})
+            continue
+        opt = next(o for o in options[m.kind] if o.option == m.option and o.format == m.format)
+        nbytes, unshared = option_bytes(shape, m.kind, opt, settings.block)
+        q, d, rc = times.get((m.kind, m.option, m.format), (math.nan, math.nan, math.nan))
+        if opt.option == "16":
+            err, extra = 0.0, 0.0
+        else:
+            err = errors.get((m.layer, m.kind, m.option, m.format), 0.0 if not opt.quantized else math.nan)
+            extra = (q + d) if opt.quantized else rc
+        if not math.isfinite(extra):
+            failures.append({"what": m.describe(), "error": "its kernel or recompute time was not measured"})
+            continue
+        rows.append({"layer": m.layer, "kind": m.kind, "option": m.option, "bits": opt.bits, "format": opt.format,
+                     "shape": shape_text(kind_shapes(shape, m.kind)), "bytes": nbytes, "bytes_unshared": unshared,
+                     "bytes_measured": r.get("bytes_measured"), "quant_error": err,
+                     "sqnr_db": sqnr_db(err) if math.isfinite(err) else math.nan, "sensitivity": r["sensitivity"],
+                     "extra_seconds": extra, "quantize_seconds": q, "dequantize_seconds": d,
+                     "recompute_seconds": rc})
+
+    say("memory: a real step in bf16 and agoq-paper")
+    memory = memory_section(model, shape, num_layers, batches[0], failures=failures)
+    pipeline = pipeline_summary(settings.pipeline_stages, settings.micro_batches, num_layers)
+
+    collectives = None
+    if settings.world_size > 1:
+        from agoq.profiler.collectives import spawn_collectives
+
+        say(f"collectives: {settings.world_size} local processes")
+        try:
+            collectives, coll_failures = spawn_collectives(settings.world_size, settings.collective_sizes,
+                                                           use_cuda=device.type == "cuda")
+            failures += coll_failures
+        except Exception as e:  # noqa: BLE001
+            failures.append({"what": f"collectives world_size={settings.world_size}", "error": _short(e)})
+    return write_profile(out, settings, model, num_layers, rows, memory, pipeline, failures, collectives)
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_profile(out: Path, settings: ProfileSettings, model, num_layers: int, rows: list[dict], memory: dict,
+                  pipeline: dict, failures: list[dict], collectives: list[dict] | None = None) -> dict:
+    """Write profile.parquet (or profile.csv without pyarrow), collectives.parquet and profile.json."""
+    from agoq.models import fingerprint
+
+    files = {}
+    try:
+        import pandas as pd
+
+        table = pd.DataFrame(rows, columns=list(COLUMNS))
+        table = table.astype({"layer": "int64", "bits": "int64", "bytes": "int64", "bytes_unshared": "int64"})
+        table["bytes_measured"] = table["bytes_measured"].astype("Int64")
+        try:
+            import pyarrow  # noqa: F401
+
+            write_with(out / "profile.parquet", lambda p: table.to_parquet(p, index=False))
+            files["table"] = "profile.parquet"
+            if collectives is not None:
+                write_with(out / "collectives.parquet",
+                           lambda p: pd.DataFrame(collectives).to_parquet(p, index=False))
+                files["collectives"] = "collectives.parquet"
+        except ImportError:
+            write_with(out / "profile.csv", lambda p: table.to_csv(p, index=False))
+            files["table"] = "profile.csv"
+            if collectives is not None:
+                write_with(out / "collectives.csv", lambda p: pd.DataFrame(collectives).to_csv(p, index=False))
+                files["collectives"] = "collectives.csv"
+    except ImportError:
+        import csv
+        import io
+
+        def to_csv(records: list[dict], columns) -> str:
+            buf = io.StringIO()
+            writer = csv.DictWriter(buf, fieldnames=list(columns))
+            writer.writeheader()
+            writer.writerows(records)
+            return buf.getvalue()
+
+        from agoq.files import write_atomic
+
+        write_atomic(out / "profile.csv", to_csv(rows, COLUMNS))
+        files["table"] = "profile.csv"
+        if collectives:
+            write_atomic(out / "collectives.csv", to_csv(collectives, collectives[0].keys()))
+            files["collectives"] = "collectives.csv"
+    header = {
+        "schema": SCHEMA,
+        "model": {"spec": settings.spec, "name": model_name(settings.spec), "fingerprint": fingerprint(model),
+                  "config": model_config_dict(model), "num_layers": num_layers,
+                  "parameters": sum(p.numel() for p in model.parameters()),
+                  "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())},
+        "settings": {"seq_len": settings.seq_len, "micro_batch": settings.micro_batch, "dtype": settings.dtype,
+                     "device": settings.device, "bits": list(settings.bits), "formats": list(settings.formats),
+                     "block": settings.block, "batches": settings.batches, "seed": settings.seed,
+                     "pipeline_stages": settings.pipeline_stages, "micro_batches": settings.micro_batches,
+                     "world_size": settings.world_size, "budget_bytes": settings.budget_bytes,
+                     "layers": settings.layers, "ray": settings.ray_address},
+        "hardware": hardware(settings.device),
+        "software": software(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "memory": memory,
+        "pipeline": pipeline,
+        "failures": failures,
+        "files": files,
+    }
+    write_json(out / "profile.json", _json_safe(header))
+    return header
+
+
+def read_profile(path: str | os.PathLike):
+    """(profile.json as a dict, profile table as a pandas DataFrame) of a Profile folder."""
+    import pandas as pd
+
+    folder = Path(path)
+    header = json.loads((folder / "profile.json").read_text())
+    if not str(header.get("schema", "")).startswith("agoq.profile/"):
+        raise ValueError(f"{folder / 'profile.json'}: schema: expected agoq.profile/1, got {header.get('schema')!r}")
+    table_file = folder / header.get("files", {}).get("table", "profile.parquet")
+    table = pd.read_parquet(table_file) if table_file.suffix == ".parquet" else pd.read_csv(table_file)
+    return header, table
+
+
+def attach_collectives(out: Path, header: dict, rows: list[dict], failures: list[dict]) -> dict:
+    """Add collective timings measured elsewhere (under torchrun) to a written profile; returns the header."""
+    import pandas as pd
+
+    header = dict(header)
+    try:
+        import pyarrow  # noqa: F401
+
+        write_with(out / "collectives.parquet", lambda p: pd.DataFrame(rows).to_parquet(p, index=False))
+        header["files"] = {**header["files"], "collectives": "collectives.parquet"}
+    except ImportError:
+        write_with(out / "collectives.csv", lambda p: pd.DataFrame(rows).to_csv(p, index=False))
+        header["files"] = {**header["files"], "collectives": "collectives.csv"}
+    header["settings"] = {**header["settings"], "world_size": rows[0]["world_size"] if rows else None}
+    header["failures"] = list(header["failures"]) + list(failures)
+    write_json(out / "profile.json", _json_safe(header))
+    return header
