@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from agoq.runtime.qtensor import num_blocks
 from agoq.runtime.symmetric_transport import Workspace
-from agoq.runtime.wire_rows import ZERO_CODE, dequantize_from, quantize_into, row_bytes, split_row, sum_rows
+from agoq.runtime.wire_rows import (ZERO_CODE, dequantize_shards, quantize_shards, row_bytes, split_row,
+                                    sum_requantize)
 
 DEFAULT_BLOCK = 256
 MIN_NUMEL = 1 << 16  # tensors with fewer values take the plain all-reduce: too small to gain
@@ -54,17 +55,14 @@ def _bounds(numel: int, per: int, block: int, world: int) -> list[tuple[int, int
 
 
 def _symmetric_rows(ws: Workspace, p: int, fill, per: int, block: int) -> torch.Tensor:
-    """Steps 2-5 through symmetric memory, buffer set `p` (see symmetric_transport)."""
+    """Steps 2-5 through symmetric memory, buffer set `p` (see symmetric_transport): `fill(rows, table)`
+    writes this rank's W shards straight into the peers' inboxes."""
     world, rank = ws.world, ws.rank
     rb = row_bytes(per, block)
-    for d in range(world):
-        fill(d, ws.inbox(d, p, rb)[rank])
+    fill([ws.inbox(d, p, rb)[rank] for d in range(world)], ws.table("inbox", p, rb))
     ws.barrier()
-    mine = ws.outbox(rank, p, rb)[rank]
-    quantize_into(sum_rows(ws.inbox(rank, p, rb), per, block), mine, per, block)
-    for d in range(world):
-        if d != rank:
-            ws.outbox(d, p, rb)[rank].copy_(mine)
+    sum_requantize(ws.inbox(rank, p, rb), [ws.outbox(d, p, rb)[rank] for d in range(world)], per, block,
+                   ws.table("outbox", p, rb))
     ws.barrier()
     return ws.outbox(rank, p, rb)
 
@@ -74,20 +72,20 @@ def _collective_rows(fill, per: int, block: int, device: torch.device, group) ->
     world = dist.get_world_size(group)
     rb = row_bytes(per, block)
     send = torch.empty(world, rb, dtype=torch.uint8, device=device)
-    for d in range(world):
-        fill(d, send[d])
+    fill(list(send.unbind(0)), None)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     mine = torch.empty(rb, dtype=torch.uint8, device=device)
-    quantize_into(sum_rows(recv, per, block), mine, per, block)
+    sum_requantize(recv, [mine], per, block)
     gathered = torch.empty_like(send)
     _all_gather_rows(gathered, mine, group)
     return gathered
 
 
 def _reduce_rows(fill, per: int, block: int, device: torch.device, group) -> torch.Tensor:
-    """Steps 2-5: `fill(d, row)` writes this rank's shard d into a row; returns the gathered reduced
-    rows [W, row_bytes], identical on every rank (valid until the next call on this group)."""
+    """Steps 2-5: `fill(rows, table)` writes this rank's W shards into `rows` (table: their addresses, or
+    None); returns the gathered reduced rows [W, row_bytes], identical on every rank (valid until the
+    next call on this group)."""
     ws = Workspace.get(group, row_bytes(per, block)) if device.type == "cuda" else None
     if ws is not None:
         return _symmetric_rows(ws, ws.flip(), fill, per, block)
@@ -104,14 +102,15 @@ def all_reduce_codes(data: torch.Tensor, scales: torch.Tensor, numel: int, block
     per, _ = _layout(numel, block, world)
     width = per * block
 
-    def fill(d: int, row: torch.Tensor) -> None:
-        codes, sc = split_row(row, per, block)
-        lo, hi = min(numel, d * width), min(numel, (d + 1) * width)
-        codes[:hi - lo].copy_(data[lo:hi])
-        codes[hi - lo:].fill_(ZERO_CODE)
-        blo, bhi = min(nb, d * per), min(nb, (d + 1) * per)
-        sc[:bhi - blo].copy_(scales[blo:bhi])
-        sc[bhi - blo:].zero_()
+    def fill(rows: list[torch.Tensor], table) -> None:
+        for d, row in enumerate(rows):
+            codes, sc = split_row(row, per, block)
+            lo, hi = min(numel, d * width), min(numel, (d + 1) * width)
+            codes[:hi - lo].copy_(data[lo:hi])
+            codes[hi - lo:].fill_(ZERO_CODE)
+            blo, bhi = min(nb, d * per), min(nb, (d + 1) * per)
+            sc[:bhi - blo].copy_(scales[blo:bhi])
+            sc[bhi - blo:].zero_()
 
     gathered = _reduce_rows(fill, per, block, data.device, group)
     out_codes, out_scales = split_row(gathered, per, block)
@@ -149,12 +148,11 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, average: bool = Fa
     bounds = _bounds(flat.numel(), per, block, world)
     divisor = world if average else 1
 
-    def fill(d: int, row: torch.Tensor) -> None:
-        quantize_into(flat[bounds[d][0]:bounds[d][1]], row, per, block)
+    def fill(rows: list[torch.Tensor], table) -> None:
+        quantize_shards(flat, rows, per, block, table)
 
     def drain(gathered: torch.Tensor) -> None:
-        for s, (lo, hi) in enumerate(bounds):
-            dequantize_from(gathered[s], per, block, flat[lo:hi], divisor)
+        dequantize_shards(gathered, flat, per, block, divisor)
 
     ws = Workspace.get(group, rb) if flat.is_cuda else None
     if ws is not None:

@@ -53,6 +53,7 @@ class Workspace:
         self.peers = [self.buffer if r == self.rank else
                       self.handle.get_buffer(r, (2 * self.set_bytes,), torch.uint8, 0) for r in range(self.world)]
         self.parity = 0
+        self.tables: dict[tuple, torch.Tensor] = {}
         self.graphs: dict[tuple, object] = {}  # (key, parity) -> number of eager runs so far, or a CUDAGraph
         self.pool = None
 
@@ -134,6 +135,15 @@ class Workspace:
                 return
             self.graphs[slot] = entry = graph
         entry.replay()
+
+    def table(self, which: str, parity: int, rb: int) -> torch.Tensor:
+        """Addresses (int64, on this GPU) of row `our rank` in every rank's inbox or outbox of a set."""
+        key = (which, parity, rb)
+        if key not in self.tables:
+            box = self.inbox if which == "inbox" else self.outbox
+            self.tables[key] = torch.tensor([box(d, parity, rb)[self.rank].data_ptr() for d in range(self.world)],
+                                            dtype=torch.int64, device=self.buffer.device)
+        return self.tables[key]
 
     def barrier(self) -> None:
         """Every rank's earlier work on this stream is done and visible before anyone goes on."""

@@ -86,3 +86,54 @@ def sum_rows(rows: torch.Tensor, per: int, block: int, use_triton: bool | None =
 
     codes, scales = split_row(rows, per, block)
     return sum_shards_triton(codes, scales, block, ZERO_CODE)
+
+
+def _triton_for(t: torch.Tensor, block: int, use_triton: bool | None) -> bool:
+    if use_triton is None:
+        use_triton = t.is_cuda
+    return use_triton and block & (block - 1) == 0
+
+
+def quantize_shards(flat: torch.Tensor, rows: list[torch.Tensor], per: int, block: int,
+                    table: torch.Tensor | None = None, use_triton: bool | None = None) -> None:
+    """Quantize flat `flat` into len(rows) rows of `per` blocks: shard d (values [d*per*block, ...)) into
+    rows[d]. On the GPU one launch writes every row; `table` (their addresses, see
+    wire_triton.row_table) may be given to avoid building it."""
+    if _triton_for(flat, block, use_triton):
+        from agoq.runtime.wire_triton import quantize_to_rows_triton, row_table
+
+        quantize_to_rows_triton(flat, row_table(rows, flat.device) if table is None else table, per, block)
+        return
+    width = per * block
+    for d, row in enumerate(rows):
+        quantize_into(flat[min(flat.numel(), d * width):min(flat.numel(), (d + 1) * width)], row, per, block,
+                      use_triton=False)
+
+
+def sum_requantize(rows: torch.Tensor, dests: list[torch.Tensor], per: int, block: int,
+                   table: torch.Tensor | None = None, use_triton: bool | None = None) -> None:
+    """Sum rows [W, row_bytes] in float32 (row 0 first), requantize to 8 bits, and store the row at
+    every row in `dests` (on the GPU in one launch, which may store into peers' memory)."""
+    if _triton_for(rows, block, use_triton):
+        from agoq.runtime.wire_triton import row_table, sum_requantize_rows_triton
+
+        sum_requantize_rows_triton(rows, row_table(dests, rows.device) if table is None else table, per, block)
+        return
+    total = sum_rows_reference(rows, per, block)
+    quantize_into(total, dests[0], per, block, use_triton=False)
+    for row in dests[1:]:
+        row.copy_(dests[0])
+
+
+def dequantize_shards(rows: torch.Tensor, out: torch.Tensor, per: int, block: int, divisor: int = 1,
+                      use_triton: bool | None = None) -> None:
+    """Write rows [W, row_bytes] (row d holds shard d) into the contiguous flat `out`, scales / divisor."""
+    if _triton_for(rows, block, use_triton):
+        from agoq.runtime.wire_triton import dequantize_rows_triton
+
+        dequantize_rows_triton(rows, out, per, block, divisor)
+        return
+    width = per * block
+    for d in range(rows.shape[0]):
+        lo, hi = min(out.numel(), d * width), min(out.numel(), (d + 1) * width)
+        dequantize_from(rows[d], per, block, out[lo:hi], divisor, use_triton=False)

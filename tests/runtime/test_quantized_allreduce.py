@@ -156,3 +156,59 @@ def test_wire_rows_round_trip_matches_reference(dtype):
             assert torch.allclose(outs[0].float(), outs[1].float(), rtol=2**-7, atol=0)
         assert torch.allclose(outs[0].double(), want.double(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-6,
                               atol=1e-30)
+
+
+def _same_rows(a, b, per, block):
+    """Equal codes, and equal scales where NaN equals NaN (its sign bit depends on the operation)."""
+    from agoq.runtime.wire_rows import split_row
+
+    (ca, sa), (cb, sb) = split_row(a, per, block), split_row(b, per, block)
+    return (torch.equal(ca, cb) and torch.equal(sa.isnan(), sb.isnan())
+            and torch.equal(sa.nan_to_num(), sb.nan_to_num()))
+
+
+@pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16)])
+def test_fused_wire_kernels_match_reference(world, dtype):
+    """The one-launch kernels (quantize every shard into its row, sum + requantize into several rows,
+    dequantize every row) give the torch reference's bytes: odd sizes, a short last shard, an inf block,
+    a subnormal-scale block, a mean (divisor)."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and no interpreter")
+    from agoq.runtime.wire_rows import dequantize_shards, quantize_shards, row_bytes, sum_requantize
+
+    block, per = 64, 4
+    n = world * per * block - block - 29
+    flat = (torch.randn(n) * 3).to(dtype)
+    if dtype == torch.float32:  # a lifted (subnormal-scale) block; the interpreter misreads bf16 subnormals
+        flat[block:2 * block] *= 1e-40
+    flat[5 * block + 7] = float("inf")
+    rb = row_bytes(per, block)
+    rows = {t: torch.full((world, rb), 0x5A, dtype=torch.uint8) for t in (False, True)}
+    for t in rows:
+        quantize_shards(flat, list(rows[t].unbind(0)), per, block, use_triton=t)
+    assert _same_rows(rows[True], rows[False], per, block)
+    dests = {t: [torch.full((rb,), 0x33, dtype=torch.uint8) for _ in range(2)] for t in (False, True)}
+    for t in dests:
+        sum_requantize(rows[True], dests[t], per, block, use_triton=t)
+    assert all(_same_rows(a, b, per, block) for a, b in zip(dests[True], dests[False]))
+    assert torch.equal(dests[True][0], dests[True][1])
+    outs = {}
+    for t in (False, True):
+        outs[t] = torch.empty(n, dtype=dtype)
+        dequantize_shards(rows[True], outs[t], per, block, divisor=world, use_triton=t)
+    a, b = outs[False].float(), outs[True].float()
+    same_nan = torch.equal(a.isnan(), b.isnan())
+    if dtype == torch.float32:
+        assert same_nan and torch.equal(a.nan_to_num(), b.nan_to_num())
+    else:  # the interpreter truncates float32 -> bf16 on store where the GPU rounds: one ulp apart
+        assert same_nan and torch.allclose(a.nan_to_num(), b.nan_to_num(), rtol=2**-7, atol=0)
+    # independent check: the dequantized rows are the input / world within one int8 step per block
+    x = flat.double()
+    finite = torch.isfinite(x).view(-1)
+    got = a.double()
+    blocks_nan = got.isnan()
+    assert blocks_nan[5 * block:6 * block].all() and not blocks_nan[6 * block:].any()
+    step = (x.abs().nan_to_num(posinf=0).view(-1)[:n].max() / 127 / world)
+    out_rounding = (x / world).abs() * (2**-8 if dtype == torch.bfloat16 else 2**-23)
+    keep = finite & ~blocks_nan
+    assert ((got - x / world).abs()[keep] <= step * 0.51 + out_rounding[keep] + 1e-30).all()
