@@ -95,6 +95,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="spread sensitivity runs over this Ray cluster (e.g. auto or ray://host:10001); "
                              "default: no Ray")
     parser.add_argument("--out", default=None, help="output folder (default ./profiles/<model name>)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="CPU threads for torch (default: 1 for a CPU profile of a model with hidden size "
+                             "< 1024, whose small operations run fastest on one thread; else torch's default)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
 
@@ -200,6 +203,10 @@ def run(args: argparse.Namespace) -> int:
         if args.model in PRESETS:
             seq_len = min(seq_len, resolve_config(args.model).max_position_embeddings)
     out = Path(args.out or Path("profiles") / model_name(args.model))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif device == "cpu" and args.model in PRESETS and resolve_config(args.model).hidden_size < 1024:
+        torch.set_num_threads(1)
     settings = ProfileSettings(
         spec=args.model, seq_len=seq_len, micro_batch=args.micro_batch, dtype=dtype, device=device,
         bits=args.bits, formats=args.formats, block=args.block, batches=args.batches, seed=args.seed,

@@ -103,13 +103,22 @@ class SensitivityMeter:
         self._use_reference(reference)
         if m.option == "16":
             return 0.0, self.reference_bytes[reference].get(m.layer, {}).get(m.kind, 0)
-        apply_activation_policy(self.model, measurement_policy(m, reference, self.block))
-        errors, measured = [], None
+        error, log = self._error(measurement_policy(m, reference, self.block))
+        return error, int(log.by_layer.get(m.layer, {}).get(m.kind, 0))
+
+    def policy_error(self, policy: ActivationPolicy, reference: str = "ffn2_input") -> float:
+        """Relative L2 error of all weight gradients under any `policy`, against every layer kept at 16
+        bits through LAAQ (`reference` recomputed from its 16-bit source), mean over the batches."""
+        self._use_reference(reference)
+        return self._error(policy)[0]
+
+    def _error(self, policy: ActivationPolicy):
+        apply_activation_policy(self.model, policy)
+        errors, first_log = [], None
         try:
             for i, ids in enumerate(self.batches):
                 log = self._backward(ids, log_bytes=i == 0)
-                if log is not None:
-                    measured = int(log.by_layer.get(m.layer, {}).get(m.kind, 0))
+                first_log = first_log or log
                 diff2 = torch.zeros((), dtype=torch.float64, device=self.batches[0].device)
                 for p, r in zip(self.params, self._ref_grads[i]):
                     if p.grad is None and r is None:
@@ -121,7 +130,7 @@ class SensitivityMeter:
         finally:
             remove_activation_policy(self.model)
             self.model.zero_grad(set_to_none=True)
-        return sum(errors) / len(errors), measured
+        return sum(errors) / len(errors), first_log
 
     def release(self) -> None:
         """Drop the stored reference gradients."""
