@@ -87,9 +87,13 @@ class Page:
         self.add(f'<div class="plot" id="plot-{n}" data-figure="figure-{n}"></div>')
 
     def error_or(self, data: Any, what: str) -> bool:
-        """Show data's error as a message and return False; True when there is no error."""
-        if isinstance(data, dict) and "error" in data and len(data) == 1:
+        """Show data's error (or its empty state) as a message and return False; True when there is
+        neither."""
+        if isinstance(data, dict) and len(data) == 1 and "error" in data:
             self.add(message(f"{what}: {data['error']}", "error"))
+            return False
+        if isinstance(data, dict) and len(data) == 1 and "empty" in data:
+            self.add(message(data["empty"], "empty"))
             return False
         return True
 
@@ -267,6 +271,9 @@ def _plan_sections(page: Page, data: dict[str, Any]) -> None:
         if not mem["profile_found"]:
             page.add(message("No profile of this model (same fingerprint) under the root: weights, gradients and "
                              "optimizer state are not split out of the predicted peak.", "info"))
+        if mem.get("cpu_runs"):
+            page.add(message("Not compared with the prediction: " + ", ".join(mem["cpu_runs"]) + " ran on the CPU, "
+                             "where the recorded peak is the whole process's memory.", "info"))
         page.figure(figures.memory_breakdown(mem))
     if data["runs"]:
         page.add("<p>Trained with this plan: " + ", ".join(
@@ -288,9 +295,14 @@ def search(data: dict[str, Any]) -> str:
     if page.error_or(pareto, "pareto.csv"):
         if pareto["rows"]:
             page.figure(figures.pareto_front(pareto["rows"]))
-            cols = [c for c in pareto["columns"] if c]
-            page.add(table(cols, [[fmt_bytes(r.get(c)) if c.endswith("_bytes") else fmt_num(r.get(c))
-                                   for c in cols] for r in pareto["rows"]]))
+            cols = [c for c in pareto["columns"] if c and any(r.get(c) is not None for r in pareto["rows"])]
+
+            def cell(row: dict[str, Any], col: str) -> str:
+                if col == "plan" and row.get("plan_id"):
+                    return f'<a href="{esc(link("/plan", id=row["plan_id"]))}">{esc(row["plan"])}</a>'
+                return fmt_bytes(row.get(col)) if col.endswith("_bytes") else fmt_num(row.get(col))
+
+            page.add(table(cols, [[cell(r, c) for c in cols] for r in pareto["rows"]]))
         else:
             page.add(message(pareto["message"], "empty"))
     page.add("<h2>Chosen plan</h2>")

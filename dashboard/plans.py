@@ -86,8 +86,9 @@ def memory_breakdown(plan: dict[str, Any], profile: dict[str, Any] | None,
     plan's gradient mode), optimizer state (AdamW) and the stage's activations, split over stages by
     their share of decoder layers, plus 'other' (what the predicted peak holds beyond those parts);
     beside it the measured peak of each stage from the plan's validation and from each run that
-    trained with this plan (`run_peaks`: run id -> peak bytes per rank; rank s is taken as stage s
-    when there are as many ranks as stages, else the largest rank's peak)."""
+    trained with this plan (`run_peaks`: run id -> peak bytes per rank, None for a CPU run, which is
+    listed in `cpu_runs` but not compared; rank s is taken as stage s when there are as many ranks as
+    stages, else the largest rank's peak)."""
     predicted = plan.get("predicted") or {}
     peaks = [number(v) for v in predicted.get("peak_bytes_per_stage") or []]
     acts = [number(v) for v in predicted.get("activation_bytes_per_stage") or []]
@@ -112,13 +113,16 @@ def memory_breakdown(plan: dict[str, Any], profile: dict[str, Any] | None,
                                    parts["activations"]) if v[s] is not None)
         parts["other"].append(max(peak - known, 0.0) if peak is not None else None)
     measured = {}
+    cpu_runs = sorted(run_id for run_id, ranks in (run_peaks or {}).items() if ranks is None)
     mplan = plan.get("measured") or {}
-    if mplan.get("peak_bytes_per_stage"):
+    if any(number(v) is not None for v in mplan.get("peak_bytes_per_stage") or []):
         measured["plan validation"] = [number(v) for v in mplan["peak_bytes_per_stage"]][:stages]
     for run_id, ranks in (run_peaks or {}).items():
+        if ranks is None:
+            continue
         if len(ranks) == stages:
             measured[f"run {run_id}"] = ranks
         elif ranks and stages == 1:
             measured[f"run {run_id}"] = [max((r for r in ranks if r is not None), default=None)]
     return clean({"stages": list(range(stages)), "predicted_parts": parts, "predicted_peak": peaks,
-                  "measured_peak": measured, "profile_found": profile is not None, "gradient_mode": mode})
+                  "measured_peak": measured, "cpu_runs": cpu_runs, "profile_found": profile is not None, "gradient_mode": mode})

@@ -86,14 +86,21 @@ class Dashboard:
         a = self.catalog.get("searches", artifact_id)
         pareto = part(lambda: searches.read_pareto(a.path))
         name = searches.chosen_plan_name(a.path, pareto) if "rows" in pareto else None
-        chosen: Any = {"error": "no plan file in this search folder"}
+        chosen: Any = {"empty": "no plan file in this search folder"}
         if name:
             plan_id = name if a.id == "." else f"{a.id}/{name}"
             chosen = part(lambda: self.plan(plan_id))
         study = searches.study_file(a.path)
-        study_part: Any = {"error": "no Optuna study (study.db or study.journal) in this search folder"}
+        study_part: Any = {"empty": "no Optuna study (study.db or study.journal) in this search folder: "
+                                    "the search ran the MILP only (agoq search --method both to add one)"}
         if study is not None and self.catalog.child(a, study.name) is not None:
             study_part = part(lambda: {"file": study.name, "studies": studies.read_studies(study)})
+        if "rows" in pareto:
+            plan_ids = self.catalog.index().items["plans"]
+            prefix = "" if a.id == "." else a.id + "/"
+            for row in pareto["rows"]:
+                name = row.get("plan")
+                row["plan_id"] = prefix + name if isinstance(name, str) and prefix + name in plan_ids else None
         return {"id": a.id, "pareto": pareto, "chosen_plan": chosen, "study": study_part}
 
     def run(self, artifact_id: str) -> dict[str, Any]:
@@ -127,9 +134,10 @@ class Dashboard:
                 found.append((a.path.name != source, a.id, meta))
         return min(found, key=lambda f: f[:2])[2] if found else None
 
-    def _runs_with(self, plan: dict[str, Any]) -> dict[str, list]:
+    def _runs_with(self, plan: dict[str, Any]) -> dict[str, list | None]:
         """Runs that trained with this plan (same model, budget and per-layer choices): run id ->
-        highest peak bytes per rank."""
+        highest peak bytes per rank, or None for a run on the CPU (whose recorded peak is the
+        process's memory, not comparable with a GPU prediction)."""
         out = {}
         for a in self.catalog.index().items["runs"].values():
             try:
@@ -138,6 +146,10 @@ class Dashboard:
                 continue
             if not used or used.get("layers") != plan.get("layers") or used.get("budget_bytes") != plan.get("budget_bytes") \
                     or (used.get("model") or {}).get("fingerprint") != (plan.get("model") or {}).get("fingerprint"):
+                continue
+            hardware = read_json(a.path / "run.json", "run").get("hardware") or {}
+            if hardware.get("device") == "cpu":
+                out[a.id] = None
                 continue
             m = self.metrics.read(a.path / "metrics.jsonl")
             ranks = max((len(r) for r in m.peak), default=0)

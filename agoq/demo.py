@@ -1,0 +1,124 @@
+"""Run agoq's whole loop on the tiny LLaMA on the CPU, in about a minute or two, then print the command
+that shows the results in the dashboard:
+
+  1. agoq profile llama-tiny              -> OUT/profile/   (bytes, error, sensitivity per layer and kind)
+  2. agoq search --budget B               -> OUT/search/    (plan.json, pareto.csv, Optuna study)
+     B is the predicted peak of the published LAAQ recipe (agoq-paper) on this model; the search (MILP)
+     looks for the fastest plan within it, then runs the two best plans for a few steps to measure them
+  3. agoq train llama-tiny                -> OUT/runs/bf16/ (the plain baseline)
+     agoq train llama-tiny --plan ...     -> OUT/runs/plan/ (the same steps with the searched plan)
+  4. prints `agoq dashboard --root OUT`
+
+Each step runs the same public command a user would type (through agoq.cli.main).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HELP = "the whole loop on a tiny model on the CPU, then the dashboard command to see it"
+MODEL = "llama-tiny"
+STAGES = {"profile": "agoq.profiler.command", "search": "agoq.search.command", "train": "agoq.train.command"}
+DEMO_PARTS = ("profile", "search", "runs")
+# measured widths and formats kept small so the CPU profile takes seconds, not minutes
+PROFILE_ARGS = ["--bits", "2,3,4,6,8", "--formats", "int", "--batches", "1"]
+SEARCH_ARGS = ["--objective", "time", "--validate", "2", "--validate-steps", "3"]
+TRAIN_ARGS = ["--eval-every", "10", "--eval-batches", "2", "--checkpoint-every", "0"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `agoq demo`."""
+    from agoq.cli import positive_int
+
+    parser.add_argument("--out", default="runs/demo",
+                        help="folder for everything the demo writes (default runs/demo)")
+    parser.add_argument("--steps", type=positive_int, default=100,
+                        help="training steps of each of the two runs (default 100)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the results of an earlier demo in --out (its profile/, search/ and runs/)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars from the stages")
+    parser.set_defaults(func=run)
+
+
+def missing_stages() -> list[str]:
+    """The stages whose command module is not installed in this build."""
+    return [name for name, module in STAGES.items() if importlib.util.find_spec(module) is None]
+
+
+def _stage(argv: list[str]) -> None:
+    from agoq.cli import main
+
+    print(f"\n$ agoq {' '.join(argv)}", file=sys.stderr, flush=True)
+    code = main(argv)
+    if code != 0:
+        raise RuntimeError(f"`agoq {' '.join(argv)}` failed with exit code {code} (its message is above)")
+
+
+def demo_budget(profile_dir: Path) -> int:
+    """A memory budget (bytes): the predicted peak of a step with the published LAAQ recipe
+    (agoq-paper) from the profile, well below plain bf16's, so the search has to trade."""
+    meta = json.loads((profile_dir / "profile.json").read_text())
+    steps = [s for s in (meta.get("memory") or {}).get("steps") or [] if s.get("predicted_peak_bytes")]
+    by_policy = {s["policy"]: int(s["predicted_peak_bytes"]) for s in steps}
+    if "agoq-paper" in by_policy:
+        return by_policy["agoq-paper"]
+    if "bf16" in by_policy and len(by_policy) >= 2:
+        return (by_policy["bf16"] + min(by_policy.values())) // 2
+    raise ValueError(f"{profile_dir / 'profile.json'}: memory.steps lacks the predicted peaks of agoq-paper "
+                     "(or of bf16 and another policy), which the demo needs to pick a budget")
+
+
+def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list[str] | None = None,
+             search_args: list[str] | None = None, train_args: list[str] | None = None) -> dict[str, Path]:
+    """Profile, search and train (bf16 and with the plan) into `out`; returns the folders written.
+    The *_args lists replace the demo's extra arguments of each stage (tests use them to go faster)."""
+    missing = missing_stages()
+    if missing:
+        raise NotImplementedError(f"the demo needs `agoq {'`, `agoq '.join(missing)}`, which this build does not "
+                                  f"have yet ({', '.join(STAGES[m] for m in missing)} missing)")
+    q = ["--quiet"] if quiet else []
+    paths = {"profile": out / "profile", "search": out / "search", "bf16": out / "runs" / "bf16",
+             "plan_run": out / "runs" / "plan", "plan": out / "search" / "plan.json"}
+    _stage(["profile", MODEL, "--device", "cpu", "--out", str(paths["profile"]), *q,
+            *(PROFILE_ARGS if profile_args is None else profile_args)])
+    budget = demo_budget(paths["profile"])
+    _stage(["search", "--profile", str(paths["profile"]), "--budget", str(budget), "--out", str(paths["plan"]),
+            *q, *(SEARCH_ARGS if search_args is None else search_args)])
+    # both runs train on the batch shape the plan was made for, so their curves compare
+    training = json.loads(paths["plan"].read_text()).get("training") or {}
+    shape = [arg for flag, key in (("--seq-len", "seq_len"), ("--micro-batch", "micro_batch"))
+             if training.get(key) for arg in (flag, str(training[key]))]
+    common = ["--device", "cpu", "--steps", str(steps), *shape, *q,
+              *(TRAIN_ARGS if train_args is None else train_args)]
+    _stage(["train", MODEL, "--out", str(paths["bf16"]), *common])
+    _stage(["train", MODEL, "--plan", str(paths["plan"]), "--out", str(paths["plan_run"]), *common])
+    return paths
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo and print the dashboard command."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder")
+    earlier = [out / p for p in DEMO_PARTS if (out / p).exists()]
+    if earlier and not args.force:
+        raise ValueError(f"--out {out} already holds an earlier demo ({', '.join(p.name for p in earlier)}); "
+                         "pass --force to replace it, or another --out")
+    for p in earlier:
+        shutil.rmtree(p)
+    start = time.monotonic()
+    try:
+        run_loop(out, steps=args.steps, quiet=args.quiet)
+    except RuntimeError as e:
+        print(f"agoq demo: {e}", file=sys.stderr)
+        return 1
+    root = out.resolve()
+    print(f"\nagoq demo: done in {time.monotonic() - start:.0f} s; everything is in {root}\n"
+          f"see it with:\n\n  agoq dashboard --root {root}\n\nthen open http://127.0.0.1:8000/")
+    return 0

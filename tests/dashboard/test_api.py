@@ -1,0 +1,363 @@
+"""The dashboard's JSON API and pages through FastAPI's TestClient: every endpoint on real stage
+outputs and on format-conformant synthetic folders, values checked against the files read
+independently, bad ids, traversal attempts, tokens, broken files, and that nothing under the root is
+ever written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from fastapi.testclient import TestClient
+
+from dashboard.app import create_app
+
+PAGES = {"profiles": "/profile", "searches": "/search", "plans": "/plan", "runs": "/runs"}
+APIS = {"profiles": "/api/profile", "searches": "/api/search", "plans": "/api/plan", "runs": "/api/run"}
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under root with its size and modification time."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def visit_everything(client: TestClient) -> dict:
+    """GET every API endpoint and page for everything the index lists; returns the index."""
+    index = client.get("/api/index?refresh=1").json()
+    for kind in PAGES:
+        for item in index[kind]:
+            expect = 200 if "error" not in item else 422
+            r = client.get(APIS[kind], params={"id": item["id"]})
+            assert r.status_code == expect, (kind, item["id"], r.text)
+            r = client.get(PAGES[kind], params={"id": item["id"]})
+            assert r.status_code in (200, 422), (kind, item["id"], r.text)
+            assert "<html" in r.text
+    runs = [r["id"] for r in index["runs"] if "error" not in r]
+    if runs:
+        r = client.get("/api/curves", params=[("id", i) for i in runs[:12]] + [("points", 100)])
+        assert r.status_code == 200
+    for path in ("/", "/runs", "/static/plotly.min.js", "/static/dashboard.js", "/static/dashboard.css",
+                 "/openapi.json", "/docs"):
+        assert client.get(path).status_code == 200, path
+    return index
+
+
+# --- real outputs of the stages -----------------------------------------------------------------------
+
+def test_real_outputs_every_endpoint_and_values(stage_root):
+    before = snapshot(stage_root)
+    client = TestClient(create_app(stage_root))
+    index = visit_everything(client)
+    assert [p["id"] for p in index["profiles"]] == ["demo/profile"]
+    assert [s["id"] for s in index["searches"]] == ["demo/search"]
+    assert {r["id"] for r in index["runs"]} == {"demo/runs/bf16", "demo/runs/plan"}
+    assert "demo/search/plan.json" in [p["id"] for p in index["plans"]]
+    assert all("error" not in item for kind in PAGES for item in index[kind]), index
+
+    # profile heat maps hold exactly the parquet's values
+    table = pd.read_parquet(stage_root / "demo/profile/profile.parquet")
+    prof = client.get("/api/profile", params={"id": "demo/profile", "option": "4"}).json()
+    maps = prof["maps"]
+    assert maps["option"] == "4"
+    for i, layer in enumerate(maps["layers"]):
+        for j, kind in enumerate(maps["kinds"]):
+            row = table[(table.layer == layer) & (table.kind == kind) & (table.option.astype(str) == "4")]
+            if len(row) == 0:
+                assert maps["sensitivity"][i][j] is None
+                continue
+            row = row[row.format == "int"] if len(row) > 1 else row
+            assert maps["sensitivity"][i][j] == pytest.approx(float(row.sensitivity.iloc[0]), rel=1e-12)
+            assert maps["bytes"][i][j] == int(row.bytes.iloc[0])
+
+    # the chosen plan is linked to the run that trained with it, and its bit map is the plan's
+    plan = json.loads((stage_root / "demo/search/plan.json").read_text())
+    search = client.get("/api/search", params={"id": "demo/search"}).json()
+    chosen = search["chosen_plan"]
+    assert chosen["id"] == "demo/search/plan.json"
+    assert chosen["runs"] == ["demo/runs/plan"]
+    for entry, row in zip(sorted(plan["layers"], key=lambda e: e["layer"]), chosen["bits"]["bits"]):
+        for kind, value in zip(chosen["bits"]["kinds"], row):
+            want = -1 if entry.get("checkpoint") else 0 if entry["kinds"][kind] == "recompute" else entry["kinds"][kind]
+            assert value == want
+    assert chosen["memory"]["profile_found"] is True
+    assert chosen["memory"]["cpu_runs"] == ["demo/runs/plan"]  # a CPU run's process memory is not compared
+    assert len(search["pareto"]["rows"]) >= 1
+
+    # the curves are the metrics file's lines
+    lines = [json.loads(x) for x in (stage_root / "demo/runs/plan/metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if "loss" in x]
+    val = [x for x in lines if "val_loss" in x and "loss" not in x]
+    curves = client.get("/api/curves", params={"id": "demo/runs/plan"}).json()["runs"][0]["curves"]
+    assert curves["series"]["loss"]["value"] == pytest.approx([x["loss"] for x in train])
+    assert curves["series"]["val_loss"]["value"] == pytest.approx([x["val_loss"] for x in val])
+    assert curves["peak_bytes"][0]["value"] == [x["peak_bytes"][0] for x in train]
+    summary = client.get("/api/run", params={"id": "demo/runs/bf16"}).json()["summary"]
+    assert summary["status"] == "finished" and summary["plan"] == "bf16 (no plan)"
+    assert snapshot(stage_root) == before
+
+
+# --- synthetic folders: what a short session cannot produce ---------------------------------------------
+
+def test_synthetic_every_endpoint_and_read_only(synthetic_root):
+    before = snapshot(synthetic_root)
+    client = TestClient(create_app(synthetic_root))
+    index = visit_everything(client)
+    assert {s["id"] for s in index["searches"]} == {"search", "journal-search"}
+    assert {r["id"] for r in index["runs"]} == {"runs/two-ranks", "runs/long"}
+    assert snapshot(synthetic_root) == before  # no -journal/-wal files, no caches, nothing touched
+
+
+def test_long_run_is_thinned_keeping_extremes(synthetic_root):
+    lines = (synthetic_root / "runs/long/metrics.jsonl").read_text().splitlines()
+    train = [json.loads(x) for x in lines if '"loss"' in x]
+    loss = np.array([x["loss"] for x in train])
+    client = TestClient(create_app(synthetic_root))
+    points = 601
+    r = client.get("/api/curves", params={"id": "runs/long", "points": points}).json()["runs"][0]["curves"]
+    assert r["train_points"] == 100_000 == len(train)
+    got = r["series"]["loss"]
+    assert len(got["step"]) <= points and len(got["step"]) > points // 2
+    assert got["step"] == sorted(got["step"])
+    assert got["step"][0] == train[0]["step"] and got["step"][-1] == train[-1]["step"]
+    assert min(got["value"]) == loss.min() and max(got["value"]) == loss.max()
+    for series in (r["series"]["tokens_per_s"], r["peak_bytes"][0], r["series"]["val_loss"]):
+        assert len(series["step"]) <= points
+    page = client.get("/runs", params={"id": "runs/long"})
+    assert page.status_code == 200 and len(page.content) < 2_000_000
+
+
+def test_several_ranks_and_stages(synthetic_root):
+    client = TestClient(create_app(synthetic_root))
+    lines = [json.loads(x) for x in (synthetic_root / "runs/two-ranks/metrics.jsonl").read_text().splitlines()]
+    peaks = np.array([x["peak_bytes"] for x in lines if "loss" in x])
+    curves = client.get("/api/curves", params={"id": "runs/two-ranks"}).json()["runs"][0]["curves"]
+    assert [p["rank"] for p in curves["peak_bytes"]] == [0, 1]
+    for r in (0, 1):
+        assert curves["peak_bytes"][r]["value"] == peaks[:, r].tolist()
+    plan = client.get("/api/plan", params={"id": "search/plan.json"}).json()
+    mem = plan["memory"]
+    written = json.loads((synthetic_root / "search/plan.json").read_text())
+    assert mem["stages"] == [0, 1]
+    profile = json.loads((synthetic_root / "prof/profile.json").read_text())["memory"]
+    stage_layers = [sum(1 for e in written["layers"] if e["stage"] == s) for s in (0, 1)]
+    for s in (0, 1):
+        share = stage_layers[s] / len(written["layers"])
+        assert mem["predicted_parts"]["weights"][s] == pytest.approx(profile["weights_bytes"] * share)
+        assert mem["predicted_parts"]["gradients"][s] == pytest.approx(profile["gradients_bytes_quangrad8"] * share)
+        parts = sum(v[s] for v in mem["predicted_parts"].values())
+        assert parts == pytest.approx(max(written["predicted"]["peak_bytes_per_stage"][s], parts - mem["predicted_parts"]["other"][s]))
+    assert mem["measured_peak"]["plan validation"] == pytest.approx(written["measured"]["peak_bytes_per_stage"])
+    assert mem["measured_peak"]["run runs/two-ranks"] == [int(peaks[:, 0].max()), int(peaks[:, 1].max())]
+    search = client.get("/api/search", params={"id": "search"}).json()
+    assert [r["validated"] for r in search["pareto"]["rows"]] == [True, False]
+    assert search["study"]["studies"][0]["states"] == {"COMPLETE": 6}
+    journal = client.get("/api/search", params={"id": "journal-search"}).json()
+    assert journal["study"]["file"] == "study.journal"
+    assert len(journal["study"]["studies"][0]["trials"]) == 5
+    assert "empty" in journal["chosen_plan"] and journal["pareto"]["rows"] == []
+    coll = client.get("/api/profile", params={"id": "prof"}).json()["collectives"]
+    table = pd.read_parquet(synthetic_root / "prof/collectives.parquet")
+    for s in coll["series"]:
+        part = table[(table.path == s["path"]) & (table.op == s["op"])].sort_values("message_bytes")
+        assert s["seconds"] == pytest.approx(part.seconds.tolist())
+
+
+# --- bad requests ------------------------------------------------------------------------------------
+
+def test_bad_ids_and_parameters(synthetic_root):
+    client = TestClient(create_app(synthetic_root))
+    for api in APIS.values():
+        assert client.get(api, params={"id": "no/such/thing"}).status_code == 404
+        assert client.get(api).status_code == 422  # id missing
+    assert client.get("/api/profile", params={"id": "search"}).status_code == 404  # wrong kind
+    assert client.get("/api/curves", params={"id": "runs/long", "points": 2}).status_code == 422
+    assert client.get("/api/curves", params={"id": "runs/long", "points": "many"}).status_code == 422
+    assert client.get("/api/curves", params=[("id", "runs/long")] * 13).status_code == 422
+    bad_option = client.get("/api/profile", params={"id": "prof", "option": "7"}).json()
+    assert "error" in bad_option["maps"] and "option" in bad_option["maps"]["error"]
+    for page in ("/profile", "/search", "/plan"):
+        r = client.get(page, params={"id": "no/such/thing"})
+        assert r.status_code == 404 and "nothing named no/such/thing" in r.text
+    r = client.get("/runs", params={"id": "no/such/thing"})
+    assert r.status_code == 200 and "no run named no/such/thing" in r.text
+    assert client.get("/static/../app.py").status_code == 404
+    assert client.get("/static/%2e%2e%2fapp.py").status_code == 404
+
+
+@pytest.fixture()
+def escape_root(tmp_path):
+    """A root with a run inside, and symlinks (to a folder, to run.json) leading to a run outside it."""
+    rng = np.random.default_rng(1)
+    from tests.dashboard import synthetic
+
+    outside = tmp_path / "outside"
+    synthetic.write_run(outside / "secret", rng, 5)
+    root = tmp_path / "root"
+    synthetic.write_run(root / "inside", rng, 5)
+    (root / "linked-dir").symlink_to(outside / "secret", target_is_directory=True)
+    (root / "linked-file").mkdir()
+    (root / "linked-file" / "run.json").symlink_to(outside / "secret" / "run.json")
+    (root / "linked-file" / "metrics.jsonl").symlink_to(outside / "secret" / "metrics.jsonl")
+    synthetic.write_run(root / "ok-link-target", rng, 5)
+    (root / "inner-link").mkdir()
+    (root / "inner-link" / "run.json").symlink_to(root / "ok-link-target" / "run.json")
+    return root
+
+
+def test_no_path_leads_outside_the_root(escape_root):
+    client = TestClient(create_app(escape_root))
+    index = client.get("/api/index").json()
+    ids = {r["id"] for r in index["runs"]}
+    assert ids == {"inside", "ok-link-target", "inner-link"}
+    assert any("linked-file" in p for p in index["problems"])
+    attempts = ["../outside/secret", "linked-dir", "linked-file", "inside/../../outside/secret",
+                str(escape_root.parent / "outside" / "secret"), "/etc", "/", "..", "inside/..", "./inside",
+                "inside/", "%2e%2e/outside/secret", "..%2Foutside%2Fsecret", "inside\\..\\..\\outside\\secret"]
+    for attempt in attempts:
+        for api in ("/api/run", "/api/curves"):
+            r = client.get(api, params={"id": attempt})
+            assert r.status_code == 404, (api, attempt, r.text)
+    # the same attempts written straight into the URL, percent-encoded by hand
+    for raw in ("/api/run?id=..%2Foutside%2Fsecret", "/api/run?id=%2Fetc%2Fpasswd",
+                "/api/run?id=%252e%252e%252Foutside%252Fsecret", "/api/run?id=linked-dir%2F..%2F..%2Foutside"):
+        assert client.get(raw).status_code == 404, raw
+    assert client.get("/api/run", params={"id": "inside"}).status_code == 200
+
+
+# --- access rules ------------------------------------------------------------------------------------
+
+def test_token_is_required_everywhere(synthetic_root):
+    client = TestClient(create_app(synthetic_root, token="s3cret-token-1"))
+    for path in ("/", "/api/index", "/static/plotly.min.js", "/openapi.json", "/docs", "/runs"):
+        assert client.get(path).status_code == 401, path
+    assert client.get("/api/index", params={"token": "wrong-token-11"}).status_code == 401
+    assert client.get("/api/index", headers={"x-agoq-token": "s3cret-token-1"}).status_code == 200
+    assert client.get("/api/index", headers={"authorization": "Bearer s3cret-token-1"}).status_code == 200
+    first = client.get("/", params={"token": "s3cret-token-1"})
+    assert first.status_code == 200 and "agoq_dashboard_token" in first.headers["set-cookie"]
+    assert client.get("/api/index").status_code == 200  # the cookie now carries it
+    client.cookies.clear()
+    assert client.get("/api/index").status_code == 401
+
+
+def test_host_header_is_checked_without_token(synthetic_root):
+    client = TestClient(create_app(synthetic_root, allowed_hosts={"127.0.0.1", "localhost"}),
+                        base_url="http://127.0.0.1:8000")
+    assert client.get("/api/index").status_code == 200
+    assert client.get("/api/index", headers={"host": "evil.example:8000"}).status_code == 400
+
+
+def test_command_refuses_other_hosts_without_token(synthetic_root, monkeypatch, capsys):
+    import uvicorn
+
+    from agoq.cli import main
+
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: served.update(app=app, host=host, port=port))
+    monkeypatch.delenv("AGOQ_DASHBOARD_TOKEN", raising=False)
+    assert main(["dashboard", "--root", str(synthetic_root), "--host", "0.0.0.0"]) == 2
+    assert "token" in capsys.readouterr().err
+    assert not served
+    assert main(["dashboard", "--root", str(synthetic_root / "nope")]) == 2
+    monkeypatch.setenv("AGOQ_DASHBOARD_TOKEN", "from-env-token")
+    assert main(["dashboard", "--root", str(synthetic_root), "--host", "0.0.0.0", "--port", "8123"]) == 0
+    assert served["host"] == "0.0.0.0" and served["port"] == 8123
+    client = TestClient(served["app"])
+    assert client.get("/api/index").status_code == 401
+    assert client.get("/api/index", headers={"x-agoq-token": "from-env-token"}).status_code == 200
+    monkeypatch.delenv("AGOQ_DASHBOARD_TOKEN")
+    assert main(["dashboard", "--root", str(synthetic_root)]) == 0
+    assert served["host"] == "127.0.0.1" and served["port"] == 8000
+
+
+# --- broken and empty folders, new folders --------------------------------------------------------------
+
+def test_broken_files_are_messages_not_500(synthetic_root, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(synthetic_root / "prof", root / "bad-json")
+    (root / "bad-json" / "profile.json").write_text("{ not json")
+    shutil.copytree(synthetic_root / "prof", root / "newer")
+    meta = json.loads((root / "newer" / "profile.json").read_text())
+    (root / "newer" / "profile.json").write_text(json.dumps({**meta, "schema": "agoq.profile/9"}))
+    shutil.copytree(synthetic_root / "prof", root / "bad-parquet")
+    (root / "bad-parquet" / "profile.parquet").write_bytes(b"PAR1 this is not parquet")
+    (root / "bad-parquet" / "collectives.parquet").write_bytes(b"")
+    (root / "search").mkdir()
+    (root / "search" / "pareto.csv").write_text("a,b\n1,2\n")
+    (root / "search" / "study.db").write_bytes(b"SQLite format 3\0 garbage" * 10)
+    (root / "search" / "plan.json").write_text(json.dumps({"schema": "agoq.plan/1", "layers": "none"}))
+    shutil.copytree(synthetic_root / "runs" / "two-ranks", root / "run-bad-lines")
+    with open(root / "run-bad-lines" / "metrics.jsonl", "a") as f:
+        f.write("garbage\n[1, 2]\n{\"no_step\": 1}\n{\"step\": 99, \"loss\": NaN, \"peak_bytes\": [1, 2]}\n")
+    (root / "run-broken").mkdir()
+    (root / "run-broken" / "run.json").write_text("[]")
+    before = snapshot(root)
+    client = TestClient(create_app(root))
+    index = client.get("/api/index").json()
+    errors = {item["id"]: item.get("error") for kind in PAGES for item in index[kind]}
+    assert "not valid JSON" in errors["bad-json"]
+    assert "newer" in errors["newer"]
+    assert errors["bad-parquet"] is None  # profile.json is fine; the table's error shows in its part
+    assert "missing column" in errors["search"]
+    assert "layers" in errors["search/plan.json"]
+    assert "expected a JSON object" in errors["run-broken"]
+    prof = client.get("/api/profile", params={"id": "bad-parquet"}).json()
+    assert "parquet" in prof["maps"]["error"] and "parquet" in prof["collectives"]["error"]
+    assert client.get("/api/profile", params={"id": "bad-json"}).status_code == 422
+    search = client.get("/api/search", params={"id": "search"}).json()
+    assert "missing column" in search["pareto"]["error"]
+    assert "Optuna" in search["study"]["error"]
+    run = client.get("/api/run", params={"id": "run-bad-lines"}).json()
+    assert run["summary"]["bad_lines"] == 3
+    curves = client.get("/api/curves", params={"id": "run-bad-lines"}).json()["runs"][0]["curves"]
+    assert curves["series"]["loss"]["value"][-1] is None  # NaN loss kept as a gap, valid JSON
+    for path in ["/", "/runs?id=run-broken&id=run-bad-lines", "/profile?id=bad-parquet", "/profile?id=bad-json",
+                 "/search?id=search", "/plan?id=search/plan.json"]:
+        r = client.get(path)
+        assert r.status_code in (200, 422) and ('class="msg error"' in r.text or 'class="bad"' in r.text), path
+    assert snapshot(root) == before
+
+
+def test_empty_root_and_new_folders_appear(tmp_path):
+    client = TestClient(create_app(tmp_path, ttl=60))
+    page = client.get("/")
+    assert page.status_code == 200 and "Nothing found" in page.text
+    assert "No runs yet" in client.get("/runs").text
+    from tests.dashboard import synthetic
+
+    synthetic.write_run(tmp_path / "later", np.random.default_rng(2), 7)
+    assert client.get("/api/index").json()["runs"] == []  # still within the cache time
+    assert client.get("/api/run", params={"id": "later"}).status_code == 200  # an unknown id rescans
+    assert [r["id"] for r in client.get("/api/index", params={"refresh": True}).json()["runs"]] == ["later"]
+
+
+def test_metrics_are_read_incrementally(tmp_path):
+    from tests.dashboard import synthetic
+
+    rng = np.random.default_rng(3)
+    synthetic.write_run(tmp_path / "r", rng, 10, val_every=100)
+    client = TestClient(create_app(tmp_path))
+    get = lambda: client.get("/api/curves", params={"id": "r"}).json()["runs"][0]["curves"]  # noqa: E731
+    assert get()["train_points"] == 10
+    path = tmp_path / "r" / "metrics.jsonl"
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": 11, "loss": 0.123, "peak_bytes": [5], "time": 1.0}) + "\n")
+        f.write('{"step": 12, "loss": 0.0')  # a line still being written
+    assert get()["train_points"] == 11
+    with open(path, "a") as f:
+        f.write('99}\n')
+    c = get()
+    assert c["train_points"] == 12 and c["series"]["loss"]["value"][-2:] == [0.123, 0.099]
+    path.write_text(json.dumps({"step": 1, "loss": 7.0, "time": 1.0}) + "\n")  # rewritten shorter: read again
+    assert get()["series"]["loss"]["value"] == [7.0]

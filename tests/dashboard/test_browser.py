@@ -1,0 +1,105 @@
+"""End to end in a real headless Chromium: the dashboard served by uvicorn on a free port, every page
+loaded, no JavaScript errors or failed requests, every chart drawn with data; screenshots are saved as
+test artifacts (their folder is printed; AGOQ_TEST_ARTIFACTS chooses it)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dashboard.browser import Chromium, find_chromium
+
+# Each chart: its figure drawn by Plotly, with at least one trace holding points or cells.
+CHARTS_DRAWN = """(() => {
+  const divs = Array.from(document.querySelectorAll('div.plot'));
+  return divs.map(d => d.classList.contains('js-plotly-plot') && d.querySelector('svg.main-svg') !== null
+    ? (d._fullData || []).reduce((n, t) => n + ((t.x && t.x.length) || (t.z && t.z.length) || 0), 0) : -1);
+})()"""
+
+
+@pytest.fixture(scope="module")
+def served_root(tmp_path_factory, synthetic_root, request):
+    """One root holding the real stage outputs (when every stage exists) and the synthetic folders."""
+    root = tmp_path_factory.mktemp("served")
+    try:
+        stage_root = request.getfixturevalue("stage_root")
+        shutil.copytree(stage_root / "demo", root / "demo")
+    except pytest.skip.Exception:
+        if os.environ.get("CI"):
+            raise
+    shutil.copytree(synthetic_root, root / "synthetic")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(served_root):
+    import uvicorn
+
+    from dashboard.app import create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(create_app(served_root, token="browser-test-token"), host="127.0.0.1", port=port,
+                            log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory):
+    binary = find_chromium()
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed, and CI must run the browser test (apt-get install chromium)")
+        pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
+    browser = Chromium(binary, tmp_path_factory.mktemp("chromium-profile"))
+    yield browser
+    browser.close()
+
+
+def test_pages_render_in_chromium(server, chromium, served_root, tmp_path_factory):
+    from fastapi.testclient import TestClient
+
+    from dashboard.app import create_app
+
+    artifacts = Path(os.environ.get("AGOQ_TEST_ARTIFACTS") or tmp_path_factory.mktemp("artifacts"))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    index = TestClient(create_app(served_root)).get("/api/index").json()
+    pages = [("overview", "/?token=browser-test-token")]  # the first visit sets the cookie
+    pages += [(f"profile-{p['id']}", f"/profile?id={p['id']}") for p in index["profiles"]]
+    pages += [(f"search-{s['id']}", f"/search?id={s['id']}") for s in index["searches"]]
+    pages += [(f"plan-{p['id']}", f"/plan?id={p['id']}") for p in index["plans"]]
+    pages.append(("runs", "/runs?" + "&".join(f"id={r['id']}" for r in index["runs"])))
+    if (served_root / "demo").exists():
+        assert any(name == "profile-demo/profile" for name, _ in pages)
+    charts_seen = 0
+    for name, path in pages:
+        problems = chromium.open(server + path, "document.body && document.body.dataset.plotsDrawn !== undefined")
+        assert problems == [], (path, problems)
+        drawn = chromium.evaluate(CHARTS_DRAWN)
+        expected = chromium.evaluate("document.querySelectorAll('div.plot').length")
+        assert chromium.evaluate("document.body.dataset.plotsDrawn") == str(expected), path
+        assert chromium.evaluate("document.body.dataset.plotErrors") == "0", path
+        assert all(n > 0 for n in drawn), (path, drawn)
+        if name != "overview":
+            assert expected >= 1, path
+        charts_seen += len(drawn)
+        shot = chromium.screenshot(artifacts / (name.replace("/", "_") + ".png"))
+        assert shot.stat().st_size > 10_000
+    assert "runs" in chromium.evaluate("document.title")
+    print(f"\ndashboard screenshots ({len(pages)} pages, {charts_seen} charts): {artifacts}")

@@ -1,0 +1,41 @@
+"""Min/max thinning against a brute-force reference on random series with spikes and NaN gaps."""
+
+import numpy as np
+import pytest
+
+from dashboard.downsample import minmax_indices
+
+
+@pytest.mark.parametrize("n, max_points", [(1, 4), (37, 37), (38, 37), (1013, 101), (100_003, 2000), (5000, 5)])
+def test_minmax_keeps_each_buckets_extremes(n, max_points):
+    rng = np.random.default_rng()
+    y = rng.standard_normal(n).cumsum()
+    spikes = rng.integers(0, n, size=max(1, n // 997))
+    y[spikes] += rng.choice([-50.0, 50.0], size=len(spikes))
+    if n > 100:
+        y[rng.integers(0, n - 30):][:25] = np.nan
+    idx = minmax_indices(y, max_points)
+    assert len(idx) <= max(max_points, n if n <= max_points else 0)
+    assert np.all(np.diff(idx) > 0) and idx[0] == 0 and idx[-1] == n - 1
+    if n <= max_points:
+        assert idx.tolist() == list(range(n))
+        return
+    buckets = (max_points - 2) // 2
+    edges = np.linspace(0, n, buckets + 1).astype(int)
+    kept = set(idx.tolist())
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        part = y[lo:hi]
+        if np.isnan(part).all():
+            assert lo in kept
+            continue
+        # brute force: the positions of the bucket's smallest and largest finite value
+        finite = [(v, lo + i) for i, v in enumerate(part) if not np.isnan(v)]
+        assert min(finite)[1] in kept or y[min(finite)[1]] in y[[i for i in kept if lo <= i < hi]]
+        assert max(finite)[1] in kept or y[max(finite)[1]] in y[[i for i in kept if lo <= i < hi]]
+    finite_y = y[~np.isnan(y)]
+    assert np.nanmin(y[idx]) == finite_y.min() and np.nanmax(y[idx]) == finite_y.max()
+
+
+def test_too_few_points_refused():
+    with pytest.raises(ValueError, match="max_points"):
+        minmax_indices(np.zeros(10), 3)
