@@ -1,7 +1,8 @@
 """Spreading sensitivity measurements over a Ray cluster: one task per chunk of measurements.
 
 Each task builds the model from its spec and seed (identical weights everywhere) and measures its
-chunk against its own reference; a task asks for one GPU when the profile runs on CUDA.
+chunk against its own reference; a task asks for one GPU when the profile runs on CUDA. The workers of
+a cluster must have agoq installed (and a `package.module:function` model importable).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ def ray_measure(job: dict, chunks: list[list[dict]], address: str | None, progre
     Returns the results of all chunks, in chunk order. Raises ValueError if Ray is missing or cannot
     connect.
     """
+    import os
+    from pathlib import Path
+
     try:
         import ray
     except ImportError:
@@ -23,8 +27,11 @@ def ray_measure(job: dict, chunks: list[list[dict]], address: str | None, progre
         if not ray.is_initialized():
             if address:
                 ray.init(address=address, log_to_driver=False)
-            else:
-                ray.init(include_dashboard=False, log_to_driver=False)
+            else:  # a local Ray: its workers import agoq from where this process does
+                root = str(Path(__file__).resolve().parents[2])
+                path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+                ray.init(include_dashboard=False, log_to_driver=False,
+                         runtime_env={"env_vars": {"PYTHONPATH": path}})
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ValueError(f"cannot start or reach Ray at {address or 'a new local instance'}: {e}") from None
     options = {"num_gpus": 1} if job["device"].startswith("cuda") else {"num_cpus": 1}

@@ -167,7 +167,7 @@ def chunk_task(job: dict, measurements: list[dict]) -> list[dict]:
     device = job["device"]
     if device == "cuda" and not torch.cuda.is_available():
         device = "cpu"
-    model = load_model(job["spec"], dtype=job["dtype"], device=device, seed=job["seed"])
+    model = load_model(job["spec"], dtype=job["dtype"], device=device, seed=job["seed"], num_layers=job.get("layers"))
     batches = token_batches(vocab_size(model), job["batches"], job["micro_batch"], job["seq_len"], job["seed"],
                             device)
     meter = SensitivityMeter(model, batches, job["block"])

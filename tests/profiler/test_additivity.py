@@ -1,0 +1,43 @@
+"""The error of a mixed policy from single-(layer, kind) sensitivities, within the documented factors."""
+
+import random
+
+from agoq.profiler.additivity import (QUADRATURE_FACTOR, QUADRATURE_FACTOR_WITH_RECOMPUTE, SUM_FACTOR,
+                                      predicted_error)
+from agoq.profiler.model_source import load_model, token_batches
+from agoq.profiler.options import kind_options
+from agoq.profiler.sensitivity import Measurement, SensitivityMeter
+from agoq.runtime.policy import KINDS, RECOMPUTE, ActivationPolicy
+
+
+def test_mixed_policies_within_factor():
+    rng = random.Random()
+    model = load_model("llama-tiny", dtype="fp32", seed=rng.randint(0, 999))
+    meter = SensitivityMeter(model, token_batches(256, 2, 2, rng.randint(20, 40), rng.randint(0, 999), "cpu"))
+    bits = [2, 3, 5, 8]
+    rows = []
+    for layer in range(3):
+        for kind in KINDS:
+            for o in kind_options(kind, bits, ["int"]):
+                s = meter.measure(Measurement(layer, kind, o.option, o.format))[0]
+                rows.append({"layer": layer, "kind": kind, "option": o.option, "bits": o.bits, "format": o.format,
+                             "sensitivity": s})
+    for trial in range(6):
+        with_recompute = trial >= 3
+        layers = {}
+        for layer in range(3):
+            choice = {}
+            for kind in KINDS:
+                opts = [o.setting for o in kind_options(kind, bits, ["int"])
+                        if with_recompute or o.setting != RECOMPUTE]
+                choice[kind] = rng.choice(opts)
+            layers[layer] = choice
+        policy = ActivationPolicy(layers=layers)
+        if any(policy.keeps_everything(i) for i in range(3)):
+            continue
+        measured = meter.policy_error(policy)
+        quad = predicted_error(rows, policy, 3)
+        total = predicted_error(rows, policy, 3, how="sum")
+        factor = QUADRATURE_FACTOR_WITH_RECOMPUTE if with_recompute else QUADRATURE_FACTOR
+        assert quad / factor <= measured <= quad * factor, (trial, quad, measured)
+        assert total / SUM_FACTOR <= measured <= total * 1.02, (trial, total, measured)

@@ -1,0 +1,90 @@
+"""`agoq profile`: a small run end to end, and clear errors (exit 2) on bad input."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from agoq.cli import main
+
+FAST = ["--quiet", "--bits", "4", "--formats", "int", "--batches", "1", "--seq-len", "13", "--micro-batch", "1"]
+
+
+def tiny_factory():
+    from agoq.models import build
+
+    return build("llama-tiny", num_layers=2)
+
+
+def not_a_module():
+    return 42
+
+
+def test_profile_with_budget_and_pipeline(tmp_path, capsys):
+    out = tmp_path / "prof"
+    code = main(["profile", "llama-tiny", *FAST, "--pipeline-stages", "3", "--micro-batches", "6", "--budget",
+                 "64MiB", "--out", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "profile.json" in text and "plan.json" in text
+    header = json.loads((out / "profile.json").read_text())
+    assert header["pipeline"]["in_flight"]["1f1b"] == [3, 2, 1]
+    table = pd.read_parquet(out / "profile.parquet")
+    assert set(table.option) == {"16", "4", "recompute"} and len(table) == 3 * (7 * 2 + 3)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["schema"] == "agoq.plan/1" and plan["model"]["fingerprint"] == header["model"]["fingerprint"]
+    assert len(plan["layers"]) == 3 and plan["budget_bytes"] == 64 * 1024 * 1024
+
+
+def test_factory_model(tmp_path):
+    out = tmp_path / "f"
+    assert main(["profile", "tests.profiler.test_command:tiny_factory", *FAST, "--out", str(out)]) == 0
+    assert json.loads((out / "profile.json").read_text())["model"]["num_layers"] == 2
+
+
+def _error(capsys, argv):
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model, message", [
+    ("no-such-model", "unknown model"),
+    ("tests.profiler.test_command:not_a_module", "not a torch nn.Module"),
+    ("tests.profiler.test_command:missing", "has no function"),
+    ("torch.nn:Identity", "no LLaMA-style decoder layers"),
+])
+def test_bad_models(tmp_path, capsys, model, message):
+    code, err = _error(capsys, ["profile", model, *FAST, "--out", str(tmp_path / "x")])
+    assert code == 2 and message in err
+
+
+def test_bad_config_files(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    code, err = _error(capsys, ["profile", str(bad), *FAST])
+    assert code == 2 and "not valid JSON" in err
+    gpt = tmp_path / "gpt2.json"
+    gpt.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    code, err = _error(capsys, ["profile", str(gpt), *FAST])
+    assert code == 2 and "'gpt2' is not supported" in err
+    code, err = _error(capsys, ["profile", str(tmp_path / "absent.json"), *FAST])
+    assert code == 2 and "not found" in err
+
+
+def test_bad_arguments(capsys):
+    code, err = _error(capsys, ["profile", "llama-tiny", "--quiet", "--bits", "9"])
+    assert code == 2 and "2..8" in err
+    code, err = _error(capsys, ["profile", "llama-tiny", "--quiet", "--seq-len", "100000"])
+    assert code == 2 and "max_position_embeddings" in err
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "llama-tiny", "--batches", "0"])
+    assert e.value.code == 2
+
+
+def test_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["profile", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--seq-len", "--micro-batch", "--dtype", "--device", "--bits", "--formats", "--batches", "--budget",
+                 "--pipeline-stages", "--micro-batches", "--world-size", "--ray-address", "--ray", "--out"):
+        assert flag in text
