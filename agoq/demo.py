@@ -51,13 +51,19 @@ def missing_stages() -> list[str]:
     return [name for name, module in STAGES.items() if importlib.util.find_spec(module) is None]
 
 
+class StageFailed(Exception):
+    """A stage command of the demo exited with an error (which it has already printed)."""
+
+
 def _stage(argv: list[str]) -> None:
     from agoq.cli import main
 
     print(f"\n$ agoq {' '.join(argv)}", file=sys.stderr, flush=True)
+    start = time.monotonic()
     code = main(argv)
+    print(f"({argv[0]}: {time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
     if code != 0:
-        raise RuntimeError(f"`agoq {' '.join(argv)}` failed with exit code {code} (its message is above)")
+        raise StageFailed(f"`agoq {' '.join(argv)}` failed with exit code {code} (its message is above)")
 
 
 def demo_budget(profile_dir: Path) -> int:
@@ -115,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
         run_loop(out, steps=args.steps, quiet=args.quiet)
-    except RuntimeError as e:
+    except StageFailed as e:
         print(f"agoq demo: {e}", file=sys.stderr)
         return 1
     root = out.resolve()

@@ -61,3 +61,15 @@ def number(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return x if math.isfinite(x) else None
+
+
+def format_bytes(n: Any) -> str:
+    """Bytes in binary units ('3.21 MiB'), or an en dash when unknown."""
+    if n is None or (isinstance(n, float) and not math.isfinite(n)):
+        return "\u2013"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

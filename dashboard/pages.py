@@ -11,23 +11,12 @@ from typing import Any, Iterable
 from urllib.parse import urlencode
 
 from dashboard import figures
+from dashboard.formats import format_bytes as fmt_bytes
 
 
 def esc(value: Any) -> str:
     """Text made safe for HTML."""
     return html.escape("" if value is None else str(value))
-
-
-def fmt_bytes(n: Any) -> str:
-    """Bytes in binary units, or an en dash when unknown."""
-    if n is None or (isinstance(n, float) and not math.isfinite(n)):
-        return "–"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def fmt_num(x: Any, digits: int = 4) -> str:

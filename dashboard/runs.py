@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from dashboard.downsample import minmax_indices
-from dashboard.formats import clean, number, read_json
+from dashboard.formats import clean, format_bytes, number, read_json
 
 TRAIN_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_seconds", "time")
 VAL_FIELDS = ("step", "val_loss", "time")
@@ -125,7 +125,7 @@ def summary(folder: Path, store: MetricsStore) -> dict[str, Any]:
         budget = number(plan.get("budget_bytes"))
         plan_label = "plan" + (f" ({source.get('method')})" if source.get("method") else "")
         if budget:
-            plan_label += f", budget {budget / 2**30:.3g} GiB"
+            plan_label += f", budget {format_bytes(budget)}"
     return clean({
         "model": model.get("name") or model.get("spec"),
         "fingerprint": model.get("fingerprint"),
