@@ -89,10 +89,14 @@ def profile_collectives(sizes: list[int], iters: int = 5, progress: bool = False
     rows, failures = [], []
     bar = None
     if progress and rank == 0:
-        from tqdm import tqdm
         import sys
 
-        bar = tqdm(total=len(sizes) * 9, desc="collectives", unit="case", file=sys.stderr)
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(sizes) * 9, desc="collectives", unit="case", file=sys.stderr)
+        except ImportError:
+            bar = None
     for size in sizes:
         numel = max(size // 4, world * 128)
         for op, path, fn in _cases(numel, world, rank, device):

@@ -99,8 +99,10 @@ class _Progress:
 
     def start(self, total: int, desc: str) -> None:
         if self.enabled:
-            from tqdm import tqdm
-
+            try:
+                from tqdm import tqdm
+            except ImportError:  # no progress bar without tqdm
+                return
             self.close()
             self.bar = tqdm(total=total, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
 
@@ -136,6 +138,17 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
                  say=print) -> dict:
     """Measure the model of `settings` and write the Profile folder `out_dir`; returns profile.json's dict."""
     check_bits_formats(settings.bits, settings.formats)
+    import time
+
+    started = time.perf_counter()
+    phase = {"t": started}
+    timings: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        timings[name] = now - phase["t"]
+        phase["t"] = now
+
     out = Path(out_dir)
     failures: list[dict] = []
     bar = _Progress(progress)
@@ -150,6 +163,7 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
     batches = token_batches(vocab_size(model), settings.batches, settings.micro_batch, settings.seq_len,
                             settings.seed, device)
     options = {k: kind_options(k, settings.bits, settings.formats) for k in KINDS}
+    lap("load")
     repeats = settings.timing_repeats or (5 if device.type == "cuda" else 1)
 
     # tensor errors on the tensors LAAQ keeps
@@ -160,6 +174,7 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
         errors = measure_tensor_errors(model, batches, options, settings.block)
     except Exception as e:  # noqa: BLE001
         failures.append({"what": "tensor quantization errors", "error": _short(e)})
+    lap("tensor_errors")
 
     # kernel and recompute times, once per (kind, option): every layer has the same shapes
     times: dict[tuple[str, str, str], tuple[float, float, float]] = {}
@@ -179,6 +194,7 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
             failures.append({"what": f"kernel time kind={kind} option={opt.label}", "error": _short(e)})
         bar.update()
     bar.close()
+    lap("kernel_times")
 
     # sensitivities
     measurements = [Measurement(layer, k, o.option, o.format) for layer in range(num_layers) for k in KINDS
@@ -188,6 +204,7 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
     bar.start(len(measurements), "sensitivity")
     results = _measure_sensitivities(settings, model, batches, measurements, bar, say)
     bar.close()
+    lap("sensitivity")
     by_key = {(r["layer"], r["kind"], r["option"], r["format"]): r for r in results}
 
     rows = []
@@ -217,6 +234,7 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
     say("memory: a real step in bf16 and agoq-paper")
     memory = memory_section(model, shape, num_layers, batches[0], failures=failures)
     pipeline = pipeline_summary(settings.pipeline_stages, settings.micro_batches, num_layers)
+    lap("memory")
 
     collectives = None
     if settings.world_size > 1:
@@ -229,7 +247,11 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
             failures += coll_failures
         except Exception as e:  # noqa: BLE001
             failures.append({"what": f"collectives world_size={settings.world_size}", "error": _short(e)})
-    return write_profile(out, settings, model, num_layers, rows, memory, pipeline, failures, collectives)
+        lap("collectives")
+    timings["total"] = time.perf_counter() - started
+    counts = {"sensitivity_runs": runs, "forward_backward": (runs + 2) * settings.batches}
+    return write_profile(out, settings, model, num_layers, rows, memory, pipeline, failures, collectives,
+                         extra={"seconds": timings, "counts": counts})
 
 
 def _json_safe(obj):
@@ -243,7 +265,8 @@ def _json_safe(obj):
 
 
 def write_profile(out: Path, settings: ProfileSettings, model, num_layers: int, rows: list[dict], memory: dict,
-                  pipeline: dict, failures: list[dict], collectives: list[dict] | None = None) -> dict:
+                  pipeline: dict, failures: list[dict], collectives: list[dict] | None = None,
+                  extra: dict | None = None) -> dict:
     """Write profile.parquet (or profile.csv without pyarrow), collectives.parquet and profile.json."""
     from agoq.models import fingerprint
 
@@ -306,6 +329,7 @@ def write_profile(out: Path, settings: ProfileSettings, model, num_layers: int, 
         "pipeline": pipeline,
         "failures": failures,
         "files": files,
+        **(extra or {}),
     }
     write_json(out / "profile.json", _json_safe(header))
     return header
