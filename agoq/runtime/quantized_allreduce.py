@@ -67,6 +67,44 @@ def _symmetric_rows(ws: Workspace, p: int, fill, per: int, block: int) -> torch.
     return ws.outbox(rank, p, rb)
 
 
+PIPELINE_CHUNKS = 4  # chunks of a large symmetric-memory reduction, alternating between two streams
+PIPELINE_MIN_BLOCKS = 4096  # blocks per shard below which a reduction runs as one chunk
+
+
+def _symmetric_reduce(ws: Workspace, p: int, flat: torch.Tensor, per: int, block: int, divisor: int) -> None:
+    """Steps 1-6 through symmetric memory on buffer set `p`, in place on the contiguous CUDA `flat`.
+
+    Large tensors go in chunks of blocks on two streams, so one chunk's NVLink-bound steps (stores
+    into peers' rows) overlap another chunk's memory-bound ones (quantize, dequantize)."""
+    from agoq.runtime.wire_triton import dequantize_rows_triton, quantize_to_rows_triton, sum_requantize_rows_triton
+
+    rb = row_bytes(per, block)
+    inbox, outbox = ws.inbox(ws.rank, p, rb), ws.outbox(ws.rank, p, rb)
+    in_table, out_table = ws.table("inbox", p, rb), ws.table("outbox", p, rb)
+
+    def run(chunk, channel: int) -> None:
+        quantize_to_rows_triton(flat, in_table, per, block, chunk)
+        ws.barrier(channel)
+        sum_requantize_rows_triton(inbox, out_table, per, block, chunk)
+        ws.barrier(channel)
+        dequantize_rows_triton(outbox, flat, per, block, divisor, chunk)
+
+    chunks = PIPELINE_CHUNKS if per >= PIPELINE_MIN_BLOCKS else 1
+    if chunks == 1:
+        run(None, 0)
+        return
+    edges = [per * i // chunks for i in range(chunks + 1)]
+    main = torch.cuda.current_stream()
+    streams = ws.streams()
+    for s in streams:
+        s.wait_stream(main)
+    for i in range(chunks):
+        with torch.cuda.stream(streams[i % 2]):
+            run((edges[i], edges[i + 1] - edges[i]), i % 2)
+    for s in streams:
+        main.wait_stream(s)
+
+
 def _collective_rows(fill, per: int, block: int, device: torch.device, group) -> torch.Tensor:
     """Steps 2-5 with an all-to-all and an all-gather."""
     world = dist.get_world_size(group)
@@ -154,11 +192,11 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, average: bool = Fa
     def drain(gathered: torch.Tensor) -> None:
         dequantize_shards(gathered, flat, per, block, divisor)
 
-    ws = Workspace.get(group, rb) if flat.is_cuda else None
+    ws = Workspace.get(group, rb) if flat.is_cuda and block & (block - 1) == 0 else None
     if ws is not None:
         p = ws.flip()
         key = (flat.data_ptr(), flat.numel(), flat.dtype, block, divisor)
-        ws.run(key, p, lambda: drain(_symmetric_rows(ws, p, fill, per, block)))
+        ws.run(key, p, lambda: _symmetric_reduce(ws, p, flat, per, block, divisor))
         gathered = ws.outbox(ws.rank, p, rb)
     else:
         gathered = _collective_rows(fill, per, block, flat.device, group)

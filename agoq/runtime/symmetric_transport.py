@@ -145,6 +145,13 @@ class Workspace:
                                             dtype=torch.int64, device=self.buffer.device)
         return self.tables[key]
 
-    def barrier(self) -> None:
-        """Every rank's earlier work on this stream is done and visible before anyone goes on."""
-        self.handle.barrier(channel=0)
+    def barrier(self, channel: int = 0) -> None:
+        """Every rank's earlier work on this stream is done and visible before anyone goes on. Barriers
+        that may run at the same time (on different streams) must use different channels."""
+        self.handle.barrier(channel=channel)
+
+    def streams(self) -> list[torch.cuda.Stream]:
+        """Two side streams for pipelined reductions (created once)."""
+        if not hasattr(self, "_streams"):
+            self._streams = [torch.cuda.Stream(self.buffer.device) for _ in range(2)]
+        return self._streams
