@@ -1,0 +1,119 @@
+"""How long `agoq profile` takes for a whole model, and what it finds: run counts, a prediction made
+from one timed step before starting, the seconds of each phase, and the memory model against the
+measured peaks.
+
+    python experiments/profile_speed.py --model probe                       # one H200: target <= 180 s
+    python experiments/profile_speed.py --model llama-3-8b --layers 4 --seq-len 4096 --batches 2
+                                                                            # one H200: target <= 300 s
+    python experiments/profile_speed.py --model llama-tiny                  # CPU check, seconds
+
+Writes experiments/results/profile_speed_<model>.json (and the profile folder under /tmp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from agoq.profiler.model_source import load_model, next_token_loss, token_batches, vocab_size  # noqa: E402
+from agoq.profiler.options import kind_options  # noqa: E402
+from agoq.profiler.profile import ProfileSettings, make_profile, read_profile  # noqa: E402
+from agoq.profiler.sensitivity import measurement_policy  # noqa: E402
+from agoq.runtime.laaq import apply_activation_policy, remove_activation_policy  # noqa: E402
+from agoq.runtime.policy import KINDS  # noqa: E402
+from experiments.record import write_result  # noqa: E402
+
+TARGETS = {"probe": 180.0, "llama-3-8b": 300.0}
+
+
+def one_step_seconds(settings: ProfileSettings) -> float:
+    """Median seconds of one fwd+bwd of the sensitivity reference (every layer through LAAQ)."""
+    model = load_model(settings.spec, dtype=settings.dtype, device=settings.device, num_layers=settings.layers)
+    ids = token_batches(vocab_size(model), 1, settings.micro_batch, settings.seq_len, 0, settings.device)[0]
+    apply_activation_policy(model, measurement_policy(None, "qkv_input", settings.block))
+    times = []
+    for _ in range(4):
+        if settings.device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        next_token_loss(model, ids).backward()
+        if settings.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    remove_activation_policy(model)
+    del model
+    if settings.device == "cuda":
+        torch.cuda.empty_cache()
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="probe")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None, help="default 4096 on CUDA, 64 on the CPU")
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--batches", type=int, default=1)
+    p.add_argument("--bits", default="2,3,4,5,6,8")
+    p.add_argument("--formats", default="int,nf4")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)
+    settings = ProfileSettings(spec=args.model, seq_len=args.seq_len or (4096 if cuda else 64),
+                               micro_batch=args.micro_batch, dtype="bf16" if cuda else "fp32",
+                               device="cuda" if cuda else "cpu", bits=[int(b) for b in args.bits.split(",")],
+                               formats=args.formats.split(","), batches=args.batches, layers=args.layers)
+    model = load_model(settings.spec, device="meta", num_layers=settings.layers)
+    from agoq.runtime.saved_bytes import find_decoder_layers
+
+    num_layers = len(find_decoder_layers(model))
+    per_layer = sum(len(kind_options(k, settings.bits, settings.formats)) - 1 for k in KINDS)
+    runs = num_layers * per_layer
+    fwd_bwd = (runs + 2) * settings.batches
+    step = one_step_seconds(settings)
+    predicted = fwd_bwd * step
+    print(f"{args.model}: {num_layers} layers x {per_layer} options = {runs} sensitivity runs, x {settings.batches} "
+          f"batch(es) + 2 references = {fwd_bwd} fwd+bwd at {step * 1e3:.1f} ms -> predicted {predicted:.0f} s "
+          "for sensitivities")
+    out = Path(tempfile.mkdtemp(prefix=f"profile-{args.model}-"))
+    start = time.perf_counter()
+    header = make_profile(settings, out, progress=True, say=lambda text: print(text, file=sys.stderr))
+    wall = time.perf_counter() - start
+    target = TARGETS.get(args.model)
+    figures = {
+        "model": args.model, "layers": num_layers, "seq_len": settings.seq_len, "micro_batch": settings.micro_batch,
+        "batches": settings.batches, "bits": settings.bits, "formats": settings.formats,
+        "sensitivity_runs": runs, "forward_backward": fwd_bwd, "reference_step_seconds": step,
+        "predicted_sensitivity_seconds": predicted, "wall_seconds": wall, "phase_seconds": header["seconds"],
+        "target_seconds": target, "met": None if target is None else wall <= target,
+        "memory": header["memory"], "failures": header["failures"], "profile_dir": str(out),
+    }
+    try:
+        _, table = read_profile(out)
+        quant = table[table.format.isin(["int", "nf4"])]
+        figures["mean_sensitivity_by_kind_option"] = {
+            f"{k}/{o}{'-nf4' if f == 'nf4' else ''}": float(v)
+            for (k, o, f), v in quant.groupby(["kind", "option", "format"]).sensitivity.mean().items()}
+    except ImportError:
+        figures["mean_sensitivity_by_kind_option"] = "pandas not installed: see the profile's CSV"
+    print(f"profile of {args.model}: {wall:.1f} s wall"
+          + (f" (target {target:.0f} s: {'met' if wall <= target else 'NOT met'})" if target else ""))
+    print("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in header["seconds"].items()))
+    for s in header["memory"]["steps"]:
+        print(f"  {s['policy']}: predicted peak {s['predicted_peak_bytes']}, measured {s['measured_peak_bytes']}"
+              + (f" ({s['relative_error']:+.2%})" if s.get("relative_error") is not None else ""))
+    name = f"profile_speed_{args.model}" + (f"_{args.layers}l" if args.layers else "")
+    print(f"wrote {write_result(name, figures)}")
+
+
+if __name__ == "__main__":
+    main()
