@@ -10,7 +10,7 @@ to the saved-tensor tracker's count) plus what the embedding, final norm, LM hea
 calibrated as measured - predicted on the bf16 step and then used to predict the other policies.
 
 On a GPU the peak is torch.cuda.max_memory_allocated over one fwd + bwd + AdamW step after a warm-up
-step. On the CPU there is no allocator statistic, so measured peaks and `fixed` are left null
+step, read separately for the fwd + bwd part and the optimizer step. On the CPU there is no allocator statistic, so measured peaks and `fixed` are left null
 (not measured) and only the activation bytes are measured (by the tracker).
 """
 
@@ -57,13 +57,15 @@ def predicted_activation_bytes(shape: LayerShape, num_layers: int, policy, outsi
 
 
 def measure_step(model: nn.Module, ids: torch.Tensor, policy) -> dict:
-    """One real training step (fwd + bwd + AdamW) under `policy`: measured peak (GPU), step seconds,
-    and the activation bytes the tracker counted (total and outside the decoder layers)."""
+    """One real training step (fwd + bwd + AdamW) under `policy`: measured peaks (GPU) of the fwd + bwd
+    part and of the optimizer step, step seconds, and the activation bytes the tracker counted (total
+    and outside the decoder layers)."""
     device = ids.device
     cuda = device.type == "cuda"
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=0.0)  # lr 0: the weights do not move between policies
     apply_activation_policy(model, policy)
+    peaks = [None, None]
     try:
         with track_saved_tensors(model) as log:
             loss = next_token_loss(model, ids)
@@ -77,28 +79,39 @@ def measure_step(model: nn.Module, ids: torch.Tensor, policy) -> dict:
         model.zero_grad(set_to_none=False)
         loss = next_token_loss(model, ids)
         loss.backward()
+        del loss
+        if cuda:
+            torch.cuda.synchronize(device)
+            peaks[0] = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         opt.step()
         if cuda:
             torch.cuda.synchronize(device)
+            peaks[1] = torch.cuda.max_memory_allocated(device)
         seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated(device) if cuda else None
     finally:
         remove_activation_policy(model)
         model.zero_grad(set_to_none=True)
         del opt
         if cuda:
             torch.cuda.empty_cache()
-    return {"measured_peak_bytes": peak, "step_seconds": seconds,
+    return {"measured_peak_bytes": None if peaks[0] is None else max(peaks), "peak_forward_backward": peaks[0],
+            "peak_optimizer_step": peaks[1], "step_seconds": seconds,
             "measured_activation_bytes": log.total(), "outside_bytes": sum(log.outside.values())}
 
 
 def memory_section(model: nn.Module, shape: LayerShape, num_layers: int, ids: torch.Tensor,
                    policies=("bf16", "agoq-paper"), failures: list | None = None) -> dict:
-    """The profile.json "memory" section: static parts, calibrated fixed part, and predicted vs
-    measured peak for each policy (calibrated on the first)."""
+    """The profile.json "memory" section: static parts, calibrated fixed parts, and predicted vs
+    measured peak for each policy (calibrated on the first).
+
+    Two peaks are modelled: during fwd + bwd, static + activations + `fixed_bytes`, and during the
+    optimizer step, static + `fixed_bytes_optimizer_step` (AdamW's temporaries, independent of the
+    policy); the step's peak is the larger.
+    """
     section = static_bytes(model)
     base = section["weights_bytes"] + section["gradients_bytes_bf16"] + section["optimizer_bytes_adamw"]
-    steps, fixed = [], None
+    steps, fixed, fixed_opt = [], None, None
     for name in policies:
         try:
             m = measure_step(model, ids, name)
@@ -114,16 +127,22 @@ def memory_section(model: nn.Module, shape: LayerShape, num_layers: int, ids: to
         # step's count is used for every prediction
         section.setdefault("outside_activation_bytes", m["outside_bytes"])
         activations = predicted_activation_bytes(shape, num_layers, name, section["outside_activation_bytes"])
-        if fixed is None and m["measured_peak_bytes"] is not None:
-            fixed = m["measured_peak_bytes"] - base - activations
-        predicted = base + activations + (fixed or 0)
+        if fixed is None and m["peak_forward_backward"] is not None:
+            fixed = m["peak_forward_backward"] - base - activations
+            fixed_opt = m["peak_optimizer_step"] - base
+        predicted_fb = base + activations + (fixed or 0)
+        predicted = max(predicted_fb, base + (fixed_opt or 0))
         step = {"policy": name, "measured_peak_bytes": m["measured_peak_bytes"], "predicted_peak_bytes": predicted,
                 "step_seconds": m["step_seconds"], "predicted_activation_bytes": activations,
-                "measured_activation_bytes": m["measured_activation_bytes"]}
+                "measured_activation_bytes": m["measured_activation_bytes"],
+                "measured_peak_bytes_forward_backward": m["peak_forward_backward"],
+                "predicted_peak_bytes_forward_backward": predicted_fb,
+                "measured_peak_bytes_optimizer_step": m["peak_optimizer_step"]}
         if m["measured_peak_bytes"]:
             step["relative_error"] = (predicted - m["measured_peak_bytes"]) / m["measured_peak_bytes"]
         steps.append(step)
     section["fixed_bytes"] = fixed
+    section["fixed_bytes_optimizer_step"] = fixed_opt
     section["steps"] = steps
     if fixed is None:
         section["notes"] = ["peak memory not measured on this device (no allocator statistics on the CPU): "
