@@ -62,7 +62,8 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
     @app.middleware("http")
     async def access(request: Request, call_next):
         if allowed_hosts is not None:
-            host = (request.headers.get("host") or "").rsplit(":", 1)[0].strip("[]").lower()
+            host = (request.headers.get("host") or "").lower()
+            host = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
             if host not in allowed_hosts:
                 return PlainTextResponse(f"Host {host!r} is not served here", status_code=400)
         from_query = False

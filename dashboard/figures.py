@@ -100,12 +100,17 @@ def pareto_front(rows: list[dict[str, Any]]) -> dict[str, Any]:
                               "<br>grad error %{marker.color:.4f}<extra></extra>"}]
     validated = [r for r in rows if r.get("validated")]
     if validated:
-        mx = [r.get("measured_peak_bytes", r.get("predicted_peak_bytes")) for r in validated]
-        my = [r.get("measured_step_seconds", r.get("predicted_step_seconds")) for r in validated]
+        def measured_or_predicted(row: dict[str, Any], what: str) -> tuple[Any, str]:
+            value = row.get(f"measured_{what}")
+            return (value, "measured") if value is not None else (row.get(f"predicted_{what}"), "predicted")
+
+        mx, mxs = zip(*(measured_or_predicted(r, "peak_bytes") for r in validated))
+        my, mys = zip(*(measured_or_predicted(r, "step_seconds") for r in validated))
         data.append({"type": "scatter", "mode": "markers", "name": "measured",
-                     "x": _scaled(mx, size), "y": [None if v is None else v * 1e3 for v in my],
+                     "x": _scaled(list(mx), size), "y": [None if v is None else v * 1e3 for v in my],
                      "marker": {"symbol": "x", "size": 12, "color": "black"},
-                     "text": [str(r.get("plan") or "") for r in validated]})
+                     "text": [f"{r.get('plan') or ''}<br>peak {a}, step {b}" for r, a, b in zip(validated, mxs, mys)],
+                     "hovertemplate": "%{text}<br>peak %{x:.3f} " + unit + "<br>step %{y:.2f} ms<extra></extra>"})
         seg_x, seg_y = [], []
         for r, x, y in zip(validated, mx, my):
             seg_x += [r.get("predicted_peak_bytes"), x, None]
@@ -126,9 +131,13 @@ def study_trials(study: dict[str, Any]) -> dict[str, Any] | None:
         return None
     names = study.get("objectives") or [f"objective {i}" for i in range(len(study.get("directions") or [1]))]
     if len(trials[0]["values"]) >= 2:
+        marker: dict[str, Any] = {"color": "#1f77b4", "size": 9}
+        if len(trials[0]["values"]) >= 3:
+            marker = {"size": 9, "color": [t["values"][2] if len(t["values"]) > 2 else None for t in trials],
+                      "colorscale": "Plasma", "showscale": True, "colorbar": {"title": {"text": str(names[2])}}}
         data = [{"type": "scatter", "mode": "markers", "name": "trials",
                  "x": [t["values"][0] for t in trials], "y": [t["values"][1] for t in trials],
-                 "text": [f"trial {t['number']}" for t in trials], "marker": {"color": "#1f77b4", "size": 8}}]
+                 "text": [f"trial {t['number']}" for t in trials], "marker": marker}]
         return _figure(data, f"Optuna study {study['name']}: {len(trials)} finished trials",
                        xaxis={"title": {"text": str(names[0])}}, yaxis={"title": {"text": str(names[1])}})
     data = [{"type": "scatter", "mode": "markers", "name": "trials", "x": [t["number"] for t in trials],

@@ -162,7 +162,10 @@ def overview(data: dict[str, Any]) -> str:
 
     page.add("<h2>Plans</h2>")
     rows = []
+    front = [p for p in data["plans"] if p.get("search") is not None and not p.get("chosen")]
     for p in data["plans"]:
+        if p in front:
+            continue
         href = link("/plan", id=p["id"])
         if "error" in p:
             rows.append(error_row(p, href, 8))
@@ -173,6 +176,9 @@ def overview(data: dict[str, Any]) -> str:
                      esc(p["method"])])
     page.add(table(["plan", "model", "budget", "predicted peak", "predicted step", "grad error",
                     "measured peak", "method"], rows, "No plans yet."))
+    if front:
+        page.add(f"<p class=meta>{len(front)} more plan(s) of searches' Pareto fronts are linked from their "
+                 "search pages.</p>")
 
     page.add("<h2>Runs</h2>")
     page.add(run_table(data["runs"], selected=set()))

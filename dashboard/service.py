@@ -50,6 +50,14 @@ class Dashboard:
                     entry["error"] = str(e)
                 items.append(entry)
             out[kind] = items
+        searches = {s["id"]: s for s in out["searches"]}
+        for plan in out["plans"]:
+            owner = next((sid for sid in sorted(searches, key=len, reverse=True)
+                          if sid == "." or plan["id"].startswith(sid + "/")), None)
+            plan["search"] = owner
+            chosen = searches[owner].get("chosen_plan") if owner is not None else None
+            plan["chosen"] = owner is not None and chosen is not None and \
+                plan["id"] == (chosen if owner == "." else f"{owner}/{chosen}")
         return out
 
     def _search_summary(self, artifact: Artifact) -> dict[str, Any]:

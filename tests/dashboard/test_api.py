@@ -256,6 +256,10 @@ def test_host_header_is_checked_without_token(synthetic_root):
                         base_url="http://127.0.0.1:8000")
     assert client.get("/api/index").status_code == 200
     assert client.get("/api/index", headers={"host": "evil.example:8000"}).status_code == 400
+    assert client.get("/api/index", headers={"host": "127.0.0.1.evil.example"}).status_code == 400
+    ipv6 = TestClient(create_app(synthetic_root, allowed_hosts={"::1"}))
+    assert ipv6.get("/api/index", headers={"host": "[::1]:8000"}).status_code == 200
+    assert ipv6.get("/api/index", headers={"host": "[::2]:8000"}).status_code == 400
 
 
 def test_command_refuses_other_hosts_without_token(synthetic_root, monkeypatch, capsys):
@@ -361,3 +365,27 @@ def test_metrics_are_read_incrementally(tmp_path):
     assert c["train_points"] == 12 and c["series"]["loss"]["value"][-2:] == [0.123, 0.099]
     path.write_text(json.dumps({"step": 1, "loss": 7.0, "time": 1.0}) + "\n")  # rewritten shorter: read again
     assert get()["series"]["loss"]["value"] == [7.0]
+
+
+def test_pareto_figure_marks_each_validated_point():
+    from dashboard.figures import pareto_front
+
+    rng = np.random.default_rng()
+    rows = []
+    for i in range(7):
+        peak, step = float(rng.uniform(1, 9) * 2**30), float(rng.uniform(0.05, 0.2))
+        row = {"plan": f"p{i}.json", "predicted_peak_bytes": peak, "predicted_step_seconds": step,
+               "predicted_grad_error": float(rng.uniform(0, 0.3)), "measured_peak_bytes": None,
+               "measured_step_seconds": None, "validated": False}
+        if i % 3 == 0:  # step measured, peak not (a CPU validation)
+            row.update(measured_step_seconds=step * 1.2, validated=True)
+        if i == 3:
+            row.update(measured_peak_bytes=peak * 1.1)
+        rows.append(row)
+    fig = pareto_front(rows)
+    predicted, measured = fig["data"][0], fig["data"][1]
+    assert predicted["x"] == pytest.approx([r["predicted_peak_bytes"] / 2**30 for r in rows])
+    validated = [r for r in rows if r["validated"]]
+    assert measured["y"] == pytest.approx([r["measured_step_seconds"] * 1e3 for r in validated])
+    want_x = [(r["measured_peak_bytes"] or r["predicted_peak_bytes"]) / 2**30 for r in validated]
+    assert measured["x"] == pytest.approx(want_x)
