@@ -97,6 +97,9 @@ def profile_collectives(sizes: list[int], iters: int = 5, progress: bool = False
             bar = tqdm(total=len(sizes) * 9, desc="collectives", unit="case", file=sys.stderr)
         except ImportError:
             bar = None
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)  # names differ by version
     for size in sizes:
         numel = max(size // 4, world * 128)
         for op, path, fn in _cases(numel, world, rank, device):

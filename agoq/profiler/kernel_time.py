@@ -63,3 +63,17 @@ def recompute_time(kind: str, shapes: list[tuple[int, ...]], dtype: torch.dtype,
         up = torch.randn(shapes[0], generator=gen, device=device, dtype=torch.float32).to(dtype)
         return median_seconds(lambda: swiglu(gate, up), device, repeats)
     raise ValueError(f"{kind} cannot be recomputed")
+
+
+def attention_rerun_time(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+                         repeats: int = 5) -> float:
+    """Seconds of the causal attention forward that LAAQ reruns in backward when q, k, v are kept
+    quantized (`shapes`: q [B, H, S, D], k and v [B, Hkv, S, D])."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(s, generator=gen, device=device, dtype=torch.float32).to(dtype) for s in shapes)
+    kwargs = {"is_causal": True}
+    if q.shape[1] != k.shape[1]:
+        kwargs["enable_gqa"] = True
+    return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, **kwargs), device, repeats)

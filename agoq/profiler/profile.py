@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from agoq.files import write_json, write_with
-from agoq.profiler.kernel_time import quantize_times, recompute_time
+from agoq.profiler.kernel_time import attention_rerun_time, quantize_times, recompute_time
 from agoq.profiler.memory import memory_section
 from agoq.profiler.model_source import (layer_shape, load_model, model_config_dict, model_name, token_batches,
                                         vocab_size)
@@ -184,9 +184,12 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
         nan = math.nan
         try:
             if opt.quantized:
-                q, d = quantize_times(kind_shapes(shape, kind), opt, settings.block, next(model.parameters()).dtype,
-                                      device, repeats)
-                times[(kind, opt.option, opt.format)] = (q, d, nan)
+                dtype = next(model.parameters()).dtype
+                q, d = quantize_times(kind_shapes(shape, kind), opt, settings.block, dtype, device, repeats)
+                rerun = nan
+                if kind == "attention":  # quantized q, k, v: backward reruns the attention forward
+                    rerun = attention_rerun_time(kind_shapes(shape, kind), dtype, device, repeats)
+                times[(kind, opt.option, opt.format)] = (q, d, rerun)
             else:
                 r = recompute_time(kind, kind_shapes(shape, kind), next(model.parameters()).dtype, device, repeats)
                 times[(kind, opt.option, opt.format)] = (nan, nan, r)
@@ -220,7 +223,7 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
             err, extra = 0.0, 0.0
         else:
             err = errors.get((m.layer, m.kind, m.option, m.format), 0.0 if not opt.quantized else math.nan)
-            extra = (q + d) if opt.quantized else rc
+            extra = (q + d + (rc if math.isfinite(rc) else 0.0)) if opt.quantized else rc
         if not math.isfinite(extra):
             failures.append({"what": m.describe(), "error": "its kernel or recompute time was not measured"})
             continue
