@@ -23,6 +23,8 @@ way AMP's overflow check expects to find it); `check_finite=True` raises instead
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -71,21 +73,50 @@ PIPELINE_CHUNKS = 4  # chunks of a large symmetric-memory reduction, alternating
 PIPELINE_MIN_BLOCKS = 4096  # blocks per shard below which a reduction runs as one chunk
 
 
-def _symmetric_reduce(ws: Workspace, p: int, flat: torch.Tensor, per: int, block: int, divisor: int) -> None:
+def push_mode() -> str:
+    """How rows reach the peers over symmetric memory: "copy-engine" (kernels write local rows, DMA copies
+    move them) or "stores" (kernels store straight into the peers' rows). AGOQ_ALLREDUCE_PUSH overrides."""
+    mode = os.environ.get("AGOQ_ALLREDUCE_PUSH", "copy-engine")
+    if mode not in ("copy-engine", "stores"):
+        raise ValueError(f"AGOQ_ALLREDUCE_PUSH must be copy-engine or stores, got {mode!r}")
+    return mode
+
+
+def _symmetric_reduce(ws: Workspace, p: int, flat: torch.Tensor, per: int, block: int, divisor: int,
+                      mode: str) -> None:
     """Steps 1-6 through symmetric memory on buffer set `p`, in place on the contiguous CUDA `flat`.
 
-    Large tensors go in chunks of blocks on two streams, so one chunk's NVLink-bound steps (stores
-    into peers' rows) overlap another chunk's memory-bound ones (quantize, dequantize)."""
+    Large tensors go in chunks of blocks on two streams, so one chunk's NVLink-bound steps overlap
+    another chunk's memory-bound ones (quantize, dequantize)."""
     from agoq.runtime.wire_triton import dequantize_rows_triton, quantize_to_rows_triton, sum_requantize_rows_triton
 
     rb = row_bytes(per, block)
-    inbox, outbox = ws.inbox(ws.rank, p, rb), ws.outbox(ws.rank, p, rb)
-    in_table, out_table = ws.table("inbox", p, rb), ws.table("outbox", p, rb)
+    rank, world = ws.rank, ws.world
+    inbox, outbox = ws.inbox(rank, p, rb), ws.outbox(rank, p, rb)
+    if mode == "stores":
+        in_table, out_table = ws.table("inbox", p, rb), ws.table("outbox", p, rb)
+    else:
+        staging = ws.staging(p, rb)  # local rows for the other ranks' shards
+        in_table, out_table = ws.table("staging", p, rb), ws.table("own-outbox", p, rb)
+
+    def push(src_rows, dst_box, chunk) -> None:
+        j0, count = (0, per) if chunk is None else chunk
+        for d in range(world):
+            if d == rank:
+                continue
+            src, dst = src_rows[d], dst_box(d, p, rb)[rank]
+            dst[j0 * block:(j0 + count) * block].copy_(src[j0 * block:(j0 + count) * block])
+            dst[per * block + 4 * j0:per * block + 4 * (j0 + count)].copy_(
+                src[per * block + 4 * j0:per * block + 4 * (j0 + count)])
 
     def run(chunk, channel: int) -> None:
         quantize_to_rows_triton(flat, in_table, per, block, chunk)
+        if mode != "stores":
+            push(staging, ws.inbox, chunk)
         ws.barrier(channel)
         sum_requantize_rows_triton(inbox, out_table, per, block, chunk)
+        if mode != "stores":
+            push([outbox[rank]] * world, ws.outbox, chunk)
         ws.barrier(channel)
         dequantize_rows_triton(outbox, flat, per, block, divisor, chunk)
 
@@ -195,8 +226,9 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, average: bool = Fa
     ws = Workspace.get(group, rb) if flat.is_cuda and block & (block - 1) == 0 else None
     if ws is not None:
         p = ws.flip()
-        key = (flat.data_ptr(), flat.numel(), flat.dtype, block, divisor)
-        ws.run(key, p, lambda: _symmetric_reduce(ws, p, flat, per, block, divisor))
+        mode = push_mode()
+        key = (flat.data_ptr(), flat.numel(), flat.dtype, block, divisor, mode)
+        ws.run(key, p, lambda: _symmetric_reduce(ws, p, flat, per, block, divisor, mode))
         gathered = ws.outbox(ws.rank, p, rb)
     else:
         gathered = _collective_rows(fill, per, block, flat.device, group)

@@ -136,13 +136,31 @@ class Workspace:
             self.graphs[slot] = entry = graph
         entry.replay()
 
+    def staging(self, parity: int, rb: int) -> list[torch.Tensor]:
+        """Local rows [W] for set `parity`: row d holds our shard for rank d before it is copied over
+        (our own shard's row is our inbox row, which needs no copy)."""
+        if not hasattr(self, "_staging"):
+            self._staging = torch.empty(2, self.world, self.capacity, dtype=torch.uint8, device=self.buffer.device)
+        rows = [self._staging[parity, d, :rb] for d in range(self.world)]
+        rows[self.rank] = self.inbox(self.rank, parity, rb)[self.rank]
+        return rows
+
     def table(self, which: str, parity: int, rb: int) -> torch.Tensor:
-        """Addresses (int64, on this GPU) of row `our rank` in every rank's inbox or outbox of a set."""
+        """Addresses (int64, on this GPU) of the rows the kernels write, one per destination rank:
+        "inbox" / "outbox": row `our rank` in every rank's box; "staging": our local staging rows;
+        "own-outbox": just our own outbox row."""
         key = (which, parity, rb)
         if key not in self.tables:
-            box = self.inbox if which == "inbox" else self.outbox
-            self.tables[key] = torch.tensor([box(d, parity, rb)[self.rank].data_ptr() for d in range(self.world)],
-                                            dtype=torch.int64, device=self.buffer.device)
+            if which == "inbox":
+                rows = [self.inbox(d, parity, rb)[self.rank] for d in range(self.world)]
+            elif which == "outbox":
+                rows = [self.outbox(d, parity, rb)[self.rank] for d in range(self.world)]
+            elif which == "staging":
+                rows = self.staging(parity, rb)
+            else:
+                rows = [self.outbox(self.rank, parity, rb)[self.rank]]
+            self.tables[key] = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64,
+                                            device=self.buffer.device)
         return self.tables[key]
 
     def barrier(self, channel: int = 0) -> None:
