@@ -145,7 +145,8 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
         return page("plan", lambda: pages.plan(data.plan(id)))
 
     @app.get("/runs", response_class=HTMLResponse, include_in_schema=False)
-    def runs_page(id: list[str] = Query([]), points: int = Query(2000, ge=4, le=MAX_POINTS_LIMIT)):
+    def runs_page(id: list[str] = Query([]), points: int = Query(2000, ge=4, le=MAX_POINTS_LIMIT),
+                  x: str = Query("step", pattern="^(step|time)$")):
         def build() -> str:
             everything = data.overview()["runs"]
             selected = list(dict.fromkeys(id))[:MAX_COMPARE]
@@ -161,7 +162,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
                     errors.append(f"no run named {run_id} under the root")
                 except BrokenFile as e:
                     errors.append(f"{run_id}: {e}")
-            return pages.runs(everything, chosen, selected, errors)
+            return pages.runs(everything, chosen, selected, errors, x)
         return page("runs", build)
 
     # --- static files ---------------------------------------------------------------------------

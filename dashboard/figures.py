@@ -173,33 +173,38 @@ def memory_breakdown(mem: dict[str, Any]) -> dict[str, Any]:
                    yaxis={"title": {"text": unit}}, xaxis={"type": "category"})
 
 
-def run_curves(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Loss with validation loss (dashed), tokens/s, and peak memory per rank, one colour per run."""
+def run_curves(runs: list[dict[str, Any]], x: str = "step") -> list[dict[str, Any]]:
+    """Loss with validation loss (dashed), tokens/s, and peak memory per rank, one colour per run,
+    against `x`: "step" or "time" (seconds since the run's first step)."""
+    key = "elapsed_s" if x == "time" else "step"
+    other = "step" if x == "time" else "elapsed_s"
+    xtitle = "seconds since the first step" if x == "time" else "step"
+    hover = ("%{x:.1f} s<br>step %{customdata}" if x == "time" else "step %{x}<br>%{customdata:.1f} s")
     loss, speed, memory = [], [], []
     largest = max((v or 0 for r in runs for p in r["curves"]["peak_bytes"] for v in p["value"]), default=0)
     unit, size = byte_unit(largest)
+
+    def line(name: str, series: dict[str, list], y: list, what: str, **style: Any) -> dict[str, Any]:
+        return {"type": "scatter", "mode": "lines", "name": name, "x": series.get(key), "y": y,
+                "customdata": series.get(other), "hovertemplate": hover + f"<br>{what}<extra>{name}</extra>",
+                **style}
+
     for i, r in enumerate(runs):
         color = PALETTE[i % len(PALETTE)]
         s = r["curves"]["series"]
-        loss.append({"type": "scattergl" if len(s["loss"]["step"]) > 5000 else "scatter", "mode": "lines",
-                     "name": f"{r['id']} loss", "x": s["loss"]["step"], "y": s["loss"]["value"],
-                     "line": {"color": color}})
+        loss.append(line(f"{r['id']} loss", s["loss"], s["loss"]["value"], "loss %{y:.4f}", line={"color": color}))
         if s["val_loss"]["step"]:
-            loss.append({"type": "scatter", "mode": "lines+markers", "name": f"{r['id']} val loss",
-                         "x": s["val_loss"]["step"], "y": s["val_loss"]["value"],
-                         "line": {"color": color, "dash": "dash"}})
-        speed.append({"type": "scatter", "mode": "lines", "name": r["id"], "x": s["tokens_per_s"]["step"],
-                      "y": s["tokens_per_s"]["value"], "line": {"color": color},
-                      "customdata": s["tokens_per_s"].get("elapsed_s"),
-                      "hovertemplate": "step %{x}<br>%{y:.0f} tokens/s<br>%{customdata:.1f} s<extra></extra>"})
+            loss.append(line(f"{r['id']} val loss", s["val_loss"], s["val_loss"]["value"], "val loss %{y:.4f}",
+                             mode="lines+markers", line={"color": color, "dash": "dash"}))
+        speed.append(line(r["id"], s["tokens_per_s"], s["tokens_per_s"]["value"], "%{y:.0f} tokens/s",
+                          line={"color": color}))
         for p in r["curves"]["peak_bytes"]:
-            memory.append({"type": "scatter", "mode": "lines", "name": f"{r['id']} rank {p['rank']}",
-                           "x": p["step"], "y": _scaled(p["value"], size),
-                           "line": {"color": color, "dash": ("solid", "dot", "dash", "dashdot")[p["rank"] % 4]}})
+            memory.append(line(f"{r['id']} rank {p['rank']}", p, _scaled(p["value"], size), "%{y:.3f} " + unit,
+                               line={"color": color, "dash": ("solid", "dot", "dash", "dashdot")[p["rank"] % 4]}))
     return [
-        _figure(loss, "Loss (solid) and validation loss (dashed)", xaxis={"title": {"text": "step"}},
+        _figure(loss, "Loss (solid) and validation loss (dashed)", xaxis={"title": {"text": xtitle}},
                 yaxis={"title": {"text": "loss"}}),
-        _figure(speed, "Throughput", xaxis={"title": {"text": "step"}}, yaxis={"title": {"text": "tokens/s"}}),
-        _figure(memory, "Peak memory per rank", xaxis={"title": {"text": "step"}},
+        _figure(speed, "Throughput", xaxis={"title": {"text": xtitle}}, yaxis={"title": {"text": "tokens/s"}}),
+        _figure(memory, "Peak memory per rank (as each run recorded it)", xaxis={"title": {"text": xtitle}},
                 yaxis={"title": {"text": unit}}),
     ]

@@ -187,7 +187,7 @@ def overview(data: dict[str, Any]) -> str:
     return page.render()
 
 
-def run_table(items: list[dict[str, Any]], selected: set[str]) -> str:
+def run_table(items: list[dict[str, Any]], selected: set[str], x: str = "step") -> str:
     """The run picker: a table of runs with checkboxes, submitted to the runs page."""
     rows = []
     for r in items:
@@ -205,7 +205,7 @@ def run_table(items: list[dict[str, Any]], selected: set[str]) -> str:
         return message("No runs yet (agoq train MODEL --out DIR).", "empty")
     return ("<form method=get action='/runs'>" +
             table(["", "run", "model", "plan", "status", "step", "loss", "val loss", "tokens/s", "peak"], rows)
-            + "<button type=submit>compare selected runs</button></form>")
+            + f"<input type=hidden name=x value={esc(x)}><button type=submit>compare selected runs</button></form>")
 
 
 def profile(data: dict[str, Any]) -> str:
@@ -224,6 +224,8 @@ def profile(data: dict[str, Any]) -> str:
                        [[esc(st.get("policy")), fmt_bytes(st.get("measured_peak_bytes")),
                          fmt_bytes(st.get("predicted_peak_bytes")), fmt_seconds(st.get("step_seconds"))]
                         for st in steps]))
+    for note in (s.get("memory") or {}).get("notes") or []:
+        page.add(message(str(note), "info"))
     for f in s.get("failures") or []:
         page.add(message(f"{f.get('what')}: {f.get('error')}", "error"))
     maps = data["maps"]
@@ -322,14 +324,17 @@ def search(data: dict[str, Any]) -> str:
 
 
 def runs(all_runs: list[dict[str, Any]], chosen: list[dict[str, Any]], selected: list[str],
-         errors: list[str]) -> str:
-    """The runs page: the picker, then the chosen runs' curves overlaid."""
+         errors: list[str], x: str = "step") -> str:
+    """The runs page: the picker, then the chosen runs' curves overlaid against step or time."""
     page = Page("runs")
     for e in errors:
         page.add(message(e, "error"))
-    page.add(run_table(all_runs, set(selected)))
+    page.add(run_table(all_runs, set(selected), x))
     if chosen:
-        for fig in figures.run_curves(chosen):
+        page.add("<p class=options>x axis: " + " ".join(
+            f'<a href="{esc(link("/runs", id=selected, x=axis))}"' + (" class=on" if axis == x else "")
+            + f">{axis}</a>" for axis in ("step", "time")) + "</p>")
+        for fig in figures.run_curves(chosen, x):
             page.figure(fig)
         thinned = [c for c in chosen if c["curves"]["train_points"] > c["curves"]["max_points"]]
         if thinned:

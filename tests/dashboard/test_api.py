@@ -184,6 +184,8 @@ def test_bad_ids_and_parameters(synthetic_root):
     assert client.get("/api/curves", params={"id": "runs/long", "points": 2}).status_code == 422
     assert client.get("/api/curves", params={"id": "runs/long", "points": "many"}).status_code == 422
     assert client.get("/api/curves", params=[("id", "runs/long")] * 13).status_code == 422
+    assert client.get("/runs", params={"id": "runs/long", "x": "sideways"}).status_code == 422
+    assert client.get("/runs", params={"id": "runs/long", "points": 10**9}).status_code == 422
     bad_option = client.get("/api/profile", params={"id": "prof", "option": "7"}).json()
     assert "error" in bad_option["maps"] and "option" in bad_option["maps"]["error"]
     for page in ("/profile", "/search", "/plan"):

@@ -84,6 +84,7 @@ def test_pages_render_in_chromium(server, chromium, served_root, tmp_path_factor
     pages += [(f"profile-{p['id']}", f"/profile?id={p['id']}") for p in index["profiles"]]
     pages += [(f"search-{s['id']}", f"/search?id={s['id']}") for s in index["searches"]]
     pages += [(f"plan-{p['id']}", f"/plan?id={p['id']}") for p in index["plans"]]
+    pages.append(("runs-by-time", "/runs?x=time&" + "&".join(f"id={r['id']}" for r in index["runs"])))
     pages.append(("runs", "/runs?" + "&".join(f"id={r['id']}" for r in index["runs"])))
     if (served_root / "demo").exists():
         assert any(name == "profile-demo/profile" for name, _ in pages)
