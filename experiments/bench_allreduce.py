@@ -128,22 +128,18 @@ def main() -> None:
                "nccl_bf16_ms": median_ms_across_ranks(lambda: dist.all_reduce(work16), args.reps),
                "agoq_8bit_ms": median_ms_across_ranks(lambda: quantized_all_reduce(work32, min_numel=0), args.reps),
                "agoq_8bit_collectives_ms": collectives_ms}
-        if transport == "nvlink":  # the other way of pushing rows over symmetric memory, same run
-            from agoq.runtime.quantized_allreduce import push_mode
-
-            default_push = push_mode()
-            other = "stores" if default_push == "copy-engine" else "copy-engine"
-            os.environ["AGOQ_ALLREDUCE_PUSH"] = other
-            check = grad.clone()
-            quantized_all_reduce(check, min_numel=0)
-            row[f"agoq_8bit_push_{other}_ms"] = median_ms_across_ranks(
-                lambda: quantized_all_reduce(work32, min_numel=0), args.reps)
-            row[f"push_{other}_bit_identical"] = bool(torch.equal(check, test))
-            os.environ["AGOQ_ALLREDUCE_PUSH"] = default_push
-            row["push"] = default_push
-            if rank == 0:
-                print(f"  push {other}: {row[f'agoq_8bit_push_{other}_ms']:.3f} ms, bit-identical "
-                      f"{row[f'push_{other}_bit_identical']}", flush=True)
+        if transport == "nvlink":  # both ways of pushing rows over symmetric memory, same run
+            for push in ("stores", "copy-engine"):
+                os.environ["AGOQ_ALLREDUCE_PUSH"] = push
+                check = grad.clone()
+                quantized_all_reduce(check, min_numel=0)
+                row[f"agoq_8bit_push_{push}_ms"] = median_ms_across_ranks(
+                    lambda: quantized_all_reduce(work32, min_numel=0), args.reps)
+                row[f"push_{push}_bit_identical"] = bool(torch.equal(check, test))
+                if rank == 0:
+                    print(f"  push {push}: {row[f'agoq_8bit_push_{push}_ms']:.3f} ms, bit-identical "
+                          f"{row[f'push_{push}_bit_identical']}", flush=True)
+            del os.environ["AGOQ_ALLREDUCE_PUSH"]
         if not args.no_ddp:
             for name, hook in [("ddp_default", None), ("ddp_bf16_compress", default_hooks.bf16_compress_hook),
                                ("ddp_quantization_pertensor", quantization_hooks.quantization_pertensor_hook),

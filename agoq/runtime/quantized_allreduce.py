@@ -69,16 +69,23 @@ def _symmetric_rows(ws: Workspace, p: int, fill, per: int, block: int) -> torch.
     return ws.outbox(rank, p, rb)
 
 
-PIPELINE_CHUNKS = 4  # chunks of a large symmetric-memory reduction, alternating between two streams
-PIPELINE_MIN_BLOCKS = 4096  # blocks per shard below which a reduction runs as one chunk
+PIPELINE_MAX_CHUNKS = 8  # chunks of a large symmetric-memory reduction, alternating between two streams
+PIPELINE_CHUNK_BLOCKS = 8192  # at least this many blocks per shard and chunk
 
 
-def push_mode() -> str:
-    """How rows reach the peers over symmetric memory: "copy-engine" (kernels write local rows, DMA copies
-    move them) or "stores" (kernels store straight into the peers' rows). AGOQ_ALLREDUCE_PUSH overrides."""
-    mode = os.environ.get("AGOQ_ALLREDUCE_PUSH", "copy-engine")
-    if mode not in ("copy-engine", "stores"):
-        raise ValueError(f"AGOQ_ALLREDUCE_PUSH must be copy-engine or stores, got {mode!r}")
+COPY_ENGINE_MIN_ROW_BYTES = 32 * 2**20  # rows at least this large go by DMA copies in "auto" mode
+
+
+def push_mode(rb: int) -> str:
+    """How rows of `rb` bytes reach the peers over symmetric memory: "stores" (kernels store straight
+    into the peers' rows: fewest operations, best for small and mid-sized tensors) or "copy-engine"
+    (kernels write local rows and DMA copies move them, leaving the SMs free: best for large ones).
+    AGOQ_ALLREDUCE_PUSH=stores|copy-engine|auto (default auto) chooses."""
+    mode = os.environ.get("AGOQ_ALLREDUCE_PUSH", "auto")
+    if mode not in ("auto", "copy-engine", "stores"):
+        raise ValueError(f"AGOQ_ALLREDUCE_PUSH must be auto, copy-engine or stores, got {mode!r}")
+    if mode == "auto":
+        return "copy-engine" if rb >= COPY_ENGINE_MIN_ROW_BYTES else "stores"
     return mode
 
 
@@ -120,7 +127,7 @@ def _symmetric_reduce(ws: Workspace, p: int, flat: torch.Tensor, per: int, block
         ws.barrier(channel)
         dequantize_rows_triton(outbox, flat, per, block, divisor, chunk)
 
-    chunks = PIPELINE_CHUNKS if per >= PIPELINE_MIN_BLOCKS else 1
+    chunks = min(PIPELINE_MAX_CHUNKS, max(1, per // PIPELINE_CHUNK_BLOCKS))
     if chunks == 1:
         run(None, 0)
         return
@@ -226,7 +233,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, average: bool = Fa
     ws = Workspace.get(group, rb) if flat.is_cuda and block & (block - 1) == 0 else None
     if ws is not None:
         p = ws.flip()
-        mode = push_mode()
+        mode = push_mode(rb)
         key = (flat.data_ptr(), flat.numel(), flat.dtype, block, divisor, mode)
         ws.run(key, p, lambda: _symmetric_reduce(ws, p, flat, per, block, divisor, mode))
         gathered = ws.outbox(ws.rank, p, rb)
