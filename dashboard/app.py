@@ -7,9 +7,10 @@ import hmac
 import os
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, HTTPException, Query, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
 
 from dashboard import pages
 from dashboard.formats import BrokenFile
@@ -72,7 +73,12 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
             if not given or not hmac.compare_digest(given.encode(), token.encode()):
                 return PlainTextResponse("this dashboard needs its token: add ?token=... to the address "
                                          f"(or send the header {TOKEN_HEADER})", status_code=401)
-        response = await call_next(request)
+        if from_query and request.method == "GET" and not request.url.path.startswith("/api/"):
+            # keep the token out of the address bar, history and shared links: a cookie carries it
+            rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
+            response = RedirectResponse(request.url.path + ("?" + urlencode(rest) if rest else ""), status_code=303)
+        else:
+            response = await call_next(request)
         if from_query:
             response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
         if not request.url.path.startswith(("/docs", "/redoc")):

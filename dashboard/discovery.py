@@ -18,6 +18,7 @@ KINDS = ("profiles", "searches", "plans", "runs")
 SKIP_DIRS = {"checkpoint", "__pycache__", "node_modules"}
 PLAN_MARK = b'"agoq.plan/'
 STUDY_FILES = ("study.db", "study.journal")
+MIN_RESCAN = 0.5  # seconds between two forced rescans
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,12 @@ class Catalog:
         self._lock = threading.Lock()
 
     def index(self, refresh: bool = False) -> Index:
-        """The current index; rescans first when `refresh` is set or the last scan is older than ttl."""
+        """The current index; rescans first when the last scan is older than ttl, or when `refresh`
+        is set and the last scan is older than MIN_RESCAN seconds (so a stream of requests for
+        unknown ids cannot keep the server walking the folder)."""
         with self._lock:
-            if refresh or time.time() - self._index.scanned_at > self.ttl:
+            age = time.time() - self._index.scanned_at
+            if age > self.ttl or (refresh and age > MIN_RESCAN):
                 self._index = scan(self.root)
             return self._index
 

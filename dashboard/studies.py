@@ -5,7 +5,9 @@ append refuses to run."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+from functools import lru_cache
 import urllib.parse
 from pathlib import Path
 from typing import Any, Iterable
@@ -57,9 +59,25 @@ def open_storage(path: Path):
                                       skip_compatibility_check=True, skip_table_creation=True)
 
 
+def _stat(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
 def read_studies(path: Path) -> list[dict[str, Any]]:
     """Every study in the file: name, directions, objective names, trial counts by state, and its
-    finished trials (number, values, params, user attributes; at most MAX_TRIALS, the latest)."""
+    finished trials (number, values, params, user attributes; at most MAX_TRIALS, the latest).
+    Cached until the file (or its SQLite write-ahead log) changes."""
+    key = (_stat(path), _stat(path.with_name(path.name + "-wal")))
+    return _read_studies(str(path), key)
+
+
+@lru_cache(maxsize=16)
+def _read_studies(name: str, key: tuple) -> list[dict[str, Any]]:
+    path = Path(name)
     try:
         storage = open_storage(path)
         out = []

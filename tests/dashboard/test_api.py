@@ -246,9 +246,11 @@ def test_token_is_required_everywhere(synthetic_root):
     assert client.get("/api/index", params={"token": "wrong-token-11"}).status_code == 401
     assert client.get("/api/index", headers={"x-agoq-token": "s3cret-token-1"}).status_code == 200
     assert client.get("/api/index", headers={"authorization": "Bearer s3cret-token-1"}).status_code == 200
-    first = client.get("/", params={"token": "s3cret-token-1"})
-    assert first.status_code == 200 and "agoq_dashboard_token" in first.headers["set-cookie"]
-    assert client.get("/api/index").status_code == 200  # the cookie now carries it
+    first = client.get("/runs", params={"token": "s3cret-token-1", "id": "runs/long"}, follow_redirects=False)
+    assert first.status_code == 303 and "agoq_dashboard_token" in first.headers["set-cookie"]
+    assert first.headers["location"] == "/runs?id=runs%2Flong"  # the token leaves the address
+    assert client.get(first.headers["location"]).status_code == 200  # the cookie now carries it
+    assert client.get("/api/index").status_code == 200
     client.cookies.clear()
     assert client.get("/api/index").status_code == 401
 
@@ -335,7 +337,10 @@ def test_broken_files_are_messages_not_500(synthetic_root, tmp_path):
     assert snapshot(root) == before
 
 
-def test_empty_root_and_new_folders_appear(tmp_path):
+def test_empty_root_and_new_folders_appear(tmp_path, monkeypatch):
+    from dashboard import discovery
+
+    monkeypatch.setattr(discovery, "MIN_RESCAN", 3600.0)  # forced rescans only after an hour
     client = TestClient(create_app(tmp_path, ttl=60))
     page = client.get("/")
     assert page.status_code == 200 and "Nothing found" in page.text
@@ -344,6 +349,8 @@ def test_empty_root_and_new_folders_appear(tmp_path):
 
     synthetic.write_run(tmp_path / "later", np.random.default_rng(2), 7)
     assert client.get("/api/index").json()["runs"] == []  # still within the cache time
+    assert client.get("/api/run", params={"id": "later"}).status_code == 404  # no forced rescan yet
+    monkeypatch.setattr(discovery, "MIN_RESCAN", 0.0)
     assert client.get("/api/run", params={"id": "later"}).status_code == 200  # an unknown id rescans
     assert [r["id"] for r in client.get("/api/index", params={"refresh": True}).json()["runs"]] == ["later"]
 
@@ -391,3 +398,15 @@ def test_pareto_figure_marks_each_validated_point():
     assert measured["y"] == pytest.approx([r["measured_step_seconds"] * 1e3 for r in validated])
     want_x = [(r["measured_peak_bytes"] or r["predicted_peak_bytes"]) / 2**30 for r in validated]
     assert measured["x"] == pytest.approx(want_x)
+
+
+def test_root_that_is_itself_a_run(tmp_path):
+    from tests.dashboard import synthetic
+
+    synthetic.write_run(tmp_path, np.random.default_rng(4), 23)
+    client = TestClient(create_app(tmp_path))
+    assert [r["id"] for r in client.get("/api/index").json()["runs"]] == ["."]
+    assert client.get("/api/curves", params={"id": "."}).json()["runs"][0]["curves"]["train_points"] == 23
+    assert client.get("/runs").status_code == 200
+    for attempt in ("..", "", "./.", "/"):
+        assert client.get("/api/run", params={"id": attempt}).status_code == 404
