@@ -57,7 +57,7 @@ def main() -> None:
         reference = reference_kind(kind)
         policy = ActivationPolicy(default={reference: RECOMPUTE, kind: args.bits}, name=f"{kind}-{args.bits}")
         all_layers[kind] = meter.policy_error(policy, reference)
-        single[kind] = sum(meter.measure(Measurement(i, kind, str(args.bits), "int"))[0]
+        single[kind] = sum(meter.measure(Measurement(i, kind, str(args.bits), "int"))
                            for i in range(layers)) / layers
         print(f"{kind:>13s}: all layers {all_layers[kind]:.4f}, one layer (mean) {single[kind]:.5f}", flush=True)
     seconds = time.perf_counter() - start

@@ -78,6 +78,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=positive_int, default=2,
                         help="random token batches (fixed seeds) that errors and sensitivities average over "
                              "(default 2)")
+    parser.add_argument("--sensitivity", choices=("replay", "policy"), default="replay",
+                        help="how sensitivities are measured: replay (one forward per batch, then for each option "
+                             "only the backward below its layer, with the tensor quantized; the same numbers) or "
+                             "policy (a full forward + backward under each option's policy) (default replay)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and batches (default 0)")
     parser.add_argument("--budget", type=size_bytes, default=None,
                         help="memory budget per GPU, e.g. 30GiB: also write DIR/plan.json")
@@ -212,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
         bits=args.bits, formats=args.formats, block=args.block, batches=args.batches, seed=args.seed,
         layers=args.layers, pipeline_stages=args.pipeline_stages, micro_batches=micro_batches,
         world_size=1 if collectives_torchrun else args.world_size, budget_bytes=args.budget,
-        ray_address="local" if args.ray else args.ray_address, collective_sizes=args.collective_sizes)
+        ray_address="local" if args.ray else args.ray_address, collective_sizes=args.collective_sizes,
+        sensitivity_method=args.sensitivity)
     say = (lambda *a: None) if args.quiet else (lambda text: print(text, file=sys.stderr))
     header = make_profile(settings, out, progress=not args.quiet, say=say)
     if collectives_torchrun is not None:

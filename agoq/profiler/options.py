@@ -77,7 +77,7 @@ def check_bits_formats(bits: list[int], formats: list[str]) -> None:
         raise ValueError("--formats nf4 is a 4-bit codebook: include 4 in --bits")
 
 
-def _layer_settings(kind: str, option: Option, attention: Setting = KEEP) -> dict[str, Setting]:
+def layer_settings(kind: str, option: Option, attention: Setting = KEEP) -> dict[str, Setting]:
     """Settings of a layer where only `kind` uses `option`, forced through LAAQ's layer."""
     settings: dict[str, Setting] = {k: KEEP for k in KINDS}
     settings["attention"] = attention
@@ -92,10 +92,10 @@ def _layer_settings(kind: str, option: Option, attention: Setting = KEEP) -> dic
 
 def option_bytes(shape: LayerShape, kind: str, option: Option, block: int) -> tuple[int, int]:
     """(bytes, bytes_unshared) this kind keeps per micro-batch with `option` (see the module docstring)."""
-    shared = predict_layer_bytes(shape, _layer_settings(kind, option), block)[kind]
+    shared = predict_layer_bytes(shape, layer_settings(kind, option), block)[kind]
     if kind != "o_proj_input":
         return shared, shared
-    return shared, predict_layer_bytes(shape, _layer_settings(kind, option, attention=8), block)[kind]
+    return shared, predict_layer_bytes(shape, layer_settings(kind, option, attention=8), block)[kind]
 
 
 def kind_shapes(shape: LayerShape, kind: str) -> list[tuple[int, ...]]:

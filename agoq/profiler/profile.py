@@ -60,6 +60,7 @@ class ProfileSettings:
     ray_address: str | None = None  # None: no Ray; "local": a new local Ray; else a cluster address
     collective_sizes: list[int] | None = None
     timing_repeats: int | None = None  # None: 5 on CUDA, 1 on the CPU
+    sensitivity_method: str = "replay"  # or "policy": a full forward + backward per option
 
 
 def hardware(device: str) -> dict:
@@ -120,12 +121,12 @@ def _measure_sensitivities(settings: ProfileSettings, model, batches, measuremen
                            progress: _Progress, say) -> list[dict]:
     if settings.ray_address is None:
         meter = SensitivityMeter(model, batches, settings.block)
-        return measure_chunk(meter, measurements, progress.update)
+        return measure_chunk(meter, measurements, progress.update, method=settings.sensitivity_method)
     from agoq.profiler.ray_tasks import ray_measure
 
     job = {"spec": settings.spec, "dtype": settings.dtype, "device": settings.device, "seed": settings.seed,
            "batches": settings.batches, "micro_batch": settings.micro_batch, "seq_len": settings.seq_len,
-           "block": settings.block, "layers": settings.layers}
+           "block": settings.block, "layers": settings.layers, "method": settings.sensitivity_method}
     by_layer: dict[int, list[dict]] = {}
     for m in measurements:
         by_layer.setdefault(m.layer, []).append(asdict(m))
@@ -324,7 +325,8 @@ def write_profile(out: Path, settings: ProfileSettings, model, num_layers: int, 
                      "block": settings.block, "batches": settings.batches, "seed": settings.seed,
                      "pipeline_stages": settings.pipeline_stages, "micro_batches": settings.micro_batches,
                      "world_size": settings.world_size, "budget_bytes": settings.budget_bytes,
-                     "layers": settings.layers, "ray": settings.ray_address},
+                     "layers": settings.layers, "ray": settings.ray_address,
+                     "sensitivity_method": settings.sensitivity_method},
         "hardware": hardware(settings.device),
         "software": software(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -9,8 +9,9 @@ unmodified model, so the reference sends every layer through LAAQ with one kind 
 (RMSNorm output, rebuilt from the norm input), so the recomputed tensor never depends on K.
 
 sensitivity = ||g - g_ref|| / ||g_ref|| over all weight gradients concatenated, averaged over batches
-(fixed seeds). `measure_chunk` runs a list of measurements on one model; `chunk_task` does the same
-from a plain description (for Ray workers, which build their own model).
+(fixed seeds). `SensitivityMeter.measure` runs a measurement's real policy; `measure_chunk` runs a
+list of them, replaying backward where that gives the same numbers (agoq.profiler.replay);
+`chunk_task` does the same from a plain description (for Ray workers, which build their own model).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from agoq.profiler.model_source import load_model, next_token_loss, token_batches, vocab_size
+from agoq.profiler.replay import REPLAYABLE, ReplaySession
 from agoq.runtime.laaq import apply_activation_policy, remove_activation_policy
 from agoq.runtime.policy import RECOMPUTE, ActivationPolicy
 from agoq.runtime.saved_bytes import track_saved_tensors
@@ -66,17 +68,10 @@ class SensitivityMeter:
         self._reference: str | None = None
         self._ref_grads: list[list[torch.Tensor | None]] = []
         self._ref_norm2: list[float] = []
-        self.reference_bytes: dict[str, dict[int, dict[str, int]]] = {}  # reference kind -> layer -> kind -> bytes
 
-    def _backward(self, ids: torch.Tensor, log_bytes: bool = False):
+    def _backward(self, ids: torch.Tensor) -> None:
         self.model.zero_grad(set_to_none=True)
-        if log_bytes:
-            with track_saved_tensors(self.model) as log:
-                loss = next_token_loss(self.model, ids)
-        else:
-            log, loss = None, next_token_loss(self.model, ids)
-        loss.backward()
-        return log
+        next_token_loss(self.model, ids).backward()
 
     def _use_reference(self, reference: str) -> None:
         if self._reference == reference:
@@ -84,10 +79,8 @@ class SensitivityMeter:
         self._reference, self._ref_grads, self._ref_norm2 = None, [], []
         apply_activation_policy(self.model, measurement_policy(None, reference, self.block))
         try:
-            for i, ids in enumerate(self.batches):
-                log = self._backward(ids, log_bytes=i == 0)
-                if log is not None:
-                    self.reference_bytes[reference] = {i: dict(k) for i, k in log.by_layer.items()}
+            for ids in self.batches:
+                self._backward(ids)
                 grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
                 norm2 = sum(g.float().pow(2).sum().item() for g in grads if g is not None)
                 self._ref_grads.append(grads)
@@ -97,28 +90,26 @@ class SensitivityMeter:
             self.model.zero_grad(set_to_none=True)
         self._reference = reference
 
-    def measure(self, m: Measurement) -> tuple[float, int | None]:
-        """(sensitivity, bytes the layer kept for the kind, measured by the saved-tensor tracker)."""
+    def measure(self, m: Measurement) -> float:
+        """Sensitivity of one measurement by running its policy (a full forward + backward per batch)."""
+        if m.option == "16":
+            return 0.0
         reference = reference_kind(m.kind)
         self._use_reference(reference)
-        if m.option == "16":
-            return 0.0, self.reference_bytes[reference].get(m.layer, {}).get(m.kind, 0)
-        error, log = self._error(measurement_policy(m, reference, self.block))
-        return error, int(log.by_layer.get(m.layer, {}).get(m.kind, 0))
+        return self._error(measurement_policy(m, reference, self.block))
 
     def policy_error(self, policy: ActivationPolicy, reference: str = "ffn2_input") -> float:
         """Relative L2 error of all weight gradients under any `policy`, against every layer kept at 16
         bits through LAAQ (`reference` recomputed from its 16-bit source), mean over the batches."""
         self._use_reference(reference)
-        return self._error(policy)[0]
+        return self._error(policy)
 
     def _error(self, policy: ActivationPolicy):
         apply_activation_policy(self.model, policy)
-        errors, first_log = [], None
+        errors = []
         try:
             for i, ids in enumerate(self.batches):
-                log = self._backward(ids, log_bytes=i == 0)
-                first_log = first_log or log
+                self._backward(ids)
                 diff2 = torch.zeros((), dtype=torch.float64, device=self.batches[0].device)
                 for p, r in zip(self.params, self._ref_grads[i]):
                     if p.grad is None and r is None:
@@ -130,7 +121,7 @@ class SensitivityMeter:
         finally:
             remove_activation_policy(self.model)
             self.model.zero_grad(set_to_none=True)
-        return sum(errors) / len(errors), first_log
+        return sum(errors) / len(errors)
 
     def release(self) -> None:
         """Drop the stored reference gradients."""
@@ -141,23 +132,90 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], progress=None) -> list[dict]:
-    """Run measurements in order; each result is a dict with the measurement's fields plus
-    `sensitivity` and `bytes_measured`, or `error` (the measurement failed: OOM or an exception)."""
-    ordered = sorted(measurements, key=lambda m: reference_kind(m.kind))  # one reference at a time
-    out = []
-    for m in ordered:
+def _failure(e: BaseException) -> str:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    kind = "out of memory" if _is_oom(e) else type(e).__name__
+    return f"{kind}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+
+
+def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], progress=None,
+                  method: str = "replay") -> list[dict]:
+    """Measure every sensitivity of `measurements` on the meter's model and batches.
+
+    method "replay": quantized options of the kinds LAAQ keeps raw are measured by replaying backward
+    from one kept reference forward per batch (agoq.profiler.replay; the same numbers, much cheaper);
+    attention and recompute options, and everything with method "policy", run their real policy.
+    Each result is a dict with the measurement's fields plus `sensitivity` and `bytes_measured` (what
+    the saved-tensor tracker counted for that layer and kind on a real forward with the option), or
+    `error` (the measurement failed: out of memory or an exception).
+    """
+    if method not in ("replay", "policy"):
+        raise ValueError(f"method must be 'replay' or 'policy', got {method!r}")
+    step = 1.0 / len(meter.batches)
+    errors: dict[Measurement, list[float]] = {m: [] for m in measurements}
+    failed: dict[Measurement, str] = {}
+    replayed = [m for m in measurements if method == "replay" and m.kind in REPLAYABLE
+                and m.format in ("int", "nf4")]
+    for m in measurements:
+        if m in replayed:
+            continue
         try:
-            sens, measured = meter.measure(m)
-            out.append({**asdict(m), "sensitivity": sens, "bytes_measured": measured})
+            errors[m] = [meter.measure(m)]
         except Exception as e:  # noqa: BLE001 - a failing measurement is recorded, the profile goes on
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            kind = "out of memory" if _is_oom(e) else type(e).__name__
-            out.append({**asdict(m), "error": f"{kind}: {str(e).splitlines()[0] if str(e) else ''}"[:500]})
+            failed[m] = _failure(e)
         if progress is not None:
             progress(1)
-    meter.release()
+    meter.release()  # the policy runs' reference gradients; replays keep their own
+    for reference in sorted({reference_kind(m.kind) for m in replayed}):
+        group = sorted((m for m in replayed if reference_kind(m.kind) == reference), key=lambda m: m.layer)
+        for ids in meter.batches:
+            try:
+                session = ReplaySession(meter.model, ids, measurement_policy(None, reference, meter.block))
+            except Exception as e:  # noqa: BLE001
+                for m in group:
+                    failed.setdefault(m, _failure(e))
+                continue
+            for m in group:
+                if m not in failed:
+                    try:
+                        errors[m].append(session.error(m.layer, m.kind, int(m.option), m.format))
+                    except Exception as e:  # noqa: BLE001
+                        failed[m] = _failure(e)
+                if progress is not None:
+                    progress(step)
+            session.close()
+            del session
+    kept = _measured_bytes(meter, measurements)
+    out = []
+    for m in measurements:
+        if m in failed:
+            out.append({**asdict(m), "error": failed[m]})
+        else:
+            out.append({**asdict(m), "sensitivity": sum(errors[m]) / len(errors[m]),
+                        "bytes_measured": kept.get((m.kind, m.option, m.format), {}).get(m.layer)})
+    return out
+
+
+def _measured_bytes(meter: SensitivityMeter, measurements: list[Measurement]) -> dict:
+    """(kind, option, format) -> layer -> bytes kept, from one tracked forward per option with the option
+    in every layer (the other kinds at 16 in LAAQ's layer)."""
+    from agoq.profiler.options import Option, layer_settings
+
+    out = {}
+    for kind, option, fmt in sorted({(m.kind, m.option, m.format) for m in measurements}):
+        opt = Option(option, 16 if option == "16" else (0 if option == RECOMPUTE else int(option)), fmt)
+        policy = ActivationPolicy(default=layer_settings(kind, opt), block=meter.block,
+                                  format="nf4" if fmt == "nf4" else "int")
+        apply_activation_policy(meter.model, policy)
+        try:
+            with track_saved_tensors(meter.model) as log, torch.enable_grad():
+                next_token_loss(meter.model, meter.batches[0])  # forward only: the graph is dropped
+            out[(kind, option, fmt)] = {i: int(k.get(kind, 0)) for i, k in log.by_layer.items()}
+        except Exception:  # noqa: BLE001 - bytes stay unmeasured (null); the prediction is still there
+            pass
+        finally:
+            remove_activation_policy(meter.model)
     return out
 
 
@@ -171,4 +229,4 @@ def chunk_task(job: dict, measurements: list[dict]) -> list[dict]:
     batches = token_batches(vocab_size(model), job["batches"], job["micro_batch"], job["seq_len"], job["seed"],
                             device)
     meter = SensitivityMeter(model, batches, job["block"])
-    return measure_chunk(meter, [Measurement(**m) for m in measurements])
+    return measure_chunk(meter, [Measurement(**m) for m in measurements], method=job.get("method", "replay"))

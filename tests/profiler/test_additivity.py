@@ -19,7 +19,7 @@ def test_mixed_policies_within_factor():
     for layer in range(3):
         for kind in KINDS:
             for o in kind_options(kind, bits, ["int"]):
-                s = meter.measure(Measurement(layer, kind, o.option, o.format))[0]
+                s = meter.measure(Measurement(layer, kind, o.option, o.format))
                 rows.append({"layer": layer, "kind": kind, "option": o.option, "bits": o.bits, "format": o.format,
                              "sensitivity": s})
     for trial in range(6):

@@ -5,12 +5,13 @@ import json
 import pandas as pd
 import torch
 
-from agoq.profiler import memory, sensitivity
+from agoq.profiler import memory, replay, sensitivity
 from agoq.profiler.profile import ProfileSettings, make_profile
 
 
 def test_oom_is_recorded_and_the_profile_completes(tmp_path, monkeypatch):
     real_measure = sensitivity.SensitivityMeter.measure
+    real_replay = replay.ReplaySession.error
     real_step = memory.measure_step
 
     def measure(self, m):
@@ -20,12 +21,18 @@ def test_oom_is_recorded_and_the_profile_completes(tmp_path, monkeypatch):
             raise RuntimeError("something else broke")
         return real_measure(self, m)
 
+    def replayed(self, layer, kind, bits, fmt):
+        if layer == 1 and kind == "silu_input" and bits == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_replay(self, layer, kind, bits, fmt)
+
     def step(model, ids, policy):
         if policy == "agoq-paper":
             raise torch.OutOfMemoryError("CUDA out of memory.")
         return real_step(model, ids, policy)
 
     monkeypatch.setattr(sensitivity.SensitivityMeter, "measure", measure)
+    monkeypatch.setattr(replay.ReplaySession, "error", replayed)
     monkeypatch.setattr(memory, "measure_step", step)
     settings = ProfileSettings("llama-tiny", seq_len=9, micro_batch=1, dtype="fp32", bits=[2, 4], formats=["int"],
                                batches=1, layers=2)

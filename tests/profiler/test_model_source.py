@@ -7,7 +7,7 @@ import torch
 
 from agoq.profiler.model_source import layer_shape, load_model, next_token_loss, token_batches
 from agoq.profiler.options import Option, option_bytes
-from agoq.profiler.sensitivity import Measurement, SensitivityMeter
+from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chunk
 
 SMALL = {"vocab_size": 97, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
@@ -34,5 +34,9 @@ def test_qwen2_config_through_transformers(tmp_path):
     batches = token_batches(97, 1, 2, 11, 0, "cpu")
     assert torch.isfinite(next_token_loss(model, batches[0]))
     meter = SensitivityMeter(model, batches)
-    sens, measured = meter.measure(Measurement(0, "silu_input", "4", "int"))
-    assert sens > 0 and measured == option_bytes(shape, "silu_input", Option("4", 4, "int"), 128)[0]
+    ms = [Measurement(0, "silu_input", "4", "int"), Measurement(0, "attention", "3", "int")]
+    policy_run = [meter.measure(m) for m in ms]
+    rows = measure_chunk(meter, ms)  # silu_input replayed, attention by its policy
+    assert [r["sensitivity"] for r in rows] == pytest.approx(policy_run, rel=1e-6)
+    assert all(s > 0 for s in policy_run)
+    assert rows[0]["bytes_measured"] == option_bytes(shape, "silu_input", Option("4", 4, "int"), 128)[0]

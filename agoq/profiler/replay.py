@@ -1,0 +1,130 @@
+"""Sensitivity by replaying backward: one forward per batch, then one partial backward per option.
+
+Keeping a tensor at b bits changes nothing in the forward pass (LAAQ's forward values do not depend
+on the policy) and, in backward, only what uses that tensor: the gradients above layer L are those
+of the reference, and below they change only through what layer L's backward computes from the
+dequantized tensor. So one reference forward is kept (retain_graph) with saved-tensor hooks that tag
+every tensor LAAQ keeps raw with its (layer, kind); the reference gradient dy_L at each layer's
+output is taken once, and for each option the backward from layer L's output (with dy_L) is run
+again while the hook hands backward dequantize(quantize(x)) in place of the tagged tensors, exactly
+what LAAQ would have restored. Layers above L and the LM head are not recomputed at all.
+
+    error = ||g_option - g_ref|| / ||g_ref||,  with g_option - g_ref = partial_option - partial_ref
+
+partial_* being the gradients of all parameters from layer L's output down (the same computation for
+both, so rounding in the untouched part cancels exactly), and ||g_ref|| the full reference gradient.
+This applies to quantized options of the kinds LAAQ keeps raw at 16 bits; attention (whose 16-bit path
+is torch's fused attention, not LAAQ's) and recompute options run the real policy instead
+(`SensitivityMeter`). tests/profiler/test_replay.py checks both give the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from agoq.profiler.model_source import next_token_loss
+from agoq.runtime.laaq import apply_activation_policy, observe_kept_tensors, remove_activation_policy
+from agoq.runtime.policy import KEEP, ActivationPolicy
+from agoq.runtime.quantize import dequantize, quantize
+from agoq.runtime.saved_bytes import find_decoder_layers
+
+REPLAYABLE = ("norm_input", "qkv_input", "o_proj_input", "ffn1_input", "silu_input", "ffn2_input")
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+class ReplaySession:
+    """One reference forward of one batch, kept for replaying backward with one tensor kind substituted."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor, reference: ActivationPolicy):
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.block = reference.block
+        self._target: tuple | None = None  # (layer, kind, bits, format) being substituted
+        layers = find_decoder_layers(model)
+        stack: list[int] = []
+        outputs: list[torch.Tensor | None] = [None] * len(layers)
+        tags: dict[tuple, tuple[int, str]] = {}
+        handles = []
+
+        def enter(index: int):
+            def hook(module, args) -> None:
+                stack.append(index)
+            return hook
+
+        def leave(index: int):
+            def hook(module, args, output) -> None:
+                stack.pop()
+                outputs[index] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        for i, layer in enumerate(layers):
+            handles.append(layer.register_forward_pre_hook(enter(i)))
+            handles.append(layer.register_forward_hook(leave(i)))
+
+        def observe(kind: str, t: torch.Tensor, setting) -> None:
+            if stack and setting == KEEP:
+                tags[_key(t)] = (stack[-1], kind)
+
+        def pack(t: torch.Tensor):
+            try:
+                tag = tags.pop(_key(t), None)
+            except (RuntimeError, NotImplementedError):  # tensors without storage are never tagged
+                tag = None
+            return tag, t
+
+        def unpack(packed):
+            tag, t = packed
+            target = self._target
+            if tag is None or target is None or tag != target[:2]:
+                return t
+            q = quantize(t, target[2], self.block, "nearest", target[3], check_finite=False)
+            return dequantize(q)
+
+        apply_activation_policy(model, reference)
+        try:
+            with observe_kept_tensors(observe), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                loss = next_token_loss(model, ids)
+        finally:
+            remove_activation_policy(model)  # the recorded graph keeps its own functions
+            for h in handles:
+                h.remove()
+        if any(o is None for o in outputs):
+            raise RuntimeError("a decoder layer produced no output tensor to replay from")
+        self.outputs = outputs
+        grads = torch.autograd.grad(loss, self.params + outputs, retain_graph=True, allow_unused=True)
+        self.ref_grads = list(grads[: len(self.params)])
+        self.dy = list(grads[len(self.params):])
+        self.ref_norm2 = sum(g.float().pow(2).sum().item() for g in self.ref_grads if g is not None)
+        self._partial_ref: tuple[int, list] | None = None
+
+    def _partial(self, layer: int) -> list:
+        return list(torch.autograd.grad(self.outputs[layer], self.params, self.dy[layer], retain_graph=True,
+                                        allow_unused=True))
+
+    def error(self, layer: int, kind: str, bits: int, fmt: str) -> float:
+        """Relative L2 error of all weight gradients when only (layer, kind) is kept at `bits` (`fmt`)."""
+        if kind not in REPLAYABLE:
+            raise ValueError(f"{kind} cannot be replayed; measure it with its policy")
+        if self._partial_ref is None or self._partial_ref[0] != layer:
+            self._target = None
+            self._partial_ref = (layer, self._partial(layer))
+        self._target = (layer, kind, bits, fmt if bits == 4 else "int")
+        try:
+            got = self._partial(layer)
+        finally:
+            self._target = None
+        diff2 = torch.zeros((), dtype=torch.float64, device=self.outputs[0].device)
+        for g, r in zip(got, self._partial_ref[1]):
+            if g is None and r is None:
+                continue
+            g = g.float() if g is not None else torch.zeros_like(r, dtype=torch.float32)
+            diff2 += (g - (r.float() if r is not None else 0.0)).pow(2).sum().double()
+        return (diff2.item() / self.ref_norm2) ** 0.5 if self.ref_norm2 > 0 else 0.0
+
+    def close(self) -> None:
+        """Free the kept graph."""
+        self.outputs, self.dy, self.ref_grads, self._partial_ref = [], [], [], None
