@@ -1,9 +1,9 @@
 """How long `agoq profile` takes for a whole model, and what it finds: run counts, a prediction made
-from one timed step before starting, the seconds of each phase, and the memory model against the
+from timed unit costs before starting, the seconds of each phase, and the memory model against the
 measured peaks.
 
     python experiments/profile_speed.py --model probe                       # one H200: target <= 180 s
-    python experiments/profile_speed.py --model llama-3-8b --layers 4 --seq-len 4096 --batches 2
+    python experiments/profile_speed.py --model llama-3-8b --layers 4 --seq-len 4096
                                                                             # one H200: target <= 300 s
     python experiments/profile_speed.py --model llama-tiny                  # CPU check, seconds
 
@@ -25,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agoq.profiler.model_source import load_model, next_token_loss, token_batches, vocab_size  # noqa: E402
 from agoq.profiler.options import kind_options  # noqa: E402
 from agoq.profiler.profile import ProfileSettings, make_profile, read_profile  # noqa: E402
+from agoq.profiler.replay import REPLAYABLE, ReplaySession  # noqa: E402
 from agoq.profiler.sensitivity import measurement_policy  # noqa: E402
+from agoq.runtime.saved_bytes import find_decoder_layers  # noqa: E402
 from agoq.runtime.laaq import apply_activation_policy, remove_activation_policy  # noqa: E402
 from agoq.runtime.policy import KINDS  # noqa: E402
 from experiments.record import write_result  # noqa: E402
@@ -33,26 +35,46 @@ from experiments.record import write_result  # noqa: E402
 TARGETS = {"probe": 180.0, "llama-3-8b": 300.0}
 
 
-def one_step_seconds(settings: ProfileSettings) -> float:
-    """Median seconds of one fwd+bwd of the sensitivity reference (every layer through LAAQ)."""
+def _timed(fn, cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def unit_costs(settings: ProfileSettings) -> dict:
+    """Seconds of the three kinds of work a profile repeats: a full fwd+bwd under a policy (attention
+    and recompute options), a kept reference forward + backward (one per batch and reference), and one
+    replayed partial backward from the middle layer (every other option)."""
+    cuda = settings.device == "cuda"
     model = load_model(settings.spec, dtype=settings.dtype, device=settings.device, num_layers=settings.layers)
     ids = token_batches(vocab_size(model), 1, settings.micro_batch, settings.seq_len, 0, settings.device)[0]
-    apply_activation_policy(model, measurement_policy(None, "qkv_input", settings.block))
-    times = []
-    for _ in range(4):
-        if settings.device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
+    policy = measurement_policy(None, "qkv_input", settings.block)
+
+    def full_step():
         model.zero_grad(set_to_none=True)
         next_token_loss(model, ids).backward()
-        if settings.device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+
+    apply_activation_policy(model, policy)
+    steps = [_timed(full_step, cuda) for _ in range(4)]
     remove_activation_policy(model)
+    model.zero_grad(set_to_none=True)
+    sessions, replays = [], []
+    middle = len(find_decoder_layers(model)) // 2
+    for _ in range(3):
+        box = {}
+        sessions.append(_timed(lambda: box.update(s=ReplaySession(model, ids, policy)), cuda))
+        replays.append(_timed(lambda: box["s"].error(middle, "silu_input", 4, "int"), cuda))
+        replays.append(_timed(lambda: box["s"].error(middle, "norm_input", 3, "int"), cuda))
+        box["s"].close()
     del model
-    if settings.device == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
-    return statistics.median(times[1:])
+    return {"policy_step": statistics.median(steps[1:]), "reference": statistics.median(sessions[1:]),
+            "replay": statistics.median(replays[2:])}
 
 
 def main() -> None:
@@ -61,7 +83,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None, help="default 4096 on CUDA, 64 on the CPU")
     p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--batches", type=int, default=1)
+    p.add_argument("--batches", type=int, default=2)
     p.add_argument("--bits", default="2,3,4,5,6,8")
     p.add_argument("--formats", default="int,nf4")
     args = p.parse_args()
@@ -73,17 +95,21 @@ def main() -> None:
                                device="cuda" if cuda else "cpu", bits=[int(b) for b in args.bits.split(",")],
                                formats=args.formats.split(","), batches=args.batches, layers=args.layers)
     model = load_model(settings.spec, device="meta", num_layers=settings.layers)
-    from agoq.runtime.saved_bytes import find_decoder_layers
-
     num_layers = len(find_decoder_layers(model))
-    per_layer = sum(len(kind_options(k, settings.bits, settings.formats)) - 1 for k in KINDS)
-    runs = num_layers * per_layer
-    fwd_bwd = (runs + 2) * settings.batches
-    step = one_step_seconds(settings)
-    predicted = fwd_bwd * step
-    print(f"{args.model}: {num_layers} layers x {per_layer} options = {runs} sensitivity runs, x {settings.batches} "
-          f"batch(es) + 2 references = {fwd_bwd} fwd+bwd at {step * 1e3:.1f} ms -> predicted {predicted:.0f} s "
-          "for sensitivities")
+    per_kind = {k: [o for o in kind_options(k, settings.bits, settings.formats) if o.option != "16"] for k in KINDS}
+    replay_runs = num_layers * sum(len([o for o in opts if o.quantized]) for k, opts in per_kind.items()
+                                   if k in REPLAYABLE)
+    policy_runs = num_layers * sum(len(opts) for opts in per_kind.values()) - replay_runs
+    runs = replay_runs + policy_runs
+    costs = unit_costs(settings)
+    b = settings.batches
+    predicted = b * (policy_runs * costs["policy_step"] + 2 * costs["policy_step"]  # policy runs + their reference
+                     + 2 * costs["reference"] + replay_runs * costs["replay"] * (1 + 1 / 6))  # + partial references
+    fwd_bwd = (policy_runs + 2) * b
+    print(f"{args.model}: {num_layers} layers, {runs} sensitivity measurements x {b} batch(es): {policy_runs} by "
+          f"policy (fwd+bwd {costs['policy_step'] * 1e3:.1f} ms), {replay_runs} replayed (partial bwd "
+          f"{costs['replay'] * 1e3:.1f} ms; reference {costs['reference'] * 1e3:.1f} ms) -> predicted "
+          f"{predicted:.0f} s for sensitivities")
     out = Path(tempfile.mkdtemp(prefix=f"profile-{args.model}-"))
     start = time.perf_counter()
     header = make_profile(settings, out, progress=True, say=lambda text: print(text, file=sys.stderr))
@@ -92,8 +118,8 @@ def main() -> None:
     figures = {
         "model": args.model, "layers": num_layers, "seq_len": settings.seq_len, "micro_batch": settings.micro_batch,
         "batches": settings.batches, "bits": settings.bits, "formats": settings.formats,
-        "sensitivity_runs": runs, "forward_backward": fwd_bwd, "reference_step_seconds": step,
-        "predicted_sensitivity_seconds": predicted, "wall_seconds": wall, "phase_seconds": header["seconds"],
+        "sensitivity_runs": runs, "policy_runs": policy_runs, "replayed_runs": replay_runs,
+        "policy_forward_backward": fwd_bwd, "unit_seconds": costs, "predicted_sensitivity_seconds": predicted, "wall_seconds": wall, "phase_seconds": header["seconds"],
         "target_seconds": target, "met": None if target is None else wall <= target,
         "memory": header["memory"], "failures": header["failures"], "profile_dir": str(out),
     }
