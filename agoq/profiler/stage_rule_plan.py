@@ -3,8 +3,8 @@
 Stage i holding N_i micro-batches in flight (1F1B, from the profile's pipeline section) stores its
 quantized kinds at max(4, floor(4 N_1 / N_i)) bits (agoq.runtime.policy.stage_aware_policy); with
 one stage this is agoq-paper. The predictions come from the profile: bytes per (layer, kind,
-option), summed sensitivities (the additive error model), and the bf16 step plus each option's
-extra seconds.
+option), sensitivities added in quadrature (agoq.profiler.additivity), and the bf16 step plus each
+option's extra seconds.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def stage_rule_plan(header: dict, table, shape: LayerShape, budget_bytes: int | 
             if measured is None:
                 known = False
             else:
-                grad_error += measured[0]
+                grad_error += measured[0] ** 2
                 extra += measured[1]
         act_per_stage[s] += layer_bytes * in_flight[s]
         layers.append({"layer": i, "stage": s, "checkpoint": False, "kinds": dict(settings)})
@@ -78,7 +78,7 @@ def stage_rule_plan(header: dict, table, shape: LayerShape, budget_bytes: int | 
                      "grad_accum": 1},
         "predicted": {"peak_bytes_per_stage": peak, "activation_bytes_per_stage": act_per_stage,
                       "step_seconds": None if bf16_step is None else bf16_step + extra,
-                      "grad_error": grad_error if known else None},
+                      "grad_error": grad_error ** 0.5 if known else None},
         "measured": None,
         "source": {"method": "stage-rule", "objective": None, "profile": str(profile_dir),
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
