@@ -94,6 +94,9 @@ def load_model(spec: str, *, dtype: str = "bf16", device: str = "cpu", seed: int
                 model = _hf_model(config, path)
             model = model.to(dtype=torch_dtype)
     elif _FACTORY.fullmatch(spec):
+        if num_layers is not None:
+            raise ValueError(f"--layers applies to presets and config files, not to {spec!r} (a function "
+                             "decides its own model)")
         torch.manual_seed(seed)
         with torch.device(device):
             model = _from_factory(spec)

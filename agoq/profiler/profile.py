@@ -204,7 +204,7 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
     measurements = [Measurement(layer, k, o.option, o.format) for layer in range(num_layers) for k in KINDS
                     for o in options[k]]
     runs = sum(1 for m in measurements if m.option != "16")
-    say(f"sensitivity: {runs} measurements x {settings.batches} batches (+ 2 references x {settings.batches})")
+    say(f"sensitivity: {runs} measurements x {settings.batches} batches ({settings.sensitivity_method})")
     bar.start(len(measurements), "sensitivity")
     results = _measure_sensitivities(settings, model, batches, measurements, bar, say)
     bar.close()
