@@ -1,7 +1,8 @@
 """Run agoq's whole loop on the tiny LLaMA on the CPU, in about a minute or two, then print the command
 that shows the results in the dashboard:
 
-  1. agoq profile llama-tiny              -> OUT/profile/   (bytes, error, sensitivity per layer and kind)
+  1. agoq profile llama-tiny              -> OUT/profile/   (bytes, error, sensitivity per layer and kind;
+                                                             collective times between two local processes)
   2. agoq search --budget B               -> OUT/search/    (plan.json, pareto.csv, Optuna study)
      B is the predicted peak of the published LAAQ recipe (agoq-paper) on this model; the search (MILP)
      looks for the fastest plan within it, then runs the two best plans for a few steps to measure them
@@ -26,8 +27,10 @@ HELP = "the whole loop on a tiny model on the CPU, then the dashboard command to
 MODEL = "llama-tiny"
 STAGES = {"profile": "agoq.profiler.command", "search": "agoq.search.command", "train": "agoq.train.command"}
 DEMO_PARTS = ("profile", "search", "runs")
-# measured widths and formats kept small so the CPU profile takes seconds, not minutes
-PROFILE_ARGS = ["--bits", "2,3,4,6,8", "--formats", "int", "--batches", "1"]
+# measured widths and formats kept small so the CPU profile takes seconds, not minutes; collectives
+# timed over gloo between two local processes
+PROFILE_ARGS = ["--bits", "2,3,4,6,8", "--formats", "int", "--batches", "1", "--world-size", "2",
+                "--collective-sizes", "16KiB,64KiB,256KiB"]
 SEARCH_ARGS = ["--objective", "time", "--validate", "2", "--validate-steps", "3"]
 TRAIN_ARGS = ["--eval-every", "10", "--eval-batches", "2", "--checkpoint-every", "0"]
 

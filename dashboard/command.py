@@ -47,8 +47,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="address to listen on (default 127.0.0.1: this machine only; any other needs a token)")
     parser.add_argument("--port", type=positive_int, default=8000, help="TCP port (default 8000)")
     parser.add_argument("--token", default=None,
-                        help=f"access token every request must carry (default: ${TOKEN_ENV}; required "
-                             "when --host is not a loopback address)")
+                        help=f"access token every request must carry (default: ${TOKEN_ENV}, better than the "
+                             "flag, which other users can see in the process list; required when --host is not "
+                             "a loopback address)")
     parser.add_argument("--rescan-seconds", type=float, default=2.0,
                         help="how long a scan of --root is reused before a request rescans it (default 2 s)")
     parser.set_defaults(func=run)
@@ -62,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
                          f"pass --token (or set {TOKEN_ENV}), e.g. --token {secrets.token_hex(16)}")
     if token is not None and len(token) < 8:
         raise ValueError("--token is too short: use at least 8 characters (e.g. `openssl rand -hex 16`)")
+    if args.port > 65535:
+        raise ValueError(f"--port {args.port}: a TCP port is at most 65535")
     if args.rescan_seconds < 0:
         raise ValueError("--rescan-seconds must be >= 0")
     import uvicorn

@@ -14,7 +14,8 @@ import pytest
 
 from tests.dashboard import synthetic
 
-FAST_PROFILE = ["--seq-len", "32", "--batches", "1", "--bits", "2,4,8", "--formats", "int"]
+FAST_PROFILE = ["--seq-len", "32", "--batches", "1", "--bits", "2,4,8", "--formats", "int", "--world-size", "2",
+                "--collective-sizes", "16KiB,64KiB"]
 FAST_SEARCH = ["--objective", "time", "--method", "both", "--trials", "4", "--validate", "1",
                "--validate-steps", "2", "--front-budgets", "4"]
 FAST_TRAIN = ["--eval-every", "3", "--eval-batches", "1", "--checkpoint-every", "0"]

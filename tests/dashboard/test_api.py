@@ -80,6 +80,15 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
             assert maps["sensitivity"][i][j] == pytest.approx(float(row.sensitivity.iloc[0]), rel=1e-12)
             assert maps["bytes"][i][j] == int(row.bytes.iloc[0])
 
+    # collective times per (op, path) are the parquet's
+    coll = pd.read_parquet(stage_root / "demo/profile/collectives.parquet")
+    series = prof["collectives"]["series"]
+    assert {(s["op"], s["path"]) for s in series} == set(zip(coll.op, coll.path))
+    for s in series:
+        part = coll[(coll.op == s["op"]) & (coll.path == s["path"])].sort_values("message_bytes")
+        assert s["message_bytes"] == part.message_bytes.tolist()
+        assert s["seconds"] == pytest.approx(part.seconds.tolist(), rel=1e-12)
+
     # the chosen plan is linked to the run that trained with it, and its bit map is the plan's
     plan = json.loads((stage_root / "demo/search/plan.json").read_text())
     search = client.get("/api/search", params={"id": "demo/search"}).json()
