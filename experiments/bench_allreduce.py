@@ -35,18 +35,29 @@ from experiments.collective_timing import median_ms_across_ranks  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
 
+class _OneParameter(nn.Module):
+    """A module whose backward produces one gradient of `numel` values (the bucket under test)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(numel, device="cuda"))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.p * c).sum()
+
+
 def ddp_time(numel: int, hook, reps: int) -> float:
-    p = nn.Parameter(torch.zeros(numel, device="cuda"))
-    module = nn.Module()
-    module.p = p
-    ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=numel * 4 / 2**20 + 1, device_ids=[torch.cuda.current_device()])
+    """Milliseconds of DDP forward + backward (gradient all-reduced through `hook`) of one numel-value bucket."""
+    module = _OneParameter(numel)
+    ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=numel * 4 / 2**20 + 1,
+                                              device_ids=[torch.cuda.current_device()])
     if hook is not None:
         ddp.register_comm_hook(None, hook)
     c = torch.randn(numel, device="cuda")
 
     def step():
-        (ddp.module.p * c).sum().backward()
-        p.grad = None
+        ddp(c).backward()  # through DDP's forward: that is what arms the reducer and its hook
+        module.p.grad = None
 
     return median_ms_across_ranks(step, reps)
 
