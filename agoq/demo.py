@@ -41,8 +41,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--out", default="runs/demo",
                         help="folder for everything the demo writes (default runs/demo)")
-    parser.add_argument("--steps", type=positive_int, default=100,
-                        help="training steps of each of the two runs (default 100)")
+    parser.add_argument("--steps", type=positive_int, default=200,
+                        help="training steps of each of the two runs (default 200)")
     parser.add_argument("--force", action="store_true",
                         help="replace the results of an earlier demo in --out (its profile/, search/ and runs/)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars from the stages")

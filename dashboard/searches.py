@@ -43,16 +43,12 @@ def read_pareto(folder: Path) -> dict[str, Any]:
                   "message": None if rows else "pareto.csv has no rows"})
 
 
-def chosen_plan_name(folder: Path, pareto: dict[str, Any]) -> str | None:
-    """The file name of the search's chosen plan: plan.json when present, else the first plan named
-    in pareto.csv that exists in the folder."""
-    if (folder / "plan.json").exists():
+def chosen_plan_name(folder: Path, plans_here: list[str]) -> str | None:
+    """The file name of a search's chosen plan: plan.json when present, else the only plan file lying
+    directly in the folder (`plans_here`: their names; the Pareto front's plans sit in a subfolder)."""
+    if "plan.json" in plans_here:
         return "plan.json"
-    for row in pareto.get("rows", []):
-        name = row.get("plan")
-        if isinstance(name, str) and "/" not in name and (folder / name).exists():
-            return name
-    return None
+    return plans_here[0] if len(plans_here) == 1 else None
 
 
 def study_file(folder: Path) -> Path | None:

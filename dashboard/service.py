@@ -68,7 +68,7 @@ class Dashboard:
         return {"pareto_plans": len(rows), "validated": sum(1 for r in rows if r["validated"]),
                 "lowest_peak_bytes": min(peaks) if peaks else None,
                 "budget_bytes": next((r.get("budget_bytes") for r in rows if r.get("budget_bytes")), None),
-                "chosen_plan": searches.chosen_plan_name(artifact.path, pareto),
+                "chosen_plan": searches.chosen_plan_name(artifact.path, self._plans_in(artifact)),
                 "study": study.name if study else None}
 
     # --- one artifact ---------------------------------------------------------------------------
@@ -93,7 +93,7 @@ class Dashboard:
         """A search's Pareto front, its chosen plan (as `plan` gives it) and its Optuna studies."""
         a = self.catalog.get("searches", artifact_id)
         pareto = part(lambda: searches.read_pareto(a.path))
-        name = searches.chosen_plan_name(a.path, pareto) if "rows" in pareto else None
+        name = searches.chosen_plan_name(a.path, self._plans_in(a))
         chosen: Any = {"empty": "no plan file in this search folder"}
         if name:
             plan_id = name if a.id == "." else f"{a.id}/{name}"
@@ -127,6 +127,11 @@ class Dashboard:
         return {"id": a.id, "curves": runs.curves(a.path, self.metrics, max_points)}
 
     # --- links between artifacts ----------------------------------------------------------------
+    def _plans_in(self, search: Artifact) -> list[str]:
+        """Names of the plan files lying directly in a search folder."""
+        return sorted(p.path.name for p in self.catalog.index().items["plans"].values()
+                      if p.path.parent == search.path)
+
     def _profile_for(self, plan: dict[str, Any]) -> dict[str, Any] | None:
         """profile.json of the model the plan is for (same fingerprint), preferring the folder the
         plan names as its source."""

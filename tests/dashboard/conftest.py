@@ -60,6 +60,7 @@ def synthetic_root(tmp_path_factory) -> Path:
     study.optimize(lambda t: (t.suggest_float("x", 0, 1), (1 - t.params["x"]) ** 2), n_trials=6)
     journal = root / "journal-search"
     journal.mkdir()
+    (journal / "best.json").write_text(json.dumps(synthetic.make_plan(rng, layers, "0123456789abcdef")))
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal / "study.journal")))
     study = optuna.create_study(storage=storage, direction="minimize", study_name="knobs")
     study.optimize(lambda t: (t.suggest_int("block", 32, 256) - 100) ** 2, n_trials=5)

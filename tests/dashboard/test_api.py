@@ -174,7 +174,8 @@ def test_several_ranks_and_stages(synthetic_root):
     journal = client.get("/api/search", params={"id": "journal-search"}).json()
     assert journal["study"]["file"] == "study.journal"
     assert len(journal["study"]["studies"][0]["trials"]) == 5
-    assert "empty" in journal["chosen_plan"] and journal["pareto"]["rows"] == []
+    assert journal["chosen_plan"]["id"] == "journal-search/best.json"  # the one plan file beside the study
+    assert journal["pareto"]["rows"] == [] and journal["pareto"]["message"]
     coll = client.get("/api/profile", params={"id": "prof"}).json()["collectives"]
     table = pd.read_parquet(synthetic_root / "prof/collectives.parquet")
     for s in coll["series"]:
