@@ -9,7 +9,12 @@ unmodified), w_l (attention and o_proj_input both at 16, so o_proj's input is sh
   for each stage s:   sum memory + static_s <= budget_s
   optionally:         step seconds <= time cap
 
-Objective: gradient error (ties broken by time) or step time (ties broken by error).
+Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically:
+the first objective is solved exactly (relative MIP gap 1e-7); the second is then minimised among the
+choices that reach that optimum. When the optimum is zero (e.g. zero error at a loose budget) that second
+solve is exact too (it is then the real trade-off, e.g. least time at zero error); otherwise it gets
+TIE_BREAK_NODES branch-and-bound nodes and keeps the first answer if it finds nothing better. Without a
+time cap, pipeline stages do not interact and are solved one by one.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from agoq.units import format_bytes
 OBJECTIVES = ("error", "time")
 TIE_BREAK = 1e-6
 GAP = 1e-7  # relative MIP gap: optimal for all practical purposes
+MIB = float(2**20)
+TIE_BREAK_NODES = 200  # branch-and-bound nodes spent breaking ties of a non-zero optimum
 
 
 class InfeasibleBudget(ValueError):
@@ -128,31 +135,63 @@ class _Model:
         e[:n] = p.error
         self.error_row = e
 
-    def solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-              time_limit: Optional[float] = None):
-        """Lexicographic: the best primary objective (error or time), then, among choices within a hair of
-        it, the best secondary one (time or error), then the least memory."""
+    def _constraints(self, budgets: np.ndarray, time_cap: Optional[float]) -> list:
+        p = self.p
+        # rows in MiB and milliseconds: coefficients near 1 keep HiGHS's numerics (and speed) healthy
+        constraints = [self.structure,
+                       LinearConstraint(self.memory_rows / MIB, -np.inf,
+                                        (np.asarray(budgets, float) - p.static_bytes) / MIB)]
+        if time_cap is not None:
+            constraints.append(LinearConstraint(self.time_row[None, :] * 1e3, -np.inf, (time_cap - p.base_seconds) * 1e3))
+        return constraints
+
+    def _rows(self, objective: str):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-        p = self.p
-        constraints = [self.structure,
-                       LinearConstraint(self.memory_rows, -np.inf, np.asarray(budgets, float) - p.static_bytes)]
-        if time_cap is not None:
-            constraints.append(LinearConstraint(self.time_row[None, :], -np.inf, time_cap - p.base_seconds))
-        primary, secondary = (self.error_row, self.time_row) if objective == "error" else (self.time_row, self.error_row)
-        integrality = np.ones(self.nv)
+        return (self.error_row, self.time_row) if objective == "error" else (self.time_row, self.error_row)
+
+    def primary(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
+                time_limit: Optional[float] = None):
+        """The exact optimum of the first objective (scipy's OptimizeResult; x None when infeasible)."""
+        primary, _ = self._rows(objective)
+        scale = max(float(np.abs(primary).max()), 1e-30)
         options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
-        first = milp(primary, constraints=constraints, integrality=integrality, bounds=self.bounds, options=options)
+        return milp(primary / scale, constraints=self._constraints(budgets, time_cap), integrality=np.ones(self.nv),
+                    bounds=self.bounds, options=options)
+
+    def value(self, x: np.ndarray, objective: str) -> float:
+        return float(self._rows(objective)[0] @ np.round(x))
+
+    def secondary(self, first, budgets: np.ndarray, objective: str, time_cap: Optional[float],
+                  time_limit: Optional[float] = None):
+        """Among the choices reaching `first`'s optimum, the best second objective, then the least memory."""
+        primary, secondary = self._rows(objective)
+        best = self.value(first.x, objective)
+        mem_scale = max(float(np.abs(self.memory_rows).sum()), 1e-30)
+        sec_scale = max(float(np.abs(secondary).max()), 1e-30)
+        c = secondary / sec_scale + TIE_BREAK * self.memory_rows.sum(0) / mem_scale
+        options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
+        bounds = self.bounds
+        if best <= 0.0:  # the optimum uses no option with a primary cost: fix those out, no extra row
+            bounds = Bounds(bounds.lb, np.where(primary > 0, 0.0, bounds.ub))
+            extra = []
+            if objective == "error":
+                time_cap = None  # minimising time among choices the cap allowed: the cap cannot bind
+        else:  # ties among the optimum's equals: broken within a bounded search (the first answer stands)
+            scale = max(float(np.abs(primary).max()), 1e-30)
+            extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + best * 1e-9) / scale)]
+            options["node_limit"] = TIE_BREAK_NODES
+        second = milp(c, constraints=self._constraints(budgets, time_cap) + extra, integrality=np.ones(self.nv),
+                      bounds=bounds, options=options)
+        return second if second.x is not None else first
+
+    def solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
+              time_limit: Optional[float] = None):
+        """Lexicographic: the first objective exactly, then the second (see the module docstring)."""
+        first = self.primary(budgets, objective, time_cap, time_limit)
         if first.x is None:
             return first
-        best = float(primary @ np.round(first.x))
-        slack = max(abs(best) * 1e-9, 1e-12)
-        mem_scale = max(float(np.abs(self.memory_rows).sum()), 1e-30)
-        sec_scale = max(float(np.abs(secondary).sum()), 1e-30)
-        c = secondary / sec_scale + TIE_BREAK * self.memory_rows.sum(0) / mem_scale
-        second = milp(c, constraints=constraints + [LinearConstraint(primary[None, :], -np.inf, best + slack)],
-                      integrality=integrality, bounds=self.bounds, options=options)
-        return second if second.x is not None else first
+        return self.secondary(first, budgets, objective, time_cap, time_limit)
 
     def allocation(self, x: np.ndarray) -> Allocation:
         x = np.round(x).astype(int)
@@ -169,6 +208,26 @@ class Solver:
     def __init__(self, problem: ChoiceProblem):
         self.problem = problem
         self._model = _Model(problem)
+        self._stages: Optional[list] = None  # per-stage sub-solvers, built when first needed
+
+    def _stage_solvers(self) -> list:
+        """Without a time cap the stages do not interact: each is solved on its own (exactly the same
+        optimum, a much smaller branch and bound)."""
+        if self._stages is None:
+            p = self.problem
+            self._stages = []
+            for s in range(p.num_stages):
+                layers = np.nonzero(p.layer_stage == s)[0]
+                renumber = -np.ones(p.num_layers, dtype=int)
+                renumber[layers] = np.arange(len(layers))
+                idx = np.nonzero(np.isin(p.layer, layers))[0]
+                sub = ChoiceProblem(renumber[p.layer[idx]], p.kind[idx], [p.option[i] for i in idx], p.memory[idx],
+                                    p.seconds[idx], p.error[idx], np.zeros(len(layers), dtype=int),
+                                    p.checkpoint_memory[layers], p.checkpoint_seconds[layers], p.allow_checkpoint,
+                                    p.unmodified_extra[layers], p.shared_credit[layers],
+                                    p.static_bytes[s:s + 1], 0.0, p.seconds_scale)
+                self._stages.append((_Model(sub), idx, layers))
+        return self._stages
 
     def _budgets(self, budget) -> np.ndarray:
         b = np.asarray(budget, dtype=float)
@@ -181,12 +240,13 @@ class Solver:
         S = self.problem.num_stages
         # minimise t subject to memory_s <= t for every stage: append t as the last variable
         nv = m.nv + 1
-        mem = np.hstack([m.memory_rows, -np.ones((S, 1))])
+        mem = np.hstack([m.memory_rows / MIB, -np.ones((S, 1))])  # in MiB
         structure = LinearConstraint(np.hstack([m.structure.A.toarray(), np.zeros((m.structure.A.shape[0], 1))]),
                                      m.structure.lb, m.structure.ub)
-        cons = [structure, LinearConstraint(mem, -np.inf, -self.problem.static_bytes)]
+        cons = [structure, LinearConstraint(mem, -np.inf, -self.problem.static_bytes / MIB)]
         if time_cap is not None:
-            cons.append(LinearConstraint(np.append(m.time_row, 0.0)[None, :], -np.inf, time_cap - self.problem.base_seconds))
+            cons.append(LinearConstraint(np.append(m.time_row, 0.0)[None, :] * 1e3, -np.inf,
+                                         (time_cap - self.problem.base_seconds) * 1e3))
         c = np.zeros(nv)
         c[-1] = 1.0
         lb = np.append(m.bounds.lb, 0.0)
@@ -205,6 +265,34 @@ class Solver:
         Raises InfeasibleBudget, whose message gives the smallest feasible budget.
         """
         budgets = self._budgets(budget)
+        self._model._rows(objective)
+        if objective == "time" and time_cap is not None:
+            # the least time either meets the cap or nothing does: solve without it (stages then separate)
+            alloc = self.solve(budgets, "time", None, time_limit)
+            if alloc.step_seconds > time_cap * (1 + 1e-9):
+                raise self._infeasible(budgets, time_cap, "the fastest choice that fits exceeds the time cap")
+            return alloc
+        if time_cap is not None and self.problem.num_stages > 1:
+            first = self._model.primary(budgets, objective, time_cap, time_limit)
+            if first.x is None:
+                raise self._infeasible(budgets, time_cap, first.message)
+            if self._model.value(first.x, objective) <= 0.0:
+                # zero error is reachable within the cap: the least time at zero error is below the cap too,
+                # and without the cap the stages separate
+                return self.solve(budgets, objective, None, time_limit)
+            return self._model.allocation(self._model.secondary(first, budgets, objective, time_cap, time_limit).x)
+        if time_cap is None and self.problem.num_stages > 1:
+            x = np.zeros(self._model.nv)
+            m = self._model
+            for s, (model, idx, layers) in enumerate(self._stage_solvers()):
+                res = model.solve(budgets[s:s + 1], objective, None, time_limit)
+                if res.x is None:
+                    raise self._infeasible(budgets, time_cap, f"stage {s}: {res.message}")
+                sx = np.round(res.x)
+                x[idx] = sx[:model.n]
+                for offset, sub_offset in ((m.c0, model.c0), (m.u0, model.u0), (m.w0, model.w0)):
+                    x[offset + layers] = sx[sub_offset:sub_offset + len(layers)]
+            return m.allocation(x)
         res = self._model.solve(budgets, objective, time_cap, time_limit)
         if res.x is None:
             raise self._infeasible(budgets, time_cap, res.message)

@@ -86,7 +86,7 @@ def test_same_optimum_as_brute_force(objective, stages):
         high = max(max(pk) for pk in peaks)
         for budget in (low, rng.uniform(low, high), rng.uniform(low, high), high):
             cap = None
-            if objective == "error" and rng.random() < 0.5:
+            if rng.random() < 0.5:
                 times = [f["step_seconds"] for _, f in everything]
                 cap = rng.uniform(min(times), max(times))
             key = "grad_error" if objective == "error" else "step_seconds"
