@@ -57,7 +57,7 @@ class Pipeline:
     """This rank's stage and its 1F1B schedule over `micro_batches` micro-batches per step."""
 
     def __init__(self, model: nn.Module, layer_stage: list[int], rank: int, world: int, micro_batches: int,
-                 device: torch.device):
+                 device: torch.device, micro_batch: int, seq_len: int, dtype: torch.dtype):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         if micro_batches < world:
@@ -66,8 +66,15 @@ class Pipeline:
         self.rank, self.world = rank, world
         layers = [i for i, s in enumerate(layer_stage) if s == rank]
         self.module = StageModule(model, layers, first=rank == 0, last=rank == world - 1)
-        self.stage = PipelineStage(self.module, rank, world, device)
-        self.schedule = Schedule1F1B(self.stage, micro_batches, loss_fn=self.module.loss if self.module.last else None)
+        # static shapes: the stages exchange [micro_batch, seq_len, hidden] activations, known in advance
+        # (requires_grad marks the received activations as needing a gradient sent back)
+        hidden = torch.empty(micro_batch, seq_len, model.config.hidden_size, dtype=dtype, device=device,
+                             requires_grad=True)
+        first_input = torch.zeros(micro_batch, seq_len, dtype=torch.int64, device=device)
+        self.stage = PipelineStage(self.module, rank, world, device,
+                                   input_args=(first_input if rank == 0 else hidden,), output_args=(hidden,))
+        # every stage passes the loss function: the schedule runs backward only when it has one
+        self.schedule = Schedule1F1B(self.stage, micro_batches, loss_fn=self.module.loss)
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one step's micro-batches (stacked); the mean loss on the last stage, else None."""

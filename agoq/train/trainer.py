@@ -386,7 +386,8 @@ class Trainer:
         if s.parallel == "pipeline":
             from agoq.train.pipeline import Pipeline
 
-            self.pipeline = Pipeline(model, s.layer_stage, world.rank, world.size, cfg.grad_accum, device)
+            self.pipeline = Pipeline(model, s.layer_stage, world.rank, world.size, cfg.grad_accum, device,
+                                     cfg.micro_batch, cfg.seq_len, s.dtype)
             self.module: nn.Module = self.pipeline.module
         else:
             self.module = model
