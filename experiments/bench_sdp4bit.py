@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--node-size", type=int, default=1, help="ranks per 'node' (1: every GPU is a node)")
     parser.add_argument("--check-mib", type=float, default=64, help="size of the correctness check")
     parser.add_argument("--transport", default=None, help="default: AGOQ_TRANSPORT, else guessed from NCCL_* vars")
+    parser.add_argument("--lanes", type=int, default=4,
+                        help="also time TLq-HS and qWD with their codes spread over this many communicators "
+                             "(agoq/runtime/lanes.py); 1 to skip")
     parser.add_argument("--out", default=None, help="also write the result file into this folder")
     parser.add_argument("--no-write", action="store_true", help="print only (smoke runs)")
     args = parser.parse_args(argv)
@@ -81,6 +84,10 @@ def measure(mib: float, args, world: int, rank: int, device: torch.device) -> di
         lambda: tlq_hs_reduce_scatter(grad, node_size=args.node_size, seed=next(seeds)), args.iters, args.warmup, cuda)
     row["bf16_reduce_scatter_ms"] = median_ms_across_ranks(lambda: _reduce_scatter_into(out, grad), args.iters,
                                                            args.warmup, cuda)
+    if args.lanes > 1:
+        row[f"tlq_hs_lanes{args.lanes}_ms"] = median_ms_across_ranks(
+            lambda: tlq_hs_reduce_scatter(grad, node_size=args.node_size, seed=next(seeds), lanes=args.lanes),
+            args.iters, args.warmup, cuda)
     del grad, out
     torch.manual_seed(7)  # the same weights on every rank
     prev = torch.randn(n, device=device).to(torch.bfloat16)
@@ -92,6 +99,12 @@ def measure(mib: float, args, world: int, rank: int, device: torch.device) -> di
                                            args.warmup, cuda)
     row["bf16_all_gather_ms"] = median_ms_across_ranks(lambda: _gather_into(full, shard), args.iters, args.warmup,
                                                        cuda)
+    if args.lanes > 1:
+        row[f"qwd_lanes{args.lanes}_ms"] = median_ms_across_ranks(
+            lambda: qwd_all_gather(new, prev, seed=next(seeds), lanes=args.lanes), args.iters, args.warmup, cuda)
+        row[f"all_gather_speedup_lanes{args.lanes}"] = row["bf16_all_gather_ms"] / row[f"qwd_lanes{args.lanes}_ms"]
+        row[f"reduce_scatter_speedup_lanes{args.lanes}"] = (row["bf16_reduce_scatter_ms"]
+                                                            / row[f"tlq_hs_lanes{args.lanes}_ms"])
     row["reduce_scatter_speedup"] = row["bf16_reduce_scatter_ms"] / row["tlq_hs_ms"]
     row["all_gather_speedup"] = row["bf16_all_gather_ms"] / row["qwd_ms"]
     shard_n = n // world
@@ -151,6 +164,11 @@ def main(argv: list[str] | None = None) -> None:
                       f"{row['bf16_reduce_scatter_ms']:8.3f} ms ({row['reduce_scatter_speedup']:.2f}x)   "
                       f"qWD {row['qwd_ms']:8.3f} ms vs bf16 AG "
                       f"{row['bf16_all_gather_ms']:8.3f} ms ({row['all_gather_speedup']:.2f}x)", flush=True)
+                if args.lanes > 1:
+                    k = args.lanes
+                    print(f"{'':13s}{k} lanes: TLq-HS {row[f'tlq_hs_lanes{k}_ms']:8.3f} ms "
+                          f"({row[f'reduce_scatter_speedup_lanes{k}']:.2f}x)   qWD {row[f'qwd_lanes{k}_ms']:8.3f} ms "
+                          f"({row[f'all_gather_speedup_lanes{k}']:.2f}x)", flush=True)
             if cuda:
                 torch.cuda.empty_cache()
         correctness = check(args.check_mib, args, world, rank, device)
@@ -160,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                 "world": world, "node_size": args.node_size, "transport": args.transport,
                 "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
                 "gradient_dtype": "bfloat16", "weights_dtype": "bfloat16 replicas, fp32 master shard",
-                "iters": args.iters, "warmup": args.warmup, "sizes": rows, "check": correctness,
+                "iters": args.iters, "warmup": args.warmup, "lanes": args.lanes, "sizes": rows, "check": correctness,
             }
             if not args.no_write:
                 print("wrote", write_result(f"sdp4bit_{args.transport}", figures, args.out))

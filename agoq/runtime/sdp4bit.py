@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from agoq.runtime import lanes as _lanes
 from agoq.runtime.hadamard import hadamard32, inverse_hadamard32
 from agoq.runtime.qtensor import QTensor
 from agoq.runtime.quantize import check_arguments, quantize
@@ -207,25 +208,18 @@ def _check_flat(x: torch.Tensor, name: str, allow_empty: bool = False) -> torch.
     return x.reshape(-1)
 
 
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
-
-
-def _all_gather(x: torch.Tensor, group, world: int) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, group, world: int, count: int = 1) -> torch.Tensor:
     """[world, *x.shape]: every rank's `x` (equal shapes), in rank order."""
-    out = x.new_empty((world,) + tuple(x.shape))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name differs by version
-    gather(out.view(-1), x.contiguous().view(-1), group=group)
-    return out
+    return _lanes.all_gather(x, _lanes.lanes(group, count), world)
 
 
-def _exchange(values: torch.Tensor, bits: int, seed: int, group) -> torch.Tensor:
+def _exchange(values: torch.Tensor, bits: int, seed: int, group, count: int = 1) -> torch.Tensor:
     """All-to-all of fp32 rows [k, S] as `bits`-bit codes (128-blocks, stochastic) + scales; returns the
     k received rows dequantized to fp32, row j coming from rank j of `group`."""
     q = quantize(values, bits, GRAD_GROUP, "stochastic", seed=seed, check_finite=False)
-    data, scales = _all_to_all(q.data, group), _all_to_all(q.scales, group)
+    k = values.shape[0]
+    data = _lanes.all_to_all(q.data.view(k, -1), _lanes.lanes(group, count)).view(-1)
+    scales = _lanes.all_to_all(q.scales.view(k, -1), [group]).view(-1)
     got = QTensor(data, scales, values.shape, torch.float32, bits, GRAD_GROUP)
     return got.dequantize(torch.float32)
 
@@ -252,6 +246,7 @@ def tlq_hs_reduce_scatter(
     node_size: int | None = None,
     hadamard: bool = True,
     seed: int | None = None,
+    lanes: int = 1,
 ) -> torch.Tensor:
     """TLq-HS: this rank's shard (fp32, `shard_bounds` layout) of the sum of every rank's flat gradient.
 
@@ -268,14 +263,15 @@ def tlq_hs_reduce_scatter(
     nothing and is skipped (no int8 rounding). One rank: the gradient itself, unquantized.
     A non-finite input never raises here (that would hang the other ranks): the 128-groups of the
     result that it touches come out NaN. `seed` seeds the rounding noise (mixed with rank and stage);
-    None draws from torch's generator.
+    None draws from torch's generator. `lanes` > 1 spreads each exchange's codes over that many
+    communicators of the same ranks (agoq/runtime/lanes.py; same result, more socket connections).
     """
     flat = _check_flat(flat_grad, "flat_grad")
     topo = topology(group, intra_group=intra_group, inter_group=inter_group, node_size=node_size)
-    return _tlq_hs(flat, topo, hadamard, derive_seed(seed))
+    return _tlq_hs(flat, topo, hadamard, derive_seed(seed), lanes)
 
 
-def _tlq_hs(flat: torch.Tensor, topo: Topology, hadamard: bool, seed: int) -> torch.Tensor:
+def _tlq_hs(flat: torch.Tensor, topo: Topology, hadamard: bool, seed: int, lanes: int = 1) -> torch.Tensor:
     n, world, rank = flat.numel(), topo.world, topo.rank
     start, end = shard_bounds(n, world)[rank]
     if world == 1:
@@ -286,11 +282,11 @@ def _tlq_hs(flat: torch.Tensor, topo: Topology, hadamard: bool, seed: int) -> to
     size, nodes = topo.node_size, topo.nodes
     if size > 1:  # step 1, int8 inside the node: send to local peer j the shards of local index j
         send = rows.view(nodes, size, cap).transpose(0, 1).contiguous()  # [size, nodes, S]
-        node_sum = _exchange(send, INTRA_BITS, derive_seed(seed, rank, 1), topo.intra).sum(dim=0)
+        node_sum = _exchange(send, INTRA_BITS, derive_seed(seed, rank, 1), topo.intra, lanes).sum(dim=0)
     else:
         node_sum = rows  # [nodes, S]: this rank is its whole node
     if nodes > 1:  # step 2, int4 across nodes: send node m's entry to rank (m, my local index)
-        total = _exchange(node_sum, INTER_BITS, derive_seed(seed, rank, 2), topo.inter).sum(dim=0)
+        total = _exchange(node_sum, INTER_BITS, derive_seed(seed, rank, 2), topo.inter, lanes).sum(dim=0)
     else:
         total = node_sum[0]
     shard = inverse_hadamard32(total) if hadamard else total
@@ -316,6 +312,7 @@ def qwd_all_gather(
     *,
     block: int = WEIGHT_BLOCK,
     seed: int | None = None,
+    lanes: int = 1,
 ) -> torch.Tensor:
     """qWD: the new full weights from every rank's updated shard, sending 4-bit weight differences.
 
@@ -326,7 +323,8 @@ def qwd_all_gather(
     included, computes prev_full + dequant(delta) in fp32 for every shard: all replicas are
     bit-identical, and an owner's next delta (against these shared weights) carries this step's
     rounding error forward instead of letting it accumulate. Returns a tensor of prev_full's shape
-    and dtype. A non-finite delta on any rank raises FloatingPointError on every rank.
+    and dtype. A non-finite delta on any rank raises FloatingPointError on every rank. `lanes` > 1
+    spreads the codes over that many communicators (see tlq_hs_reduce_scatter).
     """
     prev = _check_flat(prev_full, "prev_full")
     new_shard = _check_flat(new_shard, "new_shard", allow_empty=True)  # small tensors leave some ranks none
@@ -343,7 +341,7 @@ def qwd_all_gather(
     delta = prev.new_zeros(width, dtype=torch.float32)
     delta[: end - start] = new_shard.float() - prev[start:end].float()
     q = quantize(delta, WEIGHT_BITS, block, "stochastic", seed=derive_seed(seed, rank, 3), check_finite=False)
-    data, scales = _all_gather(q.data, group, world), _all_gather(q.scales, group, world)
+    data, scales = _all_gather(q.data, group, world, lanes), _all_gather(q.scales, group, world)
     finite = torch.isfinite(scales).all(dim=1)
     if not bool(finite.all()):
         bad = [r for r in range(world) if not bool(finite[r])]
@@ -393,6 +391,7 @@ class SDP4BitOptimizer(torch.optim.Optimizer):
         hadamard: bool = True,
         seed: int | None = None,
         on_nonfinite: str = "skip",
+        lanes: int = 1,
     ) -> None:
         params = list(params)
         if not params:
@@ -417,6 +416,9 @@ class SDP4BitOptimizer(torch.optim.Optimizer):
         self.topo = topology(group, intra_group=intra_group, inter_group=inter_group, node_size=node_size)
         self.quantize_gradients, self.quantize_weights, self.hadamard = quantize_gradients, quantize_weights, hadamard
         self.on_nonfinite = on_nonfinite
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+            raise ValueError(f"lanes must be a positive integer, got {lanes!r}")
+        self.lanes = lanes
         self.seed = derive_seed(seed)
         self.skipped_steps = 0
         self._params = params
@@ -478,7 +480,7 @@ class SDP4BitOptimizer(torch.optim.Optimizer):
         if world == 1:
             shard = grad
         elif self.quantize_gradients:
-            shard = _tlq_hs(grad, self.topo, self.hadamard, derive_seed(seed, 1))
+            shard = _tlq_hs(grad, self.topo, self.hadamard, derive_seed(seed, 1), self.lanes)
         else:
             shard = exact_reduce_scatter(grad, self.group)
         shard.div_(world)
@@ -486,7 +488,8 @@ class SDP4BitOptimizer(torch.optim.Optimizer):
         if world == 1:
             full = self.master
         elif self.quantize_weights:
-            full = qwd_all_gather(self.master, self._flat_params(), self.group, seed=derive_seed(seed, 2))
+            full = qwd_all_gather(self.master, self._flat_params(), self.group, seed=derive_seed(seed, 2),
+                                  lanes=self.lanes)
         else:
             full = exact_all_gather(self.master, self.numel, self.group)
         offset = 0

@@ -160,6 +160,9 @@ def _collectives_worker(rank: int, world: int, seed: int, node_size: int) -> dic
     out["qwd"] = (prev, target, draws[0], draws.mean(dim=0))
     out["qwd_bf16"] = qwd_all_gather(new.bfloat16(), prev.bfloat16(), seed=seed)
     out["exact_gather"] = exact_all_gather(new, prev.numel())
+    # several lanes (communicators) move the same bytes: identical results
+    out["lanes"] = (torch.equal(tlq_hs_reduce_scatter(x, node_size=node_size, seed=seed, lanes=3), out["tlq"][0]),
+                    torch.equal(qwd_all_gather(new, prev, seed=seed, lanes=2), draws[0]))
     # bad inputs: every rank raises the same clear error before any collective
     out["errors"] = {
         "node_size": _raises(lambda: tlq_hs_reduce_scatter(x, node_size=3), ValueError),
@@ -198,6 +201,12 @@ def test_tlq_hs_error_and_layout(collectives):
         assert _rel(tlq, plain) < bound, (seed, rank)
     whole = torch.cat([r["exact"] for r in res])
     assert whole.numel() == 10007 and _rel(whole, sum(_gauss(seed, k, 10007) for k in range(world))) < 1e-6
+
+
+def test_lanes_give_identical_results(collectives):
+    """Spreading TLq-HS's and qWD's codes over several communicators changes nothing in the result."""
+    world, _, seed, res = collectives
+    assert all(all(r["lanes"]) for r in res), f"seed {seed}: {[r['lanes'] for r in res]}"
 
 
 def test_tlq_hs_hadamard_helps_with_outliers(collectives):
