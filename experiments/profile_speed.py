@@ -122,6 +122,7 @@ def main() -> None:
         "policy_forward_backward": fwd_bwd, "unit_seconds": costs, "predicted_sensitivity_seconds": predicted, "wall_seconds": wall, "phase_seconds": header["seconds"],
         "target_seconds": target, "met": None if target is None else wall <= target,
         "memory": header["memory"], "failures": header["failures"], "profile_dir": str(out),
+        "replay_noise_floor": header.get("sensitivity", {}).get("replay_noise_floor"),
     }
     try:
         _, table = read_profile(out)

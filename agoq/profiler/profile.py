@@ -27,6 +27,7 @@ from agoq.profiler.model_source import (layer_shape, load_model, model_config_di
                                         vocab_size)
 from agoq.profiler.options import check_bits_formats, kind_options, kind_shapes, option_bytes, shape_text
 from agoq.profiler.pipeline import pipeline_summary
+from agoq.profiler.replay import REPLAYABLE
 from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chunk
 from agoq.profiler.tensor_error import measure_tensor_errors, sqnr_db
 from agoq.runtime.policy import KINDS
@@ -118,10 +119,10 @@ class _Progress:
 
 
 def _measure_sensitivities(settings: ProfileSettings, model, batches, measurements: list[Measurement],
-                           progress: _Progress, say) -> list[dict]:
+                           progress: _Progress, say, notes: dict) -> list[dict]:
     if settings.ray_address is None:
         meter = SensitivityMeter(model, batches, settings.block)
-        return measure_chunk(meter, measurements, progress.update, method=settings.sensitivity_method)
+        return measure_chunk(meter, measurements, progress.update, method=settings.sensitivity_method, notes=notes)
     from agoq.profiler.ray_tasks import ray_measure
 
     job = {"spec": settings.spec, "dtype": settings.dtype, "device": settings.device, "seed": settings.seed,
@@ -206,7 +207,8 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
     runs = sum(1 for m in measurements if m.option != "16")
     say(f"sensitivity: {runs} measurements x {settings.batches} batches ({settings.sensitivity_method})")
     bar.start(len(measurements), "sensitivity")
-    results = _measure_sensitivities(settings, model, batches, measurements, bar, say)
+    sensitivity_notes: dict = {}
+    results = _measure_sensitivities(settings, model, batches, measurements, bar, say, sensitivity_notes)
     bar.close()
     lap("sensitivity")
     by_key = {(r["layer"], r["kind"], r["option"], r["format"]): r for r in results}
@@ -236,6 +238,11 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
                      "recompute_seconds": rc})
 
     say("memory: a real step in bf16 and agoq-paper")
+    import gc
+
+    gc.collect()  # nothing of the sensitivity runs may stay allocated while peaks are measured
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     memory = memory_section(model, shape, num_layers, batches[0], failures=failures)
     pipeline = pipeline_summary(settings.pipeline_stages, settings.micro_batches, num_layers)
     lap("memory")
@@ -253,9 +260,12 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
             failures.append({"what": f"collectives world_size={settings.world_size}", "error": _short(e)})
         lap("collectives")
     timings["total"] = time.perf_counter() - started
-    counts = {"sensitivity_runs": runs, "forward_backward": (runs + 2) * settings.batches}
+    replayed = sum(1 for m in measurements if settings.sensitivity_method == "replay" and m.kind in REPLAYABLE
+                   and m.format in ("int", "nf4"))
+    counts = {"sensitivity_runs": runs, "replayed": replayed, "policy_runs": runs - replayed,
+              "batches": settings.batches}
     return write_profile(out, settings, model, num_layers, rows, memory, pipeline, failures, collectives,
-                         extra={"seconds": timings, "counts": counts})
+                         extra={"seconds": timings, "counts": counts, "sensitivity": sensitivity_notes})
 
 
 def _json_safe(obj):

@@ -105,6 +105,22 @@ class ReplaySession:
         return list(torch.autograd.grad(self.outputs[layer], self.params, self.dy[layer], retain_graph=True,
                                         allow_unused=True))
 
+    def noise_floor(self, layer: int) -> float:
+        """The error of replaying layer `layer` with nothing substituted: 0 where backward is
+        deterministic; any other value is the run-to-run noise in every replayed sensitivity."""
+        if self._partial_ref is None or self._partial_ref[0] != layer:
+            self._partial_ref = (layer, self._partial(layer))
+        return self._relative(self._partial(layer))
+
+    def _relative(self, got: list) -> float:
+        diff2 = torch.zeros((), dtype=torch.float64, device=self.outputs[0].device)
+        for g, r in zip(got, self._partial_ref[1]):
+            if g is None and r is None:
+                continue
+            g = g.float() if g is not None else torch.zeros_like(r, dtype=torch.float32)
+            diff2 += (g - (r.float() if r is not None else 0.0)).pow(2).sum().double()
+        return (diff2.item() / self.ref_norm2) ** 0.5 if self.ref_norm2 > 0 else 0.0
+
     def error(self, layer: int, kind: str, bits: int, fmt: str) -> float:
         """Relative L2 error of all weight gradients when only (layer, kind) is kept at `bits` (`fmt`)."""
         if kind not in REPLAYABLE:
@@ -117,13 +133,7 @@ class ReplaySession:
             got = self._partial(layer)
         finally:
             self._target = None
-        diff2 = torch.zeros((), dtype=torch.float64, device=self.outputs[0].device)
-        for g, r in zip(got, self._partial_ref[1]):
-            if g is None and r is None:
-                continue
-            g = g.float() if g is not None else torch.zeros_like(r, dtype=torch.float32)
-            diff2 += (g - (r.float() if r is not None else 0.0)).pow(2).sum().double()
-        return (diff2.item() / self.ref_norm2) ** 0.5 if self.ref_norm2 > 0 else 0.0
+        return self._relative(got)
 
     def close(self) -> None:
         """Free the kept graph."""

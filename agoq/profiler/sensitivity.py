@@ -140,7 +140,7 @@ def _failure(e: BaseException) -> str:
 
 
 def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], progress=None,
-                  method: str = "replay") -> list[dict]:
+                  method: str = "replay", notes: dict | None = None) -> list[dict]:
     """Measure every sensitivity of `measurements` on the meter's model and batches.
 
     method "replay": quantized options of the kinds LAAQ keeps raw are measured by replaying backward
@@ -148,7 +148,9 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
     attention and recompute options, and everything with method "policy", run their real policy.
     Each result is a dict with the measurement's fields plus `sensitivity` and `bytes_measured` (what
     the saved-tensor tracker counted for that layer and kind on a real forward with the option), or
-    `error` (the measurement failed: out of memory or an exception).
+    `error` (the measurement failed: out of memory or an exception). `notes`, if given, receives
+    "replay_noise_floor": the largest error of a replay with nothing quantized (0 when backward is
+    deterministic).
     """
     if method not in ("replay", "policy"):
         raise ValueError(f"method must be 'replay' or 'policy', got {method!r}")
@@ -176,6 +178,12 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
                 for m in group:
                     failed.setdefault(m, _failure(e))
                 continue
+            for layer in sorted({m.layer for m in group}) if notes is not None else []:
+                try:
+                    floor = session.noise_floor(layer)
+                    notes["replay_noise_floor"] = max(notes.get("replay_noise_floor", 0.0), floor)
+                except Exception:  # noqa: BLE001 - a diagnostic only
+                    pass
             for m in group:
                 if m not in failed:
                     try:

@@ -26,6 +26,7 @@ def test_json_header(tiny_profile):
     assert (s["seq_len"], s["micro_batch"], s["bits"], s["formats"], s["batches"]) == (23, 3, [2, 4, 8],
                                                                                       ["int", "nf4"], 2)
     assert data["failures"] == []
+    assert data["sensitivity"]["replay_noise_floor"] == 0.0  # CPU backward is deterministic
     assert data["pipeline"]["in_flight"]["1f1b"] == [2, 1]
     assert data["hardware"]["device"] == "cpu"
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no temporary files left
