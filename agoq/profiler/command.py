@@ -229,11 +229,22 @@ def run(args: argparse.Namespace) -> int:
           + (f" and {out / files['collectives']}" if "collectives" in files else ""))
     if files["table"].endswith(".csv"):
         print("note: pyarrow is not installed, so the table was written as CSV instead of parquet")
+    try:
+        from agoq.profiler.profile import read_profile
+
+        _, table = read_profile(out)
+        four = table[(table.bits == 4) & (table.format == "int")]
+        if len(four):
+            by_kind = four.groupby("kind").sensitivity.mean().sort_values(ascending=False)
+            print("  sensitivity at 4 bits, mean over layers (gradient error with one layer's kind quantized): "
+                  + ", ".join(f"{k} {v:.2g}" for k, v in by_kind.items()))
+    except ImportError:  # pandas missing: the files say it all
+        pass
     memory = header["memory"]
     for step in memory["steps"]:
         measured = step.get("measured_peak_bytes")
         pred = step.get("predicted_peak_bytes")
-        text = f"  {step['policy']:>10s}: predicted peak {format_bytes(pred) if pred is not None else '-'}"
+        text = f"  {step['policy']:>10s} step: predicted peak {format_bytes(pred) if pred is not None else '-'}"
         text += f", measured {format_bytes(measured)}" if measured else ", measured: not measured on this device"
         if step.get("relative_error") is not None:
             text += f" ({step['relative_error']:+.1%})"

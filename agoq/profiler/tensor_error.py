@@ -22,12 +22,11 @@ from agoq.runtime.quantize import dequantize, quantize
 from agoq.runtime.saved_bytes import find_decoder_layers
 
 
-def relative_error(x: torch.Tensor, option: Option, block: int) -> tuple[float, float]:
-    """(sum of squared quantization errors, sum of squares) of x under `option`, in float64."""
+def squared_error(x: torch.Tensor, option: Option, block: int, x64: torch.Tensor | None = None) -> float:
+    """Sum of squared quantization errors of x under `option`, in float64 (`x64`: x.double(), if at hand)."""
     q = quantize(x, option.bits, block, "nearest", option.format, check_finite=False)
-    xd = x.double()
-    err = (dequantize(q).double() - xd).pow(2).sum().item()
-    return err, xd.pow(2).sum().item()
+    x64 = x.double() if x64 is None else x64
+    return (dequantize(q).double() - x64).pow(2).sum().item()
 
 
 def sqnr_db(rel_error: float) -> float:
@@ -55,12 +54,16 @@ def measure_tensor_errors(model: nn.Module, batches: list[torch.Tensor], options
     def observe(kind: str, t: torch.Tensor, setting) -> None:
         if not layer_now:
             return
-        for option in options.get(kind, []):
-            if option.quantized:
-                err, norm = relative_error(t.detach(), option, block)
-                acc = sums[(layer_now[-1], kind, option.option, option.format)]
-                acc[0] += err
-                acc[1] += norm
+        quantized = [o for o in options.get(kind, []) if o.quantized]
+        if not quantized:
+            return
+        x = t.detach()
+        x64 = x.double()
+        norm = x64.pow(2).sum().item()
+        for option in quantized:
+            acc = sums[(layer_now[-1], kind, option.option, option.format)]
+            acc[0] += squared_error(x, option, block, x64)
+            acc[1] += norm
 
     apply_activation_policy(model, "int8")
     try:
