@@ -73,6 +73,11 @@ class ChoiceProblem:
     base_seconds: float             # step time before the options' extras (bf16 step x accum + comm)
     seconds_scale: float = 1.0      # each option's seconds are already multiplied by grad_accum
     notes: list = field(default_factory=list)
+    floor_bytes: Optional[np.ndarray] = None  # [S] the optimizer step's peak, whatever the activations
+
+    def peak_floor(self) -> np.ndarray:
+        """Per stage, the least peak whatever is chosen (the optimizer step's), bytes."""
+        return np.zeros(self.num_stages) if self.floor_bytes is None else np.asarray(self.floor_bytes, float)
 
     @property
     def num_layers(self) -> int:
@@ -113,6 +118,7 @@ class ChoiceProblem:
                 mem[self.layer_stage[l]] += self.unmodified_extra[l]
             if {KINDS.index("attention"), KINDS.index("o_proj_input")} <= kinds16:
                 mem[self.layer_stage[l]] -= self.shared_credit[l]
+        mem = np.maximum(mem, self.peak_floor())
         seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum())
         return {"peak_bytes_per_stage": [int(round(m)) for m in mem], "step_seconds": seconds,
                 "grad_error": float(self.error[chosen].sum())}
@@ -303,6 +309,10 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
                      f"kept outside the decoder layers ({int(fixed_bytes)} bytes), workspace not counted")
     fixed = float(fixed_bytes) * (mb / mb0)
     static = static + fixed
+    fixed_opt = profile.memory.get("fixed_bytes_optimizer_step")
+    floor = None
+    if fixed_opt is not None:  # the optimizer step's peak: weights, gradients, state and its temporaries
+        floor = static_bytes_total(profile, knobs.gradient_mode) * share + float(fixed_opt) * share
     base = 0.0
     if bf16_step is not None:
         base = bf16_step * time_scale
@@ -314,7 +324,7 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
         notes.append(f"no collective timing for gradient mode {knobs.gradient_mode}: communication not counted")
         comm = 0.0
     return ChoiceProblem(layer, kind, option, memory, seconds, error, stages, checkpoint_memory, checkpoint_seconds,
-                         allow_ckpt, unmodified, credit, static, base + comm, time_scale, notes)
+                         allow_ckpt, unmodified, credit, static, base + comm, time_scale, notes, floor)
 
 
 def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:

@@ -225,7 +225,8 @@ class Solver:
                                     p.seconds[idx], p.error[idx], np.zeros(len(layers), dtype=int),
                                     p.checkpoint_memory[layers], p.checkpoint_seconds[layers], p.allow_checkpoint,
                                     p.unmodified_extra[layers], p.shared_credit[layers],
-                                    p.static_bytes[s:s + 1], 0.0, p.seconds_scale)
+                                    p.static_bytes[s:s + 1], 0.0, p.seconds_scale,
+                                    floor_bytes=p.peak_floor()[s:s + 1])
                 self._stages.append((_Model(sub), idx, layers))
         return self._stages
 
@@ -256,7 +257,7 @@ class Solver:
         if res.x is None:
             return None
         alloc = m.allocation(res.x[:-1])
-        return int(max(alloc.peak_bytes_per_stage))
+        return int(max(alloc.peak_bytes_per_stage))  # evaluate() includes the optimizer step's floor
 
     def solve(self, budget, objective: str = "error", time_cap: Optional[float] = None,
               time_limit: Optional[float] = None) -> Allocation:
@@ -266,6 +267,8 @@ class Solver:
         """
         budgets = self._budgets(budget)
         self._model._rows(objective)
+        if (self.problem.peak_floor() > budgets).any():
+            raise self._infeasible(budgets, time_cap, "the optimizer step alone exceeds the budget")
         if objective == "time" and time_cap is not None:
             # the least time either meets the cap or nothing does: solve without it (stages then separate)
             alloc = self.solve(budgets, "time", None, time_limit)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 from typing import Optional
 
+import numpy as np
+
 from agoq.plan import Plan
 from agoq.search.costs import ChoiceProblem, Knobs
 from agoq.search.milp import Allocation
@@ -37,7 +39,9 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
                      "seq_len": int(s.get("seq_len", 1) or 1), "grad_accum": int(knobs.grad_accum)},
         "predicted": {"peak_bytes_per_stage": [int(p) for p in alloc.peak_bytes_per_stage],
                       "activation_bytes_per_stage": activation, "step_seconds": float(alloc.step_seconds),
-                      "grad_error": float(alloc.grad_error)},
+                      "grad_error": float(alloc.grad_error),
+                      # errors of several choices add about in quadrature (docs/formats.md); the sum bounds it
+                      "grad_error_quadrature": float(np.sqrt(np.sum(problem.error[alloc.chosen] ** 2)))},
         "measured": None,
         "source": {"method": method, "objective": objective, "profile": str(profile.path), "date": now()},
     }

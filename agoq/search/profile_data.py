@@ -1,4 +1,4 @@
-"""Reading a Profile folder (docs/formats.md: profile.json, profile.parquet, collectives.parquet).
+"""Reading a Profile folder (docs/formats.md: profile.json, profile.parquet or .csv, collectives).
 
 Only the documented files are read, with pandas; nothing of the profiler's code is imported.
 """
@@ -136,10 +136,9 @@ def load_profile(path: str | Path) -> ProfileData:
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"profile folder not found: {folder} (make one with `agoq profile MODEL --out DIR`)")
-    header_path, table_path = folder / "profile.json", folder / "profile.parquet"
-    for p in (header_path, table_path):
-        if not p.is_file():
-            raise FileNotFoundError(f"{p} not found: {folder} is not a complete profile folder")
+    header_path = folder / "profile.json"
+    if not header_path.is_file():
+        raise FileNotFoundError(f"{header_path} not found: {folder} is not a complete profile folder")
     try:
         header = json.loads(header_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -147,19 +146,23 @@ def load_profile(path: str | Path) -> ProfileData:
     if not isinstance(header, dict):
         raise ValueError(f"{header_path}: must hold a JSON object")
     _schema_check(header, header_path)
+    files = header.get("files") or {}
+    table_path = folder / files.get("table", "profile.parquet")
+    if not table_path.is_file():
+        raise FileNotFoundError(f"{table_path} not found: {folder} is not a complete profile folder")
     model = header.get("model") or {}
     for key in ("fingerprint", "num_layers"):
         if key not in model:
             raise ValueError(f"{header_path}: model.{key}: missing")
     try:
-        table = pd.read_parquet(table_path)
+        table = pd.read_csv(table_path) if table_path.suffix == ".csv" else pd.read_parquet(table_path)
     except Exception as e:  # pyarrow raises several types for a damaged file
         raise ValueError(f"{table_path}: cannot read: {e}") from None
     table = _check_table(table, int(model["num_layers"]), table_path)
     collectives = None
-    coll_path = folder / "collectives.parquet"
+    coll_path = folder / files.get("collectives", "collectives.parquet")
     if coll_path.is_file():
-        collectives = pd.read_parquet(coll_path)
+        collectives = pd.read_csv(coll_path) if coll_path.suffix == ".csv" else pd.read_parquet(coll_path)
     data = ProfileData(folder, header, table, collectives)
     stages = data.layer_stage()
     if len(stages) != data.num_layers:

@@ -25,7 +25,8 @@ def kind_bytes(shape: LayerShape, kind: str, setting, block: int) -> int:
 def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_layers: int | None = None,
                   micro_batch: int = 2, seq_len: int = 48, block: int = 128, stages: int = 1,
                   in_flight: list[int] | None = None, world_size: int = 1, collectives: bool = False,
-                  bits=BITS, step_seconds: float | None = 0.05, layer_forward: bool = False) -> Path:
+                  bits=BITS, step_seconds: float | None = 0.05, layer_forward: bool = False,
+                  optimizer_step_bytes: int | None = None) -> Path:
     """A profile of `model` at micro-batch x seq_len tokens; returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -85,6 +86,8 @@ def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_lay
                      "in_flight": {"1f1b": in_flight}},
         "failures": [],
     }
+    if optimizer_step_bytes is not None:
+        header["memory"]["fixed_bytes_optimizer_step"] = optimizer_step_bytes
     if layer_forward:
         header["timing"] = {"layer_forward_seconds": [rng.uniform(1e-3, 2e-3) for _ in range(L)]}
     (folder / "profile.json").write_text(json.dumps(header, indent=2))

@@ -78,6 +78,24 @@ def test_infeasible_budget_names_the_smallest(profile_dir, tmp_path, capsys):
     assert load_plan(out).checkpoint_layers() == [0, 1, 2]  # only full checkpointing fits the smallest budget
 
 
+def test_optimizer_step_peak_is_a_floor(tmp_path, capsys):
+    """A profile whose optimizer step peaks above any activation choice: the smallest budget is that peak."""
+    seed, rng = fresh_rng()
+    probe = write_profile(tmp_path / "a", random.Random(seed))
+    low, _ = _bounds(probe)
+    static = build_problem(load_profile(probe)).static_bytes[0] - load_profile(probe).memory["fixed_bytes"]
+    opt_step = int(low - static) + rng.randrange(10**5, 10**6)
+    folder = write_profile(tmp_path / "b", random.Random(seed), optimizer_step_bytes=opt_step)
+    floor = int(static + opt_step)
+    assert Solver(build_problem(load_profile(folder))).smallest_budget() == floor
+    assert main(["search", "--profile", str(folder), "--budget", str(floor - 1), "--out", str(tmp_path / "p.json"),
+                 "--quiet"]) == 2
+    assert str(floor) in capsys.readouterr().err
+    assert main(["search", "--profile", str(folder), "--budget", str(floor), "--out", str(tmp_path / "p.json"),
+                 "--quiet", "--front-budgets", "0"]) == 0
+    assert load_plan(tmp_path / "p.json").predicted.peak_bytes_per_stage == [floor]
+
+
 def test_bad_arguments(profile_dir, tmp_path, capsys):
     assert main(["search", "--profile", str(tmp_path / "absent"), "--budget", "1GiB", "--out",
                  str(tmp_path / "p.json")]) == 2

@@ -65,7 +65,8 @@ def test_stage_memory_and_time_closed_form(tmp_path):
     stages = rng.choice([2, 3])
     in_flight = [rng.randint(1, 6) for _ in range(stages)]
     folder = write_profile(tmp_path / "p", rng, num_layers=6, stages=stages, in_flight=in_flight,
-                           collectives=True, world_size=2, layer_forward=True)
+                           collectives=True, world_size=2, layer_forward=True,
+                           optimizer_step_bytes=rng.randrange(10**5, 3 * 10**6))
     profile = load_profile(folder)
     mode = rng.choice(["bf16", "quangrad8", "sdp4bit"])
     problem = build_problem(profile, Knobs(gradient_mode=mode, grad_accum=2))
@@ -115,6 +116,8 @@ def test_stage_memory_and_time_closed_form(tmp_path):
         expected_extra += 2 * header["timing"]["layer_forward_seconds"][l]
     counts = np.bincount(layer_stage, minlength=stages)
     expected_mem += static_bytes_total(profile, mode) * counts / L + header["memory"]["fixed_bytes"]
+    floor = (static_bytes_total(profile, mode) + header["memory"]["fixed_bytes_optimizer_step"]) * counts / L
+    expected_mem = np.maximum(expected_mem, floor)  # the optimizer step's peak
     coll = pd.read_parquet(folder / "collectives.parquet")
     path = {"bf16": "nccl-bf16", "quangrad8": "quangrad8", "sdp4bit": "sdp4bit"}[mode]
     per_byte = coll[coll.path == path]["seconds"].iloc[0] / coll[coll.path == path]["message_bytes"].iloc[0]

@@ -51,7 +51,8 @@ def random_problem(rng, layers, kinds_per_layer, stages=1):
         np.array(error, float), stage_of, np.array([rng.randint(10, 40) for _ in range(layers)], float),
         np.array([rng.uniform(1, 4) for _ in range(layers)]), rng.random() < 0.8,
         np.array([rng.randint(0, 30) for _ in range(layers)], float), np.array([rng.randint(0, 20) for _ in range(layers)], float),
-        np.array([rng.randint(100, 200) for _ in range(stages)], float), 1.0)
+        np.array([rng.randint(100, 200) for _ in range(stages)], float), 1.0,
+        floor_bytes=np.array([rng.randint(150, 450) for _ in range(stages)], float) if rng.random() < 0.5 else None)
 
 
 def brute_force(p: ChoiceProblem):
