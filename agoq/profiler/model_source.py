@@ -107,6 +107,10 @@ def load_model(spec: str, *, dtype: str = "bf16", device: str = "cpu", seed: int
     if not find_decoder_layers(model):
         raise NotImplementedError(f"model {spec!r} ({type(model).__name__}) has no LLaMA-style decoder layers "
                                   "(modules with self_attn, mlp, input_layernorm, post_attention_layernorm)")
+    from agoq.runtime.laaq import apply_activation_policy, remove_activation_policy
+
+    apply_activation_policy(model, "int8")  # raises NotImplementedError for layers LAAQ cannot run
+    remove_activation_policy(model)
     return model
 
 

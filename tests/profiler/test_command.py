@@ -121,3 +121,29 @@ def test_plan_without_the_search_is_the_stage_rule(tmp_path, capsys, monkeypatch
             expect[layer["stage"]] += int(row.bytes.iloc[0]) * [3, 2, 1][layer["stage"]]
     got = plan["predicted"]["activation_bytes_per_stage"]
     assert got[0] == expect[0] and got[1] > expect[1] and got[2] > expect[2]
+
+
+def gelu_llama():
+    """A LLaMA-shaped model whose MLP declares a GELU activation (act_fn): not a SwiGLU layer."""
+    import torch
+
+    from agoq.models import build
+
+    model = build("llama-tiny", num_layers=1)
+    for layer in model.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    return model
+
+
+def test_unsupported_layer_is_refused_up_front(capsys):
+    code, err = _error(capsys, ["profile", "tests.profiler.test_command:gelu_llama", *FAST])
+    assert code == 2 and "SwiGLU" in err
+
+
+def test_world_size_spawns_collectives(tmp_path):
+    out = tmp_path / "w"
+    assert main(["profile", "llama-tiny", *FAST, "--layers", "1", "--world-size", "2", "--collective-sizes",
+                 "20KiB", "--out", str(out)]) == 0
+    coll = pd.read_parquet(out / "collectives.parquet")
+    assert set(coll.world_size) == {2} and set(coll.message_bytes) == {20 * 1024} and len(coll) == 9
+    assert json.loads((out / "profile.json").read_text())["files"]["collectives"] == "collectives.parquet"
