@@ -1,0 +1,233 @@
+"""`agoq train` in one process: run folder contents, exact resume after a kill, 8-bit paths, bad inputs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agoq.cli import main
+from agoq.train import trainer as trainer_module
+from agoq.train.trainer import TrainConfig, train
+
+TINY = dict(model="llama-tiny", seq_len=32, micro_batch=2, eval_batches=2, quiet=True)
+
+
+def _metrics(run_dir):
+    lines = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if "loss" in x], [x for x in lines if "val_loss" in x]
+
+
+def _run_json(run_dir):
+    return json.loads(Path(run_dir, "run.json").read_text())
+
+
+def test_run_folder_follows_the_run_format(tmp_path):
+    out = tmp_path / "run"
+    assert train(TrainConfig(**TINY, steps=7, grad_accum=2, checkpoint_every=3, eval_every=3, out=str(out))) == 0
+    run = _run_json(out)
+    assert run["schema"] == "agoq.run/1" and run["status"] == "finished" and run["step"] == 7
+    assert run["plan"] is None and run["settings"]["parallel"] == "none" and run["settings"]["data"] == "synthetic"
+    assert run["model"]["fingerprint"] and run["world"]["size"] == 1
+    steps, vals = _metrics(out)
+    assert [m["step"] for m in steps] == list(range(1, 8))
+    assert [v["step"] for v in vals] == [3, 6, 7]
+    for m in steps:
+        assert set(m) >= {"loss", "grad_norm", "lr", "tokens_per_s", "step_seconds", "peak_bytes", "time"}
+        assert len(m["peak_bytes"]) == 1 and m["tokens_per_s"] > 0
+    assert steps[-1]["loss"] < steps[0]["loss"]  # it learns
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 7 and (out / "checkpoint" / "rank0.pt").is_file()
+    assert not list(out.glob(".checkpoint-*"))
+
+
+class _Killed(BaseException):
+    """Stands for a kill: nothing in the trainer catches it."""
+
+
+def test_resume_after_interruption_gives_the_same_losses_exactly(tmp_path, monkeypatch):
+    common = dict(**TINY, steps=9, grad_accum=2, checkpoint_every=4, eval_every=3)
+    assert train(TrainConfig(**common, out=str(tmp_path / "whole"))) == 0
+
+    original = trainer_module.Trainer._forward_backward
+
+    def dying(self, step):
+        if step == 6:
+            raise _Killed()
+        return original(self, step)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_forward_backward", dying)
+    with pytest.raises(_Killed):
+        train(TrainConfig(**common, out=str(tmp_path / "cut")))
+    assert json.loads((tmp_path / "cut" / "checkpoint" / "state.json").read_text())["step"] == 4
+    monkeypatch.setattr(trainer_module.Trainer, "_forward_backward", original)
+    assert train(TrainConfig(**common, out=str(tmp_path / "cut"), resume=True)) == 0
+    whole, cut = _metrics(tmp_path / "whole"), _metrics(tmp_path / "cut")
+    assert [m["loss"] for m in cut[0]] == [m["loss"] for m in whole[0]]
+    assert [m["grad_norm"] for m in cut[0]] == [m["grad_norm"] for m in whole[0]]
+    assert [v["val_loss"] for v in cut[1]] == [v["val_loss"] for v in whole[1]]
+    run = _run_json(tmp_path / "cut")
+    assert run["status"] == "finished" and run["resumed"][0]["step"] == 4
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "agoq.cli", "train", "llama-tiny", "--seq-len", "32", "--micro-batch", "2",
+            "--eval-batches", "2", "--quiet", "--device", "cpu", *args]
+
+
+def test_killed_process_resumes_exactly(tmp_path):
+    """A real process killed with SIGKILL mid-run, then --resume: the same losses as an uninterrupted run."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    args = ["--steps", "16", "--checkpoint-every", "3", "--eval-every", "5", "--optimizer", "adamw8bit",
+            "--policy", "agoq-paper", "--gradients", "quangrad8"]
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(_cli(*args, "--out", str(cut)), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        metrics = cut / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 8:  # mid-run, between checkpoints or not
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"training ended before it could be killed: {proc.stderr.read().decode()}")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len([x for x in (cut / "metrics.jsonl").read_text().splitlines() if '"loss"' in x])
+    assert killed_at < 16, "the run finished before the kill"
+    assert _run_json(cut)["status"] == "running"  # nothing got to say otherwise
+    done = subprocess.run(_cli(*args, "--out", str(cut), "--resume"), env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    whole = tmp_path / "whole"
+    assert train(TrainConfig(**TINY, steps=16, checkpoint_every=3, eval_every=5, optimizer="adamw8bit",
+                             policy="agoq-paper", gradients="quangrad8", out=str(whole))) == 0
+    assert [m["loss"] for m in _metrics(cut)[0]] == [m["loss"] for m in _metrics(whole)[0]]
+    assert [v["val_loss"] for v in _metrics(cut)[1]] == [v["val_loss"] for v in _metrics(whole)[1]]
+
+
+def test_half_written_checkpoint_never_replaces_the_good_one(tmp_path):
+    from agoq.train.checkpoint import clean_partial, find_checkpoint
+
+    out = tmp_path / "run"
+    assert train(TrainConfig(**TINY, steps=4, checkpoint_every=2, out=str(out))) == 0
+    partial = out / ".checkpoint-6.tmp"  # killed while writing step 6: rank file present, no state.json
+    partial.mkdir()
+    (partial / "rank0.pt").write_bytes(b"cut short")
+    folder, state = find_checkpoint(out)
+    assert folder.name == "checkpoint" and state["step"] == 4
+    # killed between the renames: only the old folder is left complete
+    (out / "checkpoint").rename(out / ".checkpoint-old")
+    folder, state = find_checkpoint(out)
+    assert folder.name == ".checkpoint-old" and state["step"] == 4
+    clean_partial(out)
+    assert (out / "checkpoint" / "state.json").is_file() and not partial.exists()
+
+
+def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "llama-tiny", "--seq-len", "32", "--micro-batch", "2", "--quiet", "--steps", "40",
+                 "--lr", "1e6", "--warmup", "0", "--clip", "0", "--checkpoint-every", "1", "--out", str(out)])
+    assert code == 1
+    run = _run_json(out)
+    assert run["status"] == "failed" and "not finite" in run["message"]
+    assert "not finite" in capsys.readouterr().err
+    steps, _ = _metrics(out)
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == len(steps) == run["step"]  # every logged step was good and checkpointed
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in steps)
+
+
+def _tiny_plan(tmp_path, model_spec="llama-tiny", **gradients):
+    from agoq.models import build, fingerprint
+    from agoq.plan import Plan
+
+    model = build(model_spec)
+    layers = [{"layer": i, "stage": 0, "checkpoint": i == 2,
+               "kinds": {} if i == 2 else {"norm_input": 4, "qkv_input": "recompute", "silu_input": 5}}
+              for i in range(model.config.num_hidden_layers)]
+    plan = Plan.model_validate({"schema": "agoq.plan/1", "model": {"name": model.config.name,
+                                                                   "fingerprint": fingerprint(model)},
+                                "layers": layers, "gradients": {"mode": "quangrad8", **gradients},
+                                "training": {"micro_batch": 3, "seq_len": 24, "grad_accum": 2}})
+    return plan.save(tmp_path / "plan.json")
+
+
+def test_plan_sets_activations_gradients_and_batch_shape(tmp_path):
+    plan = _tiny_plan(tmp_path)
+    out = tmp_path / "run"
+    assert main(["train", "llama-tiny", "--plan", str(plan), "--steps", "3", "--quiet", "--out", str(out)]) == 0
+    run = _run_json(out)
+    assert run["plan"]["gradients"]["mode"] == "quangrad8" and run["settings"]["gradients"] == "quangrad8"
+    assert (run["settings"]["micro_batch"], run["settings"]["seq_len"], run["settings"]["grad_accum"]) == (3, 24, 2)
+
+
+def test_bad_inputs_are_refused_before_training(tmp_path, capsys):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
+                                 "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                 "max_position_embeddings": 128, "name": "other"}))
+    plan = _tiny_plan(tmp_path)
+    cases = [
+        (["llama-tiny", "--data", str(tmp_path / "missing.txt")], "data file not found"),
+        ([str(other), "--plan", str(plan)], "made for model 'llama-tiny'"),
+        (["llama-tiny", "--plan", str(tmp_path / "nope.json")], "plan file not found"),
+        (["llama-tiny", "--parallel", "ddp"], "needs several processes"),
+        (["llama-tiny", "--seq-len", "4096"], "max_position_embeddings"),
+        (["llama-tiny", "--policy", "int3"], "unknown activation policy"),
+        (["llama-tiny", "--gradients", "sdp4bit"], "--parallel sharded"),
+    ]
+    for args, message in cases:
+        out = tmp_path / "never"
+        code = main(["train", *args, "--steps", "2", "--quiet", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, (args, err)
+        assert not (out / "metrics.jsonl").exists()
+    # a run folder that already holds a run needs --resume
+    out = tmp_path / "run"
+    assert main(["train", "llama-tiny", "--seq-len", "16", "--steps", "1", "--quiet", "--out", str(out)]) == 0
+    assert main(["train", "llama-tiny", "--seq-len", "16", "--steps", "2", "--quiet", "--out", str(out)]) == 2
+    assert "--resume" in capsys.readouterr().err
+    # resuming with other settings is refused
+    assert main(["train", "llama-tiny", "--seq-len", "24", "--steps", "2", "--quiet", "--out", str(out),
+                 "--resume"]) == 2
+    assert "seq_len 16 -> 24" in capsys.readouterr().err
+
+
+def test_plan_over_the_gpu_memory_is_refused(tmp_path, monkeypatch):
+    """The budget check compares the plan's predicted peak with the device memory (faked here: no GPU in CI)."""
+    from agoq.plan import load_plan
+
+    plan = load_plan(_tiny_plan(tmp_path))
+    plan.predicted.peak_bytes_per_stage = [200 * 2**30]
+
+    class Props:
+        total_memory = 141 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a 141 GiB GPU")
+    with pytest.raises(ValueError, match="predicted peak is 200.0 GiB but this GPU"):
+        trainer_module._check_budget(plan, None, trainer_module.World(), torch.device("cuda", 0), "plan.json")
+    plan.predicted.peak_bytes_per_stage = [100 * 2**30]
+    trainer_module._check_budget(plan, None, trainer_module.World(), torch.device("cuda", 0), "plan.json")
+
+
+def test_text_file_bytes_and_vocabulary_override(tmp_path):
+    text = tmp_path / "corpus.txt"
+    raw = ("To be, or not to be, that is the question. " * 200).encode()
+    text.write_bytes(raw)
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({"vocab_size": 100, "hidden_size": 32, "intermediate_size": 48,
+                                 "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                 "max_position_embeddings": 128, "name": "small"}))
+    out = tmp_path / "run"
+    assert train(TrainConfig(model=str(small), data=str(text), seq_len=32, micro_batch=2, steps=2, quiet=True,
+                             out=str(out))) == 0
+    run = _run_json(out)
+    assert run["model"]["config"]["vocab_size"] == 256 and run["model"]["vocab_overridden"]
+    n_val = round(len(raw) * 0.1)  # 90/10, validation at the end
+    assert run["settings"]["train_tokens"] == len(raw) - n_val and run["settings"]["val_tokens"] == n_val
