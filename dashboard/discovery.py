@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dashboard.formats import BrokenFile
+
 KINDS = ("profiles", "searches", "plans", "runs")
 SKIP_DIRS = {"checkpoint", "__pycache__", "node_modules"}
 PLAN_MARK = b'"agoq.plan/'
@@ -30,6 +32,25 @@ class Artifact:
     kind: str
     id: str
     path: Path
+
+
+@dataclass(frozen=True)
+class Folder:
+    """An artifact's folder under a root; every file is reached through `file(name)`, which refuses
+    names that are not plain file names and symlinks that lead out of the root."""
+
+    path: Path
+    root: Path
+
+    def file(self, name: str) -> Path:
+        """`path / name` (which may not exist); BrokenFile when `name` is not a plain file name or
+        the file is a symlink resolving outside the root."""
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise BrokenFile(f"{name!r} is not a plain file name")
+        path = self.path / name
+        if os.path.lexists(path) and not inside(self.root, path):
+            raise BrokenFile(f"{name}: a symlink leading outside the root (or a broken one); not read")
+        return path
 
 
 @dataclass
@@ -141,9 +162,6 @@ class Catalog:
             raise KeyError(artifact_id)
         return found
 
-    def child(self, artifact: Artifact, name: str) -> Path | None:
-        """The file `name` inside a folder artifact, or None when it is absent or leads outside the root."""
-        path = artifact.path / name
-        if not path.exists() or not inside(self.root, path):
-            return None
-        return path
+    def folder(self, artifact: Artifact) -> Folder:
+        """The guarded folder of a folder artifact (profiles, searches, runs)."""
+        return Folder(artifact.path, self.root)

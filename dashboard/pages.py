@@ -154,7 +154,8 @@ def overview(data: dict[str, Any]) -> str:
         if "error" in s:
             rows.append(error_row(s, href, 7))
             continue
-        rows.append([f'<a href="{esc(href)}">{esc(s["id"])}</a>', fmt_num(s["pareto_plans"]), fmt_num(s["validated"]),
+        warn = "".join(f'<br><span class="bad">{esc(p)}</span>' for p in s.get("problems") or [])
+        rows.append([f'<a href="{esc(href)}">{esc(s["id"])}</a>{warn}', fmt_num(s["pareto_plans"]), fmt_num(s["validated"]),
                      fmt_bytes(s["budget_bytes"]), fmt_bytes(s["lowest_peak_bytes"]), esc(s["chosen_plan"]),
                      esc(s["study"])])
     page.add(table(["search", "Pareto plans", "validated", "budget", "lowest predicted peak", "chosen plan",

@@ -9,6 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from dashboard.discovery import Folder
 from dashboard.formats import BrokenFile, clean, number, read_json
 
 TABLE_COLUMNS = ("layer", "kind", "option", "bits", "bytes", "quant_error", "sensitivity")
@@ -29,10 +30,11 @@ def stat_key(path: Path) -> tuple[int, int] | None:
 def _read_table(path: str, key: tuple[int, int], columns: tuple[str, ...]):
     import pandas as pd
 
+    kind = "CSV" if path.endswith(".csv") else "parquet"
     try:
-        frame = pd.read_parquet(path)
-    except Exception as e:  # pyarrow raises many kinds of errors on a damaged file
-        raise BrokenFile(f"{Path(path).name}: cannot read it as parquet ({type(e).__name__}: {e})") from None
+        frame = pd.read_csv(path) if kind == "CSV" else pd.read_parquet(path)
+    except Exception as e:  # pyarrow and the CSV parser raise many kinds of errors on a damaged file
+        raise BrokenFile(f"{Path(path).name}: cannot read it as {kind} ({type(e).__name__}: {e})") from None
     missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise BrokenFile(f"{Path(path).name}: missing column(s) {', '.join(missing)}")
@@ -40,8 +42,8 @@ def _read_table(path: str, key: tuple[int, int], columns: tuple[str, ...]):
 
 
 def read_table(path: Path, columns: tuple[str, ...]):
-    """The parquet file at `path` as a DataFrame (cached until the file changes); BrokenFile when
-    it cannot be read or lacks one of `columns`."""
+    """The parquet (or, by its suffix, CSV) file at `path` as a DataFrame (cached until the file
+    changes); BrokenFile when it cannot be read or lacks one of `columns`."""
     key = stat_key(path)
     if key is None:
         raise BrokenFile(f"{path.name}: missing")
@@ -58,9 +60,27 @@ def option_order(option: str) -> tuple[int, int]:
         return (0, 1)
 
 
-def summary(folder: Path) -> dict[str, Any]:
+def table_file(folder: Folder, which: str = "table") -> Path:
+    """The profile's table ("table": profile.parquet, or profile.csv where the profiler had no
+    pyarrow) or collective timings ("collectives"), as profile.json's `files` names them."""
+    meta = read_json(folder.file("profile.json"), "profile")
+    default = {"table": "profile.parquet", "collectives": "collectives.parquet"}[which]
+    name = (meta.get("files") or {}).get(which) or default
+    if not isinstance(name, str):
+        raise BrokenFile(f"profile.json: field 'files.{which}' is {name!r}, expected a file name")
+    return folder.file(name)
+
+
+def _exists(folder: Folder, which: str) -> bool:
+    try:
+        return table_file(folder, which).exists()
+    except BrokenFile:
+        return False
+
+
+def summary(folder: Folder) -> dict[str, Any]:
     """Key figures of a profile: model, hardware, date, settings, number of table rows and failures."""
-    meta = read_json(folder / "profile.json", "profile")
+    meta = read_json(folder.file("profile.json"), "profile")
     model = meta.get("model") or {}
     hardware = meta.get("hardware") or {}
     memory = meta.get("memory") or {}
@@ -75,17 +95,17 @@ def summary(folder: Path) -> dict[str, Any]:
         "settings": meta.get("settings") or {},
         "memory": memory,
         "failures": meta.get("failures") or [],
-        "has_table": (folder / "profile.parquet").exists(),
-        "has_collectives": (folder / "collectives.parquet").exists(),
+        "has_table": _exists(folder, "table"),
+        "has_collectives": _exists(folder, "collectives"),
     }
     return clean(out)
 
 
-def layer_kind_maps(folder: Path, option: str | None = None) -> dict[str, Any]:
+def layer_kind_maps(folder: Folder, option: str | None = None) -> dict[str, Any]:
     """Heat maps over (layer, kind) at one option ("4", "8", "recompute", ...; default 4 bits when
     profiled, else the narrowest width): sensitivity (relative L2 error of all weight gradients) and
     bytes kept per micro-batch. Rows are layers, columns kinds in the order the profile lists them."""
-    frame = read_table(folder / "profile.parquet", TABLE_COLUMNS)
+    frame = read_table(table_file(folder), TABLE_COLUMNS)
     frame = frame.assign(option=frame["option"].astype(str))
     options = sorted(frame["option"].unique().tolist(), key=option_order)
     if not options:
@@ -111,10 +131,10 @@ def layer_kind_maps(folder: Path, option: str | None = None) -> dict[str, Any]:
     return clean({"option": option, "options": options, "layers": layers, "kinds": kinds, **grid})
 
 
-def error_curves(folder: Path) -> dict[str, Any]:
+def error_curves(folder: Folder) -> dict[str, Any]:
     """Per kind (and format), the mean over layers of the tensor's own error and of the weight-gradient
     sensitivity, against bit width (quantized options only; 16 and recompute are left out)."""
-    frame = read_table(folder / "profile.parquet", TABLE_COLUMNS)
+    frame = read_table(table_file(folder), TABLE_COLUMNS)
     quant = frame[(frame["bits"] > 0) & (frame["bits"] < 16)]
     group_cols = ["kind", "format"] if "format" in quant.columns else ["kind"]
     curves = []
@@ -128,12 +148,12 @@ def error_curves(folder: Path) -> dict[str, Any]:
     return clean({"curves": curves})
 
 
-def collectives(folder: Path) -> dict[str, Any]:
+def collectives(folder: Folder) -> dict[str, Any]:
     """Collective time against message size, one series per (op, path, world size); empty when the
     profile measured none."""
-    path = folder / "collectives.parquet"
+    path = table_file(folder, "collectives")
     if not path.exists():
-        return {"series": [], "message": "no collectives.parquet: this profile measured no collectives "
+        return {"series": [], "message": f"no {path.name}: this profile measured no collectives "
                                           "(profile with a process group or --world-size to get them)"}
     frame = read_table(path, COLLECTIVE_COLUMNS)
     series = []
@@ -142,4 +162,4 @@ def collectives(folder: Path) -> dict[str, Any]:
         series.append({"op": str(op), "path": str(comm_path), "world_size": int(world),
                        "message_bytes": [number(v) for v in part["message_bytes"]],
                        "seconds": [number(v) for v in part["seconds"]]})
-    return clean({"series": series, "message": None if series else "collectives.parquet has no rows"})
+    return clean({"series": series, "message": None if series else f"{path.name} has no rows"})

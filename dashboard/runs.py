@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from dashboard.discovery import Folder
 from dashboard.downsample import minmax_indices
 from dashboard.formats import clean, format_bytes, number, read_json
 
@@ -107,11 +108,11 @@ def _thin(x: np.ndarray, y: np.ndarray, max_points: int, t: np.ndarray | None = 
     return clean(out)
 
 
-def summary(folder: Path, store: MetricsStore) -> dict[str, Any]:
+def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
     """Key figures of a run: model, plan or bf16, status, step reached, last loss and validation loss,
     median tokens/s, highest peak memory of any rank, number of metric lines."""
-    meta = read_json(folder / "run.json", "run")
-    m = store.read(folder / "metrics.jsonl")
+    meta = read_json(folder.file("run.json"), "run")
+    m = store.read(folder.file("metrics.jsonl"))
     model = meta.get("model") or {}
     plan = meta.get("plan")
     settings = meta.get("settings") or {}
@@ -147,11 +148,11 @@ def summary(folder: Path, store: MetricsStore) -> dict[str, Any]:
     })
 
 
-def curves(folder: Path, store: MetricsStore, max_points: int = 2000) -> dict[str, Any]:
+def curves(folder: Folder, store: MetricsStore, max_points: int = 2000) -> dict[str, Any]:
     """The run's curves, each thinned to at most `max_points` points (min and max per bucket):
     loss, val_loss, tokens_per_s and grad_norm against step (with elapsed seconds), and peak_bytes per
     rank. Totals before thinning are given so a reader can tell how much was thinned."""
-    m = store.read(folder / "metrics.jsonl")
+    m = store.read(folder.file("metrics.jsonl"))
     step = _array(m.train["step"])
     t = _array(m.train["time"])
     t0 = np.nanmin(t) if len(t) and np.isfinite(t).any() else np.nan
@@ -169,9 +170,3 @@ def curves(folder: Path, store: MetricsStore, max_points: int = 2000) -> dict[st
         peak_series.append({"rank": r, **_thin(step, y, max_points, elapsed)})
     return clean({"max_points": max_points, "train_points": len(step), "val_points": len(vstep),
                   "bad_lines": m.bad_lines, "series": series, "peak_bytes": peak_series})
-
-
-def plan_of(folder: Path) -> dict[str, Any] | None:
-    """The plan a run trained with (as recorded in its run.json), or None for a plain run."""
-    plan = read_json(folder / "run.json", "run").get("plan")
-    return plan if isinstance(plan, dict) else None

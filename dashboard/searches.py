@@ -8,16 +8,17 @@ import io
 from pathlib import Path
 from typing import Any
 
+from dashboard.discovery import Folder
 from dashboard.formats import BrokenFile, clean, number
 
 PARETO_REQUIRED = ("predicted_peak_bytes", "predicted_step_seconds", "predicted_grad_error")
 STUDY_FILES = ("study.db", "study.journal")
 
 
-def read_pareto(folder: Path) -> dict[str, Any]:
+def read_pareto(folder: Folder) -> dict[str, Any]:
     """pareto.csv as rows (numbers parsed, text kept), with the columns in file order; an absent file
     gives no rows and a message. A row is 'validated' when it has a measured peak or step time."""
-    path = folder / "pareto.csv"
+    path = folder.file("pareto.csv")
     if not path.exists():
         return {"columns": [], "rows": [], "message": "no pareto.csv in this search folder"}
     try:
@@ -43,7 +44,7 @@ def read_pareto(folder: Path) -> dict[str, Any]:
                   "message": None if rows else "pareto.csv has no rows"})
 
 
-def chosen_plan_name(folder: Path, plans_here: list[str]) -> str | None:
+def chosen_plan_name(plans_here: list[str]) -> str | None:
     """The file name of a search's chosen plan: plan.json when present, else the only plan file lying
     directly in the folder (`plans_here`: their names; the Pareto front's plans sit in a subfolder)."""
     if "plan.json" in plans_here:
@@ -51,9 +52,9 @@ def chosen_plan_name(folder: Path, plans_here: list[str]) -> str | None:
     return plans_here[0] if len(plans_here) == 1 else None
 
 
-def study_file(folder: Path) -> Path | None:
+def study_file(folder: Folder) -> Path | None:
     """The Optuna study of the search (study.db or study.journal), or None."""
     for name in STUDY_FILES:
-        if (folder / name).is_file():
-            return folder / name
+        if folder.file(name).is_file():
+            return folder.file(name)
     return None

@@ -34,10 +34,11 @@ class Dashboard:
     def overview(self, refresh: bool = False) -> dict[str, Any]:
         """Everything found under the root with its key figures (or the error reading it)."""
         index = self.catalog.index(refresh=refresh)
-        readers = {"profiles": lambda a: profiles.summary(a.path),
+        fold = self.catalog.folder
+        readers = {"profiles": lambda a: profiles.summary(fold(a)),
                    "searches": self._search_summary,
                    "plans": lambda a: plans.summary(plans.read_plan(a.path)),
-                   "runs": lambda a: runs.summary(a.path, self.metrics)}
+                   "runs": lambda a: runs.summary(fold(a), self.metrics)}
         out: dict[str, Any] = {"root": str(self.catalog.root), "scanned_at": index.scanned_at,
                                "problems": list(index.problems)}
         for kind, reader in readers.items():
@@ -61,24 +62,27 @@ class Dashboard:
         return out
 
     def _search_summary(self, artifact: Artifact) -> dict[str, Any]:
-        pareto = searches.read_pareto(artifact.path)
-        rows = pareto["rows"]
-        study = searches.study_file(artifact.path)
+        folder = self.catalog.folder(artifact)
+        pareto = part(lambda: searches.read_pareto(folder))
+        rows = pareto.get("rows", [])
+        study = part(lambda: searches.study_file(folder))
+        problems = [p["error"] for p in (pareto, study) if isinstance(p, dict) and "error" in p]
         peaks = [r["predicted_peak_bytes"] for r in rows if r.get("predicted_peak_bytes") is not None]
         return {"pareto_plans": len(rows), "validated": sum(1 for r in rows if r["validated"]),
                 "lowest_peak_bytes": min(peaks) if peaks else None,
                 "budget_bytes": next((r.get("budget_bytes") for r in rows if r.get("budget_bytes")), None),
-                "chosen_plan": searches.chosen_plan_name(artifact.path, self._plans_in(artifact)),
-                "study": study.name if study else None}
+                "chosen_plan": searches.chosen_plan_name(self._plans_in(artifact)),
+                "study": study.name if isinstance(study, Path) else None, "problems": problems}
 
     # --- one artifact ---------------------------------------------------------------------------
     def profile(self, artifact_id: str, option: str | None = None) -> dict[str, Any]:
         """A profile's key figures, heat maps at `option`, error curves and collective times."""
         a = self.catalog.get("profiles", artifact_id)
-        return {"id": a.id, "summary": profiles.summary(a.path),
-                "maps": part(lambda: profiles.layer_kind_maps(a.path, option)),
-                "curves": part(lambda: profiles.error_curves(a.path)),
-                "collectives": part(lambda: profiles.collectives(a.path))}
+        folder = self.catalog.folder(a)
+        return {"id": a.id, "summary": profiles.summary(folder),
+                "maps": part(lambda: profiles.layer_kind_maps(folder, option)),
+                "curves": part(lambda: profiles.error_curves(folder)),
+                "collectives": part(lambda: profiles.collectives(folder))}
 
     def plan(self, artifact_id: str) -> dict[str, Any]:
         """A plan's key figures, bit-width map, memory breakdown, and the runs that trained with it."""
@@ -92,16 +96,19 @@ class Dashboard:
     def search(self, artifact_id: str) -> dict[str, Any]:
         """A search's Pareto front, its chosen plan (as `plan` gives it) and its Optuna studies."""
         a = self.catalog.get("searches", artifact_id)
-        pareto = part(lambda: searches.read_pareto(a.path))
-        name = searches.chosen_plan_name(a.path, self._plans_in(a))
+        folder = self.catalog.folder(a)
+        pareto = part(lambda: searches.read_pareto(folder))
+        name = searches.chosen_plan_name(self._plans_in(a))
         chosen: Any = {"empty": "no plan file in this search folder"}
         if name:
             plan_id = name if a.id == "." else f"{a.id}/{name}"
             chosen = part(lambda: self.plan(plan_id))
-        study = searches.study_file(a.path)
+        study = part(lambda: searches.study_file(folder))
         study_part: Any = {"empty": "no Optuna study (study.db or study.journal) in this search folder: "
                                     "the search ran the MILP only (agoq search --method both to add one)"}
-        if study is not None and self.catalog.child(a, study.name) is not None:
+        if isinstance(study, dict):
+            study_part = study
+        elif study is not None:
             study_part = part(lambda: {"file": study.name, "studies": studies.read_studies(study)})
         if "rows" in pareto:
             plan_ids = self.catalog.index().items["plans"]
@@ -114,8 +121,9 @@ class Dashboard:
     def run(self, artifact_id: str) -> dict[str, Any]:
         """A run's key figures and settings."""
         a = self.catalog.get("runs", artifact_id)
-        meta = read_json(a.path / "run.json", "run")
-        return {"id": a.id, "summary": runs.summary(a.path, self.metrics),
+        folder = self.catalog.folder(a)
+        meta = read_json(folder.file("run.json"), "run")
+        return {"id": a.id, "summary": runs.summary(folder, self.metrics),
                 "settings": meta.get("settings"), "world": meta.get("world"), "hardware": meta.get("hardware")}
 
     def curves(self, artifact_id: str, max_points: int = 2000) -> dict[str, Any]:
@@ -123,8 +131,9 @@ class Dashboard:
         if not 4 <= max_points <= MAX_POINTS_LIMIT:
             raise ValueError(f"points must be between 4 and {MAX_POINTS_LIMIT}, got {max_points}")
         a = self.catalog.get("runs", artifact_id)
-        read_json(a.path / "run.json", "run")
-        return {"id": a.id, "curves": runs.curves(a.path, self.metrics, max_points)}
+        folder = self.catalog.folder(a)
+        read_json(folder.file("run.json"), "run")
+        return {"id": a.id, "curves": runs.curves(folder, self.metrics, max_points)}
 
     # --- links between artifacts ----------------------------------------------------------------
     def _plans_in(self, search: Artifact) -> list[str]:
@@ -140,7 +149,7 @@ class Dashboard:
         found = []
         for a in self.catalog.index().items["profiles"].values():
             try:
-                meta = read_json(a.path / "profile.json", "profile")
+                meta = read_json(self.catalog.folder(a).file("profile.json"), "profile")
             except BrokenFile:
                 continue
             if (meta.get("model") or {}).get("fingerprint") == fingerprint:
@@ -153,18 +162,20 @@ class Dashboard:
         process's memory, not comparable with a GPU prediction)."""
         out = {}
         for a in self.catalog.index().items["runs"].values():
+            folder = self.catalog.folder(a)
             try:
-                used = runs.plan_of(a.path)
+                meta = read_json(folder.file("run.json"), "run")
+                metrics_file = folder.file("metrics.jsonl")
             except BrokenFile:
                 continue
+            used = meta.get("plan") if isinstance(meta.get("plan"), dict) else None
             if not used or used.get("layers") != plan.get("layers") or used.get("budget_bytes") != plan.get("budget_bytes") \
                     or (used.get("model") or {}).get("fingerprint") != (plan.get("model") or {}).get("fingerprint"):
                 continue
-            hardware = read_json(a.path / "run.json", "run").get("hardware") or {}
-            if hardware.get("device") == "cpu":
+            if (meta.get("hardware") or {}).get("device") == "cpu":
                 out[a.id] = None
                 continue
-            m = self.metrics.read(a.path / "metrics.jsonl")
+            m = self.metrics.read(metrics_file)
             ranks = max((len(r) for r in m.peak), default=0)
             out[a.id] = [max((row[i] for row in m.peak if i < len(row) and row[i] is not None), default=None)
                          for i in range(ranks)]

@@ -327,7 +327,9 @@ def test_broken_files_are_messages_not_500(synthetic_root, tmp_path):
     assert "not valid JSON" in errors["bad-json"]
     assert "newer" in errors["newer"]
     assert errors["bad-parquet"] is None  # profile.json is fine; the table's error shows in its part
-    assert "missing column" in errors["search"]
+    assert errors["search"] is None  # a search has no main file: its parts carry the problems
+    search_entry = next(s for s in index["searches"] if s["id"] == "search")
+    assert any("missing column" in p for p in search_entry["problems"])
     assert "layers" in errors["search/plan.json"]
     assert "expected a JSON object" in errors["run-broken"]
     prof = client.get("/api/profile", params={"id": "bad-parquet"}).json()
@@ -420,3 +422,64 @@ def test_root_that_is_itself_a_run(tmp_path):
     assert client.get("/runs").status_code == 200
     for attempt in ("..", "", "./.", "/"):
         assert client.get("/api/run", params={"id": attempt}).status_code == 404
+
+
+def test_files_inside_an_artifact_that_lead_outside_are_not_read(synthetic_root, tmp_path):
+    outside = tmp_path / "outside"
+    shutil.copytree(synthetic_root / "prof", outside / "prof")
+    shutil.copytree(synthetic_root / "search", outside / "search")
+    shutil.copytree(synthetic_root / "runs" / "two-ranks", outside / "run")
+    root = tmp_path / "root"
+    shutil.copytree(synthetic_root / "prof", root / "prof")
+    for name in ("profile.parquet", "collectives.parquet"):
+        (root / "prof" / name).unlink()
+        (root / "prof" / name).symlink_to(outside / "prof" / name)
+    (root / "search").mkdir()  # found by its own study, while its pareto.csv leads outside
+    shutil.copy(synthetic_root / "search" / "study.db", root / "search" / "study.db")
+    (root / "search" / "pareto.csv").symlink_to(outside / "search" / "pareto.csv")
+    (root / "search2").mkdir()  # found by its own pareto.csv, while its study leads outside
+    shutil.copy(synthetic_root / "search" / "pareto.csv", root / "search2" / "pareto.csv")
+    (root / "search2" / "study.db").symlink_to(outside / "search" / "study.db")
+    (root / "search3").mkdir()  # nothing of its own: not a search at all
+    (root / "search3" / "pareto.csv").symlink_to(outside / "search" / "pareto.csv")
+    shutil.copytree(synthetic_root / "runs" / "two-ranks", root / "run")
+    (root / "run" / "metrics.jsonl").unlink()
+    (root / "run" / "metrics.jsonl").symlink_to(outside / "run" / "metrics.jsonl")
+    before = snapshot(root)
+    client = TestClient(create_app(root))
+    prof = client.get("/api/profile", params={"id": "prof"}).json()
+    assert "outside the root" in prof["maps"]["error"] and "outside the root" in prof["collectives"]["error"]
+    search = client.get("/api/search", params={"id": "search"}).json()
+    assert "outside the root" in search["pareto"]["error"] and search["study"]["studies"][0]["name"] == "bits"
+    search2 = client.get("/api/search", params={"id": "search2"}).json()
+    assert len(search2["pareto"]["rows"]) == 2 and "outside the root" in search2["study"]["error"]
+    assert client.get("/api/search", params={"id": "search3"}).status_code == 404
+    assert client.get("/api/curves", params={"id": "run"}).status_code == 422
+    assert "outside the root" in client.get("/api/curves", params={"id": "run"}).json()["detail"]
+    index = client.get("/api/index").json()
+    assert "outside the root" in next(r for r in index["runs"] if r["id"] == "run")["error"]
+    visit_everything(client)
+    assert snapshot(root) == before
+
+
+def test_profile_table_as_csv(synthetic_root, tmp_path):
+    """A profile written where pyarrow was missing names profile.csv in profile.json's files."""
+    shutil.copytree(synthetic_root / "prof", tmp_path / "prof")
+    table = pd.read_parquet(tmp_path / "prof" / "profile.parquet")
+    (tmp_path / "prof" / "profile.parquet").unlink()
+    (tmp_path / "prof" / "collectives.parquet").unlink()
+    table.to_csv(tmp_path / "prof" / "profile.csv", index=False)
+    meta = json.loads((tmp_path / "prof" / "profile.json").read_text())
+    meta["files"] = {"table": "profile.csv"}
+    (tmp_path / "prof" / "profile.json").write_text(json.dumps(meta))
+    client = TestClient(create_app(tmp_path))
+    maps = client.get("/api/profile", params={"id": "prof", "option": "recompute"}).json()["maps"]
+    assert maps["option"] == "recompute"
+    for i, layer in enumerate(maps["layers"]):
+        for j, kind in enumerate(maps["kinds"]):
+            row = table[(table.layer == layer) & (table.kind == kind) & (table.option == "recompute")]
+            assert maps["bytes"][i][j] == int(row.bytes.iloc[0])
+    assert client.get("/profile", params={"id": "prof"}).status_code == 200
+    meta["files"] = {"table": "../../etc/passwd"}
+    (tmp_path / "prof" / "profile.json").write_text(json.dumps(meta))
+    assert "plain file name" in client.get("/api/profile", params={"id": "prof"}).json()["maps"]["error"]
