@@ -48,6 +48,8 @@ class ReplaySession:
         stack: list[int] = []
         outputs: list[torch.Tensor | None] = [None] * len(layers)
         tags: dict[tuple, tuple[int, str]] = {}
+        self.tagged: set[tuple[int, str]] = set()  # (layer, kind) whose kept tensors were found
+        self._substituted = 0
         handles = []
 
         def enter(index: int):
@@ -74,6 +76,8 @@ class ReplaySession:
                 tag = tags.pop(_key(t), None)
             except (RuntimeError, NotImplementedError):  # tensors without storage are never tagged
                 tag = None
+            if tag is not None:
+                self.tagged.add(tag)
             return tag, t
 
         def unpack(packed):
@@ -81,6 +85,7 @@ class ReplaySession:
             target = self._target
             if tag is None or target is None or tag != target[:2]:
                 return t
+            self._substituted += 1
             q = quantize(t, target[2], self.block, "nearest", target[3], check_finite=False)
             return dequantize(q)
 
@@ -94,6 +99,8 @@ class ReplaySession:
                 h.remove()
         if any(o is None for o in outputs):
             raise RuntimeError("a decoder layer produced no output tensor to replay from")
+        if tags:  # a tensor LAAQ was about to keep never reached autograd's saved tensors as itself
+            raise RuntimeError(f"replay could not find {len(tags)} kept tensor(s) among the saved ones")
         self.outputs = outputs
         grads = torch.autograd.grad(loss, self.params + outputs, retain_graph=True, allow_unused=True)
         self.ref_grads = list(grads[: len(self.params)])
@@ -125,14 +132,19 @@ class ReplaySession:
         """Relative L2 error of all weight gradients when only (layer, kind) is kept at `bits` (`fmt`)."""
         if kind not in REPLAYABLE:
             raise ValueError(f"{kind} cannot be replayed; measure it with its policy")
+        if (layer, kind) not in self.tagged:
+            raise RuntimeError(f"replay found no kept tensor of layer {layer} kind {kind}")
         if self._partial_ref is None or self._partial_ref[0] != layer:
             self._target = None
             self._partial_ref = (layer, self._partial(layer))
         self._target = (layer, kind, bits, fmt if bits == 4 else "int")
+        self._substituted = 0
         try:
             got = self._partial(layer)
         finally:
             self._target = None
+        if self._substituted == 0:
+            raise RuntimeError(f"replay of layer {layer} kind {kind}: backward never read the kept tensor")
         return self._relative(got)
 
     def close(self) -> None:

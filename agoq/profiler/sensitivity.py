@@ -169,6 +169,7 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
         if progress is not None:
             progress(1)
     meter.release()  # the policy runs' reference gradients; replays keep their own
+    fallback: list[Measurement] = []  # replay could not run them: measured by their policy instead
     for reference in sorted({reference_kind(m.kind) for m in replayed}):
         group = sorted((m for m in replayed if reference_kind(m.kind) == reference), key=lambda m: m.layer)
         for ids in meter.batches:
@@ -176,7 +177,12 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
                 session = ReplaySession(meter.model, ids, measurement_policy(None, reference, meter.block))
             except Exception as e:  # noqa: BLE001
                 for m in group:
-                    failed.setdefault(m, _failure(e))
+                    if _is_oom(e):
+                        failed.setdefault(m, _failure(e))
+                    elif m not in fallback:
+                        fallback.append(m)
+                if progress is not None:
+                    progress(step * len(group))
                 continue
             for layer in sorted({m.layer for m in group}) if notes is not None else []:
                 try:
@@ -185,15 +191,26 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
                 except Exception:  # noqa: BLE001 - a diagnostic only
                     pass
             for m in group:
-                if m not in failed:
+                if m not in failed and m not in fallback:
                     try:
                         errors[m].append(session.error(m.layer, m.kind, int(m.option), m.format))
                     except Exception as e:  # noqa: BLE001
-                        failed[m] = _failure(e)
+                        if _is_oom(e):
+                            failed[m] = _failure(e)
+                        else:
+                            fallback.append(m)
                 if progress is not None:
                     progress(step)
             session.close()
             del session
+    for m in fallback:
+        try:
+            errors[m] = [meter.measure(m)]
+        except Exception as e:  # noqa: BLE001
+            failed[m] = _failure(e)
+    meter.release()
+    if notes is not None and fallback:
+        notes["replay_fallbacks"] = len(fallback)
     kept = _measured_bytes(meter, measurements)
     out = []
     for m in measurements:

@@ -24,3 +24,24 @@ def test_replay_equals_policy_runs(dtype):
     for m, r, p in zip(ms, replayed, by_policy):
         assert r["sensitivity"] == pytest.approx(p, rel=1e-5, abs=0), m
         assert r["bytes_measured"] is not None and r["bytes_measured"] > 0
+
+
+def test_measurements_replay_cannot_run_fall_back_to_their_policy(monkeypatch):
+    from agoq.profiler import replay
+
+    model = load_model("llama-tiny", dtype="fp32", seed=2)
+    meter = SensitivityMeter(model, token_batches(256, 2, 2, 17, 3, "cpu"), block=64)
+    ms = [Measurement(1, "ffn1_input", "3", "int"), Measurement(2, "o_proj_input", "5", "int")]
+    expected = [meter.measure(m) for m in ms]
+    real = replay.ReplaySession.error
+
+    def broken(self, layer, kind, bits, fmt):
+        if kind == "ffn1_input":
+            raise RuntimeError("replay of this kind: backward never read the kept tensor")
+        return real(self, layer, kind, bits, fmt)
+
+    monkeypatch.setattr(replay.ReplaySession, "error", broken)
+    notes = {}
+    got = measure_chunk(meter, ms, notes=notes)
+    assert [r["sensitivity"] for r in got] == pytest.approx(expected, rel=1e-6)
+    assert notes["replay_fallbacks"] == 1 and notes["replay_noise_floor"] == 0.0
