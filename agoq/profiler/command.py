@@ -87,7 +87,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="memory budget per GPU, e.g. 30GiB: also write DIR/plan.json")
     parser.add_argument("--pipeline-stages", type=positive_int, default=1, help="pipeline stages P (default 1)")
     parser.add_argument("--micro-batches", type=positive_int, default=None,
-                        help="micro-batches per step M for the pipeline counts (default: 2 x stages)")
+                        help="micro-batches per step M for the pipeline counts (default: 2 x stages; 1 without a pipeline)")
     parser.add_argument("--world-size", type=positive_int, default=1,
                         help="time collectives in this many local processes (NCCL on GPUs, gloo on the CPU); "
                              "under torchrun the launched group is used (default 1: no collectives)")
@@ -185,9 +185,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     if args.ray and args.ray_address:
         raise ValueError("give either --ray (a new local Ray) or --ray-address ADDR, not both")
-    micro_batches = args.micro_batches or 2 * args.pipeline_stages
-    if args.pipeline_stages > 1 and micro_batches < 1:
-        raise ValueError("--micro-batches must be >= 1")
+    micro_batches = args.micro_batches or (1 if args.pipeline_stages == 1 else 2 * args.pipeline_stages)
 
     collectives_torchrun = None
     if _under_torchrun():
