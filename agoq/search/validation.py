@@ -13,7 +13,13 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from agoq.search.plan_builder import now
+
+def now() -> str:
+    """The current UTC time, ISO 8601, to the second."""
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
 
 DTYPES = ("bf16", "fp16", "fp32")
 
@@ -27,7 +33,6 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
     import torch
 
     from agoq.models import build
-    from agoq.plan import plan_from_dict
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -39,7 +44,7 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
         torch.cuda.reset_peak_memory_stats(device)
     model = build(dict(model_config), dtype=torch_dtype, device=device, seed=seed)
     if plan is not None:
-        plan_from_dict(plan).apply(model)
+        apply_plan_dict(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     vocab = model.config.vocab_size
@@ -49,8 +54,10 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
     for step in range(steps):
         if cuda:
             torch.cuda.synchronize(device)
+            if step == 1:  # after the warm-up step: gradients and optimizer state are allocated, as planned
+                torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=False)  # gradients stay allocated between steps (the memory model's case)
         total = 0.0
         for a in range(grad_accum):
             ids = batches[step * grad_accum + a]
@@ -68,6 +75,28 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
         torch.cuda.empty_cache()
     timed = times[1:] if len(times) > 1 else times
     return {"peak_bytes": peak, "step_seconds": statistics.median(timed), "losses": losses, "device": device}
+
+
+def apply_plan_dict(model, plan: dict) -> None:
+    """Apply a plan given as JSON data: validated through agoq.plan where pydantic is installed, else
+    straight through the runtime (activation policy of the layers' settings, then checkpointing)."""
+    try:
+        from agoq.plan import plan_from_dict
+    except ImportError:
+        from agoq.runtime.checkpointing import apply_checkpointing
+        from agoq.runtime.laaq import apply_activation_policy
+        from agoq.runtime.policy import ActivationPolicy
+
+        act = plan.get("activations", {})
+        layers = {lp["layer"]: dict(lp.get("kinds", {})) for lp in plan["layers"] if not lp.get("checkpoint")}
+        apply_activation_policy(model, ActivationPolicy(layers=layers, block=act.get("block", 128),
+                                                        format=act.get("format", "int"),
+                                                        rounding=act.get("rounding", "nearest")))
+        checkpointed = [lp["layer"] for lp in plan["layers"] if lp.get("checkpoint")]
+        if checkpointed:
+            apply_checkpointing(model, checkpointed)
+        return
+    plan_from_dict(plan).apply(model)
 
 
 def loss_deviation(losses: Sequence[float], reference: Sequence[float]) -> float:
