@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import html
 import json
-import math
 from typing import Any, Iterable
 from urllib.parse import urlencode
 

@@ -48,6 +48,7 @@ class Chromium:
                                      stderr=subprocess.PIPE, preexec_fn=child_fds, pass_fds=(3, 4))
         for fd in (to_chrome_r, from_chrome_w, high_r, high_w):
             os.close(fd)
+        self.requested: list[str] = []  # URLs the last page loaded
         self._next_id = 0
         self._replies: dict[int, dict] = {}
         self._events: list[dict] = []
@@ -122,6 +123,8 @@ class Chromium:
         problems = []
         with self._cond:
             events = list(self._events)
+        self.requested = [e["params"]["request"]["url"] for e in events
+                          if e.get("method") == "Network.requestWillBeSent"]
         for e in events:
             method, p = e.get("method"), e.get("params", {})
             if method == "Runtime.exceptionThrown":

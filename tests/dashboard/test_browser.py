@@ -1,6 +1,7 @@
 """End to end in a real headless Chromium: the dashboard served by uvicorn on a free port, every page
-loaded, no JavaScript errors or failed requests, every chart drawn with data; screenshots are saved as
-test artifacts (their folder is printed; AGOQ_TEST_ARTIFACTS chooses it)."""
+loaded, no JavaScript errors or failed requests, nothing fetched from anywhere but the dashboard, every
+chart drawn with data; screenshots are saved as test artifacts (their folder is printed;
+AGOQ_TEST_ARTIFACTS chooses it)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,9 @@ def test_pages_render_in_chromium(server, chromium, served_root, tmp_path_factor
     for name, path in pages:
         problems = chromium.open(server + path, "document.body && document.body.dataset.plotsDrawn !== undefined")
         assert problems == [], (path, problems)
+        # works offline: every script, style and data request goes to the dashboard itself
+        assert chromium.requested and all(u.startswith(server + "/") or u.startswith("data:")
+                                          for u in chromium.requested), chromium.requested
         drawn = chromium.evaluate(CHARTS_DRAWN)
         expected = chromium.evaluate("document.querySelectorAll('div.plot').length")
         assert chromium.evaluate("document.body.dataset.plotsDrawn") == str(expected), path
@@ -104,3 +108,17 @@ def test_pages_render_in_chromium(server, chromium, served_root, tmp_path_factor
         assert shot.stat().st_size > 10_000
     assert "runs" in chromium.evaluate("document.title")
     print(f"\ndashboard screenshots ({len(pages)} pages, {charts_seen} charts): {artifacts}")
+
+
+def test_the_harness_sees_javascript_errors(chromium):
+    """The checks above can fail: an uncaught exception, a console error and a failed load are reported."""
+    from urllib.parse import quote
+
+    page = ("<html><body><script>console.error('logged on purpose');</script>"
+            "<script src='http://127.0.0.1:9/missing.js'></script>"
+            "<script>undefinedFunctionOnPurpose();</script></body></html>")
+    problems = chromium.open("data:text/html," + quote(page), "true")
+    text = "\n".join(problems)
+    assert "undefinedFunctionOnPurpose" in text
+    assert "logged on purpose" in text
+    assert "missing.js" in text or "load failed" in text
