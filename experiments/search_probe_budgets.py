@@ -80,6 +80,11 @@ def search_phase(args, folder: Path, out: Path) -> dict:
                       Knobs(), None, "checkpointing", "time")
     plans["full-checkpointing"] = full.to_dict()
     result["full_checkpointing_predicted"] = full.predicted.model_dump()
+    keep_all = only.evaluate(np.array([i for i, o in enumerate(only.option) if o == "16"]),
+                             np.zeros(profile.num_layers, dtype=bool))
+    bf16_step = next((st for st in profile.memory.get("steps", []) if st.get("policy") == "bf16"), {})
+    result["bf16_peak_cost_model_bytes"] = keep_all["peak_bytes_per_stage"][0]
+    result["bf16_peak_profile_measured_bytes"] = bf16_step.get("measured_peak_bytes")
     for frac in args.fractions:
         budget = int(static + frac * layer_bytes_bf16)
         entry = {"fraction": frac, "budget_bytes": budget}

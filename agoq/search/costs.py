@@ -302,12 +302,14 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
 
     share = np.bincount(stages, minlength=S) / L
     static = static_bytes_total(profile, knobs.gradient_mode) * share
+    # besides the layers' activations a step holds what embedding, final norm, head and loss keep
+    # (outside_activation_bytes) and the calibrated rest (fixed_bytes: logits' gradient, workspace)
+    outside = float(profile.memory.get("outside_activation_bytes") or 0)
     fixed_bytes = profile.memory.get("fixed_bytes")
     if fixed_bytes is None:  # not calibrated (no allocator statistics where it was profiled)
-        fixed_bytes = profile.memory.get("outside_activation_bytes") or 0
         notes.append("the profile has no calibrated memory.fixed_bytes: the fixed part is only the activations "
-                     f"kept outside the decoder layers ({int(fixed_bytes)} bytes), workspace not counted")
-    fixed = float(fixed_bytes) * (mb / mb0)
+                     f"kept outside the decoder layers ({int(outside)} bytes), workspace not counted")
+    fixed = (float(fixed_bytes or 0) + outside) * (mb / mb0)
     static = static + fixed
     fixed_opt = profile.memory.get("fixed_bytes_optimizer_step")
     floor = None

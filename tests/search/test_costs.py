@@ -115,7 +115,8 @@ def test_stage_memory_and_time_closed_form(tmp_path):
         expected_mem[layer_stage[l]] += in_flight[layer_stage[l]] * 2 * header["settings"]["seq_len"] * hidden * 2
         expected_extra += 2 * header["timing"]["layer_forward_seconds"][l]
     counts = np.bincount(layer_stage, minlength=stages)
-    expected_mem += static_bytes_total(profile, mode) * counts / L + header["memory"]["fixed_bytes"]
+    expected_mem += static_bytes_total(profile, mode) * counts / L + header["memory"]["fixed_bytes"] \
+        + header["memory"]["outside_activation_bytes"]
     floor = (static_bytes_total(profile, mode) + header["memory"]["fixed_bytes_optimizer_step"]) * counts / L
     expected_mem = np.maximum(expected_mem, floor)  # the optimizer step's peak
     coll = pd.read_parquet(folder / "collectives.parquet")
