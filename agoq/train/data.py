@@ -123,6 +123,7 @@ class Batches:
     def __init__(self, corpus: Corpus, seq_len: int, micro_batch: int, grad_accum: int, data_ranks: int, seed: int):
         self.seq_len, self.micro_batch, self.grad_accum, self.data_ranks = seq_len, micro_batch, grad_accum, data_ranks
         self.seed = seed
+        self.val_rows = micro_batch  # validation micro-batch size (kept when a pipeline stacks micro-batches)
         self.tokens = corpus.train
         self.windows = (self.tokens.numel() - 1) // seq_len
         if self.windows < 1:
@@ -166,8 +167,8 @@ class Batches:
 
     def validation(self, max_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The fixed validation micro-batches: the first windows of the validation split, in order."""
-        n = min(self.val_windows, max_batches * self.micro_batch)
+        n = min(self.val_windows, max_batches * self.val_rows)
         out = []
-        for start in range(0, n, self.micro_batch):
-            out.append(self._rows(self.val_tokens, list(range(start, min(n, start + self.micro_batch)))))
+        for start in range(0, n, self.val_rows):
+            out.append(self._rows(self.val_tokens, list(range(start, min(n, start + self.val_rows)))))
         return out
