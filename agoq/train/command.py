@@ -1,9 +1,9 @@
 """Train a LLaMA-style model in plain bf16 (the baseline) or with a plan from `agoq search`.
 
 One process trains on the CPU or one GPU. Under torchrun each process is one rank:
-  torchrun --nproc-per-node 2 -m agoq.cli train MODEL --parallel ddp       (QuanGrad with a quangrad8 plan)
-  torchrun --nproc-per-node 2 -m agoq.cli train MODEL --parallel sharded   (SDP4Bit with --gradients sdp4bit)
-  torchrun --nproc-per-node 4 -m agoq.cli train MODEL --parallel pipeline --grad-accum 8   (1F1B, stage bits)
+  torchrun --nproc-per-node 2 -m agoq.train MODEL --parallel ddp       (QuanGrad with a quangrad8 plan)
+  torchrun --nproc-per-node 2 -m agoq.train MODEL --parallel sharded   (SDP4Bit with --gradients sdp4bit)
+  torchrun --nproc-per-node 4 -m agoq.train MODEL --parallel pipeline --grad-accum 8   (1F1B, stage bits)
 
 Without --data a built-in synthetic corpus is used; a text file is read as bytes (vocabulary 256) or
 with --tokenizer; the last 10 % is held out for validation. The run folder receives run.json,

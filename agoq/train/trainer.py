@@ -424,7 +424,7 @@ class Trainer:
                 self.optimizer = AdamW8bit(targets, lr=cfg.lr, betas=BETAS, eps=EPS, weight_decay=cfg.weight_decay)
             else:
                 self.optimizer = torch.optim.AdamW(targets, lr=cfg.lr, betas=BETAS, eps=EPS,
-                                                   weight_decay=cfg.weight_decay, foreach=False)
+                                                   weight_decay=cfg.weight_decay)
         self.start_step = 0
 
     # ---------------------------------------------------------------- run description
