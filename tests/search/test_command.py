@@ -210,8 +210,40 @@ def test_validation_as_ray_tasks(profile_dir, tmp_path):
         # same seed, same data, same model: the losses, hence the deviation, do not depend on where it ran
         assert m.loss_deviation == pytest.approx(local.plan.measured.loss_deviation, rel=1e-6, abs=1e-9)
         assert runner.ray is ray
+        # Optuna trials measured as Ray tasks, two at a time, in a journal-file study
+        journal = str(tmp_path / "study.journal")
+        res = search(profile, (low + high) // 2, method="optuna", trials=4, storage=journal, measure_trials=True,
+                     parallel=2, ray_address="local", progress=False, front_budgets=0, validate_steps=2)
+        assert res.trials_run == 4
+        _check_measured_trials(journal, 4)
     finally:
         ray.shutdown()
+
+
+def _check_measured_trials(storage, count):
+    import optuna
+    from optuna.trial import TrialState
+
+    from agoq.search.study import open_storage
+
+    study = optuna.load_study(study_name="agoq-search", storage=open_storage(storage))
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(done) == count
+    measured = [t for t in done if "measured" in t.user_attrs]
+    assert measured, "no trial was measured"
+    for t in measured:  # the study's time objective is the measured step time
+        assert t.values[1] == t.user_attrs["measured"]["step_seconds"] > 0
+        assert math.isfinite(t.user_attrs["measured"]["loss_deviation"])
+
+
+def test_measured_trials_here(profile_dir, tmp_path):
+    profile = load_profile(profile_dir)
+    low, high = _bounds(profile_dir)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    res = search(profile, (low + high) // 2, method="optuna", trials=3, storage=storage, measure_trials=True,
+                 progress=False, front_budgets=0, validate_steps=2)
+    assert res.trials_run == 3
+    _check_measured_trials(storage, 3)
 
 
 def test_on_a_real_profile(tmp_path):
