@@ -169,8 +169,10 @@ def memory_breakdown(mem: dict[str, Any]) -> dict[str, Any]:
         data.append({"type": "bar", "name": f"measured ({label})",
                      "marker": {"color": "#444444", "pattern": {"shape": "/x+-."[j % 5]}},
                      "x": [f"stage {s}: {label}" for s in mem["stages"][:len(values)]], "y": _scaled(values, size)})
+    order = [f"stage {s}: {label}" for s in mem["stages"] for label in ["predicted", *measured]]
     return _figure(data, "Memory per stage: predicted parts beside measured peak", barmode="stack",
-                   yaxis={"title": {"text": unit}}, xaxis={"type": "category"})
+                   yaxis={"title": {"text": unit}},
+                   xaxis={"type": "category", "categoryorder": "array", "categoryarray": order})
 
 
 def run_curves(runs: list[dict[str, Any]], x: str = "step") -> list[dict[str, Any]]:

@@ -272,6 +272,14 @@ def _plan_sections(page: Page, data: dict[str, Any]) -> None:
             page.add(message("Not compared with the prediction: " + ", ".join(mem["cpu_runs"]) + " ran on the CPU, "
                              "where the recorded peak is the whole process's memory.", "info"))
         page.figure(figures.memory_breakdown(mem))
+        parts = mem["predicted_parts"]
+        measured = mem["measured_peak"]
+        page.add(table(["stage", *(f"predicted {k}" for k in parts), "predicted peak",
+                        *(f"measured ({k})" for k in measured)],
+                       [[str(st), *(fmt_bytes(v[i]) for v in parts.values()),
+                         fmt_bytes(mem["predicted_peak"][i] if i < len(mem["predicted_peak"]) else None),
+                         *(fmt_bytes(v[i] if i < len(v) else None) for v in measured.values())]
+                        for i, st in enumerate(mem["stages"])]))
     if data["runs"]:
         page.add("<p>Trained with this plan: " + ", ".join(
             f'<a href="{esc(link("/runs", id=r))}">{esc(r)}</a>' for r in data["runs"]) + "</p>")
