@@ -89,8 +89,13 @@ class Dashboard:
         a = self.catalog.get("plans", artifact_id)
         plan = plans.read_plan(a.path)
         used_by = self._runs_with(plan)
-        return {"id": a.id, "summary": plans.summary(plan), "bits": part(lambda: plans.bit_map(plan)),
-                "memory": part(lambda: plans.memory_breakdown(plan, self._profile_for(plan), used_by)),
+        profile = self._profile_for(plan)
+        summary = plans.summary(plan)
+        steps = ((profile or {}).get("memory") or {}).get("steps") or []
+        summary["bf16_predicted_peak_bytes"] = next(
+            (s.get("predicted_peak_bytes") for s in steps if s.get("policy") == "bf16"), None)
+        return {"id": a.id, "summary": summary, "bits": part(lambda: plans.bit_map(plan)),
+                "memory": part(lambda: plans.memory_breakdown(plan, profile, used_by)),
                 "runs": sorted(used_by)}
 
     def search(self, artifact_id: str) -> dict[str, Any]:

@@ -100,6 +100,10 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
             want = -1 if entry.get("checkpoint") else 0 if entry["kinds"][kind] == "recompute" else entry["kinds"][kind]
             assert value == want
     assert chosen["memory"]["profile_found"] is True
+    profile_steps = json.loads((stage_root / "demo/profile/profile.json").read_text())["memory"]["steps"]
+    bf16_peak = next(s["predicted_peak_bytes"] for s in profile_steps if s["policy"] == "bf16")
+    assert chosen["summary"]["bf16_predicted_peak_bytes"] == bf16_peak
+    assert chosen["summary"]["predicted_peak_bytes"] == max(plan["predicted"]["peak_bytes_per_stage"])
     assert chosen["memory"]["cpu_runs"] == ["demo/runs/plan"]  # a CPU run's process memory is not compared
     assert len(search["pareto"]["rows"]) >= 1
 
