@@ -1,0 +1,109 @@
+"""Two GPUs: DDP with QuanGrad against DDP bf16, sharded with SDP4Bit against sharded bf16 (exact).
+
+Four `agoq train` runs under torchrun on the same model (experiments/train_llama_byte.json, 85.3 M
+parameters), data (tinyshakespeare.txt, bytes), seed and steps, each rank reading its own share of
+every step (the global batch is the same in all four):
+  ddp_bf16          DDP, bf16 gradients all-reduced by NCCL
+  ddp_quangrad8     8-bit gradient buffer, 8-bit all-reduce (all-to-all, fp32 sum, all-gather)
+  sharded_bf16      sharded AdamW, exact float32 reduce-scatter / all-gather
+  sharded_sdp4bit   sharded AdamW with TLq-HS gradients and qWD 4-bit weight differences
+once over NVLink and once over NCCL's socket transport on loopback (NCCL_P2P_DISABLE=1
+NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo). Goal: the quantized runs' final validation
+loss within 1 % of their baseline's; throughput (tokens/s, median over the steps after the first 10)
+reported as a ratio.
+
+Writes experiments/results/train_2gpu.json and the run folders (no checkpoints) under
+experiments/results/runs/.
+
+GPU (2 x H200; 8 runs, about 45 s each, 6-7 minutes in all):
+    python experiments/train_multi_gpu.py
+CPU check (gloo, tiny model, NVLink/socket variants collapse to one):
+    python experiments/train_multi_gpu.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from experiments.record import RESULTS, write_result  # noqa: E402
+from experiments.train_runs import (BYTE_MODEL, drop_checkpoint, relative_difference, run_train,  # noqa: E402
+                                    summarize, tiny_shakespeare)
+
+GOAL = 0.01
+SOCKETS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
+VARIANTS = {
+    "ddp_bf16": ["--parallel", "ddp"],
+    "ddp_quangrad8": ["--parallel", "ddp", "--gradients", "quangrad8"],
+    "sharded_bf16": ["--parallel", "sharded"],
+    "sharded_sdp4bit": ["--parallel", "sharded", "--gradients", "sdp4bit"],
+}
+PAIRS = [("ddp_quangrad8", "ddp_bf16"), ("sharded_sdp4bit", "sharded_bf16")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=None, help="tinyshakespeare.txt (default: ../shared/data/)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes (GPUs) per run (default 2)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank and step (default 4)")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--transports", default="nvlink,sockets", help="nvlink, sockets or both (default both)")
+    parser.add_argument("--tiny", action="store_true", help="CPU check with gloo: llama-tiny, 12 steps")
+    parser.add_argument("--out", default=str(RESULTS / "runs"))
+    args = parser.parse_args(argv)
+
+    model, name, device, eval_every, eval_batches = str(BYTE_MODEL), "train_2gpu", [], 50, 16
+    transports = args.transports.split(",")
+    if args.tiny:
+        model, name, device = "llama-tiny", "train_2gpu_tiny", ["--device", "cpu"]
+        args.steps, args.seq_len, args.micro_batch, eval_every, eval_batches = 12, 64, 2, 6, 2
+        transports = ["gloo"]
+        if args.out == str(RESULTS / "runs"):
+            args.out = "/tmp/agoq-train-2gpu"
+    data = tiny_shakespeare(args.data)
+    common = [model, "--data", data, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+              "--steps", str(args.steps), "--lr", str(args.lr), "--warmup", str(max(1, args.steps // 10)),
+              "--eval-every", str(eval_every), "--eval-batches", str(eval_batches), "--checkpoint-every", "0",
+              "--seed", "0", "--quiet", *device]
+    figures: dict = {"nproc": args.nproc, "runs": {}, "comparisons": {}}
+    for transport in transports:
+        env = SOCKETS if transport == "sockets" else {}
+        for variant, extra in VARIANTS.items():
+            run_dir = Path(args.out) / f"{name}_{transport}_{variant}"
+            if run_dir.exists():
+                shutil.rmtree(run_dir)
+            wall = run_train(common + extra + ["--out", str(run_dir)], nproc=args.nproc, env=env)
+            drop_checkpoint(run_dir)
+            figures["runs"][f"{transport}/{variant}"] = {**summarize(run_dir), "wall_seconds": wall,
+                                                         "transport": transport, "env": env}
+        for quantized, base in PAIRS:
+            q, b = figures["runs"][f"{transport}/{quantized}"], figures["runs"][f"{transport}/{base}"]
+            diff = relative_difference(q["final_val_loss"], b["final_val_loss"])
+            figures["comparisons"][f"{transport}/{quantized}_vs_{base}"] = {
+                "final_val_loss": [q["final_val_loss"], b["final_val_loss"]], "relative_difference": diff,
+                "goal": GOAL, "met": diff <= GOAL,
+                "tokens_per_s": [q["median_tokens_per_s"], b["median_tokens_per_s"]],
+                "throughput_ratio": q["median_tokens_per_s"] / b["median_tokens_per_s"],
+                "peak_bytes_rank0": [q["peak_bytes_per_rank"][0], b["peak_bytes_per_rank"][0]]}
+    if args.tiny:
+        path = Path(args.out) / f"{name}.json"
+        path.write_text(json.dumps(figures, indent=2) + "\n")
+    else:
+        path = write_result(name, figures)
+    for key, c in figures["comparisons"].items():
+        print(f"{key}: val loss {c['final_val_loss'][0]:.4f} vs {c['final_val_loss'][1]:.4f} "
+              f"({c['relative_difference']:.2%}, {'met' if c['met'] else 'NOT met'}), throughput x"
+              f"{c['throughput_ratio']:.2f}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

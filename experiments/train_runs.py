@@ -1,0 +1,99 @@
+"""Launching `agoq train` from the experiments and reading back what its run folders hold.
+
+Runs go through `python -m agoq.train` (or `torchrun ... -m agoq.train`), the same code as `agoq train`
+but without the other stages' imports, so they work on GPU images that lack pandas, optuna or ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BYTE_MODEL = ROOT / "experiments" / "train_llama_byte.json"
+TINY_SHAKESPEARE_CANDIDATES = [ROOT.parent / "shared" / "data" / "tinyshakespeare.txt",
+                               ROOT / "shared" / "data" / "tinyshakespeare.txt"]
+
+
+def tiny_shakespeare(explicit: str | None) -> str:
+    """The path of tinyshakespeare.txt: `explicit`, else ../shared/data or shared/data beside the repository."""
+    if explicit:
+        if not Path(explicit).is_file():
+            raise SystemExit(f"data file not found: {explicit}")
+        return explicit
+    for path in TINY_SHAKESPEARE_CANDIDATES:
+        if path.is_file():
+            return str(path)
+    raise SystemExit("tinyshakespeare.txt not found in ../shared/data or shared/data: pass --data PATH")
+
+
+def run_train(args: list[str], nproc: int = 1, env: dict | None = None, log: Path | None = None) -> float:
+    """Run agoq train with `args` (in `nproc` processes under torchrun when > 1); returns wall seconds.
+
+    Raises SystemExit with the command's tail of output when it fails.
+    """
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "agoq.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "agoq.train", *args]
+    print("$ " + " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, stderr=subprocess.PIPE, text=True)
+    seconds = time.perf_counter() - start
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"agoq train failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    print(f"  {seconds:.0f} s", flush=True)
+    return seconds
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    """(training step records, validation records) of a run folder's metrics.jsonl."""
+    lines = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [x for x in lines if "loss" in x], [x for x in lines if "val_loss" in x]
+
+
+def summarize(run_dir: str | Path, skip: int = 10) -> dict:
+    """The figures of one run: final/min validation loss, last training losses, step time and throughput
+    (medians over the steps after the first `skip`), peak bytes per rank (max over steps)."""
+    run = json.loads(Path(run_dir, "run.json").read_text())
+    steps, vals = read_metrics(run_dir)
+    timed = steps[skip:] if len(steps) > skip else steps
+    ranks = len(steps[0]["peak_bytes"]) if steps else 0
+    return {
+        "run_dir": str(Path(run_dir).resolve().relative_to(ROOT)) if Path(run_dir).resolve().is_relative_to(ROOT)
+        else str(run_dir),
+        "status": run["status"], "steps": run["step"], "settings": run["settings"],
+        "model": {k: run["model"][k] for k in ("name", "fingerprint", "parameters")},
+        "final_val_loss": vals[-1]["val_loss"] if vals else None,
+        "min_val_loss": min(v["val_loss"] for v in vals) if vals else None,
+        "final_train_loss_mean_last_50": statistics.fmean(s["loss"] for s in steps[-50:]) if steps else None,
+        "median_step_seconds": statistics.median(s["step_seconds"] for s in timed) if timed else None,
+        "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed) if timed else None,
+        "peak_bytes_per_rank": [max(s["peak_bytes"][r] for s in steps) for r in range(ranks)],
+        "world": run["world"], "hardware": run["hardware"],
+    }
+
+
+def drop_checkpoint(run_dir: str | Path) -> None:
+    """Remove the run's checkpoint folder (weights and optimizer state) so the folder is small enough to commit."""
+    for name in ("checkpoint", ".checkpoint-old"):
+        path = Path(run_dir, name)
+        if path.exists():
+            shutil.rmtree(path)
+
+
+def relative_difference(a: float, b: float) -> float:
+    """|a - b| / |b|."""
+    return abs(a - b) / abs(b)
