@@ -255,11 +255,9 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
     layer_stage = None
     policy_name = None
     if cfg.plan:
-        try:
-            from agoq.plan import load_plan
-        except ImportError as e:
-            raise ValueError(f"--plan needs the plan reader's dependency {e.name!r} (pip install {e.name})") from None
-        plan = load_plan(cfg.plan, model)
+        from agoq.train.plan_reader import read_plan
+
+        plan = read_plan(cfg.plan, model)
         gradients = plan.gradients.mode
         training = {"seq_len": plan.training.seq_len, "micro_batch": plan.training.micro_batch,
                     "grad_accum": plan.training.grad_accum}

@@ -1,0 +1,112 @@
+"""Reading a plan for training: `agoq.plan` when its validator (pydantic) is installed, else a plain reader.
+
+GPU images often carry only torch. The plain reader checks what training relies on (schema, model
+fingerprint, one entry per layer in order, each kind's setting, stages, gradient mode) and gives the
+same attributes `agoq.train` uses; the full validation stays in `agoq.plan`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from torch import nn
+
+
+class PlainPlan:
+    """The parts of a plan.json that training reads, validated without pydantic."""
+
+    def __init__(self, data: dict, where: str):
+        from agoq.runtime.policy import KEEP, KINDS, check_setting
+
+        schema = data.get("schema")
+        if not isinstance(schema, str) or not schema.startswith("agoq.plan/"):
+            raise ValueError(f"{where}: schema: expected 'agoq.plan/1', got {schema!r}")
+        if not schema.split("/")[1].split(".")[0] == "1":
+            raise ValueError(f"{where}: schema: {schema!r} is newer than this agoq reads ('agoq.plan/1')")
+        self._data = data
+        model = data.get("model") or {}
+        self.model = SimpleNamespace(name=model.get("name"), fingerprint=model.get("fingerprint"))
+        layers = data.get("layers") or []
+        if [lp.get("layer") for lp in layers] != list(range(len(layers))) or not layers:
+            raise ValueError(f"{where}: layers: entries must be layers 0..N-1 in order")
+        self.layers = []
+        for lp in layers:
+            kinds = {k: KEEP for k in KINDS}
+            kinds.update({k: check_setting(k, v) for k, v in (lp.get("kinds") or {}).items()})
+            self.layers.append(SimpleNamespace(layer=lp["layer"], stage=int(lp.get("stage", 0)),
+                                               checkpoint=bool(lp.get("checkpoint", False)), kinds=kinds))
+        grads = data.get("gradients") or {}
+        self.gradients = SimpleNamespace(mode=grads.get("mode", "bf16"))
+        pipe = data.get("pipeline") or {}
+        self.pipeline = SimpleNamespace(stages=int(pipe.get("stages", 1)), micro_batches=int(pipe.get("micro_batches", 1)))
+        tr = data.get("training") or {}
+        self.training = SimpleNamespace(micro_batch=int(tr.get("micro_batch", 1)), seq_len=int(tr.get("seq_len", 1)),
+                                        grad_accum=int(tr.get("grad_accum", 1)))
+        pred = data.get("predicted") or {}
+        self.predicted = SimpleNamespace(peak_bytes_per_stage=list(pred.get("peak_bytes_per_stage") or []))
+        self.budget_bytes = data.get("budget_bytes")
+        act = data.get("activations") or {}
+        self._act = (int(act.get("block", 128)), act.get("format", "int"), act.get("rounding", "nearest"))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def checkpoint_layers(self) -> list[int]:
+        return [lp.layer for lp in self.layers if lp.checkpoint]
+
+    def activation_policy(self):
+        from agoq.runtime.policy import ActivationPolicy
+
+        block, fmt, rounding = self._act
+        return ActivationPolicy(layers={lp.layer: dict(lp.kinds) for lp in self.layers}, block=block, format=fmt,
+                                rounding=rounding, name="plan")
+
+    def check_model(self, model: nn.Module) -> None:
+        from agoq.models import fingerprint
+
+        found = fingerprint(model)
+        if found != self.model.fingerprint:
+            raise ValueError(f"model.fingerprint: this plan was made for model {self.model.name!r} (fingerprint "
+                             f"{self.model.fingerprint}), not for this one ({found}); profile and search this "
+                             "model to get its own plan")
+
+    def apply(self, model: nn.Module) -> None:
+        from agoq.runtime.checkpointing import apply_checkpointing
+        from agoq.runtime.laaq import apply_activation_policy
+
+        self.check_model(model)
+        apply_activation_policy(model, self.activation_policy())
+        if self.checkpoint_layers():
+            apply_checkpointing(model, self.checkpoint_layers())
+
+    def to_dict(self) -> dict[str, Any]:
+        return self._data
+
+
+def read_plan(path: str, model: nn.Module):
+    """The plan at `path`, checked against `model`: an `agoq.plan.Plan`, or a `PlainPlan` without pydantic."""
+    try:
+        from agoq.plan import load_plan
+    except ImportError:
+        load_plan = None
+    if load_plan is not None:
+        return load_plan(path, model)
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"plan file not found: {p}")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: a plan is a JSON object")
+    plan = PlainPlan(data, str(p))
+    try:
+        plan.check_model(model)
+    except ValueError as e:
+        raise ValueError(f"{p}: {e}") from None
+    return plan
