@@ -8,7 +8,7 @@ every layer kept at 16 bits through the same LAAQ runtime:
 agoq's `attention` kind keeps q, k and v together, so it stands beside the paper's Q, K and V;
 the GEMM-input kinds (qkv_input, o_proj_input, ffn1_input, ffn2_input) beside "GEMM input".
 
-    python experiments/profile_kind_ranking.py                 # one H200, about a minute
+    python experiments/profile_kind_ranking.py                 # one H200, under a minute
     python experiments/profile_kind_ranking.py --model llama-tiny   # CPU check
 
 Writes experiments/results/profile_kind_ranking.json with both rankings.
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agoq.profiler.model_source import load_model, token_batches, vocab_size  # noqa: E402
-from agoq.profiler.sensitivity import Measurement, SensitivityMeter, reference_kind  # noqa: E402
+from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chunk, reference_kind  # noqa: E402
 from agoq.runtime.policy import KINDS, ActivationPolicy, RECOMPUTE  # noqa: E402
 from agoq.runtime.saved_bytes import find_decoder_layers  # noqa: E402
 from experiments.record import write_result  # noqa: E402
@@ -57,8 +57,8 @@ def main() -> None:
         reference = reference_kind(kind)
         policy = ActivationPolicy(default={reference: RECOMPUTE, kind: args.bits}, name=f"{kind}-{args.bits}")
         all_layers[kind] = meter.policy_error(policy, reference)
-        single[kind] = sum(meter.measure(Measurement(i, kind, str(args.bits), "int"))
-                           for i in range(layers)) / layers
+        rows = measure_chunk(meter, [Measurement(i, kind, str(args.bits), "int") for i in range(layers)])
+        single[kind] = sum(r["sensitivity"] for r in rows) / layers
         print(f"{kind:>13s}: all layers {all_layers[kind]:.4f}, one layer (mean) {single[kind]:.5f}", flush=True)
     seconds = time.perf_counter() - start
     rank_all = sorted(all_layers, key=all_layers.get, reverse=True)
