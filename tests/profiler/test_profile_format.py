@@ -104,3 +104,29 @@ def test_search_reads_the_profile(tiny_profile):
     profile_data = pytest.importorskip("agoq.search.profile_data")
     data = profile_data.load_profile(tiny_profile[0])
     assert data.num_layers == 3 and data.in_flight("1f1b") == [2, 1]
+
+
+def test_round_trip(tiny_profile):
+    from agoq.profiler.profile import _json_safe, read_profile
+
+    out, header = tiny_profile
+    read_header, table = read_profile(out)
+    assert read_header == json.loads(json.dumps(_json_safe(header), default=str))
+    assert read_header["files"] == {"table": "profile.parquet"}
+    assert table.equals(pd.read_parquet(out / "profile.parquet"))
+
+
+def test_csv_without_pyarrow(tmp_path, monkeypatch):
+    import sys
+
+    from agoq.profiler.profile import ProfileSettings, make_profile, read_profile
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as on a machine without pyarrow
+    settings = ProfileSettings("llama-tiny", seq_len=7, micro_batch=1, dtype="fp32", bits=[4], formats=["int"],
+                               batches=1, layers=1)
+    header = make_profile(settings, tmp_path, progress=False, say=lambda *a: None)
+    assert header["files"]["table"] == "profile.csv" and not (tmp_path / "profile.parquet").exists()
+    monkeypatch.delitem(sys.modules, "pyarrow")
+    _, table = read_profile(tmp_path)
+    assert len(table) == 7 * 2 + 3 and set(table.option.astype(str)) == {"16", "4", "recompute"}
+    assert (table.bytes == table.bytes_measured).all()
