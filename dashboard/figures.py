@@ -131,13 +131,25 @@ def study_trials(study: dict[str, Any]) -> dict[str, Any] | None:
         return None
     names = study.get("objectives") or [f"objective {i}" for i in range(len(study.get("directions") or [1]))]
     if len(trials[0]["values"]) >= 2:
+        def feasible(t: dict[str, Any]) -> bool:
+            constraint = (t.get("user_attrs") or {}).get("constraint")
+            values = constraint if isinstance(constraint, list) else [constraint] if constraint is not None else []
+            return all(isinstance(v, (int, float)) and v <= 0 for v in values)
+
+        ok = [t for t in trials if feasible(t)]
+        over = [t for t in trials if not feasible(t)]
         marker: dict[str, Any] = {"color": "#1f77b4", "size": 9}
         if len(trials[0]["values"]) >= 3:
-            marker = {"size": 9, "color": [t["values"][2] if len(t["values"]) > 2 else None for t in trials],
+            marker = {"size": 9, "color": [t["values"][2] if len(t["values"]) > 2 else None for t in ok],
                       "colorscale": "Plasma", "showscale": True, "colorbar": {"title": {"text": str(names[2])}}}
-        data = [{"type": "scatter", "mode": "markers", "name": "trials",
-                 "x": [t["values"][0] for t in trials], "y": [t["values"][1] for t in trials],
-                 "text": [f"trial {t['number']}" for t in trials], "marker": marker}]
+        data = [{"type": "scatter", "mode": "markers", "name": "feasible trials",
+                 "x": [t["values"][0] for t in ok], "y": [t["values"][1] for t in ok],
+                 "text": [f"trial {t['number']}" for t in ok], "marker": marker}]
+        if over:
+            data.append({"type": "scatter", "mode": "markers", "name": "over the budget (constraint > 0)",
+                         "x": [t["values"][0] for t in over], "y": [t["values"][1] for t in over],
+                         "text": [f"trial {t['number']}" for t in over],
+                         "marker": {"symbol": "x-thin-open", "size": 9, "color": "#999999"}})
         return _figure(data, f"Optuna study {study['name']}: {len(trials)} finished trials",
                        xaxis={"title": {"text": str(names[0])}}, yaxis={"title": {"text": str(names[1])}})
     data = [{"type": "scatter", "mode": "markers", "name": "trials", "x": [t["number"] for t in trials],

@@ -264,6 +264,8 @@ def _plan_sections(page: Page, data: dict[str, Any]) -> None:
                      fmt_bytes(s["predicted_peak_bytes"]) + esc(versus), fmt_bytes(s["measured_peak_bytes"]),
                      fmt_seconds(s["predicted_step_seconds"]), fmt_seconds(s["measured_step_seconds"]),
                      fmt_num(s["predicted_grad_error"]), esc(s["method"])]]))
+    for note in s.get("notes") or []:
+        page.add(message(note, "info"))
     if page.error_or(data["bits"], "plan layers"):
         page.figure(figures.plan_bits(data["bits"]))
     mem = data["memory"]

@@ -42,6 +42,8 @@ def summary(plan: dict[str, Any]) -> dict[str, Any]:
         "measured_peak_bytes": max((p for p in mpeaks if p is not None), default=None),
         "measured_step_seconds": measured.get("step_seconds"),
         "validated": bool(measured),
+        "measured_device": measured.get("device"),
+        "notes": [str(n) for n in (source.get("notes") or [])] + ([str(measured["note"])] if measured.get("note") else []),
         "method": source.get("method"),
         "objective": source.get("objective"),
         "date": source.get("date"),

@@ -487,3 +487,22 @@ def test_profile_table_as_csv(synthetic_root, tmp_path):
     meta["files"] = {"table": "../../etc/passwd"}
     (tmp_path / "prof" / "profile.json").write_text(json.dumps(meta))
     assert "plain file name" in client.get("/api/profile", params={"id": "prof"}).json()["maps"]["error"]
+
+
+def test_study_figure_separates_trials_over_the_budget():
+    from dashboard.figures import study_trials
+
+    rng = np.random.default_rng()
+    trials = []
+    for n in range(11):
+        values = rng.uniform(0, 1, 3).tolist()
+        trials.append({"number": n, "values": values, "params": {},
+                       "user_attrs": {"constraint": [float(rng.uniform(-1, 1))]} if n % 4 else {}})
+    fig = study_trials({"name": "s", "directions": ["minimize"] * 3, "objectives": ["peak", "time", "error"],
+                        "trials": trials})
+    feasible = [t for t in trials if all(c <= 0 for c in t["user_attrs"].get("constraint", []))]
+    over = [t for t in trials if t not in feasible]
+    assert fig["data"][0]["x"] == pytest.approx([t["values"][0] for t in feasible])
+    assert fig["data"][0]["marker"]["color"] == pytest.approx([t["values"][2] for t in feasible])
+    if over:
+        assert fig["data"][1]["y"] == pytest.approx([t["values"][1] for t in over])
