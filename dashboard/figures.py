@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
@@ -47,10 +48,22 @@ def profile_maps(maps: dict[str, Any]) -> list[dict[str, Any]]:
     option = maps["option"]
     bytes_max = max((v for row in maps["bytes"] for v in row if v is not None), default=None)
     unit, size = byte_unit(bytes_max)
+    sens = maps["sensitivity"]
+    positive = [v for row in sens for v in row if v is not None and v > 0]
+    title = f"Sensitivity at option {option}: weight-gradient error when only this tensor uses it"
+    if positive and max(positive) / min(positive) > 100:
+        # spans decades: colour by log10, label the colour bar in plain numbers, hover the raw value
+        lo, hi = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)))
+        z = [[math.log10(v) if v is not None and v > 0 else None for v in row] for row in sens]
+        sens_map = heat_map(z, maps["kinds"], maps["layers"], title + " (log colour scale)", "rel. L2",
+                            colorscale="Viridis", customdata=sens, zmin=lo, zmax=hi,
+                            hovertemplate="layer %{y}, %{x}<br>sensitivity %{customdata:.3g}<extra></extra>")
+        sens_map["data"][0]["colorbar"].update(tickvals=list(range(lo, hi + 1)),
+                                               ticktext=[f"1e{k}" for k in range(lo, hi + 1)])
+    else:
+        sens_map = heat_map(sens, maps["kinds"], maps["layers"], title, "rel. L2", colorscale="Viridis")
     return [
-        heat_map(maps["sensitivity"], maps["kinds"], maps["layers"],
-                 f"Sensitivity at option {option}: weight-gradient error when only this tensor uses it",
-                 "rel. L2", colorscale="Viridis"),
+        sens_map,
         heat_map([_scaled(r, size) for r in maps["bytes"]], maps["kinds"], maps["layers"],
                  f"Bytes kept per micro-batch at option {option}", unit, colorscale="Blues"),
     ]
@@ -71,16 +84,20 @@ def error_curves(curves: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return figs
 
 
-def collective_times(series: list[dict[str, Any]]) -> dict[str, Any]:
-    """Collective time against message size, log-log, one line per (op, path, world size)."""
-    data = []
-    for i, s in enumerate(series):
-        data.append({"type": "scatter", "mode": "lines+markers", "name": f"{s['op']} {s['path']} (x{s['world_size']})",
-                     "x": s["message_bytes"], "y": [None if v is None else v * 1e3 for v in s["seconds"]],
-                     "line": {"color": PALETTE[i % len(PALETTE)]}})
-    return _figure(data, "Collective time vs message size",
-                   xaxis={"title": {"text": "message (fp32 gradient bytes)"}, "type": "log"},
-                   yaxis={"title": {"text": "time (ms)"}, "type": "log"})
+def collective_times(series: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Collective time against message size, log-log: one chart per operation, one line per
+    (path, world size)."""
+    figs = []
+    for op in dict.fromkeys(s["op"] for s in series):
+        data = []
+        for i, s in enumerate(x for x in series if x["op"] == op):
+            data.append({"type": "scatter", "mode": "lines+markers", "name": f"{s['path']} (x{s['world_size']})",
+                         "x": s["message_bytes"], "y": [None if v is None else v * 1e3 for v in s["seconds"]],
+                         "line": {"color": PALETTE[i % len(PALETTE)]}})
+        figs.append(_figure(data, f"{op}: time vs message size",
+                            xaxis={"title": {"text": "message (fp32 gradient bytes)"}, "type": "log"},
+                            yaxis={"title": {"text": "time (ms)"}, "type": "log"}, height=360))
+    return figs
 
 
 def pareto_front(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -247,7 +247,8 @@ def profile(data: dict[str, Any]) -> str:
     coll = data["collectives"]
     if page.error_or(coll, "collectives.parquet"):
         if coll["series"]:
-            page.figure(figures.collective_times(coll["series"]))
+            for fig in figures.collective_times(coll["series"]):
+                page.figure(fig)
         else:
             page.add(message(coll["message"], "empty"))
     return page.render()

@@ -506,3 +506,20 @@ def test_study_figure_separates_trials_over_the_budget():
     assert fig["data"][0]["marker"]["color"] == pytest.approx([t["values"][2] for t in feasible])
     if over:
         assert fig["data"][1]["y"] == pytest.approx([t["values"][1] for t in over])
+
+
+def test_sensitivity_map_goes_logarithmic_over_decades():
+    from dashboard.figures import profile_maps
+
+    rng = np.random.default_rng()
+    sens = (10.0 ** rng.uniform(-5, -1, size=(4, 3))).tolist()
+    sens[1][2] = None  # an option that was not measured stays a gap
+    maps = {"option": "4", "kinds": ["a", "b", "c"], "layers": [0, 1, 2, 3], "sensitivity": sens,
+            "bytes": [[1000, 2000, 3000]] * 4}
+    trace = profile_maps(maps)[0]["data"][0]
+    for row_z, row_s in zip(trace["z"], sens):
+        for z, v in zip(row_z, row_s):
+            assert (z is None) if v is None else z == pytest.approx(np.log10(v))
+    assert trace["customdata"] == sens
+    narrow = {**maps, "sensitivity": [[0.01, 0.02, 0.03]] * 4}
+    assert profile_maps(narrow)[0]["data"][0]["z"] == narrow["sensitivity"]
