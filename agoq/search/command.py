@@ -62,6 +62,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "fastest full-or-selective activation checkpointing that fits the budget; no cap "
                              "when none fits) or 'none' (default checkpoint). Without a cap, minimising error "
                              "prefers recomputation, which has none")
+    parser.add_argument("--error-cap", type=float, default=None, metavar="ERROR",
+                        help="largest predicted gradient error allowed (sum of sensitivities, relative L2), "
+                             "useful with --objective time (default: none)")
     parser.add_argument("--trials", type=positive_int, default=None,
                         help="Optuna trials the study should hold in total (default 40 with --method optuna/both)")
     parser.add_argument("--sampler", choices=("nsga2", "tpe"), default="nsga2",
@@ -107,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
     storage = args.storage
     if storage is None and args.workers > 1:
         storage = str(out.parent.resolve() / "study.journal")
+    if args.error_cap is not None and args.error_cap < 0:
+        raise ValueError(f"--error-cap must be >= 0, got {args.error_cap}")
     outcome = search(profile, args.budget, method=method, objective=args.objective, time_cap=args.time_cap,
+                     error_cap=args.error_cap,
                      trials=args.trials or 40, storage=storage, study_name=args.study_name, sampler=args.sampler,
                      ray_address=args.ray_address, measure_trials=args.measure_trials, parallel=args.workers,
                      validate=args.validate, validate_steps=args.validate_steps, front_budgets=args.front_budgets,

@@ -218,6 +218,8 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
     if knobs.gradient_mode not in gradient_modes(profile):
         raise ValueError(f"gradient mode {knobs.gradient_mode!r} needs figures the profile lacks "
                          f"(available: {', '.join(gradient_modes(profile))})")
+    if block != block0:
+        notes.append(f"sensitivities were measured at block {block0}; at block {block} the same values are used")
     floors = knobs.floors()
     table = profile.table
     fmt_ok = table["format"].isin(["bf16", "recompute", "int"] + (["nf4"] if knobs.format == "nf4" else []))

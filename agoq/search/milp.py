@@ -135,7 +135,7 @@ class _Model:
         e[:n] = p.error
         self.error_row = e
 
-    def _constraints(self, budgets: np.ndarray, time_cap: Optional[float]) -> list:
+    def _constraints(self, budgets: np.ndarray, time_cap: Optional[float], error_cap: Optional[float] = None) -> list:
         p = self.p
         # rows in MiB and milliseconds: coefficients near 1 keep HiGHS's numerics (and speed) healthy
         constraints = [self.structure,
@@ -143,6 +143,9 @@ class _Model:
                                         (np.asarray(budgets, float) - p.static_bytes) / MIB)]
         if time_cap is not None:
             constraints.append(LinearConstraint(self.time_row[None, :] * 1e3, -np.inf, (time_cap - p.base_seconds) * 1e3))
+        if error_cap is not None:
+            scale = max(float(np.abs(self.error_row).max()), 1e-30)
+            constraints.append(LinearConstraint(self.error_row[None, :] / scale, -np.inf, error_cap / scale))
         return constraints
 
     def _rows(self, objective: str):
@@ -151,19 +154,19 @@ class _Model:
         return (self.error_row, self.time_row) if objective == "error" else (self.time_row, self.error_row)
 
     def primary(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-                time_limit: Optional[float] = None):
+                time_limit: Optional[float] = None, error_cap: Optional[float] = None):
         """The exact optimum of the first objective (scipy's OptimizeResult; x None when infeasible)."""
         primary, _ = self._rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
         options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
-        return milp(primary / scale, constraints=self._constraints(budgets, time_cap), integrality=np.ones(self.nv),
+        return milp(primary / scale, constraints=self._constraints(budgets, time_cap, error_cap), integrality=np.ones(self.nv),
                     bounds=self.bounds, options=options)
 
     def value(self, x: np.ndarray, objective: str) -> float:
         return float(self._rows(objective)[0] @ np.round(x))
 
     def secondary(self, first, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-                  time_limit: Optional[float] = None):
+                  time_limit: Optional[float] = None, error_cap: Optional[float] = None):
         """Among the choices reaching `first`'s optimum, the best second objective, then the least memory."""
         primary, secondary = self._rows(objective)
         best = self.value(first.x, objective)
@@ -181,17 +184,17 @@ class _Model:
             scale = max(float(np.abs(primary).max()), 1e-30)
             extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + best * 1e-9) / scale)]
             options["node_limit"] = TIE_BREAK_NODES
-        second = milp(c, constraints=self._constraints(budgets, time_cap) + extra, integrality=np.ones(self.nv),
+        second = milp(c, constraints=self._constraints(budgets, time_cap, error_cap) + extra, integrality=np.ones(self.nv),
                       bounds=bounds, options=options)
         return second if second.x is not None else first
 
     def solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-              time_limit: Optional[float] = None):
+              time_limit: Optional[float] = None, error_cap: Optional[float] = None):
         """Lexicographic: the first objective exactly, then the second (see the module docstring)."""
-        first = self.primary(budgets, objective, time_cap, time_limit)
+        first = self.primary(budgets, objective, time_cap, time_limit, error_cap)
         if first.x is None:
             return first
-        return self.secondary(first, budgets, objective, time_cap, time_limit)
+        return self.secondary(first, budgets, objective, time_cap, time_limit, error_cap)
 
     def allocation(self, x: np.ndarray) -> Allocation:
         x = np.round(x).astype(int)
@@ -234,9 +237,9 @@ class Solver:
         b = np.asarray(budget, dtype=float)
         return np.full(self.problem.num_stages, float(b)) if b.ndim == 0 else b
 
-    def smallest_budget(self, time_cap: Optional[float] = None) -> Optional[int]:
+    def smallest_budget(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None) -> Optional[int]:
         """The least per-stage budget (bytes, same for every stage) that some choice fits; None when the
-        time cap alone cannot be met."""
+        caps alone cannot be met."""
         m = self._model
         S = self.problem.num_stages
         # minimise t subject to memory_s <= t for every stage: append t as the last variable
@@ -248,6 +251,9 @@ class Solver:
         if time_cap is not None:
             cons.append(LinearConstraint(np.append(m.time_row, 0.0)[None, :] * 1e3, -np.inf,
                                          (time_cap - self.problem.base_seconds) * 1e3))
+        if error_cap is not None:
+            scale = max(float(np.abs(m.error_row).max()), 1e-30)
+            cons.append(LinearConstraint(np.append(m.error_row, 0.0)[None, :] / scale, -np.inf, error_cap / scale))
         c = np.zeros(nv)
         c[-1] = 1.0
         lb = np.append(m.bounds.lb, 0.0)
@@ -260,33 +266,45 @@ class Solver:
         return int(max(alloc.peak_bytes_per_stage))  # evaluate() includes the optimizer step's floor
 
     def solve(self, budget, objective: str = "error", time_cap: Optional[float] = None,
-              time_limit: Optional[float] = None) -> Allocation:
-        """The best choice under `budget` bytes per stage (a number, or one per stage).
+              time_limit: Optional[float] = None, error_cap: Optional[float] = None) -> Allocation:
+        """The best choice under `budget` bytes per stage (a number, or one per stage), with optional caps on
+        step seconds and gradient error.
 
         Raises InfeasibleBudget, whose message gives the smallest feasible budget.
         """
         budgets = self._budgets(budget)
-        self._model._rows(objective)
+        m = self._model
+        m._rows(objective)
         if (self.problem.peak_floor() > budgets).any():
-            raise self._infeasible(budgets, time_cap, "the optimizer step alone exceeds the budget")
-        if objective == "time" and time_cap is not None:
-            # the least time either meets the cap or nothing does: solve without it (stages then separate)
-            alloc = self.solve(budgets, "time", None, time_limit)
-            if alloc.step_seconds > time_cap * (1 + 1e-9):
-                raise self._infeasible(budgets, time_cap, "the fastest choice that fits exceeds the time cap")
+            raise self._infeasible(budgets, time_cap, "the optimizer step alone exceeds the budget", error_cap)
+        if objective == "error" and error_cap is not None:
+            # the least error either meets the cap or nothing does
+            alloc = self.solve(budgets, "error", time_cap, time_limit)
+            if alloc.grad_error > error_cap * (1 + 1e-9):
+                raise self._infeasible(budgets, time_cap, "the least error that fits exceeds the error cap", error_cap)
             return alloc
+        if objective == "time" and time_cap is not None:
+            # the least time either meets the cap or nothing does: solve without it (stages may then separate)
+            alloc = self.solve(budgets, "time", None, time_limit, error_cap)
+            if alloc.step_seconds > time_cap * (1 + 1e-9):
+                raise self._infeasible(budgets, time_cap, "the fastest choice that fits exceeds the time cap", error_cap)
+            return alloc
+        if error_cap is not None:  # objective time under an error cap: the cap couples the stages
+            res = m.solve(budgets, objective, None, time_limit, error_cap)
+            if res.x is None:
+                raise self._infeasible(budgets, None, res.message, error_cap)
+            return m.allocation(res.x)
         if time_cap is not None and self.problem.num_stages > 1:
-            first = self._model.primary(budgets, objective, time_cap, time_limit)
+            first = m.primary(budgets, objective, time_cap, time_limit)
             if first.x is None:
                 raise self._infeasible(budgets, time_cap, first.message)
-            if self._model.value(first.x, objective) <= 0.0:
+            if m.value(first.x, objective) <= 0.0:
                 # zero error is reachable within the cap: the least time at zero error is below the cap too,
                 # and without the cap the stages separate
                 return self.solve(budgets, objective, None, time_limit)
-            return self._model.allocation(self._model.secondary(first, budgets, objective, time_cap, time_limit).x)
+            return m.allocation(m.secondary(first, budgets, objective, time_cap, time_limit).x)
         if time_cap is None and self.problem.num_stages > 1:
-            x = np.zeros(self._model.nv)
-            m = self._model
+            x = np.zeros(m.nv)
             for s, (model, idx, layers) in enumerate(self._stage_solvers()):
                 res = model.solve(budgets[s:s + 1], objective, None, time_limit)
                 if res.x is None:
@@ -296,21 +314,28 @@ class Solver:
                 for offset, sub_offset in ((m.c0, model.c0), (m.u0, model.u0), (m.w0, model.w0)):
                     x[offset + layers] = sx[sub_offset:sub_offset + len(layers)]
             return m.allocation(x)
-        res = self._model.solve(budgets, objective, time_cap, time_limit)
+        res = m.solve(budgets, objective, time_cap, time_limit)
         if res.x is None:
             raise self._infeasible(budgets, time_cap, res.message)
-        return self._model.allocation(res.x)
+        return m.allocation(res.x)
 
-    def _infeasible(self, budgets: np.ndarray, time_cap: Optional[float], why: str) -> InfeasibleBudget:
-        smallest = self.smallest_budget(time_cap)
+    def _infeasible(self, budgets: np.ndarray, time_cap: Optional[float], why: str,
+                    error_cap: Optional[float] = None) -> InfeasibleBudget:
+        smallest = self.smallest_budget(time_cap, error_cap)
         asked = ", ".join(format_bytes(b) for b in budgets)
         if smallest is None:
+            if error_cap is not None and self.smallest_budget(None, error_cap) is None:
+                least = self.solve(np.full(self.problem.num_stages, np.inf), "error").grad_error
+                return InfeasibleBudget(f"no choice has a gradient error <= {error_cap:.4g} at any memory budget; the "
+                                        f"least is {least:.4g}: raise --error-cap", None)
             fastest = self.smallest_time()
-            return InfeasibleBudget(f"no choice meets the time cap of {time_cap:.4f} s per step at any memory budget; "
-                                    f"the fastest choice takes {fastest:.4f} s: raise --time-cap", None)
-        cap = f" within the time cap of {time_cap:.4f} s" if time_cap is not None else ""
+            return InfeasibleBudget(f"no choice meets the time cap of {time_cap:.4f} s per step at any memory budget"
+                                    f"{' within the error cap' if error_cap is not None else ''}; the fastest choice "
+                                    f"takes {fastest:.4f} s: raise --time-cap", None)
+        caps = "".join([f" within the time cap of {time_cap:.4f} s" if time_cap is not None else "",
+                        f" and error cap {error_cap:.4g}" if error_cap is not None else ""])
         return InfeasibleBudget(
-            f"no choice fits a budget of {asked} per stage{cap}: the smallest feasible budget is "
+            f"no choice fits a budget of {asked} per stage{caps}: the smallest feasible budget is "
             f"{format_bytes(smallest)} ({smallest} bytes); give --budget {int(np.ceil(smallest / 2**20))}MiB or more "
             f"(solver: {why})", smallest)
 
@@ -320,9 +345,10 @@ class Solver:
         return alloc.step_seconds
 
 
-def solve(problem: ChoiceProblem, budget, objective: str = "error", time_cap: Optional[float] = None) -> Allocation:
+def solve(problem: ChoiceProblem, budget, objective: str = "error", time_cap: Optional[float] = None,
+          error_cap: Optional[float] = None) -> Allocation:
     """Solve one problem at one budget (bytes per stage); see `Solver.solve`."""
-    return Solver(problem).solve(budget, objective, time_cap)
+    return Solver(problem).solve(budget, objective, time_cap, error_cap=error_cap)
 
 
 def budgets_between(low: float, high: float, count: int) -> Sequence[float]:

@@ -58,29 +58,31 @@ def _infeasible_error(e: InfeasibleBudget, profile: ProfileData) -> ValueError:
     return ValueError(f"{e} (profile {profile.path})")
 
 
-def _milp_plan(profile: ProfileData, knobs: Knobs, budget: int, objective: str, time_cap: Optional[float]):
+def _milp_plan(profile: ProfileData, knobs: Knobs, budget: int, objective: str, time_cap,
+               error_cap: Optional[float] = None):
     problem = build_problem(profile, knobs)
     solver = Solver(problem)
     try:
-        alloc = solver.solve(budget, objective, resolve_time_cap(problem, budget, time_cap))
+        alloc = solver.solve(budget, objective, resolve_time_cap(problem, budget, time_cap), error_cap=error_cap)
     except InfeasibleBudget as e:
         raise _infeasible_error(e, profile) from None
     return problem, solver, alloc
 
 
 def plan_from_profile(profile_dir, budget_bytes: int, *, objective: str = "error",
-                      time_cap="checkpoint", knobs: Knobs = Knobs()) -> Plan:
+                      time_cap="checkpoint", error_cap: Optional[float] = None, knobs: Knobs = Knobs()) -> Plan:
     """The MILP-optimal plan of a profile (folder or ProfileData) under `budget_bytes` per GPU (stage).
 
     `time_cap`: seconds per step, None, or "checkpoint" (default: no slower than the best full-or-selective
-    checkpointing that fits the budget). Raises ValueError with the smallest feasible budget when none fits."""
+    checkpointing that fits the budget); `error_cap`: the largest predicted gradient error (None: no cap).
+    Raises ValueError with the smallest feasible budget when none fits."""
     profile = profile_dir if isinstance(profile_dir, ProfileData) else load_profile(profile_dir)
-    problem, _, alloc = _milp_plan(profile, knobs, budget_bytes, objective, time_cap)
+    problem, _, alloc = _milp_plan(profile, knobs, budget_bytes, objective, time_cap, error_cap)
     return build_plan(profile, problem, alloc, knobs, budget_bytes, "milp", objective)
 
 
 def search(profile: ProfileData, budget: int, *, method: str = "milp", objective: str = "error",
-           time_cap="checkpoint", trials: int = 40, storage: Optional[str] = None,
+           time_cap="checkpoint", error_cap: Optional[float] = None, trials: int = 40, storage: Optional[str] = None,
            study_name: str = "agoq-search", sampler: str = "nsga2", ray_address: Optional[str] = None,
            measure_trials: bool = False, parallel: int = 1, validate: int = 0, validate_steps: int = 4,
            front_budgets: int = 20, out_dir: Optional[Path] = None, seed: int = 0, progress: bool = True,
@@ -89,13 +91,13 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     knobs = Knobs()
-    problem, solver, alloc = _milp_plan(profile, knobs, budget, objective, time_cap)
+    problem, solver, alloc = _milp_plan(profile, knobs, budget, objective, time_cap, error_cap)
     outcome = SearchOutcome(build_plan(profile, problem, alloc, knobs, budget, "milp", objective))
     outcome.notes += problem.notes
     candidates = [Candidate(outcome.plan, "milp", budget)]
     if method in ("milp", "both") and front_budgets > 0:
         cap = (lambda b: resolve_time_cap(problem, b, time_cap)) if time_cap == "checkpoint" else time_cap
-        for point in memory_error_front(problem, front_budgets, objective, cap, solver, progress):
+        for point in memory_error_front(problem, front_budgets, objective, cap, solver, progress, error_cap):
             candidates.append(Candidate(build_plan(profile, problem, point.alloc, knobs, int(point.budget_bytes),
                                                    "milp", objective), "milp-front", point.budget_bytes))
     runner = None
@@ -112,14 +114,15 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
         if measure_trials:
             measure = _trial_measurer(profile, budget, objective, runner, validate_steps, seed)
         result = run_study(profile, budget, storage=storage, study_name=study_name, trials=trials,
-                           objective=objective, time_cap=time_cap, sampler=sampler, seed=seed, measure=measure,
+                           objective=objective, time_cap=time_cap, error_cap=error_cap, sampler=sampler, seed=seed,
+                           measure=measure,
                            parallel=parallel, progress=progress, stop_after=stop_after)
         outcome.trials_run = result.ran
         outcome.trials_total = len(result.study.trials)
         space = KnobSpace(profile)
         for t in result.front:
             k = knobs_from_trial(t, space)
-            prob, _, a = _milp_plan(profile, k, budget, objective, time_cap)
+            prob, _, a = _milp_plan(profile, k, budget, objective, time_cap, error_cap)
             plan = build_plan(profile, prob, a, k, budget, "optuna", objective)
             plan.source.trial = t.number
             if "measured" in t.user_attrs:

@@ -47,24 +47,25 @@ def _cap(time_cap: TimeCap, budget: float) -> Optional[float]:
     return time_cap(budget) if callable(time_cap) else time_cap
 
 
-def budget_range(solver: Solver, objective: str = "error", time_cap: TimeCap = None) -> tuple[int, int]:
+def budget_range(solver: Solver, objective: str = "error", time_cap: TimeCap = None,
+                 error_cap: Optional[float] = None) -> tuple[int, int]:
     """(smallest feasible budget, the peak of the best plan with no memory limit), bytes per stage.
 
     `time_cap` is seconds, None, or a function of the budget (e.g. the best checkpointing's time there)."""
-    low = solver.smallest_budget(None if callable(time_cap) else time_cap)
+    low = solver.smallest_budget(None if callable(time_cap) else time_cap, error_cap)
     if low is None:
         raise ValueError("no choice meets the time cap at any budget")
-    free = solver.solve(np.inf, objective, _cap(time_cap, np.inf))
+    free = solver.solve(np.inf, objective, _cap(time_cap, np.inf), error_cap=error_cap)
     return low, max(low, int(max(free.peak_bytes_per_stage)))
 
 
 def memory_error_front(problem: ChoiceProblem, count: int = 20, objective: str = "error",
                        time_cap: TimeCap = None, solver: Optional[Solver] = None,
-                       progress: bool = False) -> list[FrontPoint]:
+                       progress: bool = False, error_cap: Optional[float] = None) -> list[FrontPoint]:
     """Solve at `count` budgets from the smallest feasible one to the unconstrained plan's peak; returns the
     non-dominated points (memory, error, time), smallest memory first."""
     solver = solver or Solver(problem)
-    low, high = budget_range(solver, objective, time_cap)
+    low, high = budget_range(solver, objective, time_cap, error_cap)
     budgets = np.unique(np.linspace(low, high, count).round()) if count > 1 else np.array([high])
     points = []
     iterator = budgets
@@ -74,7 +75,8 @@ def memory_error_front(problem: ChoiceProblem, count: int = 20, objective: str =
         iterator = tqdm(budgets, desc="pareto budgets", unit="budget", file=sys.stderr)
     for b in iterator:
         try:
-            points.append(FrontPoint(float(b), solver.solve(float(b), objective, _cap(time_cap, float(b)))))
+            points.append(FrontPoint(float(b), solver.solve(float(b), objective, _cap(time_cap, float(b)),
+                                                            error_cap=error_cap)))
         except ValueError:  # a budget-dependent cap that nothing meets at this budget
             continue
     unique: dict = {}

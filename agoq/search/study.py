@@ -137,7 +137,7 @@ def knobs_dict(knobs: Knobs) -> dict:
 
 
 def run_study(profile: ProfileData, budget: int, *, storage: str, study_name: str = DEFAULT_STUDY,
-              trials: int = 40, objective: str = "error", time_cap="checkpoint",
+              trials: int = 40, objective: str = "error", time_cap="checkpoint", error_cap: Optional[float] = None,
               sampler: str = "nsga2", seed: int = 0, sequences_per_step: Optional[int] = None,
               measure: Optional[Callable[[list], list]] = None, parallel: int = 1,
               progress: bool = True, stop_after: Optional[int] = None) -> StudyResult:
@@ -202,7 +202,7 @@ def run_study(profile: ProfileData, budget: int, *, storage: str, study_name: st
                 solvers[key] = (problem, Solver(problem), resolve_time_cap(problem, budget, time_cap))
             problem, solver, cap = solvers[key]
             try:
-                alloc = solver.solve(budget, objective, cap)
+                alloc = solver.solve(budget, objective, cap, error_cap=error_cap)
                 feasible = True
             except InfeasibleBudget as e:
                 if e.smallest_budget is None:
@@ -211,7 +211,7 @@ def run_study(profile: ProfileData, budget: int, *, storage: str, study_name: st
                     if bar:
                         bar.update(1)
                     continue
-                alloc = solver.solve(e.smallest_budget, objective, cap)
+                alloc = solver.solve(e.smallest_budget, objective, cap, error_cap=error_cap)
                 feasible = False
             results.append((trial, TrialResult(trial.number, knobs, alloc, problem, feasible)))
         measured = measure([r for _, r in results if r.feasible]) if measure else []

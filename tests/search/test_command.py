@@ -274,3 +274,20 @@ def test_on_a_real_profile(tmp_path):
         loss.backward()
         remove_plan(model)
         assert plan.predicted.activation_bytes_per_stage == [log.layer_total(0) + log.layer_total(1)], budget
+
+
+def test_time_objective_under_an_error_cap(profile_dir, tmp_path):
+    low, high = _bounds(profile_dir)
+    budget = int(low + 0.3 * (high - low))
+    fast = tmp_path / "fast.json"
+    assert main(["search", "--profile", str(profile_dir), "--budget", str(budget), "--out", str(fast), "--quiet",
+                 "--objective", "time", "--time-cap", "none", "--front-budgets", "0"]) == 0
+    free = load_plan(fast).predicted
+    cap = free.grad_error / 3
+    capped = tmp_path / "capped.json"
+    assert main(["search", "--profile", str(profile_dir), "--budget", str(budget), "--out", str(capped), "--quiet",
+                 "--objective", "time", "--time-cap", "none", "--error-cap", str(cap), "--front-budgets", "0"]) == 0
+    plan = load_plan(capped).predicted
+    assert plan.grad_error <= cap * (1 + 1e-9)
+    assert plan.step_seconds >= free.step_seconds  # the cap costs time (or nothing)
+    assert max(plan.peak_bytes_per_stage) <= budget

@@ -90,20 +90,27 @@ def test_same_optimum_as_brute_force(objective, stages):
             if rng.random() < 0.5:
                 times = [f["step_seconds"] for _, f in everything]
                 cap = rng.uniform(min(times), max(times))
+            ecap = None
+            if rng.random() < 0.4:
+                errors = [f["grad_error"] for _, f in everything]
+                ecap = rng.uniform(min(errors), max(errors))
             key = "grad_error" if objective == "error" else "step_seconds"
             fits = [f for _, f in everything if max(f["peak_bytes_per_stage"]) <= budget
-                    and (cap is None or f["step_seconds"] <= cap + 1e-9)]
+                    and (cap is None or f["step_seconds"] <= cap + 1e-9)
+                    and (ecap is None or f["grad_error"] <= ecap + 1e-12)]
             if not fits:
                 with pytest.raises(InfeasibleBudget):
-                    solver.solve(budget, objective, cap)
+                    solver.solve(budget, objective, cap, error_cap=ecap)
                 continue
             best = min(f[key] for f in fits)
-            alloc = solver.solve(budget, objective, cap)
+            alloc = solver.solve(budget, objective, cap, error_cap=ecap)
             got = alloc.grad_error if objective == "error" else alloc.step_seconds
             assert got == pytest.approx(best, rel=1e-7, abs=1e-9), f"seed {seed} trial {trial} budget {budget}"
             assert max(alloc.peak_bytes_per_stage) <= budget + 1, f"seed {seed}"
             if cap is not None:
                 assert alloc.step_seconds <= cap + 1e-6, f"seed {seed}"
+            if ecap is not None:
+                assert alloc.grad_error <= ecap * (1 + 1e-7), f"seed {seed}"
 
 
 def test_smallest_budget_is_the_true_minimum():
