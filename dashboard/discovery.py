@@ -77,22 +77,36 @@ def _relative_id(root: Path, path: Path) -> str:
     return rel or "."
 
 
-def _looks_like_plan(path: Path) -> bool:
+def _looks_like_plan(path: Path, seen: dict[str, tuple[tuple[int, int], bool]]) -> bool:
+    """Whether a JSON file is a plan (plan.json, or "agoq.plan/" in its first 4 KiB); the answer is
+    remembered in `seen` until the file changes, so rescans do not reread every JSON file."""
     if path.name == "plan.json":
         return True
     try:
-        with open(path, "rb") as f:
-            return PLAN_MARK in f.read(4096)
+        st = os.stat(path)
     except OSError:
         return False
+    key = (st.st_mtime_ns, st.st_size)
+    known = seen.get(str(path))
+    if known is not None and known[0] == key:
+        return known[1]
+    try:
+        with open(path, "rb") as f:
+            answer = PLAN_MARK in f.read(4096)
+    except OSError:
+        answer = False
+    seen[str(path)] = (key, answer)
+    return answer
 
 
-def scan(root: Path, max_depth: int = 8) -> Index:
+def scan(root: Path, max_depth: int = 8, seen: dict | None = None) -> Index:
     """Walk `root` (already resolved) and index every profile folder (profile.json), run folder
     (run.json), search folder (pareto.csv or an Optuna study.db / study.journal) and plan file
     (plan.json, or any JSON file whose schema is agoq.plan/N). Hidden folders, checkpoints and
-    anything deeper than `max_depth` are skipped; so is every symlink leading out of `root`."""
+    anything deeper than `max_depth` are skipped; so is every symlink leading out of `root`. `seen`
+    remembers which JSON files are plans between scans."""
     index = Index(scanned_at=time.time())
+    seen = {} if seen is None else seen
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=None):
         here = Path(dirpath)
         depth = len(here.relative_to(root).parts)
@@ -118,7 +132,7 @@ def scan(root: Path, max_depth: int = 8) -> Index:
         for name in sorted(usable):
             if name.endswith(".json") and name not in ("profile.json", "run.json") and not name.startswith("."):
                 p = here / name
-                if _looks_like_plan(p):
+                if _looks_like_plan(p, seen):
                     plan_id = _relative_id(root, p)
                     index.items["plans"][plan_id] = Artifact("plans", plan_id, p)
     return index
@@ -137,6 +151,7 @@ class Catalog:
         self.root = resolved
         self.ttl = ttl
         self._index = Index()
+        self._plan_marks: dict = {}
         self._lock = threading.Lock()
 
     def index(self, refresh: bool = False) -> Index:
@@ -146,7 +161,7 @@ class Catalog:
         with self._lock:
             age = time.time() - self._index.scanned_at
             if age > self.ttl or (refresh and age > MIN_RESCAN):
-                self._index = scan(self.root)
+                self._index = scan(self.root, seen=self._plan_marks)
             return self._index
 
     def get(self, kind: str, artifact_id: str) -> Artifact:

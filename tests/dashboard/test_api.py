@@ -523,3 +523,28 @@ def test_sensitivity_map_goes_logarithmic_over_decades():
     assert trace["customdata"] == sens
     narrow = {**maps, "sensitivity": [[0.01, 0.02, 0.03]] * 4}
     assert profile_maps(narrow)[0]["data"][0]["z"] == narrow["sensitivity"]
+
+
+def test_discovery_finds_plans_by_schema_and_skips_the_rest(tmp_path):
+    from dashboard.discovery import scan
+    from tests.dashboard import synthetic
+
+    plan = synthetic.make_plan(np.random.default_rng(5), 3, "0123456789abcdef")
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "front-07.json").write_text(json.dumps(plan))
+    (tmp_path / "a" / "report.json").write_text(json.dumps({"reports": [], "note": "agoq.plan is mentioned"}))
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "plan.json").write_text(json.dumps(plan))
+    synthetic.write_run(tmp_path / "r", np.random.default_rng(6), 3)
+    (tmp_path / "r" / "checkpoint").mkdir()
+    (tmp_path / "r" / "checkpoint" / "plan.json").write_text(json.dumps(plan))
+    deep = tmp_path.joinpath(*[f"d{i}" for i in range(9)])
+    deep.mkdir(parents=True)
+    (deep / "plan.json").write_text(json.dumps(plan))
+    seen: dict = {}
+    index = scan(tmp_path.resolve(), seen=seen)
+    assert sorted(index.items["plans"]) == ["a/b/front-07.json"]
+    assert sorted(index.items["runs"]) == ["r"]
+    # a file rewritten as a plan is seen as one at the next scan
+    (tmp_path / "a" / "report.json").write_text(json.dumps(plan) + " ")
+    assert sorted(scan(tmp_path.resolve(), seen=seen).items["plans"]) == ["a/b/front-07.json", "a/report.json"]
