@@ -50,8 +50,9 @@ class _Killed(BaseException):
     """Stands for a kill: nothing in the trainer catches it."""
 
 
-def test_resume_after_interruption_gives_the_same_losses_exactly(tmp_path, monkeypatch):
-    common = dict(**TINY, steps=9, grad_accum=2, checkpoint_every=4, eval_every=3)
+@pytest.mark.parametrize("variant", [dict(), dict(dtype="bf16", optimizer="adamw8bit")])  # bf16: float32 masters
+def test_resume_after_interruption_gives_the_same_losses_exactly(tmp_path, monkeypatch, variant):
+    common = dict(**TINY, steps=9, grad_accum=2, checkpoint_every=4, eval_every=3, **variant)
     assert train(TrainConfig(**common, out=str(tmp_path / "whole"))) == 0
 
     original = trainer_module.Trainer._forward_backward
