@@ -110,3 +110,31 @@ def read_plan(path: str, model: nn.Module):
     except ValueError as e:
         raise ValueError(f"{p}: {e}") from None
     return plan
+
+
+def policy_as_plan(policy, model: nn.Module, gradients: str, micro_batch: int, seq_len: int, grad_accum: int,
+                   layer_stage: list[int] | None, stages: int) -> dict[str, Any]:
+    """A plan (agoq.plan/1 layout) recording what a run given `--policy` applies, for run.json.
+
+    `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted.
+    """
+    from agoq.models import fingerprint
+    from agoq.runtime.saved_bytes import find_decoder_layers
+
+    num_layers = len(find_decoder_layers(model))
+    stage_of = layer_stage or [0] * num_layers
+    return {
+        "schema": "agoq.plan/1",
+        "model": {"name": model.config.name, "fingerprint": fingerprint(model)},
+        "budget_bytes": None,
+        "activations": {"block": policy.block, "format": policy.format, "rounding": policy.rounding},
+        "layers": [{"layer": i, "stage": stage_of[i], "checkpoint": False, "kinds": dict(policy.settings(i))}
+                   for i in range(num_layers)],
+        "gradients": {"mode": gradients, "block": 256, "bucket_bytes": 25 * 2**20},
+        "pipeline": {"stages": stages, "micro_batches": grad_accum if stages > 1 else 1, "schedule": "1f1b"},
+        "training": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum},
+        "predicted": {"peak_bytes_per_stage": [], "activation_bytes_per_stage": [], "step_seconds": None,
+                      "grad_error": None},
+        "measured": None,
+        "source": {"method": "policy", "objective": policy.name, "profile": None, "date": None},
+    }

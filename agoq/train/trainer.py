@@ -176,6 +176,7 @@ class Setup:
     plan: Any
     policy_name: str | None
     layer_stage: list[int] | None
+    plan_record: dict | None  # what run.json records as the plan (the plan, or the policy as one)
     batches: Batches
     corpus_info: dict
     warmup: int
@@ -250,6 +251,7 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
     model = build(config, dtype=dtype, device=device, seed=cfg.seed)
 
     plan = None
+    plan_record = None
     gradients = "bf16"
     training = dict(DEFAULTS)
     layer_stage = None
@@ -311,6 +313,9 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
         policy = _policy(cfg.policy, config.num_hidden_layers, stages, grad_accum, layer_stage)
         apply_activation_policy(model, policy)
         policy_name = policy.name
+        from agoq.train.plan_reader import policy_as_plan
+
+        plan_record = policy_as_plan(policy, model, gradients, micro_batch, seq_len, grad_accum, layer_stage, stages)
     if cfg.checkpoint_all:
         apply_checkpointing(model)
         policy_name = (policy_name + "+" if policy_name else "") + "checkpoint-all"
@@ -326,8 +331,10 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
     corpus_info = {"data": corpus.source, "tokenizer": corpus.tokenizer, "data_sha256": corpus.sha256,
                    "train_tokens": corpus.train.numel(), "val_tokens": corpus.val.numel(),
                    "vocab_size": config.vocab_size}
+    if plan is not None:
+        plan_record = plan.to_dict()
     return Setup(cfg, world, device, dtype, parallel, gradients, model, spec, plan, policy_name, layer_stage,
-                 batches, corpus_info, warmup, eval_every)
+                 plan_record, batches, corpus_info, warmup, eval_every)
 
 
 def _check_budget(plan, layer_stage, world: World, device: torch.device, where: str) -> None:
@@ -626,7 +633,7 @@ class Trainer:
         resumed = self.try_resume()
         start = resumed or 0
         if self.record is not None:
-            plan = s.plan.to_dict() if s.plan is not None else None
+            plan = s.plan_record
             world_info = {"size": world.size, "local_size": world.local_size, "backend": world.backend}
             self.record.start({"model": s.spec, "plan": plan, "settings": self._settings(), "world": world_info,
                                "hardware": _hardware(s.device, world), "software": _software()}, resumed)

@@ -262,3 +262,15 @@ def test_plain_plan_reader_matches_the_validated_plan(tmp_path, monkeypatch):
         plan_reader.read_plan(str(path), build({"vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
                                                 "num_hidden_layers": 3, "num_attention_heads": 2,
                                                 "num_key_value_heads": 2, "max_position_embeddings": 64}))
+
+
+def test_policy_run_records_its_policy_as_a_valid_plan(tmp_path):
+    from agoq.plan import plan_from_dict
+
+    out = tmp_path / "run"
+    assert main(["train", "llama-tiny", "--policy", "agoq-paper", "--gradients", "quangrad8", "--seq-len", "16",
+                 "--steps", "1", "--quiet", "--out", str(out)]) == 0
+    recorded = plan_from_dict(_run_json(out)["plan"])
+    assert recorded.source.method == "policy" and recorded.source.objective == "agoq-paper"
+    assert recorded.gradients.mode == "quangrad8" and recorded.settings(1)["silu_input"] == 4
+    assert recorded.settings(0)["qkv_input"] == "recompute" and recorded.training.seq_len == 16
