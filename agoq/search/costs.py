@@ -341,9 +341,4 @@ def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:
                    notes=list(problem.notes))
 
 
-def with_knobs(knobs: Knobs, **changes) -> Knobs:
-    """A copy of `knobs` with some fields changed."""
-    return replace(knobs, **changes)
-
-
-__all__ = ["Knobs", "ChoiceProblem", "build_problem", "checkpointing_only", "gradient_modes", "static_bytes_total", "with_knobs", "KEEP"]
+__all__ = ["Knobs", "ChoiceProblem", "build_problem", "checkpointing_only", "gradient_modes", "static_bytes_total"]

@@ -20,7 +20,7 @@ time cap, pipeline stages do not interact and are solved one by one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -349,11 +349,6 @@ def solve(problem: ChoiceProblem, budget, objective: str = "error", time_cap: Op
           error_cap: Optional[float] = None) -> Allocation:
     """Solve one problem at one budget (bytes per stage); see `Solver.solve`."""
     return Solver(problem).solve(budget, objective, time_cap, error_cap=error_cap)
-
-
-def budgets_between(low: float, high: float, count: int) -> Sequence[float]:
-    """`count` budgets spread evenly from `low` to `high` bytes (both included)."""
-    return list(np.linspace(low, high, count)) if count > 1 else [high]
 
 
 CHECKPOINT_CAP = "checkpoint"

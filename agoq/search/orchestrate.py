@@ -16,7 +16,7 @@ from agoq.files import write_atomic
 from agoq.plan import Plan
 from agoq.search.costs import Knobs, build_problem
 from agoq.search.milp import InfeasibleBudget, Solver, resolve_time_cap
-from agoq.search.pareto import FrontPoint, memory_error_front
+from agoq.search.pareto import memory_error_front
 from agoq.search.plan_builder import build_plan
 from agoq.search.profile_data import ProfileData, load_profile
 
@@ -115,8 +115,7 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
             measure = _trial_measurer(profile, budget, objective, runner, validate_steps, seed)
         result = run_study(profile, budget, storage=storage, study_name=study_name, trials=trials,
                            objective=objective, time_cap=time_cap, error_cap=error_cap, sampler=sampler, seed=seed,
-                           measure=measure,
-                           parallel=parallel, progress=progress, stop_after=stop_after)
+                           measure=measure, parallel=parallel, progress=progress, stop_after=stop_after)
         outcome.trials_run = result.ran
         outcome.trials_total = len(result.study.trials)
         space = KnobSpace(profile)
@@ -141,7 +140,7 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
         from agoq.search.validation import Runner, validate_plans
 
         runner = runner or Runner(ray_address)
-        ranked = [best] + sorted((c for c in candidates if c is not best and c.budget_bytes >= 0
+        ranked = [best] + sorted((c for c in candidates if c is not best
                                   and max(c.plan.predicted.peak_bytes_per_stage) <= budget),
                                  key=lambda c: c.key(objective))
         chosen, seen = [], set()
@@ -168,8 +167,7 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
 
 def _trial_measurer(profile: ProfileData, budget: int, objective: str, runner, steps: int, seed: int):
     """measure(list of TrialResult) -> measured dicts, running each trial's plan for real."""
-    from agoq.search.plan_builder import build_plan
-    from agoq.search.validation import loss_deviation, measure_plan
+    from agoq.search.validation import loss_deviation, measure_plan, now
 
     config = profile.model_config()
     if not config:
@@ -192,8 +190,6 @@ def _trial_measurer(profile: ProfileData, budget: int, objective: str, runner, s
         measured = []
         for j, r in zip(jobs, out[:len(jobs)]):
             ref = reference[(j["micro_batch"], j["seq_len"], j["grad_accum"])]
-            from agoq.search.plan_builder import now
-
             measured.append({"peak_bytes": r["peak_bytes"], "step_seconds": r["step_seconds"],
                              "loss_deviation": loss_deviation(r["losses"], ref["losses"]), "date": now()})
         return measured
