@@ -270,6 +270,10 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
             if plan.pipeline.stages != world.size:
                 raise ValueError(f"{cfg.plan}: the plan was made for {plan.pipeline.stages} pipeline stage(s), this run "
                                  f"has {world.size}: search a plan for {world.size} stages")
+            schedule = getattr(plan.pipeline, "schedule", "1f1b")
+            if schedule != "1f1b":
+                raise ValueError(f"{cfg.plan}: the plan was made for the {schedule} schedule; agoq train runs 1F1B "
+                                 "(its in-flight counts, hence its memory, differ): search a plan for 1f1b")
             layer_stage = [lp.stage for lp in plan.layers]
             training["grad_accum"] = max(training["grad_accum"], plan.pipeline.micro_batches)
     if cfg.gradients:
@@ -285,6 +289,12 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
     if parallel == "sharded" and cfg.optimizer == "adamw8bit":
         raise ValueError("--parallel sharded uses SDP4Bit's sharded AdamW (float32 moments, 1/N per rank): "
                          "--optimizer adamw8bit is for ddp, pipeline or one process")
+    if plan is not None and world.rank == 0:
+        given = {"seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch}
+        changed = {k: (training[k], v) for k, v in given.items() if v is not None and v != training[k]}
+        if changed:
+            print("agoq train: warning: the plan's predictions hold for its batch shape; this run changes "
+                  + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), file=sys.stderr)
     seq_len = cfg.seq_len or training["seq_len"]
     micro_batch = cfg.micro_batch or training["micro_batch"]
     grad_accum = cfg.grad_accum or (max(training["grad_accum"], world.size) if parallel == "pipeline"
