@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from experiments.record import RESULTS, write_result  # noqa: E402
+from experiments.record import write_result  # noqa: E402
 from experiments.train_runs import (BYTE_MODEL, ROOT, drop_checkpoint, run_train, summarize,  # noqa: E402
                                     tiny_shakespeare)
 

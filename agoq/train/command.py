@@ -60,7 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help="text file to train on, split 90/10 into train/validation "
                                                 "(default: a built-in synthetic corpus, 1 MB)")
     p.add_argument("--tokenizer", default=None, help="HuggingFace tokenizers JSON (default: bytes, vocabulary 256)")
-    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the plan's, else 256)")
+    p.add_argument("--seq-len", type=positive_int, default=None,
+                   help="tokens per sequence (default: the plan's, else 256)")
     p.add_argument("--micro-batch", type=positive_int, default=None,
                    help="sequences per micro-batch and rank (default: the plan's, else 8)")
     p.add_argument("--grad-accum", type=positive_int, default=None,

@@ -41,7 +41,8 @@ class PlainPlan:
         grads = data.get("gradients") or {}
         self.gradients = SimpleNamespace(mode=grads.get("mode", "bf16"))
         pipe = data.get("pipeline") or {}
-        self.pipeline = SimpleNamespace(stages=int(pipe.get("stages", 1)), micro_batches=int(pipe.get("micro_batches", 1)),
+        self.pipeline = SimpleNamespace(stages=int(pipe.get("stages", 1)),
+                                        micro_batches=int(pipe.get("micro_batches", 1)),
                                         schedule=pipe.get("schedule", "1f1b"))
         tr = data.get("training") or {}
         self.training = SimpleNamespace(micro_batch=int(tr.get("micro_batch", 1)), seq_len=int(tr.get("seq_len", 1)),

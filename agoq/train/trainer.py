@@ -268,8 +268,8 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
                              f"{config.num_hidden_layers}")
         if parallel == "pipeline":
             if plan.pipeline.stages != world.size:
-                raise ValueError(f"{cfg.plan}: the plan was made for {plan.pipeline.stages} pipeline stage(s), this run "
-                                 f"has {world.size}: search a plan for {world.size} stages")
+                raise ValueError(f"{cfg.plan}: the plan was made for {plan.pipeline.stages} pipeline stage(s), this "
+                                 f"run has {world.size}: search a plan for {world.size} stages")
             schedule = getattr(plan.pipeline, "schedule", "1f1b")
             if schedule != "1f1b":
                 raise ValueError(f"{cfg.plan}: the plan was made for the {schedule} schedule; agoq train runs 1F1B "
