@@ -440,7 +440,6 @@ class Trainer:
             else:
                 self.optimizer = torch.optim.AdamW(targets, lr=cfg.lr, betas=BETAS, eps=EPS,
                                                    weight_decay=cfg.weight_decay)
-        self.start_step = 0
 
     # ---------------------------------------------------------------- run description
 

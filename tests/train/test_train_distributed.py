@@ -4,7 +4,6 @@ import json
 import os
 from pathlib import Path
 
-
 from agoq.train.trainer import TrainConfig, train
 from tests.multiprocess import run_workers
 
