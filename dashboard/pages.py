@@ -344,20 +344,21 @@ def runs(all_runs: list[dict[str, Any]], chosen: list[dict[str, Any]], selected:
     for e in errors:
         page.add(message(e, "error"))
     page.add(run_table(all_runs, set(selected), x))
-    if chosen:
+    with_points = [c for c in chosen if c["curves"]["train_points"] or c["curves"]["val_points"]]
+    if with_points:
         page.add("<p class=options>x axis: " + " ".join(
             f'<a href="{esc(link("/runs", id=selected, x=axis))}"' + (" class=on" if axis == x else "")
             + f">{axis}</a>" for axis in ("step", "time")) + "</p>")
-        for fig in figures.run_curves(chosen, x):
+        for fig in figures.run_curves(with_points, x):
             page.figure(fig)
         thinned = [c for c in chosen if c["curves"]["train_points"] > c["curves"]["max_points"]]
         if thinned:
             page.add("<p class=meta>Long runs are thinned to the lowest and highest point of each of "
-                     f"{chosen[0]['curves']['max_points'] // 2} buckets per curve.</p>")
-        empty = [c["id"] for c in chosen if not c["curves"]["train_points"]]
-        if empty:
-            page.add(message("no metrics yet: " + ", ".join(empty), "empty"))
-    elif all_runs:
+                     f"{(chosen[0]['curves']['max_points'] - 2) // 2} buckets per curve.</p>")
+    empty = [c["id"] for c in chosen if c not in with_points]
+    if empty:
+        page.add(message("no metrics yet: " + ", ".join(empty), "empty"))
+    if not chosen and all_runs:
         page.add(message("Pick runs above to compare them.", "empty"))
     if any(r.get("status") == "running" for r in chosen_summaries(all_runs, selected)):
         page.refresh_seconds = 30

@@ -369,6 +369,13 @@ def test_empty_root_and_new_folders_appear(tmp_path, monkeypatch):
     monkeypatch.setattr(discovery, "MIN_RESCAN", 0.0)
     assert client.get("/api/run", params={"id": "later"}).status_code == 200  # an unknown id rescans
     assert [r["id"] for r in client.get("/api/index", params={"refresh": True}).json()["runs"]] == ["later"]
+    # a run that has only started: no metrics yet, a message instead of empty charts, reloads itself
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "run.json").write_text(json.dumps({"schema": "agoq.run/1", "status": "running"}))
+    curves = client.get("/api/curves", params={"id": "new"}).json()["runs"][0]["curves"]
+    assert curves["train_points"] == 0 and curves["series"]["loss"]["step"] == []
+    page = client.get("/runs", params={"id": "new"}).text
+    assert "no metrics yet: new" in page and 'class="plot"' not in page and 'http-equiv="refresh"' in page
 
 
 def test_metrics_are_read_incrementally(tmp_path):
