@@ -274,3 +274,25 @@ def test_policy_run_records_its_policy_as_a_valid_plan(tmp_path):
     assert recorded.source.method == "policy" and recorded.source.objective == "agoq-paper"
     assert recorded.gradients.mode == "quangrad8" and recorded.settings(1)["silu_input"] == 4
     assert recorded.settings(0)["qkv_input"] == "recompute" and recorded.training.seq_len == 16
+
+
+def test_tokenizers_json_sets_the_vocabulary(tmp_path):
+    """A HuggingFace tokenizers file: its vocabulary (here 300 > llama-tiny's 256) is what the model gets."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = [f"w{i}" for i in range(297)]
+    vocab = {"[UNK]": 0, " ": 1, "\n": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    g = torch.Generator().manual_seed(3)
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(words[int(i)] for i in torch.randint(0, 297, (3000,), generator=g)))
+    out = tmp_path / "run"
+    assert train(TrainConfig(model="llama-tiny", data=str(text), tokenizer=str(path), seq_len=32, micro_batch=2,
+                             steps=2, quiet=True, out=str(out))) == 0
+    run = _run_json(out)
+    assert run["settings"]["tokenizer"] == str(path) and run["model"]["config"]["vocab_size"] == 300
+    assert run["settings"]["train_tokens"] + run["settings"]["val_tokens"] == 3000
+    with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
+        train(TrainConfig(model="llama-tiny", tokenizer=str(tmp_path / "none.json"), out=str(tmp_path / "x")))
