@@ -77,3 +77,46 @@ def attention_rerun_time(shapes: list[tuple[int, ...]], dtype: torch.dtype, devi
     if q.shape[1] != k.shape[1]:
         kwargs["enable_gqa"] = True
     return median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, **kwargs), device, repeats)
+
+
+def layer_forward_seconds(model, ids: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Seconds of each decoder layer's forward (unmodified, gradients on, as whole-layer checkpointing
+    reruns it in backward), median over `repeats` forwards of the model on token ids [B, S+1]."""
+    from agoq.profiler.model_source import next_token_loss
+    from agoq.runtime.saved_bytes import find_decoder_layers
+
+    layers = find_decoder_layers(model)
+    cuda = ids.device.type == "cuda"
+    starts: dict[int, float] = {}
+    times: list[list[float]] = [[] for _ in layers]
+    handles = []
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize(ids.device)
+        return time.perf_counter()
+
+    def enter(i: int):
+        def hook(module, args) -> None:
+            starts[i] = now()
+        return hook
+
+    def leave(i: int):
+        def hook(module, args, output) -> None:
+            times[i].append(now() - starts[i])
+        return hook
+
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(enter(i)))
+        handles.append(layer.register_forward_hook(leave(i)))
+    try:
+        with torch.enable_grad():
+            for r in range(repeats + 1):  # the first forward warms up and is not counted
+                next_token_loss(model, ids)
+                if r == 0:
+                    for t in times:
+                        t.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    return [statistics.median(t) for t in times]

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from agoq.files import write_json, write_with
-from agoq.profiler.kernel_time import attention_rerun_time, quantize_times, recompute_time
+from agoq.profiler.kernel_time import attention_rerun_time, layer_forward_seconds, quantize_times, recompute_time
 from agoq.profiler.memory import memory_section
 from agoq.profiler.model_source import (layer_shape, load_model, model_config_dict, model_name, token_batches,
                                         vocab_size)
@@ -199,6 +199,11 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
             failures.append({"what": f"kernel time kind={kind} option={opt.label}", "error": _short(e)})
         bar.update()
     bar.close()
+    timing: dict = {}
+    try:
+        timing["layer_forward_seconds"] = layer_forward_seconds(model, batches[0], repeats)
+    except Exception as e:  # noqa: BLE001
+        failures.append({"what": "layer forward times", "error": _short(e)})
     lap("kernel_times")
 
     # sensitivities
@@ -265,7 +270,8 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
     counts = {"sensitivity_runs": runs, "replayed": replayed, "policy_runs": runs - replayed,
               "batches": settings.batches}
     return write_profile(out, settings, model, num_layers, rows, memory, pipeline, failures, collectives,
-                         extra={"seconds": timings, "counts": counts, "sensitivity": sensitivity_notes})
+                         extra={"seconds": timings, "counts": counts, "sensitivity": sensitivity_notes,
+                                "timing": timing})
 
 
 def _json_safe(obj):

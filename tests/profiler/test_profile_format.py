@@ -27,6 +27,8 @@ def test_json_header(tiny_profile):
                                                                                       ["int", "nf4"], 2)
     assert data["failures"] == []
     assert data["sensitivity"]["replay_noise_floor"] == 0.0  # CPU backward is deterministic
+    forward = data["timing"]["layer_forward_seconds"]
+    assert len(forward) == 3 and all(t > 0 for t in forward)
     assert data["pipeline"]["in_flight"]["1f1b"] == [2, 1]
     assert data["hardware"]["device"] == "cpu"
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no temporary files left
