@@ -118,10 +118,12 @@ class ChoiceProblem:
                 mem[self.layer_stage[l]] += self.unmodified_extra[l]
             if {KINDS.index("attention"), KINDS.index("o_proj_input")} <= kinds16:
                 mem[self.layer_stage[l]] -= self.shared_credit[l]
+        activations = mem - self.static_bytes
         mem = np.maximum(mem, self.peak_floor())
         seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum())
         return {"peak_bytes_per_stage": [int(round(m)) for m in mem], "step_seconds": seconds,
-                "grad_error": float(self.error[chosen].sum())}
+                "grad_error": float(self.error[chosen].sum()),
+                "activation_bytes_per_stage": [int(round(a)) for a in activations]}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ class Allocation:
     peak_bytes_per_stage: list
     step_seconds: float
     grad_error: float
+    activation_bytes_per_stage: Optional[list] = None  # what the layers keep (peak less the static part)
 
     def settings(self, problem: ChoiceProblem) -> list[dict]:
         """Per layer: {'checkpoint': bool, 'kinds': {kind: setting}} in Plan form."""
@@ -202,7 +203,7 @@ class _Model:
         ckpt = x[self.c0:self.c0 + self.L].astype(bool)
         figures = self.p.evaluate(chosen, ckpt)
         return Allocation(chosen, ckpt, figures["peak_bytes_per_stage"], figures["step_seconds"],
-                          figures["grad_error"])
+                          figures["grad_error"], figures["activation_bytes_per_stage"])
 
 
 class Solver:

@@ -23,7 +23,9 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     """A validated Plan for `alloc` (the choice), `knobs` (block, format, micro-batch, gradient mode ...)."""
     settings = alloc.settings(problem)
     layers = [{"layer": l, "stage": int(problem.layer_stage[l]), **settings[l]} for l in range(problem.num_layers)]
-    activation = [int(peak - static) for peak, static in zip(alloc.peak_bytes_per_stage, problem.static_bytes)]
+    activation = alloc.activation_bytes_per_stage
+    if activation is None:
+        activation = problem.evaluate(alloc.chosen, alloc.checkpoint)["activation_bytes_per_stage"]
     s = profile.settings
     data = {
         "schema": "agoq.plan/1",
