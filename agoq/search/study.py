@@ -98,8 +98,8 @@ class KnobSpace:
 
     def defaults(self) -> dict:
         """The profile's own knobs: the warm-start trial."""
-        d = {"block": self.block0, "format": "int", "gradient_mode": "bf16", "micro_batch": min(self.mb0, self.sequences)
-             if self.mb0 in self.micro_batches else self.micro_batches[-1]}
+        mb = self.mb0 if self.mb0 in self.micro_batches else self.micro_batches[-1]
+        d = {"block": self.block0, "format": "int", "gradient_mode": "bf16", "micro_batch": mb}
         d.update({f"floor_{k}": self.floor_choices[0] for k in KINDS})
         d.update({f"stage_shift_{i}": 0 for i in range(1, self.stages)})
         return d
@@ -118,7 +118,7 @@ class KnobSpace:
             for i, b in enumerate(bounds, start=1):
                 shift = trial.suggest_int(f"stage_shift_{i}", -2, 2)
                 moved.append(b + shift)
-            if all(0 < a < b for a, b in zip([0] + moved, moved + [L])):
+            if all(a < b for a, b in zip([0] + moved, moved + [L])):  # every stage keeps a layer
                 layer_stage = tuple(int(np.searchsorted(moved, l, side="right")) for l in range(L))
             else:
                 layer_stage = tuple(self.layer_stage0)

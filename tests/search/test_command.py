@@ -295,3 +295,27 @@ def test_time_objective_under_an_error_cap(profile_dir, tmp_path):
     assert plan.grad_error <= cap * (1 + 1e-9)
     assert plan.step_seconds >= free.step_seconds  # the cap costs time (or nothing)
     assert max(plan.peak_bytes_per_stage) <= budget
+
+
+def test_knob_space_stage_boundaries(tmp_path):
+    """Stage boundaries move by the suggested shifts, and a shift that would empty a stage is refused."""
+    import optuna
+
+    from agoq.search.study import KnobSpace
+
+    seed, rng = fresh_rng()
+    profile = load_profile(write_profile(tmp_path / "p", rng, num_layers=7, stages=3, in_flight=[3, 2, 1]))
+    space = KnobSpace(profile)
+    base = profile.layer_stage()
+    bounds = [base.index(s) for s in (1, 2)]
+    for s1 in range(-2, 3):
+        for s2 in range(-2, 3):
+            params = {**space.defaults(), "stage_shift_1": s1, "stage_shift_2": s2}
+            knobs = space.suggest(optuna.trial.FixedTrial(params))
+            cut = [bounds[0] + s1, bounds[1] + s2]
+            if 0 < cut[0] < cut[1] < 7:
+                assert list(knobs.layer_stage) == [0] * cut[0] + [1] * (cut[1] - cut[0]) + [2] * (7 - cut[1])
+            else:
+                assert list(knobs.layer_stage) == base
+            problem = build_problem(profile, knobs)  # a valid pipeline split builds
+            assert problem.num_stages == 3
