@@ -1,7 +1,7 @@
 """End to end in a real headless Chromium: the dashboard served by uvicorn on a free port, every page
 loaded, no JavaScript errors or failed requests, nothing fetched from anywhere but the dashboard, every
-chart drawn with data; screenshots are saved as test artifacts (their folder is printed;
-AGOQ_TEST_ARTIFACTS chooses it)."""
+chart drawn with data; screenshots are saved as test artifacts (their folder is printed on the
+terminal; AGOQ_TEST_ARTIFACTS chooses it)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def chromium(tmp_path_factory):
     browser.close()
 
 
-def test_pages_render_in_chromium(server, chromium, served_root, tmp_path_factory):
+def test_pages_render_in_chromium(server, chromium, served_root, tmp_path_factory, capsys):
     from fastapi.testclient import TestClient
 
     from dashboard.app import create_app
@@ -107,7 +107,9 @@ def test_pages_render_in_chromium(server, chromium, served_root, tmp_path_factor
         shot = chromium.screenshot(artifacts / (name.replace("/", "_") + ".png"))
         assert shot.stat().st_size > 10_000
     assert "runs" in chromium.evaluate("document.title")
-    print(f"\ndashboard screenshots ({len(pages)} pages, {charts_seen} charts): {artifacts}")
+    line = f"dashboard screenshots ({len(pages)} pages, {charts_seen} charts): {artifacts}"
+    with capsys.disabled():  # shown even when output is captured
+        print("\n" + line)
 
 
 def test_the_harness_sees_javascript_errors(chromium):
