@@ -11,10 +11,11 @@ unmodified), w_l (attention and o_proj_input both at 16, so o_proj's input is sh
 
 Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically:
 the first objective is solved exactly (relative MIP gap 1e-7); the second is then minimised among the
-choices that reach that optimum. When the optimum is zero (e.g. zero error at a loose budget) that second
-solve is exact too (it is then the real trade-off, e.g. least time at zero error); otherwise it gets
-TIE_BREAK_NODES branch-and-bound nodes and keeps the first answer if it finds nothing better. Without a
-time cap, pipeline stages do not interact and are solved one by one.
+choices that reach that optimum, within SECOND_NODES branch-and-bound nodes (the best answer found is
+kept, and the first solve's if none; `Allocation.second_gap` is the relative gap HiGHS could still
+prove, typically below 1e-3 while the answer itself is within 1e-5 of the optimum). When the first
+optimum is zero (zero error at a loose budget) that second solve is the real trade-off: the least time
+at zero error. Without a time cap, pipeline stages do not interact and are solved one by one.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ OBJECTIVES = ("error", "time")
 TIE_BREAK = 1e-6
 GAP = 1e-7  # relative MIP gap: optimal for all practical purposes
 MIB = float(2**20)
-TIE_BREAK_NODES = 200  # branch-and-bound nodes spent breaking ties of a non-zero optimum
+SECOND_NODES = 1000  # branch-and-bound nodes for the second objective (its best answer found so far is kept)
 
 
 class InfeasibleBudget(ValueError):
@@ -55,6 +56,7 @@ class Allocation:
     step_seconds: float
     grad_error: float
     activation_bytes_per_stage: Optional[list] = None  # what the layers keep (peak less the static part)
+    second_gap: float = 0.0   # MIP gap left on the second objective (0: proven optimal)
 
     def settings(self, problem: ChoiceProblem) -> list[dict]:
         """Per layer: {'checkpoint': bool, 'kinds': {kind: setting}} in Plan form."""
@@ -181,13 +183,17 @@ class _Model:
             extra = []
             if objective == "error":
                 time_cap = None  # minimising time among choices the cap allowed: the cap cannot bind
-        else:  # ties among the optimum's equals: broken within a bounded search (the first answer stands)
+        else:  # ties among the optimum's equals
             scale = max(float(np.abs(primary).max()), 1e-30)
             extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + best * 1e-9) / scale)]
-            options["node_limit"] = TIE_BREAK_NODES
+        options["node_limit"] = SECOND_NODES
         second = milp(c, constraints=self._constraints(budgets, time_cap, error_cap) + extra, integrality=np.ones(self.nv),
                       bounds=bounds, options=options)
-        return second if second.x is not None else first
+        if second.x is None:  # nothing found within the nodes: the first answer stands, its second unproven
+            first.second_gap = 1.0
+            return first
+        second.second_gap = 0.0 if second.status == 0 else float(getattr(second, "mip_gap", 1.0) or 0.0)
+        return second
 
     def solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
               time_limit: Optional[float] = None, error_cap: Optional[float] = None):
@@ -197,13 +203,13 @@ class _Model:
             return first
         return self.secondary(first, budgets, objective, time_cap, time_limit, error_cap)
 
-    def allocation(self, x: np.ndarray) -> Allocation:
+    def allocation(self, x: np.ndarray, second_gap: float = 0.0) -> Allocation:
         x = np.round(x).astype(int)
         chosen = np.nonzero(x[:self.n])[0]
         ckpt = x[self.c0:self.c0 + self.L].astype(bool)
         figures = self.p.evaluate(chosen, ckpt)
         return Allocation(chosen, ckpt, figures["peak_bytes_per_stage"], figures["step_seconds"],
-                          figures["grad_error"], figures["activation_bytes_per_stage"])
+                          figures["grad_error"], figures["activation_bytes_per_stage"], float(second_gap))
 
 
 class Solver:
@@ -294,7 +300,7 @@ class Solver:
             res = m.solve(budgets, objective, None, time_limit, error_cap)
             if res.x is None:
                 raise self._infeasible(budgets, None, res.message, error_cap)
-            return m.allocation(res.x)
+            return m.allocation(res.x, getattr(res, "second_gap", 0.0))
         if time_cap is not None and self.problem.num_stages > 1:
             first = m.primary(budgets, objective, time_cap, time_limit)
             if first.x is None:
@@ -303,22 +309,25 @@ class Solver:
                 # zero error is reachable within the cap: the least time at zero error is below the cap too,
                 # and without the cap the stages separate
                 return self.solve(budgets, objective, None, time_limit)
-            return m.allocation(m.secondary(first, budgets, objective, time_cap, time_limit).x)
+            res = m.secondary(first, budgets, objective, time_cap, time_limit)
+            return m.allocation(res.x, res.second_gap)
         if time_cap is None and self.problem.num_stages > 1:
             x = np.zeros(m.nv)
+            gap = 0.0
             for s, (model, idx, layers) in enumerate(self._stage_solvers()):
                 res = model.solve(budgets[s:s + 1], objective, None, time_limit)
                 if res.x is None:
                     raise self._infeasible(budgets, time_cap, f"stage {s}: {res.message}")
                 sx = np.round(res.x)
+                gap = max(gap, getattr(res, "second_gap", 0.0))
                 x[idx] = sx[:model.n]
                 for offset, sub_offset in ((m.c0, model.c0), (m.u0, model.u0), (m.w0, model.w0)):
                     x[offset + layers] = sx[sub_offset:sub_offset + len(layers)]
-            return m.allocation(x)
+            return m.allocation(x, gap)
         res = m.solve(budgets, objective, time_cap, time_limit)
         if res.x is None:
             raise self._infeasible(budgets, time_cap, res.message)
-        return m.allocation(res.x)
+        return m.allocation(res.x, getattr(res, "second_gap", 0.0))
 
     def _infeasible(self, budgets: np.ndarray, time_cap: Optional[float], why: str,
                     error_cap: Optional[float] = None) -> InfeasibleBudget:

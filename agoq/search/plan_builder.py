@@ -50,6 +50,12 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     floors = {k: b for k, b in knobs.floor_bits if b > 2}
     if floors:
         data["source"]["floor_bits"] = floors
+    if alloc.second_gap > 1e-4:
+        second = "step time" if objective == "error" else "gradient error"
+        data["source"]["second_objective_gap"] = alloc.second_gap
+        data["source"].setdefault("notes", []).append(
+            f"the {second} among the plans of least {objective} is the best found in a bounded search "
+            f"(proven within {alloc.second_gap:.2%})")
     if problem.notes:
-        data["source"]["notes"] = list(problem.notes)
+        data["source"]["notes"] = data["source"].get("notes", []) + list(problem.notes)
     return Plan.model_validate(data)

@@ -107,6 +107,11 @@ def test_same_optimum_as_brute_force(objective, stages):
             got = alloc.grad_error if objective == "error" else alloc.step_seconds
             assert got == pytest.approx(best, rel=1e-7, abs=1e-9), f"seed {seed} trial {trial} budget {budget}"
             assert max(alloc.peak_bytes_per_stage) <= budget + 1, f"seed {seed}"
+            other = "step_seconds" if key == "grad_error" else "grad_error"
+            best_other = min(f[other] for f in fits if f[key] <= best * (1 + 1e-9) + 1e-15)
+            assert alloc.second_gap == 0.0  # small instances: the second objective is proven optimal too
+            got_other = alloc.step_seconds if other == "step_seconds" else alloc.grad_error
+            assert got_other == pytest.approx(best_other, rel=1e-6, abs=1e-9), f"seed {seed}: second objective"
             if cap is not None:
                 assert alloc.step_seconds <= cap + 1e-6, f"seed {seed}"
             if ecap is not None:
