@@ -346,8 +346,8 @@ class Solver:
                         f" and error cap {error_cap:.4g}" if error_cap is not None else ""])
         return InfeasibleBudget(
             f"no choice fits a budget of {asked} per stage{caps}: the smallest feasible budget is "
-            f"{format_bytes(smallest)} ({smallest} bytes); give --budget {int(np.ceil(smallest / 2**20))}MiB or more "
-            f"(solver: {why})", smallest)
+            f"{format_bytes(smallest)} ({smallest} bytes): give --budget {smallest} or more"
+            + ("" if "infeasible" in why.lower() else f" ({why})"), smallest)
 
     def smallest_time(self) -> float:
         """Seconds per step of the fastest choice, memory aside."""
