@@ -1,12 +1,15 @@
 """Two GPUs: DDP with QuanGrad against DDP bf16, sharded with SDP4Bit against sharded bf16 (exact).
 
-Four `agoq train` runs under torchrun on the same model (experiments/train_llama_byte.json, 85.3 M
+Five `agoq train` runs under torchrun on the same model (experiments/train_llama_byte.json, 85.3 M
 parameters), data (tinyshakespeare.txt, bytes), seed and steps, each rank reading its own share of
 every step (the global batch is the same in all four):
   ddp_bf16          DDP, bf16 gradients all-reduced by NCCL
   ddp_quangrad8     8-bit gradient buffer, 8-bit all-reduce (all-to-all, fp32 sum, all-gather)
   sharded_bf16      sharded AdamW, exact float32 reduce-scatter / all-gather
-  sharded_sdp4bit   sharded AdamW with TLq-HS gradients and qWD 4-bit weight differences
+  sharded_sdp4bit   sharded AdamW with TLq-HS gradients and qWD 4-bit weight differences (one node:
+                    gradients travel in int8)
+  sharded_sdp4bit_int4  the same with every GPU treated as a node (--node-size 1): gradients in int4,
+                    the paper's cross-node setting
 once over NVLink and once over NCCL's socket transport on loopback (NCCL_P2P_DISABLE=1
 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo). Goal: the quantized runs' final validation
 loss within 1 % of their baseline's; throughput (tokens/s, median over the steps after the first 10)
@@ -15,7 +18,7 @@ reported as a ratio.
 Writes experiments/results/train_2gpu.json and the run folders (no checkpoints) under
 experiments/results/runs/.
 
-GPU (2 x H200; 8 runs, about 45 s each, 6-7 minutes in all):
+GPU (2 x H200; 10 runs, about 45 s each, 7-8 minutes in all):
     python experiments/train_multi_gpu.py
 CPU check (gloo, tiny model, NVLink/socket variants collapse to one):
     python experiments/train_multi_gpu.py --tiny
@@ -42,8 +45,9 @@ VARIANTS = {
     "ddp_quangrad8": ["--parallel", "ddp", "--gradients", "quangrad8"],
     "sharded_bf16": ["--parallel", "sharded"],
     "sharded_sdp4bit": ["--parallel", "sharded", "--gradients", "sdp4bit"],
+    "sharded_sdp4bit_int4": ["--parallel", "sharded", "--gradients", "sdp4bit", "--node-size", "1"],
 }
-PAIRS = [("ddp_quangrad8", "ddp_bf16"), ("sharded_sdp4bit", "sharded_bf16")]
+PAIRS = [("ddp_quangrad8", "ddp_bf16"), ("sharded_sdp4bit", "sharded_bf16"), ("sharded_sdp4bit_int4", "sharded_bf16")]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,6 +81,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="how several processes share the work (default: none for one process, ddp under torchrun)")
     p.add_argument("--pipeline-stages", type=positive_int, default=None,
                    help="pipeline stages (must equal the number of processes; default: the number of processes)")
+    p.add_argument("--node-size", type=positive_int, default=None,
+                   help="ranks per node for SDP4Bit's gradient reduce-scatter: int8 inside a node, int4 across "
+                        "nodes (default: torchrun's LOCAL_WORLD_SIZE; 1 treats every GPU as a node)")
     p.add_argument("--checkpoint-every", type=non_negative_int, default=100,
                    help="save a checkpoint every N steps, and at the end (0: only at the end; default 100)")
     p.add_argument("--eval-every", type=positive_int, default=None,
@@ -111,5 +114,6 @@ def run(args: argparse.Namespace) -> int:
                       parallel=args.parallel, pipeline_stages=args.pipeline_stages,
                       checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
                       eval_batches=args.eval_batches, resume=args.resume, seed=args.seed, device=args.device,
-                      dtype=args.dtype, out=args.out, checkpoint_all=args.checkpoint_all, quiet=args.quiet)
+                      dtype=args.dtype, out=args.out, checkpoint_all=args.checkpoint_all, node_size=args.node_size,
+                      quiet=args.quiet)
     return train(cfg)

@@ -72,6 +72,7 @@ class TrainConfig:
     dtype: str | None = None
     out: str = "runs/train"
     checkpoint_all: bool = False
+    node_size: int | None = None
     quiet: bool = False
 
 
@@ -227,6 +228,8 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
     if parallel != "none" and world.size < 2:
         raise ValueError(f"--parallel {parallel} needs several processes: launch with "
                          f"torchrun --nproc-per-node N agoq train ... --parallel {parallel}")
+    if cfg.node_size is not None and parallel != "sharded":
+        raise ValueError("--node-size is for --parallel sharded (SDP4Bit's two-level gradient reduce-scatter)")
     if cfg.pipeline_stages is not None and parallel != "pipeline":
         raise ValueError("--pipeline-stages is for --parallel pipeline")
     if parallel == "pipeline" and cfg.pipeline_stages not in (None, world.size):
@@ -425,7 +428,8 @@ class Trainer:
             self.masters = None
             self.optimizer = SDP4BitOptimizer(self.params, lr=cfg.lr, betas=BETAS, eps=EPS,
                                               weight_decay=cfg.weight_decay, quantize_gradients=quantized,
-                                              quantize_weights=quantized, seed=cfg.seed, on_nonfinite="raise")
+                                              quantize_weights=quantized, seed=cfg.seed, on_nonfinite="raise",
+                                              node_size=cfg.node_size)
         else:
             if s.dtype == torch.float32:
                 self.masters = None
@@ -454,7 +458,7 @@ class Trainer:
                 "checkpoint_every": cfg.checkpoint_every, "eval_every": s.eval_every,
                 "eval_batches": cfg.eval_batches, "pipeline_stages": s.world.size if s.parallel == "pipeline" else 1,
                 "layer_stage": s.layer_stage, "tokens_per_step": self.tokens_per_step,
-                "checkpoint_all": cfg.checkpoint_all,
+                "checkpoint_all": cfg.checkpoint_all, "node_size": cfg.node_size,
                 **{k: v for k, v in s.corpus_info.items() if k != "data"}}
 
     @property

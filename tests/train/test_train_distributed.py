@@ -70,6 +70,7 @@ def test_two_processes_ddp_sharded_pipeline(tmp_path):
         ("ddp_quangrad8", dict(parallel="ddp", gradients="quangrad8", optimizer="adamw8bit")),
         ("sharded_exact", dict(parallel="sharded")),
         ("sharded_sdp4bit", dict(parallel="sharded", gradients="sdp4bit", kill_at=4)),  # killed, then resumed
+        ("sharded_sdp4bit_int4", dict(parallel="sharded", gradients="sdp4bit", node_size=1)),  # 2 "nodes": int4
         ("pipeline", dict(parallel="pipeline", grad_accum=2)),
         ("pipeline_stage_bits", dict(parallel="pipeline", grad_accum=3, policy="stage-aware", gradients="quangrad8")),
     ]
@@ -82,7 +83,8 @@ def test_two_processes_ddp_sharded_pipeline(tmp_path):
                                        ("sharded_exact", EXACT_LOSS_RTOL, ref, ref_val),
                                        ("pipeline", EXACT_LOSS_RTOL, ref, ref_val),
                                        ("ddp_quangrad8", QUANTIZED_LOSS_RTOL, ref8, ref8_val),
-                                       ("sharded_sdp4bit", QUANTIZED_LOSS_RTOL, ref, ref_val)]:
+                                       ("sharded_sdp4bit", QUANTIZED_LOSS_RTOL, ref, ref_val),
+                                       ("sharded_sdp4bit_int4", QUANTIZED_LOSS_RTOL, ref, ref_val)]:
         got, got_val = _losses(tmp_path / name)
         _close(got, want, rtol)
         _close(got_val, want_val, rtol)
