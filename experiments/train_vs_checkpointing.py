@@ -12,7 +12,8 @@
               10 steps, peak memory, final validation loss
 
 Reports speed-up = checkpointing step time / plan step time (the paper reports 1.22x-1.34x from exactly
-this), peaks against the budget, validation losses. Phases run apart with --phase (profile and train need
+this), peaks against the budget, validation losses. The three run folders (without checkpoints) go to
+experiments/results/runs/ for the dashboard. Phases run apart with --phase (profile and train need
 only torch on the GPU; search needs scipy, pandas and pydantic).
 
 GPU (one H200; profile ~2-4 min, search seconds, 3 runs of 300 steps ~1 min each):
@@ -33,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from experiments.record import write_result  # noqa: E402
+from experiments.record import RESULTS, write_result  # noqa: E402
 from experiments.train_runs import (BYTE_MODEL, ROOT, drop_checkpoint, run_train, summarize,  # noqa: E402
                                     tiny_shakespeare)
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"plan": ["--plan", str(plan_path)], "checkpoint_all": ["--checkpoint-all"], "bf16": []}
     runs = {}
     for name, extra in variants.items():
-        run_dir = out / "runs" / name
+        run_dir = (out / "runs" / name) if args.tiny else (RESULTS / "runs" / f"{args.name}_{name}")
         if run_dir.exists():
             shutil.rmtree(run_dir)
         wall = run_train(common + extra + ["--out", str(run_dir)])
