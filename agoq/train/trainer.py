@@ -724,14 +724,29 @@ class Trainer:
         return 0
 
 
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def train(cfg: TrainConfig) -> int:
-    """Run one training (in this process; under torchrun, this rank's part); returns the exit code."""
+    """Run one training (in this process; under torchrun, this rank's part); returns the exit code.
+
+    SIGTERM (what torchrun and schedulers send) stops the run like Ctrl-C: status "stopped", exit 130.
+    """
+    import signal
+    import threading
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     world = _world(cfg.device)
     try:
         setup = prepare(cfg, world)
         trainer = Trainer(setup)
         return trainer.run()
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if world.initialised_here:
             dist.destroy_process_group()
 

@@ -296,3 +296,20 @@ def test_tokenizers_json_sets_the_vocabulary(tmp_path):
     assert run["settings"]["train_tokens"] + run["settings"]["val_tokens"] == 3000
     with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
         train(TrainConfig(model="llama-tiny", tokenizer=str(tmp_path / "none.json"), out=str(tmp_path / "x")))
+
+
+def test_sigterm_marks_the_run_stopped(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    args = ["--steps", "400", "--checkpoint-every", "2", "--out", str(out)]
+    proc = subprocess.Popen(_cli(*args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "checkpoint" / "state.json").exists():
+        if proc.poll() is not None:
+            pytest.fail(proc.stderr.read().decode())
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 130
+    run = _run_json(out)
+    assert run["status"] == "stopped" and "--resume" in run["message"]
+    assert run["step"] < 400
