@@ -319,3 +319,47 @@ def test_knob_space_stage_boundaries(tmp_path):
                 assert list(knobs.layer_stage) == base
             problem = build_problem(profile, knobs)  # a valid pipeline split builds
             assert problem.num_stages == 3
+
+
+def test_killed_search_resumes(profile_dir, tmp_path, capsys):
+    """SIGKILL an `agoq search` mid-study (trials measured, so each takes a while), then run it again: the
+    study keeps the finished trials, fails the one that was running, and runs only the missing ones."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import optuna
+    from optuna.trial import TrialState
+
+    low, high = _bounds(profile_dir)
+    out = tmp_path / "s" / "plan.json"
+    args = ["search", "--profile", str(profile_dir), "--budget", str((low + high) // 2), "--out", str(out),
+            "--quiet", "--method", "optuna", "--measure-trials", "--validate-steps", "2", "--front-budgets", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "agoq.cli", *args, "--trials", "500"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    storage = f"sqlite:///{tmp_path / 's' / 'study.db'}"
+    done = 0
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            try:
+                study = optuna.load_study(study_name="agoq-search", storage=storage)
+            except Exception:  # the study is not created yet
+                continue
+            done = sum(t.state == TrialState.COMPLETE for t in study.trials)
+            if done >= 3:
+                break
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    study = optuna.load_study(study_name="agoq-search", storage=storage)
+    before = sum(t.state == TrialState.COMPLETE for t in study.trials)
+    assert before >= 3, "the search did not get going"
+    assert main(args + ["--trials", str(before + 2)]) == 0
+    assert "2 trial(s) run now, " in capsys.readouterr().out
+    study = optuna.load_study(study_name="agoq-search", storage=storage)
+    states = [t.state for t in study.trials]
+    assert states.count(TrialState.COMPLETE) == before + 2
+    assert TrialState.RUNNING not in states
