@@ -100,13 +100,21 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
     _stage(["search", "--profile", str(paths["profile"]), "--budget", str(budget), "--out", str(paths["plan"]),
             *q, *(SEARCH_ARGS if search_args is None else search_args)])
     # both runs train on the batch shape the plan was made for, so their curves compare
-    training = json.loads(paths["plan"].read_text()).get("training") or {}
+    plan = json.loads(paths["plan"].read_text())
+    training = plan.get("training") or {}
     shape = [arg for flag, key in (("--seq-len", "seq_len"), ("--micro-batch", "micro_batch"))
              if training.get(key) for arg in (flag, str(training[key]))]
     common = ["--device", "cpu", "--steps", str(steps), *shape, *q,
               *(TRAIN_ARGS if train_args is None else train_args)]
     _stage(["train", MODEL, "--out", str(paths["bf16"]), *common])
-    _stage(["train", MODEL, "--plan", str(paths["plan"]), "--out", str(paths["plan_run"]), *common])
+    gradients = []
+    if (plan.get("gradients") or {}).get("mode") == "sdp4bit":
+        # SDP4Bit shards gradients over several processes (--parallel sharded); one process keeps
+        # the plan's activations and stores its gradients in 8 bits instead
+        print("agoq demo: the plan's sdp4bit gradients need several processes; this single-process run "
+              "uses --gradients quangrad8", file=sys.stderr)
+        gradients = ["--gradients", "quangrad8"]
+    _stage(["train", MODEL, "--plan", str(paths["plan"]), "--out", str(paths["plan_run"]), *gradients, *common])
     return paths
 
 

@@ -45,3 +45,34 @@ def test_budget_is_the_paper_recipes_peak(tmp_path):
         assert "agoq-paper" in str(e)
     else:
         raise AssertionError("a profile without the paper recipe's peak must be refused")
+
+
+def test_loop_order_and_sdp4bit_plan_on_one_process(monkeypatch, tmp_path):
+    """The loop's command lines: profile, search at the paper recipe's peak, then two runs on the plan's
+    batch shape; a plan with sharded (sdp4bit) gradients is trained in one process with quangrad8."""
+    calls = []
+
+    def fake_stage(argv):
+        calls.append(argv)
+        out = argv[argv.index("--out") + 1]
+        if argv[0] == "profile":
+            steps = [{"policy": "bf16", "predicted_peak_bytes": 9_000_001},
+                     {"policy": "agoq-paper", "predicted_peak_bytes": 4_000_003}]
+            (tmp_path / "d" / "profile").mkdir(parents=True)
+            (tmp_path / "d" / "profile" / "profile.json").write_text(json.dumps({"memory": {"steps": steps}}))
+        if argv[0] == "search":
+            plan = {"gradients": {"mode": "sdp4bit"}, "training": {"seq_len": 48, "micro_batch": 3}}
+            (tmp_path / "d" / "search").mkdir(parents=True)
+            with open(out, "w") as f:
+                json.dump(plan, f)
+
+    monkeypatch.setattr(demo, "_stage", fake_stage)
+    demo.run_loop(tmp_path / "d", steps=9, quiet=True)
+    assert [c[0] for c in calls] == ["profile", "search", "train", "train"]
+    assert calls[1][calls[1].index("--budget") + 1] == "4000003"
+    for run in calls[2:]:
+        assert run[run.index("--seq-len") + 1] == "48" and run[run.index("--micro-batch") + 1] == "3"
+        assert run[run.index("--steps") + 1] == "9"
+    assert "--gradients" not in calls[2] and "--plan" not in calls[2]
+    assert calls[3][calls[3].index("--gradients") + 1] == "quangrad8"
+    assert calls[3][calls[3].index("--plan") + 1] == str(tmp_path / "d" / "search" / "plan.json")
