@@ -78,7 +78,9 @@ class ReplaySession:
                 tag = None
             if tag is not None:
                 self.tagged.add(tag)
-            return tag, t
+            # detached: a saved output (log_softmax's, say) would otherwise hold its own grad_fn through
+            # this tuple, a cycle through C++ that no garbage collection frees
+            return tag, t.detach()
 
         def unpack(packed):
             tag, t = packed

@@ -111,10 +111,10 @@ def track_saved_tensors(model: nn.Module):
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return t
+            return t.detach()
         ptr = storage.data_ptr()
         if ptr in params or ptr in seen or storage.nbytes() == 0:
-            return t
+            return t.detach()
         seen.add(ptr)
         if ptr in shared:
             layer, sub_kind = None, "layer_inputs"
@@ -127,7 +127,7 @@ def track_saved_tensors(model: nn.Module):
         else:
             log.by_layer[layer][kind] += nbytes
         log.tensors.append((layer, kind, tuple(t.shape), str(t.dtype), nbytes))
-        return t
+        return t.detach()  # never the tensor itself: a saved output would keep its own graph alive
 
     _labels = {}
     try:

@@ -132,3 +132,24 @@ def test_per_layer_attribution_closed_form():
     assert sum(log.outside.values()) == 4 * C, f"seed {seed}: {dict(log.outside)}"
     assert log.total() == n * 2 * 4 * B * S * C + 4 * C
     out.sum().backward()
+
+
+def _graph_tensors_alive() -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+def test_tracking_leaves_no_graph_alive():
+    """The tracker's pack hook must not hand autograd the saved tensor itself: a saved output (the
+    loss's log_softmax) would then hold its own graph in a cycle no collector frees."""
+    from agoq.models import build
+
+    model = build("llama-tiny", dtype=torch.float32, seed=3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 37))
+    before = _graph_tensors_alive()
+    with agoq.track_saved_tensors(model):
+        loss = model(ids[:, :-1], ids[:, 1:])
+    del loss
+    assert _graph_tensors_alive() == before
