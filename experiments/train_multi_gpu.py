@@ -18,8 +18,10 @@ reported as a ratio.
 Writes experiments/results/train_2gpu.json and the run folders (no checkpoints) under
 experiments/results/runs/.
 
-GPU (2 x H200; 10 runs, about 45 s each, 7-8 minutes in all):
-    python experiments/train_multi_gpu.py
+GPU (2 x H200; 10 runs, about 45 s each, 7-9 minutes in all; one transport per command keeps each under
+5 minutes and writes train_2gpu_nvlink.json / train_2gpu_sockets.json):
+    python experiments/train_multi_gpu.py --transports nvlink
+    python experiments/train_multi_gpu.py --transports sockets
 CPU check (gloo, tiny model, NVLink/socket variants collapse to one):
     python experiments/train_multi_gpu.py --tiny
 """
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model, name, device, eval_every, eval_batches = str(BYTE_MODEL), "train_2gpu", [], 50, 16
     transports = args.transports.split(",")
+    if len(transports) == 1:  # runs split over several commands keep one result file each
+        name += f"_{transports[0]}"
     if args.tiny:
         model, name, device = "llama-tiny", "train_2gpu_tiny", ["--device", "cpu"]
         args.steps, args.seq_len, args.micro_batch, eval_every, eval_batches = 12, 64, 2, 6, 2
