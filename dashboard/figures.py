@@ -100,9 +100,10 @@ def collective_times(series: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return figs
 
 
-def pareto_front(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def pareto_front(rows: list[dict[str, Any]], chosen: dict[str, Any] | None = None) -> dict[str, Any]:
     """Predicted peak memory against predicted step time, coloured by predicted gradient error; the
-    validated plans' measured points are drawn as crosses joined to their prediction."""
+    validated plans' measured points are drawn as crosses joined to their prediction, and the chosen
+    plan (`chosen`: its summary, with predicted_peak_bytes and predicted_step_seconds) as a star."""
     peaks = [r.get("predicted_peak_bytes") for r in rows]
     unit, size = byte_unit(max((p for p in peaks if p is not None), default=None))
     labels = [str(r.get("plan") or f"row {i}") for i, r in enumerate(rows)]
@@ -135,6 +136,10 @@ def pareto_front(rows: list[dict[str, Any]]) -> dict[str, Any]:
         data.append({"type": "scatter", "mode": "lines", "name": "prediction -> measurement",
                      "x": _scaled(seg_x, size), "y": [None if v is None else v * 1e3 for v in seg_y],
                      "line": {"color": "gray", "dash": "dot"}, "hoverinfo": "skip"})
+    if chosen and chosen.get("predicted_peak_bytes") is not None and chosen.get("predicted_step_seconds") is not None:
+        data.append({"type": "scatter", "mode": "markers", "name": "chosen plan",
+                     "x": [chosen["predicted_peak_bytes"] / size], "y": [chosen["predicted_step_seconds"] * 1e3],
+                     "marker": {"symbol": "star-open", "size": 20, "color": "#2ca02c", "line": {"width": 2}}})
     return _figure(data, "Pareto front: memory vs step time",
                    xaxis={"title": {"text": f"peak memory ({unit})"}},
                    yaxis={"title": {"text": "step time (ms)"}})

@@ -421,6 +421,8 @@ def test_pareto_figure_marks_each_validated_point():
     assert measured["y"] == pytest.approx([r["measured_step_seconds"] * 1e3 for r in validated])
     want_x = [(r["measured_peak_bytes"] or r["predicted_peak_bytes"]) / 2**30 for r in validated]
     assert measured["x"] == pytest.approx(want_x)
+    star = pareto_front(rows, {"predicted_peak_bytes": 3 * 2**30, "predicted_step_seconds": 0.125})["data"][-1]
+    assert star["name"] == "chosen plan" and star["x"] == [3.0] and star["y"] == [125.0]
 
 
 def test_root_that_is_itself_a_run(tmp_path):
