@@ -66,7 +66,9 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
             host = (request.headers.get("host") or "").lower()
             host = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
             if host not in allowed_hosts:
-                return PlainTextResponse(f"Host {host!r} is not served here", status_code=400)
+                return PlainTextResponse(f"Host {host!r} is not served here: without a token this dashboard only "
+                                         "answers to localhost addresses (start it with --token to reach it "
+                                         "under another name, e.g. through a proxy)", status_code=400)
         from_query = False
         if token is not None:
             given, from_query = _given_token(request)
