@@ -105,20 +105,31 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
             return HTMLResponse(pages.error_page(title, str(e)), status_code=422)
 
     # --- JSON API -------------------------------------------------------------------------------
-    @app.get("/api/index", tags=["api"], summary="Everything found under the root, with key figures")
+    @app.get("/api/index", tags=["api"], summary="Everything found under the root, with key figures",
+             description="`profiles`, `searches`, `plans`, `runs`: lists of {id, key figures...} or {id, error}; "
+                         "`problems`: paths skipped (e.g. symlinks leading outside the root); `scanned_at`: epoch s.")
     def api_index(refresh: bool = Query(False, description="rescan now instead of within the cache time")):
         return data.overview(refresh=refresh)
 
-    @app.get("/api/profile", tags=["api"], summary="A profile: key figures, heat maps, error curves, collectives")
+    @app.get("/api/profile", tags=["api"], summary="A profile: key figures, heat maps, error curves, collectives",
+             description="`maps`: layers x kinds grids of `sensitivity` (relative L2 of all weight gradients), "
+                         "`bytes` (kept per micro-batch) and `quant_error` at `option`; `curves`: per kind and format, "
+                         "mean errors against bits; `collectives`: seconds against message bytes per (op, path). "
+                         "A part that cannot be read is {error}.")
     def api_profile(id: str = Query(..., description="profile folder, relative to the root"),
                     option: str | None = Query(None, description='option of the heat maps ("4", "recompute"...)')):
         return api(lambda: data.profile(id, option))
 
-    @app.get("/api/search", tags=["api"], summary="A search: Pareto front, chosen plan, Optuna studies")
+    @app.get("/api/search", tags=["api"], summary="A search: Pareto front, chosen plan, Optuna studies",
+             description="`pareto`: pareto.csv rows (numbers parsed; `validated`, `plan_id`); `chosen_plan`: as "
+                         "/api/plan; `study`: {file, studies: [{name, directions, objectives, states, trials}]}.")
     def api_search(id: str = Query(..., description="search folder, relative to the root")):
         return api(lambda: data.search(id))
 
-    @app.get("/api/plan", tags=["api"], summary="A plan: key figures, bit widths, memory breakdown")
+    @app.get("/api/plan", tags=["api"], summary="A plan: key figures, bit widths, memory breakdown",
+             description="`bits`: layers x kinds (16, 2..8, 0 = recompute, -1 = layer checkpointed); `memory`: per "
+                         "stage, predicted parts (weights, gradients, optimizer, activations, other; bytes) and "
+                         "measured peaks; `runs`: runs that trained with this plan.")
     def api_plan(id: str = Query(..., description="plan file, relative to the root")):
         return api(lambda: data.plan(id))
 
@@ -127,7 +138,10 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
         return api(lambda: data.run(id))
 
     @app.get("/api/curves", tags=["api"],
-             summary="Runs' curves (loss, val loss, tokens/s, peak bytes per rank), thinned to `points` each")
+             summary="Runs' curves (loss, val loss, tokens/s, peak bytes per rank), thinned to `points` each",
+             description="Per run: `series.{loss, val_loss, tokens_per_s, grad_norm, step_seconds, lr}` = {step, "
+                         "value, elapsed_s} and `peak_bytes` = [{rank, step, value, elapsed_s}]; `train_points` and "
+                         "`val_points` count the lines before thinning (lowest and highest point per bucket).")
     def api_curves(id: list[str] = Query(..., description="run folder(s), relative to the root"),
                    points: int = Query(2000, ge=4, le=MAX_POINTS_LIMIT,
                                        description="most points per curve (min and max per bucket are kept)")):
