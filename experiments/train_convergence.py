@@ -1,7 +1,7 @@
 """Convergence on one GPU: plain bf16 against agoq (agoq-paper activations + 8-bit gradients + 8-bit AdamW).
 
-Both runs train the same LLaMA (experiments/train_llama_byte.json: hidden 768, 12 layers, 12 heads,
-SwiGLU FFN 2048, byte vocabulary 256, 85.3 M parameters: GPT-2 small's body) on tinyshakespeare.txt
+Both runs train the same LLaMA (experiments/train_llama_byte.json: hidden 1024, 10 layers, 16 heads,
+SwiGLU FFN 2816, byte vocabulary 256, 129 M parameters) on tinyshakespeare.txt
 (bytes, 90/10 train/validation split, read from ../shared/data, never copied), sequences of 1024, same
 seed, data order and schedule (AdamW betas 0.9/0.95, weight decay 0.1, warmup then cosine to lr/10,
 gradient clipping 1.0, float32 master weights). The second run stores activations with the agoq-paper
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per run (default 2000)")
     parser.add_argument("--micro-batch", type=int, default=4,
                         help="sequences per step (default 4 x 1024 tokens: 2000 steps are 8 passes over the 1 MB "
-                             "of training text, where an 85 M model already overfits)")
+                             "of training text, where a 128 M model already overfits)")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--warmup", type=int, default=100)

@@ -1,6 +1,6 @@
 """Two GPUs: DDP with QuanGrad against DDP bf16, sharded with SDP4Bit against sharded bf16 (exact).
 
-Five `agoq train` runs under torchrun on the same model (experiments/train_llama_byte.json, 85.3 M
+Five `agoq train` runs under torchrun on the same model (experiments/train_llama_byte.json, 128 M
 parameters), data (tinyshakespeare.txt, bytes), seed and steps, each rank reading its own share of
 every step (the global batch is the same in all four):
   ddp_bf16          DDP, bf16 gradients all-reduced by NCCL

@@ -419,7 +419,8 @@ class Trainer:
         if s.gradients == "quangrad8":
             from agoq.runtime.quangrad import QuantizedGradients
 
-            self.qgrads = QuantizedGradients(self.params)
+            # under DDP each bucket is reduced as soon as the last micro-batch's backward has filled it
+            self.qgrads = QuantizedGradients(self.params, overlap=s.parallel == "ddp" and world.size > 1)
         # optimizer
         if s.parallel == "sharded":
             from agoq.runtime.sdp4bit import SDP4BitOptimizer
@@ -545,8 +546,10 @@ class Trainer:
         for micro in range(cfg.grad_accum):
             ids, labels = s.batches.micro(step, micro, rank)
             ids, labels = ids.to(dev), labels.to(dev)
+            last = micro == cfg.grad_accum - 1
+            if last and self.qgrads is not None and s.parallel == "ddp" and s.world.size > 1:
+                self.qgrads.prepare_sync()  # buckets all-reduce during this backward
             if self.ddp is not None:
-                last = micro == cfg.grad_accum - 1
                 if last:
                     loss = self.ddp(ids, labels)
                 else:
