@@ -61,7 +61,9 @@ def test_round_trip_within_analytic_bound(backend, dtype, bits):
     absmax = pad.view(-1, block).abs().amax(1)
     bound = (absmax / int_qmax(bits) / 2).repeat_interleave(block)[:n]
     err = (back.double().reshape(-1) - flat).abs()
-    assert (err <= bound * (1 + 1e-5) + 1e-30).all(), f"max excess {(err - bound).max().item()}"
+    # float32 arithmetic adds a few roundings of the value itself (scale, 1/scale, code * scale)
+    fp32_slack = 4 * 2.0**-24 * flat.abs()
+    assert (err <= bound * (1 + 1e-5) + fp32_slack + 1e-30).all(), f"max excess {(err - bound).max().item()}"
     # in the tensor's own dtype the result differs from the float32 one by at most one rounding (1 ulp)
     same_dtype = dequantize(q, backend=backend).double()
     ulp = torch.finfo(dtype).eps * back.double().abs()
