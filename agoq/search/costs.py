@@ -74,6 +74,15 @@ class ChoiceProblem:
     seconds_scale: float = 1.0      # each option's seconds are already multiplied by grad_accum
     notes: list = field(default_factory=list)
     floor_bytes: Optional[np.ndarray] = None  # [S] the optimizer step's peak, whatever the activations
+    in_flight: Optional[np.ndarray] = None    # [S] micro-batches each stage holds (memory is already x this)
+    recompute_bytes: Optional[np.ndarray] = None  # [L] what a checkpointed layer's forward keeps when rerun
+                                                  # in backward (the unmodified layer's bytes, per micro-batch)
+
+    def flight(self) -> np.ndarray:
+        return np.ones(self.num_stages) if self.in_flight is None else np.asarray(self.in_flight, float)
+
+    def recomputed(self) -> np.ndarray:
+        return np.zeros(self.num_layers) if self.recompute_bytes is None else np.asarray(self.recompute_bytes, float)
 
     def peak_floor(self) -> np.ndarray:
         """Per stage, the least peak whatever is chosen (the optimizer step's), bytes."""
@@ -105,9 +114,9 @@ class ChoiceProblem:
         """
         chosen = np.asarray(chosen, dtype=int)
         ckpt = np.asarray(checkpoint, dtype=bool)
-        mem = self.static_bytes.astype(float).copy()
-        np.add.at(mem, self.layer_stage[self.layer[chosen]], self.memory[chosen])
-        np.add.at(mem, self.layer_stage[ckpt], self.checkpoint_memory[ckpt])
+        per_layer = np.zeros(self.num_layers)  # bytes each layer adds to its stage (x in-flight)
+        np.add.at(per_layer, self.layer[chosen], self.memory[chosen])
+        per_layer[ckpt] += self.checkpoint_memory[ckpt]
         is16 = self.sixteen()
         for l in range(self.num_layers):
             if ckpt[l]:
@@ -115,10 +124,21 @@ class ChoiceProblem:
             mine = chosen[self.layer[chosen] == l]
             kinds16 = {int(self.kind[i]) for i in mine if is16[i]}
             if len(kinds16) == len({int(self.kind[i]) for i in mine}):
-                mem[self.layer_stage[l]] += self.unmodified_extra[l]
+                per_layer[l] += self.unmodified_extra[l]
             if {KINDS.index("attention"), KINDS.index("o_proj_input")} <= kinds16:
-                mem[self.layer_stage[l]] -= self.shared_credit[l]
-        activations = mem - self.static_bytes
+                per_layer[l] -= self.shared_credit[l]
+        activations = np.zeros(self.num_stages)
+        np.add.at(activations, self.layer_stage, per_layer)
+        mem = self.static_bytes + activations
+        # backward of a checkpointed layer l: the other in-flight micro-batches, this one's layers before l,
+        # and l's input plus everything its rerun forward keeps
+        flight, extra = self.flight(), self.recomputed()
+        for l in np.nonzero(ckpt)[0]:
+            s = self.layer_stage[l]
+            before = per_layer[(self.layer_stage == s) & (np.arange(self.num_layers) < l)].sum()
+            during = self.static_bytes[s] + (flight[s] - 1) / flight[s] * activations[s] + before / flight[s] \
+                + self.checkpoint_memory[l] / flight[s] + extra[l]
+            mem[s] = max(mem[s], during)
         mem = np.maximum(mem, self.peak_floor())
         seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum())
         return {"peak_bytes_per_stage": [int(round(m)) for m in mem], "step_seconds": seconds,
@@ -278,6 +298,8 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
     else:
         notes.append("no model config in the profile: layers left all at 16 bits are costed as the sum of their kinds")
 
+    # a checkpointed layer reruns the unmodified forward in backward, keeping what the plain layer keeps
+    recompute = np.full(L, float(sum(predict_layer_bytes(shape, None, block).values()))) if shape is not None else None
     hidden = shape.hidden if shape is not None else None
     elem = ELEM_BYTES.get(str(profile.settings.get("dtype", "bf16")), 2)
     if hidden is None:
@@ -330,7 +352,8 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
         notes.append(f"no collective timing for gradient mode {knobs.gradient_mode}: communication not counted")
         comm = 0.0
     return ChoiceProblem(layer, kind, option, memory, seconds, error, stages, checkpoint_memory, checkpoint_seconds,
-                         allow_ckpt, unmodified, credit, static, base + comm, time_scale, notes, floor)
+                         allow_ckpt, unmodified, credit, static, base + comm, time_scale, notes, floor,
+                         np.array(in_flight[:S], dtype=float), recompute)
 
 
 def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:

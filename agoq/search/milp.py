@@ -130,6 +130,25 @@ class _Model:
         mem[p.layer_stage, self.u0 + np.arange(L)] = p.unmodified_extra
         mem[p.layer_stage, self.w0 + np.arange(L)] = -p.shared_credit
         self.memory_rows = mem
+        # peaks during the backward of each layer that may be checkpointed (see ChoiceProblem.evaluate)
+        flight, extra = p.flight(), p.recomputed()
+        rows_l, stage_l = [], []
+        if p.allow_checkpoint:
+            owner = np.full(self.nv, -1)
+            owner[:n] = p.layer
+            owner[self.c0:self.c0 + L] = owner[self.u0:self.u0 + L] = owner[self.w0:self.w0 + L] = np.arange(L)
+            for l in range(L):
+                s = p.layer_stage[l]
+                row = mem[s] * (flight[s] - 1) / flight[s]
+                earlier = (owner >= 0) & (owner < l) & (p.layer_stage[np.maximum(owner, 0)] == s)
+                row = row + np.where(earlier, mem[s] / flight[s], 0.0)
+                row[self.c0 + l] += p.checkpoint_memory[l] / flight[s] + extra[l]
+                rows_l.append(row)
+                stage_l.append(s)
+        self.peak_rows = np.vstack([mem] + rows_l) if rows_l else mem
+        self.peak_stage = np.array(list(range(S)) + stage_l)
+        # memory rows in units that keep coefficients near 1 (HiGHS's numerics and speed), at most a MiB
+        self.unit = float(min(MIB, max(1.0, 2.0 ** np.floor(np.log2(max(float(np.abs(mem).max()), 1.0) / 1e3)))))
         t = np.zeros(self.nv)
         t[:n] = p.seconds
         t[self.c0:self.c0 + L] = p.checkpoint_seconds
@@ -140,10 +159,9 @@ class _Model:
 
     def _constraints(self, budgets: np.ndarray, time_cap: Optional[float], error_cap: Optional[float] = None) -> list:
         p = self.p
-        # rows in MiB and milliseconds: coefficients near 1 keep HiGHS's numerics (and speed) healthy
-        constraints = [self.structure,
-                       LinearConstraint(self.memory_rows / MIB, -np.inf,
-                                        (np.asarray(budgets, float) - p.static_bytes) / MIB)]
+        # memory in self.unit bytes, time in milliseconds: coefficients near 1 keep HiGHS healthy
+        room = (np.asarray(budgets, float) - p.static_bytes)[self.peak_stage]
+        constraints = [self.structure, LinearConstraint(self.peak_rows / self.unit, -np.inf, room / self.unit)]
         if time_cap is not None:
             constraints.append(LinearConstraint(self.time_row[None, :] * 1e3, -np.inf, (time_cap - p.base_seconds) * 1e3))
         if error_cap is not None:
@@ -236,7 +254,8 @@ class Solver:
                                     p.checkpoint_memory[layers], p.checkpoint_seconds[layers], p.allow_checkpoint,
                                     p.unmodified_extra[layers], p.shared_credit[layers],
                                     p.static_bytes[s:s + 1], 0.0, p.seconds_scale,
-                                    floor_bytes=p.peak_floor()[s:s + 1])
+                                    floor_bytes=p.peak_floor()[s:s + 1], in_flight=p.flight()[s:s + 1],
+                                    recompute_bytes=p.recomputed()[layers])
                 self._stages.append((_Model(sub), idx, layers))
         return self._stages
 
@@ -244,17 +263,15 @@ class Solver:
         b = np.asarray(budget, dtype=float)
         return np.full(self.problem.num_stages, float(b)) if b.ndim == 0 else b
 
-    def smallest_budget(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None) -> Optional[int]:
-        """The least per-stage budget (bytes, same for every stage) that some choice fits; None when the
-        caps alone cannot be met."""
+    def least_memory(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None) -> Optional[Allocation]:
+        """The choice of least peak (the largest stage's), within the caps; None when the caps cannot be met."""
         m = self._model
-        S = self.problem.num_stages
-        # minimise t subject to memory_s <= t for every stage: append t as the last variable
+        # minimise t subject to memory_s <= t for every stage (and every backward peak): t is the last variable
         nv = m.nv + 1
-        mem = np.hstack([m.memory_rows / MIB, -np.ones((S, 1))])  # in MiB
+        mem = np.hstack([m.peak_rows / m.unit, -np.ones((len(m.peak_stage), 1))])
         structure = LinearConstraint(np.hstack([m.structure.A.toarray(), np.zeros((m.structure.A.shape[0], 1))]),
                                      m.structure.lb, m.structure.ub)
-        cons = [structure, LinearConstraint(mem, -np.inf, -self.problem.static_bytes / MIB)]
+        cons = [structure, LinearConstraint(mem, -np.inf, -self.problem.static_bytes[m.peak_stage] / m.unit)]
         if time_cap is not None:
             cons.append(LinearConstraint(np.append(m.time_row, 0.0)[None, :] * 1e3, -np.inf,
                                          (time_cap - self.problem.base_seconds) * 1e3))
@@ -269,8 +286,13 @@ class Solver:
         res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub), options={"mip_rel_gap": GAP})
         if res.x is None:
             return None
-        alloc = m.allocation(res.x[:-1])
-        return int(max(alloc.peak_bytes_per_stage))  # evaluate() includes the optimizer step's floor
+        return m.allocation(res.x[:-1])
+
+    def smallest_budget(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None) -> Optional[int]:
+        """The least per-stage budget (bytes, same for every stage) that some choice fits; None when the
+        caps alone cannot be met."""
+        alloc = self.least_memory(time_cap, error_cap)
+        return None if alloc is None else int(max(alloc.peak_bytes_per_stage))  # floor included
 
     def solve(self, budget, objective: str = "error", time_cap: Optional[float] = None,
               time_limit: Optional[float] = None, error_cap: Optional[float] = None) -> Allocation:
@@ -280,19 +302,35 @@ class Solver:
         Raises InfeasibleBudget, whose message gives the smallest feasible budget.
         """
         budgets = self._budgets(budget)
+        alloc = self._solve(budgets, objective, time_cap, time_limit, error_cap)
+        over = np.asarray(alloc.peak_bytes_per_stage, float) - budgets
+        if (over > 0).any():  # within the solver's feasibility tolerance, a few bytes over: ask for less
+            try:
+                alloc = self._solve(budgets - np.maximum(over, 0) - 1, objective, time_cap, time_limit, error_cap)
+            except InfeasibleBudget:
+                alloc = None
+            if alloc is None or (np.asarray(alloc.peak_bytes_per_stage) > budgets).any():
+                # the budget is within a few bytes of the least memory: that choice is the one that fits
+                alloc = self.least_memory(time_cap, error_cap)
+                if alloc is None or (np.asarray(alloc.peak_bytes_per_stage) > budgets).any():
+                    raise self._infeasible(budgets, time_cap, "infeasible", error_cap)
+        return alloc
+
+    def _solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float], time_limit: Optional[float],
+               error_cap: Optional[float]) -> Allocation:
         m = self._model
         m._rows(objective)
         if (self.problem.peak_floor() > budgets).any():
             raise self._infeasible(budgets, time_cap, "the optimizer step alone exceeds the budget", error_cap)
         if objective == "error" and error_cap is not None:
             # the least error either meets the cap or nothing does
-            alloc = self.solve(budgets, "error", time_cap, time_limit)
+            alloc = self._solve(budgets, "error", time_cap, time_limit, None)
             if alloc.grad_error > error_cap * (1 + 1e-9):
                 raise self._infeasible(budgets, time_cap, "the least error that fits exceeds the error cap", error_cap)
             return alloc
         if objective == "time" and time_cap is not None:
             # the least time either meets the cap or nothing does: solve without it (stages may then separate)
-            alloc = self.solve(budgets, "time", None, time_limit, error_cap)
+            alloc = self._solve(budgets, "time", None, time_limit, error_cap)
             if alloc.step_seconds > time_cap * (1 + 1e-9):
                 raise self._infeasible(budgets, time_cap, "the fastest choice that fits exceeds the time cap", error_cap)
             return alloc
@@ -308,7 +346,7 @@ class Solver:
             if m.value(first.x, objective) <= 0.0:
                 # zero error is reachable within the cap: the least time at zero error is below the cap too,
                 # and without the cap the stages separate
-                return self.solve(budgets, objective, None, time_limit)
+                return self._solve(budgets, objective, None, time_limit, None)
             res = m.secondary(first, budgets, objective, time_cap, time_limit)
             return m.allocation(res.x, res.second_gap)
         if time_cap is None and self.problem.num_stages > 1:

@@ -75,7 +75,7 @@ def test_infeasible_budget_names_the_smallest(profile_dir, tmp_path, capsys):
     assert not out.exists()
     assert main(["search", "--profile", str(profile_dir), "--budget", str(low), "--out", str(out), "--quiet",
                  "--front-budgets", "0"]) == 0
-    assert load_plan(out).checkpoint_layers() == [0, 1, 2]  # only full checkpointing fits the smallest budget
+    assert max(load_plan(out).predicted.peak_bytes_per_stage) == low
 
 
 def test_optimizer_step_peak_is_a_floor(tmp_path, capsys):
@@ -325,6 +325,7 @@ def test_killed_search_resumes(profile_dir, tmp_path, capsys):
     """SIGKILL an `agoq search` mid-study (trials measured, so each takes a while), then run it again: the
     study keeps the finished trials, fails the one that was running, and runs only the missing ones."""
     import signal
+    import sqlite3
     import subprocess
     import sys
     import time
@@ -338,19 +339,20 @@ def test_killed_search_resumes(profile_dir, tmp_path, capsys):
             "--quiet", "--method", "optuna", "--measure-trials", "--validate-steps", "2", "--front-budgets", "0"]
     proc = subprocess.Popen([sys.executable, "-m", "agoq.cli", *args, "--trials", "500"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    storage = f"sqlite:///{tmp_path / 's' / 'study.db'}"
-    done = 0
+    db = tmp_path / "s" / "study.db"
+    storage = f"sqlite:///{db}"
     try:
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
             time.sleep(0.5)
-            try:
-                study = optuna.load_study(study_name="agoq-search", storage=storage)
-            except Exception:  # the study is not created yet
+            try:  # read-only peek (Optuna itself would try to create the schema the search is creating)
+                with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+                    done = con.execute("SELECT count(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0]
+            except sqlite3.Error:  # not created yet
                 continue
-            done = sum(t.state == TrialState.COMPLETE for t in study.trials)
             if done >= 3:
                 break
+        assert proc.poll() is None, f"the search ended by itself (exit code {proc.returncode})"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

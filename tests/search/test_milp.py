@@ -52,7 +52,9 @@ def random_problem(rng, layers, kinds_per_layer, stages=1):
         np.array([rng.uniform(1, 4) for _ in range(layers)]), rng.random() < 0.8,
         np.array([rng.randint(0, 30) for _ in range(layers)], float), np.array([rng.randint(0, 20) for _ in range(layers)], float),
         np.array([rng.randint(100, 200) for _ in range(stages)], float), 1.0,
-        floor_bytes=np.array([rng.randint(150, 450) for _ in range(stages)], float) if rng.random() < 0.5 else None)
+        floor_bytes=np.array([rng.randint(150, 450) for _ in range(stages)], float) if rng.random() < 0.5 else None,
+        in_flight=np.array([rng.randint(1, 3) for _ in range(stages)], float),
+        recompute_bytes=np.array([rng.randint(100, 400) for _ in range(layers)], float))
 
 
 def brute_force(p: ChoiceProblem):
