@@ -64,7 +64,8 @@ def instance(layers: int, stages: int, seed: int) -> ChoiceProblem:
         np.array(layer), np.array(kind), option, np.array(memory, float), np.array(seconds), np.array(error),
         stage_of, np.array([hidden * in_flight[stage_of[l]] for l in range(layers)], float),
         np.full(layers, 0.0021), True, np.zeros(layers), np.zeros(layers),
-        np.full(stages, 8 * 2**30, dtype=float), 0.101)
+        np.full(stages, 8 * 2**30, dtype=float), 0.101, in_flight=np.array(in_flight, dtype=float),
+        recompute_bytes=np.full(layers, float(sum(predict_layer_bytes(shape, None).values()))))
 
 
 def measure(layers: int, stages: int, repeats: int, seed: int) -> dict:
