@@ -1,12 +1,17 @@
 """The exact per-layer choice: a mixed-integer program solved with scipy.optimize.milp (HiGHS).
 
 Variables: x_i (option i chosen), c_l (layer l checkpointed), u_l (layer l all at 16 bits, so it runs
-unmodified), w_l (attention and o_proj_input both at 16, so o_proj's input is shared). Constraints:
+unmodified), w_l (attention and o_proj_input both at 16, so o_proj's input is shared), z_s (some layer of
+stage s runs LAAQ's functions, whose backward holds dequantized copies: the profile's measured
+transient). Constraints:
 
   for each (layer l, kind k):   sum_{i in (l,k)} x_i + c_l = 1
-  u_l >= sum_k x_{l,k,16} - (K - 1)          (costs memory, so the solver keeps it at its lower bound)
+  u_l >= sum_k x_{l,k,16} - (K - 1)          (costs memory, so the solver keeps it at its lower bound;
+  u_l <= x_{l,k,16} for every k                 and where z_s is in play, exactly "all at 16")
+  z_s >= 1 - u_l - c_l  for each layer l of stage s
   w_l <= x_{l,attention,16},  w_l <= x_{l,o_proj,16}      (saves memory, so it is pushed up to them)
-  for each stage s:   sum memory + static_s <= budget_s
+  for each stage s:   sum memory + static_s <= budget_s, and the same for the backward of each
+                      checkpointed layer (its input and rerun forward on top of the earlier layers)
   optionally:         step seconds <= time cap
 
 Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically:
@@ -73,8 +78,9 @@ class _Model:
     def __init__(self, p: ChoiceProblem):
         n, L, S = len(p.option), p.num_layers, p.num_stages
         self.p, self.n, self.L, self.S = p, n, L, S
-        self.nv = n + 3 * L   # x, c, u, w
-        self.c0, self.u0, self.w0 = n, n + L, n + 2 * L
+        self.nv = n + 3 * L + S   # x, c, u, w, z
+        self.c0, self.u0, self.w0, self.z0 = n, n + L, n + 2 * L, n + 3 * L
+        laaq = p.laaq_transient()
         rows, cols, vals, lo, hi = [], [], [], [], []
         r = 0
         groups = p.groups()
@@ -103,6 +109,30 @@ class _Model:
                 lo.append(-np.inf)
                 hi.append(kinds_per_layer[l] - 1.0)
                 r += 1
+            if laaq[p.layer_stage[l]] > 0:
+                # u_l = 1 only when every kind is at 16 (the layer runs unmodified), and z_s = 1 when any
+                # layer of the stage runs LAAQ's functions: 1 - u_l - c_l <= z_s
+                kinds16 = {int(p.kind[i]) for i in s16}
+                for i in s16:
+                    rows += [r, r]
+                    cols += [self.u0 + l, i]
+                    vals += [1.0, -1.0]
+                    lo.append(-np.inf)
+                    hi.append(0.0)
+                    r += 1
+                if len(kinds16) < kinds_per_layer[l]:  # some kind cannot stay at 16: never unmodified
+                    rows += [r]
+                    cols += [self.u0 + l]
+                    vals += [1.0]
+                    lo.append(-np.inf)
+                    hi.append(0.0)
+                    r += 1
+                rows += [r, r, r]
+                cols += [self.u0 + l, self.c0 + l, self.z0 + p.layer_stage[l]]
+                vals += [-1.0, -1.0, -1.0]
+                lo.append(-np.inf)
+                hi.append(-1.0)
+                r += 1
             if p.shared_credit[l] > 0:
                 for i in s16:
                     if p.kind[i] in (att, oproj):
@@ -121,6 +151,7 @@ class _Model:
         upper = np.ones(self.nv)
         upper[self.c0:self.c0 + L] = 1.0 if p.allow_checkpoint else 0.0
         upper[self.w0:self.w0 + L] = w_possible.astype(float)
+        upper[self.z0:self.z0 + S] = (laaq > 0).astype(float)
         self.bounds = Bounds(np.zeros(self.nv), upper)
         # per-stage memory rows and the time row
         mem = np.zeros((S, self.nv))
@@ -129,6 +160,7 @@ class _Model:
         mem[p.layer_stage, self.c0 + np.arange(L)] = p.checkpoint_memory
         mem[p.layer_stage, self.u0 + np.arange(L)] = p.unmodified_extra
         mem[p.layer_stage, self.w0 + np.arange(L)] = -p.shared_credit
+        mem[np.arange(S), self.z0 + np.arange(S)] = laaq
         self.memory_rows = mem
         # peaks during the backward of each layer that may be checkpointed (see ChoiceProblem.evaluate)
         flight, extra = p.flight(), p.recomputed()
@@ -143,6 +175,7 @@ class _Model:
                 earlier = (owner >= 0) & (owner < l) & (p.layer_stage[np.maximum(owner, 0)] == s)
                 row = row + np.where(earlier, mem[s] / flight[s], 0.0)
                 row[self.c0 + l] += p.checkpoint_memory[l] / flight[s] + extra[l]
+                row[self.z0 + s] = laaq[s]
                 rows_l.append(row)
                 stage_l.append(s)
         self.peak_rows = np.vstack([mem] + rows_l) if rows_l else mem
@@ -255,7 +288,8 @@ class Solver:
                                     p.unmodified_extra[layers], p.shared_credit[layers],
                                     p.static_bytes[s:s + 1], 0.0, p.seconds_scale,
                                     floor_bytes=p.peak_floor()[s:s + 1], in_flight=p.flight()[s:s + 1],
-                                    recompute_bytes=p.recomputed()[layers])
+                                    recompute_bytes=p.recomputed()[layers],
+                                    laaq_transient_bytes=p.laaq_transient()[s:s + 1])
                 self._stages.append((_Model(sub), idx, layers))
         return self._stages
 

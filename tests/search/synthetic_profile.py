@@ -26,7 +26,7 @@ def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_lay
                   micro_batch: int = 2, seq_len: int = 48, block: int = 128, stages: int = 1,
                   in_flight: list[int] | None = None, world_size: int = 1, collectives: bool = False,
                   bits=BITS, step_seconds: float | None = 0.05, layer_forward: bool = False,
-                  optimizer_step_bytes: int | None = None) -> Path:
+                  optimizer_step_bytes: int | None = None, laaq_transient: int | None = None) -> Path:
     """A profile of `model` at micro-batch x seq_len tokens; returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -86,6 +86,10 @@ def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_lay
                      "in_flight": {"1f1b": in_flight}},
         "failures": [],
     }
+    if laaq_transient is not None:  # the agoq-paper step peaked this much above its prediction
+        predicted = rng.randrange(10**6, 10**7)
+        header["memory"]["steps"].append({"policy": "agoq-paper", "predicted_peak_bytes_forward_backward": predicted,
+                                          "measured_peak_bytes_forward_backward": predicted + laaq_transient})
     if optimizer_step_bytes is not None:
         header["memory"]["fixed_bytes_optimizer_step"] = optimizer_step_bytes
     if layer_forward:

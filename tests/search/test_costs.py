@@ -66,7 +66,8 @@ def test_stage_memory_and_time_closed_form(tmp_path):
     in_flight = [rng.randint(1, 6) for _ in range(stages)]
     folder = write_profile(tmp_path / "p", rng, num_layers=6, stages=stages, in_flight=in_flight,
                            collectives=True, world_size=2, layer_forward=True,
-                           optimizer_step_bytes=rng.randrange(10**5, 3 * 10**6))
+                           optimizer_step_bytes=rng.randrange(10**5, 3 * 10**6),
+                           laaq_transient=rng.randrange(10**4, 10**5))
     profile = load_profile(folder)
     mode = rng.choice(["bf16", "quangrad8", "sdp4bit"])
     problem = build_problem(profile, Knobs(gradient_mode=mode, grad_accum=2))
@@ -118,6 +119,11 @@ def test_stage_memory_and_time_closed_form(tmp_path):
     static = static_bytes_total(profile, mode) * counts / L + header["memory"]["fixed_bytes"] \
         + header["memory"]["outside_activation_bytes"]
     activations = np.bincount(layer_stage, weights=expected_layer, minlength=stages)
+    # a stage with a layer under LAAQ's functions (neither all 16 nor checkpointed) holds the transient
+    paper = next(st for st in header["memory"]["steps"] if st["policy"] == "agoq-paper")
+    transient = paper["measured_peak_bytes_forward_backward"] - paper["predicted_peak_bytes_forward_backward"]
+    laaq_layers = {int(problem.layer[i]) for i in chosen if problem.option[i] != "16"}
+    static = static + np.array([transient * any(layer_stage[l] == s for l in laaq_layers) for s in range(stages)])
     expected_mem = static + activations
     for l in np.nonzero(ckpt)[0]:  # its backward: other micro-batches, earlier layers, its input + rerun forward
         s = layer_stage[l]

@@ -54,7 +54,9 @@ def random_problem(rng, layers, kinds_per_layer, stages=1):
         np.array([rng.randint(100, 200) for _ in range(stages)], float), 1.0,
         floor_bytes=np.array([rng.randint(150, 450) for _ in range(stages)], float) if rng.random() < 0.5 else None,
         in_flight=np.array([rng.randint(1, 3) for _ in range(stages)], float),
-        recompute_bytes=np.array([rng.randint(100, 400) for _ in range(layers)], float))
+        recompute_bytes=np.array([rng.randint(100, 400) for _ in range(layers)], float),
+        laaq_transient_bytes=np.array([rng.randint(10, 120) for _ in range(stages)], float) if rng.random() < 0.6
+        else None)
 
 
 def brute_force(p: ChoiceProblem):
