@@ -8,6 +8,7 @@ Gradients are kept in bf16 here whatever the plan's gradient mode (a single proc
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
@@ -39,6 +40,7 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
+    gc.collect()  # an earlier model under checkpointing or LAAQ sits in reference cycles: free it first
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -71,6 +73,7 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
         losses.append(total)
     peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
     del model, opt
+    gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     timed = times[1:] if len(times) > 1 else times
