@@ -87,13 +87,18 @@ def search_phase(args, folder: Path, out: Path) -> dict:
     for frac in args.fractions:
         budget = int(static + frac * layer_bytes_bf16)
         entry = {"fraction": frac, "budget_bytes": budget}
-        try:
-            plan = plan_from_profile(profile, budget)
-            plans[f"agoq-{frac}"] = plan.to_dict()
-            entry["agoq_predicted"] = plan.predicted.model_dump()
-            entry["agoq_layers"] = [lp.model_dump() for lp in plan.layers]
-        except ValueError as e:
-            entry["agoq_error"] = str(e)
+        # objective "error": the least gradient error no slower than the best checkpointing that fits;
+        # objective "time": the fastest plan that fits, whatever its error
+        for objective, name, kwargs in (("error", f"agoq-{frac}", {}),
+                                        ("time", f"agoq-time-{frac}", {"objective": "time", "time_cap": None})):
+            key = "agoq" if objective == "error" else "agoq_time"
+            try:
+                plan = plan_from_profile(profile, budget, **kwargs)
+                plans[name] = plan.to_dict()
+                entry[f"{key}_predicted"] = plan.predicted.model_dump()
+                entry[f"{key}_layers"] = [lp.model_dump() for lp in plan.layers]
+            except ValueError as e:
+                entry[f"{key}_error"] = str(e)
         try:
             only = checkpointing_only(problem)
             alloc = Solver(only).solve(budget, "time")
@@ -136,29 +141,36 @@ def measure_phase(args, blob: dict) -> dict:
     checks = []
     for entry in blob["search"]["budgets"]:
         frac, budget = entry["fraction"], entry["budget_bytes"]
-        a, c = runs.get(f"agoq-{frac}", {}), runs.get(f"checkpointing-{frac}", {})
-        row = {"fraction": frac, "budget_bytes": budget}
-        if "peak_bytes" in a:
-            predicted = max(entry["agoq_predicted"]["peak_bytes_per_stage"])
-            row.update(agoq_measured_peak=a["peak_bytes"], agoq_predicted_peak=predicted,
-                       agoq_step_seconds=a["step_seconds"], agoq_predicted_step_seconds=entry["agoq_predicted"]["step_seconds"],
-                       agoq_loss_deviation=a.get("loss_deviation"))
-            if a["peak_bytes"] is not None:
-                static = blob["search"]["static_and_fixed_bytes"]
-                row["peak_within_budget"] = a["peak_bytes"] <= budget
-                row["peak_relative_error"] = (a["peak_bytes"] - predicted) / predicted
-                row["peak_within_5_percent"] = abs(row["peak_relative_error"]) <= PEAK_TOLERANCE
-                row["activation_part_relative_error"] = ((a["peak_bytes"] - static) - (predicted - static)) / \
-                    max(predicted - static, 1)
-        if "step_seconds" in c:
-            row.update(checkpointing_step_seconds=c["step_seconds"], checkpointing_measured_peak=c["peak_bytes"],
-                       checkpointing_layers=entry.get("checkpointing_layers"))
-            if "step_seconds" in a:
-                row["agoq_not_slower"] = a["step_seconds"] <= c["step_seconds"]
-                row["agoq_speedup_vs_checkpointing"] = c["step_seconds"] / a["step_seconds"]
-        else:
-            row["checkpointing"] = entry.get("checkpointing_error") or c.get("error")
-        checks.append(row)
+        c = runs.get(f"checkpointing-{frac}", {})
+        for key, name in (("agoq", f"agoq-{frac}"), ("agoq_time", f"agoq-time-{frac}")):
+            a = runs.get(name, {})
+            if f"{key}_predicted" not in entry:
+                continue
+            row = {"fraction": frac, "budget_bytes": budget, "plan": name,
+                   "objective": "error" if key == "agoq" else "time"}
+            if "peak_bytes" in a:
+                predicted = max(entry[f"{key}_predicted"]["peak_bytes_per_stage"])
+                row.update(agoq_measured_peak=a["peak_bytes"], agoq_predicted_peak=predicted,
+                           agoq_step_seconds=a["step_seconds"],
+                           agoq_predicted_step_seconds=entry[f"{key}_predicted"]["step_seconds"],
+                           agoq_predicted_grad_error=entry[f"{key}_predicted"].get("grad_error"),
+                           agoq_loss_deviation=a.get("loss_deviation"))
+                if a["peak_bytes"] is not None:
+                    static = blob["search"]["static_and_fixed_bytes"]
+                    row["peak_within_budget"] = a["peak_bytes"] <= budget
+                    row["peak_relative_error"] = (a["peak_bytes"] - predicted) / predicted
+                    row["peak_within_5_percent"] = abs(row["peak_relative_error"]) <= PEAK_TOLERANCE
+                    row["activation_part_relative_error"] = ((a["peak_bytes"] - static) - (predicted - static)) / \
+                        max(predicted - static, 1)
+            if "step_seconds" in c:
+                row.update(checkpointing_step_seconds=c["step_seconds"], checkpointing_measured_peak=c["peak_bytes"],
+                           checkpointing_layers=entry.get("checkpointing_layers"))
+                if "step_seconds" in a:
+                    row["agoq_not_slower"] = a["step_seconds"] <= c["step_seconds"]
+                    row["agoq_speedup_vs_checkpointing"] = c["step_seconds"] / a["step_seconds"]
+            else:
+                row["checkpointing"] = entry.get("checkpointing_error") or c.get("error")
+            checks.append(row)
     return {"runs": {k: {kk: vv for kk, vv in v.items() if kk != "losses"} | {"losses": v.get("losses")}
                      for k, v in runs.items()}, "checks": checks}
 
