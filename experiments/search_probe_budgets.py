@@ -90,7 +90,8 @@ def search_phase(args, folder: Path, out: Path) -> dict:
         # objective "error": the least gradient error no slower than the best checkpointing that fits;
         # objective "time": the fastest plan that fits, whatever its error
         for objective, name, kwargs in (("error", f"agoq-{frac}", {}),
-                                        ("time", f"agoq-time-{frac}", {"objective": "time", "time_cap": None})):
+                                        ("time", f"agoq-time-{frac}", {"objective": "time", "time_cap": None,
+                                                                        "error_cap": args.error_cap})):
             key = "agoq" if objective == "error" else "agoq_time"
             try:
                 plan = plan_from_profile(profile, budget, **kwargs)
@@ -109,7 +110,7 @@ def search_phase(args, folder: Path, out: Path) -> dict:
         except InfeasibleBudget as e:
             entry["checkpointing_error"] = f"no full-or-selective checkpointing fits: {e}"
         result["budgets"].append(entry)
-    blob = {"search": result, "plans": plans, "model_config": profile.model_config(),
+    blob = {"search": result, "plans": plans, "model_config": profile.model_config(), "error_cap": args.error_cap,
             "dtype": s.get("dtype", "bf16"), "micro_batch": s["micro_batch"], "seq_len": s["seq_len"]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "plans.json").write_text(json.dumps(blob, indent=2, default=str))
@@ -187,6 +188,9 @@ def main() -> int:
     parser.add_argument("--dtype", default=None, help="default: the profiler's (bf16 on CUDA)")
     parser.add_argument("--batches", type=int, default=2, help="profiling batches (default 2)")
     parser.add_argument("--bits", default=None, help="bit widths to profile, e.g. 2,3,4,5,6,8 (default: profiler's)")
+    parser.add_argument("--error-cap", type=float, default=None,
+                        help="largest predicted gradient error of the fastest plan (default: none); e.g. the "
+                             "agoq-paper recipe's own predicted error")
     parser.add_argument("--steps", type=int, default=8, help="measured training steps per configuration (default 8)")
     parser.add_argument("--name", default=None, help="result name (default search_probe_budgets_MODEL)")
     args = parser.parse_args()
@@ -206,6 +210,7 @@ def main() -> int:
     else:
         blob = json.loads((out / "plans.json").read_text())
     figures["search"] = blob["search"]
+    figures["error_cap"] = blob.get("error_cap")
     figures.update(measure_phase(args, blob))
     for row in figures["checks"]:
         print(json.dumps({k: v for k, v in row.items() if k != "checkpointing_layers"}))
