@@ -49,3 +49,18 @@ def write_with(path: str | os.PathLike, writer: Callable[[str], None]) -> Path:
             os.unlink(tmp)
         raise
     return target
+
+
+def read_json_object(path: str | os.PathLike, what: str) -> dict:
+    """The JSON object in `path`; FileNotFoundError / ValueError that name `what` (e.g. "plan file") and say
+    what is wrong with it."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} not found: {p}")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} {p} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {p} must hold a JSON object, got {type(data).__name__}")
+    return data

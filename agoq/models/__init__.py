@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Union
@@ -11,20 +10,15 @@ from typing import Union
 import torch
 from torch import nn
 
+from agoq.files import read_json_object
+
 from .llama import PRESETS, LlamaConfig, LlamaForCausalLM
 
 ModelSpec = Union[str, os.PathLike, dict, LlamaConfig]
 
 
 def _load_json_config(path: Path) -> LlamaConfig:
-    if not path.is_file():
-        raise FileNotFoundError(f"model config file not found: {path}")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"model config file {path} is not valid JSON: {e}") from e
-    if not isinstance(d, dict):
-        raise ValueError(f"model config file {path} must hold a JSON object, got {type(d).__name__}")
+    d = read_json_object(path, "model config file")
     if "name" not in d:
         # HF checkpoints keep config.json in a folder named after the model
         d = {**d, "name": path.parent.name if path.name == "config.json" and path.parent.name else path.stem}

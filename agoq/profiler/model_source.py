@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agoq.files import read_json_object
 from agoq.runtime.activation_bytes import LayerShape
 from agoq.runtime.saved_bytes import find_decoder_layers
 
@@ -71,14 +72,7 @@ def load_model(spec: str, *, dtype: str = "bf16", device: str = "cpu", seed: int
         model = build(spec, dtype=torch_dtype, device=device, seed=seed, num_layers=num_layers)
     elif spec.endswith(".json") or os.path.isfile(spec):
         path = Path(spec)
-        if not path.is_file():
-            raise FileNotFoundError(f"model config file not found: {path}")
-        try:
-            config = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"model config file {path} is not valid JSON: {e}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"model config file {path} must hold a JSON object")
+        config = read_json_object(path, "model config file")
         family = config.get("model_type", "llama")
         if family not in HF_FAMILIES:
             raise NotImplementedError(f"{path}: model_type {family!r} is not supported; agoq profiles the "

@@ -51,11 +51,6 @@ def _layout(numel: int, block: int, world: int) -> tuple[int, int]:
     return per, row_bytes(per, block)
 
 
-def _bounds(numel: int, per: int, block: int, world: int) -> list[tuple[int, int]]:
-    width = per * block
-    return [(min(numel, d * width), min(numel, (d + 1) * width)) for d in range(world)]
-
-
 def _symmetric_rows(ws: Workspace, p: int, fill, per: int, block: int) -> torch.Tensor:
     """Steps 2-5 through symmetric memory, buffer set `p` (see symmetric_transport): `fill(rows, table)`
     writes this rank's W shards straight into the peers' inboxes."""
@@ -221,7 +216,6 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, average: bool = Fa
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = work.detach().view(-1)
     per, rb = _layout(flat.numel(), block, world)
-    bounds = _bounds(flat.numel(), per, block, world)
     divisor = world if average else 1
 
     def fill(rows: list[torch.Tensor], table) -> None:

@@ -5,7 +5,6 @@ Only the documented files are read, with pandas; nothing of the profiler's code 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from typing import Any, Optional
 
 import pandas as pd
 
+from agoq.files import read_json_object
 from agoq.runtime.policy import KINDS, RECOMPUTABLE
 
 PROFILE_SCHEMA_KIND = "agoq.profile"
@@ -139,12 +139,7 @@ def load_profile(path: str | Path) -> ProfileData:
     header_path = folder / "profile.json"
     if not header_path.is_file():
         raise FileNotFoundError(f"{header_path} not found: {folder} is not a complete profile folder")
-    try:
-        header = json.loads(header_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{header_path}: not valid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{header_path}: must hold a JSON object")
+    header = read_json_object(header_path, "profile header")
     _schema_check(header, header_path)
     files = header.get("files") or {}
     table_path = folder / files.get("table", "profile.parquet")

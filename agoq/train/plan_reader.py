@@ -7,12 +7,13 @@ same attributes `agoq.train` uses; the full validation stays in `agoq.plan`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
+
+from agoq.files import read_json_object
 
 
 class PlainPlan:
@@ -98,14 +99,7 @@ def read_plan(path: str, model: nn.Module):
     if load_plan is not None:
         return load_plan(path, model)
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"plan file not found: {p}")
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{p}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{p}: a plan is a JSON object")
+    data = read_json_object(p, "plan file")
     plan = PlainPlan(data, str(p))
     try:
         plan.check_model(model)
