@@ -134,6 +134,14 @@ def _spawned(rank: int, world: int, port: int, out_dir: str, sizes: list[int], i
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch renames collectives across versions
+    try:  # a thread lock for progress bars: this process leaves by os._exit, which would strand a semaphore
+        import threading
+
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())
+    except ImportError:
+        pass
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if use_cuda:
         torch.cuda.set_device(rank)
@@ -160,7 +168,7 @@ def spawn_collectives(world_size: int, sizes: list[int] | None = None, iters: in
                       use_cuda: bool | None = None) -> tuple[list[dict], list[dict]]:
     """Start `world_size` local processes (NCCL, one GPU each, or gloo on the CPU) and time the
     collectives; returns (rows, failures)."""
-    import torch.multiprocessing as mp
+    import multiprocessing
 
     if use_cuda is None:
         use_cuda = torch.cuda.is_available()
@@ -170,9 +178,20 @@ def spawn_collectives(world_size: int, sizes: list[int] | None = None, iters: in
     sizes = list(sizes or (GPU_SIZES if use_cuda else CPU_SIZES))
     iters = iters or (10 if use_cuda else 3)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_spawned, args=(world_size, _free_port(), out_dir, sizes, iters, use_cuda),
-                           nprocs=world_size, join=True, start_method="spawn")
-        with open(os.path.join(out_dir, "0.json")) as f:
+        # plain processes, results through files: no queues or semaphores left behind at exit
+        ctx = multiprocessing.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_spawned, args=(rank, world_size, port, out_dir, sizes, iters, use_cuda))
+                 for rank in range(world_size)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+        path = os.path.join(out_dir, "0.json")
+        if not os.path.exists(path):
+            codes = [proc.exitcode for proc in procs]
+            raise RuntimeError(f"collective profiling: rank 0 left no result (exit codes {codes})")
+        with open(path) as f:
             result = json.load(f)
     if "error" in result:
         raise RuntimeError(f"collective profiling failed on rank 0:\n{result['error']}")
