@@ -35,6 +35,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
 def size_bytes(text: str) -> int:
     """argparse type: a size such as 30GiB, 1.5GB or 4096, in bytes."""
     from agoq.units import parse_size
@@ -193,10 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    return run_command(args, f"agoq {args.command}")
+
+
+def run_command(args: argparse.Namespace, name: str) -> int:
+    """Run a parsed command (`args.func`); bad input prints `name: error: ...` and returns exit code 2."""
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, NotImplementedError, json.JSONDecodeError) as e:
-        print(f"agoq {args.command}: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return 2
 
 

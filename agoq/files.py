@@ -11,20 +11,13 @@ from typing import Any, Callable
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     """Write text or bytes to `path` via a temporary file in the same folder and an atomic rename."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return target
+    payload = data.encode() if isinstance(data, str) else data
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+
+    return write_with(path, write)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:

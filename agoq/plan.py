@@ -15,7 +15,6 @@ versions, impossible values and plans for another model are refused with an erro
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agoq.files import read_json_object
 from agoq.runtime.policy import KEEP, KINDS, ActivationPolicy, Setting, check_setting
 from agoq.runtime.quantize import check_arguments
 
@@ -325,13 +325,7 @@ def load_plan(path: str | os.PathLike, model=None) -> Plan:
     Raises FileNotFoundError for a missing file and ValueError, naming the field, for anything invalid.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"plan file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
-    plan = plan_from_dict(data, str(path))
+    plan = plan_from_dict(read_json_object(path, "plan file"), str(path))
     if model is not None:
         try:
             plan.check_model(model)

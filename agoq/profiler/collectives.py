@@ -19,13 +19,13 @@ import datetime
 import json
 import os
 import socket
-import statistics
 import tempfile
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
+
+from agoq.profiler.kernel_time import median_seconds
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 PATHS = ("nccl-fp32", "nccl-bf16", "quangrad8", "sdp4bit")
@@ -35,20 +35,9 @@ CPU_SIZES = (16 << 10, 256 << 10)
 
 def _median_across_ranks(fn, iters: int, device: torch.device, warmup: int = 2) -> float:
     """Seconds of fn(): each rank's median over `iters` runs, then the largest over ranks."""
-    cuda = device.type == "cuda"
     sync = torch.zeros(1, device=device)
-    times = []
-    for i in range(warmup + iters):
-        dist.all_reduce(sync)
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    mine = median_seconds(fn, device, iters, warmup, before=lambda: dist.all_reduce(sync))  # ranks lined up
+    med = torch.tensor([mine], dtype=torch.float64, device=device)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return float(med)
 

@@ -18,14 +18,16 @@ from agoq.runtime.rmsnorm import rms_norm
 from agoq.runtime.swiglu import swiglu
 
 
-def median_seconds(fn, device: torch.device, repeats: int = 5, warmup: int | None = None) -> float:
+def median_seconds(fn, device: torch.device, repeats: int = 5, warmup: int | None = None, before=None) -> float:
     """Median wall seconds of fn() on `device` (synchronised on CUDA), after `warmup` runs (default: 1 on
-    CUDA, where the first call compiles kernels, 0 on the CPU)."""
+    CUDA, where the first call compiles kernels, 0 on the CPU); `before()`, untimed, precedes every run."""
     cuda = device.type == "cuda"
     if warmup is None:
         warmup = 1 if cuda else 0
     times = []
     for i in range(warmup + repeats):
+        if before is not None:
+            before()
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()

@@ -4,9 +4,9 @@ It loads only the training stage, so it runs where the other stages' dependencie
 """
 
 import argparse
-import json
 import sys
 
+from agoq.cli import run_command
 from agoq.train import command
 
 
@@ -15,12 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agoq train", description=command.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     command.configure(parser)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, NotImplementedError, json.JSONDecodeError) as e:
-        print(f"agoq train: error: {e}", file=sys.stderr)
-        return 2
+    return run_command(parser.parse_args(argv), "agoq train")
 
 
 if __name__ == "__main__":

@@ -21,25 +21,7 @@ HELP = "train a model in bf16 or with a plan, on one GPU or many (torchrun)"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq train`'s arguments."""
-    from agoq.cli import positive_int
-
-    def non_negative_int(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-        return value
-
-    def positive_float(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-        return value
+    from agoq.cli import non_negative_int, positive_float, positive_int
 
     p = parser
     p.add_argument("model", help="preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b) or a HuggingFace config.json; "
