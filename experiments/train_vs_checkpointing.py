@@ -6,7 +6,8 @@
               predicted peak keeping everything; budget = P_full + 0.9 (P_bf16 - P_full) / L, where no
               selective checkpointing fits (leaving any one layer un-checkpointed adds (P_bf16 - P_full) / L),
               so bf16 needs full checkpointing; then `agoq search --profile OUT/profile --budget BUDGET
-              --out OUT/plan.json` (MILP, least gradient error, no slower than checkpointing as predicted)
+              --objective time --error-cap recipe --out OUT/plan.json` (MILP: the fastest plan whose
+              predicted gradient error is at most the published agoq-paper recipe's)
   3. train    `agoq train MODEL --plan OUT/plan.json` and `agoq train MODEL --checkpoint-all` (and plain bf16
               for reference), same data (tinyshakespeare.txt), steps, seed; median step time after the first
               10 steps, peak memory, final validation loss
@@ -91,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase in ("all", "search"):
         budget = budget_from_profile(profile_dir)
         (out / "budget.json").write_text(json.dumps(budget, indent=2) + "\n")
-        _agoq("search", "--profile", str(profile_dir), "--budget", str(budget["budget_bytes"]), "--out",
-              str(plan_path), "--quiet")
+        _agoq("search", "--profile", str(profile_dir), "--budget", str(budget["budget_bytes"]), "--objective",
+              "time", "--error-cap", "recipe", "--out", str(plan_path), "--quiet")
     if args.phase not in ("all", "train"):
         return 0
     budget = json.loads((out / "budget.json").read_text())

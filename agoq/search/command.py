@@ -44,6 +44,19 @@ def time_cap(text: str):
     return value
 
 
+def error_cap(text: str):
+    """argparse type of --error-cap: a gradient error >= 0, 'recipe' or 'none'."""
+    if text in ("recipe", "none"):
+        return None if text == "none" else text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a gradient error, 'recipe' or 'none', got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"the error cap must be >= 0, got {value}")
+    return value
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq search`'s arguments."""
     parser.add_argument("--profile", required=True, help="profile folder written by `agoq profile` (profile.json, "
@@ -62,9 +75,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "fastest full-or-selective activation checkpointing that fits the budget; no cap "
                              "when none fits) or 'none' (default checkpoint). Without a cap, minimising error "
                              "prefers recomputation, which has none")
-    parser.add_argument("--error-cap", type=float, default=None, metavar="ERROR",
-                        help="largest predicted gradient error allowed (sum of sensitivities, relative L2), "
-                             "useful with --objective time (default: none)")
+    parser.add_argument("--error-cap", type=error_cap, default=None, metavar="ERROR|recipe|none",
+                        help="largest predicted gradient error allowed (sum of sensitivities, relative L2): a "
+                             "number, 'recipe' (the predicted error of the published agoq-paper recipe on this "
+                             "profile) or 'none'; useful with --objective time (default none)")
     parser.add_argument("--trials", type=positive_int, default=None,
                         help="Optuna trials the study should hold in total (default 40 with --method optuna/both)")
     parser.add_argument("--sampler", choices=("nsga2", "tpe"), default="nsga2",
@@ -110,8 +124,6 @@ def run(args: argparse.Namespace) -> int:
     storage = args.storage
     if storage is None and args.workers > 1:
         storage = str(out.parent.resolve() / "study.journal")
-    if args.error_cap is not None and args.error_cap < 0:
-        raise ValueError(f"--error-cap must be >= 0, got {args.error_cap}")
     outcome = search(profile, args.budget, method=method, objective=args.objective, time_cap=args.time_cap,
                      error_cap=args.error_cap,
                      trials=args.trials or 40, storage=storage, study_name=args.study_name, sampler=args.sampler,

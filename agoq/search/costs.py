@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.runtime.policy import KEEP, KINDS, RECOMPUTE
+from agoq.runtime.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
 from agoq.search.profile_data import ProfileData
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -392,4 +392,28 @@ def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:
                    notes=list(problem.notes))
 
 
-__all__ = ["Knobs", "ChoiceProblem", "build_problem", "checkpointing_only", "gradient_modes", "static_bytes_total"]
+def recipe_choice(problem: ChoiceProblem) -> Optional[np.ndarray]:
+    """Option indices of the published LAAQ recipe (agoq-paper, each pipeline stage at the stage rule's
+    bits) in `problem`, nothing checkpointed; None when the problem lacks one of its options (a floor or
+    a profile without those bit widths)."""
+    counts = [int(round(n)) for n in problem.flight()]
+    policy = stage_aware_policy(counts, problem.num_layers, [int(s) for s in problem.layer_stage])
+    chosen = []
+    for (layer, kind), options in sorted(problem.groups().items()):
+        setting = policy.settings(layer)[KINDS[kind]]
+        want = "recompute" if setting == RECOMPUTE else str(setting)
+        match = [i for i in options if problem.option[i] == want]
+        if not match:
+            return None
+        chosen.append(match[0])
+    return np.array(chosen, dtype=int)
+
+
+def recipe_error(problem: ChoiceProblem) -> Optional[float]:
+    """The predicted gradient error of the published recipe (see `recipe_choice`); None when unavailable."""
+    chosen = recipe_choice(problem)
+    return None if chosen is None else float(problem.error[chosen].sum())
+
+
+__all__ = ["Knobs", "ChoiceProblem", "build_problem", "checkpointing_only", "gradient_modes", "recipe_choice",
+           "recipe_error", "static_bytes_total"]

@@ -33,7 +33,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from agoq.runtime.policy import KINDS
-from agoq.search.costs import ChoiceProblem
+from agoq.search.costs import ChoiceProblem, recipe_error
 from agoq.units import format_bytes
 
 OBJECTIVES = ("error", "time")
@@ -434,6 +434,20 @@ def solve(problem: ChoiceProblem, budget, objective: str = "error", time_cap: Op
 
 
 CHECKPOINT_CAP = "checkpoint"
+RECIPE_CAP = "recipe"
+
+
+def resolve_error_cap(problem: ChoiceProblem, error_cap) -> Optional[float]:
+    """The gradient-error cap as a number: `error_cap` itself (a number or None), or for "recipe" the
+    predicted error of the published LAAQ recipe on this problem (agoq-paper at the stage rule's bits)."""
+    if error_cap != RECIPE_CAP:
+        return error_cap
+    value = recipe_error(problem)
+    if value is None:
+        raise ValueError("an error cap of 'recipe' needs the recipe's options in the profile (4 bits, recompute and "
+                         "16 for every kind, at the stage rule's widths): profile those bit widths or give the "
+                         "cap as a number")
+    return value
 
 
 def checkpointing_seconds(problem: ChoiceProblem, budget) -> Optional[float]:

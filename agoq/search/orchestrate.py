@@ -15,7 +15,7 @@ from typing import Optional
 from agoq.files import write_atomic
 from agoq.plan import Plan
 from agoq.search.costs import Knobs, build_problem
-from agoq.search.milp import InfeasibleBudget, Solver, resolve_time_cap
+from agoq.search.milp import RECIPE_CAP, InfeasibleBudget, Solver, resolve_error_cap, resolve_time_cap
 from agoq.search.pareto import memory_error_front
 from agoq.search.plan_builder import build_plan
 from agoq.search.profile_data import ProfileData, load_profile
@@ -58,6 +58,16 @@ def _infeasible_error(e: InfeasibleBudget, profile: ProfileData) -> ValueError:
     return ValueError(f"{e} (profile {profile.path})")
 
 
+def _recipe_cap(profile: ProfileData, error_cap, notes: list | None = None):
+    """`error_cap` as a number or None: "recipe" becomes the recipe's predicted error on the default knobs."""
+    if error_cap != RECIPE_CAP:
+        return error_cap
+    value = resolve_error_cap(build_problem(profile), error_cap)
+    if notes is not None:
+        notes.append(f"error cap {value:.4g}: the predicted gradient error of the published recipe (agoq-paper)")
+    return value
+
+
 def _milp_plan(profile: ProfileData, knobs: Knobs, budget: int, objective: str, time_cap,
                error_cap: Optional[float] = None):
     problem = build_problem(profile, knobs)
@@ -74,9 +84,11 @@ def plan_from_profile(profile_dir, budget_bytes: int, *, objective: str = "error
     """The MILP-optimal plan of a profile (folder or ProfileData) under `budget_bytes` per GPU (stage).
 
     `time_cap`: seconds per step, None, or "checkpoint" (default: no slower than the best full-or-selective
-    checkpointing that fits the budget); `error_cap`: the largest predicted gradient error (None: no cap).
+    checkpointing that fits the budget); `error_cap`: the largest predicted gradient error (None: no cap;
+    "recipe": the predicted error of the published agoq-paper recipe on this profile).
     Raises ValueError with the smallest feasible budget when none fits."""
     profile = profile_dir if isinstance(profile_dir, ProfileData) else load_profile(profile_dir)
+    error_cap = _recipe_cap(profile, error_cap)
     problem, _, alloc = _milp_plan(profile, knobs, budget_bytes, objective, time_cap, error_cap)
     return build_plan(profile, problem, alloc, knobs, budget_bytes, "milp", objective)
 
@@ -91,9 +103,11 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     knobs = Knobs()
+    cap_notes: list = []
+    error_cap = _recipe_cap(profile, error_cap, cap_notes)
     problem, solver, alloc = _milp_plan(profile, knobs, budget, objective, time_cap, error_cap)
     outcome = SearchOutcome(build_plan(profile, problem, alloc, knobs, budget, "milp", objective))
-    outcome.notes += problem.notes
+    outcome.notes += cap_notes + problem.notes
     candidates = [Candidate(outcome.plan, "milp", budget)]
     if method in ("milp", "both") and front_budgets > 0:
         cap = (lambda b: resolve_time_cap(problem, b, time_cap)) if time_cap == "checkpoint" else time_cap
