@@ -17,7 +17,7 @@ this), peaks against the budget, validation losses. The three run folders (witho
 experiments/results/runs/ for the dashboard. Phases run apart with --phase (profile and train need
 only torch on the GPU; search needs scipy, pandas and pydantic).
 
-GPU (one H200; profile ~2-4 min, search seconds, 3 runs of 300 steps ~1 min each):
+GPU (one H200; profile ~2-4 min, search seconds, 3 runs of 1000 steps, 1-1.5 min each):
     python experiments/train_vs_checkpointing.py --out runs/vs-checkpointing
 CPU check:
     python experiments/train_vs_checkpointing.py --tiny --out /tmp/agoq-vs-ckpt
@@ -36,8 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from experiments.record import RESULTS, write_result  # noqa: E402
-from experiments.train_runs import (BYTE_MODEL, ROOT, drop_checkpoint, run_train, summarize,  # noqa: E402
-                                    tiny_shakespeare)
+from experiments.train_runs import (BYTE_MODEL, ROOT, drop_checkpoint, relative_difference, run_train,  # noqa: E402
+                                    summarize, tiny_shakespeare)
 
 
 def _agoq(*args: str) -> None:
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=None, help="tinyshakespeare.txt (default: ../shared/data/)")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--eval-batches", type=int, default=16, help="validation batches (default 16)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="CPU check: llama-tiny, seq 64, 12 steps")
     parser.add_argument("--name", default="train_vs_checkpointing")
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(BYTE_MODEL)
     if args.tiny:
         model, args.seq_len, args.micro_batch, args.steps, args.device = "llama-tiny", 64, 2, 12, "cpu"
+        args.eval_batches = 4
         args.name += "_tiny"
     out = Path(args.out)
     profile_dir, plan_path = out / "profile", out / "plan.json"
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = json.loads(plan_path.read_text())
     data = tiny_shakespeare(args.data)
     common = [model, "--data", data, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-              "--steps", str(args.steps), "--eval-every", str(args.steps), "--eval-batches", "4",
+              "--steps", str(args.steps), "--eval-every", str(max(1, args.steps // 4)), "--eval-batches",
+              str(args.eval_batches),
               "--checkpoint-every", "0", "--seed", "0", "--device", args.device, "--quiet"]
     variants = {"plan": ["--plan", str(plan_path)], "checkpoint_all": ["--checkpoint-all"], "bf16": []}
     runs = {}
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         "budget": budget, "runs": runs,
         "plan": {"layers": plan["layers"], "predicted": plan["predicted"], "gradients": plan["gradients"]},
         "speedup_plan_vs_full_checkpointing": ckpt_s / plan_s,
+        "final_val_loss_vs_bf16": {k: relative_difference(r["final_val_loss"], runs["bf16"]["final_val_loss"])
+                                   for k, r in runs.items() if k != "bf16"},
         "plan_faster": plan_s < ckpt_s,
         "measured_peak_within_budget": {k: (r["peak_bytes_per_rank"][0] <= budget["budget_bytes"]
                                             if args.device.startswith("cuda") else None) for k, r in runs.items()},
@@ -128,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         path = write_result(args.name, figures)
     print(f"step: plan {plan_s * 1e3:.1f} ms, full checkpointing {ckpt_s * 1e3:.1f} ms, bf16 "
-          f"{runs['bf16']['median_step_seconds'] * 1e3:.1f} ms; speed-up x{ckpt_s / plan_s:.2f}; wrote {path}")
+          f"{runs['bf16']['median_step_seconds'] * 1e3:.1f} ms; speed-up x{ckpt_s / plan_s:.2f}; final val loss "
+          + ", ".join(f"{k} {r['final_val_loss']:.4f}" for k, r in runs.items()) + f"; wrote {path}")
     return 0
 
 

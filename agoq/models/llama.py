@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agoq.models.lm_loss import chunked_lm_loss
+
 # ---------------------------------------------------------------------------
 # config
 # ---------------------------------------------------------------------------
@@ -334,16 +336,16 @@ class LlamaForCausalLM(nn.Module):
             nn.init.ones_(module.weight)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, S, V] if labels is None, else the scalar float32 mean cross-entropy.
+        """Logits [B, S, V] if labels is None, else the scalar float32 mean cross-entropy, computed by the
+        chunked head (agoq.models.lm_loss: the full float32 logits never exist at once).
 
         ``labels`` [B, S] must already be shifted (labels[:, t] is the target for position t);
         positions labelled -100 are ignored.
         """
-        logits = self.lm_head(self.model(input_ids))
+        hidden = self.model(input_ids)
         if labels is None:
-            return logits
-        V = logits.shape[-1]
-        return F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=-100)
+            return self.lm_head(hidden)
+        return chunked_lm_loss(hidden, self.lm_head.weight, labels)
 
     def num_parameters(self) -> int:
         """Number of distinct parameter elements (tied weights counted once)."""

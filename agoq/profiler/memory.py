@@ -1,13 +1,15 @@
 """The memory model of a training step, and the measured peak of real steps to calibrate it.
 
-    peak = weights + gradients + optimizer state + activations kept for backward + fixed
+    peak = weights + masters + gradients + optimizer state + activations kept for backward + fixed
 
-Weights and gradients are the parameters' bytes (gradients kept allocated between steps, as
-`zero_grad(set_to_none=False)` does); optimizer state is torch AdamW's two moments in the
-parameters' dtype; activations are the per-layer bytes of the profile (predict_layer_bytes, equal
-to the saved-tensor tracker's count) plus what the embedding, final norm, LM head and loss keep
-(measured by the tracker); `fixed` is everything else (logits' gradient, allocator workspace),
-calibrated as measured - predicted on the bf16 step and then used to predict the other policies.
+The step is `agoq train`'s: bf16 parameters with float32 master copies (agoq.runtime.master_weights)
+that AdamW steps, its two moments in float32, gradients dropped after every step (set to None) and the
+loss from the chunked LM head (agoq.models.lm_loss) where the model is agoq's. Weights, masters and
+gradients are the parameters' bytes; activations are the per-layer bytes of the profile
+(predict_layer_bytes, equal to the saved-tensor tracker's count) plus what the embedding, final norm,
+LM head and loss keep (measured by the tracker); `fixed` is everything else (the allocator's
+workspace, gradients not yet allocated at the peak), calibrated as measured - predicted on the bf16
+step and then used to predict the other policies.
 
 On a GPU the peak is torch.cuda.max_memory_allocated over one fwd + bwd + AdamW step after a warm-up
 step, read separately for the fwd + bwd part and the optimizer step. On the CPU there is no allocator statistic, so measured peaks and `fixed` are left null
@@ -21,9 +23,11 @@ import time
 import torch
 from torch import nn
 
+from agoq.models.llama import LlamaForCausalLM
 from agoq.profiler.model_source import next_token_loss
 from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.runtime.laaq import apply_activation_policy, remove_activation_policy
+from agoq.runtime.master_weights import MasterWeights
 from agoq.runtime.policy import as_policy
 from agoq.runtime.qtensor import quantized_nbytes
 from agoq.runtime.saved_bytes import track_saved_tensors
@@ -33,17 +37,27 @@ OPTIMIZER_BLOCK = 256  # block of the 8-bit AdamW moments
 
 
 def static_bytes(model: nn.Module) -> dict[str, int]:
-    """Weights, gradients (bf16 and 8-bit QuanGrad) and optimizer state (AdamW, 8-bit AdamW), in bytes."""
+    """Weights, float32 master weights, gradients (bf16 and 8-bit QuanGrad) and optimizer state over the
+    masters (AdamW's float32 moments, 8-bit AdamW's), in bytes."""
     params = [p for p in model.parameters() if p.requires_grad]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.numel() * p.element_size() for p in params)
     return {
         "weights_bytes": weights,
+        "master_bytes": MasterWeights.bytes_for(params),
         "gradients_bytes_bf16": grads,
         "gradients_bytes_quangrad8": sum(quantized_nbytes(p.numel(), 8, GRAD_BLOCK) for p in params),
-        "optimizer_bytes_adamw": 2 * grads,
+        "optimizer_bytes_adamw": 2 * 4 * sum(p.numel() for p in params),
         "optimizer_bytes_adamw8bit": sum(2 * quantized_nbytes(p.numel(), 8, OPTIMIZER_BLOCK) for p in params),
     }
+
+
+def training_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The loss `agoq train` computes on `ids` [B, S + 1]: agoq's models through their chunked LM head,
+    other models (Hugging Face) through their logits."""
+    if isinstance(model, LlamaForCausalLM):
+        return model(ids[:, :-1], ids[:, 1:])
+    return next_token_loss(model, ids)
 
 
 def predicted_activation_bytes(shape: LayerShape, num_layers: int, policy, outside_bytes: int) -> int:
@@ -56,6 +70,12 @@ def predicted_activation_bytes(shape: LayerShape, num_layers: int, policy, outsi
     return total
 
 
+def _optimizer_step(weights: MasterWeights, opt: torch.optim.Optimizer) -> None:
+    weights.set_grads([p.grad if p.grad is not None else torch.zeros_like(p) for p in weights.params])
+    opt.step()
+    weights.write_back()
+
+
 def measure_step(model: nn.Module, ids: torch.Tensor, policy) -> dict:
     """One real training step (fwd + bwd + AdamW) under `policy`: measured peaks (GPU) of the fwd + bwd
     part and of the optimizer step, step seconds, and the activation bytes the tracker counted (total
@@ -63,36 +83,37 @@ def measure_step(model: nn.Module, ids: torch.Tensor, policy) -> dict:
     device = ids.device
     cuda = device.type == "cuda"
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=0.0)  # lr 0: the weights do not move between policies
+    weights = MasterWeights(params)
+    opt = torch.optim.AdamW(weights.targets, lr=0.0)  # lr 0: the weights do not move between policies
     apply_activation_policy(model, policy)
     peaks = [None, None]
     try:
         with track_saved_tensors(model) as log:
-            loss = next_token_loss(model, ids)
+            loss = training_loss(model, ids)
         loss.backward()
-        opt.step()  # warm-up: allocates gradients and optimizer state
+        _optimizer_step(weights, opt)  # warm-up: allocates the optimizer state
         del loss
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        model.zero_grad(set_to_none=False)
-        loss = next_token_loss(model, ids)
+        weights.zero_grad()
+        loss = training_loss(model, ids)
         loss.backward()
         del loss
         if cuda:
             torch.cuda.synchronize(device)
             peaks[0] = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        opt.step()
+        _optimizer_step(weights, opt)
         if cuda:
             torch.cuda.synchronize(device)
             peaks[1] = torch.cuda.max_memory_allocated(device)
         seconds = time.perf_counter() - start
     finally:
         remove_activation_policy(model)
-        model.zero_grad(set_to_none=True)
-        del opt
+        weights.zero_grad()
+        del opt, weights
         if cuda:
             torch.cuda.empty_cache()
     return {"measured_peak_bytes": None if peaks[0] is None else max(peaks), "peak_forward_backward": peaks[0],
@@ -110,7 +131,8 @@ def memory_section(model: nn.Module, shape: LayerShape, num_layers: int, ids: to
     policy); the step's peak is the larger.
     """
     section = static_bytes(model)
-    base = section["weights_bytes"] + section["gradients_bytes_bf16"] + section["optimizer_bytes_adamw"]
+    base = (section["weights_bytes"] + section["master_bytes"] + section["gradients_bytes_bf16"]
+            + section["optimizer_bytes_adamw"])
     steps, fixed, fixed_opt = [], None, None
     for name in policies:
         try:

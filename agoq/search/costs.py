@@ -221,18 +221,20 @@ def gradient_modes(profile: ProfileData) -> list[str]:
 
 
 def static_bytes_total(profile: ProfileData, mode: str) -> float:
-    """Weights + gradients + optimizer state of the whole model under a gradient mode, in bytes."""
+    """Weights + float32 masters + gradients + optimizer state of the whole model under a gradient mode, in
+    bytes (profiles written before masters were modelled have no master_bytes: 0)."""
     mem = profile.memory
     weights = float(mem.get("weights_bytes") or profile.header["model"].get("weight_bytes") or 0)
+    masters = float(mem.get("master_bytes") or 0)
     grads_bf16 = float(mem.get("gradients_bytes_bf16") or weights)
     optimizer = float(mem.get("optimizer_bytes_adamw") or 0)
     world = int(profile.settings.get("world_size", 1) or 1)
     if mode == "bf16":
-        return weights + grads_bf16 + optimizer
+        return weights + masters + grads_bf16 + optimizer
     if mode == "quangrad8":
-        return weights + float(mem.get("gradients_bytes_quangrad8") or grads_bf16) + optimizer
-    if mode == "sdp4bit":  # sharded data parallelism: gradient and optimizer shards of 1/world each
-        return weights + (grads_bf16 + optimizer) / world
+        return weights + masters + float(mem.get("gradients_bytes_quangrad8") or grads_bf16) + optimizer
+    if mode == "sdp4bit":  # sharded data parallelism: master, gradient and optimizer shards of 1/world each
+        return weights + (masters + grads_bf16 + optimizer) / world
     raise ValueError(f"gradient mode must be one of {', '.join(GRADIENT_MODES)}, got {mode!r}")
 
 

@@ -1,8 +1,9 @@
 """Validation: run plans for real (a few training steps on random tokens of the profiled model) and measure
 peak memory, step time and loss deviation from plain bf16 training; in this process or as Ray tasks.
 
-Peak memory is `torch.cuda.max_memory_allocated` over the steps (weights, gradients, AdamW state and
-activations: what the plan's predicted peak counts); on a CPU it is not measured and recorded as None.
+Peak memory is `torch.cuda.max_memory_allocated` over the steps (weights, float32 masters, gradients, AdamW
+state and activations: what the plan's predicted peak counts; the steps train as `agoq train` does); on a CPU
+it is not measured and recorded as None.
 Gradients are kept in bf16 here whatever the plan's gradient mode (a single process has no all-reduce).
 """
 
@@ -34,6 +35,7 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
     import torch
 
     from agoq.models import build
+    from agoq.runtime.master_weights import MasterWeights
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -47,7 +49,8 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
     model = build(dict(model_config), dtype=torch_dtype, device=device, seed=seed)
     if plan is not None:
         apply_plan_dict(model, plan)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    weights = MasterWeights(p for p in model.parameters() if p.requires_grad)  # agoq train's numerics
+    opt = torch.optim.AdamW(weights.targets, lr=lr)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     vocab = model.config.vocab_size
     batches = [torch.randint(0, vocab, (micro_batch, seq_len + 1), device=device, generator=gen)
@@ -59,20 +62,22 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
             if step == 1:  # after the warm-up step: gradients and optimizer state are allocated, as planned
                 torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)  # gradients stay allocated between steps (the memory model's case)
+        weights.zero_grad()  # gradients are dropped between steps, as agoq train does
         total = 0.0
         for a in range(grad_accum):
             ids = batches[step * grad_accum + a]
             loss = model(ids[:, :-1], ids[:, 1:]) / grad_accum
             loss.backward()
             total += float(loss.detach())
+        weights.set_grads([p.grad if p.grad is not None else torch.zeros_like(p) for p in weights.params])
         opt.step()
+        weights.write_back()
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         losses.append(total)
     peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
-    del model, opt
+    del model, opt, weights
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

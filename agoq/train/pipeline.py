@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agoq.train.lm_loss import chunked_lm_loss
+from agoq.models.lm_loss import chunked_lm_loss
 
 
 def in_flight_1f1b(stages: int, micro_batches: int) -> list[int]:

@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agoq.models.lm_loss import chunked_lm_loss
+from agoq.runtime.master_weights import MasterWeights
 from agoq.train.checkpoint import clean_partial, find_checkpoint, load_rank_payload, save_checkpoint
 from agoq.train.data import Batches, load_corpus
-from agoq.train.lm_loss import chunked_lm_loss
 from agoq.train.run_record import RunRecord
 
 PARALLEL_MODES = ("none", "ddp", "sharded", "pipeline")
@@ -432,12 +433,9 @@ class Trainer:
                                               quantize_weights=quantized, seed=cfg.seed, on_nonfinite="raise",
                                               node_size=cfg.node_size)
         else:
-            if s.dtype == torch.float32:
-                self.masters = None
-                targets = self.params
-            else:
-                self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-                targets = self.masters
+            self.weights = MasterWeights(self.params)
+            self.masters = self.weights.masters
+            targets = self.weights.targets
             if cfg.optimizer == "adamw8bit":
                 from agoq.train.adamw8bit import AdamW8bit
 
@@ -529,8 +527,7 @@ class Trainer:
         for p in self.params:
             p.grad = None
         if self.masters is not None:
-            for m in self.masters:
-                m.grad = None
+            self.weights.zero_grad()
         if self.qgrads is not None:
             self.qgrads.zero_()
 
@@ -590,15 +587,9 @@ class Trainer:
                 p.grad = g.mul_(scale) if scale != 1.0 else g
             self.optimizer.step()
             return
-        targets = self.masters if self.masters is not None else self.params
-        for t, g in zip(targets, grads):
-            g = g.to(t.dtype)
-            t.grad = g.mul_(scale) if scale != 1.0 else g
+        self.weights.set_grads(grads, scale)
         self.optimizer.step()
-        if self.masters is not None:
-            with torch.no_grad():
-                for p, m in zip(self.params, self.masters):
-                    p.copy_(m)
+        self.weights.write_back()
 
     def _mean_over_ranks(self, value: torch.Tensor) -> float:
         if self.s.world.size == 1:

@@ -91,9 +91,3 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     return _ChunkedLMLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), int(chunk),
                                 torch.is_grad_enabled())
 
-
-def causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                   chunk_tokens: int | None = None) -> torch.Tensor:
-    """The loss of an agoq `LlamaForCausalLM` on (input_ids, labels), with the chunked head and cross-entropy."""
-    hidden = model.model(input_ids)
-    return chunked_lm_loss(hidden, model.lm_head.weight, labels, chunk_tokens)

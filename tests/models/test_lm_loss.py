@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from agoq.models import build
-from agoq.train.lm_loss import causal_lm_loss, chunked_lm_loss
+from agoq.models.lm_loss import chunked_lm_loss
 
 
 def _plain(hidden, weight, labels):
@@ -47,7 +47,8 @@ def test_model_loss_and_tied_weights_match_the_model_float64():
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 97, (2, 23), generator=g)
     labels = torch.randint(0, 97, (2, 23), generator=g)
-    la = causal_lm_loss(a, ids, labels, chunk_tokens=5)
+    la = chunked_lm_loss(a.model(ids), a.lm_head.weight, labels, chunk_tokens=5)
+    torch.testing.assert_close(a(ids, labels), la.detach(), rtol=1e-12, atol=1e-12)  # the model's own loss path
     lb = F.cross_entropy(b.lm_head(b.model(ids)).reshape(-1, 97), labels.reshape(-1))  # the model's loss, in float64
     la.backward()
     lb.backward()
