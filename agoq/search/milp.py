@@ -15,7 +15,9 @@ transient). Constraints:
   optionally:         step seconds <= time cap
 
 Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically:
-the first objective is solved exactly (relative MIP gap 1e-7); the second is then minimised among the
+the first objective is solved exactly (relative MIP gap 1e-7) or, where HiGHS cannot prove that
+within PRIMARY_SECONDS (step time under both a memory budget and an error cap can take minutes), the
+best choice found by then, with `Allocation.gap` the relative gap left; the second is then minimised among the
 choices that reach that optimum, within SECOND_NODES branch-and-bound nodes (the best answer found is
 kept, and the first solve's if none; `Allocation.second_gap` is the relative gap HiGHS could still
 prove, typically below 1e-3 while the answer itself is within 1e-5 of the optimum). When the first
@@ -39,6 +41,7 @@ from agoq.units import format_bytes
 OBJECTIVES = ("error", "time")
 TIE_BREAK = 1e-6
 GAP = 1e-7  # relative MIP gap: optimal for all practical purposes
+PRIMARY_SECONDS = 10.0  # default time limit of the first objective's solve (its best choice found is kept)
 MIB = float(2**20)
 SECOND_NODES = 1000  # branch-and-bound nodes for the second objective (its best answer found so far is kept)
 
@@ -62,6 +65,7 @@ class Allocation:
     grad_error: float
     activation_bytes_per_stage: Optional[list] = None  # what the layers keep (peak less the static part)
     second_gap: float = 0.0   # MIP gap left on the second objective (0: proven optimal)
+    gap: float = 0.0          # MIP gap left on the first objective when its time limit stopped it (0: proven)
 
     def settings(self, problem: ChoiceProblem) -> list[dict]:
         """Per layer: {'checkpoint': bool, 'kinds': {kind: setting}} in Plan form."""
@@ -252,15 +256,25 @@ class _Model:
         first = self.primary(budgets, objective, time_cap, time_limit, error_cap)
         if first.x is None:
             return first
-        return self.secondary(first, budgets, objective, time_cap, time_limit, error_cap)
+        res = self.secondary(first, budgets, objective, time_cap, time_limit, error_cap)
+        res.gap = primary_gap(first)
+        return res
 
-    def allocation(self, x: np.ndarray, second_gap: float = 0.0) -> Allocation:
+    def allocation(self, x: np.ndarray, second_gap: float = 0.0, gap: float = 0.0) -> Allocation:
         x = np.round(x).astype(int)
         chosen = np.nonzero(x[:self.n])[0]
         ckpt = x[self.c0:self.c0 + self.L].astype(bool)
         figures = self.p.evaluate(chosen, ckpt)
         return Allocation(chosen, ckpt, figures["peak_bytes_per_stage"], figures["step_seconds"],
-                          figures["grad_error"], figures["activation_bytes_per_stage"], float(second_gap))
+                          figures["grad_error"], figures["activation_bytes_per_stage"], float(second_gap), float(gap))
+
+
+def primary_gap(result) -> float:
+    """The relative MIP gap a first-objective solve left: 0 when proven optimal, else HiGHS's gap (1: unknown)."""
+    if result.status == 0:
+        return 0.0
+    gap = getattr(result, "mip_gap", None)
+    return 1.0 if gap is None or not np.isfinite(gap) else float(gap)
 
 
 class Solver:
@@ -317,10 +331,11 @@ class Solver:
         lb = np.append(m.bounds.lb, 0.0)
         ub = np.append(m.bounds.ub, np.inf)
         integrality = np.append(np.ones(m.nv), 0)
-        res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub), options={"mip_rel_gap": GAP})
+        res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub),
+                   options={"mip_rel_gap": GAP, "time_limit": PRIMARY_SECONDS})
         if res.x is None:
             return None
-        return m.allocation(res.x[:-1])
+        return m.allocation(res.x[:-1], gap=primary_gap(res))
 
     def smallest_budget(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None) -> Optional[int]:
         """The least per-stage budget (bytes, same for every stage) that some choice fits; None when the
@@ -336,6 +351,7 @@ class Solver:
         Raises InfeasibleBudget, whose message gives the smallest feasible budget.
         """
         budgets = self._budgets(budget)
+        time_limit = PRIMARY_SECONDS if time_limit is None else time_limit
         alloc = self._solve(budgets, objective, time_cap, time_limit, error_cap)
         over = np.asarray(alloc.peak_bytes_per_stage, float) - budgets
         if (over > 0).any():  # within the solver's feasibility tolerance, a few bytes over: ask for less
@@ -372,7 +388,7 @@ class Solver:
             res = m.solve(budgets, objective, None, time_limit, error_cap)
             if res.x is None:
                 raise self._infeasible(budgets, None, res.message, error_cap)
-            return m.allocation(res.x, getattr(res, "second_gap", 0.0))
+            return m.allocation(res.x, getattr(res, "second_gap", 0.0), getattr(res, "gap", 0.0))
         if time_cap is not None and self.problem.num_stages > 1:
             first = m.primary(budgets, objective, time_cap, time_limit)
             if first.x is None:
@@ -382,24 +398,25 @@ class Solver:
                 # and without the cap the stages separate
                 return self._solve(budgets, objective, None, time_limit, None)
             res = m.secondary(first, budgets, objective, time_cap, time_limit)
-            return m.allocation(res.x, res.second_gap)
+            return m.allocation(res.x, res.second_gap, primary_gap(first))
         if time_cap is None and self.problem.num_stages > 1:
             x = np.zeros(m.nv)
-            gap = 0.0
+            gap = first_gap = 0.0
             for s, (model, idx, layers) in enumerate(self._stage_solvers()):
                 res = model.solve(budgets[s:s + 1], objective, None, time_limit)
                 if res.x is None:
                     raise self._infeasible(budgets, time_cap, f"stage {s}: {res.message}")
                 sx = np.round(res.x)
                 gap = max(gap, getattr(res, "second_gap", 0.0))
+                first_gap = max(first_gap, getattr(res, "gap", 0.0))
                 x[idx] = sx[:model.n]
                 for offset, sub_offset in ((m.c0, model.c0), (m.u0, model.u0), (m.w0, model.w0)):
                     x[offset + layers] = sx[sub_offset:sub_offset + len(layers)]
-            return m.allocation(x, gap)
+            return m.allocation(x, gap, first_gap)
         res = m.solve(budgets, objective, time_cap, time_limit)
         if res.x is None:
             raise self._infeasible(budgets, time_cap, res.message)
-        return m.allocation(res.x, getattr(res, "second_gap", 0.0))
+        return m.allocation(res.x, getattr(res, "second_gap", 0.0), getattr(res, "gap", 0.0))
 
     def _infeasible(self, budgets: np.ndarray, time_cap: Optional[float], why: str,
                     error_cap: Optional[float] = None) -> InfeasibleBudget:

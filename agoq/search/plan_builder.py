@@ -50,6 +50,11 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     floors = {k: b for k, b in knobs.floor_bits if b > 2}
     if floors:
         data["source"]["floor_bits"] = floors
+    if alloc.gap > 1e-4:
+        data["source"]["objective_gap"] = alloc.gap
+        data["source"].setdefault("notes", []).append(
+            f"the MILP stopped at its time limit: this plan's {objective} is the best found, proven within "
+            f"{alloc.gap:.2%} of the optimum")
     if alloc.second_gap > 1e-4:
         second = "step time" if objective == "error" else "gradient error"
         data["source"]["second_objective_gap"] = alloc.second_gap
