@@ -670,6 +670,7 @@ class Trainer:
                                          f"{last_saved}) is kept: lower --lr or raise --warmup, then --resume")
                 scale = min(1.0, cfg.clip / (norm + 1e-6)) if cfg.clip > 0 else 1.0
                 self._apply(grads, scale)
+                del grads  # else the next step's backward runs beside this step's gradients
                 if s.device.type == "cuda":
                     torch.cuda.synchronize(s.device)
                 seconds = time.perf_counter() - t0
