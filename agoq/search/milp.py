@@ -217,8 +217,12 @@ class _Model:
         primary, _ = self._rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
         options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
-        return milp(primary / scale, constraints=self._constraints(budgets, time_cap, error_cap), integrality=np.ones(self.nv),
-                    bounds=self.bounds, options=options)
+        args = dict(constraints=self._constraints(budgets, time_cap, error_cap), integrality=np.ones(self.nv),
+                    bounds=self.bounds)
+        res = milp(primary / scale, options=options, **args)
+        if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
+            res = milp(primary / scale, options={"mip_rel_gap": GAP}, **args)
+        return res
 
     def value(self, x: np.ndarray, objective: str) -> float:
         return float(self._rows(objective)[0] @ np.round(x))
@@ -333,6 +337,8 @@ class Solver:
         integrality = np.append(np.ones(m.nv), 0)
         res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub),
                    options={"mip_rel_gap": GAP, "time_limit": PRIMARY_SECONDS})
+        if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
+            res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub), options={"mip_rel_gap": GAP})
         if res.x is None:
             return None
         return m.allocation(res.x[:-1], gap=primary_gap(res))

@@ -91,6 +91,7 @@ def test_memory_section_on_cpu(tiny_profile):
     model = build("llama-tiny")
     n = sum(p.numel() for p in model.parameters())
     assert mem["weights_bytes"] == 4 * n and mem["optimizer_bytes_adamw"] == 8 * n
+    assert mem["master_bytes"] == 0  # float32 parameters are their own masters
     assert mem["fixed_bytes"] is None  # no allocator statistics on the CPU: not invented
     steps = {s["policy"]: s for s in mem["steps"]}
     assert set(steps) == {"bf16", "agoq-paper"}
@@ -132,3 +133,15 @@ def test_csv_without_pyarrow(tmp_path, monkeypatch):
     _, table = read_profile(tmp_path)
     assert len(table) == 7 * 2 + 3 and set(table.option.astype(str)) == {"16", "4", "recompute"}
     assert (table.bytes == table.bytes_measured).all()
+
+
+def test_static_bytes_of_a_bf16_model_count_float32_masters_and_moments():
+    import torch
+
+    from agoq.profiler.memory import static_bytes
+
+    model = build("llama-tiny", dtype=torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    mem = static_bytes(model)
+    assert mem["weights_bytes"] == 2 * n and mem["gradients_bytes_bf16"] == 2 * n
+    assert mem["master_bytes"] == 4 * n and mem["optimizer_bytes_adamw"] == 8 * n

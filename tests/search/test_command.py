@@ -365,3 +365,29 @@ def test_killed_search_resumes(profile_dir, tmp_path, capsys):
     states = [t.state for t in study.trials]
     assert states.count(TrialState.COMPLETE) == before + 2
     assert TrialState.RUNNING not in states
+
+
+def test_error_cap_recipe_gives_the_fastest_plan_within_the_recipes_error(profile_dir, tmp_path, capsys):
+    from agoq.search.costs import recipe_error
+
+    low, high = _bounds(profile_dir)
+    budget = int(low + 0.4 * (high - low))
+    cap = recipe_error(build_problem(load_profile(profile_dir)))
+    by_name, by_value = tmp_path / "recipe.json", tmp_path / "value.json"
+    for out, value in ((by_name, "recipe"), (by_value, repr(cap))):
+        assert main(["search", "--profile", str(profile_dir), "--budget", str(budget), "--out", str(out), "--quiet",
+                     "--objective", "time", "--error-cap", value, "--front-budgets", "0"]) == 0
+    a, b = load_plan(by_name), load_plan(by_value)
+    assert a.predicted.grad_error <= cap * (1 + 1e-9)
+    assert a.predicted.step_seconds == pytest.approx(b.predicted.step_seconds, rel=1e-9)
+    printed = capsys.readouterr()
+    assert f"error cap {cap:.4g}: the predicted gradient error of the published recipe" in printed.out + printed.err
+
+
+@pytest.mark.parametrize("bad", ["-0.5", "reciepe", "nan"])
+def test_error_cap_rejects_bad_values(profile_dir, tmp_path, bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["search", "--profile", str(profile_dir), "--budget", "1GB", "--out", str(tmp_path / "p.json"),
+              "--error-cap", bad])
+    assert e.value.code != 0
+    assert "--error-cap" in capsys.readouterr().err

@@ -205,3 +205,35 @@ def test_profile_reader_errors(tmp_path, damage, match):
         table.to_parquet(folder / "profile.parquet")
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         load_profile(folder)
+
+
+def test_recipe_error_is_the_published_recipe_summed_from_the_table(tmp_path):
+    """recipe_error == the agoq-paper settings at the stage rule's bits, summed straight from the rows."""
+    from agoq.search.costs import recipe_error
+
+    seed, rng = fresh_rng()
+    stages = rng.choice([1, 2, 3])
+    in_flight = sorted((rng.randint(1, 7) for _ in range(stages)), reverse=True)
+    folder = write_profile(tmp_path / "p", rng, num_layers=rng.choice([5, 7]), stages=stages, in_flight=in_flight)
+    profile = load_profile(folder)
+    stage_of = profile.layer_stage()
+    bits = [min(8, max(4, (4 * in_flight[0]) // n)) for n in in_flight]  # the stage rule, by hand
+    total = 0.0
+    for row in pd.read_parquet(folder / "profile.parquet").itertuples():
+        b = str(bits[stage_of[row.layer]])
+        want = {"norm_input": b, "o_proj_input": b, "silu_input": b, "attention": "16"}.get(row.kind, "recompute")
+        if row.option == want:
+            total += row.sensitivity
+    assert recipe_error(build_problem(profile)) == pytest.approx(total, rel=1e-12), (seed, in_flight)
+
+
+def test_recipe_cap_needs_the_recipes_widths(tmp_path):
+    from agoq.search.costs import recipe_error
+    from agoq.search.milp import resolve_error_cap
+
+    seed, rng = fresh_rng()
+    problem = build_problem(load_profile(write_profile(tmp_path / "p", rng, num_layers=3, bits=(8, 6, 3))))
+    assert recipe_error(problem) is None
+    with pytest.raises(ValueError, match="recipe"):
+        resolve_error_cap(problem, "recipe")
+    assert resolve_error_cap(problem, 0.25) == 0.25

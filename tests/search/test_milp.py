@@ -145,3 +145,27 @@ def test_time_cap_that_nothing_meets():
     with pytest.raises(InfeasibleBudget, match="time cap"):
         Solver(p).solve(1e12, "error", time_cap=fastest * 0.5)
     Solver(p).solve(1e12, "error", time_cap=fastest + 1e-9)
+
+
+def test_a_time_limited_first_solve_keeps_a_feasible_choice_and_reports_its_gap(monkeypatch):
+    """With a time limit too short to prove anything, the answer still fits the budget and the caps, and
+    Allocation.gap says how far from proven it is (0 when proven)."""
+    import agoq.search.milp as milp_module
+    from types import SimpleNamespace
+
+    assert milp_module.primary_gap(SimpleNamespace(status=0, mip_gap=0.3)) == 0.0
+    assert milp_module.primary_gap(SimpleNamespace(status=1, mip_gap=0.25)) == 0.25
+    assert milp_module.primary_gap(SimpleNamespace(status=1, mip_gap=None)) == 1.0
+    seed, rng = fresh_rng()
+    problem = random_problem(rng, 23, 5)
+    proven = Solver(problem)
+    budget = proven.smallest_budget() * 1.15
+    fast, least = proven.solve(budget, "time"), proven.solve(budget, "error")
+    cap = least.grad_error + 0.5 * (fast.grad_error - least.grad_error) + 1e-12  # binds, and some choice meets it
+    best = proven.solve(budget, "time", error_cap=cap, time_limit=60.0)
+    monkeypatch.setattr(milp_module, "PRIMARY_SECONDS", 1e-3)
+    rushed = Solver(problem).solve(budget, "time", error_cap=cap)
+    assert max(rushed.peak_bytes_per_stage) <= budget and rushed.grad_error <= cap * (1 + 1e-9), seed
+    assert 0.0 <= rushed.gap <= 1.0 and rushed.step_seconds >= best.step_seconds * (1 - 1e-9), seed
+    if rushed.step_seconds > best.step_seconds * (1 + 1e-6):
+        assert rushed.gap > 0.0, seed  # a worse answer is never reported as proven
