@@ -31,30 +31,23 @@ from agoq.units import format_bytes
 HELP = "turn a profile and a memory budget into a plan (MILP, Optuna)"
 
 
-def time_cap(text: str):
-    """argparse type of --time-cap: seconds > 0, 'checkpoint' or 'none'."""
-    if text in ("checkpoint", "none"):
-        return None if text == "none" else text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, 'checkpoint' or 'none', got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"the time cap must be > 0 seconds, got {value}")
-    return value
+def _cap(what: str, unit: str, word: str, positive: bool):
+    """argparse type of a cap: a number (> 0 when `positive`, else >= 0), `word` or 'none' (None)."""
+    def parse(text: str):
+        if text in (word, "none"):
+            return None if text == "none" else text
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {unit}, {word!r} or 'none', got {text!r}") from None
+        if not (value > 0 if positive else value >= 0):
+            raise argparse.ArgumentTypeError(f"the {what} must be {'>' if positive else '>='} 0, got {value}")
+        return value
+    return parse
 
 
-def error_cap(text: str):
-    """argparse type of --error-cap: a gradient error >= 0, 'recipe' or 'none'."""
-    if text in ("recipe", "none"):
-        return None if text == "none" else text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a gradient error, 'recipe' or 'none', got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"the error cap must be >= 0, got {value}")
-    return value
+time_cap = _cap("time cap", "seconds", "checkpoint", positive=True)
+error_cap = _cap("error cap", "a gradient error", "recipe", positive=False)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
