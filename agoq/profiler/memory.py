@@ -70,12 +70,6 @@ def predicted_activation_bytes(shape: LayerShape, num_layers: int, policy, outsi
     return total
 
 
-def _optimizer_step(weights: MasterWeights, opt: torch.optim.Optimizer) -> None:
-    weights.set_grads([p.grad if p.grad is not None else torch.zeros_like(p) for p in weights.params])
-    opt.step()
-    weights.write_back()
-
-
 def measure_step(model: nn.Module, ids: torch.Tensor, policy) -> dict:
     """One real training step (fwd + bwd + AdamW) under `policy`: measured peaks (GPU) of the fwd + bwd
     part and of the optimizer step, step seconds, and the activation bytes the tracker counted (total
@@ -91,7 +85,7 @@ def measure_step(model: nn.Module, ids: torch.Tensor, policy) -> dict:
         with track_saved_tensors(model) as log:
             loss = training_loss(model, ids)
         loss.backward()
-        _optimizer_step(weights, opt)  # warm-up: allocates the optimizer state
+        weights.step(opt)  # warm-up: allocates the optimizer state
         del loss
         if cuda:
             torch.cuda.synchronize(device)
@@ -105,7 +99,7 @@ def measure_step(model: nn.Module, ids: torch.Tensor, policy) -> dict:
             torch.cuda.synchronize(device)
             peaks[0] = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        _optimizer_step(weights, opt)
+        weights.step(opt)
         if cuda:
             torch.cuda.synchronize(device)
             peaks[1] = torch.cuda.max_memory_allocated(device)

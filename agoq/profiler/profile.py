@@ -13,7 +13,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from agoq.files import write_json, write_with
 from agoq.profiler.kernel_time import attention_rerun_time, layer_forward_seconds, quantize_times, recompute_time
 from agoq.profiler.memory import memory_section
+from agoq.environment import hardware, software_versions
 from agoq.profiler.model_source import (layer_shape, load_model, model_config_dict, model_name, token_batches,
                                         vocab_size)
 from agoq.profiler.options import check_bits_formats, kind_options, kind_shapes, option_bytes, shape_text
@@ -62,30 +62,6 @@ class ProfileSettings:
     collective_sizes: list[int] | None = None
     timing_repeats: int | None = None  # None: 5 on CUDA, 1 on the CPU
     sensitivity_method: str = "replay"  # or "policy": a full forward + backward per option
-
-
-def hardware(device: str) -> dict:
-    """The profile.json "hardware" section."""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        index = torch.device(device).index or 0
-        props = torch.cuda.get_device_properties(index)
-        return {"device": "cuda", "name": props.name, "memory_bytes": props.total_memory,
-                "count": torch.cuda.device_count(), "cpu_count": os.cpu_count()}
-    return {"device": "cpu", "name": platform.processor() or platform.machine(), "memory_bytes": None,
-            "count": 1, "cpu_count": os.cpu_count()}
-
-
-def software() -> dict:
-    """The profile.json "software" section: versions of agoq, torch, triton, python, transformers."""
-    import agoq
-
-    out = {"agoq": agoq.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
-    for name in ("triton", "transformers"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            out[name] = None
-    return out
 
 
 def _short(e: BaseException) -> str:
@@ -343,8 +319,9 @@ def write_profile(out: Path, settings: ProfileSettings, model, num_layers: int, 
                      "world_size": settings.world_size, "budget_bytes": settings.budget_bytes,
                      "layers": settings.layers, "ray": settings.ray_address,
                      "sensitivity_method": settings.sensitivity_method},
-        "hardware": hardware(settings.device),
-        "software": software(),
+        "hardware": hardware(settings.device, torch.cuda.device_count() if settings.device.startswith("cuda")
+                             else 1),
+        "software": software_versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "memory": memory,
         "pipeline": pipeline,

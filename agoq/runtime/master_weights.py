@@ -5,8 +5,8 @@ way, so the memory a profile predicts is the memory training holds:
 
     parameters (bf16)  +  masters (float32, 4 bytes per value)  +  optimizer state over the masters
 
-Each step: `set_grads` hands the optimizer the gradients cast to float32, the optimizer steps the masters,
-`write_back` rounds them into the parameters. Parameters already in float32 are their own masters.
+Each step (`step`): `set_grads` hands the optimizer the gradients cast to float32, the optimizer steps the
+masters, `write_back` rounds them into the parameters. Parameters already in float32 are their own masters.
 """
 
 from __future__ import annotations
@@ -43,6 +43,16 @@ class MasterWeights:
         if self.masters is not None:
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
+
+    def step(self, optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor] | None = None,
+             scale: float = 1.0) -> None:
+        """One optimizer step: `grads` (default: the parameters' .grad, zeros where None) x `scale` to the
+        targets, `optimizer.step()`, then the masters rounded into the parameters."""
+        if grads is None:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.set_grads(grads, scale)
+        optimizer.step()
+        self.write_back()
 
     def zero_grad(self) -> None:
         """Drop every gradient of the parameters and the masters (they are allocated again by backward)."""

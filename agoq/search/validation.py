@@ -69,9 +69,7 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
             loss = model(ids[:, :-1], ids[:, 1:]) / grad_accum
             loss.backward()
             total += float(loss.detach())
-        weights.set_grads([p.grad if p.grad is not None else torch.zeros_like(p) for p in weights.params])
-        opt.step()
-        weights.write_back()
+        weights.step(opt)
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)

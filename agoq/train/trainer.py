@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import platform
 import random
 import resource
 import sys
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agoq.environment import hardware, software_versions
 from agoq.models.lm_loss import chunked_lm_loss
 from agoq.runtime.master_weights import MasterWeights
 from agoq.train.checkpoint import clean_partial, find_checkpoint, load_rank_payload, save_checkpoint
@@ -134,30 +134,6 @@ def _device(cfg: TrainConfig, world: World) -> torch.device:
     if name != "cpu":
         raise ValueError(f"--device must be cpu or cuda, got {name!r}")
     return torch.device("cpu")
-
-
-# --------------------------------------------------------------------------------------- description
-
-
-def _hardware(device: torch.device, world: World) -> dict:
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return {"device": "cuda", "name": props.name, "memory_bytes": props.total_memory,
-                "count": world.size, "cpu_count": os.cpu_count()}
-    return {"device": "cpu", "name": platform.processor() or platform.machine(), "memory_bytes": None,
-            "count": world.size, "cpu_count": os.cpu_count()}
-
-
-def _software() -> dict:
-    import agoq
-
-    out = {"agoq": agoq.__version__, "torch": torch.__version__, "python": platform.python_version()}
-    for name in ("triton", "transformers"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            out[name] = None
-    return out
 
 
 # --------------------------------------------------------------------------------------- setup
@@ -587,9 +563,7 @@ class Trainer:
                 p.grad = g.mul_(scale) if scale != 1.0 else g
             self.optimizer.step()
             return
-        self.weights.set_grads(grads, scale)
-        self.optimizer.step()
-        self.weights.write_back()
+        self.weights.step(self.optimizer, grads, scale)
 
     def _mean_over_ranks(self, value: torch.Tensor) -> float:
         if self.s.world.size == 1:
@@ -643,7 +617,7 @@ class Trainer:
             plan = s.plan_record
             world_info = {"size": world.size, "local_size": world.local_size, "backend": world.backend}
             self.record.start({"model": s.spec, "plan": plan, "settings": self._settings(), "world": world_info,
-                               "hardware": _hardware(s.device, world), "software": _software()}, resumed)
+                               "hardware": hardware(s.device, world.size), "software": software_versions()}, resumed)
         bar = None
         if world.rank == 0 and not cfg.quiet:
             from tqdm import tqdm
