@@ -1,6 +1,11 @@
 """agoq: low-bit activations, gradients and communication for LLM training, tuned per layer."""
 
-from agoq.runtime import (
+from agoq.cpu_isa import avoid_amx
+
+avoid_amx()  # before any bf16 CPU work: oneDNN's AMX kernels fault on some hosts (agoq.cpu_isa)
+
+
+from agoq.runtime import (  # noqa: E402
     KINDS,
     ActivationPolicy,
     QTensor,

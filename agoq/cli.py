@@ -19,7 +19,7 @@ commands:
   dashboard     serve a web page of profiles, plans, searches and runs
   demo          the whole loop on a tiny model on the CPU, then the dashboard command to see it
   activations   compare activation policies on a model: bytes kept for backward per layer and kind
-                (measured and predicted), weight-gradient error and step time (the default command)
+                (measured and predicted), weight-gradient error and step time
   policy        print an activation policy as JSON (a preset, or stage-aware bits for pipelines)
 """
 
@@ -75,8 +75,10 @@ def cmd_activations(args: argparse.Namespace) -> int:
     from agoq.profiler import compare_policies
     from agoq.runtime.policy import as_policy
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.dtype == "auto":  # bf16 where it is the training dtype (GPUs); the CPU computes in float32
+        args.dtype = "fp32" if torch.device(device).type == "cpu" else "bf16"
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
     policies = []
     for item in args.policy.split(","):
         item = item.strip()
@@ -166,9 +168,16 @@ def _add_stage_commands(sub) -> None:
         module.configure(parser)
 
 
+def _installed_version() -> str:
+    from agoq.environment import agoq_version
+
+    return agoq_version()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agoq", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"agoq {_installed_version()}")
     sub = parser.add_subparsers(dest="command")
     _add_stage_commands(sub)
 
@@ -185,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--batch", type=positive_int, default=2, help="micro-batch size (default 2)")
     act.add_argument("--seq", type=positive_int, default=64, help="sequence length in tokens (default 64)")
     act.add_argument("--layers", type=positive_int, default=None, help="use only this many decoder layers")
-    act.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
+    act.add_argument("--dtype", choices=("auto", "bf16", "fp32", "fp16"), default="auto",
+                     help="compute dtype (default auto: bf16 on a GPU, fp32 on the CPU)")
     act.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     act.add_argument("--repeats", type=positive_int, default=3, help="timed steps per policy (median reported)")
     act.add_argument("--seed", type=int, default=0)
@@ -208,10 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `agoq` console command; returns the exit code."""
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
-        argv = ["activations"] + list(argv)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return 0

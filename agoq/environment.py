@@ -20,11 +20,20 @@ def hardware(device: torch.device | str, count: int) -> dict:
             "count": count, "cpu_count": os.cpu_count()}
 
 
+def agoq_version() -> str:
+    """The installed agoq's version, from its package metadata (not from whatever `agoq` folder an import
+    happens to find first, such as one in the working directory)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agoq")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
 def software_versions() -> dict:
     """{"agoq", "torch", "python", "triton", "transformers"}: version strings, None where not installed."""
-    import agoq
-
-    out = {"agoq": agoq.__version__, "torch": torch.__version__, "python": platform.python_version()}
+    out = {"agoq": agoq_version(), "torch": torch.__version__, "python": platform.python_version()}
     for name in ("triton", "transformers"):
         try:
             out[name] = __import__(name).__version__

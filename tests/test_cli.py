@@ -63,3 +63,12 @@ def test_non_positive_sizes_rejected_by_the_parser(flag, value, capsys):
 def test_console_entry_point_help():
     res = subprocess.run([sys.executable, "-m", "agoq.cli", "--help"], capture_output=True, text=True)
     assert res.returncode == 0 and "activations" in res.stdout and "policy" in res.stdout
+
+
+def test_bare_command_prints_help_and_version(capsys):
+    assert main([]) == 0
+    assert "commands:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("agoq ")
