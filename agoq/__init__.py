@@ -5,23 +5,18 @@ from agoq.cpu_isa import avoid_amx
 avoid_amx()  # before any bf16 CPU work: oneDNN's AMX kernels fault on some hosts (agoq.cpu_isa)
 
 
-from agoq.runtime import (  # noqa: E402
+from agoq.activations import (  # noqa: E402
     KINDS,
     ActivationPolicy,
-    QTensor,
-    QuantizedGradients,
     apply_activation_policy,
-    dequantize,
     preset,
-    quangrad_hook,
-    quantize,
-    quantized_all_reduce,
-    quantized_nbytes,
     remove_activation_policy,
     stage_aware_policy,
     stage_bits,
     track_saved_tensors,
 )
+from agoq.comm import QuantizedGradients, quangrad_hook, quantized_all_reduce  # noqa: E402
+from agoq.quant import QTensor, dequantize, quantize, quantized_nbytes  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["QTensor", "quantize", "dequantize", "quantized_nbytes", "ActivationPolicy", "KINDS", "preset",

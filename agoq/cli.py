@@ -73,7 +73,7 @@ def cmd_activations(args: argparse.Namespace) -> int:
 
     from agoq.models import build
     from agoq.profiler import compare_policies
-    from agoq.runtime.policy import as_policy
+    from agoq.activations.policy import as_policy
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.dtype == "auto":  # bf16 where it is the training dtype (GPUs); the CPU computes in float32
@@ -124,7 +124,7 @@ def cmd_activations(args: argparse.Namespace) -> int:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    from agoq.runtime.policy import preset, stage_aware_policy
+    from agoq.activations.policy import preset, stage_aware_policy
 
     if args.in_flight:
         counts = [int(c) for c in args.in_flight.split(",")]

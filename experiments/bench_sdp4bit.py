@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agoq.runtime.sdp4bit import (WEIGHT_BLOCK, exact_reduce_scatter, qwd_all_gather, shard_bounds,  # noqa: E402
+from agoq.comm.sdp4bit import (WEIGHT_BLOCK, exact_reduce_scatter, qwd_all_gather, shard_bounds,  # noqa: E402
                                   tlq_hs_reduce_scatter)
 from experiments.collective_timing import median_ms_across_ranks  # noqa: E402
 from experiments.record import write_result  # noqa: E402
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--transport", default=None, help="default: AGOQ_TRANSPORT, else guessed from NCCL_* vars")
     parser.add_argument("--lanes", type=int, default=4,
                         help="also time TLq-HS and qWD with their codes spread over this many communicators "
-                             "(agoq/runtime/lanes.py); 1 to skip")
+                             "(agoq/comm/lanes.py); 1 to skip")
     parser.add_argument("--out", default=None, help="also write the result file into this folder")
     parser.add_argument("--no-write", action="store_true", help="print only (smoke runs)")
     args = parser.parse_args(argv)

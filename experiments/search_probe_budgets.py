@@ -53,7 +53,7 @@ def search_phase(args, folder: Path, out: Path) -> dict:
     import numpy as np
 
     from agoq.models import resolve_config
-    from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
+    from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
     from agoq.search.costs import Knobs, build_problem, checkpointing_only
     from agoq.search.milp import Allocation, InfeasibleBudget, Solver
     from agoq.search.orchestrate import plan_from_profile

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from agoq.cli import main
-from agoq.runtime.policy import ActivationPolicy
+from agoq.activations.policy import ActivationPolicy
 
 
 def test_activations_writes_report(tmp_path, capsys):

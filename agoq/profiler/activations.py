@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.runtime.laaq import apply_activation_policy, remove_activation_policy
-from agoq.runtime.policy import ActivationPolicy, as_policy
-from agoq.runtime.saved_bytes import track_saved_tensors
+from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
+from agoq.activations.policy import ActivationPolicy, as_policy
+from agoq.activations.saved_bytes import track_saved_tensors
 
 
 @dataclass

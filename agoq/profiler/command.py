@@ -154,7 +154,7 @@ def _write_plan(out: Path, header: dict, shape, budget: int) -> str:
         table = None
     plan = stage_rule_plan(header, table, shape, budget, str(out))
     try:
-        from agoq.plan import plan_from_dict
+        from agoq.formats.plan import plan_from_dict
 
         plan_from_dict(plan).save(out / "plan.json")
     except ImportError:  # the Plan schema needs pydantic; write the documented dict as is

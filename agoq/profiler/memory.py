@@ -2,7 +2,7 @@
 
     peak = weights + masters + gradients + optimizer state + activations kept for backward + fixed
 
-The step is `agoq train`'s: bf16 parameters with float32 master copies (agoq.runtime.master_weights)
+The step is `agoq train`'s: bf16 parameters with float32 master copies (agoq.optim.master_weights)
 that AdamW steps, its two moments in float32, gradients dropped after every step (set to None) and the
 loss from the chunked LM head (agoq.models.lm_loss) where the model is agoq's. Weights, masters and
 gradients are the parameters' bytes; activations are the per-layer bytes of the profile
@@ -25,12 +25,12 @@ from torch import nn
 
 from agoq.models.llama import LlamaForCausalLM
 from agoq.profiler.model_source import next_token_loss
-from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.runtime.laaq import apply_activation_policy, remove_activation_policy
-from agoq.runtime.master_weights import MasterWeights
-from agoq.runtime.policy import as_policy
-from agoq.runtime.qtensor import quantized_nbytes
-from agoq.runtime.saved_bytes import track_saved_tensors
+from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
+from agoq.optim.master_weights import MasterWeights
+from agoq.activations.policy import as_policy
+from agoq.quant.qtensor import quantized_nbytes
+from agoq.activations.saved_bytes import track_saved_tensors
 
 GRAD_BLOCK = 256  # QuanGrad's block: one float32 scale per 256 gradient values
 OPTIMIZER_BLOCK = 256  # block of the 8-bit AdamW moments

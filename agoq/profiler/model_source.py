@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from agoq.files import read_json_object
-from agoq.runtime.activation_bytes import LayerShape
-from agoq.runtime.saved_bytes import find_decoder_layers
+from agoq.activations.activation_bytes import LayerShape
+from agoq.activations.saved_bytes import find_decoder_layers
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_FAMILIES = ("llama", "mistral", "qwen2")
@@ -101,7 +101,7 @@ def load_model(spec: str, *, dtype: str = "bf16", device: str = "cpu", seed: int
     if not find_decoder_layers(model):
         raise NotImplementedError(f"model {spec!r} ({type(model).__name__}) has no LLaMA-style decoder layers "
                                   "(modules with self_attn, mlp, input_layernorm, post_attention_layernorm)")
-    from agoq.runtime.laaq import apply_activation_policy, remove_activation_policy
+    from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
 
     apply_activation_policy(model, "int8")  # raises NotImplementedError for layers LAAQ cannot run
     remove_activation_policy(model)

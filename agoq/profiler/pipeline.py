@@ -116,7 +116,7 @@ def in_flight(stages: int, micro_batches: int, chunks: int = 1) -> list[int]:
 
 def pipeline_summary(stages: int, micro_batches: int, num_layers: int, chunks: int = 2) -> dict:
     """The profile.json "pipeline" section: layer -> stage and in-flight counts per schedule."""
-    from agoq.runtime.policy import split_layers
+    from agoq.activations.policy import split_layers
 
     counts = {"1f1b": in_flight(stages, micro_batches)}
     notes = []

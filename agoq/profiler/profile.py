@@ -30,8 +30,8 @@ from agoq.profiler.pipeline import pipeline_summary
 from agoq.profiler.replay import REPLAYABLE
 from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chunk
 from agoq.profiler.tensor_error import measure_tensor_errors, sqnr_db
-from agoq.runtime.policy import KINDS
-from agoq.runtime.saved_bytes import find_decoder_layers
+from agoq.activations.policy import KINDS
+from agoq.activations.saved_bytes import find_decoder_layers
 
 SCHEMA = "agoq.profile/1"
 COLUMNS = ("layer", "kind", "option", "bits", "format", "shape", "bytes", "bytes_unshared", "bytes_measured",

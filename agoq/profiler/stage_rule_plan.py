@@ -1,7 +1,7 @@
 """A plan without a search: the agoq-paper policy with each pipeline stage's bits from the stage rule.
 
 Stage i holding N_i micro-batches in flight (1F1B, from the profile's pipeline section) stores its
-quantized kinds at max(4, floor(4 N_1 / N_i)) bits (agoq.runtime.policy.stage_aware_policy); with
+quantized kinds at max(4, floor(4 N_1 / N_i)) bits (agoq.activations.policy.stage_aware_policy); with
 one stage this is agoq-paper. The predictions come from the profile: bytes per (layer, kind,
 option), sensitivities added in quadrature (agoq.profiler.additivity), and the bf16 step plus each
 option's extra seconds.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import datetime
 
 from agoq.profiler.options import Option, option_bytes
-from agoq.runtime.activation_bytes import LayerShape
-from agoq.runtime.policy import KINDS, RECOMPUTE, stage_aware_policy
+from agoq.activations.activation_bytes import LayerShape
+from agoq.activations.policy import KINDS, RECOMPUTE, stage_aware_policy
 
 
 def _option_of(setting) -> Option:

@@ -17,9 +17,9 @@ from torch import nn
 
 from agoq.profiler.model_source import next_token_loss
 from agoq.profiler.options import Option
-from agoq.runtime.laaq import apply_activation_policy, observe_kept_tensors, remove_activation_policy
-from agoq.runtime.quantize import dequantize, quantize
-from agoq.runtime.saved_bytes import find_decoder_layers
+from agoq.activations.laaq import apply_activation_policy, observe_kept_tensors, remove_activation_policy
+from agoq.quant.quantize import dequantize, quantize
+from agoq.activations.saved_bytes import find_decoder_layers
 
 
 def squared_error(x: torch.Tensor, option: Option, block: int, x64: torch.Tensor | None = None) -> float:

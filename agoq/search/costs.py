@@ -26,8 +26,8 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.runtime.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
+from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
 from agoq.search.profile_data import ProfileData
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -34,7 +34,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from agoq.runtime.policy import KINDS
+from agoq.activations.policy import KINDS
 from agoq.search.costs import ChoiceProblem, recipe_error
 from agoq.units import format_bytes
 

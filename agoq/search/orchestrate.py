@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from agoq.files import write_atomic
-from agoq.plan import Plan
+from agoq.formats.plan import Plan
 from agoq.search.costs import Knobs, build_problem
 from agoq.search.milp import RECIPE_CAP, InfeasibleBudget, Solver, resolve_error_cap, resolve_time_cap
 from agoq.search.pareto import memory_error_front

@@ -1,4 +1,4 @@
-"""Turning a solved allocation into a Plan (agoq.plan), with the cost models' predictions filled in."""
+"""Turning a solved allocation into a Plan (agoq.formats.plan), with the cost models' predictions filled in."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from agoq.plan import Plan
+from agoq.formats.plan import Plan
 from agoq.search.costs import ChoiceProblem, Knobs
 from agoq.search.milp import Allocation
 from agoq.search.profile_data import ProfileData

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import pandas as pd
 
 from agoq.files import read_json_object
-from agoq.runtime.policy import KINDS, RECOMPUTABLE
+from agoq.activations.policy import KINDS, RECOMPUTABLE
 
 PROFILE_SCHEMA_KIND = "agoq.profile"
 PROFILE_SCHEMA_MAJOR = 1

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from agoq.runtime.policy import KINDS
+from agoq.activations.policy import KINDS
 from agoq.search.costs import Knobs, build_problem, gradient_modes
 from agoq.search.milp import InfeasibleBudget, Solver, resolve_time_cap
 from agoq.search.profile_data import ProfileData

@@ -35,7 +35,7 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
     import torch
 
     from agoq.models import build
-    from agoq.runtime.master_weights import MasterWeights
+    from agoq.optim.master_weights import MasterWeights
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -84,14 +84,14 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
 
 
 def apply_plan_dict(model, plan: dict) -> None:
-    """Apply a plan given as JSON data: validated through agoq.plan where pydantic is installed, else
+    """Apply a plan given as JSON data: validated through agoq.formats.plan where pydantic is installed, else
     straight through the runtime (activation policy of the layers' settings, then checkpointing)."""
     try:
-        from agoq.plan import plan_from_dict
+        from agoq.formats.plan import plan_from_dict
     except ImportError:
-        from agoq.runtime.checkpointing import apply_checkpointing
-        from agoq.runtime.laaq import apply_activation_policy
-        from agoq.runtime.policy import ActivationPolicy
+        from agoq.activations.checkpointing import apply_checkpointing
+        from agoq.activations.laaq import apply_activation_policy
+        from agoq.activations.policy import ActivationPolicy
 
         act = plan.get("activations", {})
         layers = {lp["layer"]: dict(lp.get("kinds", {})) for lp in plan["layers"] if not lp.get("checkpoint")}
@@ -163,7 +163,7 @@ class Runner:
 
 def validate_plans(plans: list, model_config: dict, *, dtype: str = "bf16", steps: int = 4, seed: int = 0,
                    runner: Optional[Runner] = None, device: Optional[str] = None) -> list[dict]:
-    """Measure each plan (agoq.plan.Plan) and plain bf16 training of the same model, batch and data; writes
+    """Measure each plan (agoq.formats.plan.Plan) and plain bf16 training of the same model, batch and data; writes
     `measured` into each plan and returns the measured dicts."""
     runner = runner or Runner()
     jobs = [dict(plan=None if p is None else p.to_dict(), model_config=model_config, dtype=dtype,

@@ -1,8 +1,8 @@
-"""Reading a plan for training: `agoq.plan` when its validator (pydantic) is installed, else a plain reader.
+"""Reading a plan for training: `agoq.formats.plan` when its validator (pydantic) is installed, else a plain reader.
 
 GPU images often carry only torch. The plain reader checks what training relies on (schema, model
 fingerprint, one entry per layer in order, each kind's setting, stages, gradient mode) and gives the
-same attributes `agoq.train` uses; the full validation stays in `agoq.plan`.
+same attributes `agoq.train` uses; the full validation stays in `agoq.formats.plan`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class PlainPlan:
     """The parts of a plan.json that training reads, validated without pydantic."""
 
     def __init__(self, data: dict, where: str):
-        from agoq.runtime.policy import KEEP, KINDS, check_setting
+        from agoq.activations.policy import KEEP, KINDS, check_setting
 
         schema = data.get("schema")
         if not isinstance(schema, str) or not schema.startswith("agoq.plan/"):
@@ -62,7 +62,7 @@ class PlainPlan:
         return [lp.layer for lp in self.layers if lp.checkpoint]
 
     def activation_policy(self):
-        from agoq.runtime.policy import ActivationPolicy
+        from agoq.activations.policy import ActivationPolicy
 
         block, fmt, rounding = self._act
         return ActivationPolicy(layers={lp.layer: dict(lp.kinds) for lp in self.layers}, block=block, format=fmt,
@@ -78,8 +78,8 @@ class PlainPlan:
                              "model to get its own plan")
 
     def apply(self, model: nn.Module) -> None:
-        from agoq.runtime.checkpointing import apply_checkpointing
-        from agoq.runtime.laaq import apply_activation_policy
+        from agoq.activations.checkpointing import apply_checkpointing
+        from agoq.activations.laaq import apply_activation_policy
 
         self.check_model(model)
         apply_activation_policy(model, self.activation_policy())
@@ -91,9 +91,9 @@ class PlainPlan:
 
 
 def read_plan(path: str, model: nn.Module):
-    """The plan at `path`, checked against `model`: an `agoq.plan.Plan`, or a `PlainPlan` without pydantic."""
+    """The plan at `path`, checked against `model`: an `agoq.formats.plan.Plan`, or a `PlainPlan` without pydantic."""
     try:
-        from agoq.plan import load_plan
+        from agoq.formats.plan import load_plan
     except ImportError:
         load_plan = None
     if load_plan is not None:
@@ -115,7 +115,7 @@ def policy_as_plan(policy, model: nn.Module, gradients: str, micro_batch: int, s
     `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted.
     """
     from agoq.models import fingerprint
-    from agoq.runtime.saved_bytes import find_decoder_layers
+    from agoq.activations.saved_bytes import find_decoder_layers
 
     num_layers = len(find_decoder_layers(model))
     stage_of = layer_stage or [0] * num_layers

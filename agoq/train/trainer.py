@@ -31,10 +31,10 @@ from torch import nn
 
 from agoq.environment import hardware, software_versions
 from agoq.models.lm_loss import chunked_lm_loss
-from agoq.runtime.master_weights import MasterWeights
+from agoq.optim.master_weights import MasterWeights
 from agoq.train.checkpoint import clean_partial, find_checkpoint, load_rank_payload, save_checkpoint
 from agoq.train.data import Batches, load_corpus
-from agoq.train.run_record import RunRecord
+from agoq.formats.run import RunRecord
 
 PARALLEL_MODES = ("none", "ddp", "sharded", "pipeline")
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -172,7 +172,7 @@ def _dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 def _policy(name: str, num_layers: int, stages: int, micro_batches: int, layer_stage: list[int] | None):
     import json
 
-    from agoq.runtime.policy import as_policy, stage_aware_policy
+    from agoq.activations.policy import as_policy, stage_aware_policy
 
     from agoq.train.pipeline import in_flight_1f1b
 
@@ -189,9 +189,9 @@ def _policy(name: str, num_layers: int, stages: int, micro_batches: int, layer_s
 def prepare(cfg: TrainConfig, world: World) -> Setup:
     """Check every input and build the model: raises ValueError / FileNotFoundError before any training."""
     from agoq.models import build, fingerprint, resolve_config
-    from agoq.runtime.checkpointing import apply_checkpointing
-    from agoq.runtime.laaq import apply_activation_policy
-    from agoq.runtime.policy import split_layers
+    from agoq.activations.checkpointing import apply_checkpointing
+    from agoq.activations.laaq import apply_activation_policy
+    from agoq.activations.policy import split_layers
 
     device = _device(cfg, world)
     dtype = _dtype(cfg, device)
@@ -394,13 +394,13 @@ class Trainer:
             self.ddp = nn.parallel.DistributedDataParallel(_LossModule(model),
                                                            device_ids=[device.index] if device.type == "cuda" else None)
         if s.gradients == "quangrad8":
-            from agoq.runtime.quangrad import QuantizedGradients
+            from agoq.comm.quangrad import QuantizedGradients
 
             # under DDP each bucket is reduced as soon as the last micro-batch's backward has filled it
             self.qgrads = QuantizedGradients(self.params, overlap=s.parallel == "ddp" and world.size > 1)
         # optimizer
         if s.parallel == "sharded":
-            from agoq.runtime.sdp4bit import SDP4BitOptimizer
+            from agoq.optim.sdp4bit import SDP4BitOptimizer
 
             quantized = s.gradients == "sdp4bit"
             self.masters = None
@@ -413,7 +413,7 @@ class Trainer:
             self.masters = self.weights.masters
             targets = self.weights.targets
             if cfg.optimizer == "adamw8bit":
-                from agoq.train.adamw8bit import AdamW8bit
+                from agoq.optim.adamw8bit import AdamW8bit
 
                 self.optimizer = AdamW8bit(targets, lr=cfg.lr, betas=BETAS, eps=EPS, weight_decay=cfg.weight_decay)
             else:

@@ -541,7 +541,7 @@ def test_discovery_finds_plans_by_schema_and_skips_the_rest(tmp_path):
     plan = synthetic.make_plan(np.random.default_rng(5), 3, "0123456789abcdef")
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "b" / "front-07.json").write_text(json.dumps(plan))
-    (tmp_path / "a" / "report.json").write_text(json.dumps({"reports": [], "note": "agoq.plan is mentioned"}))
+    (tmp_path / "a" / "report.json").write_text(json.dumps({"reports": [], "note": "agoq.formats.plan is mentioned"}))
     (tmp_path / ".hidden").mkdir()
     (tmp_path / ".hidden" / "plan.json").write_text(json.dumps(plan))
     synthetic.write_run(tmp_path / "r", np.random.default_rng(6), 3)

@@ -106,7 +106,7 @@ def test_plan_without_the_search_is_the_stage_rule(tmp_path, capsys, monkeypatch
     assert bits == {0: 4, 1: 6, 2: 8}
     assert all(layer["kinds"]["attention"] == 16 and layer["kinds"]["qkv_input"] == "recompute"
                for layer in plan["layers"])
-    from agoq.plan import load_plan
+    from agoq.formats.plan import load_plan
 
     assert load_plan(out / "plan.json").num_layers == 3
     # activation bytes per stage: the profile's bytes for each layer's choices, times its in-flight count

@@ -6,9 +6,9 @@ import math
 import pandas as pd
 
 from agoq.models import build, fingerprint
-from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.runtime.policy import KINDS, RECOMPUTABLE
-from agoq.runtime.qtensor import quantized_nbytes
+from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.quant.qtensor import quantized_nbytes
 from tests.profiler.conftest import SETTINGS
 
 

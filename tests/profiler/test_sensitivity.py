@@ -7,8 +7,8 @@ import torch
 
 from agoq.profiler.model_source import load_model, token_batches
 from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measurement_policy, reference_kind
-from agoq.runtime.laaq import apply_activation_policy, remove_activation_policy
-from agoq.runtime.policy import KINDS, RECOMPUTABLE
+from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
+from agoq.activations.policy import KINDS, RECOMPUTABLE
 
 
 def _grads(model, ids):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pandas as pd
 
 from agoq.models import build, fingerprint
-from agoq.runtime.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.runtime.policy import KINDS, RECOMPUTABLE, split_layers
+from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.activations.policy import KINDS, RECOMPUTABLE, split_layers
 
 BITS = (8, 6, 5, 4, 3, 2)
 

@@ -11,7 +11,7 @@ import pytest
 
 from agoq.cli import main
 from agoq.models import build, fingerprint
-from agoq.plan import load_plan
+from agoq.formats.plan import load_plan
 from agoq.search.milp import Solver
 from agoq.search.costs import build_problem
 from agoq.search.orchestrate import search
@@ -180,7 +180,7 @@ def test_validate_on_cpu(profile_dir, tmp_path, capsys):
 
 def test_validation_loss_deviation_is_zero_for_a_plain_plan(tmp_path):
     """A plan that keeps everything at 16 bits trains exactly like the plain model: deviation 0."""
-    from agoq.plan import Plan
+    from agoq.formats.plan import Plan
     from agoq.search.validation import validate_plans
 
     model = build("llama-tiny", device="meta")
@@ -255,7 +255,7 @@ def test_on_a_real_profile(tmp_path):
     fits its budget, and keeps exactly the activation bytes it predicts."""
     import agoq
     import torch
-    from agoq.plan import remove_plan
+    from agoq.formats.plan import remove_plan
 
     prof = tmp_path / "profile"
     assert main(["profile", "llama-tiny", "--layers", "2", "--seq-len", "24", "--batches", "1", "--bits", "3,4,8",

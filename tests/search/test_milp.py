@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from agoq.runtime.policy import KINDS, RECOMPUTABLE
+from agoq.activations.policy import KINDS, RECOMPUTABLE
 from agoq.search.costs import ChoiceProblem
 from agoq.search.milp import InfeasibleBudget, Solver
 

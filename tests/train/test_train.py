@@ -145,7 +145,7 @@ def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 
 def _tiny_plan(tmp_path, model_spec="llama-tiny", **gradients):
     from agoq.models import build, fingerprint
-    from agoq.plan import Plan
+    from agoq.formats.plan import Plan
 
     model = build(model_spec)
     layers = [{"layer": i, "stage": 0, "checkpoint": i == 2,
@@ -201,7 +201,7 @@ def test_bad_inputs_are_refused_before_training(tmp_path, capsys):
 
 def test_plan_over_the_gpu_memory_is_refused(tmp_path, monkeypatch):
     """The budget check compares the plan's predicted peak with the device memory (faked here: no GPU in CI)."""
-    from agoq.plan import load_plan
+    from agoq.formats.plan import load_plan
 
     plan = load_plan(_tiny_plan(tmp_path))
     plan.predicted.peak_bytes_per_stage = [200 * 2**30]
@@ -239,7 +239,7 @@ def test_plain_plan_reader_matches_the_validated_plan(tmp_path, monkeypatch):
     import builtins
 
     from agoq.models import build
-    from agoq.plan import load_plan
+    from agoq.formats.plan import load_plan
     from agoq.train import plan_reader
 
     path = _tiny_plan(tmp_path)
@@ -248,7 +248,7 @@ def test_plain_plan_reader_matches_the_validated_plan(tmp_path, monkeypatch):
     real_import = builtins.__import__
 
     def no_pydantic(name, *args, **kwargs):
-        if name == "agoq.plan":
+        if name == "agoq.formats.plan":
             raise ImportError("No module named 'pydantic'", name="pydantic")
         return real_import(name, *args, **kwargs)
 
@@ -265,7 +265,7 @@ def test_plain_plan_reader_matches_the_validated_plan(tmp_path, monkeypatch):
 
 
 def test_policy_run_records_its_policy_as_a_valid_plan(tmp_path):
-    from agoq.plan import plan_from_dict
+    from agoq.formats.plan import plan_from_dict
 
     out = tmp_path / "run"
     assert main(["train", "llama-tiny", "--policy", "agoq-paper", "--gradients", "quangrad8", "--seq-len", "16",

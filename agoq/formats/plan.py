@@ -1,0 +1,339 @@
+"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1``, docs/formats.md).
+
+A plan says, for one model (by fingerprint), how each decoder layer keeps each tensor kind for
+backward (a bit width 2..8, 16, or "recompute"), which layers are checkpointed whole, how gradients are
+stored and all-reduced, the pipeline stage of each layer, the memory budget it was made for, and the
+predicted (and, once validated, measured) peak memory per stage, step time and gradient error.
+
+    plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
+    plan.apply(model)                      # activation policy + checkpointing, in one go
+    plan.save("plan.json")                 # atomic
+
+Unknown fields are kept and written back (formats grow additively); unknown schema kinds, newer major
+versions, impossible values and plans for another model are refused with an error naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from agoq.files import read_json_object
+from agoq.activations.policy import KEEP, KINDS, ActivationPolicy, Setting, check_setting
+from agoq.quant.quantize import check_arguments
+
+SCHEMA = "agoq.plan/1"
+SCHEMA_KIND = "agoq.plan"
+SCHEMA_MAJOR = 1
+GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
+SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+_FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+
+
+class _Part(BaseModel):
+    """A section of the plan: fields it does not know are kept (and written back), not refused."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+
+class ModelRef(_Part):
+    """The model a plan was made for: its name and its `agoq.models.fingerprint`."""
+
+    name: str
+    fingerprint: str
+
+    @field_validator("fingerprint")
+    @classmethod
+    def _hex16(cls, v: str) -> str:
+        if not _FINGERPRINT.fullmatch(v):
+            raise ValueError(f"must be 16 lower-case hex digits (agoq.models.fingerprint), got {v!r}")
+        return v
+
+
+class ActivationsSpec(_Part):
+    """How quantized activations are stored: block size (values per scale), format and rounding."""
+
+    block: int = 128
+    format: Literal["int", "nf4"] = "int"
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+
+    @model_validator(mode="after")
+    def _supported(self) -> "ActivationsSpec":
+        check_arguments(4, self.block, self.rounding, self.format)
+        return self
+
+
+class LayerPlan(_Part):
+    """One decoder layer: its pipeline stage, whether it is checkpointed whole, and each kind's setting.
+
+    Kinds left out are kept at 16 bits. A checkpointed layer keeps only its input and reruns its
+    forward in backward, so its kinds must all be 16 (nothing else would be stored).
+    """
+
+    layer: int = Field(ge=0)
+    stage: int = Field(default=0, ge=0)
+    checkpoint: bool = False
+    kinds: dict[str, Union[int, str]] = Field(default_factory=dict, validate_default=True)
+
+    @field_validator("kinds")
+    @classmethod
+    def _settings(cls, v: dict) -> dict:
+        out = {k: KEEP for k in KINDS}
+        for kind, setting in v.items():
+            if isinstance(setting, bool):
+                raise ValueError(f"{kind}: setting must be a bit width 2..8, 16 or 'recompute', got {setting!r}")
+            out[kind] = check_setting(kind, setting)
+        return out
+
+    @model_validator(mode="after")
+    def _checkpoint_keeps(self) -> "LayerPlan":
+        if self.checkpoint:
+            changed = {k: s for k, s in self.kinds.items() if s != KEEP}
+            if changed:
+                raise ValueError(f"layer {self.layer} is checkpointed (recomputed whole from its input), so its kinds "
+                                 f"must all be 16; it sets {changed}")
+        return self
+
+
+class GradientsSpec(_Part):
+    """Gradient storage and all-reduce: bf16, 8-bit QuanGrad, or SDP4Bit (sharded, 4-bit traffic)."""
+
+    mode: Literal["bf16", "quangrad8", "sdp4bit"] = "bf16"
+    block: int = Field(default=256, ge=1)
+    bucket_bytes: int = Field(default=25 * 2**20, ge=1)
+
+
+class PipelineSpec(_Part):
+    """Pipeline parallelism: number of stages, micro-batches per step and the schedule."""
+
+    stages: int = Field(default=1, ge=1)
+    micro_batches: int = Field(default=1, ge=1)
+    schedule: Literal["1f1b", "interleaved-1f1b", "gpipe"] = "1f1b"
+
+
+class TrainingSpec(_Part):
+    """The batch shape a plan's figures hold for: micro-batch (sequences), tokens per sequence, accumulation."""
+
+    micro_batch: int = Field(default=1, ge=1)
+    seq_len: int = Field(default=1, ge=1)
+    grad_accum: int = Field(default=1, ge=1)
+
+
+class Predicted(_Part):
+    """The search's predictions: peak and activation bytes per stage, step seconds, gradient error."""
+
+    peak_bytes_per_stage: list[int] = Field(default_factory=list)
+    activation_bytes_per_stage: list[int] = Field(default_factory=list)
+    step_seconds: Optional[float] = Field(default=None, ge=0)
+    grad_error: Optional[float] = Field(default=None, ge=0)
+
+    @field_validator("peak_bytes_per_stage", "activation_bytes_per_stage")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        if any(b < 0 for b in v):
+            raise ValueError(f"byte counts must be >= 0, got {v}")
+        return v
+
+
+class Measured(_Part):
+    """What a real run measured: peak bytes per stage (None where not measurable, e.g. on a CPU),
+    step seconds, loss deviation from bf16 (relative), and when."""
+
+    peak_bytes_per_stage: list[Optional[int]] = Field(default_factory=list)
+    step_seconds: Optional[float] = Field(default=None, ge=0)
+    loss_deviation: Optional[float] = None
+    date: Optional[str] = None
+
+
+class Source(_Part):
+    """Where a plan came from: the method (milp, optuna, ...), its objective, the profile folder and date."""
+
+    method: str = "manual"
+    objective: Optional[str] = None
+    profile: Optional[str] = None
+    date: Optional[str] = None
+
+
+class Plan(_Part):
+    """A validated plan (see the module docstring and docs/formats.md)."""
+
+    schema_: str = Field(default=SCHEMA, alias="schema")
+    model: ModelRef
+    budget_bytes: Optional[int] = Field(default=None, ge=1)
+    activations: ActivationsSpec = Field(default_factory=ActivationsSpec)
+    layers: list[LayerPlan]
+    gradients: GradientsSpec = Field(default_factory=GradientsSpec)
+    pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    predicted: Predicted = Field(default_factory=Predicted)
+    measured: Optional[Measured] = None
+    source: Source = Field(default_factory=Source)
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True, populate_by_name=True)
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, v: str) -> str:
+        m = re.fullmatch(r"([a-z_.]+)/(\d+)(?:\.\d+)*", v)
+        if not m or m.group(1) != SCHEMA_KIND:
+            raise ValueError(f"{v!r} is not a plan schema (expected {SCHEMA!r})")
+        if int(m.group(2)) > SCHEMA_MAJOR:
+            raise ValueError(f"{v!r} is newer than this agoq reads ({SCHEMA!r}): upgrade agoq")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Plan":
+        indices = [lp.layer for lp in self.layers]
+        if not indices:
+            raise ValueError("layers: a plan needs at least one layer")
+        if indices != list(range(len(indices))):
+            raise ValueError(f"layers: entries must be layers 0..{len(indices) - 1} in order, got {indices}")
+        stages = [lp.stage for lp in self.layers]
+        n = self.pipeline.stages
+        bad = [lp.layer for lp in self.layers if lp.stage >= n]
+        if bad:
+            raise ValueError(f"layers: layer(s) {bad} have a stage >= pipeline.stages ({n})")
+        if stages != sorted(stages) or set(stages) != set(range(n)):
+            raise ValueError(f"layers[*].stage: pipeline stages must hold contiguous runs of layers and each of the "
+                             f"{n} stage(s) at least one layer, got {stages}")
+        for name in ("peak_bytes_per_stage", "activation_bytes_per_stage"):
+            values = getattr(self.predicted, name)
+            if values and len(values) != n:
+                raise ValueError(f"predicted.{name}: {len(values)} value(s) for {n} pipeline stage(s)")
+        if self.measured is not None and self.measured.peak_bytes_per_stage \
+                and len(self.measured.peak_bytes_per_stage) != n:
+            raise ValueError(f"measured.peak_bytes_per_stage: {len(self.measured.peak_bytes_per_stage)} value(s) "
+                             f"for {n} pipeline stage(s)")
+        return self
+
+    # ------------------------------------------------------------------ reading the plan
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers the plan covers."""
+        return len(self.layers)
+
+    def settings(self, layer: int) -> dict[str, Setting]:
+        """The kind -> setting map of one layer as the plan states it (checkpointed layers: all 16)."""
+        return dict(self.layers[layer].kinds)
+
+    def checkpoint_layers(self) -> list[int]:
+        """Indices of the layers recomputed whole in backward (activation checkpointing)."""
+        return [lp.layer for lp in self.layers if lp.checkpoint]
+
+    def activation_policy(self) -> ActivationPolicy:
+        """The runtime's ActivationPolicy: per-layer settings with the plan's block, format and rounding.
+
+        Checkpointed layers are all 16 in it, so they run their own forward inside the checkpoint.
+        """
+        layers = {lp.layer: dict(lp.kinds) for lp in self.layers}
+        return ActivationPolicy(default={k: KEEP for k in KINDS}, layers=layers, block=self.activations.block,
+                                format=self.activations.format, rounding=self.activations.rounding,
+                                name=f"plan-{self.source.method}")
+
+    def check_model(self, model) -> None:
+        """Raise ValueError unless `model` (an nn.Module or a fingerprint string) is the plan's model."""
+        if isinstance(model, str):
+            found = model
+        else:
+            from agoq.models import fingerprint
+
+            found = fingerprint(model)
+        if found != self.model.fingerprint:
+            raise ValueError(f"model.fingerprint: this plan was made for model {self.model.name!r} "
+                             f"(fingerprint {self.model.fingerprint}), not for this one ({found}); "
+                             "profile and search this model to get its own plan")
+
+    def apply(self, model) -> ActivationPolicy:
+        """Make `model` keep activations as the plan says: its activation policy, then checkpointing.
+
+        Replaces any policy or checkpointing applied before; returns the activation policy applied.
+        Raises ValueError for a model with another fingerprint.
+        """
+        from agoq.activations.checkpointing import apply_checkpointing, remove_checkpointing
+        from agoq.activations.laaq import apply_activation_policy
+
+        self.check_model(model)
+        remove_checkpointing(model)
+        policy = apply_activation_policy(model, self.activation_policy())
+        checkpointed = self.checkpoint_layers()
+        if checkpointed:
+            apply_checkpointing(model, checkpointed)
+        return policy
+
+    # ------------------------------------------------------------------ writing
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data, in the documented layout."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the plan as JSON, atomically; returns the path."""
+        from agoq.files import write_json
+
+        return write_json(path, self.to_dict())
+
+
+def remove_plan(model) -> None:
+    """Undo `Plan.apply`: no activation policy, no checkpointing."""
+    from agoq.activations.checkpointing import remove_checkpointing
+    from agoq.activations.laaq import remove_activation_policy
+
+    remove_checkpointing(model)
+    remove_activation_policy(model)
+
+
+def _field_name(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            part = "schema" if part == "schema_" else part
+            out += f".{part}" if out else str(part)
+    return out or "(plan)"
+
+
+def _readable(error: ValidationError, where: str) -> str:
+    lines = []
+    for e in error.errors():
+        msg = e["msg"]
+        msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
+        lines.append(f"{_field_name(tuple(e['loc']))}: {msg}")
+    return f"{where}: invalid plan: " + "; ".join(lines)
+
+
+def plan_from_dict(data: Any, where: str = "plan") -> Plan:
+    """Validate JSON-ready data as a Plan; raises ValueError naming the bad field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a plan is a JSON object, got {type(data).__name__}")
+    if "schema" not in data:
+        raise ValueError(f"{where}: schema: missing (expected {SCHEMA!r})")
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(_readable(e, where)) from None
+
+
+def load_plan(path: str | os.PathLike, model=None) -> Plan:
+    """Read and validate `plan.json`; with `model` (an nn.Module or fingerprint), also check it is that model's.
+
+    Raises FileNotFoundError for a missing file and ValueError, naming the field, for anything invalid.
+    """
+    path = Path(path)
+    plan = plan_from_dict(read_json_object(path, "plan file"), str(path))
+    if model is not None:
+        try:
+            plan.check_model(model)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return plan
+
+
+__all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec",
+           "TrainingSpec", "Predicted", "Measured", "Source", "load_plan", "plan_from_dict", "remove_plan",
+           "GRADIENT_MODES", "SCHEDULES"]

@@ -1,0 +1,185 @@
+"""SDP4Bit's sharded AdamW (arXiv 2410.15526): each rank keeps and steps its shard of the flat parameters;
+gradients arrive by TLq-HS reduce-scatter and weights leave by qWD all-gather (agoq.comm.sdp4bit, whose
+shard layout this follows)."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from agoq.comm.sdp4bit import (derive_seed, exact_all_gather, exact_reduce_scatter, qwd_all_gather, shard_bounds,
+                               tlq_hs, topology)
+
+
+class SDP4BitOptimizer(torch.optim.Optimizer):
+    """Sharded AdamW (ZeRO-style) with SDP4Bit's quantized collectives.
+
+    The parameters (identical on every rank, one parameter group) are seen as one flat vector; rank r
+    keeps the fp32 master weights and Adam moments of its `shard_bounds` slice only. `step()`:
+    flatten the gradients (a parameter without .grad counts as zero), reduce-scatter them (TLq-HS if
+    quantize_gradients, else exact fp32) and divide by the world size, AdamW on the owned shard
+    (decoupled weight decay, bias-corrected moments, as torch.optim.AdamW), then all-gather the
+    weights (qWD if quantize_weights, else the exact fp32 shard values) into every parameter, in its
+    dtype. With both flags off this is exact sharded AdamW; with one rank nothing is communicated
+    or quantized.
+
+    Non-finite gradients: one flag per rank is all-reduced before anything else, so every rank sees
+    the same verdict. on_nonfinite="skip" (default, as AMP's GradScaler): nothing changes, step()
+    returns False and `skipped_steps` counts it; "raise": FloatingPointError naming the ranks.
+    step() returns True when the update was applied. The constructor is collective (it checks that
+    the parameters agree across ranks and may create node sub-groups): call it on every rank.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        group=None,
+        node_size: int | None = None,
+        intra_group=None,
+        inter_group=None,
+        quantize_gradients: bool = True,
+        quantize_weights: bool = True,
+        hadamard: bool = True,
+        seed: int | None = None,
+        on_nonfinite: str = "skip",
+        lanes: int = 1,
+    ) -> None:
+        params = list(params)
+        if not params:
+            raise ValueError("SDP4BitOptimizer got an empty parameter list")
+        if any(isinstance(p, dict) for p in params):
+            raise ValueError("SDP4BitOptimizer takes one flat list of parameters, not parameter groups")
+        if not all(isinstance(p, torch.Tensor) and p.is_floating_point() for p in params):
+            raise TypeError("every parameter must be a floating-point torch.Tensor")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a parameter appears more than once in the list")
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
+            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+        if on_nonfinite not in ("skip", "raise"):
+            raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.group = group
+        self.topo = topology(group, intra_group=intra_group, inter_group=inter_group, node_size=node_size)
+        self.quantize_gradients, self.quantize_weights, self.hadamard = quantize_gradients, quantize_weights, hadamard
+        self.on_nonfinite = on_nonfinite
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+            raise ValueError(f"lanes must be a positive integer, got {lanes!r}")
+        self.lanes = lanes
+        self.seed = derive_seed(seed)
+        self.skipped_steps = 0
+        self._params = params
+        flat = self._flat_params()
+        self.numel = flat.numel()
+        self.shard = shard_bounds(self.numel, self.topo.world)[self.topo.rank]
+        self._check_same_everywhere(flat)
+        self.master = flat[self.shard[0]: self.shard[1]].clone()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.steps = 0
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "numel"):
+            raise NotImplementedError("SDP4BitOptimizer's flat layout is fixed when it is built")
+        super().add_param_group(param_group)
+
+    def _flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self._params])
+
+    def _flat_grads(self) -> torch.Tensor:
+        return torch.cat([p.grad.detach().reshape(-1).float() if p.grad is not None
+                          else p.new_zeros(p.numel(), dtype=torch.float32) for p in self._params])
+
+    def _check_same_everywhere(self, flat: torch.Tensor) -> None:
+        if self.topo.world == 1:
+            return
+        x = torch.nan_to_num(flat.double(), nan=1.0, posinf=2.0, neginf=3.0)
+        idx = torch.arange(x.numel(), device=x.device, dtype=torch.float64)
+        hi = torch.stack([x.sum(), (x * idx.remainder(7919)).sum(), torch.tensor(float(x.numel()), device=x.device,
+                                                                                  dtype=torch.float64)])
+        lo = -hi
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.group)
+        if not torch.equal(hi, -lo):
+            raise ValueError("the parameters differ across ranks (values or sizes): every rank must start from "
+                             "the same model (same seed or a broadcast from rank 0)")
+
+    def _nonfinite_ranks(self, flat_grad: torch.Tensor) -> list[int]:
+        flags = torch.zeros(self.topo.world, dtype=torch.int32, device=flat_grad.device)
+        flags[self.topo.rank] = int(not bool(torch.isfinite(flat_grad).all()))
+        if self.topo.world > 1:
+            dist.all_reduce(flags, group=self.group)
+        return flags.nonzero().flatten().tolist()
+
+    @torch.no_grad()
+    def step(self) -> bool:  # type: ignore[override]
+        """One sharded AdamW step from the parameters' .grad; False if skipped for non-finite gradients."""
+        grad = self._flat_grads()
+        bad = self._nonfinite_ranks(grad)
+        if bad:
+            if self.on_nonfinite == "raise":
+                raise FloatingPointError(f"non-finite gradient (inf or NaN) on rank(s) {bad}: step not taken")
+            self.skipped_steps += 1
+            return False
+        self.steps += 1
+        seed = derive_seed(self.seed, self.steps)
+        world = self.topo.world
+        if world == 1:
+            shard = grad
+        elif self.quantize_gradients:
+            shard = tlq_hs(grad, self.topo, self.hadamard, derive_seed(seed, 1), self.lanes)
+        else:
+            shard = exact_reduce_scatter(grad, self.group)
+        shard.div_(world)
+        self._adamw(shard)
+        if world == 1:
+            full = self.master
+        elif self.quantize_weights:
+            full = qwd_all_gather(self.master, self._flat_params(), self.group, seed=derive_seed(seed, 2),
+                                  lanes=self.lanes)
+        else:
+            full = exact_all_gather(self.master, self.numel, self.group)
+        offset = 0
+        for p in self._params:
+            p.copy_(full[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return True
+
+    def _adamw(self, grad: torch.Tensor) -> None:
+        hp = self.param_groups[0]
+        lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
+        self.master.mul_(1.0 - lr * wd)
+        self.exp_avg.lerp_(grad, 1.0 - beta1)
+        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        step_size = lr / (1.0 - beta1 ** self.steps)
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** self.steps)).add_(eps)
+        self.master.addcdiv_(self.exp_avg, denom, value=-step_size)
+
+    def state_dict(self) -> dict:
+        """This rank's state: hyperparameters, step counts, and its shard's master weights and moments."""
+        hp = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        return {"hyperparameters": hp, "steps": self.steps, "skipped_steps": self.skipped_steps, "seed": self.seed,
+                "layout": {"numel": self.numel, "world": self.topo.world, "rank": self.topo.rank},
+                "master": self.master.clone(), "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what `state_dict` saved on this same rank, with the same parameters and world size."""
+        mine = {"numel": self.numel, "world": self.topo.world, "rank": self.topo.rank}
+        if state_dict.get("layout") != mine:
+            raise ValueError(f"state saved for layout {state_dict.get('layout')} cannot be loaded into {mine}")
+        self.param_groups[0].update(state_dict["hyperparameters"])
+        self.steps, self.skipped_steps, self.seed = state_dict["steps"], state_dict["skipped_steps"], state_dict["seed"]
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(self, name).copy_(state_dict[name])

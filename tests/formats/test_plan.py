@@ -1,0 +1,253 @@
+"""The Plan format: validation with errors naming the field, round trips, and applying a plan to a model
+(activation policy and whole-layer checkpointing together) against the runtime's own pieces."""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+import agoq
+from agoq.models import build, fingerprint
+from agoq.formats.plan import SCHEMA, Plan, load_plan, plan_from_dict, remove_plan
+from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.activations.checkpointing import apply_checkpointing
+from agoq.activations.policy import KINDS, RECOMPUTABLE
+
+B, S = 3, 23
+
+
+def fresh_rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    return seed, random.Random(seed)
+
+
+def random_kinds(rng):
+    out = {}
+    for kind in KINDS:
+        choices = [16, 2, 3, 4, 5, 6, 7, 8] + (["recompute"] if kind in RECOMPUTABLE else [])
+        out[kind] = rng.choice(choices)
+    return out
+
+
+def random_plan_dict(rng, num_layers, fp="0123456789abcdef", stages=1):
+    layer_stage = sorted([0] * 1 + list(range(stages)) + [rng.randrange(stages) for _ in range(num_layers - stages - 1)]) \
+        if stages > 1 else [0] * num_layers
+    layer_stage = layer_stage[:num_layers]
+    layers = []
+    for i in range(num_layers):
+        ckpt = rng.random() < 0.3
+        layers.append({"layer": i, "stage": layer_stage[i], "checkpoint": ckpt,
+                       "kinds": {k: 16 for k in KINDS} if ckpt else random_kinds(rng)})
+    return {"schema": SCHEMA, "model": {"name": "m", "fingerprint": fp},
+            "budget_bytes": rng.randrange(1, 2**40),
+            "activations": {"block": rng.choice([32, 64, 128, 256]), "format": "int",
+                            "rounding": rng.choice(["nearest", "stochastic"])},
+            "layers": layers,
+            "gradients": {"mode": rng.choice(["bf16", "quangrad8", "sdp4bit"]), "block": 256, "bucket_bytes": 1 << 20},
+            "pipeline": {"stages": stages, "micro_batches": rng.randrange(1, 9), "schedule": "1f1b"},
+            "training": {"micro_batch": 2, "seq_len": 37, "grad_accum": 3},
+            "predicted": {"peak_bytes_per_stage": [rng.randrange(10**9) for _ in range(stages)],
+                          "activation_bytes_per_stage": [rng.randrange(10**9) for _ in range(stages)],
+                          "step_seconds": rng.random(), "grad_error": rng.random()},
+            "measured": None,
+            "source": {"method": "milp", "objective": "error", "profile": "p", "date": "2026-11-21T00:00:00+00:00"}}
+
+
+def test_round_trip_and_policy(tmp_path):
+    seed, rng = fresh_rng()
+    for stages in (1, 3):
+        d = random_plan_dict(rng, 7, stages=stages)
+        plan = plan_from_dict(d)
+        path = plan.save(tmp_path / "plan.json")
+        assert [p.name for p in tmp_path.iterdir()] == ["plan.json"], "a temporary file was left behind"
+        again = load_plan(path)
+        assert again == plan, f"seed {seed}"
+        on_disk = json.loads(path.read_text())
+        assert on_disk["schema"] == SCHEMA and on_disk["measured"] is None
+        for i, lp in enumerate(d["layers"]):
+            assert on_disk["layers"][i]["kinds"] == lp["kinds"], f"seed {seed}"
+        policy = plan.activation_policy()
+        assert (policy.block, policy.format, policy.rounding) == \
+            (d["activations"]["block"], "int", d["activations"]["rounding"])
+        for i, lp in enumerate(d["layers"]):
+            assert policy.settings(i) == lp["kinds"], f"seed {seed} layer {i}"
+        assert plan.checkpoint_layers() == [lp["layer"] for lp in d["layers"] if lp["checkpoint"]]
+
+
+def test_missing_kinds_are_kept_and_unknown_fields_survive(tmp_path):
+    d = {"schema": SCHEMA, "model": {"name": "m", "fingerprint": "00000000000000ff"},
+         "layers": [{"layer": 0, "kinds": {"silu_input": 5}}, {"layer": 1, "checkpoint": True}],
+         "future_field": {"x": 1}}
+    plan = plan_from_dict(d)
+    assert plan.settings(0) == {**{k: 16 for k in KINDS}, "silu_input": 5}
+    assert plan.settings(1) == {k: 16 for k in KINDS}
+    path = plan.save(tmp_path / "p.json")
+    assert json.loads(path.read_text())["future_field"] == {"x": 1}
+
+
+def _base():
+    return {"schema": SCHEMA, "model": {"name": "m", "fingerprint": "0123456789abcdef"},
+            "layers": [{"layer": 0, "kinds": {"norm_input": 4}}, {"layer": 1, "kinds": {"norm_input": 4}}]}
+
+
+def _set(d, path, value):
+    target = d
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return d
+
+
+@pytest.mark.parametrize("path,value,field", [
+    (("schema",), "agoq.profile/1", "schema"),
+    (("schema",), "agoq.plan/2", "schema"),
+    (("schema",), "plan", "schema"),
+    (("model", "fingerprint"), "xyz", "model.fingerprint"),
+    (("budget_bytes",), -5, "budget_bytes"),
+    (("budget_bytes",), 0, "budget_bytes"),
+    (("layers", 1, "kinds", "silu_input"), 9, "layers[1].kinds"),
+    (("layers", 1, "kinds", "silu_input"), 1, "layers[1].kinds"),
+    (("layers", 0, "kinds", "attention"), "recompute", "layers[0].kinds"),
+    (("layers", 0, "kinds", "norm_input"), True, "layers[0].kinds"),
+    (("layers", 0, "kinds", "gate"), 4, "layers[0].kinds"),
+    (("layers", 1, "layer"), 5, "layers"),
+    (("layers", 1, "stage"), 1, "stage"),
+    (("layers", 0, "checkpoint"), True, "layers[0]"),
+    (("activations",), {"block": 100}, "activations"),
+    (("activations",), {"format": "nf5"}, "activations.format"),
+    (("gradients",), {"mode": "int4"}, "gradients.mode"),
+    (("pipeline",), {"stages": 0}, "pipeline.stages"),
+    (("training",), {"micro_batch": 0}, "training.micro_batch"),
+    (("predicted",), {"peak_bytes_per_stage": [1, 2]}, "predicted.peak_bytes_per_stage"),
+    (("predicted",), {"step_seconds": -1.0}, "predicted.step_seconds"),
+    (("measured",), {"peak_bytes_per_stage": [1, 2, 3]}, "measured.peak_bytes_per_stage"),
+])
+def test_invalid_plans_name_the_field(tmp_path, path, value, field):
+    d = _set(_base(), path, value)
+    (tmp_path / "plan.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError) as e:
+        load_plan(tmp_path / "plan.json")
+    assert field in str(e.value), str(e.value)
+    assert "plan.json" in str(e.value)
+
+
+def test_missing_schema_file_and_bad_json(tmp_path):
+    d = _base()
+    del d["schema"]
+    (tmp_path / "a.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="schema"):
+        load_plan(tmp_path / "a.json")
+    with pytest.raises(FileNotFoundError):
+        load_plan(tmp_path / "absent.json")
+    (tmp_path / "b.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_plan(tmp_path / "b.json")
+    (tmp_path / "c.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        load_plan(tmp_path / "c.json")
+
+
+def test_stages_must_be_contiguous_and_all_used():
+    d = _base()
+    d["pipeline"] = {"stages": 2}
+    d["layers"][0]["stage"], d["layers"][1]["stage"] = 1, 0
+    with pytest.raises(ValueError, match="contiguous"):
+        plan_from_dict(d)
+    d["pipeline"] = {"stages": 3}
+    d["layers"][0]["stage"], d["layers"][1]["stage"] = 0, 1
+    with pytest.raises(ValueError, match="at least one layer"):
+        plan_from_dict(d)
+
+
+def test_plan_for_another_model_refused(tmp_path):
+    model = build("llama-tiny")
+    other = build("llama-tiny", num_layers=2)
+    seed, rng = fresh_rng()
+    d = random_plan_dict(rng, model.config.num_hidden_layers, fp=fingerprint(model))
+    path = plan_from_dict(d).save(tmp_path / "plan.json")
+    assert load_plan(path, model).model.fingerprint == fingerprint(model)
+    assert load_plan(path, fingerprint(model)).num_layers == model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="model.fingerprint"):
+        load_plan(path, other)
+    with pytest.raises(ValueError, match="model.fingerprint"):
+        plan_from_dict(d).apply(other)
+
+
+def _grads(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _layer_bytes(model, ids, labels):
+    with agoq.track_saved_tensors(model) as log:
+        loss = model(ids, labels)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return [log.layer_total(i) for i in range(model.config.num_hidden_layers)]
+
+
+@pytest.mark.parametrize("repeat", range(2))
+def test_apply_equals_policy_plus_checkpointing(repeat):
+    """Plan.apply == apply_activation_policy(the plan's settings) + apply_checkpointing(its layers), on fresh
+    random plans and weights; checkpointed layers keep exactly their input, the others what the
+    runtime's byte predictor says; remove_plan gives the plain model back."""
+    seed, rng = fresh_rng()
+    model = build("llama-tiny", seed=seed % 2**31, num_layers=4)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (B, S), generator=g)
+    labels = torch.randint(0, model.config.vocab_size, (B, S), generator=g)
+    n = model.config.num_hidden_layers
+    d = random_plan_dict(rng, n, fp=fingerprint(model))
+    d["activations"]["rounding"] = "nearest"  # deterministic, so the two paths can be compared exactly
+    d["layers"][rng.randrange(n)].update(checkpoint=True, kinds={k: 16 for k in KINDS})
+    plan = plan_from_dict(d)
+    loss_plain, g_plain = _grads(model, ids, labels)
+
+    plan.apply(model)
+    plan.apply(model)  # applying again replaces, it does not stack
+    loss_plan, g_plan = _grads(model, ids, labels)
+    measured = _layer_bytes(model, ids, labels)
+    remove_plan(model)
+    loss_back, g_back = _grads(model, ids, labels)
+    assert torch.equal(loss_back, loss_plain)
+    for name in g_plain:
+        torch.testing.assert_close(g_back[name], g_plain[name], rtol=0, atol=0)
+
+    checkpointed = plan.checkpoint_layers()
+    policy = agoq.ActivationPolicy(layers={i: d["layers"][i]["kinds"] for i in range(n) if i not in checkpointed},
+                                   block=d["activations"]["block"])
+    agoq.apply_activation_policy(model, policy)
+    apply_checkpointing(model, checkpointed)
+    loss_ref, g_ref = _grads(model, ids, labels)
+    remove_plan(model)
+    assert torch.equal(loss_plan, loss_ref), f"seed {seed}"
+    for name in g_ref:
+        torch.testing.assert_close(g_plan[name], g_ref[name], rtol=1e-6, atol=1e-7, msg=f"seed {seed}: {name}")
+
+    shape = LayerShape.from_config(model.config, B, S, elem_bytes=4)
+    for i in range(n):
+        if i in checkpointed:
+            expect = B * S * model.config.hidden_size * 4
+        else:
+            expect = sum(predict_layer_bytes(shape, plan.settings(i), d["activations"]["block"]).values())
+        assert measured[i] == expect, f"seed {seed} layer {i} checkpoint={i in checkpointed}"
+
+
+def test_checkpoint_only_plan_matches_plain_gradients():
+    seed, rng = fresh_rng()
+    model = build("llama-tiny", seed=seed % 2**31)
+    ids = torch.randint(0, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(seed))
+    n = model.config.num_hidden_layers
+    plan = Plan(model={"name": "t", "fingerprint": fingerprint(model)},
+                layers=[{"layer": i, "checkpoint": True} for i in range(n)])
+    loss0, g0 = _grads(model, ids, ids)
+    plan.apply(model)
+    loss1, g1 = _grads(model, ids, ids)
+    remove_plan(model)
+    assert torch.equal(loss0, loss1)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-6, atol=1e-7, msg=f"seed {seed}: {name}")
