@@ -71,9 +71,9 @@ def cmd_activations(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from agoq.activations.policy import as_policy
     from agoq.models import build
     from agoq.profiler import compare_policies
-    from agoq.activations.policy import as_policy
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.dtype == "auto":  # bf16 where it is the training dtype (GPUs); the CPU computes in float32

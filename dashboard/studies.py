@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from functools import lru_cache
 import urllib.parse
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 

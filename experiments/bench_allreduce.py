@@ -26,7 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, quantization_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    default_hooks,
+    quantization_hooks,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agoq.comm.quangrad import quangrad_hook  # noqa: E402

@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import agoq  # noqa: E402
-from agoq.models import build  # noqa: E402
 from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes  # noqa: E402
 from agoq.activations.checkpointing import apply_checkpointing, remove_checkpointing  # noqa: E402
+from agoq.models import build  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
 GiB = 2**30

@@ -26,8 +26,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agoq.comm.sdp4bit import (WEIGHT_BLOCK, exact_reduce_scatter, qwd_all_gather, shard_bounds,  # noqa: E402
-                                  tlq_hs_reduce_scatter)
+from agoq.comm.sdp4bit import (  # noqa: E402
+    WEIGHT_BLOCK,
+    exact_reduce_scatter,
+    qwd_all_gather,
+    shard_bounds,
+    tlq_hs_reduce_scatter,
+)
 from experiments.collective_timing import median_ms_across_ranks  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 

@@ -24,10 +24,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agoq.profiler.model_source import load_model, token_batches, vocab_size  # noqa: E402
-from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chunk, reference_kind  # noqa: E402
-from agoq.activations.policy import KINDS, ActivationPolicy, RECOMPUTE  # noqa: E402
+from agoq.activations.policy import KINDS, RECOMPUTE, ActivationPolicy  # noqa: E402
 from agoq.activations.saved_bytes import find_decoder_layers  # noqa: E402
+from agoq.profiler.model_source import load_model, token_batches, vocab_size  # noqa: E402
+from agoq.profiler.sensitivity import (  # noqa: E402
+    Measurement,
+    SensitivityMeter,
+    measure_chunk,
+    reference_kind,
+)
 from experiments.record import write_result  # noqa: E402
 
 PAPER = {"Q": 0.14, "K": 0.15, "V": 0.059, "SiLU": 0.051, "GEMM input": 0.026, "RMSNorm": 0.003}

@@ -22,14 +22,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agoq.profiler.model_source import load_model, next_token_loss, token_batches, vocab_size  # noqa: E402
+from agoq.activations.laaq import apply_activation_policy, remove_activation_policy  # noqa: E402
+from agoq.activations.policy import KINDS  # noqa: E402
+from agoq.activations.saved_bytes import find_decoder_layers  # noqa: E402
+from agoq.profiler.model_source import (  # noqa: E402
+    load_model,
+    next_token_loss,
+    token_batches,
+    vocab_size,
+)
 from agoq.profiler.options import kind_options  # noqa: E402
 from agoq.profiler.profile import ProfileSettings, make_profile, read_profile  # noqa: E402
 from agoq.profiler.replay import REPLAYABLE, ReplaySession  # noqa: E402
 from agoq.profiler.sensitivity import measurement_policy  # noqa: E402
-from agoq.activations.saved_bytes import find_decoder_layers  # noqa: E402
-from agoq.activations.laaq import apply_activation_policy, remove_activation_policy  # noqa: E402
-from agoq.activations.policy import KINDS  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
 TARGETS = {"probe": 180.0, "llama-3-8b": 300.0}

@@ -52,8 +52,8 @@ def profile_phase(args, folder: Path) -> None:
 def search_phase(args, folder: Path, out: Path) -> dict:
     import numpy as np
 
-    from agoq.models import resolve_config
     from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+    from agoq.models import resolve_config
     from agoq.search.costs import Knobs, build_problem, checkpointing_only
     from agoq.search.milp import Allocation, InfeasibleBudget, Solver
     from agoq.search.orchestrate import plan_from_profile

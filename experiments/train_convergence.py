@@ -28,8 +28,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from experiments.record import RESULTS, write_result  # noqa: E402
-from experiments.train_runs import (BYTE_MODEL, drop_checkpoint, relative_difference, run_train,  # noqa: E402
-                                    summarize, tiny_shakespeare)
+from experiments.train_runs import (  # noqa: E402
+    BYTE_MODEL,
+    drop_checkpoint,
+    relative_difference,
+    run_train,
+    summarize,
+    tiny_shakespeare,
+)
 
 GOAL = 0.01  # final validation loss within 1 % of the bf16 run's
 

@@ -36,8 +36,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from experiments.record import RESULTS, write_result  # noqa: E402
-from experiments.train_runs import (BYTE_MODEL, ROOT, drop_checkpoint, relative_difference, run_train,  # noqa: E402
-                                    summarize, tiny_shakespeare)
+from experiments.train_runs import (  # noqa: E402
+    BYTE_MODEL,
+    ROOT,
+    drop_checkpoint,
+    relative_difference,
+    run_train,
+    summarize,
+    tiny_shakespeare,
+)
 
 
 def _agoq(*args: str) -> None:

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from agoq.cli import main
 from agoq.activations.policy import ActivationPolicy
+from agoq.cli import main
 
 
 def test_activations_writes_report(tmp_path, capsys):

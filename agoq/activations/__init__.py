@@ -7,7 +7,13 @@ layers; `saved_bytes` measures what autograd really keeps.
 """
 
 from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
-from agoq.activations.policy import KINDS, ActivationPolicy, preset, stage_aware_policy, stage_bits
+from agoq.activations.policy import (
+           KINDS,
+           ActivationPolicy,
+           preset,
+           stage_aware_policy,
+           stage_bits,
+)
 from agoq.activations.saved_bytes import track_saved_tensors
 
 __all__ = ["apply_activation_policy", "remove_activation_policy", "ActivationPolicy", "KINDS", "preset",

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from agoq.activations.policy import KEEP, RECOMPUTE, ActivationPolicy, as_policy
-from agoq.quant.qtensor import QTensor
-from agoq.quant.quantize import dequantize, quantize
 from agoq.activations.rmsnorm import rms_norm, rms_norm_backward
 from agoq.activations.saved_bytes import find_decoder_layers, label, scope
 from agoq.activations.swiglu import swiglu, swiglu_backward
+from agoq.quant.qtensor import QTensor
+from agoq.quant.quantize import dequantize, quantize
 
 
 @dataclass(frozen=True)

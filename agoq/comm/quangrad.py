@@ -15,9 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agoq.comm.quantized_allreduce import (
+    DEFAULT_BLOCK,
+    all_reduce_codes,
+    quantized_all_reduce,
+)
 from agoq.quant.qtensor import QTensor, int_qmax, num_blocks
 from agoq.quant.quantize import dequantize, quantize
-from agoq.comm.quantized_allreduce import DEFAULT_BLOCK, all_reduce_codes, quantized_all_reduce
 
 _ZERO_CODE = int_qmax(8)
 

@@ -28,10 +28,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from agoq.quant.qtensor import num_blocks
 from agoq.comm.symmetric_transport import Workspace
-from agoq.comm.wire_rows import (ZERO_CODE, dequantize_shards, quantize_shards, row_bytes, split_row,
-                                    sum_requantize)
+from agoq.comm.wire_rows import (
+    ZERO_CODE,
+    dequantize_shards,
+    quantize_shards,
+    row_bytes,
+    split_row,
+    sum_requantize,
+)
+from agoq.quant.qtensor import num_blocks
 
 DEFAULT_BLOCK = 256
 MIN_NUMEL = 1 << 16  # tensors with fewer values take the plain all-reduce: too small to gain
@@ -90,7 +96,11 @@ def _symmetric_reduce(ws: Workspace, p: int, flat: torch.Tensor, per: int, block
 
     Large tensors go in chunks of blocks on two streams, so one chunk's NVLink-bound steps overlap
     another chunk's memory-bound ones (quantize, dequantize)."""
-    from agoq.comm.wire_triton import dequantize_rows_triton, quantize_to_rows_triton, sum_requantize_rows_triton
+    from agoq.comm.wire_triton import (
+        dequantize_rows_triton,
+        quantize_to_rows_triton,
+        sum_requantize_rows_triton,
+    )
 
     rb = row_bytes(per, block)
     rank, world = ws.rank, ws.world

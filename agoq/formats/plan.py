@@ -20,10 +20,23 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from agoq.activations.policy import (
+    KEEP,
+    KINDS,
+    ActivationPolicy,
+    Setting,
+    check_setting,
+)
 from agoq.files import read_json_object
-from agoq.activations.policy import KEEP, KINDS, ActivationPolicy, Setting, check_setting
 from agoq.quant.quantize import check_arguments
 
 SCHEMA = "agoq.plan/1"
@@ -254,7 +267,10 @@ class Plan(_Part):
         Replaces any policy or checkpointing applied before; returns the activation policy applied.
         Raises ValueError for a model with another fingerprint.
         """
-        from agoq.activations.checkpointing import apply_checkpointing, remove_checkpointing
+        from agoq.activations.checkpointing import (
+            apply_checkpointing,
+            remove_checkpointing,
+        )
         from agoq.activations.laaq import apply_activation_policy
 
         self.check_model(model)
@@ -334,6 +350,34 @@ def load_plan(path: str | os.PathLike, model=None) -> Plan:
     return plan
 
 
+def plan_for_policy(policy, model: nn.Module, gradients: str, micro_batch: int, seq_len: int, grad_accum: int,
+                   layer_stage: list[int] | None, stages: int) -> dict[str, Any]:
+    """A plan (agoq.plan/1 layout) recording what a run given `--policy` applies, for run.json.
+
+    `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted.
+    """
+    from agoq.activations.saved_bytes import find_decoder_layers
+    from agoq.models import fingerprint
+
+    num_layers = len(find_decoder_layers(model))
+    stage_of = layer_stage or [0] * num_layers
+    return {
+        "schema": SCHEMA,
+        "model": {"name": model.config.name, "fingerprint": fingerprint(model)},
+        "budget_bytes": None,
+        "activations": {"block": policy.block, "format": policy.format, "rounding": policy.rounding},
+        "layers": [{"layer": i, "stage": stage_of[i], "checkpoint": False, "kinds": dict(policy.settings(i))}
+                   for i in range(num_layers)],
+        "gradients": {"mode": gradients, "block": 256, "bucket_bytes": 25 * 2**20},
+        "pipeline": {"stages": stages, "micro_batches": grad_accum if stages > 1 else 1, "schedule": "1f1b"},
+        "training": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum},
+        "predicted": {"peak_bytes_per_stage": [], "activation_bytes_per_stage": [], "step_seconds": None,
+                      "grad_error": None},
+        "measured": None,
+        "source": {"method": "policy", "objective": policy.name, "profile": None, "date": None},
+    }
+
+
 __all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec",
            "TrainingSpec", "Predicted", "Measured", "Source", "load_plan", "plan_from_dict", "remove_plan",
-           "GRADIENT_MODES", "SCHEDULES"]
+           "GRADIENT_MODES", "SCHEDULES", "plan_for_policy"]

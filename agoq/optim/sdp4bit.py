@@ -10,8 +10,15 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from agoq.comm.sdp4bit import (derive_seed, exact_all_gather, exact_reduce_scatter, qwd_all_gather, shard_bounds,
-                               tlq_hs, topology)
+from agoq.comm.sdp4bit import (
+    derive_seed,
+    exact_all_gather,
+    exact_reduce_scatter,
+    qwd_all_gather,
+    shard_bounds,
+    tlq_hs,
+    topology,
+)
 
 
 class SDP4BitOptimizer(torch.optim.Optimizer):

@@ -196,8 +196,7 @@ def run(args: argparse.Namespace) -> int:
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
 
-    from agoq.models import PRESETS
-    from agoq.models import resolve_config
+    from agoq.models import PRESETS, resolve_config
 
     seq_len = args.seq_len
     if seq_len is None:

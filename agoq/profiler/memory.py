@@ -23,14 +23,14 @@ import time
 import torch
 from torch import nn
 
-from agoq.models.llama import LlamaForCausalLM
-from agoq.profiler.model_source import next_token_loss
 from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
-from agoq.optim.master_weights import MasterWeights
 from agoq.activations.policy import as_policy
-from agoq.quant.qtensor import quantized_nbytes
 from agoq.activations.saved_bytes import track_saved_tensors
+from agoq.models.llama import LlamaForCausalLM
+from agoq.optim.master_weights import MasterWeights
+from agoq.profiler.model_source import next_token_loss
+from agoq.quant.qtensor import quantized_nbytes
 
 GRAD_BLOCK = 256  # QuanGrad's block: one float32 scale per 256 gradient values
 OPTIMIZER_BLOCK = 256  # block of the 8-bit AdamW moments

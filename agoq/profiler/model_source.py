@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agoq.files import read_json_object
 from agoq.activations.activation_bytes import LayerShape
 from agoq.activations.saved_bytes import find_decoder_layers
+from agoq.files import read_json_object
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_FAMILIES = ("llama", "mistral", "qwen2")

@@ -19,19 +19,36 @@ from pathlib import Path
 
 import torch
 
-from agoq.files import write_json, write_with
-from agoq.profiler.kernel_time import attention_rerun_time, layer_forward_seconds, quantize_times, recompute_time
-from agoq.profiler.memory import memory_section
+from agoq.activations.policy import KINDS
+from agoq.activations.saved_bytes import find_decoder_layers
 from agoq.environment import hardware, software_versions
-from agoq.profiler.model_source import (layer_shape, load_model, model_config_dict, model_name, token_batches,
-                                        vocab_size)
-from agoq.profiler.options import check_bits_formats, kind_options, kind_shapes, option_bytes, shape_text
+from agoq.files import write_json, write_with
+from agoq.profiler.kernel_time import (
+    attention_rerun_time,
+    layer_forward_seconds,
+    quantize_times,
+    recompute_time,
+)
+from agoq.profiler.memory import memory_section
+from agoq.profiler.model_source import (
+    layer_shape,
+    load_model,
+    model_config_dict,
+    model_name,
+    token_batches,
+    vocab_size,
+)
+from agoq.profiler.options import (
+    check_bits_formats,
+    kind_options,
+    kind_shapes,
+    option_bytes,
+    shape_text,
+)
 from agoq.profiler.pipeline import pipeline_summary
 from agoq.profiler.replay import REPLAYABLE
 from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chunk
 from agoq.profiler.tensor_error import measure_tensor_errors, sqnr_db
-from agoq.activations.policy import KINDS
-from agoq.activations.saved_bytes import find_decoder_layers
 
 SCHEMA = "agoq.profile/1"
 COLUMNS = ("layer", "kind", "option", "bits", "format", "shape", "bytes", "bytes_unshared", "bytes_measured",

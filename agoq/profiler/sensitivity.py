@@ -21,11 +21,16 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from agoq.profiler.model_source import load_model, next_token_loss, token_batches, vocab_size
-from agoq.profiler.replay import REPLAYABLE, ReplaySession
 from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
 from agoq.activations.policy import RECOMPUTE, ActivationPolicy
 from agoq.activations.saved_bytes import track_saved_tensors
+from agoq.profiler.model_source import (
+    load_model,
+    next_token_loss,
+    token_batches,
+    vocab_size,
+)
+from agoq.profiler.replay import REPLAYABLE, ReplaySession
 
 NORM_SIDE = ("norm_input", "qkv_input", "ffn1_input")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import datetime
 
-from agoq.profiler.options import Option, option_bytes
 from agoq.activations.activation_bytes import LayerShape
 from agoq.activations.policy import KINDS, RECOMPUTE, stage_aware_policy
+from agoq.profiler.options import Option, option_bytes
 
 
 def _option_of(setting) -> Option:

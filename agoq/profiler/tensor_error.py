@@ -15,11 +15,15 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from agoq.activations.laaq import (
+    apply_activation_policy,
+    observe_kept_tensors,
+    remove_activation_policy,
+)
+from agoq.activations.saved_bytes import find_decoder_layers
 from agoq.profiler.model_source import next_token_loss
 from agoq.profiler.options import Option
-from agoq.activations.laaq import apply_activation_policy, observe_kept_tensors, remove_activation_policy
 from agoq.quant.quantize import dequantize, quantize
-from agoq.activations.saved_bytes import find_decoder_layers
 
 
 def squared_error(x: torch.Tensor, option: Option, block: int, x64: torch.Tensor | None = None) -> float:

@@ -15,7 +15,13 @@ from typing import Optional
 from agoq.files import write_atomic
 from agoq.formats.plan import Plan
 from agoq.search.costs import Knobs, build_problem
-from agoq.search.milp import RECIPE_CAP, InfeasibleBudget, Solver, resolve_error_cap, resolve_time_cap
+from agoq.search.milp import (
+    RECIPE_CAP,
+    InfeasibleBudget,
+    Solver,
+    resolve_error_cap,
+    resolve_time_cap,
+)
 from agoq.search.pareto import memory_error_front
 from agoq.search.plan_builder import build_plan
 from agoq.search.profile_data import ProfileData, load_profile

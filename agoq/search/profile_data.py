@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import pandas as pd
 
-from agoq.files import read_json_object
 from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.files import read_json_object
 
 PROFILE_SCHEMA_KIND = "agoq.profile"
 PROFILE_SCHEMA_MAJOR = 1

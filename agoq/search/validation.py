@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from agoq.formats.plan import plan_from_dict
+
 
 def now() -> str:
     """The current UTC time, ISO 8601, to the second."""
@@ -48,7 +50,7 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
         torch.cuda.reset_peak_memory_stats(device)
     model = build(dict(model_config), dtype=torch_dtype, device=device, seed=seed)
     if plan is not None:
-        apply_plan_dict(model, plan)
+        plan_from_dict(plan).apply(model)
     weights = MasterWeights(p for p in model.parameters() if p.requires_grad)  # agoq train's numerics
     opt = torch.optim.AdamW(weights.targets, lr=lr)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
@@ -81,28 +83,6 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
         torch.cuda.empty_cache()
     timed = times[1:] if len(times) > 1 else times
     return {"peak_bytes": peak, "step_seconds": statistics.median(timed), "losses": losses, "device": device}
-
-
-def apply_plan_dict(model, plan: dict) -> None:
-    """Apply a plan given as JSON data: validated through agoq.formats.plan where pydantic is installed, else
-    straight through the runtime (activation policy of the layers' settings, then checkpointing)."""
-    try:
-        from agoq.formats.plan import plan_from_dict
-    except ImportError:
-        from agoq.activations.checkpointing import apply_checkpointing
-        from agoq.activations.laaq import apply_activation_policy
-        from agoq.activations.policy import ActivationPolicy
-
-        act = plan.get("activations", {})
-        layers = {lp["layer"]: dict(lp.get("kinds", {})) for lp in plan["layers"] if not lp.get("checkpoint")}
-        apply_activation_policy(model, ActivationPolicy(layers=layers, block=act.get("block", 128),
-                                                        format=act.get("format", "int"),
-                                                        rounding=act.get("rounding", "nearest")))
-        checkpointed = [lp["layer"] for lp in plan["layers"] if lp.get("checkpoint")]
-        if checkpointed:
-            apply_checkpointing(model, checkpointed)
-        return
-    plan_from_dict(plan).apply(model)
 
 
 def loss_deviation(losses: Sequence[float], reference: Sequence[float]) -> float:

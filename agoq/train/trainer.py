@@ -30,11 +30,17 @@ import torch.distributed as dist
 from torch import nn
 
 from agoq.environment import hardware, software_versions
+from agoq.formats.plan import load_plan, plan_for_policy
+from agoq.formats.run import RunRecord
 from agoq.models.lm_loss import chunked_lm_loss
 from agoq.optim.master_weights import MasterWeights
-from agoq.train.checkpoint import clean_partial, find_checkpoint, load_rank_payload, save_checkpoint
+from agoq.train.checkpoint import (
+    clean_partial,
+    find_checkpoint,
+    load_rank_payload,
+    save_checkpoint,
+)
 from agoq.train.data import Batches, load_corpus
-from agoq.formats.run import RunRecord
 
 PARALLEL_MODES = ("none", "ddp", "sharded", "pipeline")
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -173,7 +179,6 @@ def _policy(name: str, num_layers: int, stages: int, micro_batches: int, layer_s
     import json
 
     from agoq.activations.policy import as_policy, stage_aware_policy
-
     from agoq.train.pipeline import in_flight_1f1b
 
     if name == "stage-aware":
@@ -188,10 +193,10 @@ def _policy(name: str, num_layers: int, stages: int, micro_batches: int, layer_s
 
 def prepare(cfg: TrainConfig, world: World) -> Setup:
     """Check every input and build the model: raises ValueError / FileNotFoundError before any training."""
-    from agoq.models import build, fingerprint, resolve_config
     from agoq.activations.checkpointing import apply_checkpointing
     from agoq.activations.laaq import apply_activation_policy
     from agoq.activations.policy import split_layers
+    from agoq.models import build, fingerprint, resolve_config
 
     device = _device(cfg, world)
     dtype = _dtype(cfg, device)
@@ -237,9 +242,7 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
     layer_stage = None
     policy_name = None
     if cfg.plan:
-        from agoq.train.plan_reader import read_plan
-
-        plan = read_plan(cfg.plan, model)
+        plan = load_plan(cfg.plan, model)
         gradients = plan.gradients.mode
         training = {"seq_len": plan.training.seq_len, "micro_batch": plan.training.micro_batch,
                     "grad_accum": plan.training.grad_accum}
@@ -303,9 +306,7 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
         policy = _policy(cfg.policy, config.num_hidden_layers, stages, grad_accum, layer_stage)
         apply_activation_policy(model, policy)
         policy_name = policy.name
-        from agoq.train.plan_reader import policy_as_plan
-
-        plan_record = policy_as_plan(policy, model, gradients, micro_batch, seq_len, grad_accum, layer_stage, stages)
+        plan_record = plan_for_policy(policy, model, gradients, micro_batch, seq_len, grad_accum, layer_stage, stages)
     if cfg.checkpoint_all:
         apply_checkpointing(model)
         policy_name = (policy_name + "+" if policy_name else "") + "checkpoint-all"

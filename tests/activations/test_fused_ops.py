@@ -5,8 +5,18 @@ import os
 import pytest
 import torch
 
-from agoq.activations.rmsnorm import rms_norm, rms_norm_backward, rms_norm_backward_reference, rms_norm_reference
-from agoq.activations.swiglu import swiglu, swiglu_backward, swiglu_backward_reference, swiglu_reference
+from agoq.activations.rmsnorm import (
+    rms_norm,
+    rms_norm_backward,
+    rms_norm_backward_reference,
+    rms_norm_reference,
+)
+from agoq.activations.swiglu import (
+    swiglu,
+    swiglu_backward,
+    swiglu_backward_reference,
+    swiglu_reference,
+)
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

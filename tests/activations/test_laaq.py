@@ -10,10 +10,15 @@ import pytest
 import torch
 
 import agoq
-from agoq import ActivationPolicy, apply_activation_policy, preset, remove_activation_policy
-from agoq.models import build
+from agoq import (
+    ActivationPolicy,
+    apply_activation_policy,
+    preset,
+    remove_activation_policy,
+)
 from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.checkpointing import apply_checkpointing, remove_checkpointing
+from agoq.models import build
 
 KINDS = ("norm_input", "qkv_input", "attention", "o_proj_input", "ffn1_input", "silu_input", "ffn2_input")
 RECOMPUTABLE_KINDS = ("qkv_input", "ffn1_input", "ffn2_input")

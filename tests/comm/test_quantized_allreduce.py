@@ -106,7 +106,12 @@ def test_shard_sum_kernel_matches_reference(world):
     straight out of the wire buffer (codes then scales)."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and no interpreter")
-    from agoq.comm.wire_rows import quantize_into, row_bytes, sum_rows, sum_rows_reference
+    from agoq.comm.wire_rows import (
+        quantize_into,
+        row_bytes,
+        sum_rows,
+        sum_rows_reference,
+    )
 
     block, per = 64, 5
     rows = torch.empty(world, row_bytes(per, block), dtype=torch.uint8)
@@ -127,8 +132,14 @@ def test_wire_rows_round_trip_matches_reference(dtype):
     gives the torch reference's bytes and values; padding is the zero code with scale 0."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and no interpreter")
+    from agoq.comm.wire_rows import (
+        ZERO_CODE,
+        dequantize_from,
+        quantize_into,
+        row_bytes,
+        split_row,
+    )
     from agoq.quant.quantize import dequantize, quantize
-    from agoq.comm.wire_rows import ZERO_CODE, dequantize_from, quantize_into, row_bytes, split_row
 
     block, per = 32, 7
     n = per * block - 45  # the last two blocks are partly / wholly padding
@@ -174,7 +185,12 @@ def test_fused_wire_kernels_match_reference(world, dtype):
     a subnormal-scale block, a mean (divisor)."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and no interpreter")
-    from agoq.comm.wire_rows import dequantize_shards, quantize_shards, row_bytes, sum_requantize
+    from agoq.comm.wire_rows import (
+        dequantize_shards,
+        quantize_shards,
+        row_bytes,
+        sum_requantize,
+    )
 
     block, per = 64, 4
     n = world * per * block - block - 29

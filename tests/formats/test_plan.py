@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import agoq
-from agoq.models import build, fingerprint
-from agoq.formats.plan import SCHEMA, Plan, load_plan, plan_from_dict, remove_plan
 from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.checkpointing import apply_checkpointing
 from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.formats.plan import SCHEMA, Plan, load_plan, plan_from_dict, remove_plan
+from agoq.models import build, fingerprint
 
 B, S = 3, 23
 

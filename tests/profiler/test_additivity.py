@@ -2,12 +2,16 @@
 
 import random
 
-from agoq.profiler.additivity import (QUADRATURE_FACTOR, QUADRATURE_FACTOR_WITH_RECOMPUTE, SUM_FACTOR,
-                                      predicted_error)
+from agoq.activations.policy import KINDS, RECOMPUTE, ActivationPolicy
+from agoq.profiler.additivity import (
+    QUADRATURE_FACTOR,
+    QUADRATURE_FACTOR_WITH_RECOMPUTE,
+    SUM_FACTOR,
+    predicted_error,
+)
 from agoq.profiler.model_source import load_model, token_batches
 from agoq.profiler.options import kind_options
 from agoq.profiler.sensitivity import Measurement, SensitivityMeter
-from agoq.activations.policy import KINDS, RECOMPUTE, ActivationPolicy
 
 
 def test_mixed_policies_within_factor():

@@ -5,7 +5,12 @@ import json
 import pytest
 import torch
 
-from agoq.profiler.model_source import layer_shape, load_model, next_token_loss, token_batches
+from agoq.profiler.model_source import (
+    layer_shape,
+    load_model,
+    next_token_loss,
+    token_batches,
+)
 from agoq.profiler.options import Option, option_bytes
 from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chunk
 

@@ -5,9 +5,9 @@ import math
 
 import pandas as pd
 
-from agoq.models import build, fingerprint
 from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.models import build, fingerprint
 from agoq.quant.qtensor import quantized_nbytes
 from tests.profiler.conftest import SETTINGS
 

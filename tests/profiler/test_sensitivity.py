@@ -5,10 +5,15 @@ import random
 
 import torch
 
-from agoq.profiler.model_source import load_model, token_batches
-from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measurement_policy, reference_kind
 from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
 from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.profiler.model_source import load_model, token_batches
+from agoq.profiler.sensitivity import (
+    Measurement,
+    SensitivityMeter,
+    measurement_policy,
+    reference_kind,
+)
 
 
 def _grads(model, ids):

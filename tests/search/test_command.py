@@ -10,10 +10,10 @@ import random
 import pytest
 
 from agoq.cli import main
-from agoq.models import build, fingerprint
 from agoq.formats.plan import load_plan
-from agoq.search.milp import Solver
+from agoq.models import build, fingerprint
 from agoq.search.costs import build_problem
+from agoq.search.milp import Solver
 from agoq.search.orchestrate import search
 from agoq.search.profile_data import load_profile
 from tests.search.synthetic_profile import write_profile
@@ -253,8 +253,9 @@ def test_measured_trials_here(profile_dir, tmp_path):
 def test_on_a_real_profile(tmp_path):
     """`agoq profile` then `agoq search` at budgets across the range: every plan loads for the profiled model,
     fits its budget, and keeps exactly the activation bytes it predicts."""
-    import agoq
     import torch
+
+    import agoq
     from agoq.formats.plan import remove_plan
 
     prof = tmp_path / "profile"

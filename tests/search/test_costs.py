@@ -13,9 +13,14 @@ import pytest
 import torch
 
 import agoq
-from agoq.models import build
 from agoq.formats.plan import remove_plan
-from agoq.search.costs import Knobs, build_problem, checkpointing_only, static_bytes_total
+from agoq.models import build
+from agoq.search.costs import (
+    Knobs,
+    build_problem,
+    checkpointing_only,
+    static_bytes_total,
+)
 from agoq.search.milp import Solver
 from agoq.search.orchestrate import plan_from_profile
 from agoq.search.profile_data import load_profile
@@ -103,8 +108,8 @@ def test_stage_memory_and_time_closed_form(tmp_path):
         expected_layer[l] += in_flight[layer_stage[l]] * nbytes
         expected_extra += 2 * row["extra_seconds"]
         expected_err += row["sensitivity"]
-    from agoq.models import resolve_config
     from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+    from agoq.models import resolve_config
     shape = LayerShape.from_config(resolve_config(header["model"]["config"]), 2, header["settings"]["seq_len"])
     plain = sum(predict_layer_bytes(shape, None).values())
     for l in sixteen_layers:

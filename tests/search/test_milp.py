@@ -150,8 +150,9 @@ def test_time_cap_that_nothing_meets():
 def test_a_time_limited_first_solve_keeps_a_feasible_choice_and_reports_its_gap(monkeypatch):
     """With a time limit too short to prove anything, the answer still fits the budget and the caps, and
     Allocation.gap says how far from proven it is (0 when proven)."""
-    import agoq.search.milp as milp_module
     from types import SimpleNamespace
+
+    import agoq.search.milp as milp_module
 
     assert milp_module.primary_gap(SimpleNamespace(status=0, mip_gap=0.3)) == 0.0
     assert milp_module.primary_gap(SimpleNamespace(status=1, mip_gap=0.25)) == 0.25

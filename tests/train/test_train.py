@@ -144,8 +144,8 @@ def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 
 
 def _tiny_plan(tmp_path, model_spec="llama-tiny", **gradients):
-    from agoq.models import build, fingerprint
     from agoq.formats.plan import Plan
+    from agoq.models import build, fingerprint
 
     model = build(model_spec)
     layers = [{"layer": i, "stage": 0, "checkpoint": i == 2,
@@ -232,36 +232,6 @@ def test_text_file_bytes_and_vocabulary_override(tmp_path):
     assert run["model"]["config"]["vocab_size"] == 256 and run["model"]["vocab_overridden"]
     n_val = round(len(raw) * 0.1)  # 90/10, validation at the end
     assert run["settings"]["train_tokens"] == len(raw) - n_val and run["settings"]["val_tokens"] == n_val
-
-
-def test_plain_plan_reader_matches_the_validated_plan(tmp_path, monkeypatch):
-    """Without pydantic (GPU images) the plan is read by the plain reader: same policy, same refusals."""
-    import builtins
-
-    from agoq.models import build
-    from agoq.formats.plan import load_plan
-    from agoq.train import plan_reader
-
-    path = _tiny_plan(tmp_path)
-    model = build("llama-tiny")
-    full = load_plan(path, model)
-    real_import = builtins.__import__
-
-    def no_pydantic(name, *args, **kwargs):
-        if name == "agoq.formats.plan":
-            raise ImportError("No module named 'pydantic'", name="pydantic")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_pydantic)
-    plain = plan_reader.read_plan(str(path), model)
-    assert isinstance(plain, plan_reader.PlainPlan)
-    assert plain.activation_policy().to_dict()["layers"] == full.activation_policy().to_dict()["layers"]
-    assert plain.checkpoint_layers() == full.checkpoint_layers() == [2]
-    assert (plain.gradients.mode, plain.training.micro_batch) == ("quangrad8", 3)
-    with pytest.raises(ValueError, match="made for model 'llama-tiny'"):
-        plan_reader.read_plan(str(path), build({"vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
-                                                "num_hidden_layers": 3, "num_attention_heads": 2,
-                                                "num_key_value_heads": 2, "max_position_embeddings": 64}))
 
 
 def test_policy_run_records_its_policy_as_a_valid_plan(tmp_path):
