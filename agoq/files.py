@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -18,6 +19,20 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
             f.write(payload)
 
     return write_with(path, write)
+
+
+def json_safe(value: Any) -> Any:
+    """`value` made safe for strict JSON: NaN and infinities become None, tuples lists, keys strings, and
+    numpy scalars and arrays plain numbers and lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "tolist"):  # numpy scalars and arrays
+        return json_safe(value.tolist())
+    return value
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:

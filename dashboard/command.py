@@ -39,7 +39,7 @@ def is_loopback(host: str) -> bool:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of `agoq dashboard`."""
-    from agoq.cli import positive_int
+    from agoq.commands.arguments import positive_int
 
     parser.add_argument("--root", required=True,
                         help="folder to look in (searched recursively, up to 8 levels; e.g. the folder `agoq demo` wrote)")

@@ -40,20 +40,6 @@ def read_json(path: Path, kind: str) -> dict[str, Any]:
     return data
 
 
-def clean(value: Any) -> Any:
-    """`value` made safe for strict JSON: NaN and infinities become None (numpy scalars and arrays
-    become plain numbers and lists)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [clean(v) for v in value]
-    if hasattr(value, "tolist"):  # numpy scalars and arrays
-        return clean(value.tolist())
-    return value
-
-
 def number(value: Any) -> float | None:
     """A finite float from a JSON/CSV value, or None."""
     try:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dashboard.formats import BrokenFile, clean, number, read_json
+from agoq.files import json_safe
+from dashboard.formats import BrokenFile, number, read_json
 
 RECOMPUTE = 0      # value of "recompute" in the bit-width map
 CHECKPOINT = -1    # value of a layer recomputed whole (checkpoint: true)
@@ -29,7 +30,7 @@ def summary(plan: dict[str, Any]) -> dict[str, Any]:
     peaks = [number(v) for v in predicted.get("peak_bytes_per_stage") or []]
     mpeaks = [number(v) for v in measured.get("peak_bytes_per_stage") or []]
     source = plan.get("source") or {}
-    return clean({
+    return json_safe({
         "model": (plan.get("model") or {}).get("name"),
         "fingerprint": (plan.get("model") or {}).get("fingerprint"),
         "budget_bytes": plan.get("budget_bytes"),
@@ -126,5 +127,5 @@ def memory_breakdown(plan: dict[str, Any], profile: dict[str, Any] | None,
             measured[f"run {run_id}"] = ranks
         elif ranks and stages == 1:
             measured[f"run {run_id}"] = [max((r for r in ranks if r is not None), default=None)]
-    return clean({"stages": list(range(stages)), "predicted_parts": parts, "predicted_peak": peaks,
+    return json_safe({"stages": list(range(stages)), "predicted_parts": parts, "predicted_peak": peaks,
                   "measured_peak": measured, "cpu_runs": cpu_runs, "profile_found": profile is not None, "gradient_mode": mode})

@@ -9,8 +9,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from agoq.files import json_safe
 from dashboard.discovery import Folder
-from dashboard.formats import BrokenFile, clean, number, read_json
+from dashboard.formats import BrokenFile, number, read_json
 
 TABLE_COLUMNS = ("layer", "kind", "option", "bits", "bytes", "quant_error", "sensitivity")
 COLLECTIVE_COLUMNS = ("op", "path", "world_size", "message_bytes", "seconds")
@@ -98,7 +99,7 @@ def summary(folder: Folder) -> dict[str, Any]:
         "has_table": _exists(folder, "table"),
         "has_collectives": _exists(folder, "collectives"),
     }
-    return clean(out)
+    return json_safe(out)
 
 
 def layer_kind_maps(folder: Folder, option: str | None = None) -> dict[str, Any]:
@@ -128,7 +129,7 @@ def layer_kind_maps(folder: Folder, option: str | None = None) -> dict[str, Any]
         grid["sensitivity"][i][j] = number(rec.sensitivity)
         grid["bytes"][i][j] = number(rec.bytes)
         grid["quant_error"][i][j] = number(rec.quant_error)
-    return clean({"option": option, "options": options, "layers": layers, "kinds": kinds, **grid})
+    return json_safe({"option": option, "options": options, "layers": layers, "kinds": kinds, **grid})
 
 
 def error_curves(folder: Folder) -> dict[str, Any]:
@@ -145,7 +146,7 @@ def error_curves(folder: Folder) -> dict[str, Any]:
                        "bits": [int(b) for b in means.index],
                        "quant_error": [number(v) for v in means["quant_error"]],
                        "sensitivity": [number(v) for v in means["sensitivity"]]})
-    return clean({"curves": curves})
+    return json_safe({"curves": curves})
 
 
 def collectives(folder: Folder) -> dict[str, Any]:
@@ -162,4 +163,4 @@ def collectives(folder: Folder) -> dict[str, Any]:
         series.append({"op": str(op), "path": str(comm_path), "world_size": int(world),
                        "message_bytes": [number(v) for v in part["message_bytes"]],
                        "seconds": [number(v) for v in part["seconds"]]})
-    return clean({"series": series, "message": None if series else f"{path.name} has no rows"})
+    return json_safe({"series": series, "message": None if series else f"{path.name} has no rows"})

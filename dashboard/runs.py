@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from agoq.files import json_safe
 from dashboard.discovery import Folder
 from dashboard.downsample import minmax_indices
-from dashboard.formats import clean, format_bytes, number, read_json
+from dashboard.formats import format_bytes, number, read_json
 
 TRAIN_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_seconds", "time")
 VAL_FIELDS = ("step", "val_loss", "time")
@@ -105,7 +106,7 @@ def _thin(x: np.ndarray, y: np.ndarray, max_points: int, t: np.ndarray | None = 
     out = {"step": x[idx].astype(np.int64).tolist(), "value": y[idx].tolist()}
     if t is not None:
         out["elapsed_s"] = t[idx].tolist()
-    return clean(out)
+    return json_safe(out)
 
 
 def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
@@ -127,7 +128,7 @@ def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
         plan_label = "plan" + (f" ({source.get('method')})" if source.get("method") else "")
         if budget:
             plan_label += f", budget {format_bytes(budget)}"
-    return clean({
+    return json_safe({
         "model": model.get("name") or model.get("spec"),
         "fingerprint": model.get("fingerprint"),
         "plan": plan_label,
@@ -168,5 +169,5 @@ def curves(folder: Folder, store: MetricsStore, max_points: int = 2000) -> dict[
     for r in range(ranks):
         y = np.array([row[r] if r < len(row) and row[r] is not None else np.nan for row in m.peak])
         peak_series.append({"rank": r, **_thin(step, y, max_points, elapsed)})
-    return clean({"max_points": max_points, "train_points": len(step), "val_points": len(vstep),
+    return json_safe({"max_points": max_points, "train_points": len(step), "val_points": len(vstep),
                   "bad_lines": m.bad_lines, "series": series, "peak_bytes": peak_series})

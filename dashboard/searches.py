@@ -8,8 +8,9 @@ import io
 from pathlib import Path
 from typing import Any
 
+from agoq.files import json_safe
 from dashboard.discovery import Folder
-from dashboard.formats import BrokenFile, clean, number
+from dashboard.formats import BrokenFile, number
 
 PARETO_REQUIRED = ("predicted_peak_bytes", "predicted_step_seconds", "predicted_grad_error")
 STUDY_FILES = ("study.db", "study.journal")
@@ -40,7 +41,7 @@ def read_pareto(folder: Folder) -> dict[str, Any]:
             row[key] = parsed if parsed is not None or value in ("", None, "nan", "NaN") else value
         row["validated"] = any(row.get(k) is not None for k in ("measured_peak_bytes", "measured_step_seconds"))
         rows.append(row)
-    return clean({"columns": columns, "rows": rows,
+    return json_safe({"columns": columns, "rows": rows,
                   "message": None if rows else "pareto.csv has no rows"})
 
 

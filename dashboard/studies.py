@@ -12,7 +12,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
-from dashboard.formats import BrokenFile, clean, number
+from agoq.files import json_safe
+from dashboard.formats import BrokenFile, number
 
 MAX_TRIALS = 5000
 
@@ -88,7 +89,7 @@ def _read_studies(name: str, key: tuple) -> list[dict[str, Any]]:
                 states[t.state.name] = states.get(t.state.name, 0) + 1
             done = [t for t in trials if t.state.name == "COMPLETE"][-MAX_TRIALS:]
             names = frozen.system_attrs.get("study:metric_names") or frozen.user_attrs.get("metric_names")
-            out.append(clean({
+            out.append(json_safe({
                 "name": frozen.study_name,
                 "directions": [d.name.lower() for d in frozen.directions],
                 "objectives": names,

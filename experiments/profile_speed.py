@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agoq.activations.laaq import apply_activation_policy, remove_activation_policy  # noqa: E402
 from agoq.activations.policy import KINDS  # noqa: E402
 from agoq.activations.saved_bytes import find_decoder_layers  # noqa: E402
+from agoq.formats.profile import load_profile  # noqa: E402
 from agoq.profiler.model_source import (  # noqa: E402
     load_model,
     next_token_loss,
@@ -32,7 +33,7 @@ from agoq.profiler.model_source import (  # noqa: E402
     vocab_size,
 )
 from agoq.profiler.options import kind_options  # noqa: E402
-from agoq.profiler.profile import ProfileSettings, make_profile, read_profile  # noqa: E402
+from agoq.profiler.profile import ProfileSettings, make_profile  # noqa: E402
 from agoq.profiler.replay import REPLAYABLE, ReplaySession  # noqa: E402
 from agoq.profiler.sensitivity import measurement_policy  # noqa: E402
 from experiments.record import write_result  # noqa: E402
@@ -130,7 +131,7 @@ def main() -> None:
         "replay_noise_floor": header.get("sensitivity", {}).get("replay_noise_floor"),
     }
     try:
-        _, table = read_profile(out)
+        table = load_profile(out).table
         quant = table[table.format.isin(["int", "nf4"])]
         figures["mean_sensitivity_by_kind_option"] = {
             f"{k}/{o}{'-nf4' if f == 'nf4' else ''}": float(v)

@@ -53,12 +53,12 @@ def search_phase(args, folder: Path, out: Path) -> dict:
     import numpy as np
 
     from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+    from agoq.formats.profile import load_profile
     from agoq.models import resolve_config
     from agoq.search.costs import Knobs, build_problem, checkpointing_only
     from agoq.search.milp import Allocation, InfeasibleBudget, Solver
     from agoq.search.orchestrate import plan_from_profile
     from agoq.search.plan_builder import build_plan
-    from agoq.search.profile_data import load_profile
 
     profile = load_profile(folder)
     problem = build_problem(profile)

@@ -59,8 +59,8 @@ def budget_from_profile(folder: Path) -> dict:
     """The budget at which only full checkpointing fits, from the search's own cost model."""
     import numpy as np
 
+    from agoq.formats.profile import load_profile
     from agoq.search.costs import build_problem, checkpointing_only
-    from agoq.search.profile_data import load_profile
 
     profile = load_profile(folder)
     only = checkpointing_only(build_problem(profile))

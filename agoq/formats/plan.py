@@ -350,7 +350,7 @@ def load_plan(path: str | os.PathLike, model=None) -> Plan:
     return plan
 
 
-def plan_for_policy(policy, model: nn.Module, gradients: str, micro_batch: int, seq_len: int, grad_accum: int,
+def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: int, grad_accum: int,
                    layer_stage: list[int] | None, stages: int) -> dict[str, Any]:
     """A plan (agoq.plan/1 layout) recording what a run given `--policy` applies, for run.json.
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from agoq.files import write_atomic, write_json
+from agoq.files import json_safe, write_atomic, write_json
 
 RUN_SCHEMA = "agoq.run/1"
 
@@ -19,17 +18,6 @@ RUN_SCHEMA = "agoq.run/1"
 def now_iso() -> str:
     """The current UTC time, ISO 8601."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _clean(value: Any) -> Any:
-    """JSON has no NaN or infinity: write them as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
 
 
 class RunRecord:
@@ -57,7 +45,7 @@ class RunRecord:
                     "updated": now_iso(), "step": resumed_from or 0, "message": None}
         if resumed_from is not None:
             self.run["resumed"] = (old or {}).get("resumed", []) + [{"step": resumed_from, "date": now_iso()}]
-        write_json(self.run_path, _clean(self.run))
+        write_json(self.run_path, json_safe(self.run))
         self.truncate_metrics(resumed_from or 0)
 
     def truncate_metrics(self, step: int) -> None:
@@ -76,10 +64,10 @@ class RunRecord:
     def update(self, step: int, status: str = "running", message: str | None = None) -> None:
         """Rewrite run.json with the current step, status and message."""
         self.run.update(step=step, status=status, message=message, updated=now_iso())
-        write_json(self.run_path, _clean(self.run))
+        write_json(self.run_path, json_safe(self.run))
 
     def append(self, record: dict[str, Any]) -> None:
         """Append one line to metrics.jsonl and flush it (a killed process leaves at most a cut last line)."""
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(_clean(record)) + "\n")
+            f.write(json.dumps(json_safe(record)) + "\n")
             f.flush()

@@ -1,7 +1,7 @@
 """Making a Profile folder (docs/formats.md): every measurement of one model, written atomically.
 
 `make_profile(settings, out_dir)` measures and writes DIR/profile.json, DIR/profile.parquet (and
-DIR/collectives.parquet with a process group); `read_profile(dir)` reads them back with pandas.
+DIR/collectives.parquet with a process group); `agoq.formats.profile.load_profile(dir)` reads them back.
 A measurement that fails (an OOM, an exception) is listed in profile.json "failures" and the profile
 goes on; an option whose sensitivity could not be measured is left out of profile.parquet, so no
 later stage can pick it unmeasured.
@@ -10,7 +10,6 @@ later stage can pick it unmeasured.
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import sys
@@ -22,7 +21,7 @@ import torch
 from agoq.activations.policy import KINDS
 from agoq.activations.saved_bytes import find_decoder_layers
 from agoq.environment import hardware, software_versions
-from agoq.files import write_json, write_with
+from agoq.formats.profile import SCHEMA, write_profile_files
 from agoq.profiler.kernel_time import (
     attention_rerun_time,
     layer_forward_seconds,
@@ -49,11 +48,6 @@ from agoq.profiler.pipeline import pipeline_summary
 from agoq.profiler.replay import REPLAYABLE
 from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chunk
 from agoq.profiler.tensor_error import measure_tensor_errors, sqnr_db
-
-SCHEMA = "agoq.profile/1"
-COLUMNS = ("layer", "kind", "option", "bits", "format", "shape", "bytes", "bytes_unshared", "bytes_measured",
-           "quant_error", "sqnr_db", "sensitivity", "extra_seconds", "quantize_seconds", "dequantize_seconds",
-           "recompute_seconds")
 
 
 @dataclass
@@ -267,62 +261,13 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
                                 "timing": timing})
 
 
-def _json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 def write_profile(out: Path, settings: ProfileSettings, model, num_layers: int, rows: list[dict], memory: dict,
                   pipeline: dict, failures: list[dict], collectives: list[dict] | None = None,
                   extra: dict | None = None) -> dict:
-    """Write profile.parquet (or profile.csv without pyarrow), collectives.parquet and profile.json."""
+    """Write the Profile folder (agoq.formats.profile.write_profile_files): the table, the collectives and
+    profile.json describing the model, the settings, this machine and the measurements; returns the header."""
     from agoq.models import fingerprint
 
-    files = {}
-    try:
-        import pandas as pd
-
-        table = pd.DataFrame(rows, columns=list(COLUMNS))
-        table = table.astype({"layer": "int64", "bits": "int64", "bytes": "int64", "bytes_unshared": "int64"})
-        table["bytes_measured"] = table["bytes_measured"].astype("Int64")
-        try:
-            import pyarrow  # noqa: F401
-
-            write_with(out / "profile.parquet", lambda p: table.to_parquet(p, index=False))
-            files["table"] = "profile.parquet"
-            if collectives is not None:
-                write_with(out / "collectives.parquet",
-                           lambda p: pd.DataFrame(collectives).to_parquet(p, index=False))
-                files["collectives"] = "collectives.parquet"
-        except ImportError:
-            write_with(out / "profile.csv", lambda p: table.to_csv(p, index=False))
-            files["table"] = "profile.csv"
-            if collectives is not None:
-                write_with(out / "collectives.csv", lambda p: pd.DataFrame(collectives).to_csv(p, index=False))
-                files["collectives"] = "collectives.csv"
-    except ImportError:
-        import csv
-        import io
-
-        def to_csv(records: list[dict], columns) -> str:
-            buf = io.StringIO()
-            writer = csv.DictWriter(buf, fieldnames=list(columns))
-            writer.writeheader()
-            writer.writerows(records)
-            return buf.getvalue()
-
-        from agoq.files import write_atomic
-
-        write_atomic(out / "profile.csv", to_csv(rows, COLUMNS))
-        files["table"] = "profile.csv"
-        if collectives:
-            write_atomic(out / "collectives.csv", to_csv(collectives, collectives[0].keys()))
-            files["collectives"] = "collectives.csv"
     header = {
         "schema": SCHEMA,
         "model": {"spec": settings.spec, "name": model_name(settings.spec), "fingerprint": fingerprint(model),
@@ -343,40 +288,6 @@ def write_profile(out: Path, settings: ProfileSettings, model, num_layers: int, 
         "memory": memory,
         "pipeline": pipeline,
         "failures": failures,
-        "files": files,
         **(extra or {}),
     }
-    write_json(out / "profile.json", _json_safe(header))
-    return header
-
-
-def read_profile(path: str | os.PathLike):
-    """(profile.json as a dict, profile table as a pandas DataFrame) of a Profile folder."""
-    import pandas as pd
-
-    folder = Path(path)
-    header = json.loads((folder / "profile.json").read_text())
-    if not str(header.get("schema", "")).startswith("agoq.profile/"):
-        raise ValueError(f"{folder / 'profile.json'}: schema: expected agoq.profile/1, got {header.get('schema')!r}")
-    table_file = folder / header.get("files", {}).get("table", "profile.parquet")
-    table = pd.read_parquet(table_file) if table_file.suffix == ".parquet" else pd.read_csv(table_file)
-    return header, table
-
-
-def attach_collectives(out: Path, header: dict, rows: list[dict], failures: list[dict]) -> dict:
-    """Add collective timings measured elsewhere (under torchrun) to a written profile; returns the header."""
-    import pandas as pd
-
-    header = dict(header)
-    try:
-        import pyarrow  # noqa: F401
-
-        write_with(out / "collectives.parquet", lambda p: pd.DataFrame(rows).to_parquet(p, index=False))
-        header["files"] = {**header["files"], "collectives": "collectives.parquet"}
-    except ImportError:
-        write_with(out / "collectives.csv", lambda p: pd.DataFrame(rows).to_csv(p, index=False))
-        header["files"] = {**header["files"], "collectives": "collectives.csv"}
-    header["settings"] = {**header["settings"], "world_size": rows[0]["world_size"] if rows else None}
-    header["failures"] = list(header["failures"]) + list(failures)
-    write_json(out / "profile.json", _json_safe(header))
-    return header
+    return write_profile_files(out, header, rows, collectives)

@@ -28,7 +28,7 @@ import pandas as pd
 
 from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
-from agoq.search.profile_data import ProfileData
+from agoq.formats.profile import ProfileData
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")

@@ -14,6 +14,7 @@ from typing import Optional
 
 from agoq.files import write_atomic
 from agoq.formats.plan import Plan
+from agoq.formats.profile import ProfileData, load_profile
 from agoq.search.costs import Knobs, build_problem
 from agoq.search.milp import (
     RECIPE_CAP,
@@ -24,7 +25,6 @@ from agoq.search.milp import (
 )
 from agoq.search.pareto import memory_error_front
 from agoq.search.plan_builder import build_plan
-from agoq.search.profile_data import ProfileData, load_profile
 
 METHODS = ("milp", "optuna", "both")
 CSV_COLUMNS = ["source", "trial", "budget_bytes", "predicted_peak_bytes", "predicted_step_seconds",

@@ -8,9 +8,9 @@ from typing import Optional
 import numpy as np
 
 from agoq.formats.plan import Plan
+from agoq.formats.profile import ProfileData
 from agoq.search.costs import ChoiceProblem, Knobs
 from agoq.search.milp import Allocation
-from agoq.search.profile_data import ProfileData
 
 
 def now() -> str:

@@ -24,9 +24,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from agoq.activations.policy import KINDS
+from agoq.formats.profile import ProfileData
 from agoq.search.costs import Knobs, build_problem, gradient_modes
 from agoq.search.milp import InfeasibleBudget, Solver, resolve_time_cap
-from agoq.search.profile_data import ProfileData
 
 SAMPLERS = ("nsga2", "tpe")
 BLOCKS = (32, 64, 128, 256)

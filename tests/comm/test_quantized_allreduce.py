@@ -4,7 +4,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from agoq.comm.quantized_allreduce import quantized_all_reduce
 from tests.multiprocess import run_workers

@@ -24,11 +24,8 @@ FAST_TRAIN = ["--eval-every", "3", "--eval-batches", "1", "--checkpoint-every", 
 @pytest.fixture(scope="session")
 def stage_root(tmp_path_factory) -> Path:
     """A root holding demo/ (profile, search, runs/bf16, runs/plan) made by the real stage commands."""
-    from agoq import demo
+    from agoq.commands import demo
 
-    missing = demo.missing_stages()
-    if missing:
-        pytest.skip(f"stage command(s) not in this build yet: {', '.join(missing)}")
     root = tmp_path_factory.mktemp("stages")
     demo.run_loop(root / "demo", steps=4, quiet=True, profile_args=FAST_PROFILE, search_args=FAST_SEARCH,
                   train_args=FAST_TRAIN)

@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from agoq.models import PRESETS, LlamaConfig, LlamaForCausalLM, build, resolve_config
 from agoq.models.llama import LlamaAttention, RMSNorm, RotaryEmbedding, apply_rotary

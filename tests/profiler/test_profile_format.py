@@ -7,9 +7,10 @@ import pandas as pd
 
 from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.files import json_safe
+from agoq.formats.profile import COLUMNS, load_profile
 from agoq.models import build, fingerprint
 from agoq.quant.qtensor import quantized_nbytes
-from tests.profiler.conftest import SETTINGS
 
 
 def test_json_header(tiny_profile):
@@ -102,46 +103,31 @@ def test_memory_section_on_cpu(tiny_profile):
 
 
 def test_search_reads_the_profile(tiny_profile):
-    import pytest
-
-    profile_data = pytest.importorskip("agoq.search.profile_data")
-    data = profile_data.load_profile(tiny_profile[0])
+    data = load_profile(tiny_profile[0])
     assert data.num_layers == 3 and data.in_flight("1f1b") == [2, 1]
 
 
 def test_round_trip(tiny_profile):
-    from agoq.profiler.profile import _json_safe, read_profile
+    out, header = tiny_profile
+    data = load_profile(out)
+    assert data.header == json.loads(json.dumps(json_safe(header), default=str))
+    assert data.header["files"] == {"table": "profile.parquet"}
+    assert data.table[list(COLUMNS)].astype(str).equals(pd.read_parquet(out / "profile.parquet")[list(COLUMNS)]
+                                                        .astype(str))
+
+
+def test_csv_table_is_read(tiny_profile, tmp_path):
+    """Profiles written as CSV (by versions that fell back to it without pyarrow) read the same."""
+    import shutil
 
     out, header = tiny_profile
-    read_header, table = read_profile(out)
-    assert read_header == json.loads(json.dumps(_json_safe(header), default=str))
-    assert read_header["files"] == {"table": "profile.parquet"}
-    assert table.equals(pd.read_parquet(out / "profile.parquet"))
-
-
-def test_csv_without_pyarrow(tmp_path, monkeypatch):
-    import sys
-
-    from agoq.profiler.profile import ProfileSettings, make_profile, read_profile
-
-    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as on a machine without pyarrow
-    settings = ProfileSettings("llama-tiny", seq_len=7, micro_batch=1, dtype="fp32", bits=[4], formats=["int"],
-                               batches=1, layers=1)
-    header = make_profile(settings, tmp_path, progress=False, say=lambda *a: None)
-    assert header["files"]["table"] == "profile.csv" and not (tmp_path / "profile.parquet").exists()
-    monkeypatch.delitem(sys.modules, "pyarrow")
-    _, table = read_profile(tmp_path)
-    assert len(table) == 7 * 2 + 3 and set(table.option.astype(str)) == {"16", "4", "recompute"}
-    assert (table.bytes == table.bytes_measured).all()
-
-
-def test_static_bytes_of_a_bf16_model_count_float32_masters_and_moments():
-    import torch
-
-    from agoq.profiler.memory import static_bytes
-
-    model = build("llama-tiny", dtype=torch.bfloat16)
-    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    mem = static_bytes(model)
-    assert mem["weights_bytes"] == 2 * n and mem["gradients_bytes_bf16"] == 2 * n
-    assert mem["master_bytes"] == 4 * n and mem["optimizer_bytes_adamw"] == 8 * n
+    copy = tmp_path / "csv"
+    shutil.copytree(out, copy)
+    pd.read_parquet(copy / "profile.parquet").to_csv(copy / "profile.csv", index=False)
+    (copy / "profile.parquet").unlink()
+    meta = json.loads((copy / "profile.json").read_text())
+    meta["files"]["table"] = "profile.csv"
+    (copy / "profile.json").write_text(json.dumps(meta))
+    a, b = load_profile(out).table, load_profile(copy).table
+    assert len(a) == len(b) and list(a.option) == list(b.option) and (a.bytes.values == b.bytes.values).all()
+    assert ((a.sensitivity - b.sensitivity).abs() <= 1e-12 * a.sensitivity.abs().max()).all()

@@ -14,6 +14,7 @@ import torch
 
 import agoq
 from agoq.formats.plan import remove_plan
+from agoq.formats.profile import load_profile
 from agoq.models import build
 from agoq.search.costs import (
     Knobs,
@@ -23,7 +24,6 @@ from agoq.search.costs import (
 )
 from agoq.search.milp import Solver
 from agoq.search.orchestrate import plan_from_profile
-from agoq.search.profile_data import load_profile
 from tests.search.synthetic_profile import write_profile
 
 

@@ -25,7 +25,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from agoq.cli import positive_int, size_bytes
+from agoq.commands.arguments import positive_int, size_bytes
 from agoq.units import format_bytes
 
 HELP = "turn a profile and a memory budget into a plan (MILP, Optuna)"
@@ -102,8 +102,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run `agoq search`; returns the exit code."""
+    from agoq.formats.profile import load_profile
     from agoq.search.orchestrate import search, write_outputs
-    from agoq.search.profile_data import load_profile
 
     if args.validate < 0:
         raise ValueError(f"--validate must be >= 0, got {args.validate}")

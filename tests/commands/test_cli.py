@@ -67,7 +67,7 @@ def test_console_entry_point_help():
 
 def test_bare_command_prints_help_and_version(capsys):
     assert main([]) == 0
-    assert "commands:" in capsys.readouterr().out
+    assert "the loop:" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0

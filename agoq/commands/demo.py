@@ -10,22 +10,24 @@ that shows the results in the dashboard:
      agoq train llama-tiny --plan ...     -> OUT/runs/plan/ (the same steps with the searched plan)
   4. prints `agoq dashboard --root OUT`
 
-Each step runs the same public command a user would type (through agoq.cli.main).
+Each step runs the same command a user would type (its module in agoq.commands, with its own parser).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
+from agoq.commands import profile, search, train
+from agoq.commands.arguments import positive_int, run_module
+
 HELP = "the whole loop on a tiny model on the CPU, then the dashboard command to see it"
 MODEL = "llama-tiny"
-STAGES = {"profile": "agoq.profiler.command", "search": "agoq.search.command", "train": "agoq.train.command"}
+STAGES = {"profile": profile, "search": search, "train": train}
 DEMO_PARTS = ("profile", "search", "runs")
 # measured widths and formats kept small so the CPU profile takes seconds, not minutes; collectives
 # timed over gloo between two local processes
@@ -37,8 +39,6 @@ TRAIN_ARGS = ["--eval-every", "10", "--eval-batches", "2", "--checkpoint-every",
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of `agoq demo`."""
-    from agoq.cli import positive_int
-
     parser.add_argument("--out", default="runs/demo",
                         help="folder for everything the demo writes (default runs/demo)")
     parser.add_argument("--steps", type=positive_int, default=200,
@@ -49,21 +49,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
-def missing_stages() -> list[str]:
-    """The stages whose command module is not installed in this build."""
-    return [name for name, module in STAGES.items() if importlib.util.find_spec(module) is None]
-
-
 class StageFailed(Exception):
     """A stage command of the demo exited with an error (which it has already printed)."""
 
 
 def _stage(argv: list[str]) -> None:
-    from agoq.cli import main
-
     print(f"\n$ agoq {' '.join(argv)}", file=sys.stderr, flush=True)
     start = time.monotonic()
-    code = main(argv)
+    code = run_module(STAGES[argv[0]], argv[1:], f"agoq {argv[0]}")
     print(f"({argv[0]}: {time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
     if code != 0:
         raise StageFailed(f"`agoq {' '.join(argv)}` failed with exit code {code} (its message is above)")
@@ -87,10 +80,6 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
              search_args: list[str] | None = None, train_args: list[str] | None = None) -> dict[str, Path]:
     """Profile, search and train (bf16 and with the plan) into `out`; returns the folders written.
     The *_args lists replace the demo's extra arguments of each stage (tests use them to go faster)."""
-    missing = missing_stages()
-    if missing:
-        raise NotImplementedError(f"the demo needs `agoq {'`, `agoq '.join(missing)}`, which this build does not "
-                                  f"have yet ({', '.join(STAGES[m] for m in missing)} missing)")
     q = ["--quiet"] if quiet else []
     paths = {"profile": out / "profile", "search": out / "search", "bf16": out / "runs" / "bf16",
              "plan_run": out / "runs" / "plan", "plan": out / "search" / "plan.json"}

@@ -2,7 +2,6 @@
 resume, validation runs (here and as Ray tasks)."""
 
 import csv
-import json
 import math
 import os
 import random
@@ -11,11 +10,11 @@ import pytest
 
 from agoq.cli import main
 from agoq.formats.plan import load_plan
+from agoq.formats.profile import load_profile
 from agoq.models import build, fingerprint
 from agoq.search.costs import build_problem
 from agoq.search.milp import Solver
 from agoq.search.orchestrate import search
-from agoq.search.profile_data import load_profile
 from tests.search.synthetic_profile import write_profile
 
 

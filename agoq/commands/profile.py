@@ -30,6 +30,10 @@ import os
 import sys
 from pathlib import Path
 
+from agoq.formats.profile import add_collectives, load_profile
+from agoq.search import plan_from_profile
+from agoq.units import format_bytes
+
 HELP = "measure a model on this hardware: bytes, error and sensitivity per layer and kind"
 
 
@@ -51,14 +55,14 @@ def _str_list(text: str) -> list[str]:
 
 
 def _size_list(text: str) -> list[int]:
-    from agoq.cli import size_bytes
+    from agoq.commands.arguments import size_bytes
 
     return [size_bytes(v) for v in _str_list(text)]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq profile`'s arguments to `parser` and set its function."""
-    from agoq.cli import positive_int, size_bytes
+    from agoq.commands.arguments import positive_int, size_bytes
 
     parser.add_argument("model", help="preset, HuggingFace config.json, or package.module:function")
     parser.add_argument("--seq-len", type=positive_int, default=None,
@@ -130,50 +134,22 @@ def _torchrun_collectives(args, device: str) -> tuple[int, list[dict], list[dict
     return rank, rows, failures
 
 
-def _write_plan(out: Path, header: dict, shape, budget: int) -> str:
-    """Write DIR/plan.json; returns a line saying how it was made."""
-    from agoq.files import write_json
-    from agoq.profiler.profile import read_profile
-    from agoq.profiler.stage_rule_plan import stage_rule_plan
-    from agoq.units import format_bytes
-
+def _write_plan(out: Path, budget: int) -> str:
+    """Search the profile just written for a plan within `budget` (the MILP of `agoq search`), write
+    DIR/plan.json; returns a line saying so."""
     try:
-        from agoq.search import plan_from_profile
-    except ImportError:  # the search needs scipy, pandas and pydantic; without them, the stage rule
-        plan_from_profile = None
-    if plan_from_profile is not None:
-        try:
-            plan = plan_from_profile(str(out), budget)
-        except ValueError as e:
-            raise ValueError(f"the profile is written to {out}, but no plan fits the budget: {e}") from None
-        plan.save(out / "plan.json")
-        return f"wrote {out / 'plan.json'} (agoq search, MILP, budget {format_bytes(budget)})"
-    try:
-        _, table = read_profile(out)
-    except ImportError:
-        table = None
-    plan = stage_rule_plan(header, table, shape, budget, str(out))
-    try:
-        from agoq.formats.plan import plan_from_dict
-
-        plan_from_dict(plan).save(out / "plan.json")
-    except ImportError:  # the Plan schema needs pydantic; write the documented dict as is
-        write_json(out / "plan.json", plan)
-    peak = max(plan["predicted"]["peak_bytes_per_stage"])
-    line = (f"wrote {out / 'plan.json'}: agoq-paper scaled by the pipeline stage rule "
-            f"(bits per stage {plan['source']['stage_bits']}); the search (agoq search) is not available in "
-            f"this build, so the budget was not optimised for: predicted peak {format_bytes(peak)} vs budget "
-            f"{format_bytes(budget)}")
-    if peak > budget:
-        line += " (OVER BUDGET)"
-    return line
+        plan = plan_from_profile(str(out), budget)
+    except ValueError as e:
+        raise ValueError(f"the profile is written to {out}, but no plan fits the budget: {e}") from None
+    plan.save(out / "plan.json")
+    return f"wrote {out / 'plan.json'} (agoq search, MILP, budget {format_bytes(budget)})"
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `agoq profile`."""
     import torch
 
-    from agoq.profiler.model_source import layer_shape, model_name
+    from agoq.profiler.model_source import model_name
     from agoq.profiler.profile import ProfileSettings, make_profile
     from agoq.units import format_bytes
 
@@ -218,25 +194,18 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *a: None) if args.quiet else (lambda text: print(text, file=sys.stderr))
     header = make_profile(settings, out, progress=not args.quiet, say=say)
     if collectives_torchrun is not None:
-        from agoq.profiler.profile import attach_collectives
-
-        header = attach_collectives(out, header, *collectives_torchrun)
+        header = add_collectives(out, header, *collectives_torchrun)
     files = header["files"]
     print(f"wrote {out / 'profile.json'} and {out / files['table']}"
           + (f" and {out / files['collectives']}" if "collectives" in files else ""))
     if files["table"].endswith(".csv"):
         print("note: pyarrow is not installed, so the table was written as CSV instead of parquet")
-    try:
-        from agoq.profiler.profile import read_profile
-
-        _, table = read_profile(out)
-        four = table[(table.bits == 4) & (table.format == "int")]
-        if len(four):
-            by_kind = four.groupby("kind").sensitivity.mean().sort_values(ascending=False)
-            print("  sensitivity at 4 bits, mean over layers (gradient error with one layer's kind quantized): "
-                  + ", ".join(f"{k} {v:.2g}" for k, v in by_kind.items()))
-    except ImportError:  # pandas missing: the files say it all
-        pass
+    table = load_profile(out).table
+    four = table[(table.bits == 4) & (table.format == "int")]
+    if len(four):
+        by_kind = four.groupby("kind").sensitivity.mean().sort_values(ascending=False)
+        print("  sensitivity at 4 bits, mean over layers (gradient error with one layer's kind quantized): "
+              + ", ".join(f"{k} {v:.2g}" for k, v in by_kind.items()))
     memory = header["memory"]
     for step in memory["steps"]:
         measured = step.get("measured_peak_bytes")
@@ -254,8 +223,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(header['failures'])} measurement(s) failed (listed in profile.json 'failures'); first: "
               f"{header['failures'][0]['what']}: {header['failures'][0]['error']}")
     if args.budget is not None:
-        from agoq.profiler.model_source import load_model
-
-        model = load_model(args.model, dtype=dtype, device="meta", num_layers=args.layers)
-        print(_write_plan(out, header, layer_shape(model, args.micro_batch, seq_len), args.budget))
+        print(_write_plan(out, args.budget))
     return 0

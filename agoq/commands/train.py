@@ -21,7 +21,7 @@ HELP = "train a model in bf16 or with a plan, on one GPU or many (torchrun)"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq train`'s arguments."""
-    from agoq.cli import non_negative_int, positive_float, positive_int
+    from agoq.commands.arguments import non_negative_int, positive_float, positive_int
 
     p = parser
     p.add_argument("model", help="preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b) or a HuggingFace config.json; "

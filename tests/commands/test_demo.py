@@ -1,22 +1,10 @@
-"""`agoq demo`: clear refusal when a stage is missing or an earlier demo is in the way, the command it
+"""`agoq demo`: clear refusal when an earlier demo is in the way, the command it
 prints, and its budget rule. (The loop itself runs once per session in the stage_root fixture.)"""
 
-import importlib.util
 import json
 
-from agoq import demo
 from agoq.cli import main
-
-
-def test_missing_stage_is_named(monkeypatch, tmp_path, capsys):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "agoq.search.command" else real(name, *a))
-    assert demo.missing_stages() == ["search"]
-    assert main(["demo", "--out", str(tmp_path / "d")]) == 2
-    err = capsys.readouterr().err
-    assert "agoq search" in err and "agoq.search.command" in err
-    assert not (tmp_path / "d" / "profile").exists()
+from agoq.commands import demo
 
 
 def test_earlier_demo_needs_force(monkeypatch, tmp_path, capsys):

@@ -38,7 +38,7 @@ def test_profile_with_budget_and_pipeline(tmp_path, capsys):
 
 def test_factory_model(tmp_path):
     out = tmp_path / "f"
-    assert main(["profile", "tests.profiler.test_command:tiny_factory", *FAST, "--out", str(out)]) == 0
+    assert main(["profile", "tests.commands.test_profile:tiny_factory", *FAST, "--out", str(out)]) == 0
     assert json.loads((out / "profile.json").read_text())["model"]["num_layers"] == 2
 
 
@@ -49,8 +49,8 @@ def _error(capsys, argv):
 
 @pytest.mark.parametrize("model, message", [
     ("no-such-model", "unknown model"),
-    ("tests.profiler.test_command:not_a_module", "not a torch nn.Module"),
-    ("tests.profiler.test_command:missing", "has no function"),
+    ("tests.commands.test_profile:not_a_module", "not a torch nn.Module"),
+    ("tests.commands.test_profile:missing", "has no function"),
     ("torch.nn:Identity", "no LLaMA-style decoder layers"),
 ])
 def test_bad_models(tmp_path, capsys, model, message):
@@ -90,39 +90,6 @@ def test_help_lists_every_flag(capsys):
         assert flag in text
 
 
-def test_plan_without_the_search_is_the_stage_rule(tmp_path, capsys, monkeypatch):
-    import sys
-
-    monkeypatch.setitem(sys.modules, "agoq.search", None)  # as on a machine without the search's packages
-    out = tmp_path / "p"
-    code = main(["profile", "llama-tiny", *FAST, "--pipeline-stages", "3", "--micro-batches", "6", "--budget",
-                 "1GiB", "--out", str(out)])
-    assert code == 0
-    assert "stage rule" in capsys.readouterr().out
-    plan = json.loads((out / "plan.json").read_text())
-    assert plan["source"]["method"] == "stage-rule"
-    # 1F1B in-flight counts 3, 2, 1 -> bits max(4, floor(4 * 3 / N_i)): 4, 6, 8 for stages 0, 1, 2
-    bits = {layer["stage"]: layer["kinds"]["norm_input"] for layer in plan["layers"]}
-    assert bits == {0: 4, 1: 6, 2: 8}
-    assert all(layer["kinds"]["attention"] == 16 and layer["kinds"]["qkv_input"] == "recompute"
-               for layer in plan["layers"])
-    from agoq.formats.plan import load_plan
-
-    assert load_plan(out / "plan.json").num_layers == 3
-    # activation bytes per stage: the profile's bytes for each layer's choices, times its in-flight count
-    table = pd.read_parquet(out / "profile.parquet")
-    expect = [0, 0, 0]
-    for layer in plan["layers"]:
-        for kind, setting in layer["kinds"].items():
-            option = "recompute" if setting == "recompute" else str(setting)
-            if option in ("6", "8"):  # not profiled here (--bits 4): predicted from the shapes instead
-                continue
-            row = table[(table.layer == layer["layer"]) & (table.kind == kind) & (table.option == option)]
-            expect[layer["stage"]] += int(row.bytes.iloc[0]) * [3, 2, 1][layer["stage"]]
-    got = plan["predicted"]["activation_bytes_per_stage"]
-    assert got[0] == expect[0] and got[1] > expect[1] and got[2] > expect[2]
-
-
 def gelu_llama():
     """A LLaMA-shaped model whose MLP declares a GELU activation (act_fn): not a SwiGLU layer."""
     import torch
@@ -136,7 +103,7 @@ def gelu_llama():
 
 
 def test_unsupported_layer_is_refused_up_front(capsys):
-    code, err = _error(capsys, ["profile", "tests.profiler.test_command:gelu_llama", *FAST])
+    code, err = _error(capsys, ["profile", "tests.commands.test_profile:gelu_llama", *FAST])
     assert code == 2 and "SwiGLU" in err
 
 

@@ -1,6 +1,6 @@
-"""Reading a Profile folder (docs/formats.md: profile.json, profile.parquet or .csv, collectives).
-
-Only the documented files are read, with pandas; nothing of the profiler's code is imported.
+"""The Profile folder (docs/formats.md): profile.json, profile.parquet (or .csv from older versions),
+collectives.parquet. `write_profile_files` is its only writer (the profiler fills the header),
+`load_profile` its only reader (checked, as `ProfileData`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,14 @@ from typing import Any, Optional
 import pandas as pd
 
 from agoq.activations.policy import KINDS, RECOMPUTABLE
-from agoq.files import read_json_object
+from agoq.files import json_safe, read_json_object, write_json, write_with
 
 PROFILE_SCHEMA_KIND = "agoq.profile"
 PROFILE_SCHEMA_MAJOR = 1
+SCHEMA = f"{PROFILE_SCHEMA_KIND}/{PROFILE_SCHEMA_MAJOR}"
+COLUMNS = ("layer", "kind", "option", "bits", "format", "shape", "bytes", "bytes_unshared", "bytes_measured",
+           "quant_error", "sqnr_db", "sensitivity", "extra_seconds", "quantize_seconds", "dequantize_seconds",
+           "recompute_seconds")
 REQUIRED_COLUMNS = ("layer", "kind", "option", "bits", "format", "bytes", "sensitivity", "extra_seconds")
 
 
@@ -163,3 +167,34 @@ def load_profile(path: str | Path) -> ProfileData:
     if len(stages) != data.num_layers:
         raise ValueError(f"{header_path}: pipeline.layer_stage: {len(stages)} entries for {data.num_layers} layers")
     return data
+
+
+def write_profile_files(out: Path, header: dict, rows: list[dict], collectives: list[dict] | None = None) -> dict:
+    """Write a Profile folder atomically, file by file: the table of `rows` (COLUMNS) as profile.parquet,
+    `collectives` (if any) as collectives.parquet, then profile.json = `header` with its "files" entry
+    filled and non-finite numbers as null (written last, so a folder with a profile.json is complete).
+    Returns the header as written."""
+    out = Path(out)
+    table = pd.DataFrame(rows, columns=list(COLUMNS))
+    table = table.astype({"layer": "int64", "bits": "int64", "bytes": "int64", "bytes_unshared": "int64"})
+    table["bytes_measured"] = table["bytes_measured"].astype("Int64")
+    write_with(out / "profile.parquet", lambda p: table.to_parquet(p, index=False))
+    files = {"table": "profile.parquet"}
+    if collectives is not None:
+        write_with(out / "collectives.parquet", lambda p: pd.DataFrame(collectives).to_parquet(p, index=False))
+        files["collectives"] = "collectives.parquet"
+    header = {**header, "files": files}
+    write_json(out / "profile.json", json_safe(header))
+    return header
+
+
+def add_collectives(out: Path, header: dict, rows: list[dict], failures: list[dict]) -> dict:
+    """Add collective timings measured elsewhere (under torchrun) to a written profile; returns the header."""
+    out = Path(out)
+    write_with(out / "collectives.parquet", lambda p: pd.DataFrame(rows).to_parquet(p, index=False))
+    header = dict(header)
+    header["files"] = {**header["files"], "collectives": "collectives.parquet"}
+    header["settings"] = {**header["settings"], "world_size": rows[0]["world_size"] if rows else None}
+    header["failures"] = list(header["failures"]) + list(failures)
+    write_json(out / "profile.json", json_safe(header))
+    return header

@@ -1,0 +1,76 @@
+"""The command line's value types (argparse `type=` functions) and the one way a command's errors are reported."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from agoq.units import parse_size
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1, such as 11,9,7,5."""
+    values = [v.strip() for v in text.split(",")]
+    if not text.strip() or any(not v for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 11,9,7,5, got {text!r}")
+    return [positive_int(v) for v in values]
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def size_bytes(text: str) -> int:
+    """argparse type: a size such as 30GiB, 1.5GB or 4096, in bytes."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def run_command(args: argparse.Namespace, name: str) -> int:
+    """Run a parsed command (`args.func`); bad input prints `name: error: ...` and returns exit code 2."""
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotImplementedError, json.JSONDecodeError) as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_module(module, argv: list[str] | None, name: str) -> int:
+    """Parse `argv` with a command module's own parser (its `configure` and docstring) and run it, as
+    `run_command` does: `python -m agoq.train` and `agoq demo`'s stages go through here."""
+    parser = argparse.ArgumentParser(prog=name, description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.configure(parser)
+    return run_command(parser.parse_args(argv), name)
