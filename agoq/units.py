@@ -1,8 +1,14 @@
-"""Sizes as people write them ("30GiB", "512MB") and as agoq prints them."""
+"""Sizes and dtypes as people write them ("30GiB", "512MB", "bf16") and as agoq prints them."""
 
 from __future__ import annotations
 
+import math
 import re
+from typing import Any
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # the names agoq accepts
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -21,10 +27,22 @@ def parse_size(text: str | int) -> int:
     return int(round(float(m.group(1)) * _UNITS[m.group(2).lower()]))
 
 
-def format_bytes(n: float) -> str:
-    """A byte count in binary units: '512 B', '3.2 MiB', '14.6 GiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype of "bf16", "fp16" or "fp32"; ValueError naming the choices otherwise."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}") from None
+
+
+def format_bytes(n: Any, digits: int = 1) -> str:
+    """A byte count in binary units: '512 B', '3.2 MiB', '14.6 GiB' (`digits` decimals); an en dash for
+    None or a non-finite value (unknown)."""
+    if n is None or (isinstance(n, float) and not math.isfinite(n)):
+        return "\u2013"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"
+    return f"{n:.{digits}f} TiB"

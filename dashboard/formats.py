@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from agoq import units
+
 SUPPORTED = {"profile": 1, "plan": 1, "run": 1}
 
 
@@ -50,12 +52,5 @@ def number(value: Any) -> float | None:
 
 
 def format_bytes(n: Any) -> str:
-    """Bytes in binary units ('3.21 MiB'), or an en dash when unknown."""
-    if n is None or (isinstance(n, float) and not math.isfinite(n)):
-        return "\u2013"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+    """Bytes in binary units with two decimals ('3.21 MiB'), or an en dash when unknown."""
+    return units.format_bytes(n, digits=2)

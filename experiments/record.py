@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+
+from agoq.environment import hardware, software_versions
+from agoq.files import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -30,21 +31,13 @@ def _git_commit() -> str:
 
 
 def environment() -> dict:
-    """Machine and software facts recorded beside every result."""
-    env = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": sys.version.split()[0],
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "gpu_count": torch.cuda.device_count(),
-    }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    return env
+    """Machine and software facts recorded beside every result (agoq.environment's, plus the CUDA build)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hw = hardware(device, torch.cuda.device_count() if device == "cuda" else 1)
+    sw = software_versions()
+    return {"torch": sw["torch"], "cuda": torch.version.cuda, "python": sw["python"],
+            "gpu": hw["name"] if device == "cuda" else None, "gpu_count": torch.cuda.device_count(),
+            "gpu_memory_bytes": hw["memory_bytes"], "triton": sw["triton"], "agoq": sw["agoq"]}
 
 
 def write_result(name: str, figures: dict, out_dir: str | os.PathLike | None = None) -> Path:
@@ -62,11 +55,6 @@ def write_result(name: str, figures: dict, out_dir: str | os.PathLike | None = N
         paths.append(Path(out_dir))
     written = None
     for folder in paths:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, folder / f"{name}.json")
-        written = written or folder / f"{name}.json"
+        path = write_json(folder / f"{name}.json", record)
+        written = written or path
     return written

@@ -22,7 +22,7 @@ from agoq.commands.arguments import positive_int
 from agoq.files import write_atomic
 from agoq.models import build
 from agoq.profiler import compare_policies
-from agoq.units import format_bytes
+from agoq.units import dtype_from_name, format_bytes
 
 HELP = "compare activation policies on a model: bytes kept for backward, gradient error, step time"
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.dtype == "auto":  # bf16 where it is the training dtype (GPUs); the CPU computes in float32
         args.dtype = "fp32" if torch.device(device).type == "cpu" else "bf16"
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
+    dtype = dtype_from_name(args.dtype)
     policies = []
     for item in args.policy.split(","):
         item = item.strip()

@@ -20,8 +20,8 @@ from torch import nn
 from agoq.activations.activation_bytes import LayerShape
 from agoq.activations.saved_bytes import find_decoder_layers
 from agoq.files import read_json_object
+from agoq.units import dtype_from_name
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_FAMILIES = ("llama", "mistral", "qwen2")
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
@@ -65,9 +65,7 @@ def load_model(spec: str, *, dtype: str = "bf16", device: str = "cpu", seed: int
     """
     from agoq.models import PRESETS, build
 
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = dtype_from_name(dtype)
     if spec in PRESETS:
         model = build(spec, dtype=torch_dtype, device=device, seed=seed, num_layers=num_layers)
     elif spec.endswith(".json") or os.path.isfile(spec):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from agoq.activations.policy import KINDS
+from agoq.activations.policy import KINDS, split_layers
 from agoq.activations.saved_bytes import find_decoder_layers
 from agoq.environment import hardware, software_versions
 from agoq.formats.profile import SCHEMA, write_profile_files
@@ -44,10 +44,10 @@ from agoq.profiler.options import (
     option_bytes,
     shape_text,
 )
-from agoq.profiler.pipeline import pipeline_summary
 from agoq.profiler.replay import REPLAYABLE
 from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chunk
 from agoq.profiler.tensor_error import measure_tensor_errors, sqnr_db
+from agoq.schedules import in_flight
 
 
 @dataclass
@@ -291,3 +291,21 @@ def write_profile(out: Path, settings: ProfileSettings, model, num_layers: int, 
         **(extra or {}),
     }
     return write_profile_files(out, header, rows, collectives)
+
+
+def pipeline_summary(stages: int, micro_batches: int, num_layers: int, chunks: int = 2) -> dict:
+    """The profile.json "pipeline" section: layer -> stage and in-flight counts per schedule."""
+    counts = {"1f1b": in_flight(stages, micro_batches)}
+    notes = []
+    if stages > 1 and micro_batches % stages == 0 and num_layers >= stages * chunks:
+        counts["interleaved-1f1b"] = in_flight(stages, micro_batches, chunks)
+    elif stages == 1:
+        counts["interleaved-1f1b"] = counts["1f1b"]
+    else:
+        notes.append(f"interleaved-1f1b left out: it needs micro-batches ({micro_batches}) a multiple of stages "
+                     f"({stages}) and at least {stages * chunks} layers")
+    out = {"stages": stages, "micro_batches": micro_batches, "layer_stage": split_layers(num_layers, stages),
+           "in_flight": counts, "interleaved_chunks": chunks}
+    if notes:
+        out["notes"] = notes
+    return out

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from agoq.formats.plan import plan_from_dict
+from agoq.units import dtype_from_name
 
 
 def now() -> str:
@@ -25,7 +26,6 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-DTYPES = ("bf16", "fp16", "fp32")
 
 
 def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16", micro_batch: int = 1,
@@ -39,9 +39,7 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
     from agoq.models import build
     from agoq.optim.master_weights import MasterWeights
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    torch_dtype = dtype_from_name(dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     gc.collect()  # an earlier model under checkpointing or LAAQ sits in reference cycles: free it first

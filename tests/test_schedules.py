@@ -2,7 +2,8 @@
 
 import pytest
 
-from agoq.profiler.pipeline import in_flight, pipeline_summary, simulate, stage_order
+from agoq.profiler.profile import pipeline_summary
+from agoq.schedules import in_flight, simulate, stage_order
 
 
 def _timeline(stages, micro_batches, chunks):

@@ -112,23 +112,3 @@ def simulate(stages: int, micro_batches: int, chunks: int = 1) -> Simulation:
 def in_flight(stages: int, micro_batches: int, chunks: int = 1) -> list[int]:
     """Peak (chunk, micro-batch) activation sets each stage holds, from `simulate`."""
     return simulate(stages, micro_batches, chunks).peak
-
-
-def pipeline_summary(stages: int, micro_batches: int, num_layers: int, chunks: int = 2) -> dict:
-    """The profile.json "pipeline" section: layer -> stage and in-flight counts per schedule."""
-    from agoq.activations.policy import split_layers
-
-    counts = {"1f1b": in_flight(stages, micro_batches)}
-    notes = []
-    if stages > 1 and micro_batches % stages == 0 and num_layers >= stages * chunks:
-        counts["interleaved-1f1b"] = in_flight(stages, micro_batches, chunks)
-    elif stages == 1:
-        counts["interleaved-1f1b"] = counts["1f1b"]
-    else:
-        notes.append(f"interleaved-1f1b left out: it needs micro-batches ({micro_batches}) a multiple of stages "
-                     f"({stages}) and at least {stages * chunks} layers")
-    out = {"stages": stages, "micro_batches": micro_batches, "layer_stage": split_layers(num_layers, stages),
-           "in_flight": counts, "interleaved_chunks": chunks}
-    if notes:
-        out["notes"] = notes
-    return out
