@@ -180,6 +180,12 @@ class QuantizedGradients:
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
 
+    def stored(self, param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        """`param`'s gradient as stored: (uint8 codes [blocks * block], float32 scales [blocks]), views of the
+        buffer (value = (code - 127) * scale; values past param.numel() are zero padding)."""
+        self.wait()
+        return self._views(self._index[id(param)])
+
     def gradient(self, param: nn.Parameter, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One parameter's gradient, dequantized, in its shape."""
         self.wait()

@@ -9,7 +9,7 @@ Without --data a built-in synthetic corpus is used; a text file is read as bytes
 with --tokenizer; the last 10 % is held out for validation. The run folder receives run.json,
 metrics.jsonl (loss, grad_norm, lr, tokens_per_s, step_seconds, peak_bytes per rank each step,
 val_loss every --eval-every steps) and checkpoint/ (replaced atomically every --checkpoint-every
-steps). Kill the run at any time and start it again with --resume.
+steps and at the end; none with --checkpoint-every 0). Kill the run at any time and start it again with --resume.
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw",
                    help="adamw (float32 moments) or adamw8bit (8-bit block-quantized moments, float32 update); "
                         "--parallel sharded always uses SDP4Bit's sharded AdamW (default adamw)")
+    p.add_argument("--master", choices=("fp32", "none"), default="fp32",
+                   help="with --optimizer adamw8bit and bf16 parameters: fp32 keeps float32 master weights in the "
+                        "optimizer (4 bytes per parameter); none updates the bf16 parameters directly with "
+                        "stochastic rounding (default fp32; --optimizer adamw always keeps fp32 masters)")
     p.add_argument("--parallel", choices=("none", "ddp", "sharded", "pipeline"), default=None,
                    help="how several processes share the work (default: none for one process, ddp under torchrun)")
     p.add_argument("--pipeline-stages", type=positive_int, default=None,
@@ -67,7 +71,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="ranks per node for SDP4Bit's gradient reduce-scatter: int8 inside a node, int4 across "
                         "nodes (default: torchrun's LOCAL_WORLD_SIZE; 1 treats every GPU as a node)")
     p.add_argument("--checkpoint-every", type=non_negative_int, default=100,
-                   help="save a checkpoint every N steps, and at the end (0: only at the end; default 100)")
+                   help="save a checkpoint every N steps, and at the end (0: no checkpoint is written at all; "
+                        "default 100)")
     p.add_argument("--eval-every", type=positive_int, default=None,
                    help="validation loss every N steps and at the end (default: steps/10)")
     p.add_argument("--eval-batches", type=positive_int, default=8,
@@ -92,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(model=args.model, plan=args.plan, policy=args.policy, gradients=args.gradients,
                       data=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, micro_batch=args.micro_batch,
                       grad_accum=args.grad_accum, steps=args.steps, lr=args.lr, warmup=args.warmup,
-                      weight_decay=args.weight_decay, clip=args.clip, optimizer=args.optimizer,
+                      weight_decay=args.weight_decay, clip=args.clip, optimizer=args.optimizer, master=args.master,
                       parallel=args.parallel, pipeline_stages=args.pipeline_stages,
                       checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
                       eval_batches=args.eval_batches, resume=args.resume, seed=args.seed, device=args.device,

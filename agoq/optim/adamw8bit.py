@@ -4,9 +4,14 @@ Each moment is kept as 8-bit floating-point codes (float8 e4m3: 3 mantissa bits,
 range) with one float32 scale per block of `block` values (the block's largest magnitude maps to 448,
 the format's largest value). The first moment is stored as it is; the second moment is stored as its
 square root, which halves the decades it must span and makes the stored quantity the one the update
-divides by. A step dequantizes both moments of a parameter, runs the AdamW update in float32 (float64
-for float64 parameters), writes the parameter, and requantizes: 2 bytes of state per value plus
-8 bytes per block, against 8 for float32 AdamW.
+divides by. A step reads both moments, the gradient and the parameter, runs the AdamW update in float32
+and writes the parameter and the requantized moments in one pass (agoq.optim.fused_adamw: one Triton
+launch per bucket of parameters on the GPU, its torch reference elsewhere): 2 bytes of state per value
+plus 8 bytes per block, against 8 for float32 AdamW.
+
+`FusedAdamW8bit` steps bf16 model parameters directly: it keeps their float32 masters in its state
+(or none: bf16 parameters updated with stochastic rounding), reads QuanGrad's 8-bit gradients in
+place and multiplies the clip factor into the gradient, so no float32 gradient exists.
 
 Parameters with fewer than `min_8bit_numel` values (norm weights, biases) keep float32 moments: they
 cost little and are the most sensitive.
@@ -22,29 +27,10 @@ from typing import Iterable
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-BUCKET_VALUES = 2**26  # values updated together (about 1 GiB of float32 temporaries)
+from agoq.comm.quangrad import QuantizedGradients
+from agoq.optim.fused_adamw import adamw8bit_step, dequantize_blocks, quantize_blocks, sr_seed, stochastic_round_bf16
 
-
-def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 codes [n padded to blocks], float32 scales [blocks]) of a flat float tensor, float8 e4m3 per block."""
-    n = x.numel()
-    blocks = -(-n // block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
-    padded[:n] = x.reshape(-1)
-    rows = padded.view(blocks, block)
-    absmax = rows.abs().amax(dim=1)
-    scales = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
-    codes = (rows / scales.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return codes.view(torch.uint8).reshape(-1), scales
-
-
-def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, numel: int,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The flat tensor of `numel` values that `quantize_blocks` stored, in `dtype`."""
-    rows = codes.view(FP8).view(scales.numel(), -1).to(dtype)
-    return (rows * scales.to(dtype).unsqueeze(1)).reshape(-1)[:numel]
+__all__ = ["AdamW8bit", "FusedAdamW8bit", "quantize_blocks", "dequantize_blocks"]
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -65,6 +51,9 @@ class AdamW8bit(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.block = block
         self.min_8bit_numel = min_8bit_numel
+        self.seed = 0
+        self.stochastic_rounding = False
+        self._index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -83,100 +72,70 @@ class AdamW8bit(torch.optim.Optimizer):
     def step(self, closure=None):
         """One AdamW step over every parameter with a .grad; returns the closure's loss if given.
 
-        Parameters with 8-bit moments are updated together, in buckets of up to 2**26 values laid end
-        to end (each padded to whole blocks), so a step launches a few dozen kernels per bucket instead
-        of a few dozen per parameter; the arithmetic is elementwise, hence identical either way.
+        Parameters with 8-bit moments go through the fused step (agoq.optim.fused_adamw) in groups of
+        one step count; on the GPU that is one kernel launch per bucket of up to 2**26 values.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            hp = (group["lr"], *group["betas"], group["eps"], group["weight_decay"])
-            batches: dict[tuple, list] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p] if self.state.get(p) else self._init_state(p)
-                if "exp_avg_codes" in state:
-                    key = (state["step"], p.dtype == torch.float64, p.device)
-                    batches.setdefault(key, []).append((p, state))
-                else:
-                    self._step_exact(p, state, *hp)
-            for items in batches.values():
-                for bucket in self._buckets(items):
-                    self._step_quantized(bucket, *hp)
+            items = [(p, p.grad) for p in group["params"] if p.grad is not None]
+            self._step_group(group, items, masters=False, clip=1.0, grad_block=self.block)
         return loss
 
-    def _buckets(self, items: list) -> list[list]:
-        out, size = [[]], 0
-        for p, state in items:
-            n = -(-p.numel() // self.block) * self.block
-            if out[-1] and size + n > BUCKET_VALUES:
-                out.append([])
-                size = 0
-            out[-1].append((p, state))
-            size += n
-        return out
+    def _step_group(self, group: dict, items: list, masters: bool, clip: float, grad_block: int) -> None:
+        """AdamW over (parameter, gradient) pairs of one group; a gradient is a dense tensor or QuanGrad's
+        (codes, scales). With `masters`, a parameter whose state holds a float32 "master" is stepped there."""
+        hp = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+        batches: dict[tuple, list] = {}
+        for p, g in items:
+            state = self.state[p] if self.state.get(p) else self._init_state(p)
+            if "exp_avg_codes" in state:
+                batches.setdefault((state["step"], p.device), []).append((p, g, state))
+            else:
+                self._step_exact(p, g, state, clip, **hp)
+        for (step, _), batch in batches.items():
+            params = [p for p, _, _ in batch]
+            states = [st for _, _, st in batch]
+            master_list = [st["master"] for st in states] if masters and "master" in states[0] else None
+            seeds = None
+            if self.stochastic_rounding and master_list is None:
+                seeds = [sr_seed(self.seed, step + 1, self._index[id(p)]) for p in params]
+            adamw8bit_step(params, master_list, [g for _, g, _ in batch], states, **hp, step=step + 1, clip=clip,
+                           block=self.block, grad_block=grad_block, seeds=seeds)
+            for st in states:
+                st["step"] = step + 1
 
-    @staticmethod
-    def _step_exact(p, state, lr, beta1, beta2, eps, wd) -> None:
-        """AdamW on one parameter whose moments are kept exactly."""
+    def _step_exact(self, p, grad, state, clip, lr, betas, eps, weight_decay) -> None:
+        """AdamW on one parameter whose moments are kept exactly (in float32, float64 for float64 parameters)."""
+        beta1, beta2 = betas
         dtype = state["exp_avg"].dtype
-        grad = p.grad.to(dtype)
+        if isinstance(grad, tuple):  # QuanGrad's codes and scales of a small parameter
+            codes, scales = grad
+            grad = ((codes.to(torch.int32) - 127).to(dtype).view(scales.numel(), -1)
+                    * scales.to(dtype)[:, None]).reshape(-1)[: p.numel()].view(p.shape)
+        grad = grad.to(dtype)
+        if clip != 1.0:
+            grad = grad * clip
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         state["step"] += 1
         step = state["step"]
-        value = p.to(dtype)
-        value.mul_(1.0 - lr * wd)
+        master = state.get("master")
+        value = master.clone() if master is not None else p.to(dtype)
+        value.mul_(1.0 - lr * weight_decay)
         exp_avg.lerp_(grad, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** step)).add_(eps)
         value.addcdiv_(exp_avg, denom, value=-lr / (1.0 - beta1 ** step))
-        p.copy_(value)
-
-    def _step_quantized(self, items: list, lr, beta1, beta2, eps, wd) -> None:
-        """AdamW on parameters with 8-bit moments and the same step count, laid end to end."""
-        block = self.block
-        first = items[0][0]
-        dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
-        sizes = [p.numel() for p, _ in items]
-        padded = [-(-n // block) * block for n in sizes]
-        zeros = torch.zeros(block, dtype=dtype, device=first.device)
-
-        def flat(tensors) -> torch.Tensor:
-            pieces = []
-            for t, n, length in zip(tensors, sizes, padded):
-                pieces.append(t.reshape(-1).to(dtype))
-                if length > n:
-                    pieces.append(zeros[: length - n])
-            return torch.cat(pieces)
-
-        total = sum(padded)
-        grad = flat([p.grad for p, _ in items])
-        value = flat([p for p, _ in items])
-        states = [st for _, st in items]
-        exp_avg = dequantize_blocks(torch.cat([st["exp_avg_codes"] for st in states]),
-                                    torch.cat([st["exp_avg_scales"] for st in states]), total, dtype)
-        exp_avg_sq = dequantize_blocks(torch.cat([st["exp_avg_sqrt_codes"] for st in states]),
-                                       torch.cat([st["exp_avg_sqrt_scales"] for st in states]), total,
-                                       dtype).square_()
-        step = states[0]["step"] + 1
-        value.mul_(1.0 - lr * wd)
-        exp_avg.lerp_(grad, 1.0 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** step)).add_(eps)
-        value.addcdiv_(exp_avg, denom, value=-lr / (1.0 - beta1 ** step))
-        m_codes, m_scales = quantize_blocks(exp_avg, block)
-        r_codes, r_scales = quantize_blocks(exp_avg_sq.sqrt_(), block)
-        offset = 0
-        for (p, st), n, length in zip(items, sizes, padded):
-            p.copy_(value[offset: offset + n].view_as(p))
-            b0, b1 = offset // block, (offset + length) // block
-            st["exp_avg_codes"], st["exp_avg_scales"] = m_codes[offset: offset + length], m_scales[b0:b1]
-            st["exp_avg_sqrt_codes"], st["exp_avg_sqrt_scales"] = r_codes[offset: offset + length], r_scales[b0:b1]
-            st["step"] = step
-            offset += length
+        if master is not None:
+            master.copy_(value)
+        if master is None and p.dtype == torch.bfloat16 and self.stochastic_rounding:
+            gen = torch.Generator(device=p.device).manual_seed(sr_seed(self.seed, step, self._index[id(p)]))
+            noise = torch.randint(0, 2**16, (p.numel(),), generator=gen, dtype=torch.int32, device=p.device)
+            p.copy_(stochastic_round_bf16(value.float().reshape(-1), noise).view(p.shape))
+        else:
+            p.copy_(value)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held (codes, scales, float32 moments)."""
@@ -192,3 +151,68 @@ class AdamW8bit(torch.optim.Optimizer):
             for key, value in state_dict["state"].get(pid, {}).items():
                 if isinstance(value, torch.Tensor):
                     self.state[p][key] = value.to(device=p.device, copy=True)
+
+
+class FusedAdamW8bit(AdamW8bit):
+    """AdamW8bit over a model's own (bf16) parameters, with the clip factor and the gradient source fused in.
+
+    `masters=True`: every parameter that is not float32 gets a float32 master in its state
+    (`state["master"]`, 4 bytes per value), which the step updates and rounds (nearest even) into the
+    parameter. `masters=False`: no master; bf16 parameters receive the float32 result stochastically
+    rounded (seeded by `seed`, the step and the parameter's position: resumes draw the same bits).
+
+    `step(grads=None | QuantizedGradients | list of tensors, clip_scale=s)` reads each parameter's
+    gradient where it lives: QuanGrad's 8-bit codes and scales (no float32 gradient is ever built),
+    the given tensors, or (None) the parameters' .grad; the gradient is multiplied by `clip_scale`.
+    Parameters with fewer than `min_8bit_numel` values keep exact float32 moments (as AdamW8bit).
+    The state format is AdamW8bit's plus "master"; `state_dict()` holds it as stored (8-bit codes).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, masters: bool = True, block: int = 256,
+                 min_8bit_numel: int = 4096, seed: int = 0):
+        super().__init__(params, lr, betas, eps, weight_decay, block=block, min_8bit_numel=min_8bit_numel)
+        self.masters = masters
+        self.seed = seed
+        self.stochastic_rounding = not masters
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = super()._init_state(p)
+        if self.masters and p.dtype != torch.float32:
+            state["master"] = p.detach().float().clone()
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grads: QuantizedGradients | list[torch.Tensor] | None = None,
+             clip_scale: float = 1.0):
+        """One AdamW step of every parameter that has a gradient in `grads` (see the class docstring)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for g in self.param_groups for p in g["params"]]
+        grad_block = self.block
+        if isinstance(grads, QuantizedGradients):
+            grads.wait()
+            grad_block = grads.block
+            held = {id(p) for p in grads.params}
+            missing = [i for i, p in enumerate(params) if id(p) not in held]
+            if missing:
+                raise ValueError(f"the QuantizedGradients hold no gradient for parameters {missing[:5]} of this "
+                                 "optimizer: build both over the same parameters")
+            source = {id(p): grads.stored(p) for p in params}
+        elif grads is None:
+            source = {id(p): p.grad for p in params if p.grad is not None}
+        else:
+            grads = list(grads)
+            if len(grads) != len(params):
+                raise ValueError(f"{len(grads)} gradients for {len(params)} parameters")
+            source = {id(p): g for p, g in zip(params, grads) if g is not None}
+        for group in self.param_groups:
+            items = [(p, source[id(p)]) for p in group["params"] if id(p) in source]
+            self._step_group(group, items, masters=self.masters, clip=clip_scale, grad_block=grad_block)
+        return loss
+
+    def master_bytes(self) -> int:
+        """Bytes of float32 masters held (0 without masters)."""
+        return sum(s["master"].numel() * 4 for s in self.state.values() if "master" in s)

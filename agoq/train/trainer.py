@@ -44,6 +44,7 @@ from agoq.train.data import Batches, load_corpus
 
 PARALLEL_MODES = ("none", "ddp", "sharded", "pipeline")
 OPTIMIZERS = ("adamw", "adamw8bit")
+MASTERS = ("fp32", "none")
 DEFAULTS = {"seq_len": 256, "micro_batch": 8, "grad_accum": 1}
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -68,6 +69,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip: float = 1.0
     optimizer: str = "adamw"
+    master: str = "fp32"
     parallel: str | None = None
     pipeline_stages: int | None = None
     checkpoint_every: int = 100
@@ -202,6 +204,10 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
     dtype = _dtype(cfg, device)
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
+    if cfg.master not in MASTERS:
+        raise ValueError(f"--master must be one of {', '.join(MASTERS)}, got {cfg.master!r}")
+    if cfg.master == "none" and cfg.optimizer != "adamw8bit":
+        raise ValueError("--master none (bf16 parameters updated with stochastic rounding) needs --optimizer adamw8bit")
     parallel = cfg.parallel or ("none" if world.size == 1 else "ddp")
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, got {parallel!r}")
@@ -409,17 +415,21 @@ class Trainer:
                                               weight_decay=cfg.weight_decay, quantize_gradients=quantized,
                                               quantize_weights=quantized, seed=cfg.seed, on_nonfinite="raise",
                                               node_size=cfg.node_size)
+        elif cfg.optimizer == "adamw8bit":
+            # one fused pass per bucket: gradients read where they live (QuanGrad's codes or .grad), the clip
+            # factor multiplied in, float32 masters (--master fp32) kept in the optimizer's state
+            from agoq.optim.adamw8bit import FusedAdamW8bit
+
+            self.weights = None
+            self.masters = None
+            self.optimizer = FusedAdamW8bit(self.params, lr=cfg.lr, betas=BETAS, eps=EPS,
+                                            weight_decay=cfg.weight_decay, masters=cfg.master == "fp32",
+                                            seed=cfg.seed)
         else:
             self.weights = MasterWeights(self.params)
             self.masters = self.weights.masters
-            targets = self.weights.targets
-            if cfg.optimizer == "adamw8bit":
-                from agoq.optim.adamw8bit import AdamW8bit
-
-                self.optimizer = AdamW8bit(targets, lr=cfg.lr, betas=BETAS, eps=EPS, weight_decay=cfg.weight_decay)
-            else:
-                self.optimizer = torch.optim.AdamW(targets, lr=cfg.lr, betas=BETAS, eps=EPS,
-                                                   weight_decay=cfg.weight_decay)
+            self.optimizer = torch.optim.AdamW(self.weights.targets, lr=cfg.lr, betas=BETAS, eps=EPS,
+                                               weight_decay=cfg.weight_decay)
 
     # ---------------------------------------------------------------- run description
 
@@ -427,6 +437,7 @@ class Trainer:
         s, cfg = self.s, self.s.cfg
         return {"seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch, "grad_accum": cfg.grad_accum,
                 "steps": cfg.steps, "lr": cfg.lr, "warmup": s.warmup, "optimizer": cfg.optimizer,
+                "master": cfg.master if s.dtype != torch.float32 else "none (float32 parameters)",
                 "parallel": s.parallel, "data": s.corpus_info["data"], "seed": cfg.seed,
                 "gradients": s.gradients, "policy": s.policy_name, "dtype": str(s.dtype).replace("torch.", ""),
                 "weight_decay": cfg.weight_decay, "clip": cfg.clip, "betas": list(BETAS),
@@ -445,7 +456,7 @@ class Trainer:
 
     def _resume_key(self) -> dict:
         settings = self._settings()
-        keep = ("seq_len", "micro_batch", "grad_accum", "optimizer", "parallel", "gradients", "policy", "dtype",
+        keep = ("seq_len", "micro_batch", "grad_accum", "optimizer", "master", "parallel", "gradients", "policy", "dtype",
                 "seed", "data_sha256", "tokenizer")
         return {"fingerprint": self.s.spec["fingerprint"], **{k: settings[k] for k in keep}}
 
@@ -535,21 +546,34 @@ class Trainer:
             total += loss.detach().float() / cfg.grad_accum
         return total
 
-    def _gradients(self) -> list[torch.Tensor]:
-        """After backward: the float gradients the optimizer will use (all-reduced where that is needed)."""
+    @property
+    def _fused(self) -> bool:
+        """The fused 8-bit AdamW step: it reads the gradients as stored."""
+        return self.s.cfg.optimizer == "adamw8bit" and self.s.parallel != "sharded"
+
+    def _gradients(self):
+        """After backward: the gradients the optimizer will use (all-reduced where that is needed): float
+        tensors, or for the fused step with QuanGrad the QuantizedGradients themselves (no float copy)."""
         s = self.s
         if self.qgrads is not None:
             if s.parallel == "ddp":
                 self.qgrads.all_reduce(average=True)
+            if self._fused:
+                return self.qgrads
             grads = [self.qgrads.gradient(p) for p in self.params]
         else:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         return grads
 
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
-        sq = torch.zeros((), dtype=torch.float64, device=self.s.device)
-        for g in grads:
-            sq += g.detach().double().pow(2).sum()
+    def _grad_norm(self, grads) -> float:
+        if self._fused:
+            from agoq.optim.fused_adamw import grad_norm_sq
+
+            sq = grad_norm_sq(grads)  # one reduction over the stored gradients
+        else:
+            sq = torch.zeros((), dtype=torch.float64, device=self.s.device)
+            for g in grads:
+                sq += g.detach().double().pow(2).sum()
         if self.s.parallel == "pipeline":
             dist.all_reduce(sq)  # each stage holds its own parameters
         elif self.s.parallel == "sharded" and self.s.world.size > 1:
@@ -559,6 +583,9 @@ class Trainer:
 
     def _apply(self, grads: list[torch.Tensor], scale: float) -> None:
         """Give the optimizer its gradients (scaled by `scale` for clipping) and take the step."""
+        if self._fused:
+            self.optimizer.step(grads=grads, clip_scale=scale)
+            return
         if self.s.parallel == "sharded":
             for p, g in zip(self.params, grads):
                 p.grad = g.mul_(scale) if scale != 1.0 else g
@@ -662,7 +689,7 @@ class Trainer:
                     if not math.isfinite(val):
                         raise TrainingFailed(f"step {done}: the validation loss is {val}. The last good checkpoint "
                                              f"(step {last_saved}) is kept")
-                if (cfg.checkpoint_every > 0 and done % cfg.checkpoint_every == 0) or done == cfg.steps:
+                if cfg.checkpoint_every > 0 and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
                     self.save(done)
                     last_saved = done
                 if self.record is not None:

@@ -96,8 +96,12 @@ def test_state_dict_round_trip_continues_exactly():
 
 
 def test_parameters_updated_together_equal_one_at_a_time(monkeypatch):
-    """The bucketed update (parameters laid end to end) is the same arithmetic as one parameter at a time."""
-    from agoq.optim import adamw8bit
+    """The fused kernel's buckets (one launch over several parameters) give the bytes of one launch per parameter."""
+    import functools
+
+    from agoq.optim import adamw8bit, fused_adamw
+
+    monkeypatch.setattr(adamw8bit, "adamw8bit_step", functools.partial(fused_adamw.adamw8bit_step, backend="triton"))
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
     shapes = [(37, 53), (300,), (129, 7), (5, 5), (1000,)]
@@ -105,7 +109,7 @@ def test_parameters_updated_together_equal_one_at_a_time(monkeypatch):
     grads = [[torch.randn(s, generator=g) * (i + 1) for s in shapes] for i in range(6)]
 
     def run(bucket_values):
-        monkeypatch.setattr(adamw8bit, "BUCKET_VALUES", bucket_values)
+        monkeypatch.setattr(fused_adamw, "BUCKET_VALUES", bucket_values)
         params = [t.clone().requires_grad_() for t in init]
         opt = AdamW8bit(params, **HP, block=64, min_8bit_numel=100)  # (5, 5) keeps exact moments
         for step_grads in grads:

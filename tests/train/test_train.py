@@ -46,11 +46,24 @@ def test_run_folder_follows_the_run_format(tmp_path):
     assert not list(out.glob(".checkpoint-*"))
 
 
+def test_checkpoint_every_0_writes_no_checkpoint_and_master_none_is_recorded(tmp_path):
+    out = tmp_path / "run"
+    assert train(TrainConfig(**TINY, steps=3, checkpoint_every=0, dtype="bf16", optimizer="adamw8bit",
+                             gradients="quangrad8", master="none", out=str(out))) == 0
+    assert not (out / "checkpoint").exists() and not list(out.glob(".checkpoint-*"))
+    run = _run_json(out)
+    assert run["status"] == "finished" and run["settings"]["master"] == "none"
+    assert run["settings"]["optimizer"] == "adamw8bit" and run["settings"]["gradients"] == "quangrad8"
+    with pytest.raises(ValueError, match="--master none"):
+        train(TrainConfig(**TINY, steps=1, master="none", out=str(tmp_path / "bad")))
+
+
 class _Killed(BaseException):
     """Stands for a kill: nothing in the trainer catches it."""
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(dtype="bf16", optimizer="adamw8bit")])  # bf16: float32 masters
+@pytest.mark.parametrize("variant", [dict(), dict(dtype="bf16", optimizer="adamw8bit"),  # bf16: float32 masters
+                                     dict(dtype="bf16", optimizer="adamw8bit", master="none", gradients="quangrad8")])
 def test_resume_after_interruption_gives_the_same_losses_exactly(tmp_path, monkeypatch, variant):
     common = dict(**TINY, steps=9, grad_accum=2, checkpoint_every=4, eval_every=3, **variant)
     assert train(TrainConfig(**common, out=str(tmp_path / "whole"))) == 0

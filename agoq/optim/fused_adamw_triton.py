@@ -1,0 +1,291 @@
+"""Triton kernels of the fused 8-bit AdamW step and of the gradient norm: one pass over what is stored.
+
+`adamw_step_triton` updates a bucket of parameters in ONE launch. A small int64 table holds, per
+parameter, the addresses of its gradient (QuanGrad's uint8 codes and float32 scales, or a dense
+bf16 / float32 / float64 .grad), of its two 8-bit moments (float8 e4m3 codes, float32 scale per
+`block` values), of its float32 master (or 0) and of the parameter itself, its length and its
+stochastic-rounding seed; a second table maps every program to (parameter, tile). A program's
+tile is BPP whole moment blocks, so it requantizes its blocks without talking to any other.
+Per value it reads about 1 (grad code) + 2 (moment codes) + 4 (master) bytes and writes
+2 + 4 + 2 (moments, master, bf16 parameter); no float32 copy of anything exists outside registers.
+
+Every float operation is the one agoq.optim.fused_adamw.adamw_chunk_reference does, in the same
+order, each product rounded on its own (mul_rn: never contracted into an FMA on the GPU), so the
+interpreter (TRITON_INTERPRET=1) reproduces the reference's bytes exactly. float8 e4m3 and bf16
+conversions are done with integer arithmetic (round to nearest even), because the interpreter's own
+casts truncate; on the GPU the same code runs, so both agree with torch's `.to()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agoq.quant.triton_common import USE_ASM, mul_rn, nanmax
+
+BLOCKS_PER_PROGRAM = 4  # moment blocks per program: 1024 values at block 256
+NORM_TILE = 4096  # values per program of the dense gradient-norm kernel
+FIELDS = 10  # int64 words per parameter in the step's table (see _table)
+PARAM_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float64: 2}
+GRAD_KINDS = {"quangrad": 0, torch.float32: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+@triton.jit
+def _fp8_decode(c):
+    """float32 value of float8 e4m3fn codes (int32 in [0, 256)): exact."""
+    e = (c >> 3) & 15
+    m = c & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2**(e-7) * (1 + m/8)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
+    v = tl.where((e == 15) & (m == 7), v - v + float("nan"), v)
+    return tl.where(c >= 128, -v, v)
+
+
+@triton.jit
+def _fp8_encode(x):
+    """float8 e4m3fn code (int32) of float32 `x` with |x| <= 448, rounded to nearest even (as torch's .to())."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    r = a + 0x7FFFF + ((a >> 20) & 1)  # round the 23-bit mantissa to 3 bits, nearest even; carries into the exponent
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    af = a.to(tl.float32, bitcast=True)
+    sub = (af * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # RNE(|x| * 2**9): exact product
+    code = tl.where(a >= 0x3C800000, normal, sub)  # 2**-6: the smallest normal
+    code = tl.where(a > 0x7F800000, 0x7F, code)  # NaN
+    return code | sign
+
+
+@triton.jit
+def _bf16_load(ptr, off, mask):
+    bits = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + off, mask=mask, other=0).to(tl.int32)
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_bits(x, noise, STOCHASTIC: tl.constexpr):
+    """bf16 bits (int32 in [0, 65536)) of float32 x: nearest even, or x + noise (16 random low bits) truncated."""
+    bits = x.to(tl.int32, bitcast=True)
+    if STOCHASTIC:
+        r = bits + noise
+    else:
+        r = bits + 0x7FFF + ((bits >> 16) & 1)
+    r = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, bits | 0x400000, r)  # NaN stays a (quiet) NaN
+    return (r >> 16) & 0xFFFF
+
+
+@triton.jit
+def _mul(x, s, USE_ASM: tl.constexpr):
+    """RN(x * s) for a tensor x and a scalar or broadcastable s."""
+    return mul_rn(x, tl.zeros_like(x) + s, USE_ASM)
+
+
+@triton.jit
+def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_size, bc2_sqrt, eps, clip,
+                  FIELDS_: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr, GBLOCK: tl.constexpr,
+                  GKIND: tl.constexpr, PKIND: tl.constexpr, HAS_MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
+                  USE_ASM: tl.constexpr):
+    pid = tl.program_id(0)
+    j = tl.load(tiles_ptr + 2 * pid).to(tl.int64)
+    t = tl.load(tiles_ptr + 2 * pid + 1).to(tl.int64)
+    row = table_ptr + j * FIELDS_
+    n = tl.load(row + 8)
+    b = t * BPP + tl.arange(0, BPP)[:, None]  # [BPP, 1] moment block within the parameter
+    off = b * BLOCK + tl.arange(0, BLOCK)[None, :]  # [BPP, BLOCK] value within the parameter
+    blive = b < (n + BLOCK - 1) // BLOCK
+    live = off < n
+
+    # the gradient, times the clip factor
+    if GKIND == 0:
+        gc = tl.load(tl.load(row + 2).to(tl.pointer_type(tl.uint8)) + off, mask=live, other=127).to(tl.int32)
+        gs = tl.load(tl.load(row + 3).to(tl.pointer_type(tl.float32)) + off // GBLOCK, mask=live, other=0.0)
+        g = mul_rn((gc - 127).to(tl.float32), gs, USE_ASM)
+    elif GKIND == 1:
+        g = tl.load(tl.load(row + 2).to(tl.pointer_type(tl.float32)) + off, mask=live, other=0.0)
+    elif GKIND == 2:
+        g = _bf16_load(tl.load(row + 2), off, live)
+    else:
+        g = tl.load(tl.load(row + 2).to(tl.pointer_type(tl.float64)) + off, mask=live, other=0.0).to(tl.float32)
+    g = _mul(g, clip, USE_ASM)
+
+    # the moments: m, and r = sqrt(v)
+    mcp = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    msp = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    rcp = tl.load(row + 6).to(tl.pointer_type(tl.uint8))
+    rsp = tl.load(row + 7).to(tl.pointer_type(tl.float32))
+    m_old = mul_rn(_fp8_decode(tl.load(mcp + off, mask=blive, other=0).to(tl.int32)),
+                   tl.load(msp + b, mask=blive, other=1.0), USE_ASM)
+    r_old = mul_rn(_fp8_decode(tl.load(rcp + off, mask=blive, other=0).to(tl.int32)),
+                   tl.load(rsp + b, mask=blive, other=1.0), USE_ASM)
+    m = _mul(m_old, beta1, USE_ASM) + _mul(g, omb1, USE_ASM)
+    v = _mul(mul_rn(r_old, r_old, USE_ASM), beta2, USE_ASM) + _mul(mul_rn(g, g, USE_ASM), omb2, USE_ASM)
+    m = tl.where(live, m, 0.0)
+    r = tl.where(live, tl.sqrt_rn(v), 0.0)
+
+    # the parameter
+    pp = tl.load(row + 0)
+    if HAS_MASTER:
+        mp = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        p = tl.load(mp + off, mask=live, other=0.0)
+    elif PKIND == 0:
+        p = tl.load(pp.to(tl.pointer_type(tl.float32)) + off, mask=live, other=0.0)
+    elif PKIND == 1:
+        p = _bf16_load(pp, off, live)
+    else:
+        p = tl.load(pp.to(tl.pointer_type(tl.float64)) + off, mask=live, other=0.0).to(tl.float32)
+    denom = tl.math.div_rn(r, tl.zeros_like(r) + bc2_sqrt) + eps
+    upd = tl.math.div_rn(_mul(m, step_size, USE_ASM), denom)
+    p = _mul(p, decay, USE_ASM) - upd
+    if HAS_MASTER:
+        tl.store(mp + off, p, mask=live)
+    if PKIND == 0:
+        tl.store(pp.to(tl.pointer_type(tl.float32)) + off, p, mask=live)
+    elif PKIND == 1:
+        noise = tl.zeros_like(off).to(tl.int32)
+        if STOCHASTIC:
+            seed = tl.load(row + 9)
+            noise = (tl.randint(seed, off.to(tl.uint32)) >> 16).to(tl.int32)
+        tl.store(pp.to(tl.pointer_type(tl.uint16)) + off, _bf16_bits(p, noise, STOCHASTIC).to(tl.uint16), mask=live)
+    else:
+        tl.store(pp.to(tl.pointer_type(tl.float64)) + off, p.to(tl.float64), mask=live)
+
+    _requantize(m, mcp, msp, off, b, blive)
+    _requantize(r, rcp, rsp, off, b, blive)
+
+
+@triton.jit
+def _requantize(x, codes_ptr, scales_ptr, off, b, blive):
+    """Store x [BPP, BLOCK] as float8 e4m3 codes with scale = block absmax / 448 (1 for an all-zero block)."""
+    absmax = tl.reduce(tl.abs(x), 1, nanmax, keep_dims=True)
+    s = tl.where(absmax > 0, tl.math.div_rn(absmax, tl.zeros_like(absmax) + 448.0), 1.0)
+    q = tl.math.div_rn(x, tl.zeros_like(x) + s)
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    tl.store(codes_ptr + off, _fp8_encode(q).to(tl.uint8), mask=blive)
+    tl.store(scales_ptr + b, s, mask=blive)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"adamw_step_triton needs contiguous tensors: {name} is not")
+    return t
+
+
+def _tile_map(numels: list[int], per_tile: int, device: torch.device) -> torch.Tensor:
+    """int32 [tiles, 2]: (parameter index, tile within the parameter) of every program."""
+    counts = torch.tensor([-(-n // per_tile) for n in numels], dtype=torch.int64)
+    which = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    tile = torch.arange(int(counts.sum())) - starts[which]
+    return torch.stack([which, tile], 1).to(torch.int32).to(device)
+
+
+def adamw_step_triton(params: list[torch.Tensor], masters: list[torch.Tensor] | None, grads: list,
+                      states: list[dict], *, beta1: float, beta2: float, omb1: float, omb2: float, decay: float,
+                      step_size: float, bc2_sqrt: float, eps: float, clip: float, block: int, grad_block: int,
+                      seeds: list[int] | None) -> None:
+    """One launch over a bucket (see the module docstring). All of a bucket's parameters share a dtype and
+    its gradients a kind: all (codes, scales) of QuanGrad with values per scale `grad_block`, or all dense
+    tensors of one dtype. Scalars are float32 numbers (agoq.optim.fused_adamw rounds them). `seeds`
+    (one int per parameter) selects stochastic rounding of bf16 parameters (only without masters)."""
+    if not params:
+        return
+    pdtype = params[0].dtype
+    if pdtype not in PARAM_KINDS:
+        raise ValueError(f"the fused AdamW step updates float32, bf16 or float64 parameters, got {pdtype}")
+    quant = isinstance(grads[0], tuple)
+    gkind = GRAD_KINDS["quangrad" if quant else grads[0].dtype] if quant or grads[0].dtype in GRAD_KINDS else None
+    if gkind is None:
+        raise ValueError(f"the fused AdamW step reads float32, bf16 or float64 gradients, got {grads[0].dtype}")
+    if block & (block - 1) or grad_block & (grad_block - 1):
+        raise ValueError(f"the fused AdamW step needs power-of-two blocks, got {block} and {grad_block}")
+    rows = []
+    for i, (p, g, st) in enumerate(zip(params, grads, states)):
+        if p.dtype != pdtype:
+            raise ValueError("a bucket's parameters must share one dtype")
+        gp, gs = (_ptr(_contiguous("grad codes", g[0])), _ptr(_contiguous("grad scales", g[1]))) if quant \
+            else (_ptr(_contiguous("grad", g)), 0)
+        rows.append([_ptr(_contiguous("param", p)), _ptr(masters[i]) if masters is not None else 0, gp, gs,
+                     _ptr(_contiguous("exp_avg_codes", st["exp_avg_codes"])), _ptr(st["exp_avg_scales"]),
+                     _ptr(_contiguous("exp_avg_sqrt_codes", st["exp_avg_sqrt_codes"])),
+                     _ptr(st["exp_avg_sqrt_scales"]), p.numel(), seeds[i] if seeds is not None else 0])
+    device = params[0].device
+    table = torch.tensor(rows, dtype=torch.int64).to(device)
+    tiles = _tile_map([p.numel() for p in params], block * BLOCKS_PER_PROGRAM, device)
+    _adamw_kernel[(tiles.shape[0],)](
+        table, tiles, beta1, beta2, omb1, omb2, decay, step_size, bc2_sqrt, eps, clip,
+        FIELDS_=FIELDS, BLOCK=block, BPP=BLOCKS_PER_PROGRAM, GBLOCK=grad_block, GKIND=gkind,
+        PKIND=PARAM_KINDS[pdtype], HAS_MASTER=masters is not None,
+        STOCHASTIC=seeds is not None and masters is None and pdtype == torch.bfloat16, USE_ASM=USE_ASM,
+        num_warps=4)
+
+
+# ------------------------------------------------------------------------------------ gradient norm
+
+
+@triton.jit
+def _codes_sq_kernel(codes_ptr, scales_ptr, out_ptr, nblocks, BLOCK: tl.constexpr, BPP: tl.constexpr):
+    """out[pid] = sum over its BPP blocks of scale**2 * sum((code - 127)**2): integer sums, float64 products."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid * BPP + tl.arange(0, BPP)
+    live = b < nblocks
+    c = tl.load(codes_ptr + b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :], mask=live[:, None],
+                other=127).to(tl.int32) - 127
+    ints = tl.sum(c * c, axis=1)  # <= 256 * 127**2: exact in int32
+    s = tl.load(scales_ptr + b, mask=live, other=0.0).to(tl.float64)
+    tl.store(out_ptr + pid, tl.sum(ints.to(tl.float64) * s * s, axis=0))
+
+
+@triton.jit
+def _dense_sq_kernel(table_ptr, tiles_ptr, out_ptr, TILE: tl.constexpr, KIND: tl.constexpr):
+    """out[pid] = sum of squares (float32 products, float64 total) over one tile of one tensor."""
+    pid = tl.program_id(0)
+    j = tl.load(tiles_ptr + 2 * pid).to(tl.int64)
+    t = tl.load(tiles_ptr + 2 * pid + 1).to(tl.int64)
+    ptr = tl.load(table_ptr + 2 * j)
+    n = tl.load(table_ptr + 2 * j + 1)
+    off = t * TILE + tl.arange(0, TILE)
+    live = off < n
+    if KIND == 1:
+        g = tl.load(ptr.to(tl.pointer_type(tl.float32)) + off, mask=live, other=0.0)
+    elif KIND == 2:
+        g = _bf16_load(ptr, off, live)
+    else:
+        g = tl.load(ptr.to(tl.pointer_type(tl.float64)) + off, mask=live, other=0.0).to(tl.float32)
+    g = g.to(tl.float64)
+    tl.store(out_ptr + pid, tl.sum(g * g, axis=0))
+
+
+def codes_norm_sq_triton(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """Sum of squares (float64 0-d tensor) of a whole QuanGrad buffer (zero codes are 127): one launch."""
+    nblocks = scales.numel()
+    bpp = 16
+    programs = triton.cdiv(nblocks, bpp)
+    out = torch.empty(max(programs, 1), dtype=torch.float64, device=codes.device)
+    if programs == 0:
+        return out.zero_().sum()
+    _codes_sq_kernel[(programs,)](codes, scales, out, nblocks, BLOCK=block, BPP=bpp, num_warps=4)
+    return out.sum()
+
+
+def dense_norm_sq_triton(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares (float64 0-d tensor) of dense gradients: one launch per dtype."""
+    device = grads[0].device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.dtype not in GRAD_KINDS:
+            raise ValueError(f"grad_norm_sq reads float32, bf16 or float64 gradients, got {g.dtype}")
+        by_dtype.setdefault(g.dtype, []).append(_contiguous("grad", g))
+    for dtype, group in by_dtype.items():
+        table = torch.tensor([[g.data_ptr(), g.numel()] for g in group], dtype=torch.int64).to(device)
+        tiles = _tile_map([g.numel() for g in group], NORM_TILE, device)
+        out = torch.empty(tiles.shape[0], dtype=torch.float64, device=device)
+        if tiles.shape[0]:
+            _dense_sq_kernel[(tiles.shape[0],)](table, tiles, out, TILE=NORM_TILE, KIND=GRAD_KINDS[dtype], num_warps=8)
+        total += out.sum()
+    return total
