@@ -124,9 +124,10 @@ def run_variant(variant: str, name: str, warmup: int, iters: int) -> dict:
         opt = AdamW8bit(masters, **HP)
 
         def step():
-            qg.to_grads()  # every gradient dequantized to float32 at once, as the old trainer did
-            for m, p in zip(masters, params):
-                m.grad, p.grad = p.grad, None
+            grads = [qg.gradient(p) for p in params]  # every gradient dequantized to float32 at once, as before
+            for m, g in zip(masters, grads):
+                m.grad = g
+            del grads
             opt.step()
             for p, m in zip(params, masters):
                 p.data.copy_(m)

@@ -89,12 +89,16 @@ class AdamW8bit(torch.optim.Optimizer):
         (codes, scales). With `masters`, a parameter whose state holds a float32 "master" is stepped there."""
         hp = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
         batches: dict[tuple, list] = {}
+        exact: dict[tuple, list] = {}
         for p, g in items:
             state = self.state[p] if self.state.get(p) else self._init_state(p)
             if "exp_avg_codes" in state:
                 batches.setdefault((state["step"], p.device), []).append((p, g, state))
             else:
-                self._step_exact(p, g, state, clip, **hp)
+                key = (state["step"], state["exp_avg"].dtype, p.dtype, p.device, "master" in state)
+                exact.setdefault(key, []).append((p, g, state))
+        for batch in exact.values():
+            self._step_exact(batch, clip, **hp)
         for (step, _), batch in batches.items():
             params = [p for p, _, _ in batch]
             states = [st for _, _, st in batch]
@@ -107,35 +111,50 @@ class AdamW8bit(torch.optim.Optimizer):
             for st in states:
                 st["step"] = step + 1
 
-    def _step_exact(self, p, grad, state, clip, lr, betas, eps, weight_decay) -> None:
-        """AdamW on one parameter whose moments are kept exactly (in float32, float64 for float64 parameters)."""
+    def _step_exact(self, batch: list, clip, lr, betas, eps, weight_decay) -> None:
+        """AdamW on parameters whose moments are kept exactly (float32; float64 for float64 parameters), all
+        of one step count, dtype and device together: torch's foreach ops, a dozen launches for the whole
+        batch (one parameter at a time, the norm weights of a large model cost hundreds)."""
         beta1, beta2 = betas
-        dtype = state["exp_avg"].dtype
-        if isinstance(grad, tuple):  # QuanGrad's codes and scales of a small parameter
-            codes, scales = grad
-            grad = ((codes.to(torch.int32) - 127).to(dtype).view(scales.numel(), -1)
-                    * scales.to(dtype)[:, None]).reshape(-1)[: p.numel()].view(p.shape)
-        grad = grad.to(dtype)
+        params = [p for p, _, _ in batch]
+        states = [st for _, _, st in batch]
+        dtype = states[0]["exp_avg"].dtype
+        grads = []
+        for p, grad, _ in batch:
+            if isinstance(grad, tuple):  # QuanGrad's codes and scales of a small parameter
+                codes, scales = grad
+                grad = ((codes.to(torch.int32) - 127).to(dtype).view(scales.numel(), -1)
+                        * scales.to(dtype)[:, None]).reshape(-1)[: p.numel()].view(p.shape)
+            grads.append(grad.to(dtype))
         if clip != 1.0:
-            grad = grad * clip
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        state["step"] += 1
-        step = state["step"]
-        master = state.get("master")
-        value = master.clone() if master is not None else p.to(dtype)
-        value.mul_(1.0 - lr * weight_decay)
-        exp_avg.lerp_(grad, 1.0 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** step)).add_(eps)
-        value.addcdiv_(exp_avg, denom, value=-lr / (1.0 - beta1 ** step))
-        if master is not None:
-            master.copy_(value)
-        if master is None and p.dtype == torch.bfloat16 and self.stochastic_rounding:
-            gen = torch.Generator(device=p.device).manual_seed(sr_seed(self.seed, step, self._index[id(p)]))
-            noise = torch.randint(0, 2**16, (p.numel(),), generator=gen, dtype=torch.int32, device=p.device)
-            p.copy_(stochastic_round_bf16(value.float().reshape(-1), noise).view(p.shape))
+            grads = torch._foreach_mul(grads, clip)
+        exp_avgs = [st["exp_avg"] for st in states]
+        exp_avg_sqs = [st["exp_avg_sq"] for st in states]
+        step = states[0]["step"] + 1
+        for st in states:
+            st["step"] = step
+        masters = [st.get("master") for st in states]
+        values = [m if m is not None else p.to(dtype, copy=True) for m, p in zip(masters, params)]
+        torch._foreach_mul_(values, 1.0 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, math.sqrt(1.0 - beta2 ** step))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(values, exp_avgs, denom, value=-lr / (1.0 - beta1 ** step))
+        if masters[0] is None and params[0].dtype == torch.bfloat16 and self.stochastic_rounding:
+            # one draw for the batch, seeded by the step and the batch's first parameter: a resume draws the
+            # same bits
+            sizes = [p.numel() for p in params]
+            gen = torch.Generator(device=params[0].device)
+            gen.manual_seed(sr_seed(self.seed, step, self._index[id(params[0])]))
+            noise = torch.randint(0, 2**16, (sum(sizes),), generator=gen, dtype=torch.int32, device=params[0].device)
+            flat = torch.cat([v.float().reshape(-1) for v in values])
+            rounded = stochastic_round_bf16(flat, noise).split(sizes)
+            torch._foreach_copy_(params, [r.view(p.shape) for r, p in zip(rounded, params)])
         else:
-            p.copy_(value)
+            torch._foreach_copy_(params, values)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held (codes, scales, float32 moments)."""

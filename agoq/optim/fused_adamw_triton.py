@@ -175,6 +175,22 @@ def _contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_DEVICE_TABLES: dict = {}
+_MAX_TABLES = 64
+
+
+def _on_device(key: tuple, make, device: torch.device) -> torch.Tensor:
+    """The device copy of a small host-made table, kept across steps: pointers and sizes of a bucket are the
+    same every step (QuanGrad's buffer, the state, the parameters), so a step launches its kernel without a
+    host-to-device copy. A table is keyed by its whole content, so a stale pointer can never be read."""
+    table = _DEVICE_TABLES.get(key)
+    if table is None:
+        if len(_DEVICE_TABLES) >= _MAX_TABLES:
+            _DEVICE_TABLES.pop(next(iter(_DEVICE_TABLES)))
+        table = _DEVICE_TABLES[key] = make().to(device)
+    return table
+
+
 def _tile_map(numels: list[int], per_tile: int, device: torch.device) -> torch.Tensor:
     """int32 [tiles, 2]: (parameter index, tile within the parameter) of every program."""
     counts = torch.tensor([-(-n // per_tile) for n in numels], dtype=torch.int64)
@@ -214,8 +230,11 @@ def adamw_step_triton(params: list[torch.Tensor], masters: list[torch.Tensor] | 
                      _ptr(_contiguous("exp_avg_sqrt_codes", st["exp_avg_sqrt_codes"])),
                      _ptr(st["exp_avg_sqrt_scales"]), p.numel(), seeds[i] if seeds is not None else 0])
     device = params[0].device
-    table = torch.tensor(rows, dtype=torch.int64).to(device)
-    tiles = _tile_map([p.numel() for p in params], block * BLOCKS_PER_PROGRAM, device)
+    table = _on_device(("table", device, tuple(map(tuple, rows))), lambda: torch.tensor(rows, dtype=torch.int64),
+                       device)
+    numels = tuple(p.numel() for p in params)
+    tiles = _on_device(("tiles", device, block, numels),
+                       lambda: _tile_map(list(numels), block * BLOCKS_PER_PROGRAM, torch.device("cpu")), device)
     _adamw_kernel[(tiles.shape[0],)](
         table, tiles, beta1, beta2, omb1, omb2, decay, step_size, bc2_sqrt, eps, clip,
         FIELDS_=FIELDS, BLOCK=block, BPP=BLOCKS_PER_PROGRAM, GBLOCK=grad_block, GKIND=gkind,

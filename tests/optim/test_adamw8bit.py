@@ -103,10 +103,11 @@ def test_parameters_updated_together_equal_one_at_a_time(monkeypatch):
 
     monkeypatch.setattr(adamw8bit, "adamw8bit_step", functools.partial(fused_adamw.adamw8bit_step, backend="triton"))
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernel: compiled, or interpreted
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
     shapes = [(37, 53), (300,), (129, 7), (5, 5), (1000,)]
-    init = [torch.randn(s, generator=g) for s in shapes]
-    grads = [[torch.randn(s, generator=g) * (i + 1) for s in shapes] for i in range(6)]
+    init = [torch.randn(s, generator=g).to(device) for s in shapes]
+    grads = [[(torch.randn(s, generator=g) * (i + 1)).to(device) for s in shapes] for i in range(6)]
 
     def run(bucket_values):
         monkeypatch.setattr(fused_adamw, "BUCKET_VALUES", bucket_values)

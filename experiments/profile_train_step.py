@@ -1,0 +1,82 @@
+"""Where a training step's time goes: `agoq train`'s own step under torch.profiler, one configuration.
+
+Takes `agoq train`'s arguments, builds the run as `agoq train` does (no run folder is written), runs a few
+warm-up steps, then profiles `--steps` steps and prints (and writes to --out) the kernels by GPU time and
+the host time per step, so a step slower than predicted can be read kernel by kernel.
+
+    python experiments/profile_train_step.py experiments/train_llama_byte.json --data DATA \
+        --policy agoq-paper --gradients quangrad8 --optimizer adamw8bit --micro-batch 4 --seq-len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from agoq.commands import train as train_command  # noqa: E402
+from agoq.train.trainer import Trainer, TrainConfig, _world, prepare  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def one_step(trainer: Trainer, step: int) -> None:
+    trainer._zero()
+    trainer._forward_backward(step)
+    grads = trainer._gradients()
+    norm = trainer._grad_norm(grads)
+    scale = min(1.0, trainer.s.cfg.clip / (norm + 1e-6)) if trainer.s.cfg.clip > 0 else 1.0
+    trainer._apply(grads, scale)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--warmup-steps", type=int, default=5)
+    ap.add_argument("--report", default=None, help="also write the tables to this file")
+    ours, rest = ap.parse_known_args()
+    parser = argparse.ArgumentParser(prog="profile_train_step")
+    train_command.configure(parser)
+    args = parser.parse_args(rest)
+    fields = {f for f in TrainConfig.__dataclass_fields__}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    cfg.out = tempfile.mkdtemp()
+    cfg.quiet = True
+    world = _world(cfg.device)
+    trainer = Trainer(prepare(cfg, world))
+    for step in range(ours.warmup_steps):
+        one_step(trainer, step)
+    sync()
+    t0 = time.perf_counter()
+    for step in range(ours.profile_steps):
+        one_step(trainer, step)
+    sync()
+    plain = (time.perf_counter() - t0) / ours.profile_steps
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for step in range(ours.profile_steps):
+            one_step(trainer, step)
+        sync()
+    events = prof.key_averages()
+    gpu_total = sum(e.self_device_time_total for e in events) / ours.profile_steps / 1e3
+    text = [f"step (unprofiled): {plain * 1e3:.2f} ms; kernels' GPU time per step: {gpu_total:.2f} ms; "
+            f"GPU idle per step: {plain * 1e3 - gpu_total:.2f} ms",
+            events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
+            events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70)]
+    report = "\n".join(text)
+    print(report)
+    if ours.report:
+        Path(ours.report).write_text(report)
+
+
+if __name__ == "__main__":
+    main()
