@@ -76,6 +76,16 @@ def _bf16_bits(x, noise, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
+def _addr(ptr, ALIGNED: tl.constexpr):
+    """An int64 address read from the table; with ALIGNED, declared a multiple of 16 bytes (the host checked),
+    so that loads and stores of contiguous runs become 16-byte vector accesses."""
+    a = tl.load(ptr)
+    if ALIGNED:
+        a = tl.multiple_of(a, 16)
+    return a
+
+
+@triton.jit
 def _mul(x, s, USE_ASM: tl.constexpr):
     """RN(x * s) for a tensor x and a scalar or broadcastable s."""
     return mul_rn(x, tl.zeros_like(x) + s, USE_ASM)
@@ -85,12 +95,14 @@ def _mul(x, s, USE_ASM: tl.constexpr):
 def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_size, bc2_sqrt, eps, clip,
                   FIELDS_: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr, GBLOCK: tl.constexpr,
                   GKIND: tl.constexpr, PKIND: tl.constexpr, HAS_MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
-                  USE_ASM: tl.constexpr):
+                  USE_ASM: tl.constexpr, ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.load(tiles_ptr + 2 * pid).to(tl.int64)
     t = tl.load(tiles_ptr + 2 * pid + 1).to(tl.int64)
     row = table_ptr + j * FIELDS_
     n = tl.load(row + 8)
+    if ALIGNED:  # every length a multiple of 16: the tail mask is constant over 16 values (vector accesses)
+        n = tl.multiple_of(n, 16)
     b = t * BPP + tl.arange(0, BPP)[:, None]  # [BPP, 1] moment block within the parameter
     off = b * BLOCK + tl.arange(0, BLOCK)[None, :]  # [BPP, BLOCK] value within the parameter
     blive = b < (n + BLOCK - 1) // BLOCK
@@ -98,21 +110,26 @@ def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_si
 
     # the gradient, times the clip factor
     if GKIND == 0:
-        gc = tl.load(tl.load(row + 2).to(tl.pointer_type(tl.uint8)) + off, mask=live, other=127).to(tl.int32)
-        gs = tl.load(tl.load(row + 3).to(tl.pointer_type(tl.float32)) + off // GBLOCK, mask=live, other=0.0)
+        gc = tl.load(_addr(row + 2, ALIGNED).to(tl.pointer_type(tl.uint8)) + off, mask=live, other=127).to(tl.int32)
+        gsp = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        if GBLOCK >= BLOCK:  # one gradient scale per row of the tile: a [BPP, 1] load
+            gs = tl.load(gsp + (b * BLOCK) // GBLOCK, mask=blive, other=0.0)
+        else:
+            gs = tl.load(gsp + off // GBLOCK, mask=live, other=0.0)
         g = mul_rn((gc - 127).to(tl.float32), gs, USE_ASM)
     elif GKIND == 1:
-        g = tl.load(tl.load(row + 2).to(tl.pointer_type(tl.float32)) + off, mask=live, other=0.0)
+        g = tl.load(_addr(row + 2, ALIGNED).to(tl.pointer_type(tl.float32)) + off, mask=live, other=0.0)
     elif GKIND == 2:
-        g = _bf16_load(tl.load(row + 2), off, live)
+        g = _bf16_load(_addr(row + 2, ALIGNED), off, live)
     else:
-        g = tl.load(tl.load(row + 2).to(tl.pointer_type(tl.float64)) + off, mask=live, other=0.0).to(tl.float32)
+        g = tl.load(_addr(row + 2, ALIGNED).to(tl.pointer_type(tl.float64)) + off, mask=live,
+                    other=0.0).to(tl.float32)
     g = _mul(g, clip, USE_ASM)
 
     # the moments: m, and r = sqrt(v)
-    mcp = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    mcp = _addr(row + 4, ALIGNED).to(tl.pointer_type(tl.uint8))
     msp = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    rcp = tl.load(row + 6).to(tl.pointer_type(tl.uint8))
+    rcp = _addr(row + 6, ALIGNED).to(tl.pointer_type(tl.uint8))
     rsp = tl.load(row + 7).to(tl.pointer_type(tl.float32))
     m_old = mul_rn(_fp8_decode(tl.load(mcp + off, mask=blive, other=0).to(tl.int32)),
                    tl.load(msp + b, mask=blive, other=1.0), USE_ASM)
@@ -124,9 +141,9 @@ def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_si
     r = tl.where(live, tl.sqrt_rn(v), 0.0)
 
     # the parameter
-    pp = tl.load(row + 0)
+    pp = _addr(row + 0, ALIGNED)
     if HAS_MASTER:
-        mp = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        mp = _addr(row + 1, ALIGNED).to(tl.pointer_type(tl.float32))
         p = tl.load(mp + off, mask=live, other=0.0)
     elif PKIND == 0:
         p = tl.load(pp.to(tl.pointer_type(tl.float32)) + off, mask=live, other=0.0)
@@ -230,6 +247,8 @@ def adamw_step_triton(params: list[torch.Tensor], masters: list[torch.Tensor] | 
                      _ptr(_contiguous("exp_avg_sqrt_codes", st["exp_avg_sqrt_codes"])),
                      _ptr(st["exp_avg_sqrt_scales"]), p.numel(), seeds[i] if seeds is not None else 0])
     device = params[0].device
+    # 16-byte aligned addresses (param, master, grad or grad codes, moment codes) and lengths a multiple of 16
+    aligned = all(r[k] % 16 == 0 for r in rows for k in (0, 1, 2, 4, 6)) and all(r[8] % 16 == 0 for r in rows)
     table = _on_device(("table", device, tuple(map(tuple, rows))), lambda: torch.tensor(rows, dtype=torch.int64),
                        device)
     numels = tuple(p.numel() for p in params)
@@ -240,7 +259,7 @@ def adamw_step_triton(params: list[torch.Tensor], masters: list[torch.Tensor] | 
         FIELDS_=FIELDS, BLOCK=block, BPP=BLOCKS_PER_PROGRAM, GBLOCK=grad_block, GKIND=gkind,
         PKIND=PARAM_KINDS[pdtype], HAS_MASTER=masters is not None,
         STOCHASTIC=seeds is not None and masters is None and pdtype == torch.bfloat16, USE_ASM=USE_ASM,
-        num_warps=4)
+        ALIGNED=aligned, num_warps=4)
 
 
 # ------------------------------------------------------------------------------------ gradient norm

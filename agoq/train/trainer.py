@@ -428,8 +428,9 @@ class Trainer:
         else:
             self.weights = MasterWeights(self.params)
             self.masters = self.weights.masters
+            # torch's fused kernel on the GPU (one launch for all parameters), its default elsewhere
             self.optimizer = torch.optim.AdamW(self.weights.targets, lr=cfg.lr, betas=BETAS, eps=EPS,
-                                               weight_decay=cfg.weight_decay)
+                                               weight_decay=cfg.weight_decay, fused=device.type == "cuda" or None)
 
     # ---------------------------------------------------------------- run description
 
@@ -570,10 +571,10 @@ class Trainer:
             from agoq.optim.fused_adamw import grad_norm_sq
 
             sq = grad_norm_sq(grads)  # one reduction over the stored gradients
-        else:
-            sq = torch.zeros((), dtype=torch.float64, device=self.s.device)
-            for g in grads:
-                sq += g.detach().double().pow(2).sum()
+        else:  # one foreach pass over the dense gradients, each tensor's norm in float32, summed in float64
+            norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32) if grads else []
+            sq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64,
+                                                                                       device=self.s.device)
         if self.s.parallel == "pipeline":
             dist.all_reduce(sq)  # each stage holds its own parameters
         elif self.s.parallel == "sharded" and self.s.world.size > 1:

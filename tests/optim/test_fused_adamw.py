@@ -27,7 +27,7 @@ def _state(n, g, scale=1e-3):
     return st
 
 
-def _inputs(seed, pdtype, masters, gkind, sizes=KERNEL_SIZES):
+def _inputs(seed, pdtype, masters, gkind, sizes=KERNEL_SIZES, grad_block=256):
     g = torch.Generator().manual_seed(seed)
     params = [(torch.randn(n, generator=g) * 0.1).to(pdtype) for n in sizes]
     mlist = [p.float() + 1e-4 * torch.randn(p.shape, generator=g) for p in params] if masters else None
@@ -35,8 +35,8 @@ def _inputs(seed, pdtype, masters, gkind, sizes=KERNEL_SIZES):
     if gkind == "quangrad":
         grads = []
         for n in sizes:
-            nb = -(-n // 256)
-            codes = torch.randint(0, 255, (nb * 256,), generator=g, dtype=torch.uint8)
+            nb = -(-n // grad_block)
+            codes = torch.randint(0, 255, (nb * grad_block,), generator=g, dtype=torch.uint8)
             codes[n:] = 127  # padding is zero
             grads.append((codes, torch.rand(nb, generator=g) * 1e-4))
     else:
@@ -127,6 +127,20 @@ def test_grad_norm_sq_kernel_and_reference_agree_with_float64():
     exact = sum((d.double() ** 2).sum() for d in bf)
     for backend in ("reference", "triton"):
         torch.testing.assert_close(grad_norm_sq(bf, backend=backend), exact, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("grad_block", [64, 1024])
+def test_kernel_reads_gradient_blocks_of_another_size(grad_block):
+    """QuanGrad blocks smaller than the moments' (a scale per value) and larger (a scale per row of the tile)."""
+    seed = _seed()
+    out = []
+    for backend in ("reference", "triton"):
+        params, mlist, grads, states = _inputs(seed, torch.bfloat16, True, "quangrad", grad_block=grad_block)
+        adamw8bit_step(params, mlist, grads, states, **HP, step=3, clip=0.61, grad_block=grad_block, backend=backend)
+        out.append((params, mlist, states))
+    (p1, m1, s1), (p2, m2, s2) = out
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2)) and all(torch.equal(a, b) for a, b in zip(m1, m2))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(s1, s2) for k in ("exp_avg_codes", "exp_avg_sqrt_codes"))
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
