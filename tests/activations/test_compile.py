@@ -158,3 +158,24 @@ def test_inductor_decoder_layer_matches_eager():
     compiled = run(torch.compile(layer, backend="inductor", fullgraph=True))
     for a, b in zip(compiled, eager):
         assert ((a - b).norm() / b.norm()).item() < 0.1
+
+
+def test_train_compile_flag_compiles_each_layer_and_records_it(tmp_path, monkeypatch):
+    import json
+
+    import agoq.activations.compile as compile_module
+    from agoq.cli import main
+
+    calls = []
+    real = compile_module.compile_decoder_layers
+
+    def aot_eager_layers(model, **options):  # inductor's cold CPU compile would take most of a minute here
+        calls.append(real(model, backend="aot_eager", **options))
+        return calls[-1]
+
+    monkeypatch.setattr(compile_module, "compile_decoder_layers", aot_eager_layers)
+    out = tmp_path / "run"
+    assert main(["train", "llama-tiny", "--policy", "agoq-paper", "--compile", "--seq-len", "24",
+                 "--steps", "2", "--quiet", "--out", str(out)]) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert calls == [3] and run["settings"]["compile"] is True and run["status"] == "finished"
