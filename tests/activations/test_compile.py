@@ -2,6 +2,7 @@
 compiled steps give eager's loss and gradients (aot_eager: the same ops, so equal up to bf16 rounding; inductor:
 its own fused kernels, so quantization codes may flip where a value sits at a rounding boundary)."""
 
+import gc
 import shutil
 
 import pytest
@@ -67,7 +68,8 @@ def layer_inputs(model):
 def fresh_dynamo():
     torch._dynamo.reset()
     yield
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # drops the compiled code, and with it the tensors its guards and caches hold
+    gc.collect()
 
 
 @pytest.mark.parametrize("name", list(POLICIES))

@@ -156,4 +156,5 @@ def test_tracking_leaves_no_graph_alive():
     with agoq.track_saved_tensors(model):
         loss = model(ids[:, :-1], ids[:, 1:])
     del loss
-    assert _graph_tensors_alive() == before
+    # <=: a leak adds tensors; earlier tests' leftovers (torch.compile's caches) may be freed meanwhile
+    assert _graph_tensors_alive() <= before
