@@ -10,6 +10,7 @@ so the `bf16` policy changes nothing. The change is undone by `remove_activation
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from dataclasses import dataclass
 
@@ -198,10 +199,9 @@ class _QuantizedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v = (t.detach().requires_grad_() for t in _Stash.restore(ctx))
-        with torch.enable_grad():
-            out = F.scaled_dot_product_attention(q, k, v, **ctx.sdpa_kwargs)
-        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        q, k, v = _Stash.restore(ctx)
+        _, vjp = torch.func.vjp(functools.partial(F.scaled_dot_product_attention, **ctx.sdpa_kwargs), q, k, v)
+        dq, dk, dv = vjp(dout)
         return dq, dk, dv, None, None, None
 
 

@@ -39,6 +39,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-all", action="store_true",
                    help="recompute every decoder layer in backward (activation checkpointing, the usual way to fit "
                         "a budget; what plans are compared with)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer on its own (any policy, plan or --checkpoint-all; "
+                        "default off: eager)")
     p.add_argument("--data", default=None, help="text file to train on, split 90/10 into train/validation "
                                                 "(default: a built-in synthetic corpus, 1 MB)")
     p.add_argument("--tokenizer", default=None, help="HuggingFace tokenizers JSON (default: bytes, vocabulary 256)")
@@ -102,5 +105,5 @@ def run(args: argparse.Namespace) -> int:
                       checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
                       eval_batches=args.eval_batches, resume=args.resume, seed=args.seed, device=args.device,
                       dtype=args.dtype, out=args.out, checkpoint_all=args.checkpoint_all, node_size=args.node_size,
-                      quiet=args.quiet)
+                      quiet=args.quiet, compile=args.compile)
     return train(cfg)

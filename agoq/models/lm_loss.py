@@ -26,7 +26,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk_tokens, grad_enabled):
         n = hidden.shape[0]
         valid = labels != IGNORE_INDEX
-        count = int(valid.sum())
+        count = valid.sum()  # stays on the device: no host sync, and torch.compile traces on
         want_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         total = torch.zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64,
                             device=hidden.device)
@@ -51,20 +51,18 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     grad_hidden[start:start + chunk_tokens] = d_logits @ weight
                 if grad_weight is not None:
                     grad_weight += (d_logits.t() @ h).to(grad_weight.dtype)
-        denom = max(count, 1)
-        ctx.denom = denom
+        denom = count.clamp(min=1).to(total.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight) if t is not None))
+        ctx.save_for_backward(denom, *(t for t in (grad_hidden, grad_weight) if t is not None))
         ctx.has = (grad_hidden is not None, grad_weight is not None)
-        if count == 0:
-            return total * float("nan")  # like F.cross_entropy with every label ignored
-        return total / denom
+        # every label ignored: NaN, like F.cross_entropy
+        return torch.where(count > 0, total / denom, torch.full_like(total, float("nan")))
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = list(ctx.saved_tensors)
-        scale = grad_out / ctx.denom
+        denom, *saved = ctx.saved_tensors
+        scale = grad_out / denom
         gh = gw = None
         if ctx.has[0]:
             g = saved.pop(0)

@@ -2,7 +2,8 @@
 
 CUDA tensors go through the Triton kernels, CPU tensors through the torch reference (or through the
 Triton interpreter when TRITON_INTERPRET=1 and backend="triton"). Both produce identical bytes for
-nearest rounding.
+nearest rounding. backend "auto" goes through the torch operators `agoq::quantize_block` and
+`agoq::dequantize_block`, which torch.compile traces as opaque calls.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import torch
 
 from agoq.quant import reference as quant_reference
-from agoq.quant.qtensor import MAX_BITS, MAX_BLOCK, MIN_BITS, MIN_BLOCK, QTensor
+from agoq.quant.qtensor import MAX_BITS, MAX_BLOCK, MIN_BITS, MIN_BLOCK, QTensor, num_blocks, packed_nbytes
 
 FORMATS = ("int", "nf4")
 ROUNDINGS = ("nearest", "stochastic")
@@ -71,6 +72,70 @@ def _flatten_dense(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | Non
     return x.contiguous().reshape(-1), None
 
 
+def _quantize_flat(flat: torch.Tensor, bits: int, block: int, fmt: str, rounding: str, seed: int | None,
+                   which: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, scales) of a flat tensor by the Triton kernel or the torch reference."""
+    if rounding == "stochastic" and seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())  # torch's global CPU generator: no device sync
+    if which == "triton":
+        from agoq.quant.block_triton import quantize_triton
+
+        return quantize_triton(flat.contiguous(), bits, block, fmt, seed)
+    noise = None
+    if rounding == "stochastic":
+        gen = torch.Generator(device=flat.device).manual_seed(seed)
+        noise = torch.rand(flat.numel(), generator=gen, device=flat.device)
+    return quant_reference.quantize_reference(flat, bits, block, fmt, noise)
+
+
+def _dequantize_flat(data: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int, fmt: str,
+                     dtype: torch.dtype, which: str) -> torch.Tensor:
+    if which == "triton":
+        from agoq.quant.block_triton import dequantize_triton
+
+        return dequantize_triton(data, scales, bits, block, numel, fmt, dtype)
+    return quant_reference.dequantize_reference(data, scales, bits, block, numel, fmt, dtype)
+
+
+# The operators torch.compile sees (opaque single calls; QTensor's metadata stays in Python): the CPU kernel
+# is the torch reference, the CUDA kernel the Triton one. `x` is flat; stochastic rounding with seed None
+# draws its seed from torch's global CPU generator inside the call, so a compiled step needs no host sync.
+
+
+@torch.library.custom_op("agoq::quantize_block", mutates_args=(), device_types="cpu")
+def _quantize_op(x: torch.Tensor, bits: int, block: int, fmt: str, rounding: str,
+                 seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_flat(x, bits, block, fmt, rounding, seed, "torch")
+
+
+@_quantize_op.register_kernel("cuda")
+def _quantize_cuda(x, bits, block, fmt, rounding, seed):
+    return _quantize_flat(x, bits, block, fmt, rounding, seed, "triton")
+
+
+@_quantize_op.register_fake
+def _quantize_fake(x, bits, block, fmt, rounding, seed):
+    n = x.numel()
+    return (x.new_empty(packed_nbytes(n, bits), dtype=torch.uint8),
+            x.new_empty(num_blocks(n, block), dtype=torch.float32))
+
+
+@torch.library.custom_op("agoq::dequantize_block", mutates_args=(), device_types="cpu")
+def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int, fmt: str,
+                   dtype: torch.dtype) -> torch.Tensor:
+    return _dequantize_flat(data, scales, bits, block, numel, fmt, dtype, "torch")
+
+
+@_dequantize_op.register_kernel("cuda")
+def _dequantize_cuda(data, scales, bits, block, numel, fmt, dtype):
+    return _dequantize_flat(data, scales, bits, block, numel, fmt, dtype, "triton")
+
+
+@_dequantize_op.register_fake
+def _dequantize_fake(data, scales, bits, block, numel, fmt, dtype):
+    return data.new_empty(numel, dtype=dtype)
+
+
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -96,18 +161,11 @@ def quantize(
     check_arguments(bits, block, rounding, format)
     which = _pick_backend(backend, x.device)
     flat, order = _flatten_dense(x.detach())
-    if rounding == "stochastic" and seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    if which == "triton":
-        from agoq.quant.block_triton import quantize_triton
-
-        data, scales = quantize_triton(flat, bits, block, format, seed if rounding == "stochastic" else None)
+    seed = seed if rounding == "stochastic" else None
+    if backend == "auto":
+        data, scales = torch.ops.agoq.quantize_block(flat, bits, block, format, rounding, seed)
     else:
-        noise = None
-        if rounding == "stochastic":
-            gen = torch.Generator(device=flat.device).manual_seed(seed)
-            noise = torch.rand(flat.numel(), generator=gen, device=flat.device)
-        data, scales = quant_reference.quantize_reference(flat, bits, block, format, noise)
+        data, scales = _quantize_flat(flat, bits, block, format, rounding, seed, which)
     if check_finite and scales.numel() and not bool(torch.isfinite(scales).all()):
         bad = (~torch.isfinite(scales)).nonzero().flatten()
         raise ValueError(
@@ -121,13 +179,10 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None, backend: str = "aut
     """Restore a QTensor to a float tensor of its original shape and strides, in `dtype` (default: source)."""
     dtype = q.dtype if dtype is None else dtype
     which = _pick_backend(backend, q.device)
-    n = q.numel
-    if which == "triton":
-        from agoq.quant.block_triton import dequantize_triton
-
-        flat = dequantize_triton(q.data, q.scales, q.bits, q.block, n, q.format, dtype)
+    if backend == "auto":
+        flat = torch.ops.agoq.dequantize_block(q.data, q.scales, q.bits, q.block, q.numel, q.format, dtype)
     else:
-        flat = quant_reference.dequantize_reference(q.data, q.scales, q.bits, q.block, n, q.format, dtype)
+        flat = _dequantize_flat(q.data, q.scales, q.bits, q.block, q.numel, q.format, dtype, which)
     if q.order is None:
         return flat.view(q.shape)
     permuted_shape = [q.shape[d] for d in q.order]

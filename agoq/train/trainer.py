@@ -83,6 +83,7 @@ class TrainConfig:
     checkpoint_all: bool = False
     node_size: int | None = None
     quiet: bool = False
+    compile: bool = False  # torch.compile each decoder layer on its own (agoq.activations.compile)
 
 
 class TrainingFailed(RuntimeError):
@@ -196,6 +197,7 @@ def _policy(name: str, num_layers: int, stages: int, micro_batches: int, layer_s
 def prepare(cfg: TrainConfig, world: World) -> Setup:
     """Check every input and build the model: raises ValueError / FileNotFoundError before any training."""
     from agoq.activations.checkpointing import apply_checkpointing
+    from agoq.activations.compile import compile_decoder_layers
     from agoq.activations.laaq import apply_activation_policy
     from agoq.activations.policy import split_layers
     from agoq.models import build, fingerprint, resolve_config
@@ -316,6 +318,8 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
     if cfg.checkpoint_all:
         apply_checkpointing(model)
         policy_name = (policy_name + "+" if policy_name else "") + "checkpoint-all"
+    if cfg.compile:
+        compile_decoder_layers(model)
 
     data_ranks = 1 if parallel == "pipeline" else world.size
     batches = Batches(corpus, seq_len, micro_batch, 1 if parallel == "pipeline" else grad_accum, data_ranks, cfg.seed)
@@ -446,7 +450,7 @@ class Trainer:
                 "checkpoint_every": cfg.checkpoint_every, "eval_every": s.eval_every,
                 "eval_batches": cfg.eval_batches, "pipeline_stages": s.world.size if s.parallel == "pipeline" else 1,
                 "layer_stage": s.layer_stage, "tokens_per_step": self.tokens_per_step,
-                "checkpoint_all": cfg.checkpoint_all, "node_size": cfg.node_size,
+                "checkpoint_all": cfg.checkpoint_all, "compile": cfg.compile, "node_size": cfg.node_size,
                 **{k: v for k, v in s.corpus_info.items() if k != "data"}}
 
     @property

@@ -135,10 +135,14 @@ def test_per_layer_attribution_closed_form():
 
 
 def _graph_tensors_alive() -> int:
+    """Real tensors holding a graph (FakeTensors that torch.compile's tracing leaves to its caches don't count)."""
     import gc
 
+    from torch._subclasses.fake_tensor import FakeTensor
+
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+    return sum(1 for o in gc.get_objects()
+               if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor) and o.grad_fn is not None)
 
 
 def test_tracking_leaves_no_graph_alive():
@@ -152,4 +156,5 @@ def test_tracking_leaves_no_graph_alive():
     with agoq.track_saved_tensors(model):
         loss = model(ids[:, :-1], ids[:, 1:])
     del loss
-    assert _graph_tensors_alive() == before
+    # <=: a leak adds tensors; earlier tests' leftovers (torch.compile's caches) may be freed meanwhile
+    assert _graph_tensors_alive() <= before
