@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agoq.comm.quangrad import QuantizedGradients  # noqa: E402
 from agoq.optim.adamw8bit import AdamW8bit, FusedAdamW8bit  # noqa: E402
+from agoq.optim import fused_adamw_triton  # noqa: E402
 from agoq.optim.fused_adamw import grad_norm_sq  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
@@ -169,10 +170,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", default="torch_fused,old_8bit,fused_dense,fused_quangrad,fused_nomaster,torchao,bnb")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true",
+                    help="only time fused_quangrad and fused_nomaster at 1b for each blocks-per-program x warps "
+                         "(the kernel's launch shape), print the table, write optim_step_sweep.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_optim_step needs a CUDA GPU")
     copy = copy_bandwidth()
+    if args.sweep:
+        rows = []
+        for bpp in (2, 4, 8, 16):
+            for warps in (4, 8):
+                fused_adamw_triton.BLOCKS_PER_PROGRAM, fused_adamw_triton.NUM_WARPS = bpp, warps
+                for variant in ("fused_quangrad", "fused_nomaster"):
+                    r = run_variant(variant, "1b", args.warmup, args.iters)
+                    r.update(blocks_per_program=bpp, num_warps=warps, fraction_of_copy=r["gb_per_s"] / copy)
+                    rows.append(r)
+                    print(f"bpp {bpp:2d} warps {warps} {variant:>15s} {r['median_ms']:8.2f} ms "
+                          f"{r['fraction_of_copy']:.0%} of copy", flush=True)
+        print("wrote", write_result("optim_step_sweep", {"copy_gb_per_s": copy, "results": rows}))
+        return
     results, notes = [], []
     for name in args.sizes.split(","):
         for variant in args.variants.split(","):

@@ -49,7 +49,8 @@ def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
 def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     absmax = rows.abs().amax(dim=1)
     scales = torch.where(absmax > 0, _div(absmax, FP8_MAX), torch.ones_like(absmax))
-    codes = (rows / scales.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    inverse = torch.ones_like(scales) / scales  # one correctly rounded division per block, then products
+    codes = (rows * inverse.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return codes.view(torch.uint8).reshape(-1), scales
 
 
@@ -75,7 +76,7 @@ def step_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay
     """The float32 scalars of step `step` (from 1): see the module docstring."""
     return {"beta1": f32(beta1), "beta2": f32(beta2), "omb1": f32(1.0 - beta1), "omb2": f32(1.0 - beta2),
             "decay": f32(1.0 - lr * weight_decay), "step_size": f32(lr / (1.0 - beta1 ** step)),
-            "bc2_sqrt": f32(math.sqrt(1.0 - beta2 ** step)), "eps": f32(eps), "clip": f32(clip)}
+            "inv_bc2_sqrt": f32(1.0 / math.sqrt(1.0 - beta2 ** step)), "eps": f32(eps), "clip": f32(clip)}
 
 
 def sr_seed(seed: int, step: int, index: int) -> int:
@@ -114,7 +115,7 @@ def adamw_chunk_reference(g: torch.Tensor, p: torch.Tensor, m_codes: torch.Tenso
     if n < g.numel():
         m[n:] = 0.0
         r[n:] = 0.0
-    denom = _div(r, sc["bc2_sqrt"]) + sc["eps"]
+    denom = r * sc["inv_bc2_sqrt"] + sc["eps"]
     upd = (m * sc["step_size"]) / denom
     p = p * sc["decay"] - upd
     codes, scales = _quantize_rows(m.view(blocks, -1))

@@ -25,6 +25,7 @@ import triton.language as tl
 from agoq.quant.triton_common import USE_ASM, mul_rn, nanmax
 
 BLOCKS_PER_PROGRAM = 4  # moment blocks per program: 1024 values at block 256
+NUM_WARPS = 4  # warps per program of the step kernel
 NORM_TILE = 4096  # values per program of the dense gradient-norm kernel
 FIELDS = 10  # int64 words per parameter in the step's table (see _table)
 PARAM_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float64: 2}
@@ -32,8 +33,11 @@ GRAD_KINDS = {"quangrad": 0, torch.float32: 1, torch.bfloat16: 2, torch.float64:
 
 
 @triton.jit
-def _fp8_decode(c):
-    """float32 value of float8 e4m3fn codes (int32 in [0, 256)): exact."""
+def _fp8_decode(c, NATIVE: tl.constexpr):
+    """float32 value of float8 e4m3fn codes (int32 in [0, 256)): exact. NATIVE (the GPU): the hardware's
+    conversion; else integer arithmetic (the interpreter's own casts are wrong for float8)."""
+    if NATIVE:
+        return c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     e = (c >> 3) & 15
     m = c & 7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2**(e-7) * (1 + m/8)
@@ -43,8 +47,11 @@ def _fp8_decode(c):
 
 
 @triton.jit
-def _fp8_encode(x):
-    """float8 e4m3fn code (int32) of float32 `x` with |x| <= 448, rounded to nearest even (as torch's .to())."""
+def _fp8_encode(x, NATIVE: tl.constexpr):
+    """float8 e4m3fn code (uint8) of float32 `x` with |x| <= 448, rounded to nearest even (as torch's .to()):
+    the hardware's conversion on the GPU (NATIVE), integer arithmetic under the interpreter."""
+    if NATIVE:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     a = bits & 0x7FFFFFFF
@@ -54,7 +61,7 @@ def _fp8_encode(x):
     sub = (af * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # RNE(|x| * 2**9): exact product
     code = tl.where(a >= 0x3C800000, normal, sub)  # 2**-6: the smallest normal
     code = tl.where(a > 0x7F800000, 0x7F, code)  # NaN
-    return code | sign
+    return (code | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -92,7 +99,7 @@ def _mul(x, s, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_size, bc2_sqrt, eps, clip,
+def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_size, inv_bc2_sqrt, eps, clip,
                   FIELDS_: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr, GBLOCK: tl.constexpr,
                   GKIND: tl.constexpr, PKIND: tl.constexpr, HAS_MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
                   USE_ASM: tl.constexpr, ALIGNED: tl.constexpr):
@@ -131,9 +138,9 @@ def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_si
     msp = tl.load(row + 5).to(tl.pointer_type(tl.float32))
     rcp = _addr(row + 6, ALIGNED).to(tl.pointer_type(tl.uint8))
     rsp = tl.load(row + 7).to(tl.pointer_type(tl.float32))
-    m_old = mul_rn(_fp8_decode(tl.load(mcp + off, mask=blive, other=0).to(tl.int32)),
+    m_old = mul_rn(_fp8_decode(tl.load(mcp + off, mask=blive, other=0).to(tl.int32), USE_ASM),
                    tl.load(msp + b, mask=blive, other=1.0), USE_ASM)
-    r_old = mul_rn(_fp8_decode(tl.load(rcp + off, mask=blive, other=0).to(tl.int32)),
+    r_old = mul_rn(_fp8_decode(tl.load(rcp + off, mask=blive, other=0).to(tl.int32), USE_ASM),
                    tl.load(rsp + b, mask=blive, other=1.0), USE_ASM)
     m = _mul(m_old, beta1, USE_ASM) + _mul(g, omb1, USE_ASM)
     v = _mul(mul_rn(r_old, r_old, USE_ASM), beta2, USE_ASM) + _mul(mul_rn(g, g, USE_ASM), omb2, USE_ASM)
@@ -151,7 +158,7 @@ def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_si
         p = _bf16_load(pp, off, live)
     else:
         p = tl.load(pp.to(tl.pointer_type(tl.float64)) + off, mask=live, other=0.0).to(tl.float32)
-    denom = tl.math.div_rn(r, tl.zeros_like(r) + bc2_sqrt) + eps
+    denom = _mul(r, inv_bc2_sqrt, USE_ASM) + eps
     upd = tl.math.div_rn(_mul(m, step_size, USE_ASM), denom)
     p = _mul(p, decay, USE_ASM) - upd
     if HAS_MASTER:
@@ -167,18 +174,20 @@ def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_si
     else:
         tl.store(pp.to(tl.pointer_type(tl.float64)) + off, p.to(tl.float64), mask=live)
 
-    _requantize(m, mcp, msp, off, b, blive)
-    _requantize(r, rcp, rsp, off, b, blive)
+    _requantize(m, mcp, msp, off, b, blive, USE_ASM)
+    _requantize(r, rcp, rsp, off, b, blive, USE_ASM)
 
 
 @triton.jit
-def _requantize(x, codes_ptr, scales_ptr, off, b, blive):
-    """Store x [BPP, BLOCK] as float8 e4m3 codes with scale = block absmax / 448 (1 for an all-zero block)."""
+def _requantize(x, codes_ptr, scales_ptr, off, b, blive, USE_ASM: tl.constexpr):
+    """Store x [BPP, BLOCK] as float8 e4m3 codes with scale = block absmax / 448 (1 for an all-zero block):
+    codes of RN(x * RN(1 / scale)), one division per block."""
     absmax = tl.reduce(tl.abs(x), 1, nanmax, keep_dims=True)
     s = tl.where(absmax > 0, tl.math.div_rn(absmax, tl.zeros_like(absmax) + 448.0), 1.0)
-    q = tl.math.div_rn(x, tl.zeros_like(x) + s)
+    inv = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
+    q = mul_rn(x, tl.zeros_like(x) + inv, USE_ASM)
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    tl.store(codes_ptr + off, _fp8_encode(q).to(tl.uint8), mask=blive)
+    tl.store(codes_ptr + off, _fp8_encode(q, USE_ASM), mask=blive)
     tl.store(scales_ptr + b, s, mask=blive)
 
 
@@ -219,7 +228,7 @@ def _tile_map(numels: list[int], per_tile: int, device: torch.device) -> torch.T
 
 def adamw_step_triton(params: list[torch.Tensor], masters: list[torch.Tensor] | None, grads: list,
                       states: list[dict], *, beta1: float, beta2: float, omb1: float, omb2: float, decay: float,
-                      step_size: float, bc2_sqrt: float, eps: float, clip: float, block: int, grad_block: int,
+                      step_size: float, inv_bc2_sqrt: float, eps: float, clip: float, block: int, grad_block: int,
                       seeds: list[int] | None) -> None:
     """One launch over a bucket (see the module docstring). All of a bucket's parameters share a dtype and
     its gradients a kind: all (codes, scales) of QuanGrad with values per scale `grad_block`, or all dense
@@ -255,11 +264,11 @@ def adamw_step_triton(params: list[torch.Tensor], masters: list[torch.Tensor] | 
     tiles = _on_device(("tiles", device, block, numels),
                        lambda: _tile_map(list(numels), block * BLOCKS_PER_PROGRAM, torch.device("cpu")), device)
     _adamw_kernel[(tiles.shape[0],)](
-        table, tiles, beta1, beta2, omb1, omb2, decay, step_size, bc2_sqrt, eps, clip,
+        table, tiles, beta1, beta2, omb1, omb2, decay, step_size, inv_bc2_sqrt, eps, clip,
         FIELDS_=FIELDS, BLOCK=block, BPP=BLOCKS_PER_PROGRAM, GBLOCK=grad_block, GKIND=gkind,
         PKIND=PARAM_KINDS[pdtype], HAS_MASTER=masters is not None,
         STOCHASTIC=seeds is not None and masters is None and pdtype == torch.bfloat16, USE_ASM=USE_ASM,
-        ALIGNED=aligned, num_warps=4)
+        ALIGNED=aligned, num_warps=NUM_WARPS)
 
 
 # ------------------------------------------------------------------------------------ gradient norm

@@ -13,6 +13,7 @@ from agoq.optim.adamw8bit import FusedAdamW8bit
 from agoq.optim.fused_adamw import adamw8bit_step, dequantize_blocks, grad_norm_sq, quantize_blocks, sr_seed
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel compiled on a GPU, interpreted on the CPU
 KERNEL_SIZES = [257, 4099, 1000, 3]  # small: the interpreter is slow; none a multiple of the block
 
 
@@ -25,6 +26,14 @@ def _state(n, g, scale=1e-3):
     st["exp_avg_codes"], st["exp_avg_scales"] = quantize_blocks(torch.randn(n, generator=g) * scale, 256)
     st["exp_avg_sqrt_codes"], st["exp_avg_sqrt_scales"] = quantize_blocks(torch.rand(n, generator=g) * scale, 256)
     return st
+
+
+def _to(device, params, mlist, grads, states):
+    """The step's inputs (or outputs) on `device`."""
+    move = (lambda t: t.to(device))
+    return ([move(p) for p in params], [move(m) for m in mlist] if mlist is not None else None,
+            [tuple(map(move, g)) if isinstance(g, tuple) else move(g) for g in grads],
+            [{k: move(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()} for st in states])
 
 
 def _inputs(seed, pdtype, masters, gkind, sizes=KERNEL_SIZES, grad_block=256):
@@ -53,8 +62,10 @@ def test_kernel_equals_reference_bit_for_bit(pdtype, masters, gkind, step):
     seed = _seed()
     out = []
     for backend in ("reference", "triton"):
-        params, mlist, grads, states = _inputs(seed, pdtype, masters, gkind)
+        inputs = _inputs(seed, pdtype, masters, gkind)
+        params, mlist, grads, states = _to(DEVICE, *inputs) if backend == "triton" else inputs
         adamw8bit_step(params, mlist, grads, states, **HP, step=step, clip=0.37, backend=backend)
+        params, mlist, _, states = _to("cpu", params, mlist, grads, states)
         out.append((params, mlist, states))
     (p1, m1, s1), (p2, m2, s2) = out
     for a, b in zip(p1, p2):
@@ -135,8 +146,10 @@ def test_kernel_reads_gradient_blocks_of_another_size(grad_block):
     seed = _seed()
     out = []
     for backend in ("reference", "triton"):
-        params, mlist, grads, states = _inputs(seed, torch.bfloat16, True, "quangrad", grad_block=grad_block)
+        inputs = _inputs(seed, torch.bfloat16, True, "quangrad", grad_block=grad_block)
+        params, mlist, grads, states = _to(DEVICE, *inputs) if backend == "triton" else inputs
         adamw8bit_step(params, mlist, grads, states, **HP, step=3, clip=0.61, grad_block=grad_block, backend=backend)
+        params, mlist, _, states = _to("cpu", params, mlist, grads, states)
         out.append((params, mlist, states))
     (p1, m1, s1), (p2, m2, s2) = out
     assert all(torch.equal(a, b) for a, b in zip(p1, p2)) and all(torch.equal(a, b) for a, b in zip(m1, m2))
