@@ -132,12 +132,14 @@ def test_grad_norm_sq_kernel_and_reference_agree_with_float64():
         qg.add_(p, d)
     values = (qg.codes.double() - 127).view(-1, qg.block) * qg.scales.double()[:, None]
     exact = (values ** 2).sum()
-    for backend in ("reference", "triton"):
-        torch.testing.assert_close(grad_norm_sq(qg, backend=backend), exact, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad_norm_sq(qg, backend="reference"), exact, rtol=1e-12, atol=0)
+    qg.codes, qg.scales = qg.codes.to(DEVICE), qg.scales.to(DEVICE)
+    torch.testing.assert_close(grad_norm_sq(qg, backend="triton").cpu(), exact, rtol=1e-12, atol=0)
     bf = [d.bfloat16() for d in dense] + [torch.randn(7, generator=g)]
     exact = sum((d.double() ** 2).sum() for d in bf)
-    for backend in ("reference", "triton"):
-        torch.testing.assert_close(grad_norm_sq(bf, backend=backend), exact, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad_norm_sq(bf, backend="reference"), exact, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad_norm_sq([d.to(DEVICE) for d in bf], backend="triton").cpu(), exact, rtol=1e-6,
+                               atol=0)
 
 
 @pytest.mark.parametrize("grad_block", [64, 1024])
@@ -167,11 +169,14 @@ def test_stochastic_rounding_is_unbiased(backend):
     hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.5)
     exact = (start.float() * torch.tensor(1 - 1e-3 * 0.5, dtype=torch.float32)).double()
     total = torch.zeros(n, dtype=torch.float64)
+    device = DEVICE if backend == "triton" else "cpu"
     for d in range(draws):
-        p = start.clone()
-        st = _state(n, torch.Generator().manual_seed(0), scale=0.0)
-        adamw8bit_step([p], None, [torch.zeros(n)], [st], **hp, step=1, seeds=[sr_seed(seed, 1, d)], backend=backend)
-        total += p.double()
+        p = start.clone().to(device)
+        st = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+              for k, v in _state(n, torch.Generator().manual_seed(0), scale=0.0).items()}
+        adamw8bit_step([p], None, [torch.zeros(n, device=device)], [st], **hp, step=1, seeds=[sr_seed(seed, 1, d)],
+                       backend=backend)
+        total += p.double().cpu()
     mean = total / draws
     ulp = 2.0**-7  # bf16 spacing in [1, 2)
     # a mean of `draws` Bernoulli ulp steps: standard error <= ulp / (2 sqrt(draws)); 5 sigma
