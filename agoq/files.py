@@ -35,6 +35,13 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Atomically write `obj` as indented JSON (with a final newline)."""
     return write_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
@@ -51,6 +58,7 @@ def write_with(path: str | os.PathLike, writer: Callable[[str], None]) -> Path:
         writer(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a file agoq writes gets the usual mode
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):

@@ -20,10 +20,10 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise ValueError(f"size must be >= 0 bytes, got {text}")
         return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read size {text!r}: write a number with an optional unit, e.g. 30GiB, "
-                         "1.5GB, 512MiB or 4096 (bytes)")
+                         "1.5GB, 512MiB, 4096 or 1e9 (bytes)")
     return int(round(float(m.group(1)) * _UNITS[m.group(2).lower()]))
 
 

@@ -21,7 +21,7 @@ HELP = "train a model in bf16 or with a plan, on one GPU or many (torchrun)"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq train`'s arguments."""
-    from agoq.commands.arguments import non_negative_int, positive_float, positive_int
+    from agoq.commands.arguments import non_negative_float, non_negative_int, positive_float, positive_int
 
     p = parser
     p.add_argument("model", help="preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b) or a HuggingFace config.json; "
@@ -58,7 +58,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=non_negative_int, default=None,
                    help="linear warmup steps (default: min(100, steps/10))")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (default 0.1)")
-    p.add_argument("--clip", type=float, default=1.0, help="clip the gradient norm to this (0: off; default 1.0)")
+    p.add_argument("--clip", type=non_negative_float, default=1.0, help="clip the gradient norm to this (0: off; default 1.0)")
     p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw",
                    help="adamw (float32 moments) or adamw8bit (8-bit block-quantized moments, float32 update); "
                         "--parallel sharded always uses SDP4Bit's sharded AdamW (default adamw)")

@@ -136,8 +136,11 @@ def _check_table(table: pd.DataFrame, num_layers: int, where: Path) -> pd.DataFr
 
 
 def load_profile(path: str | Path) -> ProfileData:
-    """Read and check a Profile folder; raises FileNotFoundError / ValueError saying what is wrong."""
+    """Read and check a Profile folder (or its profile.json); raises FileNotFoundError / ValueError saying
+    what is wrong."""
     folder = Path(path)
+    if folder.name == "profile.json" and folder.is_file():
+        folder = folder.parent
     if not folder.is_dir():
         raise FileNotFoundError(f"profile folder not found: {folder} (make one with `agoq profile MODEL --out DIR`)")
     header_path = folder / "profile.json"

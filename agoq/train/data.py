@@ -90,6 +90,8 @@ def load_corpus(data: str | None, tokenizer: str | None = None, val_fraction: fl
         raw, source = synthetic_text(), "synthetic"
     else:
         path = Path(data)
+        if path.is_dir():
+            raise ValueError(f"--data {path} is a folder: give one text file")
         if not path.is_file():
             raise FileNotFoundError(f"data file not found: {path} (give a text file with --data, or leave --data out "
                                     "to train on the built-in synthetic corpus)")
