@@ -13,7 +13,7 @@ For each: step time (median of CUDA-event-timed fwd+bwd steps after --warmup unt
 before each), peak memory above weights (max allocated during the step minus allocated before it), compile
 time (wall time of the first step minus the median step), and both as ratios against compiled-bf16.
 
-    python experiments/bench_compile.py [--layers 16] [--variants ...] [--whole]
+    python experiments/bench_compile.py [--layers 16] [--variants ...] [--whole] [--mode reduce-overhead]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import agoq  # noqa: E402
 from agoq.activations.checkpointing import apply_checkpointing, remove_checkpointing  # noqa: E402
-from agoq.activations.compile import compile_decoder_layers  # noqa: E402
+from agoq.activations.compile import compile_decoder_layers, mark_cudagraph_step  # noqa: E402
 from agoq.activations.saved_bytes import find_decoder_layers  # noqa: E402
 from agoq.models import build  # noqa: E402
 from experiments.bench_laaq import force_fused_keep, variant_policy  # noqa: E402
@@ -51,7 +51,7 @@ def reset(model) -> None:
     torch._functorch.config.activation_memory_budget = 1.0
 
 
-def set_variant(model, name: str, whole: bool, backend: str):
+def set_variant(model, name: str, whole: bool, backend: str, mode: str = "default"):
     """Configure `model` for a variant; returns the callable that runs one forward (ids, labels) -> loss."""
     mode, kind = name.split("-", 1)
     if mode not in ("eager", "compiled"):
@@ -68,18 +68,20 @@ def set_variant(model, name: str, whole: bool, backend: str):
         agoq.apply_activation_policy(model, variant_policy(kind))
     if mode == "eager":
         return model
+    options = {} if mode == "default" else {"mode": mode}
     if whole:
-        return torch.compile(model, backend=backend)
-    compile_decoder_layers(model, backend=backend)
+        return torch.compile(model, backend=backend, **options)
+    compile_decoder_layers(model, backend=backend, **options)
     return model
 
 
-def measure(fn, model, ids, labels, warmup: int, steps: int):
+def measure(fn, model, ids, labels, warmup: int, steps: int, mode: str = "default"):
     """(first step's wall seconds, timed step ms, peak bytes above what was allocated before each timed step);
     on the CPU (a smoke run) wall-clock times and no memory figures."""
     times, peaks, first = [], [], None
     for i in range(warmup + steps):
         model.zero_grad(set_to_none=True)
+        mark_cudagraph_step(mode)
         if not ids.is_cuda:
             t0 = time.perf_counter()
             fn(ids, labels).backward()
@@ -116,6 +118,10 @@ def main() -> None:
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated (see the module docstring)")
     parser.add_argument("--whole", action="store_true", help="torch.compile the whole model instead of each layer")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager for a CPU smoke run)")
+    parser.add_argument("--mode", default="default",
+                        choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"),
+                        help="torch.compile mode of the compiled variants (reduce-overhead: CUDA graphs; refused for "
+                             "stochastic-rounding policies, whose host-drawn seeds a graph would freeze)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (no memory figures)")
     parser.add_argument("--name", default="bench_compile")
     parser.add_argument("--out", default=None, help="also write the result JSON into this folder")
@@ -134,8 +140,9 @@ def main() -> None:
         reset(model)
         t0 = time.perf_counter()
         try:
-            fn = set_variant(model, name, args.whole, args.backend)
-            first, times, peaks = measure(fn, model, ids, labels, args.warmup, args.steps)
+            fn = set_variant(model, name, args.whole, args.backend, args.mode)
+            first, times, peaks = measure(fn, model, ids, labels, args.warmup, args.steps,
+                                          args.mode if name.startswith("compiled") else "default")
         except Exception as exc:  # one variant failing (e.g. out of memory) must not lose the others' figures
             traceback.print_exc()
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -168,7 +175,7 @@ def main() -> None:
               f"{row['memory_above_weights_GiB']:6.2f} {row.get('memory_vs_compiled_bf16', float('nan')):8.3f} "
               f"{row['compile_s']:9.1f}")
     figures = {"model": args.model, "layers": cfg.num_hidden_layers, "batch": args.batch, "seq": args.seq,
-               "compile": "whole model" if args.whole else "per decoder layer", "backend": args.backend,
+               "compile": "whole model" if args.whole else "per decoder layer", "backend": args.backend, "mode": args.mode,
                "weights_GiB": weights / GiB, "steps": args.steps, "warmup": args.warmup, "variants": results}
     print("wrote", write_result(args.name, figures, args.out))
 

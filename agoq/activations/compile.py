@@ -2,21 +2,58 @@
 
 Every agoq kernel a layer runs is a torch operator (`agoq::rms_norm`, `agoq::swiglu`, `agoq::quantize_block`,
 `agoq::dequantize_block` and their backwards) and LAAQ's autograd functions trace whole, so a layer under any
-activation policy, recomputing or checkpointed, compiles to one graph. Apply the policy (and checkpointing)
-first or after: the compiled layer calls whatever `forward` the layer has, and recompiles when it changes.
+activation policy, recomputing or checkpointed, compiles to one graph. The operators are triton_ops
+(agoq.triton_ops): on CUDA, Inductor traces their bodies and launches agoq's Triton kernels from its own code.
+Apply the policy (and checkpointing) first or after: the compiled layer calls whatever `forward` the layer has, and
+recompiles when it changes.
+
+Modes (torch.compile's `mode`): "default"; "max-autotune-no-cudagraphs"; "reduce-overhead", which records each
+compiled region as a CUDA graph and replays it, removing the per-kernel launch cost on the host. What CUDA graphs
+require of the ops in a layer:
+  * no host synchronisation while capturing (agoq's ops have none: LAAQ quantizes with check_finite=False, and
+    the chunked loss counts its labels on the device; the loss itself stays outside the compiled layers);
+  * no host-side state that must change between replays. Stochastic rounding breaks this: a quantize call with
+    seed None draws its Philox seed from torch's CPU generator on the host, so the seed captured in the graph
+    would be replayed unchanged every step (the same noise each step). `compile_decoder_layers` therefore refuses
+    mode="reduce-overhead" for a model whose activation policy rounds stochastically.
+  * static shapes and stable input addresses: inputs are copied into the graph's buffers on replay, and outputs
+    are overwritten by the next replay, so a training loop marks each step (`mark_cudagraph_step`).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from agoq.activations.saved_bytes import find_decoder_layers
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 
-def compile_decoder_layers(model: nn.Module, **options) -> int:
-    """Compile each decoder layer of `model` on its own (`nn.Module.compile(**options)`, e.g. backend="inductor");
-    the embedding, final norm and loss stay eager. Returns the number of layers compiled."""
+
+def compile_decoder_layers(model: nn.Module, mode: str | None = None, **options) -> int:
+    """Compile each decoder layer of `model` on its own (`nn.Module.compile(mode=mode, **options)`, e.g.
+    backend="inductor"); the embedding, final norm and loss stay eager. `mode` is torch.compile's (None or
+    "default": the default; see the module docstring for "reduce-overhead", which is refused with stochastic
+    rounding). Returns the number of layers compiled."""
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+    if mode in ("reduce-overhead", "max-autotune"):  # both record CUDA graphs
+        policy = getattr(model, "_agoq_policy", None)
+        if policy is not None and getattr(policy, "rounding", "nearest") == "stochastic":
+            raise ValueError(
+                f"compile mode {mode!r} records CUDA graphs, which would freeze the host-drawn seeds of stochastic "
+                "rounding (the same noise every step); use mode 'default' or 'max-autotune-no-cudagraphs', or "
+                "nearest rounding")
+    if mode is not None and mode != "default":
+        options["mode"] = mode
     layers = find_decoder_layers(model)
     for layer in layers:
         layer.compile(**options)
     return len(layers)
+
+
+def mark_cudagraph_step(mode: str | None) -> None:
+    """Under CUDA graphs (mode "reduce-overhead" / "max-autotune"), tell torch a new training step begins, so that
+    the previous step's graph outputs may be overwritten; nothing in other modes."""
+    if mode in ("reduce-overhead", "max-autotune"):
+        torch.compiler.cudagraph_mark_step_begin()

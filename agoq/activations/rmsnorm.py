@@ -3,13 +3,15 @@
 The formula is LLaMA's: h = weight * to_dtype(x * rsqrt(mean(x^2) + eps)), statistics in float32.
 The backward pass also rebuilds h when asked, so a layer that recomputes its norm output pays one
 read of x for both. CUDA tensors use Triton; everything else uses the reference. Both directions are
-registered as torch operators (`agoq::rms_norm`, `agoq::rms_norm_backward`, the forward differentiable) so
-that torch.compile traces them as single opaque calls.
+registered as torch operators (`agoq::rms_norm`, `agoq::rms_norm_backward`, the forward differentiable), triton_ops
+whose CUDA bodies torch.compile traces down to the Triton kernels.
 """
 
 from __future__ import annotations
 
 import torch
+
+from agoq.triton_ops import triton_operator
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,6 +43,10 @@ def _use_triton(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") ->
     return x.is_cuda and weight.dtype == x.dtype and x.shape[-1] <= 16384
 
 
+def _kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return weight.dtype == x.dtype and x.shape[-1] <= 16384
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
     if not _use_triton(x, weight, backend):
         return rms_norm_reference(x, weight, eps).contiguous()
@@ -59,43 +65,59 @@ def _backward(x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Ten
     return rms_norm_backward_triton(x, weight, eps, grad, want_output)
 
 
-# The operators torch.compile sees (opaque to Dynamo, called as they are by Inductor): the CPU kernel is the
-# reference, the CUDA kernel the Triton one. Outputs are contiguous, in x's shape (the weight gradient in
-# the weight's); the backward's output is an empty tensor when it is not wanted.
+# The operators torch.compile sees, triton_ops (agoq.triton_ops): the CPU kernel is the reference; on CUDA the body
+# launches the Triton kernel through wrap_triton (the reference's torch ops where the kernel does not apply: mixed
+# dtypes, rows over 16384), and torch.compile traces that body. Outputs are contiguous, in x's shape (the weight
+# gradient in the weight's); the backward's output is an empty tensor when it is not wanted.
 
 
-@torch.library.custom_op("agoq::rms_norm", mutates_args=(), device_types="cpu")
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_body(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _kernel_fits(x, weight):
+        return rms_norm_reference(x, weight, eps).contiguous()
+    from agoq.activations.rmsnorm_triton import rms_norm_forward_triton
+
+    return rms_norm_forward_triton(x, weight, eps, traced=True)
+
+
+def _rms_norm_cpu(x, weight, eps):
     return _forward(x, weight, eps, "torch")
 
 
-@_rms_norm_op.register_kernel("cuda")
-def _rms_norm_cuda(x, weight, eps):
-    return _forward(x, weight, eps, "auto")
-
-
-@_rms_norm_op.register_fake
 def _rms_norm_fake(x, weight, eps):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
-@torch.library.custom_op("agoq::rms_norm_backward", mutates_args=(), device_types="cpu")
-def _rms_norm_backward_op(x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor,
-                          want_output: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _on_cuda(x, *args) -> bool:
+    return x.is_cuda
+
+
+_rms_norm_op = triton_operator("agoq::rms_norm", _rms_norm_body, cpu=_rms_norm_cpu, fake=_rms_norm_fake,
+                               decompose=_on_cuda)
+
+
+def _rms_norm_backward_body(x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor,
+                            want_output: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not _kernel_fits(x, weight):
+        dx, dw, h = rms_norm_backward_reference(x, weight, eps, grad, want_output)
+        return dx.contiguous(), dw, (h.contiguous() if want_output else x.new_empty(0))
+    from agoq.activations.rmsnorm_triton import rms_norm_backward_triton
+
+    dx, dw, h = rms_norm_backward_triton(x, weight, eps, grad, want_output, traced=True)
+    return dx, dw, (x.new_empty(0) if h is None else h)
+
+
+def _rms_norm_backward_cpu(x, weight, eps, grad, want_output):
     dx, dw, h = _backward(x, weight, eps, grad, want_output, "torch")
     return dx, dw, (x.new_empty(0) if h is None else h)
 
 
-@_rms_norm_backward_op.register_kernel("cuda")
-def _rms_norm_backward_cuda(x, weight, eps, grad, want_output):
-    dx, dw, h = _backward(x, weight, eps, grad, want_output, "auto")
-    return dx, dw, (x.new_empty(0) if h is None else h)
-
-
-@_rms_norm_backward_op.register_fake
 def _rms_norm_backward_fake(x, weight, eps, grad, want_output):
     h = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)) if want_output else x.new_empty(0)
     return x.new_empty(x.shape), weight.new_empty(weight.shape), h
+
+
+_rms_norm_backward_op = triton_operator("agoq::rms_norm_backward", _rms_norm_backward_body,
+                                        cpu=_rms_norm_backward_cpu, fake=_rms_norm_backward_fake, decompose=_on_cuda)
 
 
 def _rms_norm_setup(ctx, inputs, output):

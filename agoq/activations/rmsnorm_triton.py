@@ -3,9 +3,13 @@ and accumulates the weight gradient in registers, leaving one partial row per pr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from agoq.triton_ops import register_kernels, wrap
 
 
 @triton.jit
@@ -49,34 +53,55 @@ def _warps(block_c: int) -> int:
     return 4 if block_c <= 1024 else (8 if block_c <= 4096 else 16)
 
 
-def rms_norm_forward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm forward of x [..., C] in one pass."""
-    x2 = x.contiguous()
+@functools.lru_cache(maxsize=None)
+def _row_meta(C: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(C)
+    return block, _warps(block)
+
+
+@functools.lru_cache(maxsize=None)
+def _programs_per_device(device: torch.device) -> int:
+    """Backward programs: 4 per SM on a GPU (looked up once per device), 4 elsewhere (the interpreter)."""
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def rms_norm_forward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, traced: bool = False) -> torch.Tensor:
+    """RMSNorm forward of x [..., C] in one pass. `traced`: launch through wrap_triton (an op body)."""
+    x2 = x if x.is_contiguous() else x.contiguous()
     C = x2.shape[-1]
-    h = torch.empty_like(x2)
+    h = x2.new_empty(x2.shape)
     rows = x2.numel() // C
     if rows:
-        block = triton.next_power_of_2(C)
-        _rms_norm_fwd[(rows,)](x2, weight, h, C, eps, BLOCK_C=block, num_warps=_warps(block))
+        block, warps = _row_meta(C)
+        kernel = wrap(_rms_norm_fwd) if traced else _rms_norm_fwd
+        kernel[(rows,)](x2, weight, h, C, eps, BLOCK_C=block, num_warps=warps)
     return h
 
 
 def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor,
-                             want_output: bool = False):
-    """(grad x, grad weight, output or None) in one pass over x and grad."""
-    x2, g2 = x.contiguous(), grad.contiguous()
+                             want_output: bool = False, traced: bool = False):
+    """(grad x, grad weight, output or None) in one pass over x and grad. `traced`: launch through wrap_triton
+    (an op body)."""
+    x2 = x if x.is_contiguous() else x.contiguous()
+    g2 = grad if grad.is_contiguous() else grad.contiguous()
     C = x2.shape[-1]
     rows = x2.numel() // C
-    dx = torch.empty_like(x2)
-    h = torch.empty_like(x2) if want_output else dx
+    dx = x2.new_empty(x2.shape)
+    h = x2.new_empty(x2.shape) if want_output else None
     if rows == 0:
-        return dx, torch.zeros_like(weight), (h if want_output else None)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    programs = min(rows, 4 * sms)
+        return dx, torch.zeros_like(weight), h
+    programs = min(rows, _programs_per_device(x2.device))
     per = triton.cdiv(rows, programs)
     programs = triton.cdiv(rows, per)
-    partial = torch.empty(programs, C, dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(C)
-    _rms_norm_bwd[(programs,)](x2, weight, g2, dx, h, partial, rows, C, per, eps,
-                               BLOCK_C=block, WANT_H=want_output, num_warps=_warps(block))
-    return dx, partial.sum(0).to(weight.dtype), (h if want_output else None)
+    partial = x2.new_empty((programs, C), dtype=torch.float32)
+    block, warps = _row_meta(C)
+    kernel = wrap(_rms_norm_bwd) if traced else _rms_norm_bwd
+    # without WANT_H the output pointer is never written: give it an input (a non-null pointer, and not dx
+    # under a second name, which would confuse the functionalization of a traced launch)
+    kernel[(programs,)](x2, weight, g2, dx, x2 if h is None else h, partial, rows, C, per, eps,
+                        BLOCK_C=block, WANT_H=want_output, num_warps=warps)
+    return dx, partial.sum(0).to(weight.dtype), h
+
+
+register_kernels("agoq::rms_norm", [_rms_norm_fwd])
+register_kernels("agoq::rms_norm_backward", [_rms_norm_bwd])

@@ -2,13 +2,16 @@
 
 The backward pass also rebuilds silu(gate) * up when asked, for the down projection's weight
 gradient, so a layer that recomputes it reads gate and up once. CUDA tensors use Triton. Both directions are registered as torch operators
-(`agoq::swiglu`, `agoq::swiglu_backward`, the forward differentiable) that torch.compile traces as opaque calls.
+(`agoq::swiglu`, `agoq::swiglu_backward`, the forward differentiable), triton_ops whose CUDA bodies torch.compile
+traces down to the Triton kernels.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from agoq.triton_ops import triton_operator
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -48,42 +51,61 @@ def _backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, want_out
     return swiglu_backward_triton(gate, up, grad, want_output)
 
 
-# The operators torch.compile sees: CPU kernel the reference, CUDA kernel the Triton one; contiguous outputs,
-# the backward's rebuilt output an empty tensor when it is not wanted.
+# The operators torch.compile sees, triton_ops (agoq.triton_ops): CPU kernel the reference; on CUDA the body
+# launches the Triton kernel through wrap_triton (the reference's torch ops for mixed dtypes or broadcasting), and
+# torch.compile traces that body. Contiguous outputs, the backward's rebuilt output an empty tensor when not wanted.
 
 
-@torch.library.custom_op("agoq::swiglu", mutates_args=(), device_types="cpu")
-def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _kernel_fits(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return gate.dtype == up.dtype and gate.shape == up.shape
+
+
+def _swiglu_body(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if not _kernel_fits(gate, up):
+        return swiglu_reference(gate, up).contiguous()
+    from agoq.activations.swiglu_triton import swiglu_forward_triton
+
+    return swiglu_forward_triton(gate, up, traced=True)
+
+
+def _swiglu_cpu(gate, up):
     return _forward(gate, up, "torch")
 
 
-@_swiglu_op.register_kernel("cuda")
-def _swiglu_cuda(gate, up):
-    return _forward(gate, up, "auto")
-
-
-@_swiglu_op.register_fake
 def _swiglu_fake(gate, up):
     return gate.new_empty(torch.broadcast_shapes(gate.shape, up.shape), dtype=torch.promote_types(gate.dtype, up.dtype))
 
 
-@torch.library.custom_op("agoq::swiglu_backward", mutates_args=(), device_types="cpu")
-def _swiglu_backward_op(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor,
-                        want_output: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _on_cuda(gate, *args) -> bool:
+    return gate.is_cuda
+
+
+_swiglu_op = triton_operator("agoq::swiglu", _swiglu_body, cpu=_swiglu_cpu, fake=_swiglu_fake, decompose=_on_cuda)
+
+
+def _swiglu_backward_body(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor,
+                          want_output: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not _kernel_fits(gate, up):
+        dg, du, a = swiglu_backward_reference(gate, up, grad, want_output)
+        return dg.contiguous(), du.contiguous(), (a.contiguous() if want_output else gate.new_empty(0))
+    from agoq.activations.swiglu_triton import swiglu_backward_triton
+
+    dg, du, a = swiglu_backward_triton(gate, up, grad, want_output, traced=True)
+    return dg, du, (gate.new_empty(0) if a is None else a)
+
+
+def _swiglu_backward_cpu(gate, up, grad, want_output):
     dg, du, a = _backward(gate, up, grad, want_output, "torch")
     return dg, du, (gate.new_empty(0) if a is None else a)
 
 
-@_swiglu_backward_op.register_kernel("cuda")
-def _swiglu_backward_cuda(gate, up, grad, want_output):
-    dg, du, a = _backward(gate, up, grad, want_output, "auto")
-    return dg, du, (gate.new_empty(0) if a is None else a)
-
-
-@_swiglu_backward_op.register_fake
 def _swiglu_backward_fake(gate, up, grad, want_output):
     a = _swiglu_fake(gate, up) if want_output else gate.new_empty(0)
     return gate.new_empty(gate.shape), up.new_empty(up.shape), a
+
+
+_swiglu_backward_op = triton_operator("agoq::swiglu_backward", _swiglu_backward_body, cpu=_swiglu_backward_cpu,
+                                      fake=_swiglu_backward_fake, decompose=_on_cuda)
 
 
 def _swiglu_setup(ctx, inputs, output):

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agoq.triton_ops import register_kernels, wrap
+
 BLOCK = 2048
 
 
@@ -35,22 +37,35 @@ def _swiglu_bwd(g_ptr, u_ptr, d_ptr, dg_ptr, du_ptr, a_ptr, n, BLOCK: tl.constex
         tl.store(a_ptr + offs, (s * u).to(a_ptr.dtype.element_ty), mask=m)
 
 
-def swiglu_forward_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in one pass."""
-    g, u = gate.contiguous(), up.contiguous()
-    a = torch.empty_like(g)
+def swiglu_forward_triton(gate: torch.Tensor, up: torch.Tensor, traced: bool = False) -> torch.Tensor:
+    """silu(gate) * up in one pass. `traced`: launch through wrap_triton (an op body)."""
+    g = gate if gate.is_contiguous() else gate.contiguous()
+    u = up if up.is_contiguous() else up.contiguous()
+    a = g.new_empty(g.shape)
     n = g.numel()
     if n:
-        _swiglu_fwd[(triton.cdiv(n, BLOCK),)](g, u, a, n, BLOCK=BLOCK, num_warps=8)
+        kernel = wrap(_swiglu_fwd) if traced else _swiglu_fwd
+        kernel[(triton.cdiv(n, BLOCK),)](g, u, a, n, BLOCK=BLOCK, num_warps=8)
     return a
 
 
-def swiglu_backward_triton(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, want_output: bool = False):
-    """(grad gate, grad up, output or None) in one pass."""
-    g, u, d = gate.contiguous(), up.contiguous(), grad.contiguous()
-    dg, du = torch.empty_like(g), torch.empty_like(u)
-    a = torch.empty_like(g) if want_output else dg
+def swiglu_backward_triton(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, want_output: bool = False,
+                           traced: bool = False):
+    """(grad gate, grad up, output or None) in one pass. `traced`: launch through wrap_triton (an op body)."""
+    g = gate if gate.is_contiguous() else gate.contiguous()
+    u = up if up.is_contiguous() else up.contiguous()
+    d = grad if grad.is_contiguous() else grad.contiguous()
+    dg, du = g.new_empty(g.shape), u.new_empty(u.shape)
+    a = g.new_empty(g.shape) if want_output else None
     n = g.numel()
     if n:
-        _swiglu_bwd[(triton.cdiv(n, BLOCK),)](g, u, d, dg, du, a, n, BLOCK=BLOCK, WANT_A=want_output, num_warps=8)
-    return dg, du, (a if want_output else None)
+        # without WANT_A the output pointer is never written: an input stands in (not dg under a second name,
+        # which would confuse the functionalization of a traced launch)
+        kernel = wrap(_swiglu_bwd) if traced else _swiglu_bwd
+        kernel[(triton.cdiv(n, BLOCK),)](g, u, d, dg, du, g if a is None else a, n, BLOCK=BLOCK, WANT_A=want_output,
+                                         num_warps=8)
+    return dg, du, a
+
+
+register_kernels("agoq::swiglu", [_swiglu_fwd])
+register_kernels("agoq::swiglu_backward", [_swiglu_bwd])

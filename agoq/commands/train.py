@@ -42,6 +42,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer on its own (any policy, plan or --checkpoint-all; "
                         "default off: eager)")
+    p.add_argument("--compile-mode", default="default",
+                   choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                   help="torch.compile's mode with --compile: reduce-overhead records each layer as CUDA graphs "
+                        "(refused with stochastic rounding, whose host-drawn seeds a graph would freeze) "
+                        "(default: default)")
     p.add_argument("--data", default=None, help="text file to train on, split 90/10 into train/validation "
                                                 "(default: a built-in synthetic corpus, 1 MB)")
     p.add_argument("--tokenizer", default=None, help="HuggingFace tokenizers JSON (default: bytes, vocabulary 256)")
@@ -105,5 +110,6 @@ def run(args: argparse.Namespace) -> int:
                       checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
                       eval_batches=args.eval_batches, resume=args.resume, seed=args.seed, device=args.device,
                       dtype=args.dtype, out=args.out, checkpoint_all=args.checkpoint_all, node_size=args.node_size,
-                      quiet=args.quiet, compile=args.compile)
+                      quiet=args.quiet, compile=args.compile,
+                      compile_mode=args.compile_mode)
     return train(cfg)

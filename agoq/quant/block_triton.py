@@ -51,6 +51,7 @@ from agoq.quant.codebook import nf4_levels, nf4_thresholds
 from agoq.quant.qtensor import int_qmax, num_blocks, packed_nbytes
 from agoq.quant.reference import LIFT, TINY_SCALE
 from agoq.quant.triton_common import USE_ASM, floor_bits, mul_rn, nanmax, sanitize
+from agoq.triton_ops import register_kernels, wrap
 
 TILE_VALUES = 2048  # values per program, when the block is smaller
 NUM_WARPS = 4  # dequantize; quantize uses min(NUM_WARPS, tile / 1024): 32 values per thread
@@ -479,8 +480,31 @@ def _nf4_lut_cpu(cells_per_unit: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _nf4_lut(device: str, cells_per_unit: int) -> torch.Tensor:
+def _nf4_lut(device: torch.device, cells_per_unit: int = NF4_CELLS) -> torch.Tensor:
+    """The nf4 lookup table on `device`, built and copied there once per device."""
     return _nf4_lut_cpu(cells_per_unit).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _nf4_levels_on(device: torch.device) -> torch.Tensor:
+    return nf4_levels(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _quantize_meta(bits: int, block: int, fmt: str, stochastic: bool) -> tuple[int, dict]:
+    """(values per program, the kernel's constexpr and launch options) of a setting, computed once."""
+    tile = block * _blocks_per_program(block)
+    return tile, dict(
+        BITS=bits, QMAX=int_qmax(bits), BLOCK=block, BPP=tile // block, NF4=fmt == "nf4", STOCHASTIC=stochastic,
+        TINY=TINY_SCALE, LIFT_F=LIFT, USE_ASM=USE_ASM, NF4_CELLS=NF4_CELLS, ROUNDS=PHILOX_ROUNDS,
+        PACK_C=_pack_constant(bits), ODD_GATHER=bits in ODD_GATHER_BITS, num_warps=_quantize_warps(tile))
+
+
+@functools.lru_cache(maxsize=None)
+def _dequantize_meta(bits: int, block: int, fmt: str) -> tuple[int, dict]:
+    tile = block * _blocks_per_program(block)
+    return tile, dict(BITS=bits, QMAX=int_qmax(bits), BLOCK=block, BPP=tile // block, NF4=fmt == "nf4",
+                      num_warps=NUM_WARPS)
 
 
 def quantize_triton(
@@ -500,16 +524,10 @@ def quantize_triton(
         raise ValueError(f"quantize_triton: outputs must be contiguous and hold {nbytes} bytes and {nb} scales")
     if n == 0:
         return data, scales
-    bpp = _blocks_per_program(block)
-    grid = (triton.cdiv(n, block * bpp),)
-    _quantize_kernel[grid](
-        flat, data, scales, _nf4_lut(str(flat.device), NF4_CELLS), n, nbytes, nb,
-        0 if seed is None else seed,
-        BITS=bits, QMAX=int_qmax(bits), BLOCK=block, BPP=bpp, NF4=fmt == "nf4",
-        STOCHASTIC=seed is not None, TINY=TINY_SCALE, LIFT_F=LIFT, USE_ASM=USE_ASM, NF4_CELLS=NF4_CELLS,
-        ROUNDS=PHILOX_ROUNDS, PACK_C=_pack_constant(bits), ODD_GATHER=bits in ODD_GATHER_BITS,
-        num_warps=_quantize_warps(block * bpp),
-    )
+    tile, meta = _quantize_meta(bits, block, fmt, seed is not None)
+    lut = _nf4_lut(flat.device) if fmt == "nf4" else flat  # int: never read
+    _quantize_kernel[(triton.cdiv(n, tile),)](flat, data, scales, lut, n, nbytes, nb,
+                                              0 if seed is None else seed, **meta)
     return data, scales
 
 
@@ -522,10 +540,41 @@ def dequantize_triton(
         out = torch.empty(numel, dtype=dtype, device=data.device)
     if numel == 0:
         return out
-    bpp = _blocks_per_program(block)
-    grid = (triton.cdiv(numel, block * bpp),)
-    _dequantize_kernel[grid](
-        data, scales, nf4_levels(data.device), out, numel, data.numel(), scales.numel(),
-        BITS=bits, QMAX=int_qmax(bits), BLOCK=block, BPP=bpp, NF4=fmt == "nf4", num_warps=NUM_WARPS,
-    )
+    tile, meta = _dequantize_meta(bits, block, fmt)
+    levels = _nf4_levels_on(data.device) if fmt == "nf4" else scales  # int: never read
+    _dequantize_kernel[(triton.cdiv(numel, tile),)](data, scales, levels, out, numel, data.numel(), scales.numel(),
+                                                    **meta)
     return out
+
+
+# The bodies of the operators agoq::quantize_block / agoq::dequantize_block (agoq.quant.quantize): fresh outputs
+# allocated with torch ops, the kernel launched through wrap_triton so that torch.compile traces the launch.
+# Unused pointer arguments get an input tensor (never an output: two names for one mutated buffer would
+# confuse the functionalization of the launch).
+
+
+def quantize_op_body(flat: torch.Tensor, bits: int, block: int, fmt: str, seed: int | None):
+    n = flat.numel()
+    data = flat.new_empty(packed_nbytes(n, bits), dtype=torch.uint8)
+    scales = flat.new_empty(num_blocks(n, block), dtype=torch.float32)
+    if n:
+        tile, meta = _quantize_meta(bits, block, fmt, seed is not None)
+        lut = _nf4_lut(flat.device) if fmt == "nf4" else flat
+        wrap(_quantize_kernel)[(triton.cdiv(n, tile),)](flat, data, scales, lut, n, data.numel(), scales.numel(),
+                                                        0 if seed is None else seed, **meta)
+    return data, scales
+
+
+def dequantize_op_body(data: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int, fmt: str,
+                       dtype: torch.dtype) -> torch.Tensor:
+    out = data.new_empty(numel, dtype=dtype)
+    if numel:
+        tile, meta = _dequantize_meta(bits, block, fmt)
+        levels = _nf4_levels_on(data.device) if fmt == "nf4" else scales
+        wrap(_dequantize_kernel)[(triton.cdiv(numel, tile),)](data, scales, levels, out, numel, data.numel(),
+                                                              scales.numel(), **meta)
+    return out
+
+
+register_kernels("agoq::quantize_block", [_quantize_kernel])
+register_kernels("agoq::dequantize_block", [_dequantize_kernel])

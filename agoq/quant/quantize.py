@@ -3,7 +3,7 @@
 CUDA tensors go through the Triton kernels, CPU tensors through the torch reference (or through the
 Triton interpreter when TRITON_INTERPRET=1 and backend="triton"). Both produce identical bytes for
 nearest rounding. backend "auto" goes through the torch operators `agoq::quantize_block` and
-`agoq::dequantize_block`, which torch.compile traces as opaque calls.
+`agoq::dequantize_block` (triton_ops: torch.compile traces their CUDA bodies down to the Triton kernels).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import torch
 
 from agoq.quant import reference as quant_reference
+from agoq.triton_ops import triton_operator
 from agoq.quant.qtensor import MAX_BITS, MAX_BLOCK, MIN_BITS, MIN_BLOCK, QTensor, num_blocks, packed_nbytes
 
 FORMATS = ("int", "nf4")
@@ -97,43 +98,67 @@ def _dequantize_flat(data: torch.Tensor, scales: torch.Tensor, bits: int, block:
     return quant_reference.dequantize_reference(data, scales, bits, block, numel, fmt, dtype)
 
 
-# The operators torch.compile sees (opaque single calls; QTensor's metadata stays in Python): the CPU kernel
-# is the torch reference, the CUDA kernel the Triton one. `x` is flat; stochastic rounding with seed None
-# draws its seed from torch's global CPU generator inside the call, so a compiled step needs no host sync.
+# The operators torch.compile sees (QTensor's metadata stays in Python), triton_ops (agoq.triton_ops): the CPU
+# kernel is the torch reference; on CUDA the body allocates the outputs and launches the Triton kernel, and
+# torch.compile traces that body, so Inductor launches the kernel from its own code. `x` is flat. Two cases stay
+# one opaque call under torch.compile: nf4 (its lookup table is a device constant the trace would have to
+# capture), and stochastic rounding with seed None, whose seed is drawn from torch's global CPU generator inside
+# the call (no device sync; traced, it would be drawn once and frozen into the graph).
 
 
-@torch.library.custom_op("agoq::quantize_block", mutates_args=(), device_types="cpu")
-def _quantize_op(x: torch.Tensor, bits: int, block: int, fmt: str, rounding: str,
-                 seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw_seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())  # a CPU tensor: no device sync
+
+
+def _quantize_body(x: torch.Tensor, bits: int, block: int, fmt: str, rounding: str,
+                   seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    from agoq.quant.block_triton import quantize_op_body
+
+    if rounding == "stochastic" and seed is None:
+        seed = _draw_seed()
+    return quantize_op_body(x if x.is_contiguous() else x.contiguous(), bits, block, fmt,
+                            seed if rounding == "stochastic" else None)
+
+
+def _quantize_cpu(x, bits, block, fmt, rounding, seed):
     return _quantize_flat(x, bits, block, fmt, rounding, seed, "torch")
 
 
-@_quantize_op.register_kernel("cuda")
-def _quantize_cuda(x, bits, block, fmt, rounding, seed):
-    return _quantize_flat(x, bits, block, fmt, rounding, seed, "triton")
-
-
-@_quantize_op.register_fake
 def _quantize_fake(x, bits, block, fmt, rounding, seed):
     n = x.numel()
     return (x.new_empty(packed_nbytes(n, bits), dtype=torch.uint8),
             x.new_empty(num_blocks(n, block), dtype=torch.float32))
 
 
-@torch.library.custom_op("agoq::dequantize_block", mutates_args=(), device_types="cpu")
-def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int, fmt: str,
-                   dtype: torch.dtype) -> torch.Tensor:
+def _quantize_decomposes(x, bits, block, fmt, rounding, seed) -> bool:
+    return x.is_cuda and fmt != "nf4" and (rounding != "stochastic" or seed is not None)
+
+
+_quantize_op = triton_operator("agoq::quantize_block", _quantize_body, cpu=_quantize_cpu, fake=_quantize_fake,
+                               decompose=_quantize_decomposes)
+
+
+def _dequantize_body(data: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int, fmt: str,
+                     dtype: torch.dtype) -> torch.Tensor:
+    from agoq.quant.block_triton import dequantize_op_body
+
+    return dequantize_op_body(data, scales, bits, block, numel, fmt, dtype)
+
+
+def _dequantize_cpu(data, scales, bits, block, numel, fmt, dtype):
     return _dequantize_flat(data, scales, bits, block, numel, fmt, dtype, "torch")
 
 
-@_dequantize_op.register_kernel("cuda")
-def _dequantize_cuda(data, scales, bits, block, numel, fmt, dtype):
-    return _dequantize_flat(data, scales, bits, block, numel, fmt, dtype, "triton")
-
-
-@_dequantize_op.register_fake
 def _dequantize_fake(data, scales, bits, block, numel, fmt, dtype):
     return data.new_empty(numel, dtype=dtype)
+
+
+def _dequantize_decomposes(data, scales, bits, block, numel, fmt, dtype) -> bool:
+    return data.is_cuda and fmt != "nf4"
+
+
+_dequantize_op = triton_operator("agoq::dequantize_block", _dequantize_body, cpu=_dequantize_cpu,
+                                 fake=_dequantize_fake, decompose=_dequantize_decomposes)
 
 
 def quantize(

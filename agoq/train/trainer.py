@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agoq.activations.compile import mark_cudagraph_step
 from agoq.environment import hardware, software_versions
 from agoq.formats.plan import load_plan, plan_for_policy
 from agoq.formats.run import RunRecord
@@ -84,6 +85,7 @@ class TrainConfig:
     node_size: int | None = None
     quiet: bool = False
     compile: bool = False  # torch.compile each decoder layer on its own (agoq.activations.compile)
+    compile_mode: str = "default"  # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs
 
 
 class TrainingFailed(RuntimeError):
@@ -319,7 +321,7 @@ def prepare(cfg: TrainConfig, world: World) -> Setup:
         apply_checkpointing(model)
         policy_name = (policy_name + "+" if policy_name else "") + "checkpoint-all"
     if cfg.compile:
-        compile_decoder_layers(model)
+        compile_decoder_layers(model, mode=cfg.compile_mode)
 
     data_ranks = 1 if parallel == "pipeline" else world.size
     batches = Batches(corpus, seq_len, micro_batch, 1 if parallel == "pipeline" else grad_accum, data_ranks, cfg.seed)
@@ -450,7 +452,8 @@ class Trainer:
                 "checkpoint_every": cfg.checkpoint_every, "eval_every": s.eval_every,
                 "eval_batches": cfg.eval_batches, "pipeline_stages": s.world.size if s.parallel == "pipeline" else 1,
                 "layer_stage": s.layer_stage, "tokens_per_step": self.tokens_per_step,
-                "checkpoint_all": cfg.checkpoint_all, "compile": cfg.compile, "node_size": cfg.node_size,
+                "checkpoint_all": cfg.checkpoint_all, "compile": cfg.compile,
+                "compile_mode": cfg.compile_mode if cfg.compile else None, "node_size": cfg.node_size,
                 **{k: v for k, v in s.corpus_info.items() if k != "data"}}
 
     @property
@@ -534,6 +537,8 @@ class Trainer:
         total = torch.zeros((), device=dev)
         rank = s.world.rank
         for micro in range(cfg.grad_accum):
+            if cfg.compile:
+                mark_cudagraph_step(cfg.compile_mode)  # CUDA graphs: the last micro-batch's outputs are done with
             ids, labels = s.batches.micro(step, micro, rank)
             ids, labels = ids.to(dev), labels.to(dev)
             last = micro == cfg.grad_accum - 1
