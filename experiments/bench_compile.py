@@ -53,11 +53,11 @@ def reset(model) -> None:
 
 def set_variant(model, name: str, whole: bool, backend: str, mode: str = "default"):
     """Configure `model` for a variant; returns the callable that runs one forward (ids, labels) -> loss."""
-    mode, kind = name.split("-", 1)
-    if mode not in ("eager", "compiled"):
+    where, kind = name.split("-", 1)
+    if where not in ("eager", "compiled"):
         raise ValueError(f"variant {name!r}: give eager-KIND or compiled-KIND")
     if kind.startswith("budget"):
-        if mode != "compiled":
+        if where != "compiled":
             raise ValueError(f"{name}: activation_memory_budget is a torch.compile setting")
         torch._functorch.config.activation_memory_budget = float(kind[len("budget"):])
     elif kind == "checkpoint":
@@ -66,7 +66,7 @@ def set_variant(model, name: str, whole: bool, backend: str, mode: str = "defaul
         force_fused_keep(model)
     elif kind != "bf16":
         agoq.apply_activation_policy(model, variant_policy(kind))
-    if mode == "eager":
+    if where == "eager":
         return model
     options = {} if mode == "default" else {"mode": mode}
     if whole:
