@@ -121,7 +121,8 @@ def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
     val = [v for v in m.val["val_loss"] if v is not None]
     tps = [v for v in m.train["tokens_per_s"] if v is not None]
     peaks = [v for row in m.peak for v in row if v is not None]
-    plan_label = "bf16 (no plan)"
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(settings.get("dtype"), "bf16")
+    plan_label = f"{dtype} (no plan)"  # the CPU trains in fp32
     if isinstance(plan, dict):
         source = plan.get("source") or {}
         budget = number(plan.get("budget_bytes"))
