@@ -219,7 +219,8 @@ def test_recipe_error_is_the_published_recipe_summed_from_the_table(tmp_path):
     seed, rng = fresh_rng()
     stages = rng.choice([1, 2, 3])
     in_flight = sorted((rng.randint(1, 7) for _ in range(stages)), reverse=True)
-    folder = write_profile(tmp_path / "p", rng, num_layers=rng.choice([5, 7]), stages=stages, in_flight=in_flight)
+    folder = write_profile(tmp_path / "p", rng, num_layers=rng.choice([5, 7]), stages=stages, in_flight=in_flight,
+                           bits=tuple(range(2, 9)))  # every width the stage rule can ask for (4..8)
     profile = load_profile(folder)
     stage_of = profile.layer_stage()
     bits = [min(8, max(4, (4 * in_flight[0]) // n)) for n in in_flight]  # the stage rule, by hand
