@@ -123,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
                      ray_address=args.ray_address, measure_trials=args.measure_trials, parallel=args.workers,
                      validate=args.validate, validate_steps=args.validate_steps, front_budgets=args.front_budgets,
                      out_dir=out.parent, seed=args.seed, progress=not args.quiet)
+    if out.exists():
+        print(f"agoq search: replacing {out} and the front beside it (pareto.csv, {out.stem}-pareto/) with this "
+              "search's", file=sys.stderr)
     written = write_outputs(outcome, out)
     plan = outcome.plan
     pred = plan.predicted

@@ -241,11 +241,16 @@ def pareto_rows(candidates: list, plan_names: dict) -> list[dict]:
 
 
 def write_outputs(outcome: SearchOutcome, out: Path) -> dict:
-    """Write plan.json (`out`), the front's plans (OUT_STEM-pareto/NN.json) and pareto.csv beside it."""
+    """Write plan.json (`out`), the front's plans (OUT_STEM-pareto/NN.json) and pareto.csv beside it. The
+    front's plans of an earlier search into the same `out` are removed first (only agoq's own
+    SOURCE-NN.json files), so the folder never mixes two searches' fronts."""
     out = Path(out)
     folder = out.parent
-    outcome.plan.save(out)
     plans_dir = folder / f"{out.stem}-pareto"
+    if plans_dir.is_dir():
+        for old in plans_dir.glob("*-[0-9][0-9].json"):
+            old.unlink()
+    outcome.plan.save(out)
     names = {}
     i = 0
     for c in outcome.candidates:

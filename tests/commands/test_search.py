@@ -391,3 +391,20 @@ def test_error_cap_rejects_bad_values(profile_dir, tmp_path, bad, capsys):
               "--error-cap", bad])
     assert e.value.code != 0
     assert "--error-cap" in capsys.readouterr().err
+
+
+def test_search_into_an_earlier_out_says_so_and_drops_the_old_front(profile_dir, tmp_path, capsys):
+    low, high = _bounds(profile_dir)
+    out = tmp_path / "s" / "plan.json"
+    args = ["search", "--profile", str(profile_dir), "--out", str(out), "--quiet", "--front-budgets", "3"]
+    assert main([*args, "--budget", str(high)]) == 0
+    assert "replacing" not in capsys.readouterr().err
+    stale = out.parent / "plan-pareto" / "optuna-07.json"  # a front plan of an earlier, larger search
+    stale.parent.mkdir(exist_ok=True)
+    stale.write_text("{}")
+    mine = out.parent / "plan-pareto" / "notes.txt"
+    mine.write_text("kept")
+    assert main([*args, "--budget", str((low + high) // 2)]) == 0
+    assert "replacing" in capsys.readouterr().err
+    assert not stale.exists() and mine.read_text() == "kept"
+    assert load_plan(out).budget_bytes == (low + high) // 2
