@@ -55,6 +55,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """ValueError naming the port when something already listens there (before saying "serving")."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}): another program (an earlier "
+                             "dashboard?) uses it; pass --port with another number") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the arguments, build the app and serve it until interrupted."""
     token = args.token or os.environ.get(TOKEN_ENV) or None
@@ -75,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(args.root, token=token, allowed_hosts=allowed, ttl=args.rescan_seconds)
     shown_host = f"[{args.host}]" if ":" in args.host else args.host
     address = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
+    _check_port_free(args.host, args.port)
     print(f"agoq dashboard: serving {app.state.dashboard.catalog.root} at {address}", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -17,10 +17,18 @@ class BrokenFile(ValueError):
     """A file that exists but cannot be read as the format it should have."""
 
 
+MAX_JSON_BYTES = 64 * 2**20  # the largest JSON file read; agoq's own are far smaller (a plan of 80 layers: ~100 KiB)
+
+
 def read_json(path: Path, kind: str) -> dict[str, Any]:
     """Parse `path` and check that its `schema` is agoq.<kind>/N with N no newer than this dashboard
-    reads; raises BrokenFile naming the file and the problem."""
+    reads; raises BrokenFile naming the file and the problem (also for a file over MAX_JSON_BYTES, which
+    is skipped unread so that a stray huge file cannot take the server's memory)."""
     try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise BrokenFile(f"{path.name}: {size / 2**20:.0f} MiB, larger than the {MAX_JSON_BYTES // 2**20} MiB "
+                             "this dashboard reads for one JSON file; skipped")
         data = json.loads(path.read_text())
     except OSError as e:
         raise BrokenFile(f"{path.name}: cannot read it ({e.strerror or e})") from None
