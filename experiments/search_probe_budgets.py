@@ -55,9 +55,9 @@ def search_phase(args, folder: Path, out: Path) -> dict:
     from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
     from agoq.formats.profile import load_profile
     from agoq.models import resolve_config
-    from agoq.search.costs import Knobs, build_problem, checkpointing_only
+    from agoq.search.costs import ProblemSettings, build_problem, checkpointing_only
     from agoq.search.milp import Allocation, InfeasibleBudget, Solver
-    from agoq.search.orchestrate import plan_from_profile
+    from agoq.search.search import plan_from_profile
     from agoq.search.plan_builder import build_plan
 
     profile = load_profile(folder)
@@ -76,7 +76,7 @@ def search_phase(args, folder: Path, out: Path) -> dict:
     f = only.evaluate(np.array([], dtype=int), every)
     full = build_plan(profile, only, Allocation(np.array([], dtype=int), every, f["peak_bytes_per_stage"],
                                                 f["step_seconds"], f["grad_error"]),
-                      Knobs(), None, "checkpointing", "time")
+                      ProblemSettings(), None, "checkpointing", "time")
     plans["full-checkpointing"] = full.to_dict()
     result["full_checkpointing_predicted"] = full.predicted.model_dump()
     keep_all = only.evaluate(np.array([i for i, o in enumerate(only.option) if o == "16"]),
@@ -103,7 +103,7 @@ def search_phase(args, folder: Path, out: Path) -> dict:
         try:
             only = checkpointing_only(problem)
             alloc = Solver(only).solve(budget, "time")
-            ck = build_plan(profile, only, alloc, Knobs(), budget, "checkpointing", "time")
+            ck = build_plan(profile, only, alloc, ProblemSettings(), budget, "checkpointing", "time")
             plans[f"checkpointing-{frac}"] = ck.to_dict()
             entry["checkpointing_layers"] = ck.checkpoint_layers()
             entry["checkpointing_predicted"] = ck.predicted.model_dump()

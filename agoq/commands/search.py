@@ -103,7 +103,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run `agoq search`; returns the exit code."""
     from agoq.formats.profile import load_profile
-    from agoq.search.orchestrate import search, write_outputs
+    from agoq.search.search import search, write_outputs
 
     if args.validate < 0:
         raise ValueError(f"--validate must be >= 0, got {args.validate}")

@@ -36,7 +36,7 @@ COMM_PATHS = {"bf16": "nccl-bf16", "quangrad8": "quangrad8", "sdp4bit": "sdp4bit
 
 
 @dataclass(frozen=True)
-class Knobs:
+class ProblemSettings:
     """Settings outside the per-layer choice: what the Optuna study varies (defaults: the profile's)."""
 
     block: Optional[int] = None           # values per quantization scale (None: the profile's block)
@@ -87,7 +87,7 @@ class ChoiceProblem:
             return np.zeros(self.num_stages)
         return np.asarray(self.laaq_transient_bytes, float)
 
-    def flight(self) -> np.ndarray:
+    def in_flight_counts(self) -> np.ndarray:
         return np.ones(self.num_stages) if self.in_flight is None else np.asarray(self.in_flight, float)
 
     def recomputed(self) -> np.ndarray:
@@ -112,7 +112,7 @@ class ChoiceProblem:
             out.setdefault((int(l), int(k)), []).append(i)
         return {g: np.array(v) for g, v in out.items()}
 
-    def sixteen(self) -> np.ndarray:
+    def keeps_16bit(self) -> np.ndarray:
         """Boolean mask of the '16' options."""
         return np.array([o == "16" for o in self.option])
 
@@ -126,7 +126,7 @@ class ChoiceProblem:
         per_layer = np.zeros(self.num_layers)  # bytes each layer adds to its stage (x in-flight)
         np.add.at(per_layer, self.layer[chosen], self.memory[chosen])
         per_layer[ckpt] += self.checkpoint_memory[ckpt]
-        is16 = self.sixteen()
+        is16 = self.keeps_16bit()
         for l in range(self.num_layers):
             if ckpt[l]:
                 continue
@@ -147,7 +147,7 @@ class ChoiceProblem:
         mem = self.static_bytes + activations + transient
         # backward of a checkpointed layer l: the other in-flight micro-batches, this one's layers before l,
         # and l's input plus everything its rerun forward keeps
-        flight, extra = self.flight(), self.recomputed()
+        flight, extra = self.in_flight_counts(), self.recomputed()
         for l in np.nonzero(ckpt)[0]:
             s = self.layer_stage[l]
             before = per_layer[(self.layer_stage == s) & (np.arange(self.num_layers) < l)].sum()
@@ -238,16 +238,16 @@ def static_bytes_total(profile: ProfileData, mode: str) -> float:
     raise ValueError(f"gradient mode must be one of {', '.join(GRADIENT_MODES)}, got {mode!r}")
 
 
-def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem:
+def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings()) -> ChoiceProblem:
     """The ChoiceProblem of a profile under `knobs` (see the module docstring for the cost models)."""
     notes: list[str] = []
     L = profile.num_layers
-    mb0 = int(profile.settings.get("micro_batch", 1) or 1)
-    mb = knobs.micro_batch or mb0
+    profiled_micro_batch = int(profile.settings.get("micro_batch", 1) or 1)
+    mb = knobs.micro_batch or profiled_micro_batch
     block0 = int(profile.settings.get("block", 128) or 128)
     block = knobs.block or block0
-    shape0, shape = _layer_shape(profile, mb0), _layer_shape(profile, mb)
-    if shape0 is None and (mb != mb0 or block != block0):
+    shape0, shape = _layer_shape(profile, profiled_micro_batch), _layer_shape(profile, mb)
+    if shape0 is None and (mb != profiled_micro_batch or block != block0):
         raise ValueError("the profile has no model config: micro-batch and block size cannot differ from the "
                          "profiled ones")
     stages = np.array(knobs.layer_stage if knobs.layer_stage is not None else profile.layer_stage(), dtype=int)
@@ -283,7 +283,7 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
     cache: dict = {}
 
     def scale(kind: str, option: str) -> float:
-        if shape0 is None or (mb == mb0 and block == block0):
+        if shape0 is None or (mb == profiled_micro_batch and block == block0):
             return 1.0
         key = (kind, option)
         if key not in cache:
@@ -299,7 +299,7 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
     flight = np.array([in_flight[s] for s in stages], dtype=float)
     memory = per_mb * flight[layer]
     accum = int(knobs.grad_accum)
-    time_scale = accum * mb / mb0
+    time_scale = accum * mb / profiled_micro_batch
     seconds = rows["extra_seconds"].to_numpy(float) * time_scale
     error = rows["sensitivity"].to_numpy(float)
 
@@ -353,7 +353,7 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
     if fixed_bytes is None:  # not calibrated (no allocator statistics where it was profiled)
         notes.append("the profile has no calibrated memory.fixed_bytes: the fixed part is only the activations "
                      f"kept outside the decoder layers ({int(outside)} bytes), workspace not counted")
-    fixed = (float(fixed_bytes or 0) + outside) * (mb / mb0)
+    fixed = (float(fixed_bytes or 0) + outside) * (mb / profiled_micro_batch)
     static = static + fixed
     # LAAQ's backward holds dequantized copies the memory model does not list: the agoq-paper step's
     # measured fwd + bwd peak beyond its prediction (both from the profile) is taken as that transient
@@ -362,7 +362,7 @@ def build_problem(profile: ProfileData, knobs: Knobs = Knobs()) -> ChoiceProblem
     measured_fb = paper.get("measured_peak_bytes_forward_backward")
     predicted_fb = paper.get("predicted_peak_bytes_forward_backward")
     if measured_fb is not None and predicted_fb is not None:
-        over = max(0.0, float(measured_fb) - float(predicted_fb)) * (mb / mb0)
+        over = max(0.0, float(measured_fb) - float(predicted_fb)) * (mb / profiled_micro_batch)
         laaq = np.full(S, over)
         notes.append(f"LAAQ backward transient of {int(over)} bytes per stage, from the profile's agoq-paper step")
     fixed_opt = profile.memory.get("fixed_bytes_optimizer_step")
@@ -398,7 +398,7 @@ def recipe_choice(problem: ChoiceProblem) -> Optional[np.ndarray]:
     """Option indices of the published LAAQ recipe (agoq-paper, each pipeline stage at the stage rule's
     bits) in `problem`, nothing checkpointed; None when the problem lacks one of its options (a floor or
     a profile without those bit widths)."""
-    counts = [int(round(n)) for n in problem.flight()]
+    counts = [int(round(n)) for n in problem.in_flight_counts()]
     policy = stage_aware_policy(counts, problem.num_layers, [int(s) for s in problem.layer_stage])
     chosen = []
     for (layer, kind), options in sorted(problem.groups().items()):
@@ -417,5 +417,5 @@ def recipe_error(problem: ChoiceProblem) -> Optional[float]:
     return None if chosen is None else float(problem.error[chosen].sum())
 
 
-__all__ = ["Knobs", "ChoiceProblem", "build_problem", "checkpointing_only", "gradient_modes", "recipe_choice",
+__all__ = ["ProblemSettings", "ChoiceProblem", "build_problem", "checkpointing_only", "gradient_modes", "recipe_choice",
            "recipe_error", "static_bytes_total"]

@@ -96,7 +96,7 @@ class _Model:
             lo.append(1.0)
             hi.append(1.0)
             r += 1
-        is16 = p.sixteen()
+        is16 = p.keeps_16bit()
         att, oproj = KINDS.index("attention"), KINDS.index("o_proj_input")
         kinds_per_layer = np.zeros(L, dtype=int)
         for (l, _k) in groups:
@@ -167,7 +167,7 @@ class _Model:
         mem[np.arange(S), self.z0 + np.arange(S)] = laaq
         self.memory_rows = mem
         # peaks during the backward of each layer that may be checkpointed (see ChoiceProblem.evaluate)
-        flight, extra = p.flight(), p.recomputed()
+        flight, extra = p.in_flight_counts(), p.recomputed()
         rows_l, stage_l = [], []
         if p.allow_checkpoint:
             owner = np.full(self.nv, -1)
@@ -211,8 +211,8 @@ class _Model:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         return (self.error_row, self.time_row) if objective == "error" else (self.time_row, self.error_row)
 
-    def primary(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-                time_limit: Optional[float] = None, error_cap: Optional[float] = None):
+    def solve_first_objective(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
+                              time_limit: Optional[float] = None, error_cap: Optional[float] = None):
         """The exact optimum of the first objective (scipy's OptimizeResult; x None when infeasible)."""
         primary, _ = self._rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
@@ -227,8 +227,8 @@ class _Model:
     def value(self, x: np.ndarray, objective: str) -> float:
         return float(self._rows(objective)[0] @ np.round(x))
 
-    def secondary(self, first, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-                  time_limit: Optional[float] = None, error_cap: Optional[float] = None):
+    def solve_second_objective(self, first, budgets: np.ndarray, objective: str, time_cap: Optional[float],
+                               time_limit: Optional[float] = None, error_cap: Optional[float] = None):
         """Among the choices reaching `first`'s optimum, the best second objective, then the least memory."""
         primary, secondary = self._rows(objective)
         best = self.value(first.x, objective)
@@ -257,10 +257,10 @@ class _Model:
     def solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
               time_limit: Optional[float] = None, error_cap: Optional[float] = None):
         """Lexicographic: the first objective exactly, then the second (see the module docstring)."""
-        first = self.primary(budgets, objective, time_cap, time_limit, error_cap)
+        first = self.solve_first_objective(budgets, objective, time_cap, time_limit, error_cap)
         if first.x is None:
             return first
-        res = self.secondary(first, budgets, objective, time_cap, time_limit, error_cap)
+        res = self.solve_second_objective(first, budgets, objective, time_cap, time_limit, error_cap)
         res.gap = primary_gap(first)
         return res
 
@@ -305,7 +305,7 @@ class Solver:
                                     p.checkpoint_memory[layers], p.checkpoint_seconds[layers], p.allow_checkpoint,
                                     p.unmodified_extra[layers], p.shared_credit[layers],
                                     p.static_bytes[s:s + 1], 0.0, p.seconds_scale,
-                                    floor_bytes=p.peak_floor()[s:s + 1], in_flight=p.flight()[s:s + 1],
+                                    floor_bytes=p.peak_floor()[s:s + 1], in_flight=p.in_flight_counts()[s:s + 1],
                                     recompute_bytes=p.recomputed()[layers],
                                     laaq_transient_bytes=p.laaq_transient()[s:s + 1])
                 self._stages.append((_Model(sub), idx, layers))
@@ -396,14 +396,14 @@ class Solver:
                 raise self._infeasible(budgets, None, res.message, error_cap)
             return m.allocation(res.x, getattr(res, "second_gap", 0.0), getattr(res, "gap", 0.0))
         if time_cap is not None and self.problem.num_stages > 1:
-            first = m.primary(budgets, objective, time_cap, time_limit)
+            first = m.solve_first_objective(budgets, objective, time_cap, time_limit)
             if first.x is None:
                 raise self._infeasible(budgets, time_cap, first.message)
             if m.value(first.x, objective) <= 0.0:
                 # zero error is reachable within the cap: the least time at zero error is below the cap too,
                 # and without the cap the stages separate
                 return self._solve(budgets, objective, None, time_limit, None)
-            res = m.secondary(first, budgets, objective, time_cap, time_limit)
+            res = m.solve_second_objective(first, budgets, objective, time_cap, time_limit)
             return m.allocation(res.x, res.second_gap, primary_gap(first))
         if time_cap is None and self.problem.num_stages > 1:
             x = np.zeros(m.nv)

@@ -9,7 +9,7 @@ import numpy as np
 
 from agoq.formats.plan import Plan
 from agoq.formats.profile import ProfileData
-from agoq.search.costs import ChoiceProblem, Knobs
+from agoq.search.costs import ChoiceProblem, ProblemSettings
 from agoq.search.milp import Allocation
 
 
@@ -18,7 +18,7 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, knobs: Knobs,
+def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, knobs: ProblemSettings,
                budget_bytes: Optional[int], method: str, objective: str) -> Plan:
     """A validated Plan for `alloc` (the choice), `knobs` (block, format, micro-batch, gradient mode ...)."""
     settings = alloc.settings(problem)

@@ -25,7 +25,7 @@ import numpy as np
 
 from agoq.activations.policy import KINDS
 from agoq.formats.profile import ProfileData
-from agoq.search.costs import Knobs, build_problem, gradient_modes
+from agoq.search.costs import ProblemSettings, build_problem, gradient_modes
 from agoq.search.milp import InfeasibleBudget, Solver, resolve_time_cap
 
 SAMPLERS = ("nsga2", "tpe")
@@ -58,7 +58,7 @@ class TrialResult:
     """One finished trial: its knobs, allocation, figures and (if run) measurement."""
 
     number: int
-    knobs: Knobs
+    knobs: ProblemSettings
     alloc: Any
     problem: Any
     feasible: bool
@@ -77,16 +77,16 @@ class StudyResult:
 
 
 class KnobSpace:
-    """Which knobs a profile allows, and turning a trial's suggestions into Knobs."""
+    """Which knobs a profile allows, and turning a trial's suggestions into ProblemSettings."""
 
     def __init__(self, profile: ProfileData, sequences_per_step: Optional[int] = None):
         self.profile = profile
         s = profile.settings
         self.has_config = bool(profile.model_config())
-        self.mb0 = int(s.get("micro_batch", 1) or 1)
-        self.sequences = int(sequences_per_step or self.mb0)
+        self.profiled_micro_batch = int(s.get("micro_batch", 1) or 1)
+        self.sequences = int(sequences_per_step or self.profiled_micro_batch)
         self.micro_batches = [d for d in range(1, self.sequences + 1) if self.sequences % d == 0] \
-            if self.has_config else [self.mb0]
+            if self.has_config else [self.profiled_micro_batch]
         self.modes = gradient_modes(profile)
         self.formats = ["int", "nf4"] if (profile.table["format"] == "nf4").any() else ["int"]
         self.block0 = int(s.get("block", 128) or 128)
@@ -98,13 +98,13 @@ class KnobSpace:
 
     def defaults(self) -> dict:
         """The profile's own knobs: the warm-start trial."""
-        mb = self.mb0 if self.mb0 in self.micro_batches else self.micro_batches[-1]
+        mb = self.profiled_micro_batch if self.profiled_micro_batch in self.micro_batches else self.micro_batches[-1]
         d = {"block": self.block0, "format": "int", "gradient_mode": "bf16", "micro_batch": mb}
         d.update({f"floor_{k}": self.floor_choices[0] for k in KINDS})
         d.update({f"stage_shift_{i}": 0 for i in range(1, self.stages)})
         return d
 
-    def suggest(self, trial) -> Knobs:
+    def suggest(self, trial) -> ProblemSettings:
         block = trial.suggest_categorical("block", self.blocks)
         fmt = trial.suggest_categorical("format", self.formats)
         mode = trial.suggest_categorical("gradient_mode", self.modes)
@@ -122,12 +122,12 @@ class KnobSpace:
                 layer_stage = tuple(int(np.searchsorted(moved, l, side="right")) for l in range(L))
             else:
                 layer_stage = tuple(self.layer_stage0)
-        return Knobs(block=block, format=fmt, floor_bits=floors, micro_batch=mb, grad_accum=self.sequences // mb,
+        return ProblemSettings(block=block, format=fmt, floor_bits=floors, micro_batch=mb, grad_accum=self.sequences // mb,
                      gradient_mode=mode, layer_stage=layer_stage)
 
 
-def knobs_dict(knobs: Knobs) -> dict:
-    """Knobs as flat, CSV-ready values."""
+def knobs_dict(knobs: ProblemSettings) -> dict:
+    """ProblemSettings as flat, CSV-ready values."""
     d = {"block": knobs.block, "format": knobs.format, "gradient_mode": knobs.gradient_mode,
          "micro_batch": knobs.micro_batch, "grad_accum": knobs.grad_accum}
     d.update({f"floor_{k}": b for k, b in knobs.floor_bits})
@@ -258,8 +258,8 @@ def feasible_front(study) -> list:
     return sorted(non_dominated(list(unique.values()), lambda t: tuple(t.values)), key=lambda t: tuple(t.values))
 
 
-def knobs_from_trial(trial, space: KnobSpace) -> Knobs:
-    """Rebuild a trial's Knobs from its parameters (for a trial of an earlier run)."""
+def knobs_from_trial(trial, space: KnobSpace) -> ProblemSettings:
+    """Rebuild a trial's ProblemSettings from its parameters (for a trial of an earlier run)."""
     import optuna
 
     fixed = optuna.trial.FixedTrial(trial.params)

@@ -14,7 +14,7 @@ from agoq.formats.profile import load_profile
 from agoq.models import build, fingerprint
 from agoq.search.costs import build_problem
 from agoq.search.milp import Solver
-from agoq.search.orchestrate import search
+from agoq.search.search import search
 from tests.search.synthetic_profile import write_profile
 
 

@@ -17,13 +17,13 @@ from agoq.formats.plan import remove_plan
 from agoq.formats.profile import load_profile
 from agoq.models import build
 from agoq.search.costs import (
-    Knobs,
+    ProblemSettings,
     build_problem,
     checkpointing_only,
     static_bytes_total,
 )
 from agoq.search.milp import Solver
-from agoq.search.orchestrate import plan_from_profile
+from agoq.search.search import plan_from_profile
 from tests.search.synthetic_profile import write_profile
 
 
@@ -75,7 +75,7 @@ def test_stage_memory_and_time_closed_form(tmp_path):
                            laaq_transient=rng.randrange(10**4, 10**5))
     profile = load_profile(folder)
     mode = rng.choice(["bf16", "quangrad8", "sdp4bit"])
-    problem = build_problem(profile, Knobs(gradient_mode=mode, grad_accum=2))
+    problem = build_problem(profile, ProblemSettings(gradient_mode=mode, grad_accum=2))
     table = profile.table
     header = profile.header
     L = 6
@@ -154,7 +154,7 @@ def test_micro_batch_and_block_rescaling_match_a_fresh_profile(tmp_path):
     mb_new, block_new = rng.choice([1, 3, 4]), rng.choice([32, 64, 256])
     a = load_profile(write_profile(tmp_path / "a", random.Random(seed), micro_batch=2, seq_len=seq))
     b = load_profile(write_profile(tmp_path / "b", random.Random(seed), micro_batch=mb_new, seq_len=seq, block=block_new))
-    pa = build_problem(a, Knobs(micro_batch=mb_new, block=block_new))
+    pa = build_problem(a, ProblemSettings(micro_batch=mb_new, block=block_new))
     pb = build_problem(b)
     assert pa.option == pb.option
     np.testing.assert_allclose(pa.memory, pb.memory, rtol=1e-12, err_msg=f"seed {seed}")
@@ -167,7 +167,7 @@ def test_floor_bits_and_checkpointing_only(tmp_path):
     seed, rng = fresh_rng()
     profile = load_profile(write_profile(tmp_path / "p", rng))
     floors = {"silu_input": 5, "attention": 8}
-    p = build_problem(profile, Knobs(floor_bits=tuple(floors.items())))
+    p = build_problem(profile, ProblemSettings(floor_bits=tuple(floors.items())))
     for kind, floor in floors.items():
         opts = {p.option[i] for i in range(len(p.option)) if agoq.KINDS[p.kind[i]] == kind}
         assert all(o == "16" or int(o) >= floor for o in opts) and "16" in opts

@@ -15,7 +15,7 @@ from typing import Optional
 from agoq.files import write_atomic
 from agoq.formats.plan import Plan
 from agoq.formats.profile import ProfileData, load_profile
-from agoq.search.costs import Knobs, build_problem
+from agoq.search.costs import ProblemSettings, build_problem
 from agoq.search.milp import (
     RECIPE_CAP,
     InfeasibleBudget,
@@ -74,7 +74,7 @@ def _recipe_cap(profile: ProfileData, error_cap, notes: list | None = None):
     return value
 
 
-def _milp_plan(profile: ProfileData, knobs: Knobs, budget: int, objective: str, time_cap,
+def _milp_plan(profile: ProfileData, knobs: ProblemSettings, budget: int, objective: str, time_cap,
                error_cap: Optional[float] = None):
     problem = build_problem(profile, knobs)
     solver = Solver(problem)
@@ -86,7 +86,7 @@ def _milp_plan(profile: ProfileData, knobs: Knobs, budget: int, objective: str, 
 
 
 def plan_from_profile(profile_dir, budget_bytes: int, *, objective: str = "error",
-                      time_cap="checkpoint", error_cap: Optional[float] = None, knobs: Knobs = Knobs()) -> Plan:
+                      time_cap="checkpoint", error_cap: Optional[float] = None, knobs: ProblemSettings = ProblemSettings()) -> Plan:
     """The MILP-optimal plan of a profile (folder or ProfileData) under `budget_bytes` per GPU (stage).
 
     `time_cap`: seconds per step, None, or "checkpoint" (default: no slower than the best full-or-selective
@@ -108,7 +108,7 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
     """Run the search (see `agoq search --help`); plans of the fronts are built but not written."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    knobs = Knobs()
+    knobs = ProblemSettings()
     cap_notes: list = []
     error_cap = _recipe_cap(profile, error_cap, cap_notes)
     problem, solver, alloc = _milp_plan(profile, knobs, budget, objective, time_cap, error_cap)
