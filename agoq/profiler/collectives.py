@@ -19,11 +19,15 @@ import datetime
 import json
 import os
 import socket
+import sys
 import tempfile
+import threading
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from agoq.profiler.kernel_time import median_seconds
 
@@ -78,16 +82,7 @@ def profile_collectives(sizes: list[int], iters: int = 5, progress: bool = False
     rows, failures = [], []
     bar = None
     if progress and rank == 0:
-        import sys
-
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(sizes) * 9, desc="collectives", unit="case", file=sys.stderr)
-        except ImportError:
-            bar = None
-    import warnings
-
+        bar = tqdm(total=len(sizes) * 9, desc="collectives", unit="case", file=sys.stderr)
     warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)  # names differ by version
     for size in sizes:
         numel = max(size // 4, world * 128)
@@ -120,17 +115,9 @@ def _free_port() -> int:
 
 
 def _spawned(rank: int, world: int, port: int, out_dir: str, sizes: list[int], iters: int, use_cuda: bool) -> None:
-    import warnings
-
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch renames collectives across versions
-    try:  # a thread lock for progress bars: this process leaves by os._exit, which would strand a semaphore
-        import threading
-
-        from tqdm import tqdm
-
-        tqdm.set_lock(threading.RLock())
-    except ImportError:
-        pass
+    # a thread lock for progress bars: this process leaves by os._exit, which would strand a semaphore
+    tqdm.set_lock(threading.RLock())
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if use_cuda:
         torch.cuda.set_device(rank)

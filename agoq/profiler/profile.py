@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from agoq.activations.policy import KINDS, split_layers
 from agoq.activations.saved_bytes import find_decoder_layers
@@ -88,10 +89,6 @@ class _Progress:
 
     def start(self, total: int, desc: str) -> None:
         if self.enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:  # no progress bar without tqdm
-                return
             self.close()
             self.bar = tqdm(total=total, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
 
