@@ -68,10 +68,14 @@ class Dashboard:
         study = part(lambda: searches.study_file(folder))
         problems = [p["error"] for p in (pareto, study) if isinstance(p, dict) and "error" in p]
         peaks = [r["predicted_peak_bytes"] for r in rows if r.get("predicted_peak_bytes") is not None]
+        chosen = searches.chosen_plan_name(self._plans_in(artifact))
+        # the search's budget is its chosen plan's (pareto.csv's rows hold the front's own, smaller budgets)
+        chosen_plan = part(lambda: plans.read_plan(artifact.path / chosen)) if chosen else {}
+        budget = chosen_plan.get("budget_bytes") if isinstance(chosen_plan, dict) else None
         return {"pareto_plans": len(rows), "validated": sum(1 for r in rows if r["validated"]),
                 "lowest_peak_bytes": min(peaks) if peaks else None,
-                "budget_bytes": next((r.get("budget_bytes") for r in rows if r.get("budget_bytes")), None),
-                "chosen_plan": searches.chosen_plan_name(self._plans_in(artifact)),
+                "budget_bytes": budget,
+                "chosen_plan": chosen,
                 "study": study.name if isinstance(study, Path) else None, "problems": problems}
 
     # --- one artifact ---------------------------------------------------------------------------

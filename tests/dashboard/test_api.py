@@ -64,6 +64,9 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
     assert {r["id"] for r in index["runs"]} == {"demo/runs/bf16", "demo/runs/plan"}
     assert "demo/search/plan.json" in [p["id"] for p in index["plans"]]
     assert all("error" not in item for kind in PAGES for item in index[kind]), index
+    # a search's budget is its chosen plan's, not the first front row's
+    chosen_budget = json.loads((stage_root / "demo/search/plan.json").read_text())["budget_bytes"]
+    assert index["searches"][0]["budget_bytes"] == chosen_budget
 
     # profile heat maps hold exactly the parquet's values
     table = pd.read_parquet(stage_root / "demo/profile/profile.parquet")
