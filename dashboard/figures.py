@@ -34,7 +34,8 @@ def _figure(data: list[dict], title: str, **layout: Any) -> dict[str, Any]:
 def heat_map(z: list[list], x: list, y: list, title: str, colorbar: str, text: list[list] | None = None,
              **trace: Any) -> dict[str, Any]:
     """A heat map, rows y (layers) by columns x (kinds)."""
-    spec = {"type": "heatmap", "z": z, "x": x, "y": y, "colorbar": {"title": {"text": colorbar}},
+    ticks = {k[len("colorbar_"):]: trace.pop(k) for k in list(trace) if k.startswith("colorbar_")}
+    spec = {"type": "heatmap", "z": z, "x": x, "y": y, "colorbar": {"title": {"text": colorbar}, **ticks},
             "hoverongaps": False, **trace}
     if text is not None:
         spec.update(text=text, texttemplate="%{text}")
@@ -180,12 +181,23 @@ def study_trials(study: dict[str, Any]) -> dict[str, Any] | None:
                    xaxis={"title": {"text": "trial"}}, yaxis={"title": {"text": str(names[0])}})
 
 
+PLAN_EXACT_Z = 17.0  # where recompute (0) and checkpointed (-1) cells sit on the bits colour scale
+
+
 def plan_bits(bits: dict[str, Any]) -> dict[str, Any]:
     """The plan's bit width per layer and kind (R: recomputed, ckpt: whole layer checkpointed)."""
     ylabels = [f"{layer} (stage {stage})" if max(bits["stages"] or [0]) > 0 else layer
                for layer, stage in zip(bits["layers"], bits["stages"])]
-    return heat_map(bits["bits"], bits["kinds"], ylabels, "Chosen plan: bits per layer and tensor kind",
-                    "bits (0 = recompute)", text=bits["text"], colorscale="RdYlGn", zmin=-1, zmax=16)
+    # colour by error: red for 2 bits through green for 16 (kept as is); recomputed kinds and checkpointed
+    # layers add no error, so they get a colour of their own (blue), not the 2-bit end of the scale
+    exact = PLAN_EXACT_Z
+    z = [[exact if v is not None and v <= 0 else v for v in row] for row in bits["bits"]]
+    span = exact - 2.0
+    scale = [[0.0, "#d73027"], [(5 - 2) / span, "#fee08b"], [(16 - 2) / span, "#1a9850"],
+             [(16.5 - 2) / span, "#1a9850"], [(16.5 - 2) / span, "#4575b4"], [1.0, "#4575b4"]]
+    return heat_map(z, bits["kinds"], ylabels, "Chosen plan: bits per layer and tensor kind",
+                    "bits (blue: recomputed, no error)", text=bits["text"], colorscale=scale, zmin=2, zmax=exact,
+                    colorbar_tickvals=[2, 4, 8, 16, exact], colorbar_ticktext=["2", "4", "8", "16", "R"])
 
 
 def memory_breakdown(mem: dict[str, Any]) -> dict[str, Any]:
