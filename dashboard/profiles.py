@@ -160,7 +160,12 @@ def collectives(folder: Folder) -> dict[str, Any]:
     series = []
     for (op, comm_path, world), part in frame.groupby(["op", "path", "world_size"], sort=True):
         part = part.sort_values("message_bytes")
-        series.append({"op": str(op), "path": str(comm_path), "world_size": int(world),
+        label = str(comm_path)
+        backends = set(part["backend"].dropna().astype(str)) if "backend" in part else set()
+        if label.startswith("nccl-") and len(backends) == 1 and backends != {"nccl"}:
+            # "nccl-*" names torch.distributed's own collectives; say which backend they really ran on
+            label = f"{backends.pop()}-{label[len('nccl-'):]}"
+        series.append({"op": str(op), "path": label, "world_size": int(world),
                        "message_bytes": [number(v) for v in part["message_bytes"]],
                        "seconds": [number(v) for v in part["seconds"]]})
     return json_safe({"series": series, "message": None if series else f"{path.name} has no rows"})
