@@ -141,9 +141,16 @@ def pareto_front(rows: list[dict[str, Any]], chosen: dict[str, Any] | None = Non
         data.append({"type": "scatter", "mode": "markers", "name": "chosen plan",
                      "x": [chosen["predicted_peak_bytes"] / size], "y": [chosen["predicted_step_seconds"] * 1e3],
                      "marker": {"symbol": "star-open", "size": 20, "color": "#2ca02c", "line": {"width": 2}}})
-    return _figure(data, "Pareto front: memory vs step time",
-                   xaxis={"title": {"text": f"peak memory ({unit})"}},
-                   yaxis={"title": {"text": "step time (ms)"}})
+    shapes = []
+    budget = (chosen or {}).get("budget_bytes")
+    if budget:  # the budget the search was run for: the plans left of it fit
+        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": budget / size, "x1": budget / size,
+                       "y0": 0, "y1": 1, "line": {"color": "#d62728", "dash": "dash", "width": 1.5}})
+        data.append({"type": "scatter", "mode": "lines", "name": f"budget ({budget / size:.3g} {unit})",
+                     "x": [None], "y": [None], "line": {"color": "#d62728", "dash": "dash"}})
+    return _figure(data, "The memory/error Pareto front's plans: peak memory vs step time (colour: gradient error)",
+                   xaxis={"title": {"text": f"predicted peak memory ({unit})"}},
+                   yaxis={"title": {"text": "predicted step time (ms)"}}, shapes=shapes)
 
 
 def study_trials(study: dict[str, Any]) -> dict[str, Any] | None:

@@ -54,3 +54,17 @@ def test_plan_bits_colours_recompute_apart_from_two_bits():
     # the colour at 2 bits differs from the colour of the recomputed cells
     scale = trace["colorscale"]
     assert scale[0][1] != scale[-1][1]
+
+
+def test_pareto_chart_draws_the_budget_and_says_what_it_plots():
+    from dashboard.figures import pareto_front
+
+    rows = [{"plan": f"p{i}", "predicted_peak_bytes": 1000 * (i + 3), "predicted_step_seconds": 0.1 / (i + 1),
+             "predicted_grad_error": 0.01 * i} for i in range(4)]
+    chosen = {"predicted_peak_bytes": 5000, "predicted_step_seconds": 0.04, "budget_bytes": 5500}
+    fig = pareto_front(rows, chosen)
+    assert "memory/error Pareto front" in fig["layout"]["title"]["text"]
+    lines = fig["layout"]["shapes"]
+    assert len(lines) == 1 and lines[0]["x0"] == lines[0]["x1"] == 5500 / 1024  # KiB scale for these sizes
+    assert any(t["name"].startswith("budget") for t in fig["data"])
+    assert "shapes" not in pareto_front(rows, None)["layout"] or not pareto_front(rows, None)["layout"]["shapes"]
