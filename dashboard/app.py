@@ -120,7 +120,8 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
     @app.get("/api/profile", tags=["api"], summary="A profile: key figures, heat maps, error curves, collectives",
              description="`maps`: layers x kinds grids of `sensitivity` (relative L2 of all weight gradients), "
                          "`bytes` (kept per micro-batch) and `quant_error` at `option`; `curves`: per kind and format, "
-                         "mean errors against bits; `collectives`: seconds against message bytes per (op, path). "
+                         "mean errors against bits; `times`: per kind, the mean seconds each option adds (quantize + dequantize per "
+                         "bit width, recompute); `collectives`: seconds against message bytes per (op, path). "
                          "A part that cannot be read is {error}.")
     def api_profile(id: str = Query(..., description="profile folder, relative to the root"),
                     option: str | None = Query(None, description='option of the heat maps ("4", "recompute"...)')):

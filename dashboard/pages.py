@@ -236,6 +236,13 @@ def profile(data: dict[str, Any]) -> str:
             + f">{esc(o)}</a>" for o in maps["options"]) + "</p>")
         for fig in figures.profile_maps(maps):
             page.figure(fig)
+    times = data.get("times") or {}
+    if isinstance(times, dict) and times.get("rows"):
+        page.add("<h2>Time each option adds, mean over layers</h2>")
+        page.add("<p>quantize + dequantize per bit width (int format), recompute: the extra time in one step</p>")
+        opts = times["options"]
+        page.add(table(["kind"] + [("recompute" if o == "recompute" else f"{o} bits") for o in opts],
+                       [[esc(r["kind"])] + [fmt_seconds(r.get(o)) for o in opts] for r in times["rows"]]))
     page.add("<h2>Error vs bit width</h2>")
     if page.error_or(data["curves"], "profile.parquet"):
         if data["curves"]["curves"]:

@@ -169,3 +169,29 @@ def collectives(folder: Folder) -> dict[str, Any]:
                        "message_bytes": [number(v) for v in part["message_bytes"]],
                        "seconds": [number(v) for v in part["seconds"]]})
     return json_safe({"series": series, "message": None if series else f"{path.name} has no rows"})
+
+
+TIME_COLUMNS = ("layer", "kind", "option", "quantize_seconds", "dequantize_seconds", "recompute_seconds")
+
+
+def kind_times(folder: Folder) -> dict[str, Any]:
+    """Per kind, the mean over layers of what each option adds to a step: quantize and dequantize time per
+    bit width (int format) and recompute time, in seconds; empty for profiles without these columns."""
+    frame = read_table(table_file(folder), ("layer", "kind", "option"))
+    if not all(c in frame.columns for c in TIME_COLUMNS):
+        return {"rows": [], "options": [], "message": "this profile has no per-option kernel times"}
+    if "format" in frame.columns:
+        frame = frame[frame["format"].astype(str).isin(["int", "nan", "None", ""]) | (frame["option"] == "recompute")]
+    options = sorted({str(o) for o in frame["option"]} - {"16"}, key=option_order)
+    rows = []
+    for kind, part in frame.groupby("kind", sort=False):
+        row = {"kind": str(kind)}
+        for option, opt_part in part.groupby(part["option"].astype(str)):
+            if option == "16":
+                continue
+            if option == "recompute":
+                row["recompute"] = number(opt_part["recompute_seconds"].mean())
+            else:
+                row[option] = number((opt_part["quantize_seconds"] + opt_part["dequantize_seconds"]).mean())
+        rows.append(row)
+    return json_safe({"rows": rows, "options": options, "message": None})

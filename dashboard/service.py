@@ -86,6 +86,7 @@ class Dashboard:
         return {"id": a.id, "summary": profiles.summary(folder),
                 "maps": part(lambda: profiles.layer_kind_maps(folder, option)),
                 "curves": part(lambda: profiles.error_curves(folder)),
+                "times": part(lambda: profiles.kind_times(folder)),
                 "collectives": part(lambda: profiles.collectives(folder))}
 
     def plan(self, artifact_id: str) -> dict[str, Any]:

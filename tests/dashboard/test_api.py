@@ -83,6 +83,16 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
             assert maps["sensitivity"][i][j] == pytest.approx(float(row.sensitivity.iloc[0]), rel=1e-12)
             assert maps["bytes"][i][j] == int(row.bytes.iloc[0])
 
+    # the time each option adds, per kind, is the parquet's mean over layers
+    times = {r["kind"]: r for r in prof["times"]["rows"]}
+    for kind, part in table[table.format.astype(str) == "int"].groupby("kind"):
+        four = part[part.option.astype(str) == "4"]
+        if len(four):
+            assert times[kind]["4"] == pytest.approx(float((four.quantize_seconds + four.dequantize_seconds).mean()))
+    for kind, part in table[table.option.astype(str) == "recompute"].groupby("kind"):
+        assert times[kind]["recompute"] == pytest.approx(float(part.recompute_seconds.mean()))
+    assert "Time each option adds" in client.get("/profile", params={"id": "demo/profile"}).text
+
     # collective times per (op, path) are the parquet's
     coll = pd.read_parquet(stage_root / "demo/profile/collectives.parquet")
     series = prof["collectives"]["series"]
