@@ -228,9 +228,49 @@ def memory_breakdown(mem: dict[str, Any]) -> dict[str, Any]:
                    xaxis={"type": "category", "categoryorder": "array", "categoryarray": order})
 
 
+def run_color(run_id: str) -> str:
+    """One colour per run, the same on every page and whatever else is picked (a stable hash of its id)."""
+    import zlib
+
+    return PALETTE[zlib.crc32(run_id.encode()) % len(PALETTE)]
+
+
+def smooth(values: list, weight: float = 0.9) -> list:
+    """Exponential moving average (y_t = w y_(t-1) + (1 - w) x_t), skipping missing values."""
+    out, acc = [], None
+    for v in values:
+        if v is None or (isinstance(v, float) and not math.isfinite(v)):
+            out.append(None)
+            continue
+        acc = v if acc is None else weight * acc + (1 - weight) * v
+        out.append(acc)
+    return out
+
+
+def _interp(xs: list, ys: list, at: list) -> list:
+    """Linear interpolation of (xs, ys) at `at`, None outside [xs[0], xs[-1]] or where data is missing."""
+    pts = [(x, y) for x, y in zip(xs, ys) if x is not None and y is not None]
+    out = []
+    j = 0
+    for a in at:
+        if a is None or not pts or a < pts[0][0] or a > pts[-1][0]:
+            out.append(None)
+            continue
+        while j + 1 < len(pts) and pts[j + 1][0] < a:
+            j += 1
+        j = min(j, len(pts) - 1)
+        if pts[j][0] == a or j + 1 == len(pts):
+            out.append(pts[j][1])
+        else:
+            (x0, y0), (x1, y1) = pts[j], pts[j + 1]
+            out.append(y0 + (y1 - y0) * (a - x0) / (x1 - x0) if x1 > x0 else y0)
+    return out
+
+
 def run_curves(runs: list[dict[str, Any]], x: str = "step") -> list[dict[str, Any]]:
-    """Loss with validation loss (dashed), tokens/s, and peak memory per rank, one colour per run,
-    against `x`: "step" or "time" (seconds since the run's first step)."""
+    """Loss with validation loss (dashed), tokens/s, peak memory per rank, gradient norm, learning rate, step
+    time, and (against step, for two runs or more) each run's smoothed loss minus the first run's, one colour
+    per run (run_color), against `x`: "step" or "time" (seconds since the run's first step)."""
     key = "elapsed_s" if x == "time" else "step"
     other = "step" if x == "time" else "elapsed_s"
     xtitle = "seconds since the first step" if x == "time" else "step"
@@ -244,9 +284,25 @@ def run_curves(runs: list[dict[str, Any]], x: str = "step") -> list[dict[str, An
                 "customdata": series.get(other), "hovertemplate": hover + f"<br>{what}<extra>{name}</extra>",
                 **style}
 
-    for i, r in enumerate(runs):
-        color = PALETTE[i % len(PALETTE)]
+    norm, rate, step_time, diff = [], [], [], []
+    base = runs[0]
+    base_loss = base["curves"]["series"]["loss"]
+    base_smooth = smooth(base_loss["value"])
+    for r in runs:
+        color = run_color(r["id"])
         s = r["curves"]["series"]
+        for name, target, fmt in (("grad_norm", norm, "%{y:.4g}"), ("lr", rate, "%{y:.3g}")):
+            if s.get(name, {}).get("step"):
+                target.append(line(r["id"], s[name], s[name]["value"], f"{name} {fmt}", line={"color": color}))
+        if s.get("step_seconds", {}).get("step"):
+            step_time.append(line(r["id"], s["step_seconds"], [None if v is None else v * 1e3
+                                                               for v in s["step_seconds"]["value"]],
+                                  "%{y:.2f} ms", line={"color": color}))
+        if r is not base and x == "step" and s["loss"]["step"]:
+            mine = smooth(s["loss"]["value"])
+            ref = _interp(base_loss["step"], base_smooth, s["loss"]["step"])
+            delta = [None if a is None or b is None else a - b for a, b in zip(mine, ref)]
+            diff.append(line(r["id"], s["loss"], delta, "loss - baseline %{y:+.4f}", line={"color": color}))
         loss.append(line(f"{r['id']} loss", s["loss"], s["loss"]["value"], "loss %{y:.4f}", line={"color": color}))
         if s["val_loss"]["step"]:
             loss.append(line(f"{r['id']} val loss", s["val_loss"], s["val_loss"]["value"], "val loss %{y:.4f}",
@@ -260,6 +316,11 @@ def run_curves(runs: list[dict[str, Any]], x: str = "step") -> list[dict[str, An
         _figure(loss, "Loss (solid) and validation loss (dashed)", xaxis={"title": {"text": xtitle}},
                 yaxis={"title": {"text": "loss"}}),
         _figure(speed, "Throughput", xaxis={"title": {"text": xtitle}}, yaxis={"title": {"text": "tokens/s"}}),
-        _figure(memory, "Peak memory per rank (as each run recorded it)", xaxis={"title": {"text": xtitle}},
-                yaxis={"title": {"text": unit}}),
-    ]
+        _figure(memory, "Peak memory per rank (GPU: torch's max allocated; CPU: the whole process's resident size)",
+                xaxis={"title": {"text": xtitle}}, yaxis={"title": {"text": unit}}),
+        _figure(norm, "Gradient norm (before clipping)", xaxis={"title": {"text": xtitle}},
+                yaxis={"title": {"text": "norm"}}),
+        _figure(rate, "Learning rate", xaxis={"title": {"text": xtitle}}, yaxis={"title": {"text": "lr"}}),
+        _figure(step_time, "Step time", xaxis={"title": {"text": xtitle}}, yaxis={"title": {"text": "ms"}}),
+    ] + ([_figure(diff, f"Training loss minus {base['id']}'s (both smoothed, EMA 0.9)",
+                  xaxis={"title": {"text": xtitle}}, yaxis={"title": {"text": "loss difference"}})] if diff else [])

@@ -68,3 +68,37 @@ def test_pareto_chart_draws_the_budget_and_says_what_it_plots():
     assert len(lines) == 1 and lines[0]["x0"] == lines[0]["x1"] == 5500 / 1024  # KiB scale for these sizes
     assert any(t["name"].startswith("budget") for t in fig["data"])
     assert "shapes" not in pareto_front(rows, None)["layout"] or not pareto_front(rows, None)["layout"]["shapes"]
+
+
+def test_smoothing_interpolation_and_the_loss_difference():
+    import random
+
+    from dashboard.figures import _interp, run_color, run_curves, smooth
+
+    rng = random.Random()
+    xs = [rng.random() for _ in range(37)]
+    ema, acc = smooth(xs, 0.8), None
+    for x, y in zip(xs, ema):  # by hand
+        acc = x if acc is None else 0.8 * acc + 0.2 * x
+        assert abs(y - acc) < 1e-12
+    assert smooth([None, 1.0, float("nan"), 3.0], 0.5) == [None, 1.0, None, 2.0]
+    assert _interp([0, 10, 20], [0.0, 1.0, 3.0], [-1, 0, 5, 15, 20, 21]) == [None, 0.0, 0.5, 2.0, 3.0, None]
+    assert run_color("a/b") == run_color("a/b")
+
+    def run(rid, loss):
+        steps = list(range(1, len(loss) + 1))
+        series = {name: {"step": steps, "elapsed_s": steps, "value": vals} for name, vals in
+                  (("loss", loss), ("tokens_per_s", [1.0] * len(loss)), ("grad_norm", [0.5] * len(loss)),
+                   ("step_seconds", [0.01] * len(loss)), ("lr", [1e-3] * len(loss)))}
+        series["val_loss"] = {"step": [], "elapsed_s": [], "value": []}
+        return {"id": rid, "curves": {"series": series, "peak_bytes": []}}
+
+    base = [3.0 - 0.01 * i for i in range(50)]
+    figs = run_curves([run("base", base), run("other", [v + 0.25 for v in base])])
+    diff = figs[-1]
+    assert "minus base" in diff["layout"]["title"]["text"]
+    values = [v for v in diff["data"][0]["y"] if v is not None]
+    assert values and all(abs(v - 0.25) < 1e-9 for v in values)  # a constant offset survives smoothing
+    titles = [f["layout"]["title"]["text"] for f in figs]
+    assert any("Gradient norm" in t for t in titles) and any("Learning rate" in t for t in titles)
+    assert len(run_curves([run("base", base)])) == len(figs) - 1  # one run: no difference chart
