@@ -112,7 +112,15 @@ def table(headers: Iterable[str], rows: Iterable[Iterable[str]], empty: str = ""
         return message(empty, "empty") if empty else ""
     head = "".join(f"<th>{esc(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<div class=scroll><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+
+
+def column_label(name: str) -> str:
+    """A readable header for a pareto.csv column: words instead of the field name, the unit said once
+    (bytes are shown in binary units, seconds as ms or s)."""
+    words = name.replace("_bytes", "").replace("_seconds", " time").replace("grad_error", "gradient error")
+    words = words.replace("_", " ").strip()
+    return words[:1].upper() + words[1:]
 
 
 def error_row(entry: dict[str, Any], href: str, width: int) -> list[str]:
@@ -319,9 +327,11 @@ def search(data: dict[str, Any]) -> str:
             def cell(row: dict[str, Any], col: str) -> str:
                 if col == "plan" and row.get("plan_id"):
                     return f'<a href="{esc(link("/plan", id=row["plan_id"]))}">{esc(row["plan"])}</a>'
-                return fmt_bytes(row.get(col)) if col.endswith("_bytes") else fmt_num(row.get(col))
+                if col.endswith("_bytes"):
+                    return fmt_bytes(row.get(col))
+                return fmt_seconds(row.get(col)) if col.endswith("_seconds") else fmt_num(row.get(col))
 
-            page.add(table(cols, [[cell(r, c) for c in cols] for r in pareto["rows"]]))
+            page.add(table([column_label(c) for c in cols], [[cell(r, c) for c in cols] for r in pareto["rows"]]))
         else:
             page.add(message(pareto["message"], "empty"))
     page.add("<h2>Chosen plan</h2>")
