@@ -6,6 +6,10 @@ into the other (``model.layers.3.self_attn.q_proj.weight`` and so on). There is
 no KV cache, no padding mask and no dropout: this model exists to be trained
 and profiled, one full causal sequence at a time.
 
+The same model serves the config.json families that are LLaMA with small changes: Qwen2
+(q/k/v biases) and Mistral (whose sliding window is accepted only where it masks nothing),
+and the RoPE scalings of ``agoq.models.rope`` (linear, dynamic, llama3, yarn, longrope).
+
 Shapes used in comments: B batch, S sequence length, H attention heads,
 Hkv key/value heads, D head dim, C hidden size, V vocabulary size.
 """

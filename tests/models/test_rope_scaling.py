@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from agoq.models import PRESETS, LlamaConfig, build, fingerprint, resolve_config
+from agoq.models.llama import RotaryEmbedding
 from agoq.models.rope import SUPPORTED_ROPE_TYPES
 
 transformers = pytest.importorskip("transformers")
@@ -171,8 +172,12 @@ def test_llama_32_1b_preset_is_the_real_config():
     # the preset's rotary tables are transformers' for the real config
     hf_config = transformers.LlamaConfig(**{k: v for k, v in real.items() if k != "architectures"})
     ref_cos, ref_sin, ref_inv = _hf_tables(hf_config, 50)
-    rotary = build("llama-3.2-1b", device="meta", num_layers=1).model.rotary_emb
+    cfg = PRESETS["llama-3.2-1b"]
+    rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
     torch.testing.assert_close(rotary.inv_freq(), ref_inv, rtol=1e-6, atol=0)
+    cos, sin = rotary(torch.empty(1, 50, 4), torch.arange(50)[None])
+    torch.testing.assert_close(cos, ref_cos, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sin, ref_sin, rtol=0, atol=1e-5)
 
 
 def test_unsupported_and_malformed_scalings_are_refused():
