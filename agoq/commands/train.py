@@ -24,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from agoq.commands.arguments import non_negative_float, non_negative_int, positive_float, positive_int
 
     p = parser
-    p.add_argument("model", help="preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b) or a HuggingFace config.json; "
+    p.add_argument("model", help="preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b) or a HuggingFace config.json (LLaMA, Qwen2, Mistral); "
                                  "its vocabulary is raised to the tokenizer's when smaller (recorded in run.json)")
     p.add_argument("--plan", default=None, help="plan.json from `agoq search` / `agoq profile --budget`: activation "
                                                 "bits, checkpointed layers, gradient mode, batch shape (default: none, "

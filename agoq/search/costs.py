@@ -173,7 +173,7 @@ def _layer_shape(profile: ProfileData, micro_batch: int) -> Optional[LayerShape]
 
     try:
         cfg = resolve_config(dict(config))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, NotImplementedError):  # e.g. a Mistral window the reference model lacks
         return None
     elem = ELEM_BYTES.get(str(profile.settings.get("dtype", "bf16")), 2)
     return LayerShape.from_config(cfg, micro_batch, int(profile.settings.get("seq_len", 1)), elem)

@@ -296,3 +296,43 @@ def test_sigterm_marks_the_run_stopped(tmp_path):
     run = _run_json(out)
     assert run["status"] == "stopped" and "--resume" in run["message"]
     assert run["step"] < 400
+
+
+_QWEN2_TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256, "hidden_size": 40,
+               "intermediate_size": 72, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu",
+               "use_sliding_window": False, "sliding_window": 32, "max_window_layers": 2,
+               "tie_word_embeddings": True, "attention_dropout": 0.0, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("extra", [[], ["--policy", "agoq-paper"]])
+def test_qwen2_config_trains(tmp_path, extra):
+    config = tmp_path / "qwen2-tiny" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(_QWEN2_TINY))
+    out = tmp_path / "run"
+    assert main(["train", str(config), "--steps", "2", "--seq-len", "16", "--micro-batch", "2", "--quiet",
+                 "--out", str(out), *extra]) == 0
+    run = _run_json(out)
+    assert run["status"] == "finished" and run["step"] == 2
+    assert run["model"]["config"]["model_type"] == "qwen2"
+    steps, _ = _metrics(out)
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(m["loss"])) for m in steps)
+
+
+def test_llama3_scaled_and_mistral_configs(tmp_path, capsys):
+    llama3 = {**_QWEN2_TINY, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 16}}
+    mistral = {**_QWEN2_TINY, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+               "sliding_window": 32}  # a window shorter than max_position_embeddings (64)
+    for name, d in (("llama3", llama3), ("mistral", mistral)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(d))
+    out = tmp_path / "run"
+    assert main(["train", str(tmp_path / "llama3.json"), "--steps", "2", "--seq-len", "16", "--quiet",
+                 "--out", str(out)]) == 0
+    assert _run_json(out)["model"]["config"]["rope_scaling"]["rope_type"] == "llama3"
+    assert main(["train", str(tmp_path / "mistral.json"), "--steps", "2", "--quiet",
+                 "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert "sliding_window 32" in err and "max_position_embeddings (64)" in err
