@@ -13,35 +13,26 @@ import triton
 import triton.language as tl
 
 from agoq.quant.reference import LIFT, TINY_SCALE
-from agoq.quant.triton_common import USE_ASM, floor_bits, mul_rn, nanmax, sanitize
+from agoq.quant.triton_common import INT8_QMAX, USE_ASM, mul_rn, requantize_int8
 
 BLOCKS_PER_PROGRAM = 8
-QMAX = tl.constexpr(127)
 
 
 @triton.jit
 def _accumulate_kernel(codes_ptr, scales_ptr, grad_ptr, n, nblocks,
                        BLOCK: tl.constexpr, BPP: tl.constexpr, TINY: tl.constexpr, LIFT_F: tl.constexpr,
                        USE_ASM: tl.constexpr):
-    MB: tl.constexpr = 0x4B400000
     pid = tl.program_id(0).to(tl.int64)
     b = pid * BPP + tl.arange(0, BPP)[:, None]  # [BPP, 1] block index
     off = b * BLOCK + tl.arange(0, BLOCK)[None, :]  # [BPP, BLOCK] value index
     live = b < nblocks
-    code = tl.load(codes_ptr + off, mask=live, other=QMAX).to(tl.int32)
+    code = tl.load(codes_ptr + off, mask=live, other=INT8_QMAX).to(tl.int32)
     scale = tl.load(scales_ptr + b, mask=live, other=0.0)
     g = tl.load(grad_ptr + off, mask=off < n, other=0.0).to(tl.float32)
-    v = mul_rn((code - QMAX).to(tl.float32), scale, USE_ASM) + g  # two roundings, as the reference: no FMA
+    v = mul_rn((code - INT8_QMAX).to(tl.float32), scale, USE_ASM) + g  # two roundings, as the reference: no FMA
 
-    absmax = tl.reduce(tl.abs(v), 1, nanmax, keep_dims=True)  # [BPP, 1]; NaN as soon as one value is NaN
-    s = tl.math.div_rn(absmax, QMAX * 1.0) + (absmax - absmax)  # inf -> NaN: a poisoned block
-    lift = tl.where(s < TINY, LIFT_F, 1.0)
-    inv = tl.where(s > 0, tl.math.div_rn(1.0, tl.where(s > 0, s * lift, 1.0)), 0.0)
-    bad = ((s < TINY) & (s > 0)) | (s != s)
-    x = tl.where(bad, sanitize(v, lift, inv, QMAX * 1.0), v)
-    m = tl.where(bad, 1.0, inv)
-    t = floor_bits(x, m, 0.0, 12582912.0 + QMAX, True, USE_ASM)
-    tl.store(codes_ptr + off, (t - MB).to(tl.uint8), mask=live)
+    codes, s = requantize_int8(v, TINY, LIFT_F, USE_ASM)  # NaN scale as soon as one value is NaN or inf
+    tl.store(codes_ptr + off, codes, mask=live)
     tl.store(scales_ptr + b, s, mask=live)
 
 

@@ -20,26 +20,9 @@ import triton
 import triton.language as tl
 
 from agoq.quant.reference import LIFT, TINY_SCALE
-from agoq.quant.triton_common import USE_ASM, floor_bits, mul_rn, nanmax, sanitize
+from agoq.quant.triton_common import INT8_QMAX, USE_ASM, mul_rn, requantize_int8
 
 BLOCKS_PER_PROGRAM = 8
-QMAX = tl.constexpr(127)
-MAGIC_BITS = tl.constexpr(0x4B400000)
-
-
-@triton.jit
-def requantize_int8(v, TINY: tl.constexpr, LIFT_F: tl.constexpr, USE_ASM: tl.constexpr):
-    """Codes (uint8 [R, BLOCK]) and scales ([R, 1] float32) of the float32 tile v, one block per row,
-    exactly as quant_reference.quantize_reference at 8 bits (NaN scale for blocks holding inf/NaN)."""
-    absmax = tl.reduce(tl.abs(v), 1, nanmax, keep_dims=True)
-    s = tl.math.div_rn(absmax, QMAX * 1.0) + (absmax - absmax)
-    lift = tl.where(s < TINY, LIFT_F, 1.0)
-    inv = tl.where(s > 0, tl.math.div_rn(1.0, tl.where(s > 0, s * lift, 1.0)), 0.0)
-    bad = ((s < TINY) & (s > 0)) | (s != s)
-    x = tl.where(bad, sanitize(v, lift, inv, QMAX * 1.0), v)
-    m = tl.where(bad, 1.0, inv)
-    t = floor_bits(x, m, 0.0, 12582912.0 + QMAX, True, USE_ASM)
-    return (t - MAGIC_BITS).to(tl.uint8), s
 
 
 @triton.jit
@@ -74,7 +57,7 @@ def _sum_requantize_rows(rows_ptr, row_bytes, world, table_ptr, ndest, per, j0, 
         base = rows_ptr + w * row_bytes
         c = tl.load(base + j * BLOCK + col, mask=live, other=127).to(tl.int32)
         s = tl.load((base + per * BLOCK).to(tl.pointer_type(tl.float32)) + j, mask=live, other=0.0)
-        acc += mul_rn((c - QMAX).to(tl.float32), s, USE_ASM)
+        acc += mul_rn((c - INT8_QMAX).to(tl.float32), s, USE_ASM)
     codes, scale = requantize_int8(acc, TINY, LIFT_F, USE_ASM)
     for k in range(0, ndest):
         row = tl.load(table_ptr + k).to(tl.pointer_type(tl.uint8))
@@ -97,7 +80,7 @@ def _dequantize_rows(rows_ptr, row_bytes, out_ptr, n, per, world, j0, count, div
     if DIVIDE:
         s = tl.math.div_rn(s, divisor * 1.0)
     off = (d * per + j) * BLOCK + col
-    tl.store(out_ptr + off, ((c - QMAX).to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=live & (off < n))
+    tl.store(out_ptr + off, ((c - INT8_QMAX).to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=live & (off < n))
 
 
 def _grid(programs: int) -> tuple[int]:

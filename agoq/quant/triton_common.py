@@ -62,3 +62,22 @@ def sanitize(x, lift, inv, LIM: tl.constexpr):
     v = (x * lift) * inv
     v = tl.where(v == v, v, 0.0)
     return tl.minimum(tl.maximum(v, -LIM), LIM)
+
+
+INT8_QMAX = tl.constexpr(127)  # 8-bit levels -127..127, stored as code = level + 127
+MAGIC_BITS = tl.constexpr(0x4B400000)  # bits of 1.5 * 2**23: floor_bits' results sit in the low mantissa bits
+
+
+@triton.jit
+def requantize_int8(v, TINY: tl.constexpr, LIFT_F: tl.constexpr, USE_ASM: tl.constexpr):
+    """Codes (uint8 [R, BLOCK]) and scales ([R, 1] float32) of the float32 tile v, one block per row,
+    exactly as agoq.quant.reference.quantize_reference at 8 bits (NaN scale for blocks holding inf/NaN)."""
+    absmax = tl.reduce(tl.abs(v), 1, nanmax, keep_dims=True)
+    s = tl.math.div_rn(absmax, INT8_QMAX * 1.0) + (absmax - absmax)
+    lift = tl.where(s < TINY, LIFT_F, 1.0)
+    inv = tl.where(s > 0, tl.math.div_rn(1.0, tl.where(s > 0, s * lift, 1.0)), 0.0)
+    bad = ((s < TINY) & (s > 0)) | (s != s)
+    x = tl.where(bad, sanitize(v, lift, inv, INT8_QMAX * 1.0), v)
+    m = tl.where(bad, 1.0, inv)
+    t = floor_bits(x, m, 0.0, 12582912.0 + INT8_QMAX, True, USE_ASM)
+    return (t - MAGIC_BITS).to(tl.uint8), s
