@@ -21,7 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agoq.commands import train as train_command  # noqa: E402
-from agoq.train.trainer import Trainer, TrainConfig, _world, prepare  # noqa: E402
+from agoq.train.config import JobConfig, TrainConfig  # noqa: E402
+from agoq.train.parallel import join_world  # noqa: E402
+from agoq.train.trainer import Trainer, prepare  # noqa: E402
 
 
 def sync() -> None:
@@ -34,8 +36,7 @@ def one_step(trainer: Trainer, step: int) -> None:
     trainer._forward_backward(step)
     grads = trainer._gradients()
     norm = trainer._grad_norm(grads)
-    scale = min(1.0, trainer.s.cfg.clip / (norm + 1e-6)) if trainer.s.cfg.clip > 0 else 1.0
-    trainer._apply(grads, scale)
+    trainer._apply(grads, trainer.clip_scale(norm))
 
 
 def main() -> None:
@@ -47,11 +48,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="profile_train_step")
     train_command.configure(parser)
     args = parser.parse_args(rest)
-    fields = {f for f in TrainConfig.__dataclass_fields__}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    cfg.out = tempfile.mkdtemp()
-    cfg.quiet = True
-    world = _world(cfg.device)
+    fields = set(JobConfig.flag_names())
+    settings = {k: v for k, v in vars(args).items() if k in fields}
+    cfg = TrainConfig(**{**settings, "out": tempfile.mkdtemp(), "quiet": True})
+    world = join_world(cfg.model.device)
     trainer = Trainer(prepare(cfg, world))
     for step in range(ours.warmup_steps):
         one_step(trainer, step)

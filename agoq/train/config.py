@@ -1,0 +1,176 @@
+"""`agoq train`'s settings: small keyword-only parts that check themselves, composed into a `JobConfig`.
+
+Each part's fields are named exactly like the command-line flags (`--seq-len` is `DataConfig.seq_len`),
+so `TrainConfig(**flags)` can take the settings flat, as `agoq train` and the tests give them, and hand
+each keyword to the part that owns it. Every check that needs nothing but the settings runs when a part
+is built (`__post_init__`), with the message the command line prints; what needs the process group or
+the data (the parallel mode under torchrun, the plan's batch shape) is checked by `prepare`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+PARALLEL_MODES = ("none", "ddp", "sharded", "pipeline")
+OPTIMIZERS = ("adamw", "adamw8bit")
+MASTERS = ("fp32", "none")
+DTYPES = ("bf16", "fp32", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The model, where and in what dtype it runs, and whether its decoder layers are compiled."""
+
+    model: str = "llama-tiny"
+    device: str | None = None
+    dtype: str | None = None
+    compile: bool = False  # torch.compile each decoder layer on its own (agoq.activations.compile)
+    compile_mode: str = "default"  # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs
+
+    def __post_init__(self) -> None:
+        if self.device and not self.device.startswith("cuda") and self.device != "cpu":
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.dtype and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """How activations and gradients are stored: a plan, or an activation policy, and the gradient mode."""
+
+    plan: str | None = None
+    policy: str | None = None
+    gradients: str | None = None
+    checkpoint_all: bool = False
+
+    def __post_init__(self) -> None:
+        if self.plan and self.policy:
+            raise ValueError("give either --plan or --policy, not both (a plan carries its own activation policy)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The corpus and the batch shape (None: the plan's, else the defaults; see `prepare`)."""
+
+    data: str | None = None
+    tokenizer: str | None = None
+    seq_len: int | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """The optimizer, its master weights, and the learning rate schedule's and clipping's numbers."""
+
+    optimizer: str = "adamw"
+    master: str = "fp32"
+    lr: float = 1e-3
+    warmup: int | None = None
+    weight_decay: float = 0.1
+    clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.master not in MASTERS:
+            raise ValueError(f"--master must be one of {', '.join(MASTERS)}, got {self.master!r}")
+        if self.master == "none" and self.optimizer != "adamw8bit":
+            raise ValueError("--master none (bf16 parameters updated with stochastic rounding) needs --optimizer "
+                             "adamw8bit")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How several processes share the work (None: none for one process, ddp under torchrun)."""
+
+    parallel: str | None = None
+    pipeline_stages: int | None = None
+    node_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.parallel is not None and self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}")
+        if self.node_size is not None and self.parallel != "sharded":
+            raise ValueError("--node-size is for --parallel sharded (SDP4Bit's two-level gradient reduce-scatter)")
+        if self.pipeline_stages is not None and self.parallel != "pipeline":
+            raise ValueError("--pipeline-stages is for --parallel pipeline")
+
+    def mode_for(self, world_size: int) -> str:
+        """The parallel mode of a run with `world_size` processes; refuses one that does not fit it."""
+        mode = self.parallel or ("none" if world_size == 1 else "ddp")
+        if mode == "none" and world_size > 1:
+            raise ValueError(f"--parallel none with {world_size} processes: choose ddp, sharded or pipeline")
+        if mode != "none" and world_size < 2:
+            raise ValueError(f"--parallel {mode} needs several processes: launch with "
+                             f"torchrun --nproc-per-node N agoq train ... --parallel {mode}")
+        if mode == "pipeline" and self.pipeline_stages not in (None, world_size):
+            raise ValueError(f"--pipeline-stages {self.pipeline_stages} but {world_size} processes: run one process "
+                             "per stage (pipeline and data parallelism are not combined)")
+        return mode
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """The run folder, how often a checkpoint replaces the last (0: never), and whether to resume."""
+
+    out: str = "runs/train"
+    checkpoint_every: int = 100
+    resume: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    """The step loop: how long it runs, how often it evaluates, its seed and its progress bar."""
+
+    steps: int = 200
+    eval_every: int | None = None
+    eval_batches: int = 8
+    seed: int = 0
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """Everything `agoq train` takes (see `agoq train --help` for each field's meaning and unit), in parts."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallelism: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+
+    @classmethod
+    def flag_names(cls) -> list[str]:
+        """Every setting's name, one per command-line flag (what `TrainConfig` takes as keywords)."""
+        return [f.name for part in fields(cls) for f in fields(part.default_factory)]
+
+    @classmethod
+    def from_flags(cls, **flags) -> JobConfig:
+        """Build the parts from flat settings named like the flags; an unknown name is a TypeError."""
+        unknown = sorted(set(flags) - set(cls.flag_names()))
+        if unknown:
+            raise TypeError(f"unknown training setting(s): {', '.join(unknown)}")
+        parts = {}
+        for part in fields(cls):
+            kind = part.default_factory
+            parts[part.name] = kind(**{f.name: flags[f.name] for f in fields(kind) if f.name in flags})
+        return cls(**parts)
+
+
+def TrainConfig(**flags) -> JobConfig:
+    """`agoq train`'s settings given flat, one keyword per command-line flag (`seq_len=32` is --seq-len 32):
+    the `JobConfig` whose parts hold them. Each part checks itself here (ValueError, the CLI's message)."""
+    return JobConfig.from_flags(**flags)
+
+
+__all__ = ["JobConfig", "TrainConfig", "ModelConfig", "MemoryConfig", "DataConfig", "OptimizerConfig",
+           "ParallelConfig", "CheckpointConfig", "LoopConfig", "PARALLEL_MODES", "OPTIMIZERS", "MASTERS"]

@@ -1,0 +1,245 @@
+"""Everything decided and built before the first step: device, dtype, parallel mode, data, model, plan or policy.
+
+`prepare(cfg, world)` checks what the settings alone cannot (the process group's size, the plan against
+the model and the GPU, the batch shape against the model), loads the corpus, builds the model and applies
+the plan's (or a policy's) activation settings, checkpointing and compilation, then returns a
+`PreparedRun`. Nothing is trained, and no run folder is touched, before it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from agoq.activations.compile import compile_decoder_layers, mark_cudagraph_step
+from agoq.formats.plan import load_plan, plan_for_policy
+from agoq.train.config import JobConfig, ModelConfig
+from agoq.train.data import Batches, load_corpus
+from agoq.train.parallel import World
+
+BATCH_DEFAULTS = {"seq_len": 256, "micro_batch": 8, "grad_accum": 1}
+GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The batch shape this run uses: the flags', else the plan's, else the defaults."""
+
+    seq_len: int
+    micro_batch: int
+    grad_accum: int  # micro-batches per optimizer step (with a pipeline: the 1F1B schedule's)
+
+
+@dataclass
+class PreparedRun:
+    """What `prepare` decided and built, before the first step."""
+
+    cfg: JobConfig
+    world: World
+    device: torch.device
+    dtype: torch.dtype
+    parallel: str
+    gradients: str
+    model: nn.Module
+    spec: dict
+    plan: Any
+    policy_name: str | None
+    layer_stage: list[int] | None
+    plan_record: dict | None  # what run.json records as the plan (the plan, or the policy as one)
+    batches: Batches
+    corpus_info: dict
+    shape: BatchShape
+    warmup: int
+    eval_every: int
+    before_micro_batch: Callable[[], None]  # see compile_model
+
+
+def _device(model_cfg: ModelConfig, world: World) -> torch.device:
+    name = model_cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
+        return torch.device("cuda", world.local_rank if ":" not in name else int(name.split(":")[1]))
+    return torch.device("cpu")  # ModelConfig refused every other name
+
+
+def _dtype(model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    name = model_cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
+
+
+def _nothing() -> None:
+    pass
+
+
+def compile_model(model: nn.Module, model_cfg: ModelConfig) -> Callable[[], None]:
+    """--compile (and --compile-mode): torch.compile each decoder layer of `model` on its own. Returns what the
+    loop calls before each training micro-batch (under CUDA graphs: the last micro-batch's outputs are done with)."""
+    if not model_cfg.compile:
+        return _nothing
+    compile_decoder_layers(model, mode=model_cfg.compile_mode)
+    mode = model_cfg.compile_mode
+    return lambda: mark_cudagraph_step(mode)
+
+
+def _policy(name: str, num_layers: int, stages: int, micro_batches: int, layer_stage: list[int] | None):
+    import json
+
+    from agoq.activations.policy import as_policy, stage_aware_policy
+    from agoq.train.pipeline import in_flight_1f1b
+
+    if name == "stage-aware":
+        return stage_aware_policy(in_flight_1f1b(stages, micro_batches), num_layers, layer_stage)
+    if name.endswith(".json"):
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"policy file not found: {path}")
+        return as_policy(json.loads(path.read_text()))
+    return as_policy(name)
+
+
+def prepare(cfg: JobConfig, world: World) -> PreparedRun:
+    """Check every input and build the model: raises ValueError / FileNotFoundError before any training."""
+    from agoq.activations.checkpointing import apply_checkpointing
+    from agoq.activations.laaq import apply_activation_policy
+    from agoq.activations.policy import split_layers
+    from agoq.models import build, fingerprint, resolve_config
+
+    device = _device(cfg.model, world)
+    dtype = _dtype(cfg.model, device)
+    parallel = cfg.parallelism.mode_for(world.size)
+    memory, data = cfg.memory, cfg.data
+
+    # the data first: its vocabulary decides the model's
+    corpus = load_corpus(data.data, data.tokenizer)
+    config = resolve_config(cfg.model.model)
+    spec = {"spec": cfg.model.model, "vocab_size_of_spec": config.vocab_size}
+    if config.vocab_size < corpus.vocab_size:
+        config = dataclasses.replace(config, vocab_size=corpus.vocab_size)
+        spec["vocab_overridden"] = True
+    model = build(config, dtype=dtype, device=device, seed=cfg.loop.seed)
+
+    plan = None
+    plan_record = None
+    gradients = "bf16"
+    training = dict(BATCH_DEFAULTS)
+    layer_stage = None
+    policy_name = None
+    if memory.plan:
+        plan = load_plan(memory.plan, model)
+        gradients = plan.gradients.mode
+        training = {"seq_len": plan.training.seq_len, "micro_batch": plan.training.micro_batch,
+                    "grad_accum": plan.training.grad_accum}
+        if plan.num_layers != config.num_hidden_layers:
+            raise ValueError(f"{memory.plan}: the plan covers {plan.num_layers} layers, the model has "
+                             f"{config.num_hidden_layers}")
+        if parallel == "pipeline":
+            if plan.pipeline.stages != world.size:
+                raise ValueError(f"{memory.plan}: the plan was made for {plan.pipeline.stages} pipeline stage(s), "
+                                 f"this run has {world.size}: search a plan for {world.size} stages")
+            schedule = getattr(plan.pipeline, "schedule", "1f1b")
+            if schedule != "1f1b":
+                raise ValueError(f"{memory.plan}: the plan was made for the {schedule} schedule; agoq train runs 1F1B "
+                                 "(its in-flight counts, hence its memory, differ): search a plan for 1f1b")
+            layer_stage = [lp.stage for lp in plan.layers]
+            training["grad_accum"] = max(training["grad_accum"], plan.pipeline.micro_batches)
+    if memory.gradients:
+        gradients = memory.gradients
+    if gradients not in GRADIENT_MODES:
+        raise ValueError(f"gradient mode must be bf16, quangrad8 or sdp4bit, got {gradients!r}")
+    if gradients == "sdp4bit" and parallel != "sharded":
+        raise ValueError("gradient mode sdp4bit is sharded data parallelism: use --parallel sharded "
+                         "(or --gradients quangrad8 / bf16)")
+    if parallel == "sharded" and gradients == "quangrad8":
+        raise ValueError("--parallel sharded reduces gradients with SDP4Bit (or exactly with --gradients bf16), "
+                         "not with QuanGrad: use --parallel ddp for quangrad8")
+    if parallel == "sharded" and cfg.optim.optimizer == "adamw8bit":
+        raise ValueError("--parallel sharded uses SDP4Bit's sharded AdamW (float32 moments, 1/N per rank): "
+                         "--optimizer adamw8bit is for ddp, pipeline or one process")
+    if plan is not None and world.rank == 0:
+        given = {"seq_len": data.seq_len, "micro_batch": data.micro_batch}
+        changed = {k: (training[k], v) for k, v in given.items() if v is not None and v != training[k]}
+        if changed:
+            print("agoq train: warning: the plan's predictions hold for its batch shape; this run changes "
+                  + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), file=sys.stderr)
+    seq_len = data.seq_len or training["seq_len"]
+    micro_batch = data.micro_batch or training["micro_batch"]
+    grad_accum = data.grad_accum or (max(training["grad_accum"], world.size) if parallel == "pipeline"
+                                     else training["grad_accum"])
+    shape = BatchShape(seq_len, micro_batch, grad_accum)
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+    if parallel == "pipeline":
+        if config.num_hidden_layers < world.size:
+            raise ValueError(f"{config.num_hidden_layers} layers cannot be cut into {world.size} pipeline stages")
+        layer_stage = layer_stage or split_layers(config.num_hidden_layers, world.size)
+        if grad_accum < world.size:
+            raise ValueError(f"the 1F1B schedule needs --grad-accum (micro-batches per step) >= the {world.size} "
+                             f"pipeline stages, got {grad_accum}")
+
+    if device.type == "cuda" and plan is not None:
+        _check_budget(plan, layer_stage, world, device, memory.plan)
+
+    # activations: the plan's settings and checkpointing, or a policy, on the whole model before any cut
+    if plan is not None:
+        plan.apply(model)
+        policy_name = f"plan:{Path(memory.plan).name}"
+    elif memory.policy:
+        stages = world.size if parallel == "pipeline" else 1
+        policy = _policy(memory.policy, config.num_hidden_layers, stages, grad_accum, layer_stage)
+        apply_activation_policy(model, policy)
+        policy_name = policy.name
+        plan_record = plan_for_policy(policy, model, gradients, micro_batch, seq_len, grad_accum, layer_stage, stages)
+    if memory.checkpoint_all:
+        apply_checkpointing(model)
+        policy_name = (policy_name + "+" if policy_name else "") + "checkpoint-all"
+    before_micro_batch = compile_model(model, cfg.model)
+
+    data_ranks = 1 if parallel == "pipeline" else world.size
+    batches = Batches(corpus, seq_len, micro_batch, 1 if parallel == "pipeline" else grad_accum, data_ranks,
+                      cfg.loop.seed)
+    if parallel == "pipeline":
+        batches.micro_batch = micro_batch * grad_accum  # one stacked batch per step, split by the schedule
+    steps = cfg.loop.steps
+    warmup = cfg.optim.warmup if cfg.optim.warmup is not None else min(100, max(1, steps // 10))
+    eval_every = cfg.loop.eval_every if cfg.loop.eval_every is not None else max(1, steps // 10)
+    spec.update(name=config.name, fingerprint=fingerprint(model), config=config.to_dict(),
+                parameters=sum(p.numel() for p in model.parameters()))
+    corpus_info = {"data": corpus.source, "tokenizer": corpus.tokenizer, "data_sha256": corpus.sha256,
+                   "train_tokens": corpus.train.numel(), "val_tokens": corpus.val.numel(),
+                   "vocab_size": config.vocab_size}
+    if plan is not None:
+        plan_record = plan.to_dict()
+    return PreparedRun(cfg, world, device, dtype, parallel, gradients, model, spec, plan, policy_name, layer_stage,
+                       plan_record, batches, corpus_info, shape, warmup, eval_every, before_micro_batch)
+
+
+def _check_budget(plan, layer_stage, world: World, device: torch.device, where: str) -> None:
+    """Refuse a plan whose predicted peak (else its budget) exceeds this GPU's memory."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    peaks = plan.predicted.peak_bytes_per_stage
+    stage = world.rank if layer_stage is not None and len(peaks) > 1 else None
+    if peaks:
+        need = peaks[stage] if stage is not None and stage < len(peaks) else max(peaks)
+        what = "predicted peak"
+    elif plan.budget_bytes:
+        need, what = plan.budget_bytes, "memory budget"
+    else:
+        return
+    if need > total:
+        from agoq.units import format_bytes
+
+        raise ValueError(f"{where}: the plan's {what} is {format_bytes(need)} but this GPU "
+                         f"({torch.cuda.get_device_name(device)}) has {format_bytes(total)}: search a plan with "
+                         f"--budget below {format_bytes(total)} for this device")
+
+
+__all__ = ["prepare", "PreparedRun", "BatchShape", "compile_model"]
