@@ -15,11 +15,6 @@ from torch import nn
 from agoq.models.lm_loss import chunked_lm_loss
 
 
-def in_flight_1f1b(stages: int, micro_batches: int) -> list[int]:
-    """Micro-batches whose activations each stage holds at its peak under 1F1B: min(P - i, M)."""
-    return [min(stages - i, micro_batches) for i in range(stages)]
-
-
 class StageModule(nn.Module):
     """Decoder layers `layers` of `model`, with the embedding on the first stage and norm + head on the last."""
 

@@ -93,10 +93,10 @@ def _policy(name: str, num_layers: int, stages: int, micro_batches: int, layer_s
     import json
 
     from agoq.activations.policy import as_policy, stage_aware_policy
-    from agoq.train.pipeline import in_flight_1f1b
+    from agoq.schedules import in_flight
 
     if name == "stage-aware":
-        return stage_aware_policy(in_flight_1f1b(stages, micro_batches), num_layers, layer_stage)
+        return stage_aware_policy(in_flight(stages, micro_batches), num_layers, layer_stage)
     if name.endswith(".json"):
         path = Path(name)
         if not path.is_file():
