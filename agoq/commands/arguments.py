@@ -9,26 +9,26 @@ import sys
 from agoq.units import parse_size
 
 
+def _checked(text: str, cast, ok, unreadable: str, out_of_range: str):
+    """cast(text), or argparse's error saying what was expected: `unreadable` when it is no number,
+    `out_of_range` when ok(value) is false (NaN included)."""
+    try:
+        value = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{unreadable}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{out_of_range}, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return _checked(text, int, lambda v: v >= 1, "expected a positive integer", "expected a positive integer")
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _checked(text, int, lambda v: v >= 0, "expected an integer >= 0", "expected an integer >= 0")
 
 
 def positive_int_list(text: str) -> list[int]:
@@ -41,24 +41,12 @@ def positive_int_list(text: str) -> list[int]:
 
 def positive_float(text: str) -> float:
     """argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
+    return _checked(text, float, lambda v: v > 0, "expected a number", "expected a number > 0")
 
 
 def non_negative_float(text: str) -> float:
     """argparse type: a number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
+    return _checked(text, float, lambda v: v >= 0, "expected a number", "expected a number >= 0")
 
 
 def size_bytes(text: str) -> int:
