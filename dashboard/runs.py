@@ -109,6 +109,43 @@ def _thin(x: np.ndarray, y: np.ndarray, max_points: int, t: np.ndarray | None = 
     return json_safe(out)
 
 
+STALE_SECONDS = 600  # a "running" run whose files have not changed for this long is shown as stale
+
+
+def last_sign_of_life(meta: dict[str, Any], folder: Folder) -> float | None:
+    """The latest of: the run's heartbeat (run.json "heartbeat", ISO time, written by agoq train at least
+    every minute), its "updated" time, and the modification times of run.json and metrics.jsonl (epoch s)."""
+    import datetime
+
+    times = []
+    for key in ("heartbeat", "updated"):
+        text = meta.get(key)
+        if isinstance(text, str):
+            try:
+                times.append(datetime.datetime.fromisoformat(text).timestamp())
+            except ValueError:
+                pass
+    for name in ("run.json", "metrics.jsonl"):
+        try:
+            times.append(folder.file(name).stat().st_mtime)
+        except OSError:
+            pass
+    return max(times) if times else None
+
+
+def run_status(meta: dict[str, Any], folder: Folder, now: float | None = None) -> str:
+    """run.json's status, except "stale" for a run that says "running" but has shown no sign of life for
+    STALE_SECONDS (killed without a chance to say so, e.g. by SIGKILL or a lost node)."""
+    import time
+
+    status = meta.get("status")
+    if status != "running":
+        return status
+    last = last_sign_of_life(meta, folder)
+    now = time.time() if now is None else now
+    return "stale" if last is not None and now - last > STALE_SECONDS else status
+
+
 def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
     """Key figures of a run: model, plan or bf16, status, step reached, last loss and validation loss,
     median tokens/s, highest peak memory of any rank, number of metric lines."""
@@ -133,8 +170,10 @@ def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
         "model": model.get("name") or model.get("spec"),
         "fingerprint": model.get("fingerprint"),
         "plan": plan_label,
-        "status": meta.get("status"),
-        "message": meta.get("message"),
+        "status": run_status(meta, folder),
+        "message": meta.get("message") or (f"no sign of life for over {STALE_SECONDS // 60} minutes: the process "
+                                           "probably died; --resume continues from its last checkpoint"
+                                           if run_status(meta, folder) == "stale" else None),
         "step": meta.get("step"),
         "steps": settings.get("steps"),
         "parallel": settings.get("parallel"),
