@@ -165,4 +165,8 @@ def test_fused_accumulate_kernel_matches_reference(block):
     want[:n] += g
     got = (c.double() - 127) * s.double().repeat_interleave(block)
     step = s.double().repeat_interleave(block)
-    assert ((got - want).abs() <= 0.5 * step + 1e-12).all()
+    # half an int8 step, plus float32's own roundings on the way: the gradient's cast, the float32 sum, and
+    # the scale's reciprocal that the codes are rounded with (a few ulps of 127 steps)
+    bound = 0.5 * step * (1 + 2**-14) + (want.abs() + got.abs()) * 2**-22 + 1e-12
+    excess = ((got - want).abs() - bound).max().item()
+    assert excess <= 0, f"worst excess over the bound: {excess:.3g}"
