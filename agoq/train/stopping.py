@@ -38,7 +38,7 @@ class StopSignals:
 
     @property
     def name(self) -> str:
-        return signal.Signals(self.received).name if self.received is not None else "a stop request"
+        return signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None:  # the second one: stop now
