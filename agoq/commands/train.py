@@ -10,6 +10,18 @@ with --tokenizer; the last 10 % is held out for validation. The run folder recei
 metrics.jsonl (loss, grad_norm, lr, tokens_per_s, step_seconds, peak_bytes per rank each step,
 val_loss every --eval-every steps) and checkpoint/ (replaced atomically every --checkpoint-every
 steps and at the end; none with --checkpoint-every 0). Kill the run at any time and start it again with --resume.
+
+Stopping: SIGINT (Ctrl-C) or SIGTERM (what schedulers and torchrun send on preemption) lets the step in
+progress finish on every rank (they agree on the step), saves a checkpoint at its end (not with
+--checkpoint-every 0), marks run.json "stopped" and exits with 130: --resume then continues exactly as if
+the run had never stopped (the same losses). A second signal stops at once, keeping the last checkpoint.
+One process writes a run folder at a time (a lock on RUN_DIR/.lock, dropped when the process ends): a
+second one on the same --out is refused (exit 2). run.json's "heartbeat" is refreshed every 30 s while the
+run lives: a "running" run with an old heartbeat was killed.
+
+Resuming keeps the run's settings: a changed one (--lr, --steps, --warmup, ...) is refused with a list
+(old -> new) unless --override names it; batch shape, optimizer, master weights, parallel mode, gradients,
+policy, dtype, seed, data and tokenizer cannot change (the checkpoint depends on them).
 """
 
 from __future__ import annotations
@@ -79,14 +91,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="ranks per node for SDP4Bit's gradient reduce-scatter: int8 inside a node, int4 across "
                         "nodes (default: torchrun's LOCAL_WORLD_SIZE; 1 treats every GPU as a node)")
     p.add_argument("--checkpoint-every", type=non_negative_int, default=100,
-                   help="save a checkpoint every N steps, and at the end (0: no checkpoint is written at all; "
-                        "default 100)")
+                   help="save a checkpoint every N steps, at the end, and at the step boundary where SIGINT / "
+                        "SIGTERM stopped the run (0: no checkpoint is written at all; default 100)")
     p.add_argument("--eval-every", type=positive_int, default=None,
                    help="validation loss every N steps and at the end (default: steps/10)")
     p.add_argument("--eval-batches", type=positive_int, default=8,
                    help="validation micro-batches per evaluation (default 8)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint "
-                                                        "(starts from step 0 when it has none)")
+                                                        "(starts from step 0 when it has none) with the same "
+                                                        "settings: a changed one is refused unless --override "
+                                                        "names it")
+    p.add_argument("--override", default=(), metavar="NAMES",
+                   help="with --resume: the settings, comma-separated, that may differ from the run's (e.g. "
+                        "lr,steps,warmup; names as in run.json's settings, - or _ alike). Each must be named: "
+                        "there is no blanket override, so a changed default (warmup and eval_every follow --steps) "
+                        "cannot slip in unseen. Accepted changes are recorded in run.json (resumed[].changed, "
+                        "original_settings). Batch shape, optimizer, master, parallel, gradients, policy, dtype, "
+                        "seed, data and tokenizer cannot change (default: none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None,
@@ -111,5 +132,5 @@ def run(args: argparse.Namespace) -> int:
                       eval_batches=args.eval_batches, resume=args.resume, seed=args.seed, device=args.device,
                       dtype=args.dtype, out=args.out, checkpoint_all=args.checkpoint_all, node_size=args.node_size,
                       quiet=args.quiet, compile=args.compile,
-                      compile_mode=args.compile_mode)
+                      compile_mode=args.compile_mode, override=args.override)
     return train(cfg)

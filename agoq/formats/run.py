@@ -1,12 +1,15 @@
 """What a run leaves in RUN_DIR: run.json (rewritten atomically as the run goes) and metrics.jsonl (appended).
 
-See docs/formats.md ("Run"). Only rank 0 writes.
+See docs/formats.md ("Run"). Only rank 0 writes. While a run trains, a background thread refreshes
+run.json's `heartbeat` every `RunRecord.heartbeat_seconds` (30 s), also through long steps, evaluations and
+checkpoint saves: a run whose status is "running" but whose heartbeat is old was killed without a word.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,30 +26,47 @@ def now_iso() -> str:
 class RunRecord:
     """run.json and metrics.jsonl of one run folder."""
 
+    heartbeat_seconds = 30.0  # how often the heartbeat thread rewrites run.json (readers allow twice this)
+
     def __init__(self, run_dir: str | Path):
         self.dir = Path(run_dir)
         self.run_path = self.dir / "run.json"
         self.metrics_path = self.dir / "metrics.jsonl"
         self.run: dict[str, Any] = {}
+        self._lock = threading.Lock()  # run.json is written by the loop and by the heartbeat thread
+        self._stop_beating = threading.Event()
+        self._beater: threading.Thread | None = None
 
     def existing(self) -> dict | None:
         """The run.json already in the folder, or None."""
-        try:
-            return json.loads(self.run_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
+        return read_run(self.dir)
 
-    def start(self, run: dict[str, Any], resumed_from: int | None) -> None:
-        """Write run.json with status "running"; on resume keep `started` and drop metrics after the checkpoint."""
+    def start(self, run: dict[str, Any], resumed_from: int | None,
+              changed: dict[str, list] | None = None) -> None:
+        """Write run.json with status "running"; on resume keep `started` and drop metrics after the checkpoint.
+
+        `changed` ({setting: [old, new]}, resume only) is recorded in the new `resumed` entry; once any
+        resume changed a setting, `original_settings` keeps the settings the run started with.
+        """
         self.dir.mkdir(parents=True, exist_ok=True)
         old = self.existing()
         started = old.get("started") if (resumed_from is not None and old) else None
         self.run = {"schema": RUN_SCHEMA, **run, "status": "running", "started": started or now_iso(),
                     "updated": now_iso(), "step": resumed_from or 0, "message": None}
         if resumed_from is not None:
-            self.run["resumed"] = (old or {}).get("resumed", []) + [{"step": resumed_from, "date": now_iso()}]
-        write_json(self.run_path, json_safe(self.run))
+            old = old or {}
+            self.run["resumed"] = old.get("resumed", []) + [{"step": resumed_from, "date": now_iso(),
+                                                             "changed": dict(changed or {})}]
+            original = old.get("original_settings") or (old.get("settings") if changed else None)
+            if original is not None:
+                self.run["original_settings"] = original
+        self._write()
         self.truncate_metrics(resumed_from or 0)
+
+    def _write(self) -> None:
+        with self._lock:
+            self.run["heartbeat"] = now_iso()
+            write_json(self.run_path, json_safe(self.run))
 
     def truncate_metrics(self, step: int) -> None:
         """Keep only metric lines up to and including `step` (lines written after the last checkpoint go)."""
@@ -63,11 +83,46 @@ class RunRecord:
 
     def update(self, step: int, status: str = "running", message: str | None = None) -> None:
         """Rewrite run.json with the current step, status and message."""
-        self.run.update(step=step, status=status, message=message, updated=now_iso())
-        write_json(self.run_path, json_safe(self.run))
+        with self._lock:
+            self.run.update(step=step, status=status, message=message, updated=now_iso())
+        self._write()
+
+    def beat(self) -> None:
+        """Refresh `heartbeat` (and nothing else) in run.json."""
+        self._write()
+
+    def start_heartbeat(self) -> None:
+        """Refresh `heartbeat` every `heartbeat_seconds` from a daemon thread until `stop_heartbeat`."""
+        if self._beater is not None:
+            return
+        self._stop_beating.clear()
+
+        def loop() -> None:
+            while not self._stop_beating.wait(self.heartbeat_seconds):
+                try:
+                    self.beat()
+                except OSError:  # a full disk or a vanished folder must not kill the run from here
+                    pass
+
+        self._beater = threading.Thread(target=loop, name="agoq-run-heartbeat", daemon=True)
+        self._beater.start()
+
+    def stop_heartbeat(self) -> None:
+        if self._beater is not None:
+            self._stop_beating.set()
+            self._beater.join()
+            self._beater = None
 
     def append(self, record: dict[str, Any]) -> None:
         """Append one line to metrics.jsonl and flush it (a killed process leaves at most a cut last line)."""
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(json_safe(record)) + "\n")
             f.flush()
+
+
+def read_run(run_dir: str | Path) -> dict | None:
+    """RUN_DIR/run.json, or None when there is none (or it cannot be read)."""
+    try:
+        return json.loads((Path(run_dir) / "run.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None

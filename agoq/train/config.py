@@ -114,11 +114,21 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """The run folder, how often a checkpoint replaces the last (0: never), and whether to resume."""
+    """The run folder, how often a checkpoint replaces the last (0: never), whether to resume, and which
+    settings a resumed run may change (`override`)."""
 
     out: str = "runs/train"
     checkpoint_every: int = 100
     resume: bool = False
+    # settings --resume may change (run.json names, e.g. ("lr", "steps")); a comma-separated string is split
+    override: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = self.override.split(",") if isinstance(self.override, str) else list(self.override or ())
+        names = tuple(dict.fromkeys(n.strip().lstrip("-").replace("-", "_") for n in names if n.strip()))
+        object.__setattr__(self, "override", names)
+        if names and not self.resume:
+            raise ValueError("--override names settings a resumed run may change: it needs --resume")
 
 
 @dataclass(frozen=True, kw_only=True)

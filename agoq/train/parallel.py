@@ -50,6 +50,15 @@ class World:
         dist.all_gather(out, mine)
         return [int(t) for t in out]
 
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """True on every rank when `flag` is true on at least one (one small all-reduce; every rank calls it)."""
+        if self.size == 1:
+            return bool(flag)
+        dev = device if self.backend == "nccl" else torch.device("cpu")
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
 
 def join_world(device_hint: str | None) -> World:
     """The process group: the existing one, one from torchrun's environment, or a single process."""

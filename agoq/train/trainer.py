@@ -26,12 +26,20 @@ import torch
 import torch.distributed as dist
 
 from agoq.environment import hardware, software_versions
-from agoq.formats.run import RunRecord
+from agoq.files import json_safe
+from agoq.formats.run import RunRecord, read_run
 from agoq.train.checkpoint import clean_partial, find_checkpoint, load_rank_payload, save_checkpoint
 from agoq.train.config import OPTIMIZERS, PARALLEL_MODES, JobConfig, TrainConfig
 from agoq.train.optimizer import BETAS
 from agoq.train.parallel import World, apply_parallel, join_world
 from agoq.train.preparation import PreparedRun, _check_budget, prepare  # noqa: F401 -- _check_budget: tests
+from agoq.train.stopping import RunFolderBusy, RunLock, StopSignals
+
+# run.json settings that follow from others (never compared on resume: their sources are)
+DERIVED_SETTINGS = ("min_lr", "tokens_per_step", "train_tokens", "val_tokens", "vocab_size", "betas", "schedule")
+# settings the checkpoint's state depends on (data order, optimizer state, numerics): never changed on resume
+FIXED_SETTINGS = ("seq_len", "micro_batch", "grad_accum", "optimizer", "master", "parallel", "gradients", "policy",
+                  "dtype", "seed", "data_sha256", "tokenizer")
 
 
 class TrainingFailed(RuntimeError):
@@ -57,8 +65,10 @@ def _peak_bytes(device: torch.device) -> int:
 class Trainer:
     """One run: the parallel strategy, the optimizer, checkpointing and the step loop."""
 
-    def __init__(self, prepared: PreparedRun):
+    def __init__(self, prepared: PreparedRun, stop: StopSignals | None = None):
         self.prepared = prepared
+        self.stop = stop  # SIGINT / SIGTERM seen by this process (None: never asked to stop)
+        self.changed: dict[str, list] = {}  # settings this resume changed, {name: [old, new]}
         self.cfg, self.world, self.device, self.shape = prepared.cfg, prepared.world, prepared.device, prepared.shape
         self.record = RunRecord(self.cfg.checkpoint.out) if self.world.rank == 0 else None
         self.parallel = apply_parallel(prepared.model, mode=prepared.parallel, world=self.world, device=self.device,
@@ -95,9 +105,45 @@ class Trainer:
 
     def _resume_key(self) -> dict:
         settings = self._settings()
-        keep = ("seq_len", "micro_batch", "grad_accum", "optimizer", "master", "parallel", "gradients", "policy", "dtype",
-                "seed", "data_sha256", "tokenizer")
-        return {"fingerprint": self.prepared.spec["fingerprint"], **{k: settings[k] for k in keep}}
+        return {"fingerprint": self.prepared.spec["fingerprint"], **{k: settings[k] for k in FIXED_SETTINGS}}
+
+    def _changed_settings(self, out: Path) -> dict[str, list]:
+        """On resume: the settings that differ from run.json's, {name: [old, new]}, once --override allows each.
+
+        Raises ValueError listing every change (old -> new) that --override does not name. Settings fixed by
+        the checkpoint are checked against it (`try_resume`); derived ones follow their sources.
+        """
+        new = json_safe(self._settings())
+        free = self._check_override()
+        allowed = self.cfg.checkpoint.override
+        old = (read_run(out) or {}).get("settings") or {}
+        changed = {k: [old[k], new[k]] for k in free if k in old and old[k] != new[k]}
+        refused = [k for k in changed if k not in allowed]
+        if refused:
+            follow = [k for k in ("warmup", "eval_every") if k in refused]
+            hint = (f" ({' and '.join(follow)} default{'s' if len(follow) == 1 else ''} to a share of --steps: give "
+                    f"{'it' if len(follow) == 1 else 'them'} explicitly to keep the old value)") if follow else ""
+            raise ValueError(f"cannot resume {out} with other settings: "
+                             + ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused) + hint
+                             + f". Add --override {','.join(refused)} to accept "
+                             + ("this change" if len(refused) == 1 else "these changes")
+                             + " (run.json records it), or resume with the old values")
+        return changed
+
+    def _check_override(self) -> list[str]:
+        """Refuse --override names that are no setting, or that the checkpoint fixes; returns the changeable ones."""
+        free = [k for k in self._settings() if k not in DERIVED_SETTINGS and k not in FIXED_SETTINGS]
+        allowed = self.cfg.checkpoint.override
+        fixed = [n for n in allowed if n in FIXED_SETTINGS or n in ("fingerprint", "model")]
+        if fixed:
+            raise ValueError(f"--override {','.join(fixed)}: the checkpoint's state depends on "
+                             f"{'it' if len(fixed) == 1 else 'them'} (model, data order, optimizer state or "
+                             "numerics) and cannot change on resume: start a new run (another --out)")
+        unknown = [n for n in allowed if n not in free]
+        if unknown:
+            raise ValueError(f"--override {','.join(unknown)}: not a setting a resumed run may change; those are "
+                             + ", ".join(free))
+        return free
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -122,6 +168,7 @@ class Trainer:
             if found is not None or (out / "metrics.jsonl").exists():
                 raise ValueError(f"{out} already holds a run: add --resume to continue it, or give another --out")
             return None
+        self._check_override()
         if found is None:
             if world.rank == 0:
                 print(f"agoq train: no checkpoint in {out} yet: starting from step 0", file=sys.stderr)
@@ -135,7 +182,12 @@ class Trainer:
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
         if diff:
             raise ValueError(f"cannot resume {folder}: settings differ from the checkpoint's "
-                             + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items()))
+                             + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
+                             + " (the checkpoint's state depends on these: --override cannot change them)")
+        self.changed = self._changed_settings(out)
+        if self.changed and world.rank == 0:
+            print("agoq train: resuming with changed settings (--override): "
+                  + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items()), file=sys.stderr)
         payload = load_rank_payload(folder, world.rank, self.device)
         self.module.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
@@ -190,7 +242,34 @@ class Trainer:
 
     # ---------------------------------------------------------------- the run
 
+    def _lock_run_folder(self) -> RunLock | None:
+        """Rank 0 locks the run folder; every rank raises RunFolderBusy when another process holds it."""
+        lock, busy = None, None
+        if self.world.rank == 0:
+            lock = RunLock(self.cfg.checkpoint.out)
+            try:
+                lock.acquire()
+            except RunFolderBusy as e:
+                lock, busy = None, e
+        if self.world.any(busy is not None, self.device):  # the other ranks learn it here
+            raise busy or RunFolderBusy(f"{self.cfg.checkpoint.out} is in use by another agoq train (see rank 0)")
+        return lock
+
     def run(self) -> int:
+        lock = self._lock_run_folder()
+        try:
+            return self._run()
+        finally:
+            if self.record is not None:
+                self.record.stop_heartbeat()
+            if lock is not None:
+                lock.release()
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank received SIGINT / SIGTERM (every rank calls it once per step: they agree)."""
+        return self.world.any(self.stop is not None and self.stop.requested, self.device)
+
+    def _run(self) -> int:
         p, cfg, world, device = self.prepared, self.cfg, self.world, self.device
         out, steps = cfg.checkpoint.out, cfg.loop.steps
         if world.rank == 0:
@@ -203,7 +282,8 @@ class Trainer:
             world_info = {"size": world.size, "local_size": world.local_size, "backend": world.backend}
             self.record.start({"model": p.spec, "plan": p.plan_record, "settings": self._settings(),
                                "world": world_info, "hardware": hardware(device, world.size),
-                               "software": software_versions()}, resumed)
+                               "software": software_versions()}, resumed, self.changed)
+            self.record.start_heartbeat()
         bar = None
         if world.rank == 0 and not cfg.loop.quiet:
             from tqdm import tqdm
@@ -211,6 +291,15 @@ class Trainer:
             bar = tqdm(total=steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
         last_saved = start
         step = start
+        if start < steps and self._stop_requested():  # a signal while the run was being prepared
+            if bar is not None:
+                bar.close()
+            message = (f"stopped by {self.stop.name if self.stop else 'another rank'} before step {start + 1}; "
+                       f"--resume continues from step {start}")
+            if self.record is not None:
+                self.record.update(start, "stopped", message)
+                print(f"agoq train: {message}", file=sys.stderr)
+            return 130
         try:
             for step in range(start, steps):
                 lr = lr_at(step, cfg, p.warmup)
@@ -256,6 +345,22 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                if self._stop_requested() and done < steps:
+                    # the step has ended on every rank: save it, so that --resume continues exactly from here
+                    if every > 0 and last_saved != done:
+                        self.save(done)
+                        last_saved = done
+                    if bar is not None:
+                        bar.close()
+                    saved = (f"checkpoint saved at step {done}" if last_saved == done else
+                             "no checkpoint written (--checkpoint-every 0)" if every == 0 else
+                             f"last checkpoint at step {last_saved}")
+                    message = (f"stopped by {self.stop.name if self.stop else 'another rank'} after step {done}; "
+                               f"{saved}; --resume continues from step {last_saved}")
+                    if self.record is not None:
+                        self.record.update(done, "stopped", message)
+                        print(f"agoq train: {message}", file=sys.stderr)
+                    return 130
         except TrainingFailed as e:
             if bar is not None:
                 bar.close()
@@ -279,29 +384,20 @@ class Trainer:
         return 0
 
 
-def _stop_on_sigterm(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def train(cfg: JobConfig) -> int:
     """Run one training (in this process; under torchrun, this rank's part); returns the exit code.
 
-    SIGTERM (what torchrun and schedulers send) stops the run like Ctrl-C: status "stopped", exit 130.
+    SIGINT (Ctrl-C) or SIGTERM (what torchrun and schedulers send) lets the step in progress finish, saves a
+    checkpoint at its end (every rank stops after the same step), then stops: status "stopped", exit 130.
+    A second signal stops at once, keeping the last checkpoint.
     """
-    import signal
-    import threading
-
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    world = join_world(cfg.model.device)
-    try:
-        return Trainer(prepare(cfg, world)).run()
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        if world.initialised_here:
-            dist.destroy_process_group()
+    with StopSignals() as stop:
+        world = join_world(cfg.model.device)
+        try:
+            return Trainer(prepare(cfg, world), stop).run()
+        finally:
+            if world.initialised_here:
+                dist.destroy_process_group()
 
 
 __all__ = ["TrainConfig", "JobConfig", "train", "prepare", "Trainer", "World", "lr_at", "TrainingFailed",
