@@ -18,6 +18,16 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def launch_for(stages: int, gradient_mode: str, world_size: int) -> dict:
+    """How a plan must be launched: processes and `agoq train --parallel` mode. Pipeline stages are one process
+    each; SDP4Bit shards over the profile's world size; QuanGrad and bf16 run in one process or under DDP."""
+    if stages > 1:
+        return {"processes": stages, "parallel": "pipeline"}
+    if gradient_mode == "sdp4bit":
+        return {"processes": world_size, "parallel": "sharded"}
+    return {"processes": world_size, "parallel": "ddp" if world_size > 1 else "none"}
+
+
 def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, knobs: ProblemSettings,
                budget_bytes: Optional[int], method: str, objective: str) -> Plan:
     """A validated Plan for `alloc` (the choice), `knobs` (block, format, micro-batch, gradient mode ...)."""
@@ -28,6 +38,7 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
         activation = problem.evaluate(alloc.chosen, alloc.checkpoint)["activation_bytes_per_stage"]
     s = profile.settings
     data = {
+        "launch": launch_for(problem.num_stages, knobs.gradient_mode, int(s.get("world_size", 1) or 1)),
         "schema": "agoq.plan/1",
         "model": {"name": profile.model_name, "fingerprint": profile.fingerprint},
         "budget_bytes": int(budget_bytes) if budget_bytes is not None else None,

@@ -155,8 +155,11 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
     if gradients not in GRADIENT_MODES:
         raise ValueError(f"gradient mode must be bf16, quangrad8 or sdp4bit, got {gradients!r}")
     if gradients == "sdp4bit" and parallel != "sharded":
-        raise ValueError("gradient mode sdp4bit is sharded data parallelism: use --parallel sharded "
-                         "(or --gradients quangrad8 / bf16)")
+        launch = (plan.to_dict().get("launch") or {}) if plan is not None and not memory.gradients else {}
+        how = (f"launch it as the plan says: torchrun --nproc-per-node {launch['processes']} -m agoq.train ... "
+               f"--parallel sharded" if launch.get("processes") else "use --parallel sharded under torchrun")
+        raise ValueError(f"gradient mode sdp4bit is sharded data parallelism: {how} "
+                         "(or pass --gradients quangrad8 / bf16 to run it otherwise)")
     if parallel == "sharded" and gradients == "quangrad8":
         raise ValueError("--parallel sharded reduces gradients with SDP4Bit (or exactly with --gradients bf16), "
                          "not with QuanGrad: use --parallel ddp for quangrad8")

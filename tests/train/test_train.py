@@ -336,3 +336,22 @@ def test_llama3_scaled_and_mistral_configs(tmp_path, capsys):
                  "--out", str(tmp_path / "never")]) == 2
     err = capsys.readouterr().err
     assert "sliding_window 32" in err and "max_position_embeddings (64)" in err
+
+
+def test_a_sharded_plan_says_how_to_launch_it(tmp_path, capsys):
+    """A plan searched on a several-rank profile for SDP4Bit names its launch; one process refuses it with it."""
+    from agoq.search.plan_builder import launch_for
+
+    assert launch_for(1, "sdp4bit", 3) == {"processes": 3, "parallel": "sharded"}
+    assert launch_for(4, "bf16", 1) == {"processes": 4, "parallel": "pipeline"}
+    assert launch_for(1, "quangrad8", 2) == {"processes": 2, "parallel": "ddp"}
+    assert launch_for(1, "bf16", 1) == {"processes": 1, "parallel": "none"}
+    path = _tiny_plan(tmp_path)
+    data = json.loads(path.read_text())
+    data["gradients"]["mode"] = "sdp4bit"
+    data["launch"] = launch_for(1, "sdp4bit", 3)
+    path.write_text(json.dumps(data))
+    assert main(["train", "llama-tiny", "--plan", str(path), "--steps", "1", "--quiet",
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc-per-node 3" in err and "--parallel sharded" in err
