@@ -51,8 +51,12 @@ def write_with(path: str | os.PathLike, writer: Callable[[str], None]) -> Path:
     """Atomically produce `path` with `writer(tmp_path)`, for writers that want a file name
     (pandas.to_parquet, torch.save)."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as e:  # say which file, not the temporary one, and what to do
+        raise ValueError(f"cannot write {target}: {e.strerror or e}; give a path in a folder you can write "
+                         "to") from None
     os.close(fd)
     try:
         writer(tmp)

@@ -58,3 +58,17 @@ def test_written_files_follow_the_umask(tmp_path, mask):
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask
     assert json.loads(path.read_text()) == {"a": 1}
+
+
+def test_unwritable_place_is_named_without_a_temporary_file(tmp_path):
+    if os.geteuid() == 0:  # root writes anywhere: make the parent a file instead
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        target = blocker / "plan.json"
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        target = locked / "plan.json"
+    with pytest.raises(ValueError, match=f"cannot write {target}") as info:
+        write_json(target, {"a": 1})
+    assert ".tmp" not in str(info.value)
