@@ -351,8 +351,10 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     outside = float(profile.memory.get("outside_activation_bytes") or 0)
     fixed_bytes = profile.memory.get("fixed_bytes")
     if fixed_bytes is None:  # not calibrated (no allocator statistics where it was profiled)
-        notes.append("the profile has no calibrated memory.fixed_bytes: the fixed part is only the activations "
-                     f"kept outside the decoder layers ({int(outside)} bytes), workspace not counted")
+        notes.append("this profile was made on a device without allocator statistics (the CPU), so the memory "
+                     "model could not measure the step's workspace (logits' gradient, temporaries): predicted "
+                     f"peaks count only weights, gradients, optimizer state and activations (+{int(outside)} bytes "
+                     "outside the decoder layers); profile on the GPU you will train on for peaks you can budget by")
     fixed = (float(fixed_bytes or 0) + outside) * (mb / profiled_micro_batch)
     static = static + fixed
     # LAAQ's backward holds dequantized copies the memory model does not list: the agoq-paper step's
