@@ -101,7 +101,8 @@ def collective_times(series: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return figs
 
 
-def pareto_front(rows: list[dict[str, Any]], chosen: dict[str, Any] | None = None) -> dict[str, Any]:
+def pareto_front(rows: list[dict[str, Any]], chosen: dict[str, Any] | None = None,
+                 references: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Predicted peak memory against predicted step time, coloured by predicted gradient error; the
     validated plans' measured points are drawn as crosses joined to their prediction, and the chosen
     plan (`chosen`: its summary, with predicted_peak_bytes and predicted_step_seconds) as a star."""
@@ -141,6 +142,16 @@ def pareto_front(rows: list[dict[str, Any]], chosen: dict[str, Any] | None = Non
         data.append({"type": "scatter", "mode": "markers", "name": "chosen plan",
                      "x": [chosen["predicted_peak_bytes"] / size], "y": [chosen["predicted_step_seconds"] * 1e3],
                      "marker": {"symbol": "star-open", "size": 20, "color": "#2ca02c", "line": {"width": 2}}})
+    if chosen and chosen.get("measured_peak_bytes") is not None and chosen.get("measured_step_seconds") is not None:
+        data.append({"type": "scatter", "mode": "markers", "name": "chosen plan, measured",
+                     "x": [chosen["measured_peak_bytes"] / size], "y": [chosen["measured_step_seconds"] * 1e3],
+                     "marker": {"symbol": "star", "size": 16, "color": "#2ca02c"}})
+    if references:  # what the plan is judged against: the profile's plain bf16 and recipe steps
+        data.append({"type": "scatter", "mode": "markers+text", "name": "profile's steps",
+                     "x": [r["peak_bytes"] / size for r in references],
+                     "y": [r["step_seconds"] * 1e3 for r in references],
+                     "text": [r["name"] for r in references], "textposition": "top center",
+                     "marker": {"symbol": "diamond", "size": 11, "color": "#7f7f7f"}})
     shapes = []
     budget = (chosen or {}).get("budget_bytes")
     if budget:  # the budget the search was run for: the plans left of it fit

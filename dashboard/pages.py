@@ -321,7 +321,7 @@ def search(data: dict[str, Any]) -> str:
     if page.error_or(pareto, "pareto.csv"):
         if pareto["rows"]:
             chosen = data["chosen_plan"].get("summary") if isinstance(data["chosen_plan"], dict) else None
-            page.figure(figures.pareto_front(pareto["rows"], chosen))
+            page.figure(figures.pareto_front(pareto["rows"], chosen, data.get("references")))
             cols = [c for c in pareto["columns"] if c and any(r.get(c) is not None for r in pareto["rows"])]
 
             def cell(row: dict[str, Any], col: str) -> str:

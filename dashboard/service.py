@@ -110,9 +110,11 @@ class Dashboard:
         pareto = part(lambda: searches.read_pareto(folder))
         name = searches.chosen_plan_name(self._plans_in(a))
         chosen: Any = {"empty": "no plan file in this search folder"}
+        references: list[dict[str, Any]] = []
         if name:
             plan_id = name if a.id == "." else f"{a.id}/{name}"
             chosen = part(lambda: self.plan(plan_id))
+            references = self._references(a.path / name)
         study = part(lambda: searches.study_file(folder))
         study_part: Any = {"empty": "no Optuna study (study.db or study.journal) in this search folder: "
                                     "the search ran the MILP only (agoq search --method both to add one)"}
@@ -126,7 +128,19 @@ class Dashboard:
             for row in pareto["rows"]:
                 name = row.get("plan")
                 row["plan_id"] = prefix + name if isinstance(name, str) and prefix + name in plan_ids else None
-        return {"id": a.id, "pareto": pareto, "chosen_plan": chosen, "study": study_part}
+        return {"id": a.id, "pareto": pareto, "chosen_plan": chosen, "study": study_part, "references": references}
+
+    def _references(self, plan_path: Path) -> list[dict[str, Any]]:
+        """The steps the plan's profile measured (plain bf16, the published agoq-paper recipe, ...): their
+        predicted peak and measured step time, the points a plan is judged against; [] when unknown."""
+        try:
+            meta = self._profile_for(plans.read_plan(plan_path))
+        except BrokenFile:
+            return []
+        steps = ((meta or {}).get("memory") or {}).get("steps") or []
+        return [{"name": str(st.get("policy")), "peak_bytes": st.get("predicted_peak_bytes"),
+                 "step_seconds": st.get("step_seconds")} for st in steps
+                if st.get("predicted_peak_bytes") is not None and st.get("step_seconds") is not None]
 
     def run(self, artifact_id: str) -> dict[str, Any]:
         """A run's key figures and settings."""

@@ -72,3 +72,15 @@ def test_bare_command_prints_help_and_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("agoq ")
+
+
+def test_version_read_from_metadata_beside_a_folder_named_agoq(tmp_path):
+    """`python -m agoq.train` runs from folders that hold a folder named agoq (a checkout's docs, a run):
+    the recorded version comes from the installed package's metadata, not from whatever `agoq` is found."""
+    (tmp_path / "agoq").mkdir()
+    (tmp_path / "agoq" / "notes.txt").write_text("not a package")
+    code = "from agoq.environment import agoq_version, software_versions; print(agoq_version(), software_versions()['agoq'])"
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    a, b = res.stdout.split()
+    assert a == b and a[0].isdigit()

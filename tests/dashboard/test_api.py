@@ -108,6 +108,11 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
     # the chosen plan is linked to the run that trained with it, and its bit map is the plan's
     plan = json.loads((stage_root / "demo/search/plan.json").read_text())
     search = client.get("/api/search", params={"id": "demo/search"}).json()
+    # the Pareto chart's reference points are the profile's measured steps
+    steps = json.loads((stage_root / "demo/profile/profile.json").read_text())["memory"]["steps"]
+    assert {r["name"]: (r["peak_bytes"], r["step_seconds"]) for r in search["references"]} == \
+        {st["policy"]: (st["predicted_peak_bytes"], st["step_seconds"]) for st in steps}
+    assert {"bf16", "agoq-paper"} <= {r["name"] for r in search["references"]}
     chosen = search["chosen_plan"]
     assert chosen["id"] == "demo/search/plan.json"
     assert chosen["runs"] == ["demo/runs/plan"]

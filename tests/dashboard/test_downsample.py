@@ -102,3 +102,17 @@ def test_smoothing_interpolation_and_the_loss_difference():
     titles = [f["layout"]["title"]["text"] for f in figs]
     assert any("Gradient norm" in t for t in titles) and any("Learning rate" in t for t in titles)
     assert len(run_curves([run("base", base)])) == len(figs) - 1  # one run: no difference chart
+
+
+def test_pareto_chart_draws_reference_steps_and_the_measured_choice():
+    from dashboard.figures import pareto_front
+
+    rows = [{"plan": "p", "predicted_peak_bytes": 4096, "predicted_step_seconds": 0.05, "predicted_grad_error": 0.1}]
+    chosen = {"predicted_peak_bytes": 4096, "predicted_step_seconds": 0.05, "measured_peak_bytes": 4200,
+              "measured_step_seconds": 0.045}
+    refs = [{"name": "bf16", "peak_bytes": 8192, "step_seconds": 0.04},
+            {"name": "agoq-paper", "peak_bytes": 3072, "step_seconds": 0.06}]
+    names = {t["name"]: t for t in pareto_front(rows, chosen, refs)["data"]}
+    assert names["profile's steps"]["text"] == ["bf16", "agoq-paper"]
+    assert names["profile's steps"]["y"] == [40.0, 60.0]
+    assert names["chosen plan, measured"]["y"] == [45.0]
