@@ -292,14 +292,8 @@ class Trainer:
         last_saved = start
         step = start
         if start < steps and self._stop_requested():  # a signal while the run was being prepared
-            if bar is not None:
-                bar.close()
-            message = (f"stopped by {self.stop.name if self.stop else 'another rank'} before step {start + 1}; "
-                       f"--resume continues from step {start}")
-            if self.record is not None:
-                self.record.update(start, "stopped", message)
-                print(f"agoq train: {message}", file=sys.stderr)
-            return 130
+            return self._end(bar, start, "stopped", f"stopped by {self._stopper()} before step {start + 1}; "
+                             f"--resume continues from step {start}", 130)
         try:
             for step in range(start, steps):
                 lr = lr_at(step, cfg, p.warmup)
@@ -350,38 +344,33 @@ class Trainer:
                     if every > 0 and last_saved != done:
                         self.save(done)
                         last_saved = done
-                    if bar is not None:
-                        bar.close()
                     saved = (f"checkpoint saved at step {done}" if last_saved == done else
                              "no checkpoint written (--checkpoint-every 0)" if every == 0 else
                              f"last checkpoint at step {last_saved}")
-                    message = (f"stopped by {self.stop.name if self.stop else 'another rank'} after step {done}; "
-                               f"{saved}; --resume continues from step {last_saved}")
-                    if self.record is not None:
-                        self.record.update(done, "stopped", message)
-                        print(f"agoq train: {message}", file=sys.stderr)
-                    return 130
+                    return self._end(bar, done, "stopped", f"stopped by {self._stopper()} after step {done}; "
+                                     f"{saved}; --resume continues from step {last_saved}", 130)
         except TrainingFailed as e:
-            if bar is not None:
-                bar.close()
-            if self.record is not None:
-                self.record.update(step, "failed", str(e))
-            if world.rank == 0:
-                print(f"agoq train: {e}", file=sys.stderr)
-            return 1
+            return self._end(bar, step, "failed", str(e), 1)
         except KeyboardInterrupt:
-            if bar is not None:
-                bar.close()
-            if self.record is not None:
-                self.record.update(step, "stopped", f"interrupted at step {step}; --resume continues from step "
-                                                    f"{last_saved}")
-            return 130
+            return self._end(bar, step, "stopped", f"interrupted at step {step}; --resume continues from step "
+                                                   f"{last_saved}", 130, say=False)
+        self._end(bar, steps, "finished", None, 0, say=False)
+        if self.record is not None:
+            print(f"agoq train: finished {steps} steps; run in {out}", file=sys.stderr)
+        return 0
+
+    def _stopper(self) -> str:
+        return self.stop.name if self.stop else "another rank"
+
+    def _end(self, bar, step: int, status: str, message: str | None, code: int, say: bool = True) -> int:
+        """Close the progress bar, record how the run ended in run.json (rank 0), say it; returns `code`."""
         if bar is not None:
             bar.close()
         if self.record is not None:
-            self.record.update(steps, "finished")
-            print(f"agoq train: finished {steps} steps; run in {out}", file=sys.stderr)
-        return 0
+            self.record.update(step, status, message)
+            if say:
+                print(f"agoq train: {message}", file=sys.stderr)
+        return code
 
 
 def train(cfg: JobConfig) -> int:
