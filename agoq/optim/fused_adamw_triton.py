@@ -93,6 +93,18 @@ def _addr(ptr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _load_float(addr, off, mask, KIND: tl.constexpr):
+    """float32 values at int64 address `addr` + `off` of a tensor of PARAM_KINDS kind KIND (0 float32,
+    1 bf16, 2 float64); masked lanes read 0."""
+    if KIND == 0:
+        return tl.load(addr.to(tl.pointer_type(tl.float32)) + off, mask=mask, other=0.0)
+    elif KIND == 1:
+        return _bf16_load(addr, off, mask)
+    else:
+        return tl.load(addr.to(tl.pointer_type(tl.float64)) + off, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _mul(x, s, USE_ASM: tl.constexpr):
     """RN(x * s) for a tensor x and a scalar or broadcastable s."""
     return mul_rn(x, tl.zeros_like(x) + s, USE_ASM)
@@ -124,13 +136,8 @@ def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_si
         else:
             gs = tl.load(gsp + off // GBLOCK, mask=live, other=0.0)
         g = mul_rn((gc - 127).to(tl.float32), gs, USE_ASM)
-    elif GKIND == 1:
-        g = tl.load(_addr(row + 2, ALIGNED).to(tl.pointer_type(tl.float32)) + off, mask=live, other=0.0)
-    elif GKIND == 2:
-        g = _bf16_load(_addr(row + 2, ALIGNED), off, live)
-    else:
-        g = tl.load(_addr(row + 2, ALIGNED).to(tl.pointer_type(tl.float64)) + off, mask=live,
-                    other=0.0).to(tl.float32)
+    else:  # dense: GRAD_KINDS 1, 2, 3 are PARAM_KINDS 0, 1, 2
+        g = _load_float(_addr(row + 2, ALIGNED), off, live, GKIND - 1)
     g = _mul(g, clip, USE_ASM)
 
     # the moments: m, and r = sqrt(v)
@@ -152,12 +159,8 @@ def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_si
     if HAS_MASTER:
         mp = _addr(row + 1, ALIGNED).to(tl.pointer_type(tl.float32))
         p = tl.load(mp + off, mask=live, other=0.0)
-    elif PKIND == 0:
-        p = tl.load(pp.to(tl.pointer_type(tl.float32)) + off, mask=live, other=0.0)
-    elif PKIND == 1:
-        p = _bf16_load(pp, off, live)
     else:
-        p = tl.load(pp.to(tl.pointer_type(tl.float64)) + off, mask=live, other=0.0).to(tl.float32)
+        p = _load_float(pp, off, live, PKIND)
     denom = _mul(r, inv_bc2_sqrt, USE_ASM) + eps
     upd = tl.math.div_rn(_mul(m, step_size, USE_ASM), denom)
     p = _mul(p, decay, USE_ASM) - upd
@@ -300,13 +303,7 @@ def _dense_sq_kernel(table_ptr, tiles_ptr, out_ptr, TILE: tl.constexpr, KIND: tl
     n = tl.load(table_ptr + 2 * j + 1)
     off = t * TILE + tl.arange(0, TILE)
     live = off < n
-    if KIND == 1:
-        g = tl.load(ptr.to(tl.pointer_type(tl.float32)) + off, mask=live, other=0.0)
-    elif KIND == 2:
-        g = _bf16_load(ptr, off, live)
-    else:
-        g = tl.load(ptr.to(tl.pointer_type(tl.float64)) + off, mask=live, other=0.0).to(tl.float32)
-    g = g.to(tl.float64)
+    g = _load_float(ptr, off, live, KIND - 1).to(tl.float64)  # GRAD_KINDS 1, 2, 3 = PARAM_KINDS 0, 1, 2
     tl.store(out_ptr + pid, tl.sum(g * g, axis=0))
 
 
