@@ -1,0 +1,161 @@
+"""LLaMA-3-8B (32 layers, seq 4096) on one GPU: agoq against the best alternatives a user already has.
+
+Each configuration trains a few steps in its own process (so one running out of memory loses nothing else)
+and reports its peak (torch.cuda.max_memory_allocated over the steps) and median tokens/s:
+
+  agoq@N           agoq train --policy agoq-paper --gradients quangrad8 --optimizer adamw8bit  (float32 masters)
+  agoq-nomaster@N  the same with --master none
+  agoq-compiled@N  agoq with --compile (each decoder layer compiled)
+  ckpt-8bit@N      agoq train --checkpoint-all --optimizer adamw8bit (the same fused 8-bit step, bf16 gradients)
+  budgetB-OPT@N    the model alone (agoq.models reference, bf16), each decoder layer torch.compile'd with
+                   torch._functorch.config.activation_memory_budget = B, optimizer OPT = torchao (torchao.optim's
+                   AdamW8bit) or bnb (bitsandbytes' AdamW8bit) or torch (fused AdamW, float32 state), clip 1.0;
+                   bf16 parameters updated in place (no masters)
+
+N is the micro-batch (sequences of 4096 tokens per step). Byte-level data (tinyshakespeare, vocabulary 256
+instead of 128256); random initial weights; AdamW betas 0.9/0.95, weight decay 0.1, lr 1e-4 everywhere.
+
+    python experiments/train_8b_alternatives.py [--configs agoq@1,agoq@4,budget0.1-torchao@1,...] [--steps 4]
+Writes experiments/results/train_8b_alternatives.json; a configuration that fails says why in its row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from experiments.record import write_result  # noqa: E402
+from experiments.train_runs import run_train, summarize, tiny_shakespeare  # noqa: E402
+
+EVERYTHING = ["--policy", "agoq-paper", "--gradients", "quangrad8", "--optimizer", "adamw8bit"]
+AGOQ = {
+    "agoq": EVERYTHING,
+    "agoq-nomaster": EVERYTHING + ["--master", "none"],
+    "agoq-compiled": EVERYTHING + ["--compile"],
+    "ckpt-8bit": ["--checkpoint-all", "--optimizer", "adamw8bit"],
+}
+DEFAULT_CONFIGS = ("agoq@1,agoq@4,agoq-compiled@4,agoq-nomaster@8,ckpt-8bit@4,"
+                   "budget0.1-torchao@1,budget0.1-torchao@4,budget0.3-torchao@1")
+
+
+def _optimizer(name: str, params):
+    import torch
+
+    kw = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if name == "torchao":
+        from torchao.optim import AdamW8bit
+        return AdamW8bit(params, **kw)
+    if name == "bnb":
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(params, **kw)
+    if name == "torch":
+        return torch.optim.AdamW(params, fused=True, **kw)
+    raise SystemExit(f"unknown optimizer {name!r}: give torchao, bnb or torch")
+
+
+def alternative(budget: float, optimizer: str, micro_batch: int, steps: int, data: str) -> dict:
+    """Train the compiled reference model `steps` steps in this process; returns its figures."""
+    import torch
+
+    from agoq.activations.compile import compile_decoder_layers
+    from agoq.models import build, resolve_config
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch._functorch.config.activation_memory_budget = budget
+    config = dataclasses.replace(resolve_config("llama-3-8b"), vocab_size=256)
+    model = build(config, dtype=torch.bfloat16, device="cuda")
+    compile_decoder_layers(model)
+    opt = _optimizer(optimizer, model.parameters())
+    text = torch.frombuffer(bytearray(Path(data).read_bytes()), dtype=torch.uint8).to("cuda", torch.long)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seq = 4096
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(steps):
+        starts = torch.randint(0, text.numel() - seq - 1, (micro_batch,), device="cuda", generator=g)
+        idx = starts[:, None] + torch.arange(seq + 1, device="cuda")
+        window = text[idx]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(window[:, :-1], window[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        print(f"step {step}: loss {loss.item():.4f}, {times[-1]:.3f} s", flush=True)
+    timed = times[2:] if len(times) > 2 else times
+    step_s = statistics.median(timed)
+    return {"peak_bytes": torch.cuda.max_memory_allocated(), "median_step_seconds": step_s,
+            "median_tokens_per_s": micro_batch * seq / step_s, "first_step_seconds": times[0]}
+
+
+def run_config(config: str, steps: int, data: str, tmp: Path) -> dict:
+    """One configuration in its own process; its figures, or {"error": ...}."""
+    name, _, mb = config.partition("@")
+    micro_batch = int(mb or 1)
+    if name in AGOQ:
+        out = tmp / config.replace("@", "_")
+        try:
+            run_train(["llama-3-8b", "--data", data, "--seq-len", "4096", "--micro-batch", str(micro_batch),
+                       "--steps", str(steps), "--eval-every", str(steps), "--eval-batches", "1",
+                       "--checkpoint-every", "0", "--lr", "1e-4", "--quiet", *AGOQ[name], "--out", str(out)])
+        except SystemExit as exc:
+            return {"error": str(exc)[-600:], "args": AGOQ[name]}
+        s = summarize(out, skip=2)
+        return {"peak_bytes": s["peak_bytes_per_rank"][0], "median_step_seconds": s["median_step_seconds"],
+                "median_tokens_per_s": s["median_tokens_per_s"], "args": AGOQ[name]}
+    if not name.startswith("budget") or "-" not in name:
+        raise SystemExit(f"unknown configuration {config!r}: see --help")
+    budget, optimizer = name[len("budget"):].split("-", 1)
+    cmd = [sys.executable, __file__, "--child", json.dumps([float(budget), optimizer, micro_batch, steps, data])]
+    print("$ " + " ".join(cmd), flush=True)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep
+           + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-600:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=None, help="tinyshakespeare.txt (default: ../shared/data/)")
+    ap.add_argument("--steps", type=int, default=4, help="steps per configuration; the first two are not timed")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated NAME@MICRO_BATCH (see above)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        budget, optimizer, micro_batch, steps, data = json.loads(args.child)
+        print(json.dumps(alternative(budget, optimizer, micro_batch, steps, data)), flush=True)
+        return
+    data = tiny_shakespeare(args.data)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for config in args.configs.split(","):
+            t0 = time.perf_counter()
+            row = run_config(config, args.steps, data, Path(tmp))
+            row["wall_seconds"] = time.perf_counter() - t0
+            rows[config] = row
+            if "error" in row:
+                print(f"{config:>22s}: failed: {row['error'][-200:]}", flush=True)
+            else:
+                print(f"{config:>22s}: peak {row['peak_bytes'] / 1e9:6.1f} GB, {row['median_tokens_per_s']:7.0f} tokens/s",
+                      flush=True)
+    print("wrote", write_result("train_8b_alternatives", {"model": "llama-3-8b (vocab 256)", "seq_len": 4096,
+                                                          "steps": args.steps, "configs": rows}))
+
+
+if __name__ == "__main__":
+    main()
