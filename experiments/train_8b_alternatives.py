@@ -153,8 +153,10 @@ def main() -> None:
             else:
                 print(f"{config:>22s}: peak {row['peak_bytes'] / 1e9:6.1f} GB, {row['median_tokens_per_s']:7.0f} tokens/s",
                       flush=True)
-    print("wrote", write_result("train_8b_alternatives", {"model": "llama-3-8b (vocab 256)", "seq_len": 4096,
-                                                          "steps": args.steps, "configs": rows}))
+            # rewritten after every configuration: a run cut short keeps what it measured
+            path = write_result("train_8b_alternatives", {"model": "llama-3-8b (vocab 256)", "seq_len": 4096,
+                                                          "steps": args.steps, "configs": rows})
+    print("wrote", path)
 
 
 if __name__ == "__main__":
