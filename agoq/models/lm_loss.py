@@ -61,15 +61,16 @@ class _ChunkedLMLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        denom, *saved = ctx.saved_tensors
-        scale = grad_out / denom
+        # indexed, not popped: Dynamo (torch 2.11) sees saved_tensors as a tuple and breaks the graph on pop
+        saved = ctx.saved_tensors
+        scale = grad_out / saved[0]
         gh = gw = None
+        i = 1
         if ctx.has[0]:
-            g = saved.pop(0)
-            gh = g * scale.to(g.dtype)
+            gh = saved[i] * scale.to(saved[i].dtype)
+            i += 1
         if ctx.has[1]:
-            g = saved.pop(0)
-            gw = g * scale.to(g.dtype)
+            gw = saved[i] * scale.to(saved[i].dtype)
         return gh, gw, None, None, None
 
 
