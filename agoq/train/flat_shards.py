@@ -74,9 +74,39 @@ class FlatShardSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
+def _shard_paths(tree, path=()) -> list[tuple[tuple, FlatShard]]:
+    """(path, FlatShard) of every FlatShard in a nested state dict (dicts and lists)."""
+    if isinstance(tree, FlatShard):
+        return [(path, tree)]
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    return [found for k, v in items for found in _shard_paths(v, path + (k,))]
+
+
+def _put(tree, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
 class FlatShardLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, which also reads `FlatShard` values: the parts of the saved chunks that overlap
     this rank's piece, into it."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DCP's set-up rewrites the state dict's leaves it does not know (to None): hand it the pieces' tensors,
+        # then put the FlatShards back, in the nested dict and in the flattened one the plan is made from
+        shards = _shard_paths(state_dict)
+        for path, shard in shards:
+            _put(state_dict, path, shard.local)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        by_path = {tuple(str(k) for k in path): shard for path, shard in shards}
+        for path, shard in shards:
+            _put(state_dict, path, shard)
+        for key in list(self.state_dict):
+            path = self.mappings.get(key, (key,)) if self.flatten_state_dict else (key,)
+            shard = by_path.get(tuple(str(k) for k in path))
+            if shard is not None:
+                self.state_dict[key] = shard
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]

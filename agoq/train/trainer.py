@@ -46,6 +46,9 @@ FIXED_SETTINGS = ("seq_len", "micro_batch", "tokens_per_step", "optimizer", "mas
                   "policy", "dtype", "seed", "data_sha256", "tokenizer")
 
 
+REPLICATED = "none or ddp (replicated)"
+
+
 class TrainingFailed(RuntimeError):
     """The run stopped on its own: a non-finite loss or gradient."""
 
@@ -108,8 +111,12 @@ class Trainer:
         return self.shape.seq_len * self.shape.micro_batch * self.shape.grad_accum * self.parallel.data_ranks
 
     def _resume_key(self) -> dict:
+        """What a checkpoint's state depends on. One process and DDP keep the same replicated state, so their
+        checkpoints are interchangeable (a DDP run resumes in one process with the same tokens per step)."""
         settings = self._settings()
-        return {"fingerprint": self.prepared.spec["fingerprint"], **{k: settings[k] for k in FIXED_SETTINGS}}
+        key = {"fingerprint": self.prepared.spec["fingerprint"], **{k: settings[k] for k in FIXED_SETTINGS}}
+        key["parallel"] = REPLICATED if key["parallel"] in ("none", "ddp") else key["parallel"]
+        return key
 
     def _changed_settings(self, out: Path) -> dict[str, list]:
         """On resume: the settings that differ from run.json's, {name: [old, new]}, once --override allows each.
