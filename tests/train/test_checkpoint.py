@@ -150,8 +150,9 @@ def test_format_1_and_foreign_checkpoints_are_refused_with_what_to_do(tmp_path):
 
 
 def test_flat_shards_reshard_exactly_in_one_process(tmp_path):
-    """Pieces of uneven, non-round lengths saved as 3 'ranks'' keys... in one process a logical tensor can be
-    written whole only, so: save it as one piece, load it as pieces at any offsets; both directions exact."""
+    """One process writes a logical tensor (1237 values, float32 and uint8) as one piece and reads it back as pieces
+    at uneven offsets, empty ones included: every piece is its slice, exactly (the gloo test below writes pieces
+    from several ranks)."""
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
     n = 1237
     logical = torch.randn(n, generator=g)
