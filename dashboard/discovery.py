@@ -17,7 +17,7 @@ from pathlib import Path
 from dashboard.formats import BrokenFile
 
 KINDS = ("profiles", "searches", "plans", "runs")
-SKIP_DIRS = {"checkpoint", "__pycache__", "node_modules"}
+SKIP_DIRS = {"checkpoint", "checkpoints", "__pycache__", "node_modules"}
 PLAN_MARK = b'"agoq.plan/'
 STUDY_FILES = ("study.db", "study.journal")
 MIN_RESCAN = 0.5  # seconds between two forced rescans

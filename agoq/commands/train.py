@@ -8,8 +8,10 @@ One process trains on the CPU or one GPU. Under torchrun each process is one ran
 Without --data a built-in synthetic corpus is used; a text file is read as bytes (vocabulary 256) or
 with --tokenizer; the last 10 % is held out for validation. The run folder receives run.json,
 metrics.jsonl (loss, grad_norm, lr, tokens_per_s, step_seconds, peak_bytes per rank each step,
-val_loss every --eval-every steps) and checkpoint/ (replaced atomically every --checkpoint-every
-steps and at the end; none with --checkpoint-every 0). Kill the run at any time and start it again with --resume.
+val_loss every --eval-every steps) and checkpoints/ (written per rank with torch.distributed.checkpoint
+every --checkpoint-every steps and at the end, the previous one kept until the new one is complete; none
+with --checkpoint-every 0). Kill the run at any time and start it again with --resume, with the same or
+another number of processes (same tokens per step: scale --grad-accum; a pipeline keeps its stages).
 
 Stopping: SIGINT (Ctrl-C) or SIGTERM (what schedulers and torchrun send on preemption) lets the step in
 progress finish on every rank (they agree on the step), saves a checkpoint at its end (not with
@@ -113,7 +115,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None,
                    help="parameter and activation dtype (default: bf16 on GPUs, fp32 on the CPU); with bf16 the "
                         "optimizer keeps float32 master weights")
-    p.add_argument("--out", default="runs/train", help="run folder: run.json, metrics.jsonl, checkpoint/ "
+    p.add_argument("--out", default="runs/train", help="run folder: run.json, metrics.jsonl, checkpoints/ "
                                                        "(default runs/train)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)

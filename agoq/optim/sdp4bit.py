@@ -1,16 +1,25 @@
 """SDP4Bit's sharded AdamW (arXiv 2410.15526): each rank keeps and steps its shard of the flat parameters;
 gradients arrive by TLq-HS reduce-scatter and weights leave by qWD all-gather (agoq.comm.sdp4bit, whose
-shard layout this follows)."""
+shard layout this follows).
+
+A rank's state is its shard of the flat float32 master weights and the shard's two Adam moments in 8 bits
+(AdamW8bit's format: float8 e4m3 codes and one float32 scale per block, the second moment stored as its
+square root), stepped by the fused 8-bit AdamW step (`agoq.optim.fused_adamw.adamw8bit_step`: one Triton
+launch per bucket on the GPU, its chunked torch reference elsewhere). The moment block is the shard
+layout's 128-value group, so every shard starts on a block boundary: the moments of the whole flat vector
+are the concatenation of the ranks' (`global_layout`), whatever the world size, which lets a checkpoint
+written by N ranks load into M.
+"""
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
 from agoq.comm.sdp4bit import (
+    GRAD_GROUP,
     derive_seed,
     exact_all_gather,
     exact_reduce_scatter,
@@ -19,19 +28,24 @@ from agoq.comm.sdp4bit import (
     tlq_hs,
     topology,
 )
+from agoq.optim.fused_adamw import adamw8bit_step, quantize_blocks
+
+MOMENT_BLOCK = GRAD_GROUP  # values per moment scale: shards start on whole blocks (see the module docstring)
+MOMENTS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sqrt_codes", "exp_avg_sqrt_scales")
 
 
 class SDP4BitOptimizer(torch.optim.Optimizer):
     """Sharded AdamW (ZeRO-style) with SDP4Bit's quantized collectives.
 
     The parameters (identical on every rank, one parameter group) are seen as one flat vector; rank r
-    keeps the fp32 master weights and Adam moments of its `shard_bounds` slice only. `step()`:
+    keeps the fp32 master weights and the 8-bit Adam moments of its `shard_bounds` slice only. `step()`:
     flatten the gradients (a parameter without .grad counts as zero), reduce-scatter them (TLq-HS if
-    quantize_gradients, else exact fp32) and divide by the world size, AdamW on the owned shard
-    (decoupled weight decay, bias-corrected moments, as torch.optim.AdamW), then all-gather the
-    weights (qWD if quantize_weights, else the exact fp32 shard values) into every parameter, in its
-    dtype. With both flags off this is exact sharded AdamW; with one rank nothing is communicated
-    or quantized.
+    quantize_gradients, else exact fp32) and divide by the world size, the fused 8-bit AdamW step on
+    the owned shard (decoupled weight decay, bias-corrected moments, as torch.optim.AdamW, with the
+    moments requantized per 128-value block), then all-gather the weights (qWD if quantize_weights,
+    else the exact fp32 shard values) into every parameter, in its dtype. With both flags off the
+    communication is exact (the update is that of `adamw8bit_step` on the averaged gradient); with
+    one rank nothing is communicated or quantized but the moments.
 
     Non-finite gradients: one flag per rank is all-reduced before anything else, so every rank sees
     the same verdict. on_nonfinite="skip" (default, as AMP's GradScaler): nothing changes, step()
@@ -93,8 +107,11 @@ class SDP4BitOptimizer(torch.optim.Optimizer):
         self.shard = shard_bounds(self.numel, self.topo.world)[self.topo.rank]
         self._check_same_everywhere(flat)
         self.master = flat[self.shard[0]: self.shard[1]].clone()
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        zeros = torch.zeros(self.master.numel(), dtype=torch.float32, device=self.master.device)
+        self.moments = {}  # AdamW8bit's per-parameter state format, for the shard as one parameter
+        self.moments["exp_avg_codes"], self.moments["exp_avg_scales"] = quantize_blocks(zeros, MOMENT_BLOCK)
+        self.moments["exp_avg_sqrt_codes"], self.moments["exp_avg_sqrt_scales"] = quantize_blocks(zeros, MOMENT_BLOCK)
+        del zeros
         self.steps = 0
 
     def add_param_group(self, param_group: dict) -> None:
@@ -165,28 +182,56 @@ class SDP4BitOptimizer(torch.optim.Optimizer):
         return True
 
     def _adamw(self, grad: torch.Tensor) -> None:
+        """The fused 8-bit AdamW step on this rank's shard (`grad`: its averaged float32 gradient), in place."""
+        if self.master.numel() == 0:  # a small model leaves the last ranks no shard
+            return
         hp = self.param_groups[0]
-        lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
-        self.master.mul_(1.0 - lr * wd)
-        self.exp_avg.lerp_(grad, 1.0 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        step_size = lr / (1.0 - beta1 ** self.steps)
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** self.steps)).add_(eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-step_size)
+        adamw8bit_step([self.master], None, [grad], [self.moments], lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
+                       weight_decay=hp["weight_decay"], step=self.steps, block=MOMENT_BLOCK)
 
-    def state_dict(self) -> dict:
-        """This rank's state: hyperparameters, step counts, and its shard's master weights and moments."""
+    def global_layout(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """This rank's state tensors as pieces of whole-vector logical tensors: {name: (tensor, offset, length of
+        the logical tensor)}, offsets and lengths in elements. "master" is a slice of the flat parameters
+        (`numel` values); the codes slices of the moments' codes (`numel` rounded up to whole 128-blocks, zero
+        padding) and the scales slices of their one-per-block scales. The pieces of all ranks tile each
+        logical tensor exactly; the logical tensors do not depend on the world size."""
+        start, end = self.shard
+        blocks = -(-self.numel // MOMENT_BLOCK)
+        pieces = {"master": (self.master, start, self.numel)}
+        for name, t in self.moments.items():
+            if name.endswith("_codes"):
+                pieces[name] = (t, start, blocks * MOMENT_BLOCK)
+            else:
+                pieces[name] = (t, start // MOMENT_BLOCK, blocks)
+        return pieces
+
+    def scalar_state(self) -> dict:
+        """The state every rank holds alike: hyperparameters, step counts, seed, and the flat size it is for."""
         hp = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         return {"hyperparameters": hp, "steps": self.steps, "skipped_steps": self.skipped_steps, "seed": self.seed,
-                "layout": {"numel": self.numel, "world": self.topo.world, "rank": self.topo.rank},
-                "master": self.master.clone(), "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone()}
+                "numel": self.numel, "moment_block": MOMENT_BLOCK}
+
+    def load_scalar_state(self, state: dict) -> None:
+        """Restore `scalar_state()` (the tensors of `global_layout` are restored in place by whoever loads them)."""
+        if state.get("numel") != self.numel or state.get("moment_block") != MOMENT_BLOCK:
+            raise ValueError(f"optimizer state for {state.get('numel')} values in blocks of "
+                             f"{state.get('moment_block')} cannot be loaded into one for {self.numel} values in "
+                             f"blocks of {MOMENT_BLOCK}: the parameters differ")
+        self.param_groups[0].update(state["hyperparameters"])
+        self.steps, self.skipped_steps, self.seed = state["steps"], state["skipped_steps"], state["seed"]
+
+    def state_dict(self) -> dict:
+        """This rank's state: `scalar_state()`, the world layout, and copies of its shard's master weights and
+        8-bit moments (codes and scales as stored)."""
+        return {**self.scalar_state(), "layout": {"numel": self.numel, "world": self.topo.world,
+                                                  "rank": self.topo.rank},
+                **{name: t.clone() for name, (t, _, _) in self.global_layout().items()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what `state_dict` saved on this same rank, with the same parameters and world size."""
         mine = {"numel": self.numel, "world": self.topo.world, "rank": self.topo.rank}
         if state_dict.get("layout") != mine:
             raise ValueError(f"state saved for layout {state_dict.get('layout')} cannot be loaded into {mine}")
-        self.param_groups[0].update(state_dict["hyperparameters"])
-        self.steps, self.skipped_steps, self.seed = state_dict["steps"], state_dict["skipped_steps"], state_dict["seed"]
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(self, name).copy_(state_dict[name])
+        self.load_scalar_state(state_dict)
+        for name, (t, _, _) in self.global_layout().items():
+            t.copy_(state_dict[name])

@@ -1,95 +1,152 @@
-"""Checkpoints that a kill at any moment cannot spoil: written to a temporary folder, then swapped in.
+"""Checkpoints written per rank with torch.distributed.checkpoint (DCP), that a kill at any moment cannot spoil.
 
-`RUN_DIR/checkpoint/` holds `state.json` (step, world, settings that must match on resume) and one
-`rank{r}.pt` per rank (its model part, optimizer state including quantized moments, master weights,
-RNG states). Every rank writes its file into `RUN_DIR/.checkpoint-<step>.tmp/`; once all have, rank 0
-writes `state.json` there last (the folder is complete exactly when it has one), renames the current
-checkpoint to `.checkpoint-old`, renames the new folder to `checkpoint` and deletes the old one. A kill
-between the two renames leaves a complete `.checkpoint-old` (and a complete new folder): `find_checkpoint`
-takes the newest complete folder, so a half-written checkpoint never replaces a good one.
+Layout (docs/formats.md, "Run", format agoq.checkpoint/2):
+
+    RUN_DIR/checkpoints/latest.json          {"schema": "agoq.checkpoint/2", "step": 120, "folder": "step-00000120"}
+    RUN_DIR/checkpoints/step-00000120/       one DCP checkpoint: .metadata, one __<rank>_*.distcp per writing
+                                             rank, and agoq.json (schema, step, world, what a resume checks)
+    RUN_DIR/checkpoints/.step-00000140.tmp/  a save in progress
+
+A save: every rank writes its part of the state dict into the `.tmp` folder (`dcp.save`: tensors every rank
+holds alike are written once, a rank's own pieces by that rank), rank 0 then writes agoq.json there, renames
+the folder to `step-N`, points latest.json at it (written atomically: agoq.files) and only then deletes the
+older step folder. A kill at any point leaves latest.json naming a complete folder; `clean_partial` removes
+what the kill left behind. A checkpoint written by N processes loads into M (DCP reshards); the trainer
+decides which layouts may change.
+
+Format 1 (`RUN_DIR/checkpoint/`, one torch.save file per rank) is not read: resuming one says so.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from agoq.files import write_json, write_with
+from agoq.files import write_json
+from agoq.train.flat_shards import FlatShardLoadPlanner, FlatShardSavePlanner
 
-SCHEMA = "agoq.checkpoint/1"
-CURRENT = "checkpoint"
-OLD = ".checkpoint-old"
+SCHEMA = "agoq.checkpoint/2"
+FOLDER = "checkpoints"
+LATEST = "latest.json"
+INFO = "agoq.json"
+OLD_FOLDER = "checkpoint"  # format 1's
 
 
-def _complete(folder: Path) -> dict | None:
-    """state.json of a complete checkpoint folder, or None."""
+def _step_folder(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _read(path: Path) -> dict | None:
     try:
-        state = json.loads((folder / "state.json").read_text())
+        value = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if state.get("schema") != SCHEMA:
-        return None
-    if not all((folder / f"rank{r}.pt").is_file() for r in range(int(state.get("world", 0)))):
-        return None
-    return state
+    return value if isinstance(value, dict) else None
+
+
+def _refuse_old_format(run_dir: Path) -> None:
+    old = _read(run_dir / OLD_FOLDER / "state.json")
+    if old is not None and str(old.get("schema", "")).startswith("agoq.checkpoint/"):
+        raise ValueError(f"{run_dir / OLD_FOLDER} holds a checkpoint of format {old.get('schema')} (one torch.save "
+                         f"file per rank); this agoq reads {SCHEMA} only. Resume it with the agoq that wrote it "
+                         "(format 1: agoq before the torch.distributed.checkpoint checkpoints), or start a new run "
+                         "with another --out")
 
 
 def find_checkpoint(run_dir: str | Path) -> tuple[Path, dict] | None:
-    """(folder, state) of the newest complete checkpoint under `run_dir`, or None when there is none."""
+    """(folder, agoq.json) of the checkpoint latest.json names, or None when the run has none yet.
+
+    Raises ValueError for a checkpoint of another format (saying which agoq reads it) and for a latest.json
+    whose folder is missing or incomplete (which agoq never leaves behind)."""
     run_dir = Path(run_dir)
-    found = []
-    for folder in [run_dir / CURRENT, run_dir / OLD, *sorted(run_dir.glob(".checkpoint-*.tmp"))]:
-        state = _complete(folder) if folder.is_dir() else None
-        if state is not None:
-            found.append((int(state["step"]), folder.name == CURRENT, folder, state))
-    if not found:
+    latest = _read(run_dir / FOLDER / LATEST)
+    if latest is None:
+        _refuse_old_format(run_dir)
         return None
-    _, _, folder, state = max(found, key=lambda t: (t[0], t[1]))
-    return folder, state
+    if latest.get("schema") != SCHEMA:
+        raise ValueError(f"{run_dir / FOLDER / LATEST} is of format {latest.get('schema')!r}; this agoq reads "
+                         f"{SCHEMA}: resume it with the agoq that wrote it, or start a new run with another --out")
+    folder = run_dir / FOLDER / str(latest.get("folder"))
+    info = _read(folder / INFO)
+    if info is None or info.get("schema") != SCHEMA or not (folder / ".metadata").is_file():
+        raise ValueError(f"{run_dir / FOLDER / LATEST} names {folder}, which is missing or incomplete: the run "
+                         "folder was changed by hand. Point latest.json at a complete step folder, or start a new "
+                         "run with another --out")
+    return folder, info
 
 
 def clean_partial(run_dir: str | Path) -> None:
-    """Remove leftovers of an interrupted save (call on one rank, before training, after `find_checkpoint`)."""
-    run_dir = Path(run_dir)
-    best = find_checkpoint(run_dir)
-    if best is not None and best[0].name != CURRENT:  # killed between the renames: promote the newest one
-        if (run_dir / CURRENT).exists():
-            shutil.rmtree(run_dir / CURRENT)
-        best[0].rename(run_dir / CURRENT)
-    for folder in [run_dir / OLD, *run_dir.glob(".checkpoint-*.tmp")]:
-        if folder.exists():
+    """Remove what an interrupted save left (call on one rank, before training): `.tmp` folders and step
+    folders other than the one latest.json names."""
+    root = Path(run_dir) / FOLDER
+    if not root.is_dir():
+        return
+    latest = _read(root / LATEST)
+    keep = str(latest.get("folder")) if latest else None
+    for folder in root.iterdir():
+        if folder.is_dir() and folder.name != keep and (folder.name.startswith("step-")
+                                                        or folder.name.startswith(".step-")):
             shutil.rmtree(folder)
 
 
-def save_checkpoint(run_dir: str | Path, step: int, rank: int, world: int, payload: dict[str, Any],
-                    state: dict[str, Any], barrier: Callable[[], None]) -> Path:
-    """Save this rank's `payload` for `step`; every rank calls it. Rank 0 writes `state` and swaps folders.
-
-    `barrier` synchronises the ranks (a no-op in one process). Returns the checkpoint folder.
-    """
-    run_dir = Path(run_dir)
-    tmp = run_dir / f".checkpoint-{step}.tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    write_with(tmp / f"rank{rank}.pt", lambda path: torch.save(payload, path))
-    barrier()
+def save_checkpoint(run_dir: str | Path, step: int, state_dict: dict[str, Any], info: dict[str, Any], *,
+                    rank: int, world: int, barrier: Callable[[], None]) -> None:
+    """Save `state_dict` (a DCP state dict: tensors, DTensors, `FlatShard` pieces, picklable values) for `step`;
+    every rank calls it with its own. Rank 0 records `info` (JSON) beside it and makes it the latest."""
+    root = Path(run_dir) / FOLDER
+    tmp = root / f".{_step_folder(step)}.tmp"
     if rank == 0:
-        write_json(tmp / "state.json", {"schema": SCHEMA, "step": step, "world": world, **state})
-        current, old = run_dir / CURRENT, run_dir / OLD
-        if old.exists():
-            shutil.rmtree(old)
-        if current.exists():
-            current.rename(old)
-        tmp.rename(current)
-        if old.exists():
-            shutil.rmtree(old)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
     barrier()
-    return run_dir / CURRENT
+    with warnings.catch_warnings():  # one process: DCP says it saves without a process group, as asked
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=FlatShardSavePlanner(),
+                 no_dist=_no_dist())
+    barrier()
+    folder = root / _step_folder(step)
+    if rank == 0:
+        write_json(tmp / INFO, {"schema": SCHEMA, "step": step, "world": world, **info})
+        previous = _read(root / LATEST)
+        copy = 1
+        while folder.exists():  # the same step saved again: never replace the folder latest.json may name
+            folder, copy = root / f"{_step_folder(step)}-{copy}", copy + 1
+        tmp.rename(folder)
+        write_json(root / LATEST, {"schema": SCHEMA, "step": step, "folder": folder.name})
+        if previous and previous.get("folder") != folder.name and (root / str(previous.get("folder"))).is_dir():
+            shutil.rmtree(root / str(previous["folder"]))
+    barrier()
 
 
-def load_rank_payload(folder: Path, rank: int, device: torch.device | str) -> dict[str, Any]:
-    """This rank's saved payload, tensors on `device`."""
-    return torch.load(folder / f"rank{rank}.pt", map_location=device, weights_only=False)
+def saved_keys(folder: Path) -> set[str]:
+    """The flattened keys ("model.lm_head.weight", ...) a checkpoint folder holds."""
+    return set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+
+def load_checkpoint(folder: Path, state_dict: dict[str, Any]) -> None:
+    """Fill `state_dict` (built like the saved one, for this rank's layout) from `folder`: tensors and `FlatShard`
+    pieces in place, other values replaced. Every rank calls it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
+        try:
+            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(folder)), planner=FlatShardLoadPlanner(),
+                     no_dist=_no_dist())
+        except (CheckpointException, RuntimeError, ValueError) as e:
+            detail = " ".join(str(e).split())[:400]
+            raise ValueError(f"the checkpoint in {folder} does not fit this run's model and optimizer ({detail}): "
+                             "resume with the model and optimizer settings that wrote it") from e
+
+
+__all__ = ["SCHEMA", "find_checkpoint", "clean_partial", "save_checkpoint", "load_checkpoint", "saved_keys"]

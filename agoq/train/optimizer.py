@@ -1,16 +1,27 @@
 """The trainer's three optimizer steps: torch's AdamW on float32 masters, agoq's fused 8-bit AdamW, SDP4Bit's sharded AdamW.
 
-Each is an `OptimizerStep`: `.optimizer` (what the checkpoint saves), `.masters` (float32 copies kept beside
-the optimizer, or None), `.fused` (whether `step` reads the gradients as stored, QuanGrad's codes
-included) and `step(grads, scale)`, which applies the gradients multiplied by the clip factor `scale`.
+Each is an `OptimizerStep`: `.optimizer`, `.masters` (float32 copies kept beside the optimizer, or None),
+`.fused` (whether `step` reads the gradients as stored, QuanGrad's codes included), `step(grads, scale)`,
+which applies the gradients multiplied by the clip factor `scale`, and the checkpoint's view of the module and
+the optimizer: `checkpoint_state(module)` gives a torch.distributed.checkpoint state dict {"model": ...,
+"optimizer": ...} keyed by parameter names (the optimizer state as stored: 8-bit codes and scales, not
+dequantized), which DCP fills in place on load, and `restore(module, state)` puts a loaded one to work.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from agoq.optim.master_weights import MasterWeights
 from agoq.train.config import OptimizerConfig
+from agoq.train.flat_shards import FlatShard
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -28,6 +39,22 @@ class OptimizerStep:
 
     def step(self, grads, scale: float) -> None:
         raise NotImplementedError
+
+    def checkpoint_state(self, module: nn.Module) -> dict:
+        """{"model", "optimizer"} state dicts by parameter name (DCP's get_state_dict: plain tensors, or DTensors
+        for sharded parameters). An optimizer that has not stepped yet gets its state made first (DCP takes a
+        step of learning rate 0 on zero gradients), so that a load has tensors to fill."""
+        model, optimizer = get_state_dict(module, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def restore(self, module: nn.Module, state: dict) -> None:
+        """Load a `checkpoint_state` that DCP has filled into the module and the optimizer."""
+        set_state_dict(module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _names(module: nn.Module) -> list[str]:
+    """Names of the trained parameters, in `module.parameters()` order (the optimizers' order)."""
+    return [name for name, p in module.named_parameters() if p.requires_grad]
 
 
 class AdamWWithMasters(OptimizerStep):
@@ -47,6 +74,44 @@ class AdamWWithMasters(OptimizerStep):
     def step(self, grads, scale: float) -> None:
         self.weights.step(self.optimizer, grads, scale)
 
+    def checkpoint_state(self, module: nn.Module) -> dict:
+        """As OptimizerStep's; with masters (torch's AdamW steps them, not the module's parameters) the optimizer
+        state is keyed by the names of the parameters the masters copy, and the masters are saved beside it."""
+        if self.masters is None:
+            return super().checkpoint_state(module)
+        names = _names(module)
+        if not self.optimizer.state:  # nothing to load into yet: the state of a step of learning rate 0
+            self._make_state()
+        saved = self.optimizer.state_dict()
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]
+        return {"model": get_model_state_dict(module),
+                "optimizer": {"state": {names[i]: st for i, st in saved["state"].items()}, "param_groups": groups,
+                              "masters": dict(zip(names, self.masters))}}
+
+    def _make_state(self) -> None:
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        self.weights.set_grads([torch.zeros_like(m) for m in self.masters])
+        self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        self.weights.zero_grad()
+
+    def restore(self, module: nn.Module, state: dict) -> None:
+        if self.masters is None:
+            return super().restore(module, state)
+        index = {name: i for i, name in enumerate(_names(module))}
+        set_model_state_dict(module, state["model"])
+        optimizer = state["optimizer"]
+        self.optimizer.load_state_dict({
+            "state": {index[name]: st for name, st in optimizer["state"].items()},
+            "param_groups": [{**g, "params": [index[name] for name in g["params"]]}
+                             for g in optimizer["param_groups"]]})
+        for name, master in optimizer["masters"].items():
+            if master is not self.masters[index[name]]:
+                self.masters[index[name]].data.copy_(master)
+
 
 class FusedAdamW8bitStep(OptimizerStep):
     """One fused pass per bucket: gradients read where they live (QuanGrad's codes or .grad), the clip factor
@@ -65,7 +130,7 @@ class FusedAdamW8bitStep(OptimizerStep):
 
 
 class ShardedAdamWStep(OptimizerStep):
-    """SDP4Bit's sharded AdamW (float32 moments, 1/N per rank); it reduces the gradients itself."""
+    """SDP4Bit's sharded AdamW (float32 master and 8-bit moments, 1/N per rank); it reduces the gradients itself."""
 
     def __init__(self, params: list[torch.Tensor], optim: OptimizerConfig, seed: int, quantized: bool,
                  node_size: int | None):
@@ -80,6 +145,18 @@ class ShardedAdamWStep(OptimizerStep):
         for p, g in zip(self.params, grads):
             p.grad = g.mul_(scale) if scale != 1.0 else g
         self.optimizer.step()
+
+    def checkpoint_state(self, module: nn.Module) -> dict:
+        """The replicated model, and the optimizer's shard as `FlatShard` pieces of whole-vector tensors (master
+        weights, 8-bit moment codes and scales) beside its replicated scalars: DCP writes each rank's pieces and
+        reads back whatever piece a rank of another world size owns."""
+        opt = self.optimizer
+        pieces = {name: FlatShard(t, offset, numel) for name, (t, offset, numel) in opt.global_layout().items()}
+        return {"model": get_model_state_dict(module), "optimizer": {**opt.scalar_state(), **pieces}}
+
+    def restore(self, module: nn.Module, state: dict) -> None:
+        set_model_state_dict(module, state["model"])
+        self.optimizer.load_scalar_state(state["optimizer"])  # the pieces were loaded in place
 
 
 def build_optimizer(params: list[torch.Tensor], optim: OptimizerConfig, *, seed: int,

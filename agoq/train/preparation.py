@@ -164,7 +164,7 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
         raise ValueError("--parallel sharded reduces gradients with SDP4Bit (or exactly with --gradients bf16), "
                          "not with QuanGrad: use --parallel ddp for quangrad8")
     if parallel == "sharded" and cfg.optim.optimizer == "adamw8bit":
-        raise ValueError("--parallel sharded uses SDP4Bit's sharded AdamW (float32 moments, 1/N per rank): "
+        raise ValueError("--parallel sharded uses SDP4Bit's sharded AdamW (float32 master and 8-bit moments, 1/N per rank): "
                          "--optimizer adamw8bit is for ddp, pipeline or one process")
     if plan is not None and world.rank == 0:
         given = {"seq_len": data.seq_len, "micro_batch": data.micro_batch}

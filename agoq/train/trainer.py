@@ -4,7 +4,9 @@
 activation policy, the data, the batch shape), applies the parallel mode (`agoq.train.parallel`: one
 strategy per mode, which also holds the gradient storage, bf16 or 8-bit QuanGrad), builds the optimizer
 (`agoq.train.optimizer`: AdamW, 8-bit AdamW, or SDP4Bit's sharded AdamW), then runs `steps` optimizer steps,
-writing RUN_DIR/run.json, RUN_DIR/metrics.jsonl and atomic checkpoints (docs/formats.md, "Run"). Everything
+writing RUN_DIR/run.json, RUN_DIR/metrics.jsonl and atomic per-rank checkpoints through
+torch.distributed.checkpoint, which a run of another world size resumes (`agoq.train.checkpoint`;
+docs/formats.md, "Run"). Everything
 that can be wrong with the inputs is checked before the first step (`agoq.train.config`, then `prepare`).
 
 Numerics: parameters live in `dtype` (bf16 on GPUs by default); when that is not float32 the
@@ -28,18 +30,23 @@ import torch.distributed as dist
 from agoq.environment import hardware, software_versions
 from agoq.files import json_safe
 from agoq.formats.run import RunRecord, read_run
-from agoq.train.checkpoint import clean_partial, find_checkpoint, load_rank_payload, save_checkpoint
+from agoq.train.checkpoint import clean_partial, find_checkpoint, load_checkpoint, save_checkpoint
 from agoq.train.config import OPTIMIZERS, PARALLEL_MODES, JobConfig, TrainConfig
 from agoq.train.optimizer import BETAS
 from agoq.train.parallel import World, apply_parallel, join_world
 from agoq.train.preparation import PreparedRun, _check_budget, prepare  # noqa: F401 -- _check_budget: tests
 from agoq.train.stopping import RunFolderBusy, RunLock, StopSignals
 
-# run.json settings that follow from others (never compared on resume: their sources are)
-DERIVED_SETTINGS = ("min_lr", "tokens_per_step", "train_tokens", "val_tokens", "vocab_size", "betas", "schedule")
+# run.json settings that follow from others (never compared on resume: their sources are). grad_accum follows
+# tokens_per_step and the number of data-parallel ranks, which a resume may change (the step reads the same
+# sequences: agoq.train.data)
+DERIVED_SETTINGS = ("min_lr", "grad_accum", "train_tokens", "val_tokens", "vocab_size", "betas", "schedule")
 # settings the checkpoint's state depends on (data order, optimizer state, numerics): never changed on resume
-FIXED_SETTINGS = ("seq_len", "micro_batch", "grad_accum", "optimizer", "master", "parallel", "gradients", "policy",
-                  "dtype", "seed", "data_sha256", "tokenizer")
+FIXED_SETTINGS = ("seq_len", "micro_batch", "tokens_per_step", "optimizer", "master", "parallel", "gradients",
+                  "policy", "dtype", "seed", "data_sha256", "tokenizer")
+
+
+REPLICATED = "none or ddp (replicated)"
 
 
 class TrainingFailed(RuntimeError):
@@ -104,8 +111,12 @@ class Trainer:
         return self.shape.seq_len * self.shape.micro_batch * self.shape.grad_accum * self.parallel.data_ranks
 
     def _resume_key(self) -> dict:
+        """What a checkpoint's state depends on. One process and DDP keep the same replicated state, so their
+        checkpoints are interchangeable (a DDP run resumes in one process with the same tokens per step)."""
         settings = self._settings()
-        return {"fingerprint": self.prepared.spec["fingerprint"], **{k: settings[k] for k in FIXED_SETTINGS}}
+        key = {"fingerprint": self.prepared.spec["fingerprint"], **{k: settings[k] for k in FIXED_SETTINGS}}
+        key["parallel"] = REPLICATED if key["parallel"] in ("none", "ddp") else key["parallel"]
+        return key
 
     def _changed_settings(self, out: Path) -> dict[str, list]:
         """On resume: the settings that differ from run.json's, {name: [old, new]}, once --override allows each.
@@ -147,20 +158,50 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoints
 
-    def _payload(self, step: int) -> dict:
-        masters = self.optimizer_step.masters
-        payload = {"step": step, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                   "masters": [m.detach() for m in masters] if masters is not None else None,
-                   "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                           "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}}
-        return payload
+    def _state(self, ranks_saved: int | None = None) -> dict:
+        """This rank's checkpoint state dict (torch.distributed.checkpoint's): model and optimizer by parameter
+        name (a pipeline stage's under "stage{rank}", since stages name their layers alike), and this rank's RNG
+        states under "rng.rank{rank}". For a load, `ranks_saved` is the saving run's world size: a rank it did
+        not have reads no RNG state."""
+        state = self.optimizer_step.checkpoint_state(self.module)
+        if self.parallel.pipeline_stages > 1:
+            state = {f"stage{self.world.rank}": state}
+        if ranks_saved is None or self.world.rank < ranks_saved:
+            cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+            state["rng"] = {f"rank{self.world.rank}": (torch.get_rng_state(), random.getstate(), cuda)}
+        return state
+
+    def _restore(self, state: dict) -> None:
+        """Put a loaded `_state()` to work: model, optimizer, RNG states."""
+        mine = state[f"stage{self.world.rank}"] if self.parallel.pipeline_stages > 1 else state
+        self.optimizer_step.restore(self.module, mine)
+        rng = state.get("rng", {}).get(f"rank{self.world.rank}")
+        if rng is not None:
+            torch.set_rng_state(rng[0].cpu())
+            random.setstate(rng[1])
+            if rng[2] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng[2].cpu(), self.device)
 
     def save(self, step: int) -> None:
-        save_checkpoint(self.cfg.checkpoint.out, step, self.world.rank, self.world.size, self._payload(step),
-                        {"resume": self._resume_key(), "parallel": self.prepared.parallel}, self.world.barrier)
+        info = {"resume": self._resume_key(), "parallel": self.prepared.parallel,
+                "pipeline_stages": self.parallel.pipeline_stages, "layer_stage": self.prepared.layer_stage}
+        save_checkpoint(self.cfg.checkpoint.out, step, self._state(), json_safe(info), rank=self.world.rank,
+                        world=self.world.size, barrier=self.world.barrier)
+
+    def _check_layout(self, folder: Path, state: dict) -> None:
+        """Refuse a checkpoint this run's layout cannot take: pipeline stages cut another way."""
+        stages, layers = self.parallel.pipeline_stages, json_safe(self.prepared.layer_stage)
+        if state.get("pipeline_stages", 1) != stages or (stages > 1 and state.get("layer_stage") != layers):
+            raise ValueError(f"the checkpoint in {folder} was written by {state.get('pipeline_stages')} pipeline "
+                             f"stages (layers per stage {state.get('layer_stage')}), this run has {stages} "
+                             f"({layers}): a pipeline resumes with the same stages (same number of processes "
+                             "and plan)")
 
     def try_resume(self) -> int | None:
-        """Load the newest complete checkpoint when --resume; returns its step (None: starting fresh)."""
+        """Load the newest complete checkpoint when --resume; returns its step (None: starting fresh).
+
+        A checkpoint of data-parallel or sharded training resumes at any world size with the same tokens per
+        step (--grad-accum scaled to the new number of ranks); a pipeline's with the same stages."""
         world = self.world
         out = Path(self.cfg.checkpoint.out)
         found = find_checkpoint(out)
@@ -174,30 +215,26 @@ class Trainer:
                 print(f"agoq train: no checkpoint in {out} yet: starting from step 0", file=sys.stderr)
             return None
         folder, state = found
-        if state.get("world") != world.size:
-            raise ValueError(f"the checkpoint in {folder} was written by {state.get('world')} processes, this run has "
-                             f"{world.size}: resume with the same number of processes")
-        mine = self._resume_key()
+        mine = json_safe(self._resume_key())
         theirs = state.get("resume", {})
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
         if diff:
+            hint = (" (with another number of processes, scale --grad-accum to keep tokens_per_step)"
+                    if "tokens_per_step" in diff else "")
             raise ValueError(f"cannot resume {folder}: settings differ from the checkpoint's "
                              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
-                             + " (the checkpoint's state depends on these: --override cannot change them)")
+                             + " (the checkpoint's state depends on these: --override cannot change them)" + hint)
+        self._check_layout(folder, state)
         self.changed = self._changed_settings(out)
         if self.changed and world.rank == 0:
             print("agoq train: resuming with changed settings (--override): "
                   + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items()), file=sys.stderr)
-        payload = load_rank_payload(folder, world.rank, self.device)
-        self.module.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        if self.optimizer_step.masters is not None:
-            for m, saved in zip(self.optimizer_step.masters, payload["masters"]):
-                m.data.copy_(saved)
-        torch.set_rng_state(payload["rng"]["torch"].cpu())
-        random.setstate(payload["rng"]["python"])
-        if payload["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(payload["rng"]["cuda"].cpu(), self.device)
+        if state.get("world") != world.size and world.rank == 0:
+            print(f"agoq train: resuming a checkpoint of {state.get('world')} processes with {world.size}",
+                  file=sys.stderr)
+        destination = self._state(ranks_saved=int(state.get("world", 1)))
+        load_checkpoint(folder, destination)
+        self._restore(destination)
         world.barrier()
         return int(state["step"])
 

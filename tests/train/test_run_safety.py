@@ -15,6 +15,7 @@ import pytest
 from agoq.cli import main
 from agoq.formats.run import RunRecord
 from agoq.train import trainer as trainer_module
+from agoq.train.checkpoint import find_checkpoint
 from agoq.train.stopping import RunFolderBusy, RunLock
 from agoq.train.trainer import TrainConfig, train
 
@@ -68,12 +69,12 @@ def test_sigterm_saves_a_checkpoint_at_the_step_boundary_and_resume_is_exact(tmp
     assert proc.wait(timeout=120) == 130, proc.stderr.read().decode()
     stopped_at = len(_losses(cut)[0])
     assert stopped_at < steps, "the run finished before the signal"
-    state = json.loads((cut / "checkpoint" / "state.json").read_text())
+    _, state = find_checkpoint(cut)
     run = _run_json(cut)
     assert state["step"] == stopped_at == run["step"]  # no step lost, none half-logged
     assert run["status"] == "stopped" and f"checkpoint saved at step {stopped_at}" in run["message"]
     assert "SIGTERM" in run["message"] and "--resume" in run["message"]
-    assert not list(cut.glob(".checkpoint-*"))
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["latest.json", f"step-{stopped_at:08d}"]
     done = subprocess.run(_cli(*args, "--out", str(cut), "--resume"), env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     whole = tmp_path / "whole"
@@ -103,10 +104,10 @@ def test_sigint_finishes_the_step_then_stops_and_checkpoint_every_0_writes_none(
     handler = signal.getsignal(signal.SIGINT)
     original = _signal_at(monkeypatch, 2)  # Ctrl-C while step 3 runs: it is finished, then the run stops
     assert train(TrainConfig(**common, checkpoint_every=5, out=str(tmp_path / "cut"))) == 130
-    assert json.loads((tmp_path / "cut" / "checkpoint" / "state.json").read_text())["step"] == 3
+    assert find_checkpoint(tmp_path / "cut")[1]["step"] == 3
     assert len(_losses(tmp_path / "cut")[0]) == 3 and _run_json(tmp_path / "cut")["step"] == 3
     assert train(TrainConfig(**common, checkpoint_every=0, out=str(tmp_path / "none"))) == 130
-    assert not (tmp_path / "none" / "checkpoint").exists() and not list((tmp_path / "none").glob(".checkpoint-*"))
+    assert not (tmp_path / "none" / "checkpoints").exists()
     run = _run_json(tmp_path / "none")
     assert run["status"] == "stopped" and "no checkpoint written" in run["message"] and run["step"] == 3
     monkeypatch.setattr(trainer_module.Trainer, "_forward_backward", original)
@@ -122,7 +123,7 @@ def test_a_second_signal_stops_at_once(tmp_path, monkeypatch):
     assert train(TrainConfig(**TINY, steps=12, checkpoint_every=2, out=str(out))) == 130
     run = _run_json(out)
     assert run["status"] == "stopped" and "interrupted at step 4" in run["message"]
-    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 4  # the step in progress dropped
+    assert find_checkpoint(out)[1]["step"] == 4  # the step in progress dropped
 
 
 def _stop_worker(rank, world, root):

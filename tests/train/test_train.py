@@ -13,6 +13,7 @@ import torch
 
 from agoq.cli import main
 from agoq.train import trainer as trainer_module
+from agoq.train.checkpoint import find_checkpoint
 from agoq.train.trainer import TrainConfig, train
 
 TINY = dict(model="llama-tiny", seq_len=32, micro_batch=2, eval_batches=2, quiet=True)
@@ -41,16 +42,20 @@ def test_run_folder_follows_the_run_format(tmp_path):
         assert set(m) >= {"loss", "grad_norm", "lr", "tokens_per_s", "step_seconds", "peak_bytes", "time"}
         assert len(m["peak_bytes"]) == 1 and m["tokens_per_s"] > 0
     assert steps[-1]["loss"] < steps[0]["loss"]  # it learns
-    state = json.loads((out / "checkpoint" / "state.json").read_text())
-    assert state["step"] == 7 and (out / "checkpoint" / "rank0.pt").is_file()
-    assert not list(out.glob(".checkpoint-*"))
+    latest = json.loads((out / "checkpoints" / "latest.json").read_text())
+    assert latest == {"schema": "agoq.checkpoint/2", "step": 7, "folder": "step-00000007"}
+    folder = out / "checkpoints" / "step-00000007"
+    info = json.loads((folder / "agoq.json").read_text())
+    assert info["step"] == 7 and info["world"] == 1 and (folder / ".metadata").is_file()
+    assert list(folder.glob("*.distcp"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest.json", "step-00000007"]
 
 
 def test_checkpoint_every_0_writes_no_checkpoint_and_master_none_is_recorded(tmp_path):
     out = tmp_path / "run"
     assert train(TrainConfig(**TINY, steps=3, checkpoint_every=0, dtype="bf16", optimizer="adamw8bit",
                              gradients="quangrad8", master="none", out=str(out))) == 0
-    assert not (out / "checkpoint").exists() and not list(out.glob(".checkpoint-*"))
+    assert not (out / "checkpoints").exists()
     run = _run_json(out)
     assert run["status"] == "finished" and run["settings"]["master"] == "none"
     assert run["settings"]["optimizer"] == "adamw8bit" and run["settings"]["gradients"] == "quangrad8"
@@ -78,7 +83,7 @@ def test_resume_after_interruption_gives_the_same_losses_exactly(tmp_path, monke
     monkeypatch.setattr(trainer_module.Trainer, "_forward_backward", dying)
     with pytest.raises(_Killed):
         train(TrainConfig(**common, out=str(tmp_path / "cut")))
-    assert json.loads((tmp_path / "cut" / "checkpoint" / "state.json").read_text())["step"] == 4
+    assert find_checkpoint(tmp_path / "cut")[1]["step"] == 4
     monkeypatch.setattr(trainer_module.Trainer, "_forward_backward", original)
     assert train(TrainConfig(**common, out=str(tmp_path / "cut"), resume=True)) == 0
     whole, cut = _metrics(tmp_path / "whole"), _metrics(tmp_path / "cut")
@@ -124,24 +129,6 @@ def test_killed_process_resumes_exactly(tmp_path):
     assert [v["val_loss"] for v in _metrics(cut)[1]] == [v["val_loss"] for v in _metrics(whole)[1]]
 
 
-def test_half_written_checkpoint_never_replaces_the_good_one(tmp_path):
-    from agoq.train.checkpoint import clean_partial, find_checkpoint
-
-    out = tmp_path / "run"
-    assert train(TrainConfig(**TINY, steps=4, checkpoint_every=2, out=str(out))) == 0
-    partial = out / ".checkpoint-6.tmp"  # killed while writing step 6: rank file present, no state.json
-    partial.mkdir()
-    (partial / "rank0.pt").write_bytes(b"cut short")
-    folder, state = find_checkpoint(out)
-    assert folder.name == "checkpoint" and state["step"] == 4
-    # killed between the renames: only the old folder is left complete
-    (out / "checkpoint").rename(out / ".checkpoint-old")
-    folder, state = find_checkpoint(out)
-    assert folder.name == ".checkpoint-old" and state["step"] == 4
-    clean_partial(out)
-    assert (out / "checkpoint" / "state.json").is_file() and not partial.exists()
-
-
 def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", "llama-tiny", "--seq-len", "32", "--micro-batch", "2", "--quiet", "--steps", "40",
@@ -151,7 +138,7 @@ def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     assert run["status"] == "failed" and "not finite" in run["message"]
     assert "not finite" in capsys.readouterr().err
     steps, _ = _metrics(out)
-    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    _, state = find_checkpoint(out)
     assert state["step"] == len(steps) == run["step"]  # every logged step was good and checkpointed
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in steps)
 
@@ -287,7 +274,7 @@ def test_sigterm_marks_the_run_stopped(tmp_path):
     args = ["--steps", "400", "--checkpoint-every", "2", "--out", str(out)]
     proc = subprocess.Popen(_cli(*args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
-    while time.time() < deadline and not (out / "checkpoint" / "state.json").exists():
+    while time.time() < deadline and not (out / "checkpoints" / "latest.json").exists():
         if proc.poll() is not None:
             pytest.fail(proc.stderr.read().decode())
         time.sleep(0.05)
