@@ -12,9 +12,10 @@ parameters' sharded `.grad`.
 a multiple of 128 values (S' = 128 * ceil(S / 128)), Hadamard-32 transformed, quantized to int8 codes
 with one float32 scale per 128 values (stochastic rounding) and exchanged inside the node, summed in
 float32, requantized to int4 across nodes, summed, inverse-transformed; rank r keeps row r's first S
-values. It computes a SUM: `use_quantized_reduce_scatter` also sets
-`set_force_sum_reduction_for_comms(True)`, so FSDP2 divides by the world size (or the factor given to
-`set_gradient_divide_factor`) after the call, in float32 when reduce_dtype is float32.
+values. It computes a SUM (an AVG when FSDP2 asks for one: the sum divided by the world size):
+`use_quantized_reduce_scatter` also sets `set_force_sum_reduction_for_comms(True)` where torch has it, so
+FSDP2 divides by the world size (or the factor given to `set_gradient_divide_factor`) after the call, in
+float32 when reduce_dtype is float32. Any other reduction (PREMUL_SUM) is refused with what to do.
 
 Error (one level, one node of W ranks, int8): every value of rank r's transformed row in a 128-block b
 is rounded by less than one step s_rb = max|block| / 127, so the error of the sum has L2 norm at most
@@ -75,10 +76,12 @@ class TLQHSReduceScatter(_Base):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op=dist.ReduceOp.SUM,
                  async_op: bool = False):
         """Write into `output_tensor` (S values) the sum over ranks of row `rank` of `input_tensor` ([W, S] flat)."""
-        if op != dist.ReduceOp.SUM:
-            raise ValueError("TLq-HS computes a sum: call set_force_sum_reduction_for_comms(True) on every FSDP "
-                             "module that uses it (agoq.use_quantized_reduce_scatter does), so that FSDP2 averages "
-                             "after the reduce-scatter")
+        average = op == dist.ReduceOp.AVG
+        if not (average or op == dist.ReduceOp.SUM):
+            raise ValueError("TLq-HS computes a sum (or an average): FSDP2 asked for another reduction (a custom "
+                             "set_gradient_divide_factor without set_force_sum_reduction_for_comms(True)); call "
+                             "set_force_sum_reduction_for_comms(True) on every FSDP module that uses it "
+                             "(agoq.use_quantized_reduce_scatter does), so that FSDP2 divides after the reduce-scatter")
         world = self.topo.world
         if group is not None and dist.get_world_size(group) != world:
             raise ValueError(f"FSDP2 reduce-scatters over {dist.get_world_size(group)} ranks but this TLq-HS was built "
@@ -97,7 +100,7 @@ class TLQHSReduceScatter(_Base):
             flat = rows.reshape(-1)
         self.calls += 1
         shard = tlq_hs(flat, self.topo, self.hadamard, derive_seed(self.seed, self.calls), self.lanes)
-        output_tensor.copy_(shard[:cap])
+        output_tensor.copy_(shard[:cap].div_(world) if average else shard[:cap])
         return None
 
 
@@ -126,7 +129,8 @@ def use_quantized_reduce_scatter(module: torch.nn.Module, *, group=None, node_si
     comm = TLQHSReduceScatter(group, node_size=node_size, hadamard=hadamard, seed=seed, lanes=lanes)
     for m in modules:
         m.set_custom_reduce_scatter(comm)
-        m.set_force_sum_reduction_for_comms(True)
+        if hasattr(m, "set_force_sum_reduction_for_comms"):  # else FSDP2 asks for SUM or AVG, both handled
+            m.set_force_sum_reduction_for_comms(True)
     return comm
 
 

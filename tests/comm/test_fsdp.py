@@ -120,19 +120,28 @@ def test_tlq_hs_reduce_scatter_within_its_int8_bound_every_step():
         assert error < 0.5 * bound  # stochastic rounding: far from every value's worst case
 
 
-def test_reduce_scatter_refuses_an_average_op():
-    run_workers(_refuses_avg, 2)
+def test_reduce_scatter_sums_or_averages_and_refuses_other_ops():
+    outs = run_workers(_ops_worker, 2)
+    # rows of 130 values (two 128-groups after padding); the sum of rank r's rows is 1 + 2 = 3 times row r
+    want = torch.arange(260, dtype=torch.float32).view(2, 130) / 100
+    for rank, (total, mean) in enumerate(outs):
+        torch.testing.assert_close(total, 3 * want[rank], rtol=0.02, atol=0.02 * float(want.abs().max()))
+        torch.testing.assert_close(mean, 1.5 * want[rank], rtol=0.02, atol=0.01 * float(want.abs().max()))
 
 
-def _refuses_avg(rank, world):
+def _ops_worker(rank, world):
     import pytest
 
     from agoq.comm.fsdp_collectives import TLQHSReduceScatter
 
     comm = TLQHSReduceScatter()
-    out = comm.allocate((5,), dtype=torch.float32, device=torch.device("cpu"))
+    data = torch.arange(260, dtype=torch.float32) / 100 * (rank + 1)
+    total, mean = comm.allocate((130,), dtype=torch.float32, device=torch.device("cpu")), torch.empty(130)
+    comm(total, data, dist.group.WORLD, dist.ReduceOp.SUM)
+    comm(mean, data, dist.group.WORLD, dist.ReduceOp.AVG)
     with pytest.raises(ValueError, match="set_force_sum_reduction_for_comms"):
-        comm(out, torch.zeros(10), dist.group.WORLD, dist.ReduceOp.AVG)
+        comm(mean, data, dist.group.WORLD, dist.ReduceOp.PREMUL_SUM(0.5))
+    return total, mean
 
 
 # ------------------------------------------------------------------------------------------ clip norm
