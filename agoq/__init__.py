@@ -16,9 +16,12 @@ from agoq.activations import (  # noqa: E402
     track_saved_tensors,
 )
 from agoq.comm import QuantizedGradients, quangrad_hook, quantized_all_reduce  # noqa: E402
+from agoq.comm.fsdp import fully_shard_quantized  # noqa: E402
+from agoq.comm.fsdp_collectives import TLQHSReduceScatter, use_quantized_reduce_scatter  # noqa: E402
 from agoq.quant import QTensor, dequantize, quantize, quantized_nbytes  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["QTensor", "quantize", "dequantize", "quantized_nbytes", "ActivationPolicy", "KINDS", "preset",
            "stage_aware_policy", "stage_bits", "apply_activation_policy", "remove_activation_policy",
-           "track_saved_tensors", "QuantizedGradients", "quangrad_hook", "quantized_all_reduce", "__version__"]
+           "track_saved_tensors", "QuantizedGradients", "quangrad_hook", "quantized_all_reduce", "fully_shard_quantized",
+           "use_quantized_reduce_scatter", "TLQHSReduceScatter", "__version__"]

@@ -3,6 +3,7 @@
 One process trains on the CPU or one GPU. Under torchrun each process is one rank:
   torchrun --nproc-per-node 2 -m agoq.train MODEL --parallel ddp       (QuanGrad with a quangrad8 plan)
   torchrun --nproc-per-node 2 -m agoq.train MODEL --parallel sharded   (SDP4Bit with --gradients sdp4bit)
+  torchrun --nproc-per-node 2 -m agoq.train MODEL --parallel fsdp      (FSDP2; TLq-HS with --gradients sdp4bit)
   torchrun --nproc-per-node 4 -m agoq.train MODEL --parallel pipeline --grad-accum 8   (1F1B, stage bits)
 
 Without --data a built-in synthetic corpus is used; a text file is read as bytes (vocabulary 256) or
@@ -48,7 +49,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "or stage-aware (agoq-paper with per-stage bits for --parallel pipeline)")
     p.add_argument("--gradients", choices=("bf16", "quangrad8", "sdp4bit"), default=None,
                    help="gradient storage and all-reduce, overriding the plan's: bf16 (the parameters' dtype), "
-                        "quangrad8 (8-bit buffer and 8-bit all-reduce), sdp4bit (with --parallel sharded) "
+                        "quangrad8 (8-bit buffer and 8-bit all-reduce), sdp4bit (with --parallel sharded or fsdp: "
+                        "int8/int4 TLq-HS gradient reduce-scatter) "
                         "(default: the plan's, else bf16)")
     p.add_argument("--checkpoint-all", action="store_true",
                    help="recompute every decoder layer in backward (activation checkpointing, the usual way to fit "
@@ -85,12 +87,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="with --optimizer adamw8bit and bf16 parameters: fp32 keeps float32 master weights in the "
                         "optimizer (4 bytes per parameter); none updates the bf16 parameters directly with "
                         "stochastic rounding (default fp32; --optimizer adamw always keeps fp32 masters)")
-    p.add_argument("--parallel", choices=("none", "ddp", "sharded", "pipeline"), default=None,
-                   help="how several processes share the work (default: none for one process, ddp under torchrun)")
+    p.add_argument("--parallel", choices=("none", "ddp", "sharded", "fsdp", "pipeline"), default=None,
+                   help="how several processes share the work: ddp (replicas), sharded (agoq's SDP4Bit sharded "
+                        "AdamW), fsdp (PyTorch's FSDP2, one unit per decoder layer, float32 shards with bf16 "
+                        "compute), pipeline (default: none for one process, ddp under torchrun)")
     p.add_argument("--pipeline-stages", type=positive_int, default=None,
                    help="pipeline stages (must equal the number of processes; default: the number of processes)")
     p.add_argument("--node-size", type=positive_int, default=None,
-                   help="ranks per node for SDP4Bit's gradient reduce-scatter: int8 inside a node, int4 across "
+                   help="ranks per node for SDP4Bit's gradient reduce-scatter (--parallel sharded, or fsdp with "
+                        "--gradients sdp4bit): int8 inside a node, int4 across "
                         "nodes (default: torchrun's LOCAL_WORLD_SIZE; 1 treats every GPU as a node)")
     p.add_argument("--checkpoint-every", type=non_negative_int, default=100,
                    help="save a checkpoint every N steps, at the end, and at the step boundary where SIGINT / "

@@ -34,6 +34,12 @@ MOMENT_BLOCK = GRAD_GROUP  # values per moment scale: shards start on whole bloc
 MOMENTS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sqrt_codes", "exp_avg_sqrt_scales")
 
 
+class _NonFinite(Exception):
+    def __init__(self, ranks: list[int]):
+        super().__init__(f"non-finite gradient on rank(s) {ranks}")
+        self.ranks = ranks
+
+
 class SDP4BitOptimizer(torch.optim.Optimizer):
     """Sharded AdamW (ZeRO-style) with SDP4Bit's quantized collectives.
 
@@ -122,9 +128,12 @@ class SDP4BitOptimizer(torch.optim.Optimizer):
     def _flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self._params])
 
-    def _flat_grads(self) -> torch.Tensor:
-        return torch.cat([p.grad.detach().reshape(-1).float() if p.grad is not None
-                          else p.new_zeros(p.numel(), dtype=torch.float32) for p in self._params])
+    def _flat_grads(self, grads: list[torch.Tensor] | None = None) -> torch.Tensor:
+        grads = [p.grad for p in self._params] if grads is None else list(grads)
+        if len(grads) != len(self._params):
+            raise ValueError(f"{len(grads)} gradients for {len(self._params)} parameters")
+        return torch.cat([g.detach().reshape(-1).float() if g is not None
+                          else p.new_zeros(p.numel(), dtype=torch.float32) for p, g in zip(self._params, grads)])
 
     def _check_same_everywhere(self, flat: torch.Tensor) -> None:
         if self.topo.world == 1:
@@ -150,24 +159,52 @@ class SDP4BitOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self) -> bool:  # type: ignore[override]
         """One sharded AdamW step from the parameters' .grad; False if skipped for non-finite gradients."""
-        grad = self._flat_grads()
-        bad = self._nonfinite_ranks(grad)
-        if bad:
+        try:
+            shard = self.reduce_gradients()
+        except _NonFinite as e:
             if self.on_nonfinite == "raise":
-                raise FloatingPointError(f"non-finite gradient (inf or NaN) on rank(s) {bad}: step not taken")
+                raise FloatingPointError(f"non-finite gradient (inf or NaN) on rank(s) {e.ranks}: step not taken")
             self.skipped_steps += 1
             return False
-        self.steps += 1
-        seed = derive_seed(self.seed, self.steps)
+        self.apply_reduced(shard)
+        return True
+
+    @torch.no_grad()
+    def reduce_gradients(self, grads: list[torch.Tensor] | None = None, *, check_finite: bool = True) -> torch.Tensor:
+        """This rank's shard (`shard_bounds`, float32) of the gradient averaged over the ranks: the flat
+        gradients (`grads`, one per parameter in order, else the parameters' .grad; None counts as zero)
+        reduce-scattered (TLq-HS if quantize_gradients, else exactly) and divided by the world size.
+
+        The squares of every rank's shard add up to the squared norm of the averaged gradient as reduced
+        (what a clip norm must read). `check_finite`: first agree across ranks on non-finite gradients and
+        raise FloatingPointError on every rank (else they propagate into the shard). Collective; pair it
+        with `apply_reduced`.
+        """
+        grad = self._flat_grads(grads)
+        if check_finite:
+            bad = self._nonfinite_ranks(grad)
+            if bad:
+                raise _NonFinite(bad)
         world = self.topo.world
         if world == 1:
             shard = grad
         elif self.quantize_gradients:
+            seed = derive_seed(self.seed, self.steps + 1)
             shard = tlq_hs(grad, self.topo, self.hadamard, derive_seed(seed, 1), self.lanes)
         else:
             shard = exact_reduce_scatter(grad, self.group)
-        shard.div_(world)
+        return shard.div_(world)
+
+    @torch.no_grad()
+    def apply_reduced(self, shard: torch.Tensor, scale: float = 1.0) -> None:
+        """AdamW on this rank's shard with `shard` x `scale` as its gradient (`reduce_gradients`' result and
+        the clip factor), then the weights all-gathered (qWD or exactly) into every parameter. Collective."""
+        if scale != 1.0:
+            shard = shard.mul(scale)
+        self.steps += 1
+        seed = derive_seed(self.seed, self.steps)
         self._adamw(shard)
+        world = self.topo.world
         if world == 1:
             full = self.master
         elif self.quantize_weights:
@@ -179,7 +216,6 @@ class SDP4BitOptimizer(torch.optim.Optimizer):
         for p in self._params:
             p.copy_(full[offset: offset + p.numel()].view_as(p))
             offset += p.numel()
-        return True
 
     def _adamw(self, grad: torch.Tensor) -> None:
         """The fused 8-bit AdamW step on this rank's shard (`grad`: its averaged float32 gradient), in place."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-PARALLEL_MODES = ("none", "ddp", "sharded", "pipeline")
+PARALLEL_MODES = ("none", "ddp", "sharded", "fsdp", "pipeline")
 OPTIMIZERS = ("adamw", "adamw8bit")
 MASTERS = ("fp32", "none")
 DTYPES = ("bf16", "fp32", "fp16")
@@ -93,8 +93,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.parallel is not None and self.parallel not in PARALLEL_MODES:
             raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}")
-        if self.node_size is not None and self.parallel != "sharded":
-            raise ValueError("--node-size is for --parallel sharded (SDP4Bit's two-level gradient reduce-scatter)")
+        if self.node_size is not None and self.parallel not in ("sharded", "fsdp"):
+            raise ValueError("--node-size is for --parallel sharded or fsdp (SDP4Bit's two-level gradient "
+                             "reduce-scatter)")
         if self.pipeline_stages is not None and self.parallel != "pipeline":
             raise ValueError("--pipeline-stages is for --parallel pipeline")
 
@@ -102,7 +103,7 @@ class ParallelConfig:
         """The parallel mode of a run with `world_size` processes; refuses one that does not fit it."""
         mode = self.parallel or ("none" if world_size == 1 else "ddp")
         if mode == "none" and world_size > 1:
-            raise ValueError(f"--parallel none with {world_size} processes: choose ddp, sharded or pipeline")
+            raise ValueError(f"--parallel none with {world_size} processes: choose ddp, sharded, fsdp or pipeline")
         if mode != "none" and world_size < 2:
             raise ValueError(f"--parallel {mode} needs several processes: launch with "
                              f"torchrun --nproc-per-node N agoq train ... --parallel {mode}")

@@ -1,4 +1,5 @@
-"""The trainer's three optimizer steps: torch's AdamW on float32 masters, agoq's fused 8-bit AdamW, SDP4Bit's sharded AdamW.
+"""The trainer's optimizer steps: torch's AdamW on float32 masters, agoq's fused 8-bit AdamW (also on FSDP2's
+local shards), SDP4Bit's sharded AdamW.
 
 Each is an `OptimizerStep`: `.optimizer`, `.masters` (float32 copies kept beside the optimizer, or None),
 `.fused` (whether `step` reads the gradients as stored, QuanGrad's codes included), `step(grads, scale)`,
@@ -141,10 +142,27 @@ class ShardedAdamWStep(OptimizerStep):
                                           quantize_gradients=quantized, quantize_weights=quantized, seed=seed,
                                           on_nonfinite="raise", node_size=node_size)
 
+    def reduce(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's shard of the averaged gradient (one float32 tensor, in a list): what the clip norm
+        and `step` read. Non-finite values are not refused here: they reach the norm, which stops the run."""
+        return [self.optimizer.reduce_gradients(grads, check_finite=False)]
+
     def step(self, grads, scale: float) -> None:
-        for p, g in zip(self.params, grads):
-            p.grad = g.mul_(scale) if scale != 1.0 else g
-        self.optimizer.step()
+        self.optimizer.apply_reduced(grads[0], scale)
+
+
+class FSDPAdamW8bitStep(FusedAdamW8bitStep):
+    """agoq's fused 8-bit AdamW on each rank's local shards of FSDP2's parameters (plain tensors that share
+    the DTensors' storage): the moments are block-quantized per shard; float32 shards are their own masters."""
+
+    def __init__(self, params: list[torch.Tensor], optim: OptimizerConfig, seed: int):
+        from agoq.optim.adamw8bit import FusedAdamW8bit
+
+        self.optimizer = FusedAdamW8bit([p.to_local().detach() for p in params], lr=optim.lr, betas=BETAS, eps=EPS,
+                                        weight_decay=optim.weight_decay, masters=optim.master == "fp32", seed=seed)
+
+    def step(self, grads, scale: float) -> None:
+        self.optimizer.step(grads=[g.to_local() for g in grads], clip_scale=scale)
 
     def checkpoint_state(self, module: nn.Module) -> dict:
         """The replicated model, and the optimizer's shard as `FlatShard` pieces of whole-vector tensors (master
@@ -167,10 +185,19 @@ def build_optimizer(params: list[torch.Tensor], optim: OptimizerConfig, *, seed:
     return AdamWWithMasters(params, optim, device)
 
 
+def build_fsdp_optimizer(params: list[torch.Tensor], optim: OptimizerConfig, *, seed: int,
+                         device: torch.device) -> OptimizerStep:
+    """The optimizer of `--parallel fsdp` over FSDP2's sharded parameters (DTensors): torch's AdamW on them,
+    or agoq's fused 8-bit AdamW on their local shards."""
+    if optim.optimizer == "adamw8bit":
+        return FSDPAdamW8bitStep(params, optim, seed)
+    return AdamWWithMasters(params, optim, device)
+
+
 def build_sharded_optimizer(params: list[torch.Tensor], optim: OptimizerConfig, *, seed: int, quantized: bool,
                             node_size: int | None) -> OptimizerStep:
     """The optimizer of `--parallel sharded` (SDP4Bit; `quantized`: int8/int4 gradients and weights)."""
     return ShardedAdamWStep(params, optim, seed, quantized, node_size)
 
 
-__all__ = ["OptimizerStep", "build_optimizer", "build_sharded_optimizer", "BETAS", "EPS"]
+__all__ = ["OptimizerStep", "build_optimizer", "build_fsdp_optimizer", "build_sharded_optimizer", "BETAS", "EPS"]

@@ -22,7 +22,7 @@ from torch import nn
 from agoq.models.lm_loss import chunked_lm_loss
 from agoq.train.config import OptimizerConfig
 from agoq.train.data import Batches
-from agoq.train.optimizer import OptimizerStep, build_optimizer, build_sharded_optimizer
+from agoq.train.optimizer import OptimizerStep, build_fsdp_optimizer, build_optimizer, build_sharded_optimizer
 
 # --------------------------------------------------------------------------------------- world
 
@@ -163,6 +163,26 @@ class ParallelStrategy:
     def _reduce_quantized(self) -> None:
         """QuanGrad's gradients after backward: nothing to reduce in one process."""
 
+    def grad_norm(self, grads, fused: bool) -> float:
+        """L2 norm of the gradient the optimizer applies (`gradients`' result): with several data-parallel
+        ranks, of the gradient averaged over them, as reduced. Each tensor's norm in float32, their squares
+        summed in float64 (the fused step: one reduction over the stored gradients), then over the ranks."""
+        grads = self.norm_tensors(grads)
+        if fused:
+            from agoq.optim.fused_adamw import grad_norm_sq
+
+            sq = grad_norm_sq(grads)
+        else:
+            norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32) if grads else []
+            sq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64,
+                                                                                       device=self.device)
+        return float(self.reduce_grad_norm_sq(sq).sqrt())
+
+    def norm_tensors(self, grads):
+        """What this rank's part of the norm is taken over: `grads` as plain tensors (QuanGrad's stored
+        gradients for the fused step)."""
+        return grads
+
     def reduce_grad_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
         """This rank's squared gradient norm -> the run's."""
         return sq
@@ -240,14 +260,73 @@ class Sharded(ParallelStrategy):
         self.node_size = node_size
 
     def build_optimizer(self, optim: OptimizerConfig, seed: int) -> OptimizerStep:
-        return build_sharded_optimizer(self.params, optim, seed=seed, quantized=self.quantized,
-                                       node_size=self.node_size)
+        self.optimizer_step = build_sharded_optimizer(self.params, optim, seed=seed, quantized=self.quantized,
+                                                      node_size=self.node_size)
+        return self.optimizer_step
+
+    def gradients(self, fused: bool):
+        """This rank's shard of the averaged gradient, reduce-scattered (TLq-HS or exactly) by the optimizer."""
+        return self.optimizer_step.reduce(super().gradients(fused))
 
     def reduce_grad_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
         if self.world.size > 1:
-            dist.all_reduce(sq)  # local gradients: the root mean square of the ranks' norms
-            sq /= self.world.size
+            dist.all_reduce(sq)  # disjoint shards of the reduced gradient: the squares add up
         return sq
+
+
+class FullyShardedDataParallel(ParallelStrategy):
+    """`--parallel fsdp`: PyTorch's FSDP2, one `fully_shard` unit per decoder layer and one for the rest.
+
+    The sharded parameters are float32 (the optimizer's masters, 1/N per rank) and the layers compute in
+    `dtype` (FSDP2's MixedPrecisionPolicy: weights all-gathered in `dtype`), except with
+    --optimizer adamw8bit --master none, where the shards stay in `dtype` and the 8-bit optimizer rounds
+    its float32 update stochastically into them. Gradients are reduce-scattered by FSDP2 in `dtype`
+    (--gradients bf16) or by SDP4Bit's TLq-HS from float32 (--gradients sdp4bit, int8 inside a node of
+    `node_size` ranks, int4 across). The activation plan or policy was applied to the layers before they
+    were sharded; checkpoints hold each rank's DTensor shards.
+    """
+
+    mode = "fsdp"
+
+    def __init__(self, model: nn.Module, *, world: World, device: torch.device, gradients: str, dtype: torch.dtype,
+                 node_size: int | None, optimizer: str, master: str):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from agoq.comm.fsdp import default_mesh, fully_shard_quantized
+
+        if world.size > 1:
+            _broadcast_from_rank0(model)
+        keep_dtype = optimizer == "adamw8bit" and master == "none"
+        mp_policy = None
+        if dtype != torch.float32 and not keep_dtype:
+            for p in model.parameters():  # float32 shards: the optimizer's masters
+                p.data = p.data.float()
+            mp_policy = MixedPrecisionPolicy(param_dtype=dtype,
+                                             reduce_dtype=torch.float32 if gradients == "sdp4bit" else None)
+        self.loss_module = _LossModule(model)  # the root unit: embeddings, final norm and head
+        fully_shard_quantized(self.loss_module, mesh=default_mesh(device), mp_policy=mp_policy,
+                              reduce_scatter="tlq-hs" if gradients == "sdp4bit" else "exact", node_size=node_size)
+        super().__init__(model, world=world, device=device, gradients="bf16")
+
+    def build_optimizer(self, optim: OptimizerConfig, seed: int) -> OptimizerStep:
+        return build_fsdp_optimizer(self.params, optim, seed=seed, device=self.device)
+
+    def _loss(self, ids: torch.Tensor, labels: torch.Tensor, last: bool) -> torch.Tensor:
+        return self.loss_module(ids, labels)  # every micro-batch's gradients are reduce-scattered into the shards
+
+    def gradients(self, fused: bool):
+        """The parameters' sharded gradients (DTensors; zeros where a parameter got none)."""
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
+    def norm_tensors(self, grads):
+        return [g.to_local() for g in grads]  # FSDP2's shards are disjoint (padding excluded)
+
+    def reduce_grad_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(sq)
+        return sq
+
+    def _validation_loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_module(ids, labels).float()
 
 
 class Pipelined(ParallelStrategy):
@@ -297,11 +376,15 @@ class Pipelined(ParallelStrategy):
 
 def apply_parallel(model: nn.Module, *, mode: str, world: World, device: torch.device, gradients: str,
                    dtype: torch.dtype, micro_batch: int, seq_len: int, grad_accum: int,
-                   layer_stage: list[int] | None = None, node_size: int | None = None) -> ParallelStrategy:
+                   layer_stage: list[int] | None = None, node_size: int | None = None, optimizer: str = "adamw",
+                   master: str = "fp32") -> ParallelStrategy:
     """This rank's strategy for `mode` (one of PARALLEL_MODES), wrapping or cutting `model` as the mode needs."""
     if mode == "pipeline":
         return Pipelined(model, world=world, device=device, gradients=gradients, layer_stage=layer_stage,
                          micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, dtype=dtype)
+    if mode == "fsdp":
+        return FullyShardedDataParallel(model, world=world, device=device, gradients=gradients, dtype=dtype,
+                                        node_size=node_size, optimizer=optimizer, master=master)
     if mode == "sharded":
         return Sharded(model, world=world, device=device, gradients=gradients, node_size=node_size)
     if mode == "ddp":
@@ -311,4 +394,5 @@ def apply_parallel(model: nn.Module, *, mode: str, world: World, device: torch.d
     raise ValueError(f"unknown parallel mode {mode!r}")
 
 
-__all__ = ["World", "join_world", "apply_parallel", "ParallelStrategy", "DataParallel", "Sharded", "Pipelined"]
+__all__ = ["World", "join_world", "apply_parallel", "ParallelStrategy", "DataParallel", "Sharded",
+           "FullyShardedDataParallel", "Pipelined"]

@@ -154,15 +154,23 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
         gradients = memory.gradients
     if gradients not in GRADIENT_MODES:
         raise ValueError(f"gradient mode must be bf16, quangrad8 or sdp4bit, got {gradients!r}")
-    if gradients == "sdp4bit" and parallel != "sharded":
+    if gradients == "sdp4bit" and parallel not in ("sharded", "fsdp"):
         launch = (plan.to_dict().get("launch") or {}) if plan is not None and not memory.gradients else {}
         how = (f"launch it as the plan says: torchrun --nproc-per-node {launch['processes']} -m agoq.train ... "
-               f"--parallel sharded" if launch.get("processes") else "use --parallel sharded under torchrun")
+               f"--parallel sharded (or fsdp)" if launch.get("processes")
+               else "use --parallel sharded or fsdp under torchrun")
         raise ValueError(f"gradient mode sdp4bit is sharded data parallelism: {how} "
                          "(or pass --gradients quangrad8 / bf16 to run it otherwise)")
     if parallel == "sharded" and gradients == "quangrad8":
         raise ValueError("--parallel sharded reduces gradients with SDP4Bit (or exactly with --gradients bf16), "
                          "not with QuanGrad: use --parallel ddp for quangrad8")
+    if parallel == "fsdp" and gradients == "quangrad8":
+        raise ValueError("--parallel fsdp reduce-scatters gradients with FSDP2 (--gradients bf16) or SDP4Bit's "
+                         "TLq-HS (--gradients sdp4bit), not with QuanGrad: use --parallel ddp for quangrad8")
+    if parallel == "fsdp":
+        from agoq.comm.fsdp_collectives import _require_protocol
+
+        _require_protocol()  # FSDP2's custom reduce-scatter (torch >= 2.9): a clear message before anything runs
     if parallel == "sharded" and cfg.optim.optimizer == "adamw8bit":
         raise ValueError("--parallel sharded uses SDP4Bit's sharded AdamW (float32 master and 8-bit moments, 1/N per rank): "
                          "--optimizer adamw8bit is for ddp, pipeline or one process")

@@ -82,7 +82,8 @@ class Trainer:
                                        gradients=prepared.gradients, dtype=prepared.dtype,
                                        micro_batch=self.shape.micro_batch, seq_len=self.shape.seq_len,
                                        grad_accum=self.shape.grad_accum, layer_stage=prepared.layer_stage,
-                                       node_size=self.cfg.parallelism.node_size)
+                                       node_size=self.cfg.parallelism.node_size,
+                                       optimizer=self.cfg.optim.optimizer, master=self.cfg.optim.master)
         self.module = self.parallel.module
         self.optimizer_step = self.parallel.build_optimizer(self.cfg.optim, self.cfg.loop.seed)
         self.optimizer = self.optimizer_step.optimizer
@@ -254,15 +255,8 @@ class Trainer:
         return self.parallel.gradients(fused=self.optimizer_step.fused)
 
     def _grad_norm(self, grads) -> float:
-        if self.optimizer_step.fused:
-            from agoq.optim.fused_adamw import grad_norm_sq
-
-            sq = grad_norm_sq(grads)  # one reduction over the stored gradients
-        else:  # one foreach pass over the dense gradients, each tensor's norm in float32, summed in float64
-            norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32) if grads else []
-            sq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64,
-                                                                                       device=self.device)
-        return float(self.parallel.reduce_grad_norm_sq(sq).sqrt())
+        """L2 norm of the gradient the optimizer applies (with several ranks: of the averaged gradient)."""
+        return self.parallel.grad_norm(grads, fused=self.optimizer_step.fused)
 
     def clip_scale(self, norm: float) -> float:
         """The factor that clips the gradient norm to --clip (1: no clipping)."""

@@ -111,3 +111,28 @@ def test_three_processes_quangrad_and_sdp4bit(tmp_path):
         got, got_val = _losses(tmp_path / name)
         _close(got, ref, QUANTIZED_LOSS_RTOL)
         _close(got_val, ref_val, QUANTIZED_LOSS_RTOL)
+
+
+def test_two_processes_fsdp(tmp_path):
+    """FSDP2: exact (killed, then resumed from its DTensor checkpoint), with TLq-HS gradients, with the fused
+    8-bit AdamW on the local shards; the grad norm is the averaged gradient's, as in one process."""
+    runs = [("fsdp_exact", dict(parallel="fsdp", kill_at=4)),
+            ("fsdp_sdp4bit", dict(parallel="fsdp", gradients="sdp4bit")),
+            ("fsdp_8bit", dict(parallel="fsdp", optimizer="adamw8bit"))]
+    codes = run_workers(_worker, 2, str(tmp_path), runs)
+    assert all(c == 0 for rank in codes for c in rank.values()), codes
+    ref, ref_val = _single(tmp_path, "single", grad_accum=2)
+    ref8, ref8_val = _single(tmp_path, "single_8bit", grad_accum=2, optimizer="adamw8bit")
+    for name, rtol, want, want_val in [("fsdp_exact", EXACT_LOSS_RTOL, ref, ref_val),
+                                       ("fsdp_sdp4bit", QUANTIZED_LOSS_RTOL, ref, ref_val),
+                                       # moments block-quantized per shard rather than per tensor
+                                       ("fsdp_8bit", QUANTIZED_LOSS_RTOL, ref8, ref8_val)]:
+        got, got_val = _losses(tmp_path / name)
+        _close(got, want, rtol)
+        _close(got_val, want_val, rtol)
+    assert _losses(tmp_path / "fsdp_sdp4bit")[0][1:] != ref[1:]
+    norms = [[json.loads(x)["grad_norm"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+              if "grad_norm" in x] for name in ("single", "fsdp_exact")]
+    _close(norms[1], norms[0], EXACT_LOSS_RTOL)
+    run = json.loads((tmp_path / "fsdp_exact" / "run.json").read_text())
+    assert run["status"] == "finished" and run["resumed"][0]["step"] == 3 and run["settings"]["parallel"] == "fsdp"

@@ -1,0 +1,131 @@
+"""Two GPUs: PyTorch FSDP2 in bf16 against FSDP2 with agoq's TLq-HS gradient reduce-scatter and against
+agoq's own sharded optimizer (SDP4Bit), on the ~1.1 B probe model.
+
+`agoq train` runs under torchrun on the same model (the "probe" preset: hidden 2048, 16 layers, FFN 5632,
+vocabulary 32000), data (tinyshakespeare.txt, bytes), seed, batch and steps:
+  fsdp_bf16             --parallel fsdp: fully_shard per decoder layer, float32 shards, bf16 compute,
+                        bf16 gradient reduce-scatter and weight all-gather (FSDP2's own collectives)
+  fsdp_tlqhs            the same with the gradient reduce-scatter as TLq-HS (Hadamard-32, int8 inside
+                        the node; FSDP2 averages after it) from float32 gradients
+  fsdp_tlqhs_int4       the same with every GPU treated as a node (--node-size 1): gradients in int4
+  sharded_sdp4bit       agoq's SDP4Bit sharded AdamW: TLq-HS gradients and qWD 4-bit weight differences
+once over NVLink and once over NCCL's socket transport on loopback (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
+NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo; AGOQ_ALLREDUCE_TRANSPORT=collectives keeps every agoq collective
+on NCCL's plain collectives, which read those variables; NCCL_NVLS_ENABLE=0 leaves NVLink multicast off).
+Figures per run: tokens/s (median over the steps after the first 10), peak bytes per rank
+(torch.cuda.max_memory_allocated, max over steps), validation loss after the last step; per quantized run
+its ratio to fsdp_bf16's. Goals (issue 13): validation loss within 1 % of fsdp_bf16's; agoq's peak not
+above fsdp_bf16's.
+
+Writes experiments/results/train_fsdp_<transport>.json and run folders (no checkpoints) under
+experiments/results/runs/.
+
+GPU (2 x H200; one transport per command, each well under 10 minutes at the defaults):
+    python experiments/train_fsdp.py --transports nvlink
+    python experiments/train_fsdp.py --transports sockets --steps 100
+CPU check (gloo, llama-tiny, 12 steps; the transports collapse to one):
+    python experiments/train_fsdp.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from experiments.record import RESULTS, write_result  # noqa: E402
+from experiments.train_runs import drop_checkpoint, relative_difference, run_train, summarize, tiny_shakespeare  # noqa: E402
+
+GOAL = 0.01
+NVLINK = {"NCCL_NVLS_ENABLE": "0"}
+SOCKETS = {**NVLINK, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket",
+           "NCCL_SOCKET_IFNAME": "lo", "AGOQ_ALLREDUCE_TRANSPORT": "collectives"}
+BASELINE = "fsdp_bf16"
+VARIANTS = {
+    "fsdp_bf16": ["--parallel", "fsdp"],
+    "fsdp_tlqhs": ["--parallel", "fsdp", "--gradients", "sdp4bit"],
+    "fsdp_tlqhs_int4": ["--parallel", "fsdp", "--gradients", "sdp4bit", "--node-size", "1"],
+    "sharded_sdp4bit": ["--parallel", "sharded", "--gradients", "sdp4bit"],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="probe", help="agoq model preset or config.json (default probe, 1.1 B)")
+    parser.add_argument("--data", default=None, help="tinyshakespeare.txt (default: ../shared/data/)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes (GPUs) per run (default 2)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank and step (default 2)")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--transports", default="nvlink", help="nvlink, sockets or both, comma-separated")
+    parser.add_argument("--tiny", action="store_true", help="CPU check with gloo: llama-tiny, 12 steps")
+    parser.add_argument("--out", default=str(RESULTS / "runs"))
+    args = parser.parse_args(argv)
+
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}: choose among {', '.join(VARIANTS)}")
+    model, name, device, eval_every, eval_batches = args.model, "train_fsdp", [], max(1, args.steps // 3), 16
+    transports = args.transports.split(",")
+    if len(transports) == 1:
+        name += f"_{transports[0]}"
+    if args.tiny:
+        model, name, device = "llama-tiny", "train_fsdp_tiny", ["--device", "cpu"]
+        args.steps, args.seq_len, args.micro_batch, eval_every, eval_batches = 12, 64, 2, 6, 2
+        transports = ["gloo"]
+        if args.out == str(RESULTS / "runs"):
+            args.out = "/tmp/agoq-train-fsdp"
+    data = tiny_shakespeare(args.data)
+    common = [model, "--data", data, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+              "--steps", str(args.steps), "--lr", str(args.lr), "--warmup", str(max(1, args.steps // 10)),
+              "--eval-every", str(eval_every), "--eval-batches", str(eval_batches), "--checkpoint-every", "0",
+              "--seed", "0", "--quiet", *device]
+    figures: dict = {"nproc": args.nproc, "model": model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+                     "steps": args.steps, "runs": {}, "comparisons": {}}
+    for transport in transports:
+        env = SOCKETS if transport == "sockets" else NVLINK if transport == "nvlink" else {}
+        for variant in variants:
+            run_dir = Path(args.out) / f"{name}_{transport}_{variant}"
+            if run_dir.exists():
+                shutil.rmtree(run_dir)
+            wall = run_train(common + VARIANTS[variant] + ["--out", str(run_dir)], nproc=args.nproc, env=env)
+            drop_checkpoint(run_dir)
+            figures["runs"][f"{transport}/{variant}"] = {**summarize(run_dir), "wall_seconds": wall,
+                                                         "transport": transport, "env": env}
+        base = figures["runs"].get(f"{transport}/{BASELINE}")
+        for variant in variants:
+            run = figures["runs"][f"{transport}/{variant}"]
+            if base is None or variant == BASELINE:
+                continue
+            diff = relative_difference(run["final_val_loss"], base["final_val_loss"])
+            figures["comparisons"][f"{transport}/{variant}_vs_{BASELINE}"] = {
+                "final_val_loss": [run["final_val_loss"], base["final_val_loss"]], "relative_difference": diff,
+                "goal": GOAL, "met": diff <= GOAL,
+                "tokens_per_s": [run["median_tokens_per_s"], base["median_tokens_per_s"]],
+                "throughput_ratio": run["median_tokens_per_s"] / base["median_tokens_per_s"],
+                "peak_bytes_per_rank": [run["peak_bytes_per_rank"], base["peak_bytes_per_rank"]],
+                "peak_not_above_baseline": max(run["peak_bytes_per_rank"]) <= max(base["peak_bytes_per_rank"])}
+    if args.tiny:
+        path = Path(args.out) / f"{name}.json"
+        path.write_text(json.dumps(figures, indent=2) + "\n")
+    else:
+        path = write_result(name, figures)
+    for key, run in figures["runs"].items():
+        print(f"{key}: {run['median_tokens_per_s']:.0f} tokens/s, peak "
+              f"{max(run['peak_bytes_per_rank']) / 2**30:.2f} GiB/rank, val loss {run['final_val_loss']:.4f}")
+    for key, c in figures["comparisons"].items():
+        print(f"{key}: val loss {c['relative_difference']:.2%} ({'met' if c['met'] else 'NOT met'}), throughput x"
+              f"{c['throughput_ratio']:.2f}, peak {'<=' if c['peak_not_above_baseline'] else '>'} baseline")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
