@@ -73,12 +73,20 @@ def _infeasible_error(e: InfeasibleBudget, profile: ProfileData) -> ValueError:
 
 
 def _recipe_cap(profile: ProfileData, error_cap, notes: list | None = None):
-    """`error_cap` as a number or None: "recipe" becomes the recipe's predicted error on the default knobs."""
+    """`error_cap` as a number or None: "recipe" becomes the recipe's predicted error on the default knobs (the
+    stage rule's widths; where the profile lacks them, as for a pipeline profiled at 4 bits only, the recipe at
+    4 bits in every stage, said in `notes`)."""
     if error_cap != RECIPE_CAP:
         return error_cap
-    value = resolve_error_cap(build_problem(profile), error_cap)
+    try:
+        value = resolve_error_cap(build_problem(profile), error_cap)
+        what = "the published recipe (agoq-paper)"
+    except ValueError:
+        one_stage = ProblemSettings(layer_stage=(0,) * profile.num_layers)
+        value = resolve_error_cap(build_problem(profile, one_stage), error_cap)  # raises when 4 bits are missing too
+        what = "the published recipe at 4 bits in every stage (the profile lacks the stage rule's widths)"
     if notes is not None:
-        notes.append(f"error cap {value:.4g}: the predicted gradient error of the published recipe (agoq-paper)")
+        notes.append(f"error cap {value:.4g}: the predicted gradient error of {what}")
     return value
 
 
