@@ -1,6 +1,18 @@
 """Turn a profile and a memory budget into a plan: per layer and tensor kind, a bit width (2..8), 16 or
-"recompute", or the whole layer checkpointed, chosen to minimise gradient error (or step time) while every
-pipeline stage's predicted peak memory stays within the budget.
+"recompute", or the whole layer checkpointed, plus gradient storage, optimizer state, micro-batch x
+accumulation and compile mode, chosen so that every pipeline stage's predicted peak memory stays within the
+budget.
+
+Objectives (--objective):
+  time   (default) the most tokens/s, within an error cap: by default (--error-cap recipe) no more predicted
+         gradient error than the published agoq-paper recipe on this profile; the plan states the cap
+  error  the least predicted gradient error (ties: the most tokens/s); add --time-cap checkpoint to be no
+         slower than the best checkpointing that fits (the behaviour of agoq before 1.1)
+
+Every plan records why it was chosen (plan "decision": the caps, the constraint that binds - memory budget,
+error cap, time cap or none - and the knob values) and the best alternative that fits the same budget
+(plan "alternative": the fastest of bf16, selective/full checkpointing and, where the profile has compiled
+steps, torch.compile with activation_memory_budget, each with float32 or 8-bit AdamW), with the speed-up.
 
   milp    exact per-layer choice with scipy's MILP solver, plus the memory/error Pareto front over
           --front-budgets budgets (from the smallest feasible one to the unconstrained plan's peak)
@@ -26,6 +38,7 @@ import sys
 from pathlib import Path
 
 from agoq.commands.arguments import positive_int, size_bytes
+from agoq.search.defaults import DEFAULT_ERROR_CAP, DEFAULT_OBJECTIVE, DEFAULT_TIME_CAP
 from agoq.units import format_bytes
 
 HELP = "turn a profile and a memory budget into a plan (MILP, Optuna)"
@@ -61,17 +74,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=("milp", "optuna", "both"), default=None,
                         help="milp (exact, default), optuna (knobs, multi-objective) or both "
                              "(default: both when --trials is given, else milp)")
-    parser.add_argument("--objective", choices=("error", "time"), default="error",
-                        help="what the chosen plan minimises: predicted gradient error or step time (default error)")
-    parser.add_argument("--time-cap", type=time_cap, default="checkpoint", metavar="SECONDS|checkpoint|none",
+    parser.add_argument("--objective", choices=("time", "error"), default=DEFAULT_OBJECTIVE,
+                        help="time: the most tokens/s that fits the budget within --error-cap; error: the least "
+                             f"predicted gradient error (default {DEFAULT_OBJECTIVE})")
+    parser.add_argument("--time-cap", type=time_cap, default=DEFAULT_TIME_CAP, metavar="SECONDS|checkpoint|none",
                         help="largest predicted step time allowed: seconds, 'checkpoint' (no slower than the "
                              "fastest full-or-selective activation checkpointing that fits the budget; no cap "
-                             "when none fits) or 'none' (default checkpoint). Without a cap, minimising error "
-                             "prefers recomputation, which has none")
-    parser.add_argument("--error-cap", type=error_cap, default=None, metavar="ERROR|recipe|none",
+                             "when none fits) or 'none' (default none). With --objective error and no cap, "
+                             "the least error prefers recomputation, which has none")
+    parser.add_argument("--error-cap", type=error_cap, default=DEFAULT_ERROR_CAP, metavar="ERROR|recipe|none",
                         help="largest predicted gradient error allowed (sum of sensitivities, relative L2): a "
                              "number, 'recipe' (the predicted error of the published agoq-paper recipe on this "
-                             "profile) or 'none'; useful with --objective time (default none)")
+                             f"profile) or 'none' (default {DEFAULT_ERROR_CAP})")
+    parser.add_argument("--gradients", choices=("any", "bf16", "quangrad8", "sdp4bit"), default="any",
+                        help="gradient storage the plan may use (default any the profile prices; QuanGrad's "
+                             "8-bit rounding is not part of the error cap)")
+    parser.add_argument("--optimizer", choices=("any", "adamw", "adamw8bit"), default="any",
+                        help="optimizer state: adamw (float32 moments) or adamw8bit (agoq's fused 8-bit AdamW) "
+                             "(default any)")
+    parser.add_argument("--master", choices=("fp32", "none", "any"), default="fp32",
+                        help="float32 master weights: fp32 (default), none (bf16 parameters with stochastic "
+                             "rounding; adamw8bit only, its effect is not part of the error cap) or any")
+    parser.add_argument("--compile", choices=("any", "eager", "compiled"), default="any",
+                        help="compile mode: the profile's own, or 'compiled' where the profile has compiled step "
+                             "times (agoq profile --compile); default any the profile prices")
+    parser.add_argument("--global-batch", type=positive_int, default=None, metavar="SEQUENCES",
+                        help="sequences per optimizer step, split into micro-batch x accumulation by the search "
+                             "(default: the profiled micro-batch)")
+    parser.add_argument("--micro-batch", type=positive_int, default=None, metavar="SEQUENCES",
+                        help="fix the micro-batch (it must divide the global batch; default: try every divisor)")
     parser.add_argument("--trials", type=positive_int, default=None,
                         help="Optuna trials the study should hold in total (default 40 with --method optuna/both)")
     parser.add_argument("--sampler", choices=("nsga2", "tpe"), default="nsga2",
@@ -103,6 +134,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run `agoq search`; returns the exit code."""
     from agoq.formats.profile import load_profile
+    from agoq.search.knobs import KnobSpace
     from agoq.search.search import search, write_outputs
 
     if args.validate < 0:
@@ -117,8 +149,14 @@ def run(args: argparse.Namespace) -> int:
     storage = args.storage
     if storage is None and args.workers > 1:
         storage = str(out.parent.resolve() / "study.journal")
+    space = KnobSpace(gradient_modes=None if args.gradients == "any" else (args.gradients,),
+                      optimizers=None if args.optimizer == "any" else (args.optimizer,),
+                      masters=("fp32", "none") if args.master == "any" else (args.master,),
+                      compile_modes=None if args.compile == "any" else (args.compile,),
+                      global_batch=args.global_batch,
+                      micro_batches=None if args.micro_batch is None else (args.micro_batch,))
     outcome = search(profile, args.budget, method=method, objective=args.objective, time_cap=args.time_cap,
-                     error_cap=args.error_cap,
+                     error_cap=args.error_cap, space=space,
                      trials=args.trials or 40, storage=storage, study_name=args.study_name, sampler=args.sampler,
                      ray_address=args.ray_address, measure_trials=args.measure_trials, parallel=args.workers,
                      validate=args.validate, validate_steps=args.validate_steps, front_budgets=args.front_budgets,
@@ -142,6 +180,26 @@ def run(args: argparse.Namespace) -> int:
         for setting in lp.kinds.values():
             counts[str(setting)] = counts.get(str(setting), 0) + 1
     print("  choices: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    d = plan.decision
+    if d is not None:
+        k = d.knobs
+        print(f"  knobs: gradients {k.get('gradients')}, optimizer {k.get('optimizer')} (masters {k.get('master')}), "
+              f"micro-batch {k.get('micro_batch')} x {k.get('grad_accum')}, {k.get('compile')}; "
+              f"{d.tokens_per_second:,.0f} tokens/s predicted")
+        print(f"  why: {d.reason}")
+    alt = plan.alternative
+    if alt is not None:
+        speed = f"; plan is {alt.speedup_predicted:.2f}x its tokens/s" if alt.speedup_predicted else ""
+        print(f"  best alternative that fits: {alt.name}: predicted step {alt.predicted.step_seconds:.4f} s, peak "
+              f"{format_bytes(alt.predicted.peak_bytes)}{speed}")
+        if alt.measured is not None and alt.measured.step_seconds is not None:
+            peak = alt.measured.peak_bytes
+            sm = f", plan measured {alt.speedup_measured:.2f}x" if alt.speedup_measured else ""
+            print(f"    measured: step {alt.measured.step_seconds:.4f} s, peak "
+                  f"{format_bytes(peak) if peak is not None else 'not measured'}{sm}")
+    elif d is not None:
+        print("  best alternative that fits: none (bf16, checkpointing and compiled alternatives all exceed the "
+              "budget)")
     if plan.measured is not None:
         m = plan.measured
         peak = m.peak_bytes_per_stage[0] if m.peak_bytes_per_stage else None

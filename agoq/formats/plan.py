@@ -1,9 +1,13 @@
-"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1``, docs/formats.md).
+"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.1``, docs/formats.md).
 
 A plan says, for one model (by fingerprint), how each decoder layer keeps each tensor kind for
 backward (a bit width 2..8, 16, or "recompute"), which layers are checkpointed whole, how gradients are
-stored and all-reduced, the pipeline stage of each layer, the memory budget it was made for, and the
-predicted (and, once validated, measured) peak memory per stage, step time and gradient error.
+stored and all-reduced, the optimizer and its masters, the compile mode, the pipeline stage of each layer,
+the memory budget it was made for, and the predicted (and, once validated, measured) peak memory per
+stage, step time and gradient error. Since 1.1 a searched plan also says why it was chosen (`decision`:
+objective, caps, the binding constraint, the knob values) and what it beats (`alternative`: the fastest
+of bf16, checkpointing and torch.compile's memory budget that fits the same budget). 1.0 plans load
+unchanged (eager, AdamW with float32 masters, nothing about the decision).
 
     plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
     plan.apply(model)                      # activation policy + checkpointing, in one go
@@ -39,7 +43,7 @@ from agoq.activations.policy import (
 from agoq.files import read_json_object
 from agoq.quant.quantize import check_arguments
 
-SCHEMA = "agoq.plan/1"
+SCHEMA = "agoq.plan/1.1"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
 GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
@@ -120,6 +124,65 @@ class GradientsSpec(_Part):
     bucket_bytes: int = Field(default=25 * 2**20, ge=1)
 
 
+class OptimizerSpec(_Part):
+    """The optimizer step: torch's AdamW with float32 moments ("adamw") or agoq's fused 8-bit AdamW ("adamw8bit"),
+    with float32 master weights ("fp32") or none (bf16 parameters updated with stochastic rounding, adamw8bit only)."""
+
+    name: Literal["adamw", "adamw8bit"] = "adamw"
+    master: Literal["fp32", "none"] = "fp32"
+
+    @model_validator(mode="after")
+    def _combination(self) -> "OptimizerSpec":
+        if self.master == "none" and self.name != "adamw8bit":
+            raise ValueError("master 'none' (stochastic rounding of bf16 parameters) needs the adamw8bit optimizer")
+        return self
+
+
+class Figures(_Part):
+    """A whole step's figures: step seconds, peak bytes (largest stage) and tokens per second."""
+
+    step_seconds: Optional[float] = Field(default=None, ge=0)
+    peak_bytes: Optional[int] = Field(default=None, ge=0)
+    tokens_per_second: Optional[float] = Field(default=None, ge=0)
+
+
+class Alternative(_Part):
+    """What the user would otherwise run at the plan's budget: `name` (e.g. "eager selective checkpointing
+    (9/16 layers)"), how it runs (compile mode, optimizer, masters, checkpointed layers, batch split), its
+    predicted figures, measured ones once validated, whether it fits the budget, and the plan's speed-up over
+    it (its step seconds / the plan's, predicted and measured)."""
+
+    name: str
+    compile: Literal["eager", "compiled"] = "eager"
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    gradients: str = "bf16"
+    micro_batch: int = Field(default=1, ge=1)
+    grad_accum: int = Field(default=1, ge=1)
+    checkpoint_layers: list[int] = Field(default_factory=list)
+    activation_memory_budget: Optional[float] = None
+    predicted: Figures = Field(default_factory=Figures)
+    measured: Optional[Figures] = None
+    fits: bool = True
+    speedup_predicted: Optional[float] = None
+    speedup_measured: Optional[float] = None
+
+
+class Decision(_Part):
+    """Why a searched plan is this one: the objective, the caps (the error cap's value and where it came from),
+    the constraint that binds ("memory budget", "error cap", "time cap", or "none"), the knob values chosen and
+    how many knob combinations were compared."""
+
+    objective: str = "time"
+    error_cap: Optional[float] = None
+    error_cap_source: Optional[str] = None
+    time_cap: Optional[float] = None
+    binding: list[str] = Field(default_factory=list)
+    knobs: dict[str, Any] = Field(default_factory=dict)
+    combinations: int = Field(default=1, ge=0)
+    tokens_per_second: Optional[float] = Field(default=None, ge=0)
+    reason: Optional[str] = None
+
+
 class PipelineSpec(_Part):
     """Pipeline parallelism: number of stages, micro-batches per step and the schedule."""
 
@@ -134,6 +197,7 @@ class TrainingSpec(_Part):
     micro_batch: int = Field(default=1, ge=1)
     seq_len: int = Field(default=1, ge=1)
     grad_accum: int = Field(default=1, ge=1)
+    compile: Literal["eager", "compiled"] = "eager"  # compiled: each decoder layer torch.compile'd (agoq train --compile)
 
 
 class Predicted(_Part):
@@ -182,9 +246,13 @@ class Plan(_Part):
     gradients: GradientsSpec = Field(default_factory=GradientsSpec)
     pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     predicted: Predicted = Field(default_factory=Predicted)
     measured: Optional[Measured] = None
     source: Source = Field(default_factory=Source)
+    decision: Optional[Decision] = None
+    alternative: Optional[Alternative] = None       # the fastest alternative that fits the budget (None: none fits)
+    alternatives: list[Alternative] = Field(default_factory=list)  # every alternative priced, fitting or not
 
     model_config = ConfigDict(extra="allow", validate_assignment=True, populate_by_name=True)
 
@@ -379,5 +447,5 @@ def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: in
 
 
 __all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec",
-           "TrainingSpec", "Predicted", "Measured", "Source", "load_plan", "plan_from_dict", "remove_plan",
+           "TrainingSpec", "Predicted", "Measured", "Source", "OptimizerSpec", "Decision", "Alternative", "Figures", "load_plan", "plan_from_dict", "remove_plan",
            "GRADIENT_MODES", "SCHEDULES", "plan_for_policy"]

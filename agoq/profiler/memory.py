@@ -2,10 +2,11 @@
 
     peak = weights + masters + gradients + optimizer state + activations kept for backward + fixed
 
-The step is `agoq train`'s: bf16 parameters with float32 master copies (agoq.optim.master_weights)
-that AdamW steps, its two moments in float32, gradients dropped after every step (set to None) and the
-loss from the chunked LM head (agoq.models.lm_loss) where the model is agoq's. Weights, masters and
-gradients are the parameters' bytes; activations are the per-layer bytes of the profile
+The step is `agoq train --optimizer adamw8bit`'s: bf16 parameters, the fused 8-bit AdamW
+(agoq.optim.adamw8bit.FusedAdamW8bit) with float32 masters in its state, bf16 gradients dropped after every
+step (set to None) and the loss from the chunked LM head (agoq.models.lm_loss) where the model is agoq's.
+Weights, masters, gradients and moments are counted by agoq.optim.state_bytes (the section records them for
+every optimizer, master and gradient storage, so the search can price the others); activations are the per-layer bytes of the profile
 (predict_layer_bytes, equal to the saved-tensor tracker's count) plus what the embedding, final norm,
 LM head and loss keep (measured by the tracker); `fixed` is everything else (the allocator's
 workspace, gradients not yet allocated at the peak), calibrated as measured - predicted on the bf16
@@ -28,28 +29,50 @@ from agoq.activations.laaq import apply_activation_policy, remove_activation_pol
 from agoq.activations.policy import as_policy
 from agoq.activations.saved_bytes import track_saved_tensors
 from agoq.models.llama import LlamaForCausalLM
-from agoq.optim.master_weights import MasterWeights
+from agoq.optim.adamw8bit import FusedAdamW8bit
+from agoq.optim.state_bytes import state_table
 from agoq.profiler.model_source import next_token_loss
-from agoq.quant.qtensor import quantized_nbytes
-
-GRAD_BLOCK = 256  # QuanGrad's block: one float32 scale per 256 gradient values
-OPTIMIZER_BLOCK = 256  # block of the 8-bit AdamW moments
 
 
-def static_bytes(model: nn.Module) -> dict[str, int]:
-    """Weights, float32 master weights, gradients (bf16 and 8-bit QuanGrad) and optimizer state over the
-    masters (AdamW's float32 moments, 8-bit AdamW's), in bytes."""
+
+MEASURED_WITH = {"optimizer": "adamw8bit", "master": "fp32", "gradients": "bf16"}  # the measured step's
+
+
+def static_bytes(model: nn.Module) -> dict:
+    """Weights, float32 master weights, gradients (bf16 and 8-bit QuanGrad) and optimizer state, in bytes:
+    the flat fields (masters and moments of the measured step, MEASURED_WITH) and `state` (agoq.optim.
+    state_bytes.state_table: masters, moments and step transient of every optimizer/master combination,
+    gradient bytes of every storage)."""
     params = [p for p in model.parameters() if p.requires_grad]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = sum(p.numel() * p.element_size() for p in params)
+    elem = params[0].element_size() if params else 2
+    table = state_table([p.numel() for p in params], elem)
+    measured = table["optimizers"]["adamw8bit/fp32"]
     return {
         "weights_bytes": weights,
-        "master_bytes": MasterWeights.bytes_for(params),
-        "gradients_bytes_bf16": grads,
-        "gradients_bytes_quangrad8": sum(quantized_nbytes(p.numel(), 8, GRAD_BLOCK) for p in params),
-        "optimizer_bytes_adamw": 2 * 4 * sum(p.numel() for p in params),
-        "optimizer_bytes_adamw8bit": sum(2 * quantized_nbytes(p.numel(), 8, OPTIMIZER_BLOCK) for p in params),
+        "master_bytes": measured["masters"],
+        "gradients_bytes_bf16": table["gradients"]["bf16"],
+        "gradients_bytes_quangrad8": table["gradients"]["quangrad8"],
+        "optimizer_bytes_adamw": table["optimizers"]["adamw/fp32"]["moments"],
+        "optimizer_bytes_adamw8bit": table["optimizers"]["adamw8bit/fp32"]["moments"],
+        "state": table,
+        "measured_with": dict(MEASURED_WITH),
     }
+
+
+class _FusedStep:
+    """The measured step's optimizer: `step(opt)` applies the parameters' .grad, `zero_grad()` drops them
+    (the masters live in the optimizer's state)."""
+
+    def __init__(self, params: list, optimizer: FusedAdamW8bit):
+        self.params = params
+
+    def step(self, optimizer: FusedAdamW8bit) -> None:
+        optimizer.step()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
 
 
 def training_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -71,14 +94,15 @@ def predicted_activation_bytes(shape: LayerShape, num_layers: int, policy, outsi
 
 
 def measure_step(model: nn.Module, ids: torch.Tensor, policy) -> dict:
-    """One real training step (fwd + bwd + AdamW) under `policy`: measured peaks (GPU) of the fwd + bwd
-    part and of the optimizer step, step seconds, and the activation bytes the tracker counted (total
+    """One real training step (fwd + bwd + the fused 8-bit AdamW with float32 masters, as `agoq train
+    --optimizer adamw8bit`) under `policy`: measured peaks (GPU) of the fwd + bwd part and of the optimizer
+    step, step seconds (and the optimizer step's alone), and the activation bytes the tracker counted (total
     and outside the decoder layers)."""
     device = ids.device
     cuda = device.type == "cuda"
     params = [p for p in model.parameters() if p.requires_grad]
-    weights = MasterWeights(params)
-    opt = torch.optim.AdamW(weights.targets, lr=0.0)  # lr 0: the weights do not move between policies
+    opt = FusedAdamW8bit(params, lr=0.0, masters=True)  # lr 0: the weights do not move between policies
+    weights = _FusedStep(params, opt)
     apply_activation_policy(model, policy)
     peaks = [None, None]
     try:
@@ -99,11 +123,13 @@ def measure_step(model: nn.Module, ids: torch.Tensor, policy) -> dict:
             torch.cuda.synchronize(device)
             peaks[0] = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
+        opt_start = time.perf_counter()
         weights.step(opt)
         if cuda:
             torch.cuda.synchronize(device)
             peaks[1] = torch.cuda.max_memory_allocated(device)
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds, opt_seconds = end - start, end - opt_start
     finally:
         remove_activation_policy(model)
         weights.zero_grad()
@@ -111,7 +137,7 @@ def measure_step(model: nn.Module, ids: torch.Tensor, policy) -> dict:
         if cuda:
             torch.cuda.empty_cache()
     return {"measured_peak_bytes": None if peaks[0] is None else max(peaks), "peak_forward_backward": peaks[0],
-            "peak_optimizer_step": peaks[1], "step_seconds": seconds,
+            "peak_optimizer_step": peaks[1], "step_seconds": seconds, "optimizer_step_seconds": opt_seconds,
             "measured_activation_bytes": log.total(), "outside_bytes": sum(log.outside.values())}
 
 
@@ -126,7 +152,7 @@ def memory_section(model: nn.Module, shape: LayerShape, num_layers: int, ids: to
     """
     section = static_bytes(model)
     base = (section["weights_bytes"] + section["master_bytes"] + section["gradients_bytes_bf16"]
-            + section["optimizer_bytes_adamw"])
+            + section["optimizer_bytes_adamw8bit"])  # the measured step's (MEASURED_WITH)
     steps, fixed, fixed_opt = [], None, None
     for name in policies:
         try:
@@ -149,7 +175,8 @@ def memory_section(model: nn.Module, shape: LayerShape, num_layers: int, ids: to
         predicted_fb = base + activations + (fixed or 0)
         predicted = max(predicted_fb, base + (fixed_opt or 0))
         step = {"policy": name, "measured_peak_bytes": m["measured_peak_bytes"], "predicted_peak_bytes": predicted,
-                "step_seconds": m["step_seconds"], "predicted_activation_bytes": activations,
+                "step_seconds": m["step_seconds"], "optimizer_step_seconds": m["optimizer_step_seconds"],
+                "predicted_activation_bytes": activations,
                 "measured_activation_bytes": m["measured_activation_bytes"],
                 "measured_peak_bytes_forward_backward": m["peak_forward_backward"],
                 "predicted_peak_bytes_forward_backward": predicted_fb,

@@ -5,10 +5,21 @@ whole-layer `checkpoint` option per layer. Exactly one option is picked per (lay
 layer is checkpointed, in which case none is (the layer then keeps only its input).
 
   memory of stage s = in_flight[s] x (bytes the stage's layers keep per micro-batch)
-                      + the stage's share of weights, gradients (by gradient mode) and optimizer state
+                      + the stage's share of weights, gradients (by gradient mode), masters and moments (by
+                        optimizer and masters: agoq.optim.state_bytes, as the profile records them)
                       + the profile's fixed bytes
-  step time         = grad_accum x (bf16 step + extra seconds of the chosen options) + communication
+  step time         = A x (fwd + bwd of the bf16 step + extra seconds of the chosen options
+                           + laaq_layer_seconds per layer that runs LAAQ's functions)
+                      + the optimizer step + communication
+                      (A = grad_accum x micro_batch / profiled micro_batch; the step times are the profile's, in
+                      its compile mode: eager, or "compiled" where the profile holds compiled steps)
   error             = sum of the chosen options' measured sensitivities (0 for 16, recompute, checkpoint)
+
+A layer under LAAQ's functions does not run the plain layer's code: its norms and SwiGLU are agoq's fused
+kernels, so its own time differs from the unmodified layer's by a constant that the options' extra seconds do
+not hold. `laaq_layer_seconds` is that constant, from the profile's measured agoq-paper and bf16 steps:
+(paper step - bf16 step - the recipe's extra seconds) / layers. Without it the model over-predicted every
+quantized plan on the probe model by ~25 ms (1.7-1.9 ms per layer; experiments/results/search_probe_budgets_*).
 
 Two per-layer corrections keep the memory model exact for agoq's runtime: a layer whose kinds are all 16
 runs unmodified and keeps what the plain model keeps (float32 norm statistics and all: `unmodified_extra`),
@@ -29,6 +40,7 @@ import pandas as pd
 from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
 from agoq.formats.profile import ProfileData
+from agoq.optim.state_bytes import check_combination, step_bytes_moved
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
@@ -48,6 +60,9 @@ class ProblemSettings:
     schedule: str = "1f1b"                # pipeline schedule whose in-flight counts apply
     layer_stage: Optional[tuple] = None   # pipeline stage per layer (None: the profile's split)
     allow_checkpoint: bool = True         # offer whole-layer checkpointing
+    optimizer: Optional[str] = None       # adamw (float32 moments) or adamw8bit (fused; None: the profile's step's)
+    master: Optional[str] = None          # fp32 or none (float32 masters; None: the profile's step's)
+    compile_mode: Optional[str] = None    # "eager" or "compiled" (None: the profile's own mode)
 
     def floors(self) -> dict[str, int]:
         return dict(self.floor_bits)
@@ -79,6 +94,8 @@ class ChoiceProblem:
                                                   # in backward (the unmodified layer's bytes, per micro-batch)
 
     laaq_transient_bytes: Optional[np.ndarray] = None  # [S] extra peak while a LAAQ layer runs backward
+    laaq_layer_seconds: float = 0.0   # seconds per step each layer running LAAQ's functions adds (x accum), < 0
+                                      # when agoq's fused layer is faster than the plain one
 
     def laaq_transient(self) -> np.ndarray:
         """Per stage, what the backward of a layer under LAAQ's functions holds beyond the memory model
@@ -155,7 +172,10 @@ class ChoiceProblem:
                 + self.checkpoint_memory[l] / flight[s] + extra[l] + transient[s]
             mem[s] = max(mem[s], during)
         mem = np.maximum(mem, self.peak_floor())
-        seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum())
+        laaq_layers = sum(1 for l in range(self.num_layers) if not ckpt[l]
+                          and not all(self.option[i] == "16" for i in chosen[self.layer[chosen] == l]))
+        seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum()) \
+            + self.laaq_layer_seconds * laaq_layers
         # whole bytes, rounded up (a fraction of a byte over a budget is over it; 1e-6 absorbs float noise)
         return {"peak_bytes_per_stage": [int(np.ceil(m - 1e-6)) for m in mem], "step_seconds": seconds,
                 "grad_error": float(self.error[chosen].sum()),
@@ -220,22 +240,158 @@ def gradient_modes(profile: ProfileData) -> list[str]:
     return modes
 
 
-def static_bytes_total(profile: ProfileData, mode: str) -> float:
-    """Weights + float32 masters + gradients + optimizer state of the whole model under a gradient mode, in
-    bytes (profiles written before masters were modelled have no master_bytes: 0)."""
+OLD_MEASURED_WITH = {"optimizer": "adamw", "master": "fp32", "gradients": "bf16"}  # profiles before the fused step
+COMPILE_MODES = ("eager", "compiled")
+
+
+def measured_with(profile: ProfileData) -> dict:
+    """The optimizer, masters and gradient storage of the profile's measured steps (its calibration)."""
+    return dict(profile.memory.get("measured_with") or OLD_MEASURED_WITH)
+
+
+def resolve_optimizer(profile: ProfileData, optimizer: Optional[str], master: Optional[str]) -> tuple[str, str]:
+    """(optimizer, master) with None read as the profile's measured step's; raises ValueError for a combination
+    the trainer refuses."""
+    base = measured_with(profile)
+    optimizer = optimizer or base["optimizer"]
+    master = master or base["master"]
+    check_combination(optimizer, master)
+    return optimizer, master
+
+
+def optimizer_choices(gradient_mode: str) -> list[tuple[str, str]]:
+    """(optimizer, master) combinations a plan may use with `gradient_mode` (SDP4Bit shards float32 AdamW)."""
+    if gradient_mode == "sdp4bit":
+        return [("adamw", "fp32")]
+    return [("adamw", "fp32"), ("adamw8bit", "fp32"), ("adamw8bit", "none")]
+
+
+def state_parts(profile: ProfileData, mode: str, optimizer: Optional[str] = None,
+                master: Optional[str] = None) -> dict:
+    """Bytes of the whole model's weights, gradients (gradient mode `mode`), masters, moments and the optimizer
+    step's transient (see agoq.optim.state_bytes), from the profile's memory section. Profiles written before it
+    recorded `state` give masters as master_bytes, moments as optimizer_bytes_adamw / _adamw8bit and torch AdamW's
+    float32 gradient copies as master_bytes."""
+    if mode not in GRADIENT_MODES:
+        raise ValueError(f"gradient mode must be one of {', '.join(GRADIENT_MODES)}, got {mode!r}")
+    optimizer, master = resolve_optimizer(profile, optimizer, master)
     mem = profile.memory
     weights = float(mem.get("weights_bytes") or profile.header["model"].get("weight_bytes") or 0)
-    masters = float(mem.get("master_bytes") or 0)
     grads_bf16 = float(mem.get("gradients_bytes_bf16") or weights)
-    optimizer = float(mem.get("optimizer_bytes_adamw") or 0)
-    world = int(profile.settings.get("world_size", 1) or 1)
-    if mode == "bf16":
-        return weights + masters + grads_bf16 + optimizer
-    if mode == "quangrad8":
-        return weights + masters + float(mem.get("gradients_bytes_quangrad8") or grads_bf16) + optimizer
-    if mode == "sdp4bit":  # sharded data parallelism: master, gradient and optimizer shards of 1/world each
-        return weights + (masters + grads_bf16 + optimizer) / world
-    raise ValueError(f"gradient mode must be one of {', '.join(GRADIENT_MODES)}, got {mode!r}")
+    grads = {"bf16": grads_bf16, "quangrad8": float(mem.get("gradients_bytes_quangrad8") or grads_bf16),
+             "sdp4bit": grads_bf16}
+    state = (mem.get("state") or {}).get("optimizers", {}).get(f"{optimizer}/{master}")
+    if state is not None:
+        masters, moments, transient = (float(state[k]) for k in ("masters", "moments", "step_transient"))
+    else:
+        fp32 = float(mem.get("master_bytes") or 0)
+        masters = fp32 if master == "fp32" else 0.0
+        if optimizer == "adamw":
+            moments = float(mem.get("optimizer_bytes_adamw") or 0)
+        else:
+            moments = float(mem.get("optimizer_bytes_adamw8bit") or mem.get("optimizer_bytes_adamw") or 0)
+        transient = fp32 if (optimizer, master) == ("adamw", "fp32") else 0.0
+    return {"weights": weights, "gradients": grads[mode], "masters": masters, "moments": moments,
+            "step_transient": transient, "optimizer": optimizer, "master": master}
+
+
+def static_bytes_total(profile: ProfileData, mode: str, optimizer: Optional[str] = None,
+                       master: Optional[str] = None) -> float:
+    """Weights + masters + gradients + optimizer moments of the whole model, in bytes, under a gradient mode and
+    an optimizer (None: the profile's measured step's; see `state_parts`). SDP4Bit (sharded data parallelism)
+    keeps 1/world of masters, gradients and moments per rank."""
+    parts = state_parts(profile, mode, optimizer, master)
+    if mode == "sdp4bit":
+        world = int(profile.settings.get("world_size", 1) or 1)
+        return parts["weights"] + (parts["masters"] + parts["gradients"] + parts["moments"]) / world
+    return parts["weights"] + parts["gradients"] + parts["masters"] + parts["moments"]
+
+
+def profile_compile_mode(profile: ProfileData) -> str:
+    """The compile mode the profile's memory steps and layer times were measured in (eager unless it says)."""
+    return str(profile.settings.get("compile_mode") or "eager")
+
+
+def _steps_of(steps) -> dict:
+    return {str(st.get("policy")): st for st in (steps or []) if st.get("step_seconds") is not None}
+
+
+def mode_timing(profile: ProfileData, compile_mode: Optional[str] = None) -> dict:
+    """The step times of one compile mode, seconds at the profiled micro-batch: "bf16" (whole step), "optimizer"
+    (its optimizer step, 0 when not measured apart), "paper" (the agoq-paper step, or None), "layer_forward"
+    (per layer, or None), "checkpoint_all" (or None). The profile's own mode reads its memory steps; "compiled"
+    reads the profile's optional `compiled` section (docs/formats.md)."""
+    own = profile_compile_mode(profile)
+    mode = compile_mode or own
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if mode == own:
+        steps = _steps_of(profile.memory.get("steps"))
+        forward = (profile.header.get("timing") or {}).get("layer_forward_seconds")
+    else:
+        section = profile.header.get("compiled") or {}
+        steps = _steps_of(section.get("steps"))
+        if "bf16" not in steps:
+            raise ValueError(f"the profile has no {mode} step times (it was measured {own}; profile with "
+                             "--compile to add them)")
+        forward = section.get("layer_forward_seconds")
+    bf16 = steps.get("bf16")
+    out = {"mode": mode, "bf16": None if bf16 is None else float(bf16["step_seconds"]),
+           "optimizer": float((bf16 or {}).get("optimizer_step_seconds") or 0.0),
+           "paper": float(steps["agoq-paper"]["step_seconds"]) if "agoq-paper" in steps else None,
+           "checkpoint_all": float(steps["checkpoint-all"]["step_seconds"]) if "checkpoint-all" in steps else None,
+           "layer_forward": None}
+    L = profile.num_layers
+    if forward is not None and len(forward) == L:
+        out["layer_forward"] = [float(f) for f in forward]
+    elif out["checkpoint_all"] is not None and out["bf16"] is not None:
+        out["layer_forward"] = [max(0.0, out["checkpoint_all"] - out["bf16"]) / L] * L
+    return out
+
+
+def compile_modes(profile: ProfileData) -> list[str]:
+    """Compile modes the profile has step times for (its own mode first)."""
+    modes = [profile_compile_mode(profile)]
+    for mode in COMPILE_MODES:
+        if mode not in modes:
+            try:
+                if mode_timing(profile, mode)["bf16"] is not None:
+                    modes.append(mode)
+            except ValueError:
+                pass
+    return modes
+
+
+def _recipe_extra_seconds(profile: ProfileData) -> Optional[float]:
+    """Sum of the profile's extra seconds (at the profiled micro-batch) over the options of the agoq-paper step
+    the profiler measured (every layer at the preset's settings); None when one is missing from the table."""
+    from agoq.activations.policy import as_policy
+
+    policy = as_policy("agoq-paper")
+    table = profile.table
+    rows = table[table["format"].isin(["bf16", "recompute", "int"])]
+    lookup = {(int(l), k, str(o)): float(e) for l, k, o, e in
+              zip(rows["layer"], rows["kind"], rows["option"], rows["extra_seconds"])}
+    total = 0.0
+    for layer in range(profile.num_layers):
+        for kind, setting in policy.settings(layer).items():
+            key = (layer, kind, "recompute" if setting == RECOMPUTE else str(setting))
+            if key not in lookup:
+                return None
+            total += lookup[key]
+    return total
+
+
+def laaq_layer_seconds(profile: ProfileData, timing: dict) -> Optional[float]:
+    """Seconds (at the profiled micro-batch) a layer running LAAQ's functions adds beyond its options' extra
+    seconds: (agoq-paper step - bf16 step - the recipe's extra seconds) / layers, from the measured steps of
+    `timing`'s mode; None when the profile lacks one of them."""
+    if timing["paper"] is None or timing["bf16"] is None:
+        return None
+    extras = _recipe_extra_seconds(profile)
+    if extras is None:
+        return None
+    return (timing["paper"] - timing["bf16"] - extras) / profile.num_layers
 
 
 def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings()) -> ChoiceProblem:
@@ -258,6 +414,10 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     if knobs.gradient_mode not in gradient_modes(profile):
         raise ValueError(f"gradient mode {knobs.gradient_mode!r} needs figures the profile lacks "
                          f"(available: {', '.join(gradient_modes(profile))})")
+    optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
+    if knobs.gradient_mode == "sdp4bit" and (optimizer, master) != ("adamw", "fp32"):
+        raise ValueError("gradient mode sdp4bit runs SDP4Bit's sharded float32 AdamW: optimizer adamw, masters fp32")
+    timing = mode_timing(profile, knobs.compile_mode)
     if block != block0:
         notes.append(f"sensitivities were measured at block {block0}; at block {block} the same values are used")
     floors = knobs.floors()
@@ -326,8 +486,8 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     tokens = mb * int(profile.settings.get("seq_len", 1))
     checkpoint_memory = np.array([tokens * hidden * elem * flight[l] for l in range(L)], dtype=float) \
         if hidden else np.zeros(L)
-    forward = (profile.header.get("timing") or {}).get("layer_forward_seconds")
-    bf16_step = profile.bf16_step_seconds()
+    forward = timing["layer_forward"]
+    bf16_step = timing["bf16"]
     allow_ckpt = knobs.allow_checkpoint and bool(hidden)
     if forward is not None and len(forward) == L:
         checkpoint_seconds = np.array(forward, dtype=float) * time_scale
@@ -345,7 +505,7 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         notes.append("no hidden size in the profile: whole-layer checkpointing is not offered")
 
     share = np.bincount(stages, minlength=S) / L
-    static = static_bytes_total(profile, knobs.gradient_mode) * share
+    static = static_bytes_total(profile, knobs.gradient_mode, optimizer, master) * share
     # besides the layers' activations a step holds what embedding, final norm, head and loss keep
     # (outside_activation_bytes) and the calibrated rest (fixed_bytes: logits' gradient, workspace)
     outside = float(profile.memory.get("outside_activation_bytes") or 0)
@@ -370,10 +530,27 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     fixed_opt = profile.memory.get("fixed_bytes_optimizer_step")
     floor = None
     if fixed_opt is not None:  # the optimizer step's peak: weights, gradients, state and its temporaries
-        floor = static_bytes_total(profile, knobs.gradient_mode) * share + float(fixed_opt) * share
+        # fixed_opt was measured with the profile's optimizer: its transient is swapped for this optimizer's
+        calibrated = measured_with(profile)
+        transient = state_parts(profile, knobs.gradient_mode, optimizer, master)["step_transient"] \
+            - state_parts(profile, knobs.gradient_mode, calibrated["optimizer"], calibrated["master"])["step_transient"]
+        floor = (static_bytes_total(profile, knobs.gradient_mode, optimizer, master) + float(fixed_opt)
+                 + transient) * share
     base = 0.0
+    laaq_seconds = 0.0
     if bf16_step is not None:
-        base = bf16_step * time_scale
+        # fwd + bwd scale with the tokens of a step; the optimizer step runs once, its time scaled by the bytes it
+        # moves under this optimizer against the measured one's (agoq.optim.state_bytes.step_bytes_moved)
+        calibrated = measured_with(profile)
+        moved = step_bytes_moved(optimizer, master, knobs.gradient_mode if knobs.gradient_mode != "sdp4bit" else "bf16")
+        moved0 = step_bytes_moved(calibrated["optimizer"], calibrated["master"], calibrated["gradients"])
+        base = (bf16_step - timing["optimizer"]) * time_scale + timing["optimizer"] * moved / moved0
+        per_layer = laaq_layer_seconds(profile, timing)
+        if per_layer is None:
+            notes.append("no agoq-paper step time in the profile: layers under LAAQ are timed as the plain layer "
+                         "plus their options' extra seconds")
+        else:
+            laaq_seconds = per_layer * time_scale
     else:
         notes.append("no bf16 step time in the profile: predicted step times count only the options' extras")
     params = float(profile.header["model"].get("parameters") or 0)
@@ -383,7 +560,7 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         comm = 0.0
     return ChoiceProblem(layer, kind, option, memory, seconds, error, stages, checkpoint_memory, checkpoint_seconds,
                          allow_ckpt, unmodified, credit, static, base + comm, time_scale, notes, floor,
-                         np.array(in_flight[:S], dtype=float), recompute, laaq)
+                         np.array(in_flight[:S], dtype=float), recompute, laaq, laaq_seconds)
 
 
 def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:
@@ -420,4 +597,5 @@ def recipe_error(problem: ChoiceProblem) -> Optional[float]:
 
 
 __all__ = ["ProblemSettings", "ChoiceProblem", "build_problem", "checkpointing_only", "gradient_modes", "recipe_choice",
-           "recipe_error", "static_bytes_total"]
+           "recipe_error", "static_bytes_total", "state_parts", "mode_timing", "compile_modes", "optimizer_choices",
+           "resolve_optimizer", "measured_with", "laaq_layer_seconds", "COMPILE_MODES"]

@@ -6,13 +6,15 @@ stage s runs LAAQ's functions, whose backward holds dequantized copies: the prof
 transient). Constraints:
 
   for each (layer l, kind k):   sum_{i in (l,k)} x_i + c_l = 1
-  u_l >= sum_k x_{l,k,16} - (K - 1)          (costs memory, so the solver keeps it at its lower bound;
-  u_l <= x_{l,k,16} for every k                 and where z_s is in play, exactly "all at 16")
+  u_l >= sum_k x_{l,k,16} - (K - 1)          (with u_l <= x_{l,k,16} for every k: u_l is exactly "all at 16"
+  u_l <= x_{l,k,16} for every k               wherever memory, the LAAQ transient or the LAAQ layer time
+                                              depends on it)
   z_s >= 1 - u_l - c_l  for each layer l of stage s
   w_l <= x_{l,attention,16},  w_l <= x_{l,o_proj,16}      (saves memory, so it is pushed up to them)
   for each stage s:   sum memory + static_s <= budget_s, and the same for the backward of each
                       checkpointed layer (its input and rerun forward on top of the earlier layers)
-  optionally:         step seconds <= time cap
+  optionally:         step seconds <= time cap, where step seconds = base + sum options' seconds
+                      + sum_l checkpoint seconds c_l + laaq_layer_seconds x (L - sum_l u_l - sum_l c_l)
 
 Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically:
 the first objective is solved exactly (relative MIP gap 1e-7) or, where HiGHS cannot prove that
@@ -97,6 +99,7 @@ class _Model:
             hi.append(1.0)
             r += 1
         is16 = p.keeps_16bit()
+        timed = p.laaq_layer_seconds != 0.0  # u_l carries the LAAQ layer time: it must be exact
         att, oproj = KINDS.index("attention"), KINDS.index("o_proj_input")
         kinds_per_layer = np.zeros(L, dtype=int)
         for (l, _k) in groups:
@@ -106,14 +109,14 @@ class _Model:
             sixteen_by_layer.setdefault(int(p.layer[i]), []).append(int(i))
         for l in range(L):
             s16 = sixteen_by_layer.get(l, [])
-            if p.unmodified_extra[l] > 0 and len(s16) == kinds_per_layer[l]:
+            if (p.unmodified_extra[l] > 0 or timed) and len(s16) == kinds_per_layer[l]:
                 rows += [r] * (len(s16) + 1)
                 cols += s16 + [self.u0 + l]
                 vals += [1.0] * len(s16) + [-1.0]
                 lo.append(-np.inf)
                 hi.append(kinds_per_layer[l] - 1.0)
                 r += 1
-            if laaq[p.layer_stage[l]] > 0:
+            if laaq[p.layer_stage[l]] > 0 or timed:
                 # u_l = 1 only when every kind is at 16 (the layer runs unmodified), and z_s = 1 when any
                 # layer of the stage runs LAAQ's functions: 1 - u_l - c_l <= z_s
                 kinds16 = {int(p.kind[i]) for i in s16}
@@ -131,6 +134,7 @@ class _Model:
                     lo.append(-np.inf)
                     hi.append(0.0)
                     r += 1
+            if laaq[p.layer_stage[l]] > 0:
                 rows += [r, r, r]
                 cols += [self.u0 + l, self.c0 + l, self.z0 + p.layer_stage[l]]
                 vals += [-1.0, -1.0, -1.0]
@@ -188,8 +192,10 @@ class _Model:
         self.unit = float(min(MIB, max(1.0, 2.0 ** np.floor(np.log2(max(float(np.abs(mem).max()), 1.0) / 1e3)))))
         t = np.zeros(self.nv)
         t[:n] = p.seconds
-        t[self.c0:self.c0 + L] = p.checkpoint_seconds
+        t[self.c0:self.c0 + L] = p.checkpoint_seconds - p.laaq_layer_seconds
+        t[self.u0:self.u0 + L] = -p.laaq_layer_seconds
         self.time_row = t
+        self.time_constant = p.base_seconds + L * p.laaq_layer_seconds  # step seconds = time_constant + t @ x
         e = np.zeros(self.nv)
         e[:n] = p.error
         self.error_row = e
@@ -200,7 +206,7 @@ class _Model:
         room = (np.asarray(budgets, float) - p.static_bytes)[self.peak_stage]
         constraints = [self.structure, LinearConstraint(self.peak_rows / self.unit, -np.inf, room / self.unit)]
         if time_cap is not None:
-            constraints.append(LinearConstraint(self.time_row[None, :] * 1e3, -np.inf, (time_cap - p.base_seconds) * 1e3))
+            constraints.append(LinearConstraint(self.time_row[None, :] * 1e3, -np.inf, (time_cap - self.time_constant) * 1e3))
         if error_cap is not None:
             scale = max(float(np.abs(self.error_row).max()), 1e-30)
             constraints.append(LinearConstraint(self.error_row[None, :] / scale, -np.inf, error_cap / scale))
@@ -237,14 +243,14 @@ class _Model:
         c = secondary / sec_scale + TIE_BREAK * self.memory_rows.sum(0) / mem_scale
         options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
         bounds = self.bounds
-        if best <= 0.0:  # the optimum uses no option with a primary cost: fix those out, no extra row
+        if best <= 0.0 and not (primary < 0).any():  # the optimum uses no option with a primary cost: fix those out
             bounds = Bounds(bounds.lb, np.where(primary > 0, 0.0, bounds.ub))
             extra = []
             if objective == "error":
                 time_cap = None  # minimising time among choices the cap allowed: the cap cannot bind
         else:  # ties among the optimum's equals
             scale = max(float(np.abs(primary).max()), 1e-30)
-            extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + best * 1e-9) / scale)]
+            extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + abs(best) * 1e-9 + 1e-12) / scale)]
         options["node_limit"] = SECOND_NODES
         second = milp(c, constraints=self._constraints(budgets, time_cap, error_cap) + extra, integrality=np.ones(self.nv),
                       bounds=bounds, options=options)
@@ -307,7 +313,8 @@ class Solver:
                                     p.static_bytes[s:s + 1], 0.0, p.seconds_scale,
                                     floor_bytes=p.peak_floor()[s:s + 1], in_flight=p.in_flight_counts()[s:s + 1],
                                     recompute_bytes=p.recomputed()[layers],
-                                    laaq_transient_bytes=p.laaq_transient()[s:s + 1])
+                                    laaq_transient_bytes=p.laaq_transient()[s:s + 1],
+                                    laaq_layer_seconds=p.laaq_layer_seconds)
                 self._stages.append((_Model(sub), idx, layers))
         return self._stages
 
@@ -326,7 +333,7 @@ class Solver:
         cons = [structure, LinearConstraint(mem, -np.inf, -self.problem.static_bytes[m.peak_stage] / m.unit)]
         if time_cap is not None:
             cons.append(LinearConstraint(np.append(m.time_row, 0.0)[None, :] * 1e3, -np.inf,
-                                         (time_cap - self.problem.base_seconds) * 1e3))
+                                         (time_cap - m.time_constant) * 1e3))
         if error_cap is not None:
             scale = max(float(np.abs(m.error_row).max()), 1e-30)
             cons.append(LinearConstraint(np.append(m.error_row, 0.0)[None, :] / scale, -np.inf, error_cap / scale))
@@ -399,7 +406,7 @@ class Solver:
             first = m.solve_first_objective(budgets, objective, time_cap, time_limit)
             if first.x is None:
                 raise self._infeasible(budgets, time_cap, first.message)
-            if m.value(first.x, objective) <= 0.0:
+            if m.value(first.x, objective) <= 0.0 and not (m._rows(objective)[0] < 0).any():
                 # zero error is reachable within the cap: the least time at zero error is below the cap too,
                 # and without the cap the stages separate
                 return self._solve(budgets, objective, None, time_limit, None)

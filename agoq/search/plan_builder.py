@@ -7,9 +7,9 @@ from typing import Optional
 
 import numpy as np
 
-from agoq.formats.plan import Plan
+from agoq.formats.plan import SCHEMA, Plan
 from agoq.formats.profile import ProfileData
-from agoq.search.costs import ChoiceProblem, ProblemSettings
+from agoq.search.costs import ChoiceProblem, ProblemSettings, mode_timing, resolve_optimizer
 from agoq.search.milp import Allocation
 
 
@@ -37,9 +37,10 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     if activation is None:
         activation = problem.evaluate(alloc.chosen, alloc.checkpoint)["activation_bytes_per_stage"]
     s = profile.settings
+    optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     data = {
         "launch": launch_for(problem.num_stages, knobs.gradient_mode, int(s.get("world_size", 1) or 1)),
-        "schema": "agoq.plan/1",
+        "schema": SCHEMA,
         "model": {"name": profile.model_name, "fingerprint": profile.fingerprint},
         "budget_bytes": int(budget_bytes) if budget_bytes is not None else None,
         "activations": {"block": int(knobs.block or s.get("block", 128)), "format": knobs.format,
@@ -49,7 +50,9 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
         "pipeline": {"stages": problem.num_stages, "micro_batches": int(s.get("micro_batches", 1) or 1),
                      "schedule": knobs.schedule},
         "training": {"micro_batch": int(knobs.micro_batch or s.get("micro_batch", 1) or 1),
-                     "seq_len": int(s.get("seq_len", 1) or 1), "grad_accum": int(knobs.grad_accum)},
+                     "seq_len": int(s.get("seq_len", 1) or 1), "grad_accum": int(knobs.grad_accum),
+                     "compile": mode_timing(profile, knobs.compile_mode)["mode"]},
+        "optimizer": {"name": optimizer, "master": master},
         "predicted": {"peak_bytes_per_stage": [int(p) for p in alloc.peak_bytes_per_stage],
                       "activation_bytes_per_stage": activation, "step_seconds": float(alloc.step_seconds),
                       "grad_error": float(alloc.grad_error),

@@ -1,4 +1,9 @@
-"""The whole search: profile -> MILP and/or Optuna -> best plan, Pareto front (CSV + plans), validation.
+"""The whole search: profile -> outer knobs x MILP and/or Optuna -> best plan, priced against the best
+alternative, Pareto front (CSV + plans), validation.
+
+The defaults are agoq.search.defaults' (objective "time": the most tokens/s that fits the budget; error cap
+"recipe": no more predicted gradient error than the published agoq-paper recipe on this profile; no time cap). `agoq search`, `agoq profile --budget` and the dashboard's plan service
+call `search` / `plan_from_profile` and get them.
 
 `plan_from_profile` is the one-call form that `agoq profile --budget` uses.
 """
@@ -15,7 +20,10 @@ from typing import Optional
 from agoq.files import write_atomic
 from agoq.formats.plan import Plan
 from agoq.formats.profile import ProfileData, load_profile
+from agoq.search.alternatives import best_alternative, price_alternatives
 from agoq.search.costs import ProblemSettings, build_problem
+from agoq.search.defaults import DEFAULT_ERROR_CAP, DEFAULT_OBJECTIVE, DEFAULT_TIME_CAP
+from agoq.search.knobs import KnobSearch, KnobSpace, knob_values, solve_knobs
 from agoq.search.milp import (
     RECIPE_CAP,
     InfeasibleBudget,
@@ -65,13 +73,78 @@ def _infeasible_error(e: InfeasibleBudget, profile: ProfileData) -> ValueError:
 
 
 def _recipe_cap(profile: ProfileData, error_cap, notes: list | None = None):
-    """`error_cap` as a number or None: "recipe" becomes the recipe's predicted error on the default knobs."""
+    """`error_cap` as a number or None: "recipe" becomes the recipe's predicted error on the default knobs (the
+    stage rule's widths; where the profile lacks them, as for a pipeline profiled at 4 bits only, the recipe at
+    4 bits in every stage, said in `notes`)."""
     if error_cap != RECIPE_CAP:
         return error_cap
-    value = resolve_error_cap(build_problem(profile), error_cap)
+    try:
+        value = resolve_error_cap(build_problem(profile), error_cap)
+        what = "the published recipe (agoq-paper)"
+    except ValueError:
+        one_stage = ProblemSettings(layer_stage=(0,) * profile.num_layers)
+        value = resolve_error_cap(build_problem(profile, one_stage), error_cap)  # raises when 4 bits are missing too
+        what = "the published recipe at 4 bits in every stage (the profile lacks the stage rule's widths)"
     if notes is not None:
-        notes.append(f"error cap {value:.4g}: the predicted gradient error of the published recipe (agoq-paper)")
+        notes.append(f"error cap {value:.4g}: the predicted gradient error of {what}")
     return value
+
+
+def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, error_cap: Optional[float],
+               cap_source: Optional[str], space: Optional[KnobSpace], alternatives: bool) -> tuple:
+    """The best plan over the outer knobs (agoq.search.knobs), with its decision and best alternative recorded;
+    returns (plan, KnobSearch)."""
+    try:
+        found = solve_knobs(profile, budget, objective=objective, error_cap=error_cap, time_cap=time_cap,
+                            space=space or KnobSpace())
+    except InfeasibleBudget as e:
+        raise _infeasible_error(e, profile) from None
+    best = found.best
+    plan = build_plan(profile, best.problem, best.alloc, best.knobs, budget, "milp", objective)
+    record_decision(plan, profile, found, objective, error_cap, cap_source)
+    if alternatives:
+        attach_alternatives(plan, profile, budget, found)
+    return plan, found
+
+
+def record_decision(plan: Plan, profile: ProfileData, found: KnobSearch, objective: str,
+                    error_cap: Optional[float], cap_source: Optional[str]) -> None:
+    """Write `plan.decision`: objective, caps, binding constraint(s), the chosen knob values and why."""
+    best = found.best
+    solved = [r for r in found.tried if r.alloc is not None]
+    knobs = knob_values(profile, best.knobs)
+    what = "the most tokens/s" if objective == "time" else "the least predicted gradient error"
+    caps = []
+    if error_cap is not None:
+        caps.append(f"predicted gradient error <= {error_cap:.4g}" + (f" ({cap_source})" if cap_source else ""))
+    if best.time_cap is not None:
+        caps.append(f"step <= {best.time_cap:.4f} s")
+    reason = (f"{what} of {len(solved)} knob combination(s) that fit the budget"
+              + (f" under {' and '.join(caps)}" if caps else "")
+              + f"; binding: {', '.join(found.binding)}")
+    plan.decision = {"objective": objective, "error_cap": error_cap, "error_cap_source": cap_source,
+                     "time_cap": best.time_cap, "binding": list(found.binding), "knobs": knobs,
+                     "combinations": len(found.tried), "tokens_per_second": best.tokens_per_second,
+                     "reason": reason}
+
+
+def attach_alternatives(plan: Plan, profile: ProfileData, budget: int, found: Optional[KnobSearch] = None) -> None:
+    """Price the alternatives (agoq.search.alternatives) at the plan's budget over the same batch splits and compile
+    modes, and write `plan.alternatives` and `plan.alternative` (the fastest that fits, with the plan's speed-up)."""
+    tried = found.tried if found is not None else []
+    splits = sorted({(int(r.knobs.micro_batch or plan.training.micro_batch), int(r.knobs.grad_accum)) for r in tried}
+                    or {(plan.training.micro_batch, plan.training.grad_accum)}, reverse=True)
+    from agoq.search.costs import compile_modes
+
+    modes = sorted({plan.training.compile} | ({r.knobs.compile_mode for r in tried if r.knobs.compile_mode}
+                                              & set(compile_modes(profile))))
+    priced = price_alternatives(profile, budget, splits, modes)
+    seq = plan.training.seq_len
+    mine = plan.training.micro_batch * plan.training.grad_accum * seq / plan.predicted.step_seconds \
+        if plan.predicted.step_seconds else None
+    plan.alternatives = [a.as_plan_field(mine) for a in priced]
+    best = best_alternative(priced)
+    plan.alternative = None if best is None else best.as_plan_field(mine)
 
 
 def _milp_plan(profile: ProfileData, knobs: ProblemSettings, budget: int, objective: str, time_cap,
@@ -85,34 +158,52 @@ def _milp_plan(profile: ProfileData, knobs: ProblemSettings, budget: int, object
     return problem, solver, alloc
 
 
-def plan_from_profile(profile_dir, budget_bytes: int, *, objective: str = "error",
-                      time_cap="checkpoint", error_cap: Optional[float] = None, knobs: ProblemSettings = ProblemSettings()) -> Plan:
-    """The MILP-optimal plan of a profile (folder or ProfileData) under `budget_bytes` per GPU (stage).
+def plan_from_profile(profile_dir, budget_bytes: int, *, objective: str = DEFAULT_OBJECTIVE,
+                      time_cap=DEFAULT_TIME_CAP, error_cap=DEFAULT_ERROR_CAP,
+                      knobs: Optional[ProblemSettings] = None, space: Optional[KnobSpace] = None,
+                      alternatives: bool = True) -> Plan:
+    """The best plan of a profile (folder or ProfileData) under `budget_bytes` per GPU (stage).
 
-    `time_cap`: seconds per step, None, or "checkpoint" (default: no slower than the best full-or-selective
+    `objective`: "time" (default: the most tokens/s) or "error" (the least predicted gradient error).
+    `time_cap`: seconds per step, None (default), or "checkpoint" (no slower than the best full-or-selective
     checkpointing that fits the budget); `error_cap`: the largest predicted gradient error (None: no cap;
-    "recipe": the predicted error of the published agoq-paper recipe on this profile).
+    "recipe", the default: the predicted error of the published agoq-paper recipe on this profile).
+    With `knobs` (ProblemSettings) the plan uses exactly those knobs; else the outer knobs of `space`
+    (agoq.search.knobs.KnobSpace, default: every gradient storage, optimizer and compile mode the profile
+    prices, float32 masters, every split of the profiled micro-batch) are searched. The plan records its
+    decision and, with `alternatives`, the best alternative that fits the budget.
     Raises ValueError with the smallest feasible budget when none fits."""
     profile = profile_dir if isinstance(profile_dir, ProfileData) else load_profile(profile_dir)
+    source = RECIPE_CAP if error_cap == RECIPE_CAP else ("given" if error_cap is not None else None)
     error_cap = _recipe_cap(profile, error_cap)
-    problem, _, alloc = _milp_plan(profile, knobs, budget_bytes, objective, time_cap, error_cap)
-    return build_plan(profile, problem, alloc, knobs, budget_bytes, "milp", objective)
+    if knobs is not None:
+        problem, _, alloc = _milp_plan(profile, knobs, budget_bytes, objective, time_cap, error_cap)
+        return build_plan(profile, problem, alloc, knobs, budget_bytes, "milp", objective)
+    plan, _ = _knob_plan(profile, budget_bytes, objective, time_cap, error_cap, source, space, alternatives)
+    return plan
 
 
-def search(profile: ProfileData, budget: int, *, method: str = "milp", objective: str = "error",
-           time_cap="checkpoint", error_cap: Optional[float] = None, trials: int = 40, storage: Optional[str] = None,
+def search(profile: ProfileData, budget: int, *, method: str = "milp", objective: str = DEFAULT_OBJECTIVE,
+           time_cap=DEFAULT_TIME_CAP, error_cap=DEFAULT_ERROR_CAP, trials: int = 40, storage: Optional[str] = None,
            study_name: str = "agoq-search", sampler: str = "nsga2", ray_address: Optional[str] = None,
            measure_trials: bool = False, parallel: int = 1, validate: int = 0, validate_steps: int = 4,
            front_budgets: int = 20, out_dir: Optional[Path] = None, seed: int = 0, progress: bool = True,
-           stop_after: Optional[int] = None) -> SearchOutcome:
-    """Run the search (see `agoq search --help`); plans of the fronts are built but not written."""
+           stop_after: Optional[int] = None, space: Optional[KnobSpace] = None,
+           alternatives: bool = True) -> SearchOutcome:
+    """Run the search (see `agoq search --help`); plans of the fronts are built but not written.
+
+    The MILP plan is the best over the outer knobs of `space` (agoq.search.knobs; default KnobSpace()); the front
+    and the Optuna study use that plan's knobs. With `alternatives` the plan carries the best alternative that fits
+    the budget (agoq.search.alternatives) and, with `validate`, its measured figures beside the plan's."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    knobs = ProblemSettings()
     cap_notes: list = []
+    cap_source = RECIPE_CAP if error_cap == RECIPE_CAP else ("given" if error_cap is not None else None)
     error_cap = _recipe_cap(profile, error_cap, cap_notes)
-    problem, solver, alloc = _milp_plan(profile, knobs, budget, objective, time_cap, error_cap)
-    outcome = SearchOutcome(build_plan(profile, problem, alloc, knobs, budget, "milp", objective))
+    plan, found = _knob_plan(profile, budget, objective, time_cap, error_cap, cap_source, space, alternatives)
+    knobs, problem = found.best.knobs, found.best.problem
+    solver = Solver(problem)
+    outcome = SearchOutcome(plan)
     outcome.notes += cap_notes + problem.notes
     candidates = [Candidate(outcome.plan, "milp", budget)]
     if method in ("milp", "both") and front_budgets > 0:
@@ -154,6 +245,8 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
     else:
         study = None
     best = min((c for c in candidates if c.source in ("milp", "optuna")), key=lambda c: c.key(objective))
+    if best.plan is not outcome.plan and alternatives:
+        attach_alternatives(best.plan, profile, budget, found)
     outcome.plan = best.plan
     outcome.candidates = candidates
     if validate > 0:
@@ -176,6 +269,9 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
             raise ValueError("--validate needs the model config in profile.json (model.config)")
         validate_plans([c.plan for c in chosen], config, dtype=str(profile.settings.get("dtype", "bf16")),
                        steps=validate_steps, seed=seed, runner=runner)
+        if alternatives and best.plan.alternative is not None:
+            measure_alternative(best.plan, config, dtype=str(profile.settings.get("dtype", "bf16")),
+                                steps=validate_steps, seed=seed, runner=runner)
         if study is not None:
             for c in chosen:
                 if c.trial is not None:
@@ -183,6 +279,38 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
             study.set_user_attr("validated", [{"source": c.source, "trial": c.trial,
                                                "measured": c.plan.measured.model_dump(mode="json")} for c in chosen])
     return outcome
+
+
+def measure_alternative(plan: Plan, model_config: dict, *, dtype: str = "bf16", steps: int = 4, seed: int = 0,
+                        runner=None, device: Optional[str] = None) -> Optional[dict]:
+    """Run `plan.alternative` for real (bf16 or checkpointed layers, its optimizer, bf16 gradients, its compile mode)
+    and write its measured figures and the plan's measured speed-up into the plan. torch.compile's
+    activation_memory_budget points are measured by experiments, not here: None for them."""
+    from agoq.search.validation import Runner, measure_plan
+
+    alt = plan.alternative
+    if alt is None or alt.activation_memory_budget is not None:
+        return None
+    layers = [{"layer": lp.layer, "stage": lp.stage, "checkpoint": lp.layer in alt.checkpoint_layers, "kinds": {}}
+              for lp in plan.layers]
+    data = plan.to_dict()
+    data.update({"layers": layers, "gradients": {**data["gradients"], "mode": "bf16"},
+                 "optimizer": alt.optimizer.model_dump(mode="json"),
+                 "training": {**data["training"], "micro_batch": alt.micro_batch, "grad_accum": alt.grad_accum,
+                              "compile": alt.compile},
+                 "alternative": None, "alternatives": [], "decision": None, "measured": None})
+    runner = runner or Runner()
+    r = runner.map(measure_plan, [dict(plan=data, model_config=model_config, dtype=dtype, micro_batch=alt.micro_batch,
+                                       seq_len=plan.training.seq_len, grad_accum=alt.grad_accum, steps=steps,
+                                       seed=seed, device=device)])[0]
+    tokens = alt.micro_batch * alt.grad_accum * plan.training.seq_len
+    alt.measured = {"step_seconds": r["step_seconds"], "peak_bytes": r["peak_bytes"],
+                    "tokens_per_second": tokens / r["step_seconds"] if r["step_seconds"] else None}
+    if plan.measured is not None and plan.measured.step_seconds:
+        mine = plan.training.micro_batch * plan.training.grad_accum * plan.training.seq_len / plan.measured.step_seconds
+        alt.speedup_measured = mine / alt.measured.tokens_per_second if alt.measured.tokens_per_second else None
+    plan.alternative = alt
+    return r
 
 
 def _trial_measurer(profile: ProfileData, budget: int, objective: str, runner, steps: int, seed: int):

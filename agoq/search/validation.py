@@ -30,15 +30,27 @@ def now() -> str:
 
 def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16", micro_batch: int = 1,
                  seq_len: int = 64, grad_accum: int = 1, steps: int = 4, seed: int = 0,
-                 device: Optional[str] = None, lr: float = 1e-4) -> dict[str, Any]:
-    """Train `steps` AdamW steps of the model (`model_config`, a LlamaConfig dict) with `plan` applied (None:
-    plain model) on random tokens; returns peak bytes (None on CPU), median step seconds (first step
-    excluded), the losses and the device."""
+                 device: Optional[str] = None, lr: float = 1e-4, optimizer: Optional[str] = None,
+                 master: Optional[str] = None, gradients: Optional[str] = None,
+                 compile_mode: Optional[str] = None) -> dict[str, Any]:
+    """Train `steps` optimizer steps of the model (`model_config`, a LlamaConfig dict) with `plan` applied (None:
+    plain model) on random tokens, as `agoq train` would: the plan's optimizer and masters (torch's AdamW on float32
+    masters, or the fused 8-bit AdamW), its gradient storage (bf16 .grad or QuanGrad's 8-bit buffer) and compile
+    mode (each decoder layer torch.compile'd); `optimizer`, `master`, `gradients` and `compile_mode` override the
+    plan's (and apply without one). Returns peak bytes (None on CPU), median step seconds (first step excluded),
+    the losses and the device."""
     import torch
 
     from agoq.models import build
     from agoq.optim.master_weights import MasterWeights
 
+    spec = plan_from_dict(plan) if plan is not None else None
+    optimizer = optimizer or (spec.optimizer.name if spec else "adamw")
+    master = master or (spec.optimizer.master if spec else "fp32")
+    gradients = gradients or (spec.gradients.mode if spec else "bf16")
+    compile_mode = compile_mode or (spec.training.compile if spec else "eager")
+    if gradients not in ("bf16", "quangrad8"):
+        raise ValueError(f"measuring a plan runs one process: gradients bf16 or quangrad8, not {gradients!r}")
     torch_dtype = dtype_from_name(dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
@@ -47,35 +59,74 @@ def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     model = build(dict(model_config), dtype=torch_dtype, device=device, seed=seed)
-    if plan is not None:
-        plan_from_dict(plan).apply(model)
-    weights = MasterWeights(p for p in model.parameters() if p.requires_grad)  # agoq train's numerics
-    opt = torch.optim.AdamW(weights.targets, lr=lr)
+    if spec is not None:
+        spec.apply(model)
+    if compile_mode == "compiled":
+        from agoq.activations.compile import compile_decoder_layers
+
+        compile_decoder_layers(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    qgrads = None
+    if gradients == "quangrad8":
+        from agoq.comm.quangrad import QuantizedGradients
+
+        qgrads = QuantizedGradients(params)
+    if optimizer == "adamw8bit":
+        from agoq.optim.adamw8bit import FusedAdamW8bit
+
+        opt = FusedAdamW8bit(params, lr=lr, masters=master == "fp32", seed=seed)
+
+        def step() -> None:
+            opt.step(grads=qgrads)
+
+        def zero() -> None:
+            for p in params:
+                p.grad = None
+            if qgrads is not None:
+                qgrads.zero_()
+    else:
+        if master != "fp32":
+            raise ValueError("masters 'none' needs the adamw8bit optimizer")
+        weights = MasterWeights(params)  # agoq train's numerics
+        opt = torch.optim.AdamW(weights.targets, lr=lr)
+
+        def step() -> None:
+            if qgrads is not None:
+                weights.step(opt, [qgrads.gradient(p) for p in params])
+            else:
+                weights.step(opt)
+
+        def zero() -> None:
+            weights.zero_grad()
+            if qgrads is not None:
+                qgrads.zero_()
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     vocab = model.config.vocab_size
     batches = [torch.randint(0, vocab, (micro_batch, seq_len + 1), device=device, generator=gen)
                for _ in range(steps * grad_accum)]
     losses, times = [], []
-    for step in range(steps):
+    for i in range(steps):
         if cuda:
             torch.cuda.synchronize(device)
-            if step == 1:  # after the warm-up step: gradients and optimizer state are allocated, as planned
+            if i == 1:  # after the warm-up step: gradients and optimizer state are allocated, as planned
                 torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        weights.zero_grad()  # gradients are dropped between steps, as agoq train does
+        zero()  # gradients are dropped between steps, as agoq train does
         total = 0.0
         for a in range(grad_accum):
-            ids = batches[step * grad_accum + a]
+            ids = batches[i * grad_accum + a]
             loss = model(ids[:, :-1], ids[:, 1:]) / grad_accum
             loss.backward()
             total += float(loss.detach())
-        weights.step(opt)
+        step()
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         losses.append(total)
     peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
-    del model, opt, weights
+    if qgrads is not None:
+        qgrads.remove()
+    del model
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

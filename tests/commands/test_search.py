@@ -29,6 +29,11 @@ def profile_dir(tmp_path):
     return write_profile(tmp_path / "profile", rng, micro_batch=2, seq_len=40)
 
 
+# the knobs of build_problem's defaults for these profiles and no error cap: the per-layer MILP alone, as these
+# tests check it (the smallest budget and the front are those of one problem)
+PIN = ["--gradients", "bf16", "--optimizer", "adamw", "--micro-batch", "2", "--error-cap", "none"]
+
+
 def _bounds(folder):
     solver = Solver(build_problem(load_profile(folder)))
     return solver.smallest_budget(), max(solver.solve(math.inf).peak_bytes_per_stage)
@@ -44,7 +49,7 @@ def test_milp_plan_and_front(profile_dir, tmp_path, capsys):
     budget = (low + high) // 2
     out = tmp_path / "search" / "plan.json"
     assert main(["search", "--profile", str(profile_dir), "--budget", str(budget), "--out", str(out), "--quiet",
-                 "--front-budgets", "9"]) == 0
+                 "--front-budgets", "9", *PIN]) == 0
     model = build("llama-tiny", device="meta")
     plan = load_plan(out, model)
     assert plan.model.fingerprint == fingerprint(model)
@@ -68,12 +73,12 @@ def test_infeasible_budget_names_the_smallest(profile_dir, tmp_path, capsys):
     low, _ = _bounds(profile_dir)
     out = tmp_path / "plan.json"
     assert main(["search", "--profile", str(profile_dir), "--budget", str(low - 1000), "--out", str(out),
-                 "--quiet"]) == 2
+                 "--quiet", *PIN]) == 2
     err = capsys.readouterr().err
     assert "smallest feasible budget" in err and str(low) in err
     assert not out.exists()
     assert main(["search", "--profile", str(profile_dir), "--budget", str(low), "--out", str(out), "--quiet",
-                 "--front-budgets", "0"]) == 0
+                 "--front-budgets", "0", *PIN]) == 0
     assert max(load_plan(out).predicted.peak_bytes_per_stage) == low
 
 
@@ -90,10 +95,10 @@ def test_optimizer_step_peak_is_a_floor(tmp_path, capsys):
     floor = int(static + opt_step)
     assert Solver(build_problem(load_profile(folder))).smallest_budget() == floor
     assert main(["search", "--profile", str(folder), "--budget", str(floor - 1), "--out", str(tmp_path / "p.json"),
-                 "--quiet"]) == 2
+                 "--quiet", *PIN]) == 2
     assert str(floor) in capsys.readouterr().err
     assert main(["search", "--profile", str(folder), "--budget", str(floor), "--out", str(tmp_path / "p.json"),
-                 "--quiet", "--front-budgets", "0"]) == 0
+                 "--quiet", "--front-budgets", "0", *PIN]) == 0
     predicted = load_plan(tmp_path / "p.json").predicted
     assert predicted.peak_bytes_per_stage == [floor]
     # the layers' activations are what they keep, not the room the optimizer step leaves
@@ -269,7 +274,8 @@ def test_on_a_real_profile(tmp_path):
         budget = int(low + frac * (high - low))
         out = tmp_path / f"s{frac}" / "plan.json"
         assert main(["search", "--profile", str(prof), "--budget", str(budget), "--out", str(out), "--quiet",
-                     "--front-budgets", "3"]) == 0
+                     "--front-budgets", "3", "--gradients", "bf16", "--optimizer", "adamw8bit", "--micro-batch",
+                     str(mb), "--error-cap", "none"]) == 0
         plan = load_plan(out, model)
         assert max(plan.predicted.peak_bytes_per_stage) <= budget
         plan.apply(model)

@@ -251,3 +251,38 @@ def test_checkpoint_only_plan_matches_plain_gradients():
     assert torch.equal(loss0, loss1)
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-6, atol=1e-7, msg=f"seed {seed}: {name}")
+
+
+def test_a_1_0_plan_loads_with_the_1_1_defaults():
+    """Plans written before 1.1 (no optimizer, compile, decision or alternative) load as eager float32 AdamW."""
+    rng = random.Random(5)
+    data = random_plan_dict(rng, 3)
+    data["schema"] = "agoq.plan/1"
+    for key in ("optimizer", "decision", "alternative", "alternatives"):
+        data.pop(key, None)
+    data["training"].pop("compile", None)
+    plan = plan_from_dict(data)
+    assert SCHEMA == "agoq.plan/1.1"
+    assert (plan.optimizer.name, plan.optimizer.master, plan.training.compile) == ("adamw", "fp32", "eager")
+    assert plan.decision is None and plan.alternative is None and plan.alternatives == []
+    assert plan.to_dict()["schema"] == "agoq.plan/1"  # what it was written with is kept
+
+
+def test_optimizer_and_alternative_fields_are_checked():
+    rng = random.Random(6)
+    data = random_plan_dict(rng, 2)
+    data["optimizer"] = {"name": "adamw", "master": "none"}
+    with pytest.raises(ValueError, match="optimizer: .*adamw8bit"):
+        plan_from_dict(data)
+    data["optimizer"] = {"name": "adamw8bit", "master": "none"}
+    data["alternative"] = {"name": "eager full checkpointing, AdamW", "predicted": {"step_seconds": -1.0}}
+    with pytest.raises(ValueError, match="alternative.predicted.step_seconds"):
+        plan_from_dict(data)
+    data["alternative"]["predicted"]["step_seconds"] = 0.123
+    data["decision"] = {"objective": "time", "binding": ["memory budget"], "error_cap": 0.4,
+                        "error_cap_source": "recipe", "knobs": {"micro_batch": 3}}
+    plan = plan_from_dict(data)
+    assert plan.alternative.predicted.step_seconds == 0.123 and plan.decision.binding == ["memory budget"]
+    data["schema"] = "agoq.plan/2.0"
+    with pytest.raises(ValueError, match="newer"):
+        plan_from_dict(data)

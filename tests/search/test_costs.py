@@ -49,7 +49,8 @@ def test_predicted_activation_bytes_equal_measured(tmp_path):
     for frac in (0.0, 0.1, 0.3, 0.6, 1.0, rng.random()):
         budget = int(low + frac * (high - low))
         for cap in (None, "checkpoint"):
-            plan = plan_from_profile(profile, budget, time_cap=cap)
+            plan = plan_from_profile(profile, budget, objective="error", time_cap=cap, error_cap=None,
+                                     knobs=ProblemSettings())
             plan.apply(model)
             with agoq.track_saved_tensors(model) as log:
                 loss = model(ids[:, :-1], ids[:, 1:])

@@ -1,0 +1,221 @@
+"""The outer knobs around the per-layer MILP: gradient storage, optimizer and masters, micro-batch x accumulation,
+compile mode. Each combination is one ChoiceProblem, solved exactly by the MILP; the best is kept.
+
+The sequences per optimizer step (global batch G = micro_batch x grad_accum) stay what the profile measured
+(or what the caller fixes), so every split trains the same tokens per step and "most tokens/s" is "least step
+seconds":
+
+    tokens/s = micro_batch x grad_accum x seq_len / step seconds
+
+The cost model is linear in tokens (no per-micro-batch efficiency term), so two splits differ only in memory
+(a smaller micro-batch keeps fewer activations) and in nothing else; ties go to the larger micro-batch.
+
+Combinations are pruned only where exactly dominated: two combinations of the same split and compile mode build
+the same per-layer options, so one whose static bytes, optimizer-step floor and base step seconds are all no
+smaller than another's cannot have a better MILP optimum (brute force over a tiny profile checks this, tests).
+
+Objectives: "time" (default) — the most tokens/s, ties by error; "error" — the least gradient error, ties by
+tokens/s. The binding constraint of the chosen plan is found by relaxing one constraint at a time: the memory
+budget binds when the same knobs without a budget would be faster (or, for "error", more exact), the error cap
+when the same knobs without it would be faster, else "none".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+
+from agoq.formats.profile import ProfileData
+from agoq.search.costs import (
+    ChoiceProblem,
+    ProblemSettings,
+    build_problem,
+    compile_modes,
+    gradient_modes,
+    optimizer_choices,
+    resolve_optimizer,
+)
+from agoq.search.milp import Allocation, InfeasibleBudget, Solver, resolve_time_cap
+
+MASTER_CHOICES = ("fp32",)  # masters 'none' changes the update's rounding, which no error cap measures: opt in
+
+
+@dataclass(frozen=True)
+class KnobSpace:
+    """Which values each outer knob may take (None: every value the profile has figures for; see `combinations`)."""
+
+    gradient_modes: Optional[tuple] = None      # subset of bf16, quangrad8, sdp4bit
+    optimizers: Optional[tuple] = None          # subset of adamw, adamw8bit
+    masters: tuple = MASTER_CHOICES             # subset of fp32, none
+    compile_modes: Optional[tuple] = None       # subset of eager, compiled
+    global_batch: Optional[int] = None          # sequences per optimizer step (None: the profile's micro-batch)
+    micro_batches: Optional[tuple] = None       # micro-batch sizes to try (None: every divisor of global_batch)
+
+
+@dataclass
+class KnobResult:
+    """One solved combination: its knobs, problem, allocation (None: nothing fits) and tokens per second."""
+
+    knobs: ProblemSettings
+    problem: Optional[ChoiceProblem] = None
+    alloc: Optional[Allocation] = None
+    tokens_per_second: float = 0.0
+    error: Optional[str] = None
+    time_cap: Optional[float] = None   # the cap in seconds it was solved under
+
+    def key(self, objective: str) -> tuple:
+        """Sort key, smaller is better."""
+        a = self.alloc
+        mb = self.knobs.micro_batch or 0
+        if objective == "error":
+            return (a.grad_error, -self.tokens_per_second, -mb)
+        return (-self.tokens_per_second, a.grad_error, -mb)
+
+
+@dataclass
+class KnobSearch:
+    """The best combination, every combination tried, and the binding constraint of the best."""
+
+    best: KnobResult
+    tried: list = field(default_factory=list)
+    binding: list = field(default_factory=list)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
+                 base: ProblemSettings = ProblemSettings()) -> list[ProblemSettings]:
+    """Every ProblemSettings of `space` (other fields from `base`), in a fixed order."""
+    modes = [m for m in gradient_modes(profile) if space.gradient_modes is None or m in space.gradient_modes]
+    compiles = [m for m in compile_modes(profile) if space.compile_modes is None or m in space.compile_modes]
+    if not modes:
+        raise ValueError(f"no gradient storage of {space.gradient_modes} has figures in the profile "
+                         f"(it has {', '.join(gradient_modes(profile))})")
+    if not compiles:
+        raise ValueError(f"the profile has step times for compile mode(s) {', '.join(compile_modes(profile))}, not "
+                         f"{', '.join(space.compile_modes or ())}")
+    profiled = int(profile.settings.get("micro_batch", 1) or 1)
+    batch = int(space.global_batch or profiled)
+    sizes = list(space.micro_batches or _divisors(batch))
+    bad = [m for m in sizes if m < 1 or batch % m]
+    if bad:
+        raise ValueError(f"micro-batch sizes {bad} do not divide the global batch of {batch} sequences")
+    if profile.model_config() is None:
+        sizes = [profiled] if batch % profiled == 0 else []
+        if not sizes:
+            raise ValueError("the profile has no model config: only its own micro-batch can be planned")
+    out = []
+    for compile_mode in compiles:
+        for mb in sorted(sizes, reverse=True):
+            for mode in modes:
+                for optimizer, master in optimizer_choices(mode):
+                    if space.optimizers is not None and optimizer not in space.optimizers:
+                        continue
+                    if master not in space.masters:
+                        continue
+                    out.append(replace(base, gradient_mode=mode, optimizer=optimizer, master=master,
+                                       compile_mode=compile_mode, micro_batch=mb, grad_accum=batch // mb))
+    if not out:
+        raise ValueError("no optimizer/master combination of the knob space is allowed (masters 'none' needs "
+                         "adamw8bit; sdp4bit runs float32 AdamW with masters)")
+    return out
+
+
+def tokens_per_second(profile: ProfileData, knobs: ProblemSettings, step_seconds: float) -> float:
+    """Tokens trained per second: micro_batch x grad_accum x seq_len / step seconds (0 without a step time)."""
+    mb = knobs.micro_batch or int(profile.settings.get("micro_batch", 1) or 1)
+    tokens = mb * knobs.grad_accum * int(profile.settings.get("seq_len", 1) or 1)
+    return tokens / step_seconds if step_seconds > 0 else 0.0
+
+
+def _dominated(p: ChoiceProblem, q: ChoiceProblem) -> bool:
+    """True when q is at least as good as p in static bytes, optimizer-step floor and base seconds (same options)."""
+    return bool(np.all(q.static_bytes <= p.static_bytes) and np.all(q.peak_floor() <= p.peak_floor())
+                and q.base_seconds <= p.base_seconds and q.laaq_layer_seconds <= p.laaq_layer_seconds)
+
+
+def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_cap: Optional[float] = None,
+                time_cap=None, space: KnobSpace = KnobSpace(),
+                base: ProblemSettings = ProblemSettings(), prune: bool = True) -> KnobSearch:
+    """The best combination of `space` under `budget` bytes per stage and the caps (see the module docstring).
+    `time_cap` is seconds, None or "checkpoint" (each combination no slower than its own best checkpointing that
+    fits). Raises InfeasibleBudget when no combination fits, with the smallest budget
+    any combination fits."""
+    tried: list[KnobResult] = []
+    built = []
+    for knobs in combinations(profile, space, base):
+        try:
+            built.append((knobs, build_problem(profile, knobs)))
+        except ValueError as e:  # e.g. a micro-batch the config cannot scale to: say so, try the others
+            tried.append(KnobResult(knobs, error=str(e)))
+    smallest: list[int] = []
+    for i, (knobs, problem) in enumerate(built):
+        same = [q for k, q in built if k is not knobs and (k.micro_batch, k.compile_mode) == (knobs.micro_batch,
+                                                                                              knobs.compile_mode)]
+        if prune and any(_dominated(problem, q) and not _dominated(q, problem) for q in same):
+            tried.append(KnobResult(knobs, problem, error="dominated"))
+            continue
+        result = KnobResult(knobs, problem)
+        try:
+            result.time_cap = resolve_time_cap(problem, budget, time_cap)
+            result.alloc = Solver(problem).solve(budget, objective, result.time_cap, error_cap=error_cap)
+            result.tokens_per_second = tokens_per_second(profile, knobs, result.alloc.step_seconds)
+        except InfeasibleBudget as e:
+            result.error = str(e)
+            if e.smallest_budget is not None:
+                smallest.append(e.smallest_budget)
+        tried.append(result)
+    solved = [r for r in tried if r.alloc is not None]
+    if not solved:
+        least = min(smallest) if smallest else None
+        if least is None:
+            reasons = "; ".join(dict.fromkeys(r.error for r in tried if r.error and r.error != "dominated"))
+            raise InfeasibleBudget(f"no knob combination meets the caps at any budget: {reasons}", None)
+        raise InfeasibleBudget(
+            f"no knob combination (gradient storage, optimizer, micro-batch, compile mode) fits the budget: the "
+            f"smallest feasible budget is {least} bytes: give --budget {least} or more", least)
+    best = min(solved, key=lambda r: r.key(objective))
+    return KnobSearch(best, tried, binding_constraints(best, budget, objective, error_cap, best.time_cap))
+
+
+def binding_constraints(result: KnobResult, budget, objective: str, error_cap: Optional[float],
+                        time_cap: Optional[float]) -> list[str]:
+    """Which constraints bind the chosen plan: those whose removal (one at a time, same knobs) improves its
+    objective by more than 1e-6 relative; ["none"] when none does."""
+    solver = Solver(result.problem)
+    value = (lambda a: a.grad_error) if objective == "error" else (lambda a: a.step_seconds)
+    mine = value(result.alloc)
+    out = []
+    relaxed = {"memory budget": dict(budget=math.inf, error_cap=error_cap, time_cap=time_cap)}
+    if error_cap is not None:
+        relaxed["error cap"] = dict(budget=budget, error_cap=None, time_cap=time_cap)
+    if time_cap is not None:
+        relaxed["time cap"] = dict(budget=budget, error_cap=error_cap, time_cap=None)
+    for name, args in relaxed.items():
+        try:
+            other = solver.solve(np.full(result.problem.num_stages, float(args["budget"])), objective,
+                                 args["time_cap"], error_cap=args["error_cap"])
+        except InfeasibleBudget:
+            continue
+        if value(other) < mine - 1e-6 * max(abs(mine), 1e-12):
+            out.append(name)
+    return out or ["none"]
+
+
+def knob_values(profile: ProfileData, knobs: ProblemSettings) -> dict:
+    """The knob values of a combination as a plan records them."""
+    optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
+    from agoq.search.costs import mode_timing
+
+    return {"gradients": knobs.gradient_mode, "optimizer": optimizer, "master": master,
+            "micro_batch": int(knobs.micro_batch or profile.settings.get("micro_batch", 1) or 1),
+            "grad_accum": int(knobs.grad_accum), "compile": mode_timing(profile, knobs.compile_mode)["mode"]}
+
+
+__all__ = ["KnobSpace", "KnobResult", "KnobSearch", "combinations", "solve_knobs", "binding_constraints",
+           "tokens_per_second", "knob_values", "MASTER_CHOICES"]

@@ -1,0 +1,103 @@
+"""The alternatives a plan is priced against: bf16, the fastest fitting checkpointing (against brute force over
+every subset of checkpointed layers), torch.compile's measured memory-budget points, and the plan's field."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from agoq.formats.plan import plan_from_dict
+from agoq.formats.profile import load_profile
+from agoq.search.alternatives import best_alternative, price_alternatives
+from agoq.search.costs import ProblemSettings, build_problem, checkpointing_only, compile_modes, static_bytes_total
+from agoq.search.search import plan_from_profile
+from tests.search.synthetic_profile import write_profile
+
+
+def fresh_rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    return seed, random.Random(seed)
+
+
+def _profile(tmp_path, rng, compiled: bool):
+    folder = write_profile(tmp_path / "p", rng, num_layers=3, micro_batch=2, seq_len=29, layer_forward=True)
+    header = json.loads((folder / "profile.json").read_text())
+    if compiled:
+        bf16 = header["memory"]["steps"][0]["step_seconds"]
+        header["compiled"] = {"mode": "default", "steps": [
+            {"policy": "bf16", "step_seconds": 0.8 * bf16},
+            {"policy": "checkpoint-all", "step_seconds": 0.95 * bf16}],
+            "memory_budget_points": [{"activation_memory_budget": b, "step_seconds": (0.85 + 0.1 * (1 - b)) * bf16,
+                                      "peak_bytes": rng.randrange(10**6, 10**7)} for b in (0.5, 0.1)]}
+    (folder / "profile.json").write_text(json.dumps(header))
+    return load_profile(folder)
+
+
+def test_checkpointing_alternative_is_the_fastest_fitting_subset(tmp_path):
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng, compiled=False)
+    problem = build_problem(profile, ProblemSettings(optimizer="adamw8bit", master="fp32", micro_batch=2))
+    ck = checkpointing_only(problem)
+    L = problem.num_layers
+    sixteen = np.nonzero(ck.keeps_16bit())[0]
+    figures = {}
+    for mask in itertools.product([False, True], repeat=L):
+        m = np.array(mask)
+        chosen = np.array([i for i in sixteen if not m[ck.layer[i]]], dtype=int)
+        figures[mask] = ck.evaluate(chosen, m)
+    peaks = sorted(max(f["peak_bytes_per_stage"]) for f in figures.values())
+    budget = rng.randint(peaks[0], peaks[-1])
+    fitting = {k: f for k, f in figures.items() if max(f["peak_bytes_per_stage"]) <= budget}
+    want = min(f["step_seconds"] for f in fitting.values())
+    priced = price_alternatives(profile, budget, [(2, 1)], ["eager"])
+    mine = [a for a in priced if a.optimizer == "adamw8bit" and a.fits]
+    assert mine, seed
+    best = best_alternative(mine)
+    assert best.step_seconds == pytest.approx(want, rel=1e-9), seed
+    bf16 = next(a for a in priced if a.optimizer == "adamw8bit" and "bf16" in a.name)
+    assert bf16.step_seconds == pytest.approx(figures[(False,) * L]["step_seconds"], rel=1e-12)
+    assert bf16.peak_bytes == max(figures[(False,) * L]["peak_bytes_per_stage"])
+    assert bf16.fits == (bf16.peak_bytes <= budget)
+
+
+def test_compiled_points_move_with_the_optimizer(tmp_path):
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng, compiled=True)
+    assert compile_modes(profile) == ["eager", "compiled"]
+    priced = price_alternatives(profile, 10**12, [(2, 1)], ["eager", "compiled"])
+    points = [a for a in priced if a.activation_memory_budget is not None]
+    assert len(points) == 4  # two points x two optimizers
+    measured = {p["activation_memory_budget"]: p for p in profile.header["compiled"]["memory_budget_points"]}
+    for a in points:
+        # the profile (synthetic, old style) was measured with float32 AdamW: its points are moved by the static bytes
+        shift = static_bytes_total(profile, "bf16", a.optimizer, a.master) - static_bytes_total(profile, "bf16",
+                                                                                                 "adamw", "fp32")
+        assert a.peak_bytes == int(measured[a.activation_memory_budget]["peak_bytes"] + shift)
+    compiled_bf16 = next(a for a in priced if a.compile == "compiled" and "bf16" in a.name and a.optimizer == "adamw")
+    eager_bf16 = next(a for a in priced if a.compile == "eager" and "bf16" in a.name and a.optimizer == "adamw")
+    assert compiled_bf16.step_seconds == pytest.approx(0.8 * eager_bf16.step_seconds, rel=1e-9)
+    assert best_alternative([]) is None
+
+
+def test_plan_carries_the_best_alternative(tmp_path):
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng, compiled=False)
+    problem = build_problem(profile)
+    sixteen = np.nonzero(problem.keeps_16bit())[0]
+    roomy = max(problem.evaluate(sixteen, np.zeros(3, dtype=bool))["peak_bytes_per_stage"])
+    plan = plan_from_profile(profile, roomy, error_cap=None)
+    assert plan.alternative is not None and plan.alternative.fits
+    assert plan.alternative.predicted.peak_bytes <= roomy
+    fits = [a for a in plan.alternatives if a.fits]
+    assert plan.alternative.predicted.tokens_per_second == max(a.predicted.tokens_per_second for a in fits)
+    tps = plan.decision.tokens_per_second
+    assert plan.alternative.speedup_predicted == pytest.approx(tps / plan.alternative.predicted.tokens_per_second)
+    assert plan.decision.objective == "time" and plan.decision.knobs["micro_batch"] * \
+        plan.decision.knobs["grad_accum"] == 2
+    again = plan_from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.alternative == plan.alternative and again.decision == plan.decision

@@ -1,0 +1,120 @@
+"""The outer knob search against brute force: every knob combination x every per-layer choice of a one-layer
+profile, evaluated by ChoiceProblem.evaluate, the best tokens/s under the budget and the error cap."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from agoq.formats.profile import load_profile
+from agoq.models import build
+from agoq.optim.state_bytes import state_table
+from agoq.search.costs import build_problem, laaq_layer_seconds, mode_timing
+from agoq.search.knobs import KnobSpace, combinations, solve_knobs, tokens_per_second
+from agoq.search.milp import InfeasibleBudget
+from tests.search.synthetic_profile import write_profile
+
+
+def fresh_rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    return seed, random.Random(seed)
+
+
+def _profile(tmp_path, rng, paper_delta: float, micro_batch: int = 2):
+    """A one-layer profile with 4-bit options only, the fused step's state table, a measured optimizer step and
+    an agoq-paper step `paper_delta` seconds per layer away from its options' sum."""
+    folder = write_profile(tmp_path / "p", rng, num_layers=1, bits=(4,), micro_batch=micro_batch, seq_len=37,
+                           layer_forward=True, step_seconds=rng.uniform(0.04, 0.06))
+    header = json.loads((folder / "profile.json").read_text())
+    m = build("llama-tiny", device="meta", num_layers=1)
+    header["memory"]["state"] = state_table([p.numel() for p in m.parameters()])
+    header["memory"]["measured_with"] = {"optimizer": "adamw8bit", "master": "fp32", "gradients": "bf16"}
+    bf16 = header["memory"]["steps"][0]
+    bf16["optimizer_step_seconds"] = rng.uniform(0.002, 0.01)
+    (folder / "profile.json").write_text(json.dumps(header))
+    profile = load_profile(folder)
+    table = profile.table
+    from agoq.activations.policy import RECOMPUTE, as_policy
+
+    extras = 0.0
+    for kind, setting in as_policy("agoq-paper").settings(0).items():
+        opt = "recompute" if setting == RECOMPUTE else str(setting)
+        extras += float(table[(table["kind"] == kind) & (table["option"] == opt)]["extra_seconds"].iloc[0])
+    header["memory"]["steps"].append({"policy": "agoq-paper", "step_seconds": bf16["step_seconds"] + extras + paper_delta})
+    (folder / "profile.json").write_text(json.dumps(header))
+    return load_profile(folder)
+
+
+def _brute(profile, space, budget, error_cap):
+    best = None
+    for knobs in combinations(profile, space):
+        problem = build_problem(profile, knobs)
+        groups = [g for _, g in sorted(problem.groups().items())]
+        candidates = [(np.array(c, dtype=int), False) for c in itertools.product(*groups)]
+        candidates.append((np.array([], dtype=int), True))
+        for chosen, ckpt in candidates:
+            f = problem.evaluate(chosen, np.array([ckpt]))
+            if max(f["peak_bytes_per_stage"]) > budget:
+                continue
+            if error_cap is not None and f["grad_error"] > error_cap * (1 + 1e-9):
+                continue
+            tps = tokens_per_second(profile, knobs, f["step_seconds"])
+            if best is None or tps > best[0] * (1 + 1e-12):
+                best = (tps, knobs, f)
+    return best
+
+
+@pytest.mark.parametrize("paper_delta", [-0.004, 0.003])
+def test_knob_search_equals_brute_force(tmp_path, paper_delta):
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng, paper_delta)
+    # the calibration reads back the delta it was given
+    assert laaq_layer_seconds(profile, mode_timing(profile)) == pytest.approx(paper_delta, rel=1e-9, abs=1e-12)
+    space = KnobSpace(masters=("fp32", "none"))
+    peaks = []
+    for knobs in combinations(profile, space):
+        problem = build_problem(profile, knobs)
+        sixteen = np.nonzero(problem.keeps_16bit())[0]
+        peaks.append(max(problem.evaluate(sixteen, np.array([False]))["peak_bytes_per_stage"]))
+        peaks.append(max(problem.evaluate(np.array([], dtype=int), np.array([True]))["peak_bytes_per_stage"]))
+    for _ in range(3):
+        budget = int(rng.uniform(min(peaks), max(peaks)))
+        cap = rng.choice([None, rng.uniform(0.0, 0.3)])
+        expected = _brute(profile, space, budget, cap)
+        if expected is None:
+            with pytest.raises(InfeasibleBudget):
+                solve_knobs(profile, budget, error_cap=cap, space=space)
+            continue
+        for prune in (True, False):
+            found = solve_knobs(profile, budget, error_cap=cap, space=space, prune=prune)
+            assert found.best.tokens_per_second == pytest.approx(expected[0], rel=1e-7), (seed, budget, cap, prune)
+            assert max(found.best.alloc.peak_bytes_per_stage) <= budget
+            assert found.binding and set(found.binding) <= {"memory budget", "error cap", "none"}
+
+
+def test_binding_constraint_is_the_budget_when_tight(tmp_path):
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng, 0.002)  # LAAQ's layer is slower here: all-16 is the fastest plan
+    space = KnobSpace(gradient_modes=("bf16",), optimizers=("adamw",), micro_batches=(2,))
+    problem = build_problem(profile, combinations(profile, space)[0])
+    sixteen = np.nonzero(problem.keeps_16bit())[0]
+    roomy = max(problem.evaluate(sixteen, np.array([False]))["peak_bytes_per_stage"])
+    assert solve_knobs(profile, roomy * 2, space=space).binding == ["none"]
+    tight = solve_knobs(profile, roomy - 1, space=space)
+    assert "memory budget" in tight.binding, seed
+
+
+def test_splits_and_bad_micro_batches(tmp_path):
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng, 0.0, micro_batch=2)
+    splits = {(k.micro_batch, k.grad_accum) for k in combinations(profile, KnobSpace(global_batch=6))}
+    assert splits == {(1, 6), (2, 3), (3, 2), (6, 1)}
+    with pytest.raises(ValueError, match="do not divide"):
+        combinations(profile, KnobSpace(global_batch=6, micro_batches=(4,)))
+    with pytest.raises(ValueError, match="compile mode"):
+        combinations(profile, KnobSpace(compile_modes=("compiled",)))
