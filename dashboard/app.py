@@ -299,7 +299,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
             raise HTTPException(409, str(e)) from None
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
-        data.catalog.index(refresh=True)
+        data.catalog.outdated()
         return {"id": f"{saved_plans.FOLDER}/{name}", "path": str(path), "overwritten": bool(body.overwrite and existed)}
 
     # --- pages ----------------------------------------------------------------------------------
