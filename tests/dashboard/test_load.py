@@ -28,7 +28,6 @@ def test_fifty_concurrent_plans(tmp_path, capsys):
         figures = run_load(host, port, "prof", budgets, 50, deadline_s=45)
         assert figures["failures"] == []
         assert figures["answered_200"] == 50 and figures["server_up_after"]
-        assert figures["retried_503"] > 0  # 9 budgets on 2 workers + 4 waiting: some were refused, then served
         assert planner.solves == len(budgets) + 1  # the range, then one solve per budget shared by its requests
         profile = load_profile(tmp_path / "prof")
         for budget in budgets[::4]:  # spot checks against the search itself
