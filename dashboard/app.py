@@ -1,5 +1,6 @@
 """The FastAPI application: JSON API under /api, HTML pages, static files (Plotly's bundle from the
-installed plotly package, so the pages work offline), and the access rules (token, Host header)."""
+installed plotly package, so the pages work offline), and the access rules (token, Host header).
+Everything reads, except `POST /api/plan/save`, which writes a plan file under ROOT/plans/."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Callable
 from urllib.parse import urlencode
 
 from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import (
     FileResponse,
     HTMLResponse,
@@ -18,8 +20,13 @@ from fastapi.responses import (
     RedirectResponse,
 )
 
-from dashboard import pages
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from dashboard import pages, saved_plans
+from dashboard.command import is_loopback
 from dashboard.formats import BrokenFile
+from dashboard.planner import Busy, Infeasible, Planner, PlanQuery, cli_defaults
+from dashboard.profiles import table_file
 from dashboard.service import MAX_POINTS_LIMIT, Dashboard
 
 STATIC = Path(__file__).with_name("static")
@@ -53,18 +60,48 @@ def _given_token(request: Request) -> tuple[str | None, bool]:
     return request.cookies.get(TOKEN_COOKIE), False
 
 
+class PlanRequest(BaseModel):
+    """A plan at one budget: the profile, the budget and the caps as `agoq search` takes them."""
+
+    model_config = ConfigDict(extra="forbid")
+    profile: str = Field(..., description="profile folder, relative to the root (as /api/profile's id)")
+    budget: StrictInt | StrictFloat | StrictStr = Field(..., description='memory per GPU (each pipeline stage): bytes, or a size '
+                                                       'as `agoq search --budget` reads it ("30GiB", "4GB")')
+    objective: StrictStr | None = Field(None, description="what the plan minimises, as `agoq search --objective` "
+                                                    "(omitted or null: the command's default)")
+    time_cap: StrictInt | StrictFloat | StrictStr | None = Field(None, description='seconds per step, "checkpoint" or "none", as '
+                                                           "`agoq search --time-cap` (omitted or null: its default)")
+    error_cap: StrictInt | StrictFloat | StrictStr | None = Field(None, description='a gradient error, "recipe" or "none", as '
+                                                            "`agoq search --error-cap` (omitted or null: its default)")
+
+    def query(self) -> PlanQuery:
+        return PlanQuery.read(self.budget, self.objective, self.time_cap, self.error_cap)
+
+
+class SaveRequest(PlanRequest):
+    """A plan at one budget saved as ROOT/plans/NAME."""
+
+    name: StrictStr = Field(..., description="file name (letters, digits, '.', '_', '-'; .json added when missing)")
+    overwrite: StrictBool = Field(False, description="replace a file of that name (otherwise 409)")
+
+
 def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts: set[str] | None = None,
-               ttl: float = 2.0) -> FastAPI:
+               ttl: float = 2.0, planner: Planner | None = None) -> FastAPI:
     """The dashboard over `root`. With `token`, every request must carry it (header X-Agoq-Token or
     `Authorization: Bearer`, query parameter ?token=, or the cookie set after a visit with ?token=).
     With `allowed_hosts`, requests whose Host header names another host are refused (against DNS
-    rebinding when served without a token on the loopback)."""
+    rebinding when served without a token on the loopback). `planner` solves the plans of
+    POST /api/plan (default: Planner(), two worker threads)."""
     data = Dashboard(root, ttl=ttl)
+    planner = planner or Planner()
     app = FastAPI(title="agoq dashboard", version="1",
                   description="Read-only views of agoq's profiles, searches (Pareto fronts, Optuna studies), plans "
-                              f"and training runs found under {data.catalog.root}. Artifacts are named by their "
-                              "path relative to that folder (`id`), as listed by /api/index.")
+                              f"and training runs found under {data.catalog.root}, and plans solved live at any "
+                              "budget (POST /api/plan; POST /api/plan/save is the one request that writes, into "
+                              "ROOT/plans/). Artifacts are named by their path relative to that folder (`id`), as "
+                              "listed by /api/index.")
     app.state.dashboard = data
+    app.state.planner = planner
 
     @app.middleware("http")
     async def access(request: Request, call_next):
@@ -156,6 +193,115 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
             raise HTTPException(422, f"at most {MAX_COMPARE} runs at once")
         return {"runs": [api(lambda i=i: data.curves(i, points)) for i in id]}
 
+    # --- live plans -----------------------------------------------------------------------------
+    def profile_folder(profile_id: str) -> Path:
+        """The folder of a profile the search may read: every file it reads lies inside the root."""
+        try:
+            folder = data.catalog.folder(data.catalog.get("profiles", profile_id))
+            folder.file("profile.json")
+            table_file(folder, "table")
+            table_file(folder, "collectives")
+        except KeyError:
+            raise HTTPException(404, f"no profile named {profile_id!r} under the root (see /api/index)") from None
+        except BrokenFile as e:
+            raise HTTPException(422, f"profile {profile_id}: {e}") from None
+        return folder.path
+
+    async def solved(fn: Callable[[], Any]) -> Any:
+        """await fn() with the planner's failures as HTTP answers."""
+        try:
+            return await fn()
+        except Busy as e:
+            raise HTTPException(503, str(e), headers={"Retry-After": str(e.retry_after)}) from None
+        except TimeoutError as e:
+            raise HTTPException(504, str(e)) from None
+        except Infeasible as e:
+            raise HTTPException(422, {"message": str(e), "smallest_budget_bytes": e.smallest_budget}) from None
+        except (ValueError, FileNotFoundError, BrokenFile) as e:
+            raise HTTPException(422, str(e)) from None
+
+    def read_query(body: PlanRequest) -> PlanQuery:
+        try:
+            return body.query()
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
+
+    async def plan_for(body: PlanRequest) -> dict[str, Any]:
+        query = read_query(body)
+        folder = await run_in_threadpool(profile_folder, body.profile)
+        result = await solved(lambda: planner.plan(folder, query))
+        return {"profile": body.profile, "budget_bytes": query.budget_bytes, "caps": dict(query.caps), **result}
+
+    def same_origin(request: Request) -> None:
+        """Refuse a write a page of another site could have sent: a JSON body only, and an Origin (when the
+        browser sends one) naming this dashboard's own host."""
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise HTTPException(415, "send the request as JSON (Content-Type: application/json)")
+        origin = request.headers.get("origin")
+        if origin is not None and origin.split("://", 1)[-1].lower() != (request.headers.get("host") or "").lower():
+            raise HTTPException(403, f"a request from {origin} may not save plans here: open the dashboard itself")
+
+    @app.post("/api/plan", tags=["api"], summary="Solve a plan at a budget, as `agoq search` would",
+              description="The plan `agoq search --profile P --budget B` writes (with the objective and caps "
+                          "given, else the command's defaults), solved by the same search in a pool of worker "
+                          "threads. Answers {profile, budget_bytes, caps, plan, predicted: {peak_bytes, "
+                          "peak_bytes_per_stage, step_seconds, tokens_per_step, tokens_per_second, grad_error}, "
+                          "alternative (the best alternative the search priced, or null), notes, view: {summary, "
+                          "bits, memory, figures} (as /api/plan?id= shows a plan), solve_seconds, cached}. "
+                          "404: unknown profile; 422: bad budget or caps, a profile the search cannot read, or a "
+                          "budget nothing fits (detail.smallest_budget_bytes says what does); 503 with "
+                          "Retry-After: every worker busy and the queue full; 504: the solve outlasted the "
+                          "timeout (it finishes in the background and is kept).")
+    async def api_plan_solve(body: PlanRequest):
+        result = await plan_for(body)
+        result["view"] = await run_in_threadpool(data.plan_view, result["plan"])
+        return result
+
+    @app.get("/api/plan/range", tags=["api"], summary="The budgets worth asking a profile's plan about",
+             description="{profile, smallest_budget_bytes (the least any plan fits, no caps), largest_budget_bytes "
+                         "(the peak of the plan that keeps everything), defaults: `agoq search`'s objective and caps, "
+                         "objectives}; a profile the search cannot read answers {profile, error} so that its page "
+                         "can say why.")
+    async def api_plan_range(profile: str = Query(..., description="profile folder, relative to the root")):
+        folder = await run_in_threadpool(profile_folder, profile)
+        try:
+            found = await solved(lambda: planner.budget_range(folder))
+        except HTTPException as e:
+            if e.status_code != 422:
+                raise
+            return {"profile": profile, "error": str(e.detail)}
+        return {"profile": profile, **found, "defaults": cli_defaults()}
+
+    @app.post("/api/plan/save", tags=["api"], summary="Save the plan at a budget as ROOT/plans/NAME",
+              description="Solves (or takes from the cache) the plan POST /api/plan gives for the same fields and "
+                          "writes it, as `agoq search` writes a plan, to ROOT/plans/NAME atomically. 409 when the "
+                          "file exists and `overwrite` is false; 403 from another machine unless the dashboard "
+                          "has a token; 415 unless the body is JSON. Answers {id, path, overwritten}.")
+    async def api_plan_save(body: SaveRequest, request: Request):
+        same_origin(request)
+        client = request.client.host if request.client else ""
+        if token is None and not is_loopback(client):
+            raise HTTPException(403, "saving plans from another machine needs the dashboard's token: start it with "
+                                     "--token (or AGOQ_DASHBOARD_TOKEN) and send it")
+        try:
+            name = saved_plans.safe_name(body.name)
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
+        result = await plan_for(body)
+        existed = (data.catalog.root / saved_plans.FOLDER / name).exists()
+
+        def write() -> Path:
+            return saved_plans.save_plan(data.catalog.root, name, result["plan"], overwrite=body.overwrite)
+
+        try:
+            path = await run_in_threadpool(write)
+        except saved_plans.Exists as e:
+            raise HTTPException(409, str(e)) from None
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
+        data.catalog.outdated()
+        return {"id": f"{saved_plans.FOLDER}/{name}", "path": str(path), "overwritten": bool(body.overwrite and existed)}
+
     # --- pages ----------------------------------------------------------------------------------
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def overview_page(refresh: bool = False):
@@ -202,7 +348,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
 
     @app.get("/static/{name}", include_in_schema=False)
     def static(name: str):
-        files = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+        files = {"dashboard.js": "text/javascript", "planner.js": "text/javascript", "dashboard.css": "text/css"}
         if name not in files:
             raise HTTPException(404, "no such file")
         return FileResponse(STATIC / name, media_type=files[name])

@@ -2,8 +2,11 @@
 and training runs found under --root, rescanned as new ones appear.
 
 Pages: / (overview), /profile, /search, /plan, /runs (pick runs to compare); the JSON API is under
-/api/ and documented at /docs (OpenAPI at /openapi.json). The dashboard only reads: it never writes
-under --root, and no request reaches a file outside it.
+/api/ and documented at /docs (OpenAPI at /openapi.json). POST /api/plan solves a profile's plan at any
+budget as `agoq search` would (the profile page's budget slider), in --plan-workers threads with at most
+--plan-queue requests waiting. The dashboard only reads, except that the profile page's "save plan"
+(POST /api/plan/save) writes the plan shown to --root/plans/NAME.json; no request reaches a file outside
+--root.
 
 It listens on 127.0.0.1 unless told otherwise; listening on any other address needs a token (--token
 or the environment variable AGOQ_DASHBOARD_TOKEN), which every request must then carry: open
@@ -39,7 +42,7 @@ def is_loopback(host: str) -> bool:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of `agoq dashboard`."""
-    from agoq.commands.arguments import positive_int
+    from agoq.commands.arguments import non_negative_int, positive_float, positive_int
 
     parser.add_argument("--root", required=True,
                         help="folder to look in (searched recursively, up to 8 levels; e.g. the folder `agoq demo` wrote)")
@@ -52,6 +55,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "a loopback address)")
     parser.add_argument("--rescan-seconds", type=float, default=2.0,
                         help="how long a scan of --root is reused before a request rescans it (default 2 s)")
+    parser.add_argument("--plan-workers", type=positive_int, default=2,
+                        help="plans solved at a time for POST /api/plan, one thread each (default 2)")
+    parser.add_argument("--plan-queue", type=non_negative_int, default=16,
+                        help="plan requests waiting beyond those being solved; more are answered 503 (default 16)")
+    parser.add_argument("--plan-timeout", type=positive_float, default=30.0,
+                        help="seconds a plan request waits for its solve before a 504 (default 30)")
     parser.set_defaults(func=run)
 
 
@@ -83,9 +92,11 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dashboard.app import create_app
+    from dashboard.planner import Planner
 
     allowed = None if token else LOOPBACK_NAMES | {args.host.lower()}
-    app = create_app(args.root, token=token, allowed_hosts=allowed, ttl=args.rescan_seconds)
+    planner = Planner(workers=args.plan_workers, queue=args.plan_queue, timeout=args.plan_timeout)
+    app = create_app(args.root, token=token, allowed_hosts=allowed, ttl=args.rescan_seconds, planner=planner)
     shown_host = f"[{args.host}]" if ":" in args.host else args.host
     address = f"http://{shown_host}:{args.port}/" + (f"?token={token}" if token else "")
     _check_port_free(args.host, args.port)

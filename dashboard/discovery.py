@@ -164,6 +164,11 @@ class Catalog:
                 self._index = scan(self.root, seen=self._plan_marks)
             return self._index
 
+    def outdated(self) -> None:
+        """Mark the index out of date, so the next request rescans (after the dashboard wrote a file)."""
+        with self._lock:
+            self._index = Index(items=self._index.items, scanned_at=0.0, problems=self._index.problems)
+
     def get(self, kind: str, artifact_id: str) -> Artifact:
         """The artifact of `kind` named `artifact_id`; KeyError when there is none. The id is only
         compared with the ids found by the scan, and the found path is checked to still lie inside

@@ -62,6 +62,7 @@ class Page:
         self.parts: list[str] = []
         self.figures: list[dict[str, Any]] = []
         self.refresh_seconds: int | None = None
+        self.scripts: list[str] = []  # more of the app's own scripts (/static/NAME) this page runs
 
     def add(self, text: str) -> None:
         self.parts.append(text)
@@ -99,6 +100,7 @@ class Page:
             f"<title>agoq · {esc(self.title)}</title>"
             '<link rel="stylesheet" href="/static/dashboard.css">'
             '<script src="/static/plotly.min.js"></script><script src="/static/dashboard.js" defer></script>'
+            + "".join(f'<script src="/static/{esc(name)}" defer></script>' for name in self.scripts) +
             "</head><body><header><nav><a href='/'>overview</a><a href='/runs'>runs</a>"
             "<a href='/docs'>API</a></nav>"
             f"<h1>{esc(self.title)}</h1></header><main>{''.join(self.parts)}</main>{''.join(scripts)}</body></html>"
@@ -225,6 +227,7 @@ def profile(data: dict[str, Any]) -> str:
                    [[esc(s["model"]), f"<code>{esc(s['fingerprint'])}</code>", fmt_num(s["num_layers"]),
                      fmt_num(s["parameters"]), esc(s["device"]), fmt_num(settings.get("micro_batch")),
                      fmt_num(settings.get("seq_len")), esc(s["date"])]]))
+    planner_section(page, data["id"])
     steps = (s.get("memory") or {}).get("steps") or []
     if steps:
         page.add("<h2>Measured steps</h2>")
@@ -267,6 +270,27 @@ def profile(data: dict[str, Any]) -> str:
         else:
             page.add(message(coll["message"], "empty"))
     return page.render()
+
+
+def planner_section(page: Page, profile_id: str) -> None:
+    """The live plan of a profile (static/planner.js fills it in): a budget slider whose plan, solved by
+    POST /api/plan as it moves, is drawn as the plan page draws a plan, and a button saving it."""
+    page.scripts.append("planner.js")
+    page.add(
+        "<h2>Plan at a budget</h2>"
+        f'<div id="planner" data-profile="{esc(profile_id)}">'
+        '<p class=meta>The plan <code>agoq search</code> gives this profile at the budget below, solved as the slider '
+        "moves (objective and caps: the command's defaults unless chosen here).</p>"
+        '<div class=planner-controls><label>budget per GPU <input type=range id="plan-budget" min=0 max=1000 step=1 '
+        'value=500 disabled></label> <output id="plan-budget-text">–</output>'
+        '<label>objective <select id="plan-objective" disabled></select></label></div>'
+        '<div id="plan-status" class="msg info">reading the budgets this profile can be planned at…</div>'
+        '<div id="plan-result" hidden>'
+        '<div id="plan-figures"></div><div id="plan-alternative"></div>'
+        '<div class="live-plot" id="plan-bits"></div><div class="live-plot" id="plan-memory"></div>'
+        '<p><label>save as ROOT/plans/<input id="plan-name" size=36></label> '
+        '<button type=button id="plan-save">save plan</button> <span id="plan-saved"></span></p>'
+        "</div></div>")
 
 
 def _plan_sections(page: Page, data: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from dashboard import plans, profiles, runs, searches, studies
+from dashboard import figures, plans, profiles, runs, searches, studies
 from dashboard.discovery import Artifact, Catalog
 from dashboard.formats import BrokenFile, read_json
 
@@ -102,6 +102,19 @@ class Dashboard:
         return {"id": a.id, "summary": summary, "bits": part(lambda: plans.bit_map(plan)),
                 "memory": part(lambda: plans.memory_breakdown(plan, profile, used_by)),
                 "runs": sorted(used_by)}
+
+    def plan_view(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """What the plan page shows of a plan not saved anywhere (one the planner just solved): key figures,
+        bit-width map and memory breakdown as `plan` gives them, and their Plotly figures."""
+        profile = self._profile_for(plan)
+        summary = plans.summary(plan)
+        steps = ((profile or {}).get("memory") or {}).get("steps") or []
+        summary["bf16_predicted_peak_bytes"] = next(
+            (s.get("predicted_peak_bytes") for s in steps if s.get("policy") == "bf16"), None)
+        bits = plans.bit_map(plan)
+        memory = plans.memory_breakdown(plan, profile)
+        return {"summary": summary, "bits": bits, "memory": memory,
+                "figures": {"bits": figures.plan_bits(bits), "memory": figures.memory_breakdown(memory)}}
 
     def search(self, artifact_id: str) -> dict[str, Any]:
         """A search's Pareto front, its chosen plan (as `plan` gives it) and its Optuna studies."""

@@ -124,3 +124,56 @@ def test_the_harness_sees_javascript_errors(chromium):
     assert "undefinedFunctionOnPurpose" in text
     assert "logged on purpose" in text
     assert "missing.js" in text or "load failed" in text
+
+
+def test_budget_slider_redraws_and_saves_the_searchs_plan(chromium, tmp_path):
+    """On a profile page: the plan is drawn, moving the slider redraws another plan, and the saved file is the
+    one `agoq search` writes for the budget shown."""
+    import json
+    import random
+
+    from agoq.cli import main
+    from dashboard.app import create_app
+    from dashboard.command import LOOPBACK_NAMES
+    from experiments.service_load import serve
+    from tests.search.synthetic_profile import write_profile
+
+    root = (tmp_path / "root").resolve()
+    write_profile(root / "prof", random.Random(int.from_bytes(os.urandom(4), "little")), micro_batch=3, seq_len=37)
+    drawn = "document.body.dataset.plansDrawn"
+    bits = "JSON.stringify(document.getElementById('plan-bits').data[0].z)"
+    with serve(create_app(root, allowed_hosts=LOOPBACK_NAMES)) as (host, port):
+        problems = chromium.open(f"http://{host}:{port}/profile?id=prof", f"{drawn} === '1'")
+        assert problems == [], problems
+        assert chromium.evaluate(drawn) == "1"
+        first = chromium.evaluate("window.agoqPlanner.current.budget_bytes")
+        seen = {}
+        for position, count in ((20, "2"), (985, "3")):
+            chromium.evaluate("(() => { const s = document.getElementById('plan-budget'); "
+                              f"s.value = {position}; s.dispatchEvent(new Event('input')); }})()")
+            deadline = time.monotonic() + 30
+            while chromium.evaluate(drawn) != count:
+                assert time.monotonic() < deadline, chromium.evaluate("document.getElementById('plan-status').textContent")
+                time.sleep(0.1)
+            seen[position] = (chromium.evaluate("window.agoqPlanner.current.budget_bytes"), chromium.evaluate(bits))
+        budget = seen[985][0]
+        assert seen[20][0] < first < budget and chromium.evaluate("document.body.dataset.planBudget") == str(budget)
+        assert seen[20][1] != seen[985][1]  # near the smallest budget the plan quantizes what it keeps at 16 when roomy
+        assert str(budget) in chromium.evaluate("document.getElementById('plan-figures').textContent")
+        chromium.evaluate("document.getElementById('plan-name').value = 'from-the-slider'; "
+                          "document.getElementById('plan-name').dispatchEvent(new Event('input'))")
+        artifacts = Path(os.environ.get("AGOQ_TEST_ARTIFACTS") or tmp_path)
+        artifacts.mkdir(parents=True, exist_ok=True)
+        assert chromium.screenshot(artifacts / "profile-planner.png").stat().st_size > 10_000
+        chromium.evaluate("document.getElementById('plan-save').click()")
+        deadline = time.monotonic() + 30
+        while chromium.evaluate("document.body.dataset.planSaved || ''") != "plans/from-the-slider.json":
+            assert time.monotonic() < deadline, chromium.evaluate("document.getElementById('plan-saved').textContent")
+            time.sleep(0.1)
+    saved = json.loads((root / "plans" / "from-the-slider.json").read_text())
+    out = tmp_path / "cli" / "plan.json"
+    assert main(["search", "--profile", str(root / "prof"), "--budget", str(budget), "--out", str(out), "--quiet"]) == 0
+    want = json.loads(out.read_text())
+    for plan in (saved, want):
+        plan["source"].pop("date")
+    assert saved == want

@@ -1,0 +1,214 @@
+// The profile page's live plan: a budget slider whose plan (POST /api/plan, solved as `agoq search` would)
+// is redrawn as it moves, and a button saving the plan shown (POST /api/plan/save). The last plan drawn is
+// window.agoqPlanner.current; body[data-plans-drawn] counts the plans drawn.
+(function () {
+  "use strict";
+  var STEPS = 1000;
+  var DEBOUNCE_MS = 200;
+
+  function bytes(n) {
+    if (n === null || n === undefined || !isFinite(n)) return "–";
+    var units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    var i = 0;
+    while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+    return i === 0 ? String(Math.round(n)) + " B" : n.toFixed(2) + " " + units[i];
+  }
+  function seconds(s) {
+    if (s === null || s === undefined) return "–";
+    return s < 1 ? (s * 1e3).toFixed(2) + " ms" : s.toFixed(3) + " s";
+  }
+  function num(x, digits) {
+    if (x === null || x === undefined) return "–";
+    return typeof x === "number" ? Number(x.toPrecision(digits || 4)).toString() : String(x);
+  }
+  function el(tag, text, cls) {
+    var e = document.createElement(tag);
+    if (text !== undefined) e.textContent = text;
+    if (cls) e.className = cls;
+    return e;
+  }
+  function table(headers, row) {
+    var t = el("table"), head = el("tr"), body = el("tr");
+    headers.forEach(function (h) { head.appendChild(el("th", h)); });
+    row.forEach(function (c) { body.appendChild(el("td", c)); });
+    var thead = el("thead"), tbody = el("tbody");
+    thead.appendChild(head); tbody.appendChild(body);
+    t.appendChild(thead); t.appendChild(tbody);
+    var wrap = el("div", undefined, "scroll");
+    wrap.appendChild(t);
+    return wrap;
+  }
+  function detailText(body, status) {
+    var d = body && body.detail;
+    if (d && typeof d === "object" && !Array.isArray(d)) return d.message || JSON.stringify(d);
+    if (Array.isArray(d)) return d.map(function (x) { return (x.loc || []).join(".") + ": " + x.msg; }).join("; ");
+    return d ? String(d) : "HTTP " + status;
+  }
+
+  function start() {
+    var root = document.getElementById("planner");
+    if (!root) return;
+    var profile = root.dataset.profile;
+    var slider = document.getElementById("plan-budget");
+    var budgetText = document.getElementById("plan-budget-text");
+    var objective = document.getElementById("plan-objective");
+    var status = document.getElementById("plan-status");
+    var result = document.getElementById("plan-result");
+    var saveButton = document.getElementById("plan-save");
+    var nameInput = document.getElementById("plan-name");
+    var saved = document.getElementById("plan-saved");
+    var state = {low: 0, high: 0, seq: 0, timer: null, controller: null, current: null, drawn: 0};
+    window.agoqPlanner = state;
+
+    function say(text, kind) {
+      status.hidden = !text;
+      status.className = "msg " + (kind || "info");
+      status.textContent = text || "";
+    }
+    function budget() {
+      return Math.round(state.low + (state.high - state.low) * Number(slider.value) / STEPS);
+    }
+    function request() {
+      var body = {profile: profile, budget: budget()};
+      if (objective.value) body.objective = objective.value;
+      return body;
+    }
+    function post(url, body, signal) {
+      return fetch(url, {method: "POST", headers: {"content-type": "application/json"},
+                         body: JSON.stringify(body), signal: signal, credentials: "same-origin"})
+        .then(function (r) { return r.json().catch(function () { return {}; }).then(function (j) {
+          return {status: r.status, body: j, retry: Number(r.headers.get("retry-after") || 0)};
+        }); });
+    }
+
+    function draw(answer) {
+      state.current = answer;
+      var p = answer.predicted, view = answer.view;
+      var figures = document.getElementById("plan-figures");
+      figures.textContent = "";
+      figures.appendChild(table(
+        ["budget", "predicted peak", "predicted step", "tokens/s", "gradient error", "objective", "solved in"],
+        [bytes(answer.budget_bytes) + " (" + answer.budget_bytes + " B)", bytes(p.peak_bytes), seconds(p.step_seconds),
+         num(p.tokens_per_second, 5), num(p.grad_error), String(answer.caps.objective),
+         answer.cached ? "cached" : seconds(answer.solve_seconds)]));
+      (answer.notes || []).forEach(function (n) { figures.appendChild(el("div", n, "msg info")); });
+      var alt = document.getElementById("plan-alternative");
+      alt.textContent = "";
+      if (answer.alternative !== null && answer.alternative !== undefined) {
+        alt.appendChild(el("h3", "Best alternative at this budget"));
+        var a = answer.alternative;
+        if (typeof a === "object" && !Array.isArray(a)) {
+          var keys = Object.keys(a).filter(function (k) { return a[k] === null || typeof a[k] !== "object"; });
+          alt.appendChild(table(keys, keys.map(function (k) {
+            var v = a[k];
+            if (/_bytes$/.test(k)) return bytes(v);
+            if (/_seconds$/.test(k)) return seconds(v);
+            return num(v);
+          })));
+        } else {
+          alt.appendChild(el("p", String(a)));
+        }
+      }
+      var config = {responsive: true, displaylogo: false};
+      var jobs = [Plotly.react("plan-bits", view.figures.bits.data, view.figures.bits.layout, config),
+                  Plotly.react("plan-memory", view.figures.memory.data, view.figures.memory.layout, config)];
+      result.hidden = false;
+      if (!nameInput.dataset.edited) nameInput.value = suggestedName(answer.budget_bytes);
+      return Promise.all(jobs).then(function () {
+        state.drawn += 1;
+        document.body.dataset.plansDrawn = String(state.drawn);
+        document.body.dataset.planBudget = String(answer.budget_bytes);
+      });
+    }
+    function suggestedName(b) {
+      var base = (profile === "." ? "profile" : profile).replace(/[^A-Za-z0-9._-]+/g, "-").replace(/^[^A-Za-z0-9]+/, "");
+      return (base || "profile") + "-" + b + "B.json";
+    }
+
+    function solve() {
+      var seq = ++state.seq;
+      if (state.controller) state.controller.abort();
+      var controller = typeof AbortController === "function" ? new AbortController() : null;
+      state.controller = controller;
+      say("solving the plan at " + bytes(budget()) + "…", "info");
+      post("/api/plan", request(), controller ? controller.signal : undefined).then(function (r) {
+        if (seq !== state.seq) return;
+        if (r.status === 200) {
+          say("");
+          return draw(r.body);
+        }
+        if (r.status === 503) {
+          say(detailText(r.body, r.status), "info");
+          setTimeout(function () { if (seq === state.seq) solve(); }, 1000 * Math.max(1, r.retry));
+          return;
+        }
+        say(detailText(r.body, r.status), "error");
+      }).catch(function (err) {
+        if (err && err.name === "AbortError") return;
+        if (seq === state.seq) say("cannot reach the dashboard: " + err, "error");
+      });
+    }
+    function moved() {
+      budgetText.textContent = bytes(budget());
+      clearTimeout(state.timer);
+      state.timer = setTimeout(solve, DEBOUNCE_MS);
+    }
+
+    function save(overwrite) {
+      var body = request();
+      body.name = nameInput.value;
+      body.overwrite = overwrite;
+      saved.textContent = "saving…";
+      post("/api/plan/save", body).then(function (r) {
+        if (r.status === 409 && !overwrite) {
+          saved.textContent = "";
+          if (window.confirm(detailText(r.body, r.status) + "\nReplace it?")) save(true);
+          return;
+        }
+        if (r.status !== 200) {
+          saved.textContent = "not saved: " + detailText(r.body, r.status);
+          saved.className = "bad";
+          return;
+        }
+        saved.className = "";
+        saved.textContent = "saved ";
+        var a = el("a", r.body.id);
+        a.href = "/plan?id=" + encodeURIComponent(r.body.id);
+        saved.appendChild(a);
+        document.body.dataset.planSaved = r.body.id;
+      }).catch(function (err) { saved.textContent = "not saved: " + err; });
+    }
+
+    function range() {
+      fetch("/api/plan/range?profile=" + encodeURIComponent(profile), {credentials: "same-origin"})
+        .then(function (r) { return r.json().then(function (j) { return {status: r.status, body: j,
+          retry: Number(r.headers.get("retry-after") || 0)}; }); })
+        .then(function (r) {
+          if (r.status === 503) { setTimeout(range, 1000 * Math.max(1, r.retry)); return; }
+          if (r.status !== 200) { say(detailText(r.body, r.status), "error"); return; }
+          if (r.body.error) { say("no plan for this profile: " + r.body.error, "empty"); return; }
+          state.low = r.body.smallest_budget_bytes;
+          state.high = r.body.largest_budget_bytes;
+          var defaults = r.body.defaults || {};
+          (defaults.objectives || []).forEach(function (o) {
+            var opt = el("option", o + (o === defaults.objective ? " (default)" : ""));
+            opt.value = o;
+            opt.selected = o === defaults.objective;
+            objective.appendChild(opt);
+          });
+          slider.disabled = false;
+          objective.disabled = false;
+          slider.addEventListener("input", moved);
+          objective.addEventListener("change", moved);
+          saveButton.addEventListener("click", function () { save(false); });
+          nameInput.addEventListener("input", function () { nameInput.dataset.edited = "1"; });
+          document.body.dataset.plannerReady = "1";
+          moved();
+        })
+        .catch(function (err) { say("cannot read the budget range: " + err, "error"); });
+    }
+    range();
+  }
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
+  else start();
+})();
