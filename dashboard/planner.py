@@ -209,20 +209,6 @@ def tokens_per_step(plan: dict[str, Any]) -> int:
         int(training.get("grad_accum", 1)) * ranks
 
 
-def _alternative(outcome: Any, plan: dict[str, Any]) -> Any:
-    """The best alternative the search priced the plan against, where it gives one (the outcome's or the
-    plan's own field naming it), else None."""
-    for name in ("best_alternative", "alternative"):
-        value = getattr(outcome, name, None)
-        if value is not None:
-            return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
-    for holder in (plan, plan.get("predicted") or {}, plan.get("source") or {}):
-        for key, value in holder.items():
-            if "alternative" in key and value is not None:
-                return value
-    return None
-
-
 def plan_at_budget(entry: ProfileEntry, query: PlanQuery) -> dict[str, Any]:
     """The plan `agoq search` writes for `query` on the entry's profile, with its predicted figures:
     {plan, predicted: {peak_bytes, peak_bytes_per_stage, step_seconds, tokens_per_step, tokens_per_second,
@@ -252,7 +238,7 @@ def plan_at_budget(entry: ProfileEntry, query: PlanQuery) -> dict[str, Any]:
                  "step_seconds": step, "tokens_per_step": tokens,
                  "tokens_per_second": pred.get("tokens_per_second") or (tokens / step if step else None),
                  "grad_error": pred.get("grad_error")}
-    return {"plan": plan, "predicted": predicted, "alternative": _alternative(outcome, plan),
+    return {"plan": plan, "predicted": predicted, "alternative": plan.get("alternative"),
             "notes": list(dict.fromkeys(str(n) for n in outcome.notes))}
 
 
