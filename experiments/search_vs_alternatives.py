@@ -14,7 +14,7 @@ For each model (the probe model, micro-batch 2 x 4096; LLaMA-3-8B shapes with 4 
                memory-budget alternative by a compiled step (agoq.profiler.compiled)
 
 Checks per budget: measured peak <= budget, predicted step within 5 % of measured, and where the plan quantizes
-anything, plan tokens/s >= 1.2 x the alternative's. Also: the 32-layer LLaMA-3-8B peak (vocab 256, as
+anything, plan tokens/s >= 1.2 x the alternative's. Also: the 32-layer LLaMA-3-8B peak (vocab 128256, as
 experiments/train_8b_memory.py trains it) predicted from the 4-layer profile against the committed 83.9 / 51.8 GB.
 
 GPU (one H200, about 8 minutes):  python experiments/search_vs_alternatives.py
@@ -189,7 +189,7 @@ def run_model(name, spec, layers, mb, seq, device, work: Path, steps: int, compi
 
 
 def full_8b_check(prof) -> dict:
-    """The 32-layer LLaMA-3-8B peak (vocab 256, micro-batch 1 x 4096, agoq-paper, QuanGrad, fused 8-bit AdamW)
+    """The 32-layer LLaMA-3-8B peak (vocab 128256, micro-batch 1 x 4096, agoq-paper, QuanGrad, fused 8-bit AdamW)
     predicted from this 4-layer profile's calibration (its fixed bytes, its LAAQ transient) and agoq.optim.
     state_bytes, against experiments/results/train_8b_memory.json."""
     import torch
@@ -200,7 +200,7 @@ def full_8b_check(prof) -> dict:
     from agoq.models.llama import PRESETS
     from agoq.optim.state_bytes import state_bytes
 
-    cfg = dataclasses.replace(PRESETS["llama-3-8b"], vocab_size=256)
+    cfg = PRESETS["llama-3-8b"]  # agoq train keeps the model's vocabulary (128256) on byte data
     numels = [p.numel() for p in build(cfg, device="meta", dtype=torch.bfloat16).parameters()]
     shape = LayerShape.from_config(cfg, 1, 4096, 2)
     policy = as_policy("agoq-paper")

@@ -6,14 +6,16 @@ and reports its peak (torch.cuda.max_memory_allocated over the steps) and median
   agoq@N           agoq train --policy agoq-paper --gradients quangrad8 --optimizer adamw8bit  (float32 masters)
   agoq-nomaster@N  the same with --master none
   agoq-compiled@N  agoq with --compile (each decoder layer compiled)
+  agoq-nomaster-compiled@N  both
   ckpt-8bit@N      agoq train --checkpoint-all --optimizer adamw8bit (the same fused 8-bit step, bf16 gradients)
   budgetB-OPT@N    the model alone (agoq.models reference, bf16), each decoder layer torch.compile'd with
                    torch._functorch.config.activation_memory_budget = B, optimizer OPT = torchao (torchao.optim's
                    AdamW8bit) or bnb (bitsandbytes' AdamW8bit) or torch (fused AdamW, float32 state), clip 1.0;
                    bf16 parameters updated in place (no masters)
 
-N is the micro-batch (sequences of 4096 tokens per step). Byte-level data (tinyshakespeare, vocabulary 256
-instead of 128256); random initial weights; AdamW betas 0.9/0.95, weight decay 0.1, lr 1e-4 everywhere.
+N is the micro-batch (sequences of 4096 tokens per step). Byte-level data (tinyshakespeare) on the model's own
+vocabulary of 128256 (agoq train never shrinks a model's vocabulary, so every configuration has the same
+8.03 B parameters); random initial weights; AdamW betas 0.9/0.95, weight decay 0.1, lr 1e-4 everywhere.
 
     python experiments/train_8b_alternatives.py [--configs agoq@1,agoq@4,budget0.1-torchao@1,...] [--steps 4]
 Writes experiments/results/train_8b_alternatives.json; a configuration that fails says why in its row.
@@ -22,7 +24,6 @@ Writes experiments/results/train_8b_alternatives.json; a configuration that fail
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -42,6 +43,7 @@ AGOQ = {
     "agoq": EVERYTHING,
     "agoq-nomaster": EVERYTHING + ["--master", "none"],
     "agoq-compiled": EVERYTHING + ["--compile"],
+    "agoq-nomaster-compiled": EVERYTHING + ["--master", "none", "--compile"],
     "ckpt-8bit": ["--checkpoint-all", "--optimizer", "adamw8bit"],
 }
 DEFAULT_CONFIGS = ("agoq@1,agoq@4,agoq-compiled@4,agoq-nomaster@8,ckpt-8bit@4,"
@@ -68,12 +70,11 @@ def alternative(budget: float, optimizer: str, micro_batch: int, steps: int, dat
     import torch
 
     from agoq.activations.compile import compile_decoder_layers
-    from agoq.models import build, resolve_config
+    from agoq.models import build
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch._functorch.config.activation_memory_budget = budget
-    config = dataclasses.replace(resolve_config("llama-3-8b"), vocab_size=256)
-    model = build(config, dtype=torch.bfloat16, device="cuda")
+    model = build("llama-3-8b", dtype=torch.bfloat16, device="cuda")
     compile_decoder_layers(model)
     opt = _optimizer(optimizer, model.parameters())
     text = torch.frombuffer(bytearray(Path(data).read_bytes()), dtype=torch.uint8).to("cuda", torch.long)
@@ -154,7 +155,7 @@ def main() -> None:
                 print(f"{config:>22s}: peak {row['peak_bytes'] / 1e9:6.1f} GB, {row['median_tokens_per_s']:7.0f} tokens/s",
                       flush=True)
             # rewritten after every configuration: a run cut short keeps what it measured
-            path = write_result("train_8b_alternatives", {"model": "llama-3-8b (vocab 256)", "seq_len": 4096,
+            path = write_result("train_8b_alternatives", {"model": "llama-3-8b (vocab 128256)", "seq_len": 4096,
                                                           "steps": args.steps, "configs": rows})
     print("wrote", path)
 
