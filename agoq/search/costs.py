@@ -260,9 +260,10 @@ def resolve_optimizer(profile: ProfileData, optimizer: Optional[str], master: Op
 
 
 def optimizer_choices(gradient_mode: str) -> list[tuple[str, str]]:
-    """(optimizer, master) combinations a plan may use with `gradient_mode` (SDP4Bit shards float32 AdamW)."""
+    """(optimizer, master) combinations a plan may use with `gradient_mode` (SDP4Bit's sharded step is the fused
+    8-bit AdamW over float32 masters)."""
     if gradient_mode == "sdp4bit":
-        return [("adamw", "fp32")]
+        return [("adamw8bit", "fp32")]
     return [("adamw", "fp32"), ("adamw8bit", "fp32"), ("adamw8bit", "none")]
 
 
@@ -414,9 +415,13 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     if knobs.gradient_mode not in gradient_modes(profile):
         raise ValueError(f"gradient mode {knobs.gradient_mode!r} needs figures the profile lacks "
                          f"(available: {', '.join(gradient_modes(profile))})")
-    optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
-    if knobs.gradient_mode == "sdp4bit" and (optimizer, master) != ("adamw", "fp32"):
-        raise ValueError("gradient mode sdp4bit runs SDP4Bit's sharded float32 AdamW: optimizer adamw, masters fp32")
+    if knobs.gradient_mode == "sdp4bit":  # SDP4Bit's sharded step is always its own: unset knobs mean it
+        optimizer, master = knobs.optimizer or "adamw8bit", knobs.master or "fp32"
+        if (optimizer, master) != ("adamw8bit", "fp32"):
+            raise ValueError("gradient mode sdp4bit runs SDP4Bit's sharded step, the fused 8-bit AdamW over float32 "
+                             f"masters: optimizer adamw8bit, masters fp32 (not {optimizer}, masters {master})")
+    else:
+        optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     timing = mode_timing(profile, knobs.compile_mode)
     if block != block0:
         notes.append(f"sensitivities were measured at block {block0}; at block {block} the same values are used")

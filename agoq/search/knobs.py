@@ -122,7 +122,7 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
                                        compile_mode=compile_mode, micro_batch=mb, grad_accum=batch // mb))
     if not out:
         raise ValueError("no optimizer/master combination of the knob space is allowed (masters 'none' needs "
-                         "adamw8bit; sdp4bit runs float32 AdamW with masters)")
+                         "adamw8bit; sdp4bit runs the 8-bit AdamW with masters)")
     return out
 
 
