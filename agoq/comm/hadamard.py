@@ -4,9 +4,10 @@ H = S / sqrt(32) where S is the 32x32 Sylvester matrix of +-1 (S[i, j] = (-1)**p
 symmetric and orthonormal, so H @ H = I: the inverse transform is the transform itself. Spreading
 each value over its 32-group flattens outliers before block quantization (TLq-HS in SDP4Bit).
 
-The transform is a float32 matmul of a [-1, 32] view with H, built once per device. On CUDA the
-matmul runs in full float32 even when the caller allowed TF32 matmuls (TF32 would silently round
-the gradient to 10 mantissa bits before it is quantized).
+The transform is a float32 matmul of a [-1, 32] view with H, built once per device. On CUDA it is
+`hadamard_triton`'s kernel, whose product is IEEE float32 whatever the process allows for matmuls (TF32
+would silently round the gradient to 10 mantissa bits before it is quantized), without touching any
+global switch; on the CPU (no TF32) it is torch's matmul.
 """
 
 from __future__ import annotations
@@ -61,12 +62,10 @@ def hadamard32(x: torch.Tensor) -> torch.Tensor:
         return flat
     m = _matrix(flat.device)
     rows = flat.view(-1, GROUP)
-    if rows.is_cuda and torch.backends.cuda.matmul.allow_tf32:  # only then touch the global switch
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            return (rows @ m).reshape(-1)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = True
+    if rows.is_cuda:
+        from agoq.comm.hadamard_triton import hadamard_rows_triton
+
+        return hadamard_rows_triton(rows, m).reshape(-1)
     return (rows @ m).reshape(-1)
 
 

@@ -478,3 +478,22 @@ def test_optimizer_bad_inputs(optimizer_runs):
     for r in res:
         assert "parameters differ across ranks" in r["differ"]
         assert "not a multiple of the node size 2" in r["node_size"]
+
+
+@pytest.mark.parametrize("rows", [1, 77, 130])
+def test_hadamard_kernel_matches_float64(rows):
+    """The GPU kernel (here under the interpreter) against the float64 product, with TF32 allowed globally:
+    the kernel's IEEE product must not depend on the switch, and it must leave the switch as it was."""
+    from agoq.comm.hadamard_triton import hadamard_rows_triton
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 32, generator=g) * torch.logspace(-3, 3, 32)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        got = hadamard_rows_triton(x, hadamard_matrix())
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    want = x.double() @ hadamard_matrix(dtype=torch.float64)
+    assert torch.allclose(got.double(), want, rtol=0, atol=float(want.abs().max()) * 2e-6)
