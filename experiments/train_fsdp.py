@@ -31,19 +31,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from experiments.record import RESULTS, write_result  # noqa: E402
-from experiments.train_runs import drop_checkpoint, relative_difference, run_train, summarize, tiny_shakespeare  # noqa: E402
+from experiments.record import RESULTS, write_result
+from experiments.train_runs import common_args, compare, tiny_shakespeare, train_variant
 
 GOAL = 0.01
-NVLINK = {"NCCL_NVLS_ENABLE": "0"}
-SOCKETS = {**NVLINK, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket",
-           "NCCL_SOCKET_IFNAME": "lo", "AGOQ_ALLREDUCE_TRANSPORT": "collectives"}
 BASELINE = "fsdp_bf16"
 VARIANTS = {
     "fsdp_bf16": ["--parallel", "fsdp"],
@@ -83,35 +79,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.out == str(RESULTS / "runs"):
             args.out = "/tmp/agoq-train-fsdp"
     data = tiny_shakespeare(args.data)
-    common = [model, "--data", data, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-              "--steps", str(args.steps), "--lr", str(args.lr), "--warmup", str(max(1, args.steps // 10)),
-              "--eval-every", str(eval_every), "--eval-batches", str(eval_batches), "--checkpoint-every", "0",
-              "--seed", "0", "--quiet", *device]
+    common = common_args(model, data, seq_len=args.seq_len, micro_batch=args.micro_batch, steps=args.steps,
+                         lr=args.lr, eval_every=eval_every, eval_batches=eval_batches, device=device)
     figures: dict = {"nproc": args.nproc, "model": model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
                      "steps": args.steps, "runs": {}, "comparisons": {}}
     for transport in transports:
-        env = SOCKETS if transport == "sockets" else NVLINK if transport == "nvlink" else {}
         for variant in variants:
-            run_dir = Path(args.out) / f"{name}_{transport}_{variant}"
-            if run_dir.exists():
-                shutil.rmtree(run_dir)
-            wall = run_train(common + VARIANTS[variant] + ["--out", str(run_dir)], nproc=args.nproc, env=env)
-            drop_checkpoint(run_dir)
-            figures["runs"][f"{transport}/{variant}"] = {**summarize(run_dir), "wall_seconds": wall,
-                                                         "transport": transport, "env": env}
+            figures["runs"][f"{transport}/{variant}"] = train_variant(
+                common, VARIANTS[variant], Path(args.out) / f"{name}_{transport}_{variant}", nproc=args.nproc,
+                transport=transport)
         base = figures["runs"].get(f"{transport}/{BASELINE}")
         for variant in variants:
-            run = figures["runs"][f"{transport}/{variant}"]
-            if base is None or variant == BASELINE:
-                continue
-            diff = relative_difference(run["final_val_loss"], base["final_val_loss"])
-            figures["comparisons"][f"{transport}/{variant}_vs_{BASELINE}"] = {
-                "final_val_loss": [run["final_val_loss"], base["final_val_loss"]], "relative_difference": diff,
-                "goal": GOAL, "met": diff <= GOAL,
-                "tokens_per_s": [run["median_tokens_per_s"], base["median_tokens_per_s"]],
-                "throughput_ratio": run["median_tokens_per_s"] / base["median_tokens_per_s"],
-                "peak_bytes_per_rank": [run["peak_bytes_per_rank"], base["peak_bytes_per_rank"]],
-                "peak_not_above_baseline": max(run["peak_bytes_per_rank"]) <= max(base["peak_bytes_per_rank"])}
+            if base is not None and variant != BASELINE:
+                figures["comparisons"][f"{transport}/{variant}_vs_{BASELINE}"] = compare(
+                    figures["runs"][f"{transport}/{variant}"], base, GOAL)
     if args.tiny:
         path = Path(args.out) / f"{name}.json"
         path.write_text(json.dumps(figures, indent=2) + "\n")

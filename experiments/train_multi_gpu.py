@@ -10,8 +10,9 @@ every step (the global batch is the same in all four):
                     gradients travel in int8)
   sharded_sdp4bit_int4  the same with every GPU treated as a node (--node-size 1): gradients in int4,
                     the paper's cross-node setting
-once over NVLink and once over NCCL's socket transport on loopback (NCCL_P2P_DISABLE=1
-NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo). Goal: the quantized runs' final validation
+once over NVLink and once over NCCL's socket transport on loopback (train_runs.SOCKETS_ENV: NCCL_P2P_DISABLE=1
+NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo, and AGOQ_ALLREDUCE_TRANSPORT=collectives, without
+which agoq's 8-bit all-reduce takes its symmetric-memory transport over NVLink). Goal: the quantized runs' final validation
 loss within 1 % of their baseline's; throughput (tokens/s, median over the steps after the first 10)
 reported as a ratio.
 
@@ -30,24 +31,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from experiments.record import RESULTS, write_result  # noqa: E402
-from experiments.train_runs import (  # noqa: E402
+from experiments.record import RESULTS, write_result
+from experiments.train_runs import (
     BYTE_MODEL,
-    drop_checkpoint,
-    relative_difference,
-    run_train,
-    summarize,
+    common_args,
+    compare,
     tiny_shakespeare,
+    train_variant,
 )
 
 GOAL = 0.01
-SOCKETS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
 VARIANTS = {
     "ddp_bf16": ["--parallel", "ddp"],
     "ddp_quangrad8": ["--parallel", "ddp", "--gradients", "quangrad8"],
@@ -82,30 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.out == str(RESULTS / "runs"):
             args.out = "/tmp/agoq-train-2gpu"
     data = tiny_shakespeare(args.data)
-    common = [model, "--data", data, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-              "--steps", str(args.steps), "--lr", str(args.lr), "--warmup", str(max(1, args.steps // 10)),
-              "--eval-every", str(eval_every), "--eval-batches", str(eval_batches), "--checkpoint-every", "0",
-              "--seed", "0", "--quiet", *device]
+    common = common_args(model, data, seq_len=args.seq_len, micro_batch=args.micro_batch, steps=args.steps,
+                         lr=args.lr, eval_every=eval_every, eval_batches=eval_batches, device=device)
     figures: dict = {"nproc": args.nproc, "runs": {}, "comparisons": {}}
     for transport in transports:
-        env = SOCKETS if transport == "sockets" else {}
         for variant, extra in VARIANTS.items():
-            run_dir = Path(args.out) / f"{name}_{transport}_{variant}"
-            if run_dir.exists():
-                shutil.rmtree(run_dir)
-            wall = run_train(common + extra + ["--out", str(run_dir)], nproc=args.nproc, env=env)
-            drop_checkpoint(run_dir)
-            figures["runs"][f"{transport}/{variant}"] = {**summarize(run_dir), "wall_seconds": wall,
-                                                         "transport": transport, "env": env}
+            figures["runs"][f"{transport}/{variant}"] = train_variant(
+                common, extra, Path(args.out) / f"{name}_{transport}_{variant}", nproc=args.nproc, transport=transport)
         for quantized, base in PAIRS:
-            q, b = figures["runs"][f"{transport}/{quantized}"], figures["runs"][f"{transport}/{base}"]
-            diff = relative_difference(q["final_val_loss"], b["final_val_loss"])
-            figures["comparisons"][f"{transport}/{quantized}_vs_{base}"] = {
-                "final_val_loss": [q["final_val_loss"], b["final_val_loss"]], "relative_difference": diff,
-                "goal": GOAL, "met": diff <= GOAL,
-                "tokens_per_s": [q["median_tokens_per_s"], b["median_tokens_per_s"]],
-                "throughput_ratio": q["median_tokens_per_s"] / b["median_tokens_per_s"],
-                "peak_bytes_rank0": [q["peak_bytes_per_rank"][0], b["peak_bytes_per_rank"][0]]}
+            figures["comparisons"][f"{transport}/{quantized}_vs_{base}"] = compare(
+                figures["runs"][f"{transport}/{quantized}"], figures["runs"][f"{transport}/{base}"], GOAL)
     if args.tiny:
         path = Path(args.out) / f"{name}.json"
         path.write_text(json.dumps(figures, indent=2) + "\n")

@@ -88,7 +88,7 @@ def summarize(run_dir: str | Path, skip: int = 10) -> dict:
 
 def drop_checkpoint(run_dir: str | Path) -> None:
     """Remove the run's checkpoint folder (weights and optimizer state) so the folder is small enough to commit."""
-    for name in ("checkpoint", ".checkpoint-old"):
+    for name in ("checkpoints", "checkpoint", ".checkpoint-old"):
         path = Path(run_dir, name)
         if path.exists():
             shutil.rmtree(path)
@@ -97,3 +97,49 @@ def drop_checkpoint(run_dir: str | Path) -> None:
 def relative_difference(a: float, b: float) -> float:
     """|a - b| / |b|."""
     return abs(a - b) / abs(b)
+
+
+# Two GPUs of one host: NVLink with NVLink multicast off, and NCCL's socket transport on loopback standing in for
+# a network. agoq's one-node symmetric-memory transport ignores NCCL's variables, so the socket runs also force
+# agoq's collectives onto NCCL (AGOQ_ALLREDUCE_TRANSPORT=collectives); otherwise they would measure NVLink.
+NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0"}
+SOCKETS_ENV = {**NVLINK_ENV, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket",
+               "NCCL_SOCKET_IFNAME": "lo", "AGOQ_ALLREDUCE_TRANSPORT": "collectives"}
+
+
+def transport_env(transport: str) -> dict:
+    """The environment of a run over `transport` (nvlink, sockets, or gloo on the CPU)."""
+    return {"sockets": SOCKETS_ENV, "nvlink": NVLINK_ENV}.get(transport, {})
+
+
+def common_args(model: str, data: str, *, seq_len: int, micro_batch: int, steps: int, lr: float, eval_every: int,
+                eval_batches: int, device: list[str]) -> list[str]:
+    """agoq train's arguments shared by every variant of a comparison (warmup a tenth of the steps, no
+    checkpoints, seed 0, quiet)."""
+    return [model, "--data", data, "--seq-len", str(seq_len), "--micro-batch", str(micro_batch),
+            "--steps", str(steps), "--lr", str(lr), "--warmup", str(max(1, steps // 10)),
+            "--eval-every", str(eval_every), "--eval-batches", str(eval_batches), "--checkpoint-every", "0",
+            "--seed", "0", "--quiet", *device]
+
+
+def train_variant(common: list[str], extra: list[str], run_dir: Path, *, nproc: int, transport: str) -> dict:
+    """Train one variant into a fresh `run_dir` (its checkpoints dropped); returns its summary with the wall
+    seconds, the transport and its environment."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    env = transport_env(transport)
+    wall = run_train(common + extra + ["--out", str(run_dir)], nproc=nproc, env=env)
+    drop_checkpoint(run_dir)
+    return {**summarize(run_dir), "wall_seconds": wall, "transport": transport, "env": env}
+
+
+def compare(run: dict, base: dict, goal: float) -> dict:
+    """A quantized run against its baseline: final validation losses and their relative difference (met when
+    <= goal), tokens/s and their ratio, peak bytes per rank and whether the run's is not above the baseline's."""
+    diff = relative_difference(run["final_val_loss"], base["final_val_loss"])
+    return {"final_val_loss": [run["final_val_loss"], base["final_val_loss"]], "relative_difference": diff,
+            "goal": goal, "met": diff <= goal,
+            "tokens_per_s": [run["median_tokens_per_s"], base["median_tokens_per_s"]],
+            "throughput_ratio": run["median_tokens_per_s"] / base["median_tokens_per_s"],
+            "peak_bytes_per_rank": [run["peak_bytes_per_rank"], base["peak_bytes_per_rank"]],
+            "peak_not_above_baseline": max(run["peak_bytes_per_rank"]) <= max(base["peak_bytes_per_rank"])}
