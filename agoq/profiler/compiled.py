@@ -8,6 +8,8 @@ measured step (agoq.profiler.memory: fwd + bwd, then the fused 8-bit AdamW with 
   checkpoint-all  every decoder layer checkpointed
   memory budget B bf16 with torch._functorch.config.activation_memory_budget = B (the partitioner recomputes
                   to keep about B of the activations): `memory_budget_points`
+  micro-batch m   bf16 on the first m sequences, for each m < the profiled micro-batch that divides it:
+                  `micro_batch_steps` (how much slower each token runs at a smaller micro-batch)
 
 For each: the median step seconds of `steps` timed steps after `warmup` untimed ones (the first compiles), its
 optimizer step's seconds, and on a GPU the peak bytes of the fwd + bwd part and of the optimizer step
@@ -100,19 +102,26 @@ def compiled_step(model: nn.Module, ids: torch.Tensor, *, policy=None, checkpoin
 
 def compiled_section(model: nn.Module, ids: torch.Tensor, memory_budgets=MEMORY_BUDGETS, failures: list | None = None,
                      warmup: int = 2, steps: int = 3) -> dict:
-    """The profile's "compiled" section: steps (bf16, agoq-paper, checkpoint-all) and memory_budget_points; a
+    """The profile's "compiled" section: steps (bf16, agoq-paper, checkpoint-all), memory_budget_points and
+    micro_batch_steps (bf16 at each smaller micro-batch dividing ids' batch); a
     variant that fails (out of memory, a compiler error) is listed in `failures` and left out."""
     section: dict = {"mode": "default", "per": "decoder layer", "steps": [], "memory_budget_points": []}
     variants = [("bf16", dict()), ("agoq-paper", dict(policy="agoq-paper")), ("checkpoint-all", dict(checkpoint=True))]
     variants += [(f"memory budget {b:g}", dict(memory_budget=b)) for b in memory_budgets]
+    profiled = ids.shape[0]
+    variants += [(f"micro-batch {m}", dict(micro_batch=m)) for m in range(1, profiled) if profiled % m == 0]
     for name, kwargs in variants:
+        micro_batch = kwargs.pop("micro_batch", None)
         try:
-            m = compiled_step(model, ids, warmup=warmup, steps=steps, **kwargs)
+            m = compiled_step(model, ids if micro_batch is None else ids[:micro_batch], warmup=warmup, steps=steps,
+                              **kwargs)
         except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
             if failures is not None:
                 failures.append({"what": f"compiled step {name}", "error": f"{type(e).__name__}: {e}"[:500]})
             continue
-        if "memory_budget" in kwargs:
+        if micro_batch is not None:
+            section.setdefault("micro_batch_steps", []).append({"policy": "bf16", "micro_batch": micro_batch, **m})
+        elif "memory_budget" in kwargs:
             section["memory_budget_points"].append({"activation_memory_budget": kwargs["memory_budget"], **m})
         else:
             section["steps"].append({"policy": name, **m})

@@ -8,18 +8,32 @@ layer is checkpointed, in which case none is (the layer then keeps only its inpu
                       + the stage's share of weights, gradients (by gradient mode), masters and moments (by
                         optimizer and masters: agoq.optim.state_bytes, as the profile records them)
                       + the profile's fixed bytes
-  step time         = A x (fwd + bwd of the bf16 step + extra seconds of the chosen options
-                           + laaq_layer_seconds per layer that runs LAAQ's functions)
+  step time, eager  = grad_accum x fb(micro_batch) + E x (extra seconds of the chosen options
+                           + laaq_layer_seconds per layer that runs LAAQ's functions + forward of checkpointed layers)
                       + the optimizer step + communication
-                      (A = grad_accum x micro_batch / profiled micro_batch; the step times are the profile's, in
-                      its compile mode: eager, or "compiled" where the profile holds compiled steps)
+                      (fb(m): seconds of one bf16 fwd + bwd of m sequences, measured at the profiled micro-batch m0
+                      and wherever the profile measured more, a line a + b x m between
+                      (agoq.search.compiled_costs.forward_backward_seconds; through the origin with m0 alone);
+                      E = grad_accum x fb(micro_batch) / fb(m0): the tokens of the step against the profiled
+                      one's, times how much slower each token runs at this micro-batch)
+  step time, compiled = grad_accum x fb(micro_batch) + grad_accum x delta per layer that runs LAAQ's functions
+                      + E x forward of checkpointed layers + the optimizer step + communication, from the
+                      profile's `compiled` section, the options adding no seconds of their own
+                      (delta = (compiled agoq-paper step - compiled bf16 step) / layers: agoq.search.compiled_costs
+                      says why the eager kernel times do not carry over)
   error             = sum of the chosen options' measured sensitivities (0 for 16, recompute, checkpoint)
 
-A layer under LAAQ's functions does not run the plain layer's code: its norms and SwiGLU are agoq's fused
+Eager, a layer under LAAQ's functions does not run the plain layer's code: its norms and SwiGLU are agoq's fused
 kernels, so its own time differs from the unmodified layer's by a constant that the options' extra seconds do
 not hold. `laaq_layer_seconds` is that constant, from the profile's measured agoq-paper and bf16 steps:
 (paper step - bf16 step - the recipe's extra seconds) / layers. Without it the model over-predicted every
 quantized plan on the probe model by ~25 ms (1.7-1.9 ms per layer; experiments/results/search_probe_budgets_*).
+Compiled, `laaq_layer_seconds` is grad_accum x delta and the options' seconds are 0.
+
+QuanGrad's gradients: fixed bytes are calibrated on a bf16-gradient step, at whose fwd + bwd peak most gradients
+did not exist yet; QuanGrad's buffer is allocated before the step, so a quangrad8 plan's fwd + bwd peak counts
+the buffer on top of the calibrated step's gradients. Compiled plans add the compiled peak margin
+(agoq.search.compiled_costs).
 
 Two per-layer corrections keep the memory model exact for agoq's runtime: a layer whose kinds are all 16
 runs unmodified and keeps what the plain model keeps (float32 norm statistics and all: `unmodified_extra`),
@@ -41,6 +55,7 @@ from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
 from agoq.formats.profile import ProfileData
 from agoq.optim.state_bytes import check_combination, step_bytes_moved
+from agoq.search.compiled_costs import compiled_layer_seconds, compiled_peak_margin, forward_backward_seconds
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
@@ -320,8 +335,9 @@ def _steps_of(steps) -> dict:
 def mode_timing(profile: ProfileData, compile_mode: Optional[str] = None) -> dict:
     """The step times of one compile mode, seconds at the profiled micro-batch: "bf16" (whole step), "optimizer"
     (its optimizer step, 0 when not measured apart), "paper" (the agoq-paper step, or None), "layer_forward"
-    (per layer, or None), "checkpoint_all" (or None). The profile's own mode reads its memory steps; "compiled"
-    reads the profile's optional `compiled` section (docs/formats.md)."""
+    (per layer, or None), "checkpoint_all" (or None), and "forward_backward": {micro_batch: seconds of one bf16
+    fwd + bwd} at the profiled micro-batch and, compiled, at the section's `micro_batch_steps`. The profile's own
+    mode reads its memory steps; "compiled" reads the profile's optional `compiled` section (docs/formats.md)."""
     own = profile_compile_mode(profile)
     mode = compile_mode or own
     if mode not in COMPILE_MODES:
@@ -337,7 +353,15 @@ def mode_timing(profile: ProfileData, compile_mode: Optional[str] = None) -> dic
                              "--compile to add them)")
         forward = section.get("layer_forward_seconds")
     bf16 = steps.get("bf16")
-    out = {"mode": mode, "bf16": None if bf16 is None else float(bf16["step_seconds"]),
+    profiled = int(profile.settings.get("micro_batch", 1) or 1)
+    fb: dict = {}
+    if bf16 is not None:
+        fb[profiled] = float(bf16["step_seconds"]) - float(bf16.get("optimizer_step_seconds") or 0.0)
+    if mode != own:
+        for st in section.get("micro_batch_steps") or []:
+            if st.get("step_seconds") is not None and int(st["micro_batch"]) != profiled:
+                fb[int(st["micro_batch"])] = float(st["step_seconds"]) - float(st.get("optimizer_step_seconds") or 0.0)
+    out = {"mode": mode, "bf16": None if bf16 is None else float(bf16["step_seconds"]), "forward_backward": fb,
            "optimizer": float((bf16 or {}).get("optimizer_step_seconds") or 0.0),
            "paper": float(steps["agoq-paper"]["step_seconds"]) if "agoq-paper" in steps else None,
            "checkpoint_all": float(steps["checkpoint-all"]["step_seconds"]) if "checkpoint-all" in steps else None,
@@ -395,8 +419,10 @@ def laaq_layer_seconds(profile: ProfileData, timing: dict) -> Optional[float]:
     return (timing["paper"] - timing["bf16"] - extras) / profile.num_layers
 
 
-def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings()) -> ChoiceProblem:
-    """The ChoiceProblem of a profile under `knobs` (see the module docstring for the cost models)."""
+def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings(), *,
+                  peak_margin: bool = True) -> ChoiceProblem:
+    """The ChoiceProblem of a profile under `knobs` (see the module docstring for the cost models); `peak_margin`
+    False leaves out the compiled peak margin (agoq.search.compiled_costs), which is calibrated with this model."""
     notes: list[str] = []
     L = profile.num_layers
     profiled_micro_batch = int(profile.settings.get("micro_batch", 1) or 1)
@@ -465,7 +491,23 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     memory = per_mb * flight[layer]
     accum = int(knobs.grad_accum)
     time_scale = accum * mb / profiled_micro_batch
-    seconds = rows["extra_seconds"].to_numpy(float) * time_scale
+    compiled = timing["mode"] == "compiled"
+    fb_points = timing["forward_backward"]
+    efficiency = 1.0  # fb(mb) / (fb(m0) x mb / m0): > 1 where a smaller micro-batch runs each token slower
+    if fb_points:
+        fb0 = forward_backward_seconds(fb_points, profiled_micro_batch)
+        efficiency = forward_backward_seconds(fb_points, mb) / (fb0 * mb / profiled_micro_batch) if fb0 > 0 else 1.0
+        if mb != profiled_micro_batch and len(fb_points) == 1:
+            notes.append(f"no {timing['mode']} step was measured at micro-batch {mb}: its fwd + bwd is taken as the "
+                         f"profiled micro-batch's x {mb}/{profiled_micro_batch} (any per-micro-batch overhead unknown)")
+    delta = compiled_layer_seconds(timing, L) if compiled else None
+    if delta is not None:  # compiled: a LAAQ layer costs delta per micro-batch, its options nothing of their own
+        seconds = np.zeros(len(rows))
+    else:
+        seconds = rows["extra_seconds"].to_numpy(float) * time_scale * efficiency
+        if compiled:
+            notes.append("no compiled agoq-paper step in the profile: compiled layers under LAAQ are timed with the "
+                         "options' eager extra seconds")
     error = rows["sensitivity"].to_numpy(float)
 
     unmodified = np.zeros(L)
@@ -495,9 +537,9 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     bf16_step = timing["bf16"]
     allow_ckpt = knobs.allow_checkpoint and bool(hidden)
     if forward is not None and len(forward) == L:
-        checkpoint_seconds = np.array(forward, dtype=float) * time_scale
+        checkpoint_seconds = np.array(forward, dtype=float) * time_scale * efficiency
     elif bf16_step is not None:
-        checkpoint_seconds = np.full(L, bf16_step / (3.0 * L)) * time_scale
+        checkpoint_seconds = np.full(L, bf16_step / (3.0 * L)) * time_scale * efficiency
         notes.append("layer forward time estimated as a third of the bf16 step per layer (the profile has no "
                      "timing.layer_forward_seconds)")
     else:
@@ -511,6 +553,17 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
 
     share = np.bincount(stages, minlength=S) / L
     static = static_bytes_total(profile, knobs.gradient_mode, optimizer, master) * share
+    calibrated = measured_with(profile)
+    if knobs.gradient_mode == "quangrad8" and calibrated["gradients"] != "quangrad8":
+        # fixed_bytes was calibrated on a step whose bf16 gradients mostly did not exist yet at its fwd + bwd peak
+        # (fixed = measured - predicted counts that as a credit); QuanGrad's buffer is allocated before the step,
+        # while backward still produces each bf16 gradient: the peak keeps the calibrated step's gradients and
+        # the buffer too
+        grads_calibrated = state_parts(profile, calibrated["gradients"], optimizer, master)["gradients"]
+        static = static + grads_calibrated * share
+        notes.append(f"QuanGrad's 8-bit gradient buffer is counted on top of the {calibrated['gradients']} gradients "
+                     "the profile's fixed bytes were calibrated with (+"
+                     f"{int(grads_calibrated)} bytes at the fwd + bwd peak)")
     # besides the layers' activations a step holds what embedding, final norm, head and loss keep
     # (outside_activation_bytes) and the calibrated rest (fixed_bytes: logits' gradient, workspace)
     outside = float(profile.memory.get("outside_activation_bytes") or 0)
@@ -544,18 +597,24 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     base = 0.0
     laaq_seconds = 0.0
     if bf16_step is not None:
-        # fwd + bwd scale with the tokens of a step; the optimizer step runs once, its time scaled by the bytes it
-        # moves under this optimizer against the measured one's (agoq.optim.state_bytes.step_bytes_moved)
-        calibrated = measured_with(profile)
+        # fwd + bwd: grad_accum x fb(micro-batch) (compiled_costs.forward_backward_seconds); the optimizer step
+        # runs once, its time scaled by the bytes it moves under this optimizer against the measured one's
+        # (agoq.optim.state_bytes.step_bytes_moved)
         moved = step_bytes_moved(optimizer, master, knobs.gradient_mode if knobs.gradient_mode != "sdp4bit" else "bf16")
         moved0 = step_bytes_moved(calibrated["optimizer"], calibrated["master"], calibrated["gradients"])
-        base = (bf16_step - timing["optimizer"]) * time_scale + timing["optimizer"] * moved / moved0
+        fb = forward_backward_seconds(fb_points, mb) if fb_points else (bf16_step - timing["optimizer"]) * mb \
+            / profiled_micro_batch
+        base = fb * accum + timing["optimizer"] * moved / moved0
         per_layer = laaq_layer_seconds(profile, timing)
-        if per_layer is None:
+        if delta is not None:
+            laaq_seconds = delta * accum
+            notes.append(f"compiled: each layer under LAAQ adds {delta * 1e3:.3f} ms per micro-batch ((compiled "
+                         "agoq-paper step - compiled bf16 step) / layers); its options add no seconds of their own")
+        elif per_layer is None:
             notes.append("no agoq-paper step time in the profile: layers under LAAQ are timed as the plain layer "
                          "plus their options' extra seconds")
         else:
-            laaq_seconds = per_layer * time_scale
+            laaq_seconds = per_layer * time_scale * efficiency
     else:
         notes.append("no bf16 step time in the profile: predicted step times count only the options' extras")
     params = float(profile.header["model"].get("parameters") or 0)
@@ -563,9 +622,44 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     if math.isnan(comm):
         notes.append(f"no collective timing for gradient mode {knobs.gradient_mode}: communication not counted")
         comm = 0.0
-    return ChoiceProblem(layer, kind, option, memory, seconds, error, stages, checkpoint_memory, checkpoint_seconds,
-                         allow_ckpt, unmodified, credit, static, base + comm, time_scale, notes, floor,
-                         np.array(in_flight[:S], dtype=float), recompute, laaq, laaq_seconds)
+    problem = ChoiceProblem(layer, kind, option, memory, seconds, error, stages, checkpoint_memory,
+                            checkpoint_seconds, allow_ckpt, unmodified, credit, static, base + comm, time_scale, notes,
+                            floor, np.array(in_flight[:S], dtype=float), recompute, laaq, laaq_seconds)
+    if peak_margin and compiled and S == 1 and profile.header.get("compiled"):
+        margin, rows_ = compiled_peak_margin(profile, lambda policy: _own_peak(profile, policy))
+        if margin > 0:
+            problem.static_bytes = problem.static_bytes + margin
+            worst = max(rows_, key=lambda r: r[1] - r[2])
+            notes.append(f"compiled peak margin of {int(margin)} bytes: the memory model predicted the measured "
+                         f"compiled {worst[0]} step at {int(worst[2])} bytes, it peaked at {int(worst[1])}")
+        elif rows_:
+            notes.append("compiled peaks: the memory model predicts each measured compiled step ("
+                         + ", ".join(f"{p}: {m / p_ - 1:+.1%} measured vs predicted" for p, m, p_ in rows_)
+                         + ") at or above its measured peak: no margin")
+    return problem
+
+
+def _own_peak(profile: ProfileData, policy: str) -> Optional[float]:
+    """The memory model's peak (bytes, one stage) of a compiled section's step: `policy` ("bf16", "agoq-paper" or
+    "checkpoint-all") at the profiled micro-batch, optimizer and gradient storage; None for another policy."""
+    calibrated = measured_with(profile)
+    problem = build_problem(profile, ProblemSettings(gradient_mode=calibrated["gradients"],
+                                                     optimizer=calibrated["optimizer"], master=calibrated["master"],
+                                                     compile_mode=profile_compile_mode(profile), layer_stage=tuple(
+                                                         [0] * profile.num_layers)), peak_margin=False)
+    L = problem.num_layers
+    if policy == "bf16":
+        figures = problem.evaluate(np.nonzero(problem.keeps_16bit())[0], np.zeros(L, dtype=bool))
+    elif policy == "checkpoint-all":
+        figures = problem.evaluate(np.array([], dtype=int), np.ones(L, dtype=bool))
+    elif policy == "agoq-paper":
+        chosen = recipe_choice(problem)
+        if chosen is None:
+            return None
+        figures = problem.evaluate(chosen, np.zeros(L, dtype=bool))
+    else:
+        return None
+    return float(max(figures["peak_bytes_per_stage"]))
 
 
 def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:

@@ -7,8 +7,10 @@ seconds":
 
     tokens/s = micro_batch x grad_accum x seq_len / step seconds
 
-The cost model is linear in tokens (no per-micro-batch efficiency term), so two splits differ only in memory
-(a smaller micro-batch keeps fewer activations) and in nothing else; ties go to the larger micro-batch.
+Two splits differ in memory (a smaller micro-batch keeps fewer activations) and in time only as far as the
+profile measured: fwd + bwd at micro-batches it measured (agoq.search.compiled_costs.forward_backward_seconds),
+compiled LAAQ layers' overhead per micro-batch; where nothing else was measured the model is linear in tokens,
+and ties go to the larger micro-batch.
 
 Combinations are pruned only where exactly dominated: two combinations of the same split and compile mode build
 the same per-layer options, so one whose static bytes, optimizer-step floor and base step seconds are all no
