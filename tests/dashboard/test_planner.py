@@ -91,7 +91,7 @@ def test_plans_are_the_searchs(plan_root, bounds, tmp_path):
         assert got["predicted"]["peak_bytes"] == max(want["predicted"]["peak_bytes_per_stage"])
         step = want["predicted"]["step_seconds"]
         assert got["predicted"]["tokens_per_second"] == pytest.approx(3 * 37 * settings.get("grad_accum", 1) / step)
-        assert got["caps"]["objective"] == ("time" if extra else "error")
+        assert got["caps"]["objective"] == ("time" if extra else parser.get_default("objective"))
         # the view is the plan page's: bits per layer and kind, memory per stage
         layers = sorted(want["layers"], key=lambda e: e["layer"])
         for entry, row in zip(layers, got["view"]["bits"]["bits"]):
