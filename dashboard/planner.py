@@ -174,17 +174,14 @@ class ProfileEntry:
         self._lock = threading.Lock()
 
     def budget_range(self) -> dict[str, Any]:
-        """The budgets worth asking about, in bytes per GPU: from the smallest any plan fits (no caps) to the
-        peak of the plan that keeps everything (more buys nothing)."""
+        """The budgets worth asking about, in bytes per GPU: from the smallest any plan of the search's knob
+        space fits (no caps) to the largest peak of a plan that keeps everything (more buys nothing)."""
         with self._lock:
             if self._range is None:
-                from agoq.search.milp import Solver
+                from agoq.search.knobs import budget_bounds
 
-                solver = Solver(self.problem)
-                smallest = solver.smallest_budget()
-                largest = max(solver.solve(math.inf).peak_bytes_per_stage)
-                self._range = {"smallest_budget_bytes": int(smallest) if smallest is not None else None,
-                               "largest_budget_bytes": int(math.ceil(largest))}
+                smallest, largest = budget_bounds(self.profile)
+                self._range = {"smallest_budget_bytes": smallest, "largest_budget_bytes": largest}
             return dict(self._range)
 
 

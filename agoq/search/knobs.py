@@ -185,6 +185,23 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
     return KnobSearch(best, tried, binding_constraints(best, budget, objective, error_cap, best.time_cap))
 
 
+def budget_bounds(profile: ProfileData, space: KnobSpace = KnobSpace(),
+                  base: ProblemSettings = ProblemSettings()) -> tuple[Optional[int], int]:
+    """(the smallest budget any combination of `space` fits with no caps — None if none fits at any budget —,
+    the largest peak of a combination's plan that keeps everything: more buys nothing), bytes per stage."""
+    smallest, largest = [], 0
+    for knobs in combinations(profile, space, base):
+        try:
+            solver = Solver(build_problem(profile, knobs))
+        except ValueError:  # a combination the profile cannot price: it bounds nothing
+            continue
+        least = solver.smallest_budget()
+        if least is not None:
+            smallest.append(int(least))
+            largest = max(largest, int(math.ceil(max(solver.solve(math.inf).peak_bytes_per_stage))))
+    return (min(smallest) if smallest else None), largest
+
+
 def binding_constraints(result: KnobResult, budget, objective: str, error_cap: Optional[float],
                         time_cap: Optional[float]) -> list[str]:
     """Which constraints bind the chosen plan: those whose removal (one at a time, same knobs) improves its
@@ -219,5 +236,5 @@ def knob_values(profile: ProfileData, knobs: ProblemSettings) -> dict:
             "grad_accum": int(knobs.grad_accum), "compile": mode_timing(profile, knobs.compile_mode)["mode"]}
 
 
-__all__ = ["KnobSpace", "KnobResult", "KnobSearch", "combinations", "solve_knobs", "binding_constraints",
+__all__ = ["KnobSpace", "KnobResult", "KnobSearch", "combinations", "solve_knobs", "binding_constraints", "budget_bounds",
            "tokens_per_second", "knob_values", "MASTER_CHOICES"]

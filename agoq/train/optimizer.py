@@ -12,6 +12,7 @@ dequantized), which DCP fills in place on load, and `restore(module, state)` put
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -32,6 +33,7 @@ class OptimizerStep:
     """An optimizer and how the loop hands it one step's gradients."""
 
     fused = False
+    reshardable = True  # its checkpoint loads at another world size
     optimizer: torch.optim.Optimizer
     masters: list[torch.Tensor] | None = None
 
@@ -51,6 +53,11 @@ class OptimizerStep:
     def restore(self, module: nn.Module, state: dict) -> None:
         """Load a `checkpoint_state` that DCP has filled into the module and the optimizer."""
         set_state_dict(module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _rank_key() -> str:
+    """This process's key for state only it holds: rank<r> (rank0 without a process group)."""
+    return f"rank{dist.get_rank() if dist.is_available() and dist.is_initialized() else 0}"
 
 
 def _names(module: nn.Module) -> list[str]:
@@ -150,20 +157,6 @@ class ShardedAdamWStep(OptimizerStep):
     def step(self, grads, scale: float) -> None:
         self.optimizer.apply_reduced(grads[0], scale)
 
-
-class FSDPAdamW8bitStep(FusedAdamW8bitStep):
-    """agoq's fused 8-bit AdamW on each rank's local shards of FSDP2's parameters (plain tensors that share
-    the DTensors' storage): the moments are block-quantized per shard; float32 shards are their own masters."""
-
-    def __init__(self, params: list[torch.Tensor], optim: OptimizerConfig, seed: int):
-        from agoq.optim.adamw8bit import FusedAdamW8bit
-
-        self.optimizer = FusedAdamW8bit([p.to_local().detach() for p in params], lr=optim.lr, betas=BETAS, eps=EPS,
-                                        weight_decay=optim.weight_decay, masters=optim.master == "fp32", seed=seed)
-
-    def step(self, grads, scale: float) -> None:
-        self.optimizer.step(grads=[g.to_local() for g in grads], clip_scale=scale)
-
     def checkpoint_state(self, module: nn.Module) -> dict:
         """The replicated model, and the optimizer's shard as `FlatShard` pieces of whole-vector tensors (master
         weights, 8-bit moment codes and scales) beside its replicated scalars: DCP writes each rank's pieces and
@@ -175,6 +168,40 @@ class FSDPAdamW8bitStep(FusedAdamW8bitStep):
     def restore(self, module: nn.Module, state: dict) -> None:
         set_model_state_dict(module, state["model"])
         self.optimizer.load_scalar_state(state["optimizer"])  # the pieces were loaded in place
+
+
+class FSDPAdamW8bitStep(FusedAdamW8bitStep):
+    """agoq's fused 8-bit AdamW on each rank's local shards of FSDP2's parameters (plain tensors that share
+    the DTensors' storage): the moments are block-quantized per shard; float32 shards are their own masters."""
+
+    reshardable = False
+
+    def __init__(self, params: list[torch.Tensor], optim: OptimizerConfig, seed: int):
+        from agoq.optim.adamw8bit import FusedAdamW8bit
+
+        self.optimizer = FusedAdamW8bit([p.to_local().detach() for p in params], lr=optim.lr, betas=BETAS, eps=EPS,
+                                        weight_decay=optim.weight_decay, masters=optim.master == "fp32", seed=seed)
+
+    def step(self, grads, scale: float) -> None:
+        self.optimizer.step(grads=[g.to_local() for g in grads], clip_scale=scale)
+
+    def checkpoint_state(self, module: nn.Module) -> dict:
+        """The model's sharded parameters (DTensors) by name, and this rank's optimizer state under its own key
+        (`rank<r>`): the 8-bit moments are block-quantized per local shard, so they reload at the same world size
+        only. A state not made yet is made first (zero moments), so that a load has tensors to fill."""
+        opt = self.optimizer
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            if not opt.state[p]:
+                opt._init_state(p)
+        saved = opt.state_dict()
+        mine = {"state": {str(i): st for i, st in saved["state"].items()}, "param_groups": saved["param_groups"]}
+        return {"model": get_model_state_dict(module), "optimizer": {_rank_key(): mine}}
+
+    def restore(self, module: nn.Module, state: dict) -> None:
+        set_model_state_dict(module, state["model"])
+        mine = state["optimizer"][_rank_key()]
+        self.optimizer.load_state_dict({"state": {int(i): st for i, st in mine["state"].items()},
+                                        "param_groups": mine["param_groups"]})
 
 
 def build_optimizer(params: list[torch.Tensor], optim: OptimizerConfig, *, seed: int,

@@ -190,7 +190,13 @@ class Trainer:
                         world=self.world.size, barrier=self.world.barrier)
 
     def _check_layout(self, folder: Path, state: dict) -> None:
-        """Refuse a checkpoint this run's layout cannot take: pipeline stages cut another way."""
+        """Refuse a checkpoint this run's layout cannot take: pipeline stages cut another way, or optimizer state
+        kept per rank (fsdp's 8-bit moments, quantized per local shard) at another world size."""
+        saved_world = int(state.get("world", 1))
+        if not self.optimizer_step.reshardable and saved_world != self.world.size:
+            raise ValueError(f"the checkpoint in {folder} was written by {saved_world} processes and holds optimizer "
+                             f"state quantized per rank's shard (--parallel fsdp --optimizer adamw8bit): resume it "
+                             f"with {saved_world} processes (the state of --optimizer adamw under fsdp reshards)")
         stages, layers = self.parallel.pipeline_stages, json_safe(self.prepared.layer_stage)
         if state.get("pipeline_stages", 1) != stages or (stages > 1 and state.get("layer_stage") != layers):
             raise ValueError(f"the checkpoint in {folder} was written by {state.get('pipeline_stages')} pipeline "

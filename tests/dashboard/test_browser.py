@@ -141,7 +141,10 @@ def test_budget_slider_redraws_and_saves_the_searchs_plan(chromium, tmp_path):
     root = (tmp_path / "root").resolve()
     write_profile(root / "prof", random.Random(int.from_bytes(os.urandom(4), "little")), micro_batch=3, seq_len=37)
     drawn = "document.body.dataset.plansDrawn"
-    bits = "JSON.stringify(document.getElementById('plan-bits').data[0].z)"
+    # what the plan keeps, as drawn (bits per layer and kind) and as chosen (micro-batch x accumulation, gradients,
+    # optimizer: a small budget may be met by the split alone)
+    bits = ("JSON.stringify([document.getElementById('plan-bits').data[0].z, "
+            "window.agoqPlanner.current.plan.training, window.agoqPlanner.current.plan.gradients])")
     with serve(create_app(root, allowed_hosts=LOOPBACK_NAMES)) as (host, port):
         problems = chromium.open(f"http://{host}:{port}/profile?id=prof", f"{drawn} === '1'")
         assert problems == [], problems
@@ -158,7 +161,7 @@ def test_budget_slider_redraws_and_saves_the_searchs_plan(chromium, tmp_path):
             seen[position] = (chromium.evaluate("window.agoqPlanner.current.budget_bytes"), chromium.evaluate(bits))
         budget = seen[985][0]
         assert seen[20][0] < first < budget and chromium.evaluate("document.body.dataset.planBudget") == str(budget)
-        assert seen[20][1] != seen[985][1]  # near the smallest budget the plan quantizes what it keeps at 16 when roomy
+        assert seen[20][1] != seen[985][1]  # near the smallest budget the plan keeps less than when roomy
         assert str(budget) in chromium.evaluate("document.getElementById('plan-figures').textContent")
         chromium.evaluate("document.getElementById('plan-name').value = 'from-the-slider'; "
                           "document.getElementById('plan-name').dispatchEvent(new Event('input'))")

@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from agoq.cli import main
 from agoq.formats.profile import load_profile
 from agoq.search.costs import build_problem
+from agoq.search.knobs import budget_bounds, combinations
 from agoq.search.milp import Solver
 from dashboard import planner as planner_module
 from dashboard.app import create_app
@@ -44,9 +45,14 @@ def plan_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bounds(plan_root) -> tuple[int, int]:
-    """(smallest budget any plan fits, peak of the plan keeping everything), bytes, from the solver itself."""
-    solver = Solver(build_problem(load_profile(plan_root / "prof")))
-    return solver.smallest_budget(), max(solver.solve(math.inf).peak_bytes_per_stage)
+    """(smallest budget any plan fits, largest peak of a plan keeping everything), bytes, over the search's
+    knobs: the least of each combination's solver, checked here by brute force over the combinations."""
+    profile = load_profile(plan_root / "prof")
+    solvers = [Solver(build_problem(profile, knobs)) for knobs in combinations(profile)]
+    smallest = min(s.smallest_budget() for s in solvers)
+    largest = max(math.ceil(max(s.solve(math.inf).peak_bytes_per_stage)) for s in solvers)
+    assert budget_bounds(profile) == (smallest, largest)
+    return smallest, largest
 
 
 def cli_plan(profile: Path, budget: int, out: Path, *extra: str) -> dict:
@@ -126,11 +132,14 @@ def test_bad_input_is_a_4xx_that_says_why(plan_root, bounds):
                         ({"error_cap": "tiny"}, "recipe"), ({"budgets": 3}, "Extra inputs")]:
         r = post(budget=high, **caps)
         assert r.status_code == 422 and words in json.dumps(r.json()), (caps, r.text)
-    # below the smallest feasible budget: 422 naming it; at it, a plan
+    # below the smallest budget any plan fits: 422 naming the smallest under the request's caps (the default
+    # error cap may ask for more); at it, a plan; a byte less, none
     r = post(budget=low - 1)
     assert r.status_code == 422
-    assert r.json()["detail"]["smallest_budget_bytes"] == low and str(low) in r.json()["detail"]["message"]
-    assert post(budget=low).status_code == 200
+    least = r.json()["detail"]["smallest_budget_bytes"]
+    assert least >= low and str(least) in r.json()["detail"]["message"]
+    assert post(budget=least).status_code == 200
+    assert post(budget=least - 1).json()["detail"]["smallest_budget_bytes"] == least
     # a time cap no plan meets at any budget: 422 without a budget
     r = post(budget=high, time_cap=1e-9)
     assert r.status_code == 422 and r.json()["detail"]["smallest_budget_bytes"] is None
