@@ -7,7 +7,9 @@ layer is checkpointed, in which case none is (the layer then keeps only its inpu
   memory of stage s = in_flight[s] x (bytes the stage's layers keep per micro-batch)
                       + the stage's share of weights, gradients (by gradient mode), masters and moments (by
                         optimizer and masters: agoq.optim.state_bytes, as the profile records them)
-                      + the profile's fixed bytes
+                      + the rest of the eager step's peak (agoq.profiler.step_peak.head_and_workspace_bytes: the
+                        chunked LM head's tensors at this micro-batch and the calibrated workspace), and for QuanGrad
+                        the bf16 gradients the calibration step had not made yet at its peak
   step time, eager  = grad_accum x fb(micro_batch) + E x (extra seconds of the chosen options
                            + laaq_layer_seconds per layer that runs LAAQ's functions + forward of checkpointed layers)
                       + the optimizer step + communication
