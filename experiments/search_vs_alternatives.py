@@ -222,7 +222,7 @@ def full_8b_check(prof) -> dict:
            "head_peak_bytes": head_peak_bytes(head) if head else None}
     for variant, master in (("agoq", "fp32"), ("agoq-nomaster", "none")):
         static = state_bytes(numels, optimizer="adamw8bit", master=master, gradients="quangrad8")
-        extra = extra_bytes(mem, head, "quangrad8", mb, mb, static["gradients"])
+        extra = extra_bytes(mem, head, "quangrad8", mb, mb)
         predicted = static["total"] + activations + extra + transient
         got = measured.get(variant, {}).get("peak_bytes")
         out[variant] = {"static": static, "extra_bytes": extra, "predicted_peak_bytes": predicted,

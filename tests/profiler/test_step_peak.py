@@ -137,9 +137,9 @@ def test_calibration_on_bf16_gradients_predicts_quangrad_steps():
         step = _tracked_step(model, mb, "agoq-paper", "quangrad8")
         layers = predicted_activation_bytes(LayerShape.from_config(model.config, mb, SEQ), 2, "agoq-paper", 0)
         q = step["quangrad_bytes"]
-        predicted = weights + q + layers + extra_bytes(memory, head, "quangrad8", mb, 1, q)
+        predicted = weights + q + layers + extra_bytes(memory, head, "quangrad8", mb, 1)
         got = step["resident"] + step["peak"]
         assert abs(predicted - got) <= 4096, (mb, predicted, got)  # the loss's scalars and row statistics
         # the same profile's bf16-gradient prediction leaves the bf16 gradients out: none exist at the peak
-        bf16 = weights + bf16_grads + layers + extra_bytes(memory, head, "bf16", mb, 1, bf16_grads)
+        bf16 = weights + bf16_grads + layers + extra_bytes(memory, head, "bf16", mb, 1)
         assert bf16 == pytest.approx(predicted - q, abs=1)
