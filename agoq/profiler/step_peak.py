@@ -36,8 +36,9 @@ so its `fixed_bytes` carries minus the bf16 gradient bytes; a QuanGrad plan must
 (t0 the profiled tokens; resident(bf16) = 0, resident(quangrad8) = QuanGrad's bytes). `extra_bytes` returns
 peak - (weights + masters + moments + gradients of the mode) - layer activations: `head_and_workspace_bytes`
 (the same for every gradient mode) + `absent_gradient_bytes` (the bf16 gradients, for QuanGrad). agoq.search adds
-the first to a plan's static bytes and already adds the second where it corrects the calibration for QuanGrad. If the calibration step peaked in backward instead, with some bf16 gradients already
-made, the added-back bytes over-state a QuanGrad plan's peak by those gradients (never under-state it).
+the first to a plan's static bytes and already adds the second where it corrects the calibration for QuanGrad.
+If the calibration step peaked in backward instead, with some bf16 gradients already made, the added-back bytes
+over-state a QuanGrad plan's peak by those gradients (never under-state it).
 """
 
 from __future__ import annotations
