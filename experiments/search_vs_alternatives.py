@@ -190,8 +190,10 @@ def run_model(name, spec, layers, mb, seq, device, work: Path, steps: int, compi
 
 def full_8b_check(prof) -> dict:
     """The 32-layer LLaMA-3-8B peak (vocab 128256, micro-batch 1 x 4096, agoq-paper, QuanGrad, fused 8-bit AdamW)
-    predicted from this 4-layer profile's calibration (its fixed bytes, its LAAQ transient) and agoq.optim.
-    state_bytes, against experiments/results/train_8b_memory.json."""
+    predicted from this 4-layer profile and agoq.optim.state_bytes, against experiments/results/train_8b_memory.json:
+    static + the 32 layers' activations + the eager memory model's rest (agoq.profiler.step_peak.extra_bytes: the
+    chunked loss's forward peak, the calibrated workspace, and QuanGrad's buffer where the calibration step had
+    no bf16 gradient yet) + the profile's LAAQ transient."""
     import torch
 
     from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
@@ -199,25 +201,32 @@ def full_8b_check(prof) -> dict:
     from agoq.models import build
     from agoq.models.llama import PRESETS
     from agoq.optim.state_bytes import state_bytes
+    from agoq.profiler.step_peak import extra_bytes, head_peak_bytes, head_peak_parts, head_shape_of
 
     cfg = PRESETS["llama-3-8b"]  # agoq train keeps the model's vocabulary (128256) on byte data
     numels = [p.numel() for p in build(cfg, device="meta", dtype=torch.bfloat16).parameters()]
-    shape = LayerShape.from_config(cfg, 1, 4096, 2)
+    mb, seq = int(prof.settings["micro_batch"]), int(prof.settings["seq_len"])
+    shape = LayerShape.from_config(cfg, mb, seq, 2)
     policy = as_policy("agoq-paper")
     activations = sum(sum(predict_layer_bytes(shape, policy.settings(i), policy.block).values()) for i in range(32))
     mem = prof.memory
     paper = next((s for s in mem.get("steps", []) if s.get("policy") == "agoq-paper"), {})
     transient = max(0, (paper.get("measured_peak_bytes_forward_backward") or 0)
                     - (paper.get("predicted_peak_bytes_forward_backward") or 0))
-    fixed = (mem.get("fixed_bytes") or 0)  # workspace of the profiled step (its vocabulary's logits included)
+    head = head_shape_of(mem, prof.model_config(), mb, seq, 2)  # the same head at 4 and 32 layers
     measured = json.loads(TRAIN_8B.read_text())["figures"]["variants"] if TRAIN_8B.exists() else {}
-    out = {"activation_bytes": activations, "fixed_bytes_4_layer_profile": fixed, "laaq_transient_bytes": transient}
+    out = {"activation_bytes": activations, "fixed_bytes_4_layer_profile": mem.get("fixed_bytes"),
+           "outside_activation_bytes": mem.get("outside_activation_bytes"),
+           "gradients_bytes_bf16_4_layer_profile": mem.get("gradients_bytes_bf16"), "laaq_transient_bytes": transient,
+           "head_peak_parts": head_peak_parts(head) if head else None,
+           "head_peak_bytes": head_peak_bytes(head) if head else None}
     for variant, master in (("agoq", "fp32"), ("agoq-nomaster", "none")):
         static = state_bytes(numels, optimizer="adamw8bit", master=master, gradients="quangrad8")
-        predicted = static["total"] + activations + fixed + transient
+        extra = extra_bytes(mem, head, "quangrad8", mb, mb)
+        predicted = static["total"] + activations + extra + transient
         got = measured.get(variant, {}).get("peak_bytes")
-        out[variant] = {"static": static, "predicted_peak_bytes": predicted, "measured_peak_bytes": got,
-                        "relative_error": None if not got else predicted / got - 1}
+        out[variant] = {"static": static, "extra_bytes": extra, "predicted_peak_bytes": predicted,
+                        "measured_peak_bytes": got, "relative_error": None if not got else predicted / got - 1}
     return out
 
 

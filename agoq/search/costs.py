@@ -7,7 +7,9 @@ layer is checkpointed, in which case none is (the layer then keeps only its inpu
   memory of stage s = in_flight[s] x (bytes the stage's layers keep per micro-batch)
                       + the stage's share of weights, gradients (by gradient mode), masters and moments (by
                         optimizer and masters: agoq.optim.state_bytes, as the profile records them)
-                      + the profile's fixed bytes
+                      + the rest of the eager step's peak (agoq.profiler.step_peak.head_and_workspace_bytes: the
+                        chunked LM head's tensors at this micro-batch and the calibrated workspace), and for QuanGrad
+                        the bf16 gradients the calibration step had not made yet at its peak
   step time, eager  = grad_accum x fb(micro_batch) + E x (extra seconds of the chosen options
                            + laaq_layer_seconds per layer that runs LAAQ's functions + forward of checkpointed layers)
                       + the optimizer step + communication
@@ -55,6 +57,7 @@ from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
 from agoq.formats.profile import ProfileData
 from agoq.optim.state_bytes import check_combination, step_bytes_moved
+from agoq.profiler.step_peak import head_and_workspace_bytes, head_shape_of
 from agoq.search.compiled_costs import compiled_layer_seconds, compiled_peak_margin, forward_backward_seconds
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -570,10 +573,15 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     fixed_bytes = profile.memory.get("fixed_bytes")
     if fixed_bytes is None:  # not calibrated (no allocator statistics where it was profiled)
         notes.append("this profile was made on a device without allocator statistics (the CPU), so the memory "
-                     "model could not measure the step's workspace (logits' gradient, temporaries): predicted "
-                     f"peaks count only weights, gradients, optimizer state and activations (+{int(outside)} bytes "
-                     "outside the decoder layers); profile on the GPU you will train on for peaks you can budget by")
-    fixed = (float(fixed_bytes or 0) + outside) * (mb / profiled_micro_batch)
+                     "model could not measure the step's workspace (temporaries): predicted peaks count only "
+                     "weights, gradients, optimizer state, activations and the LM head's modelled tensors "
+                     f"(at least the {int(outside)} bytes kept outside the decoder layers); profile on the GPU you "
+                     "will train on for peaks you can budget by")
+    # the eager step's peak is the chunked loss's forward (agoq.profiler.step_peak): the head's tensors at this
+    # micro-batch and the calibrated workspace (the gradient storage there is the QuanGrad correction above)
+    head = head_shape_of(profile.memory, profile.model_config(), profiled_micro_batch,
+                         int(profile.settings.get("seq_len", 1)), elem)
+    fixed = head_and_workspace_bytes(profile.memory, head, mb, profiled_micro_batch)
     static = static + fixed
     # LAAQ's backward holds dequantized copies the memory model does not list: the agoq-paper step's
     # measured fwd + bwd peak beyond its prediction (both from the profile) is taken as that transient

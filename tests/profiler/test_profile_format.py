@@ -94,6 +94,13 @@ def test_memory_section_on_cpu(tiny_profile):
     assert mem["weights_bytes"] == 4 * n and mem["optimizer_bytes_adamw"] == 8 * n
     assert mem["master_bytes"] == 0  # float32 parameters are their own masters
     assert mem["fixed_bytes"] is None  # no allocator statistics on the CPU: not invented
+    assert "workspace_bytes" not in mem  # calibrated only where the peak is measured
+    head = mem["chunked_lm_head"]  # the chunked loss's shape and forward peak, as the profiled step ran it
+    cfg = model.config
+    t = header["settings"]["micro_batch"] * header["settings"]["seq_len"]
+    assert (head["vocab"], head["hidden"], head["head_dim"], head["tokens"], head["elem_bytes"]) == \
+        (cfg.vocab_size, cfg.hidden_size, cfg.head_dim, t, 4)
+    assert head["seq"] == header["settings"]["seq_len"] and head["peak_bytes"] > 8 * cfg.vocab_size * cfg.hidden_size
     steps = {s["policy"]: s for s in mem["steps"]}
     assert set(steps) == {"bf16", "agoq-paper"}
     for s in steps.values():
