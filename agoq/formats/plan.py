@@ -419,8 +419,11 @@ def load_plan(path: str | os.PathLike, model=None) -> Plan:
 
 
 def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: int, grad_accum: int,
-                   layer_stage: list[int] | None, stages: int) -> dict[str, Any]:
-    """A plan (agoq.plan/1 layout) recording what a run given `--policy` applies, for run.json.
+                   layer_stage: list[int] | None, stages: int, *, optimizer: str = "adamw", master: str = "fp32",
+                   compile: bool = False) -> dict[str, Any]:
+    """A plan (agoq.plan/1.1 layout) recording what a run given `--policy` applies, for run.json: its activation
+    settings, gradient mode, batch shape, the optimizer and masters it steps with and whether its layers are
+    compiled (`compile`: torch.compile per decoder layer).
 
     `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted.
     """
@@ -438,7 +441,9 @@ def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: in
                    for i in range(num_layers)],
         "gradients": {"mode": gradients, "block": 256, "bucket_bytes": 25 * 2**20},
         "pipeline": {"stages": stages, "micro_batches": grad_accum if stages > 1 else 1, "schedule": "1f1b"},
-        "training": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum},
+        "training": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
+                     "compile": "compiled" if compile else "eager"},
+        "optimizer": OptimizerSpec(name=optimizer, master=master).model_dump(mode="json"),
         "predicted": {"peak_bytes_per_stage": [], "activation_bytes_per_stage": [], "step_seconds": None,
                       "grad_error": None},
         "measured": None,
