@@ -302,6 +302,20 @@ class Plan(_Part):
         """The kind -> setting map of one layer as the plan states it (checkpointed layers: all 16)."""
         return dict(self.layers[layer].kinds)
 
+    @property
+    def schema_version(self) -> tuple[int, int]:
+        """(major, minor) of the plan's schema: (1, 0) for "agoq.plan/1" and "agoq.plan/1.0"."""
+        parts = [int(x) for x in self.schema_.split("/", 1)[1].split(".")]
+        return parts[0], parts[1] if len(parts) > 1 else 0
+
+    def states_run_settings(self) -> dict[str, bool]:
+        """Which of the settings added in 1.1 the plan states: "optimizer" (its `optimizer` section) and "compile"
+        (`training.compile`). A 1.0 plan states neither (even when written back with the defaults filled in);
+        a 1.1 plan states what it has."""
+        newer = self.schema_version >= (1, 1)
+        return {"optimizer": newer and "optimizer" in self.model_fields_set,
+                "compile": newer and "compile" in self.training.model_fields_set}
+
     def checkpoint_layers(self) -> list[int]:
         """Indices of the layers recomputed whole in backward (activation checkpointing)."""
         return [lp.layer for lp in self.layers if lp.checkpoint]

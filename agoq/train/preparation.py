@@ -136,16 +136,34 @@ def plan_settings(plan, parallel: str) -> dict[str, Any]:
     """What `plan` decides for a run in parallel mode `parallel`, named like the run settings: gradient storage,
     optimizer and masters, compile (on/off and torch.compile's mode), micro-batch and accumulation (a pipeline's
     accumulation is at least its micro-batches), whether every layer is checkpointed, and the parallel mode of its
-    `launch` (None: it has none)."""
-    compiled = plan.training.compile == "compiled"
+    `launch`. What the plan does not record is None (decided by the flags and their defaults): a 1.0 plan has no
+    `optimizer` section, `training.compile` or `launch`."""
     grad_accum = plan.training.grad_accum
     if parallel == "pipeline":
         grad_accum = max(grad_accum, plan.pipeline.micro_batches)
-    return {"gradients": plan.gradients.mode, "optimizer": plan.optimizer.name, "master": plan.optimizer.master,
-            "compile": compiled, "compile_mode": PLAN_COMPILE_MODE if compiled else None,
-            "micro_batch": plan.training.micro_batch, "grad_accum": grad_accum,
-            "checkpoint_all": len(plan.checkpoint_layers()) == plan.num_layers,
-            "parallel": plan_launch(plan).get("parallel")}
+    decided = {"gradients": plan.gradients.mode, "optimizer": None, "master": None, "compile": None,
+               "compile_mode": None, "micro_batch": plan.training.micro_batch, "grad_accum": grad_accum,
+               "checkpoint_all": len(plan.checkpoint_layers()) == plan.num_layers,
+               "parallel": plan_launch(plan).get("parallel")}
+    states = plan.states_run_settings()
+    if states["optimizer"]:
+        decided.update(optimizer=plan.optimizer.name, master=plan.optimizer.master)
+    if states["compile"]:
+        compiled = plan.training.compile == "compiled"
+        decided.update(compile=compiled, compile_mode=PLAN_COMPILE_MODE if compiled else None)
+    return decided
+
+
+def record_of_plan(plan, cfg: JobConfig) -> dict:
+    """What run.json records as the plan: the plan, with the optimizer, masters and compile mode the run used
+    where the plan records none (a 1.0 plan)."""
+    record = plan.to_dict()
+    states = plan.states_run_settings()
+    if not states["optimizer"]:
+        record["optimizer"] = {"name": cfg.optim.optimizer, "master": cfg.optim.master}
+    if not states["compile"]:
+        record["training"]["compile"] = "compiled" if cfg.model.compile else "eager"
+    return record
 
 
 def given_settings(cfg: JobConfig) -> dict[str, Any]:
@@ -196,6 +214,9 @@ def check_flags_against_plan(given: dict[str, Any], decided: dict[str, Any], pla
         planned = decided.get(name)
         if name == "parallel" and (planned is None or (value in REPLICATED and planned in REPLICATED)):
             continue
+        if name in ("optimizer", "master", "compile", "compile_mode") and decided.get("compile" if name ==
+                                                                               "compile_mode" else name) is None:
+            continue  # the plan does not record it
         if name == "compile_mode" and given.get("compile", decided["compile"]) != decided["compile"]:
             continue  # the compile flag's own contradiction says it
         if value != planned:
@@ -356,7 +377,7 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
                    "train_tokens": corpus.train.numel(), "val_tokens": corpus.val.numel(),
                    "vocab_size": config.vocab_size}
     if plan is not None:
-        plan_record = plan.to_dict()
+        plan_record = record_of_plan(plan, cfg)
     return PreparedRun(cfg, world, device, dtype, parallel, gradients, model, spec, plan, policy_name, layer_stage,
                        plan_record, batches, corpus_info, shape, warmup, eval_every, before_micro_batch)
 
@@ -382,4 +403,4 @@ def _check_budget(plan, layer_stage, world: World, device: torch.device, where: 
 
 
 __all__ = ["prepare", "PreparedRun", "BatchShape", "compile_model", "plan_settings", "given_settings",
-           "check_flags_against_plan", "resolve_settings", "PLAN_FLAGS"]
+           "check_flags_against_plan", "resolve_settings", "record_of_plan", "PLAN_FLAGS"]
