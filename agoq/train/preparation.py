@@ -112,6 +112,7 @@ PLAN_FLAGS = {"gradients": "--gradients", "optimizer": "--optimizer", "master": 
               "compile_mode": "--compile-mode", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
               "checkpoint_all": "--checkpoint-all", "parallel": "--parallel"}
 REPLICATED = ("none", "ddp")  # one process and DDP keep the same per-rank state: a plan's "none" runs as either
+SHARDED = ("sharded", "fsdp")  # both run a plan's sdp4bit gradients (its launch message offers either)
 PLAN_COMPILE_MODE = "default"  # torch.compile's mode a compiled plan was priced in (agoq.profiler.compiled)
 
 
@@ -207,12 +208,13 @@ def _plan_text(name: str, value, plan) -> str:
 def check_flags_against_plan(given: dict[str, Any], decided: dict[str, Any], plan, where: str) -> None:
     """Refuse flags that contradict what the plan decides (`plan_settings`), naming each flag and the plan's value.
 
-    A flag equal to the plan's value is accepted; a plan without a `launch` decides no parallel mode, and one
-    process and DDP count as the same (replicated state)."""
+    A flag equal to the plan's value is accepted; a plan without a `launch` decides no parallel mode, one process
+    and DDP count as the same (replicated state), and so do sharded and fsdp (both shard sdp4bit gradients)."""
     wrong = []
     for name, value in given.items():
         planned = decided.get(name)
-        if name == "parallel" and (planned is None or (value in REPLICATED and planned in REPLICATED)):
+        if name == "parallel" and (planned is None or any(value in kind and planned in kind
+                                                          for kind in (REPLICATED, SHARDED))):
             continue
         if name in ("optimizer", "master", "compile", "compile_mode") and decided.get("compile" if name ==
                                                                                "compile_mode" else name) is None:

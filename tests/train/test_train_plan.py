@@ -211,3 +211,23 @@ def test_plan_for_policy_writes_the_optimizer_given():
     assert (plan.optimizer.name, plan.optimizer.master, plan.training.compile) == ("adamw8bit", "fp32", "compiled")
     default = plan_from_dict(plan_for_policy(as_policy("agoq-paper"), model, "bf16", 3, 19, 2, None, 1))
     assert (default.optimizer.name, default.optimizer.master, default.training.compile) == ("adamw", "fp32", "eager")
+
+
+def test_the_plans_launch_decides_the_parallel_mode_under_torchrun(tmp_path):
+    """Under torchrun a sharded or pipeline launch is --parallel's default; one process keeps the usual default
+    (and the refusal that says how to launch); an explicit mode of another kind is refused."""
+    from agoq.train.parallel import World
+    from agoq.train.preparation import check_flags_against_plan, plan_parallel_default, plan_settings
+
+    sharded = load_plan(_plan(tmp_path, gradients={"mode": "sdp4bit"}, launch={"processes": 3, "parallel": "sharded"}))
+    assert plan_parallel_default(sharded, World(size=3)) == "sharded"
+    assert plan_parallel_default(sharded, World()) is None
+    replicated = load_plan(_plan(tmp_path, name="ddp.json", launch={"processes": 3, "parallel": "ddp"}))
+    assert plan_parallel_default(replicated, World(size=3)) is None  # ddp is the default under torchrun anyway
+    decided = plan_settings(sharded, "sharded")
+    check_flags_against_plan({"parallel": "fsdp"}, decided, sharded, "p.json")  # both shard sdp4bit gradients
+    with pytest.raises(ValueError, match=r"--parallel ddp contradicts the plan's launch parallel sharded \(3 process"):
+        check_flags_against_plan({"parallel": "ddp"}, decided, sharded, "p.json")
+    check_flags_against_plan({"parallel": "none"}, plan_settings(replicated, "ddp"), replicated, "p.json")
+    check_flags_against_plan({"parallel": "fsdp"}, plan_settings(load_plan(_plan(tmp_path, name="old.json")), "fsdp"),
+                             sharded, "p.json")  # no launch: nothing decided
