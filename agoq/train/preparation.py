@@ -216,9 +216,9 @@ def check_flags_against_plan(given: dict[str, Any], decided: dict[str, Any], pla
         if name == "parallel" and (planned is None or any(value in kind and planned in kind
                                                           for kind in (REPLICATED, SHARDED))):
             continue
-        if name in ("optimizer", "master", "compile", "compile_mode") and decided.get("compile" if name ==
-                                                                               "compile_mode" else name) is None:
-            continue  # the plan does not record it
+        recorded_as = "compile" if name == "compile_mode" else name
+        if recorded_as in ("optimizer", "master", "compile") and decided.get(recorded_as) is None:
+            continue  # the plan does not record it (1.0): the flag decides
         if name == "compile_mode" and given.get("compile", decided["compile"]) != decided["compile"]:
             continue  # the compile flag's own contradiction says it
         if value != planned:
