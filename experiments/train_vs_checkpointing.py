@@ -110,11 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     budget = json.loads((out / "budget.json").read_text())
     plan = json.loads(plan_path.read_text())
     data = tiny_shakespeare(args.data)
-    common = [model, "--data", data, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+    common = [model, "--data", data, "--seq-len", str(args.seq_len),
               "--steps", str(args.steps), "--eval-every", str(max(1, args.steps // 10)), "--eval-batches",
               str(args.eval_batches),
               "--checkpoint-every", "0", "--seed", "0", "--device", args.device, "--quiet"]
-    variants = {"plan": ["--plan", str(plan_path)], "checkpoint_all": ["--checkpoint-all"], "bf16": []}
+    # the plan runs its own micro-batch x accumulation (agoq train refuses a --micro-batch that contradicts it)
+    shape = ["--micro-batch", str(args.micro_batch)]
+    variants = {"plan": ["--plan", str(plan_path)], "checkpoint_all": ["--checkpoint-all", *shape], "bf16": shape}
     runs = {}
     for name, extra in variants.items():
         run_dir = (out / "runs" / name) if args.tiny else (RESULTS / "runs" / f"{args.name}_{name}")

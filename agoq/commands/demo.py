@@ -5,7 +5,9 @@ that shows the results in the dashboard:
                                                              collective times between two local processes)
   2. agoq search --budget B               -> OUT/search/    (plan.json, pareto.csv, Optuna study)
      B is the predicted peak of the published LAAQ recipe (agoq-paper) on this model; the search (MILP)
-     looks for the fastest plan within it, then runs the two best plans for a few steps to measure them
+     looks for the fastest plan within it, then runs the two best plans for a few steps to measure them;
+     a plan with sharded (sdp4bit) gradients needs several processes, so the demo then also searches
+     one with QuanGrad's 8-bit gradients (--gradients quangrad8 -> OUT/search-one-process/) to train
   3. agoq train llama-tiny                -> OUT/runs/bf16/ (the plain baseline)
      agoq train llama-tiny --plan ...     -> OUT/runs/plan/ (the same steps with the searched plan)
   4. prints `agoq dashboard --root OUT`
@@ -88,22 +90,28 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
     budget = demo_budget(paths["profile"])
     _stage(["search", "--profile", str(paths["profile"]), "--budget", str(budget), "--out", str(paths["plan"]),
             *q, *(SEARCH_ARGS if search_args is None else search_args)])
-    # both runs train on the batch shape the plan was made for, so their curves compare
     plan = json.loads(paths["plan"].read_text())
+    trained = paths["plan"]
+    if (plan.get("gradients") or {}).get("mode") == "sdp4bit":
+        # SDP4Bit shards gradients over several processes (--parallel sharded), and agoq train runs a plan as it
+        # was searched: one process trains the plan searched with QuanGrad's 8-bit gradients at the same budget
+        print("agoq demo: the plan's sdp4bit gradients need several processes; this single-process demo trains "
+              "the plan searched with --gradients quangrad8 instead", file=sys.stderr)
+        paths["one_process"] = out / "search-one-process" / "plan.json"
+        _stage(["search", "--profile", str(paths["profile"]), "--budget", str(budget), "--out",
+                str(paths["one_process"]), "--gradients", "quangrad8", *q,
+                *(SEARCH_ARGS if search_args is None else search_args)])
+        trained = paths["one_process"]
+        plan = json.loads(trained.read_text())
+    # both runs train on the batch shape the plan was made for, so their curves compare
     training = plan.get("training") or {}
-    shape = [arg for flag, key in (("--seq-len", "seq_len"), ("--micro-batch", "micro_batch"))
+    shape = [arg for flag, key in (("--seq-len", "seq_len"), ("--micro-batch", "micro_batch"),
+                                   ("--grad-accum", "grad_accum"))
              if training.get(key) for arg in (flag, str(training[key]))]
     common = ["--device", "cpu", "--steps", str(steps), *shape, *q,
               *(TRAIN_ARGS if train_args is None else train_args)]
     _stage(["train", MODEL, "--out", str(paths["bf16"]), *common])
-    gradients = []
-    if (plan.get("gradients") or {}).get("mode") == "sdp4bit":
-        # SDP4Bit shards gradients over several processes (--parallel sharded); one process keeps
-        # the plan's activations and stores its gradients in 8 bits instead
-        print("agoq demo: the plan's sdp4bit gradients need several processes; this single-process run "
-              "uses --gradients quangrad8", file=sys.stderr)
-        gradients = ["--gradients", "quangrad8"]
-    _stage(["train", MODEL, "--plan", str(paths["plan"]), "--out", str(paths["plan_run"]), *gradients, *common])
+    _stage(["train", MODEL, "--plan", str(trained), "--out", str(paths["plan_run"]), *common])
     return paths
 
 

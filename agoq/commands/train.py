@@ -22,6 +22,13 @@ One process writes a run folder at a time (a lock on RUN_DIR/.lock, dropped when
 second one on the same --out is refused (exit 2). run.json's "heartbeat" is refreshed every 30 s while the
 run lives: a "running" run with an old heartbeat was killed.
 
+With --plan the plan decides the activation bits and checkpointed layers, gradient storage, optimizer and
+master weights, compile mode (training.compile: compiled is torch.compile per decoder layer in mode default),
+micro-batch x accumulation and, under torchrun, the parallel mode of its launch: each is its flag's default. A
+flag given with another value than the plan's is refused (exit 2): drop it, or search a plan for what you want.
+--seq-len may differ (with a warning: the plan's predictions hold for its own). Plans of schema 1.0 say nothing
+of optimizer or compile and train with AdamW on float32 masters, eager.
+
 Resuming keeps the run's settings: a changed one (--lr, --steps, --warmup, ...) is refused with a list
 (old -> new) unless --override names it; batch shape, optimizer, master weights, parallel mode, gradients,
 policy, dtype, seed, data and tokenizer cannot change (the checkpoint depends on them).
@@ -42,37 +49,42 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b) or a HuggingFace config.json (LLaMA, Qwen2, Mistral); "
                                  "its vocabulary is raised to the tokenizer's when smaller (recorded in run.json)")
     p.add_argument("--plan", default=None, help="plan.json from `agoq search` / `agoq profile --budget`: activation "
-                                                "bits, checkpointed layers, gradient mode, batch shape (default: none, "
-                                                "plain bf16)")
+                                                "bits, checkpointed layers, gradient mode, optimizer and masters, "
+                                                "compile mode, micro-batch x accumulation, batch shape and parallel "
+                                                "mode, each the default of its flag; a flag given with another value "
+                                                "is refused (default: none, plain bf16)")
     p.add_argument("--policy", default=None,
                    help="instead of a plan: an activation policy preset (agoq-paper, int8, int4, ...), a policy .json, "
                         "or stage-aware (agoq-paper with per-stage bits for --parallel pipeline)")
     p.add_argument("--gradients", choices=("bf16", "quangrad8", "sdp4bit"), default=None,
-                   help="gradient storage and all-reduce, overriding the plan's: bf16 (the parameters' dtype), "
+                   help="gradient storage and all-reduce: bf16 (the parameters' dtype), "
                         "quangrad8 (8-bit buffer and 8-bit all-reduce), sdp4bit (with --parallel sharded or fsdp: "
                         "int8/int4 TLq-HS gradient reduce-scatter) "
                         "(default: the plan's, else bf16)")
     p.add_argument("--checkpoint-all", action="store_true",
                    help="recompute every decoder layer in backward (activation checkpointing, the usual way to fit "
-                        "a budget; what plans are compared with)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each decoder layer on its own (any policy, plan or --checkpoint-all; "
-                        "default off: eager)")
-    p.add_argument("--compile-mode", default="default",
+                        "a budget; what plans are compared with; with --plan only when it checkpoints every layer)")
+    # None: not given, so the plan's value (else eager) applies; given values are checked against a plan
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each decoder layer on its own (any policy, plan or --checkpoint-all; on the "
+                        "CPU too, through Inductor's C++ backend); --no-compile: eager "
+                        "(default: the plan's training.compile, else off: eager)")
+    p.add_argument("--compile-mode", default=None,
                    choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                    help="torch.compile's mode with --compile: reduce-overhead records each layer as CUDA graphs "
-                        "(refused with stochastic rounding, whose host-drawn seeds a graph would freeze) "
-                        "(default: default)")
+                        "(refused with stochastic rounding, whose host-drawn seeds a graph would freeze); a compiled "
+                        "plan was priced in mode default (default: default)")
     p.add_argument("--data", default=None, help="text file to train on, split 90/10 into train/validation "
                                                 "(default: a built-in synthetic corpus, 1 MB)")
     p.add_argument("--tokenizer", default=None, help="HuggingFace tokenizers JSON (default: bytes, vocabulary 256)")
     p.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sequence (default: the plan's, else 256)")
     p.add_argument("--micro-batch", type=positive_int, default=None,
-                   help="sequences per micro-batch and rank (default: the plan's, else 8)")
+                   help="sequences per micro-batch and rank (default: the plan's training.micro_batch, else 8)")
     p.add_argument("--grad-accum", type=positive_int, default=None,
                    help="micro-batches per optimizer step; with --parallel pipeline the 1F1B micro-batches, at least "
-                        "the number of stages (default: the plan's, else 1; pipeline: the number of stages)")
+                        "the number of stages (default: the plan's training.grad_accum, else 1; pipeline: the "
+                        "number of stages)")
     p.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (default 1e-3); "
                                                                    "cosine decay to lr/10 after warmup")
@@ -80,17 +92,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="linear warmup steps (default: min(100, steps/10))")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (default 0.1)")
     p.add_argument("--clip", type=non_negative_float, default=1.0, help="clip the gradient norm to this (0: off; default 1.0)")
-    p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw",
+    p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default=None,
                    help="adamw (float32 moments) or adamw8bit (8-bit block-quantized moments, float32 update); "
-                        "--parallel sharded always uses SDP4Bit's sharded AdamW (default adamw)")
-    p.add_argument("--master", choices=("fp32", "none"), default="fp32",
+                        "--parallel sharded always uses SDP4Bit's sharded AdamW (default: the plan's optimizer.name, "
+                        "else adamw)")
+    p.add_argument("--master", choices=("fp32", "none"), default=None,
                    help="with --optimizer adamw8bit and bf16 parameters: fp32 keeps float32 master weights in the "
                         "optimizer (4 bytes per parameter); none updates the bf16 parameters directly with "
-                        "stochastic rounding (default fp32; --optimizer adamw always keeps fp32 masters)")
+                        "stochastic rounding (default: the plan's optimizer.master, else fp32; --optimizer adamw "
+                        "always keeps fp32 masters)")
     p.add_argument("--parallel", choices=("none", "ddp", "sharded", "fsdp", "pipeline"), default=None,
                    help="how several processes share the work: ddp (replicas), sharded (agoq's SDP4Bit sharded "
                         "AdamW), fsdp (PyTorch's FSDP2, one unit per decoder layer, float32 shards with bf16 "
-                        "compute), pipeline (default: none for one process, ddp under torchrun)")
+                        "compute), pipeline (default: the plan's launch.parallel when it is sharded, fsdp or "
+                        "pipeline and this run has several processes, else none for one process, ddp under "
+                        "torchrun)")
     p.add_argument("--pipeline-stages", type=positive_int, default=None,
                    help="pipeline stages (must equal the number of processes; default: the number of processes)")
     p.add_argument("--node-size", type=positive_int, default=None,

@@ -302,6 +302,20 @@ class Plan(_Part):
         """The kind -> setting map of one layer as the plan states it (checkpointed layers: all 16)."""
         return dict(self.layers[layer].kinds)
 
+    @property
+    def schema_version(self) -> tuple[int, int]:
+        """(major, minor) of the plan's schema: (1, 0) for "agoq.plan/1" and "agoq.plan/1.0"."""
+        parts = [int(x) for x in self.schema_.split("/", 1)[1].split(".")]
+        return parts[0], parts[1] if len(parts) > 1 else 0
+
+    def states_run_settings(self) -> dict[str, bool]:
+        """Which of the settings added in 1.1 the plan states: "optimizer" (its `optimizer` section) and "compile"
+        (`training.compile`). A 1.0 plan states neither (even when written back with the defaults filled in);
+        a 1.1 plan states what it has."""
+        newer = self.schema_version >= (1, 1)
+        return {"optimizer": newer and "optimizer" in self.model_fields_set,
+                "compile": newer and "compile" in self.training.model_fields_set}
+
     def checkpoint_layers(self) -> list[int]:
         """Indices of the layers recomputed whole in backward (activation checkpointing)."""
         return [lp.layer for lp in self.layers if lp.checkpoint]
@@ -419,8 +433,11 @@ def load_plan(path: str | os.PathLike, model=None) -> Plan:
 
 
 def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: int, grad_accum: int,
-                   layer_stage: list[int] | None, stages: int) -> dict[str, Any]:
-    """A plan (agoq.plan/1 layout) recording what a run given `--policy` applies, for run.json.
+                   layer_stage: list[int] | None, stages: int, *, optimizer: str = "adamw", master: str = "fp32",
+                   compile: bool = False) -> dict[str, Any]:
+    """A plan (agoq.plan/1.1 layout) recording what a run given `--policy` applies, for run.json: its activation
+    settings, gradient mode, batch shape, the optimizer and masters it steps with and whether its layers are
+    compiled (`compile`: torch.compile per decoder layer).
 
     `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted.
     """
@@ -438,7 +455,9 @@ def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: in
                    for i in range(num_layers)],
         "gradients": {"mode": gradients, "block": 256, "bucket_bytes": 25 * 2**20},
         "pipeline": {"stages": stages, "micro_batches": grad_accum if stages > 1 else 1, "schedule": "1f1b"},
-        "training": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum},
+        "training": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
+                     "compile": "compiled" if compile else "eager"},
+        "optimizer": OptimizerSpec(name=optimizer, master=master).model_dump(mode="json"),
         "predicted": {"peak_bytes_per_stage": [], "activation_bytes_per_stage": [], "step_seconds": None,
                       "grad_error": None},
         "measured": None,

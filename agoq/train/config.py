@@ -17,6 +17,10 @@ MASTERS = ("fp32", "none")
 DTYPES = ("bf16", "fp32", "fp16")
 
 
+def _master_none_needs_adamw8bit() -> ValueError:
+    return ValueError("--master none (bf16 parameters updated with stochastic rounding) needs --optimizer adamw8bit")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The model, where and in what dtype it runs, and whether its decoder layers are compiled."""
@@ -24,14 +28,17 @@ class ModelConfig:
     model: str = "llama-tiny"
     device: str | None = None
     dtype: str | None = None
-    compile: bool = False  # torch.compile each decoder layer on its own (agoq.activations.compile)
-    compile_mode: str = "default"  # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs
+    compile: bool | None = None  # torch.compile each decoder layer on its own (None: the plan's, else eager)
+    # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs (None: "default")
+    compile_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.device and not self.device.startswith("cuda") and self.device != "cpu":
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.dtype and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.compile and self.compile_mode is None:
+            object.__setattr__(self, "compile_mode", "default")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,23 +68,24 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """The optimizer, its master weights, and the learning rate schedule's and clipping's numbers."""
+    """The optimizer, its master weights, and the learning rate schedule's and clipping's numbers.
 
-    optimizer: str = "adamw"
-    master: str = "fp32"
+    `optimizer` and `master` None: the plan's, else adamw with fp32 masters (`prepare` decides)."""
+
+    optimizer: str | None = None
+    master: str | None = None
     lr: float = 1e-3
     warmup: int | None = None
     weight_decay: float = 0.1
     clip: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.master not in MASTERS:
+        if self.master is not None and self.master not in MASTERS:
             raise ValueError(f"--master must be one of {', '.join(MASTERS)}, got {self.master!r}")
-        if self.master == "none" and self.optimizer != "adamw8bit":
-            raise ValueError("--master none (bf16 parameters updated with stochastic rounding) needs --optimizer "
-                             "adamw8bit")
+        if self.master == "none" and self.optimizer not in (None, "adamw8bit"):
+            raise _master_none_needs_adamw8bit()
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
 
@@ -158,6 +166,11 @@ class JobConfig:
     parallelism: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+
+    def __post_init__(self) -> None:
+        # without a plan an unset optimizer is adamw; with one it is the plan's, which `prepare` checks
+        if self.optim.master == "none" and self.optim.optimizer is None and not self.memory.plan:
+            raise _master_none_needs_adamw8bit()
 
     @classmethod
     def flag_names(cls) -> list[str]:

@@ -3,7 +3,9 @@
 `prepare(cfg, world)` checks what the settings alone cannot (the process group's size, the plan against
 the model and the GPU, the batch shape against the model), loads the corpus, builds the model and applies
 the plan's (or a policy's) activation settings, checkpointing and compilation, then returns a
-`PreparedRun`. Nothing is trained, and no run folder is touched, before it returns.
+`PreparedRun`. A plan decides gradient storage, optimizer and masters, compile mode, micro-batch x
+accumulation, checkpointed layers and (through its `launch`) the parallel mode: unset settings take its
+values, and a setting given otherwise is refused. Nothing is trained, and no run folder is touched, before it returns.
 """
 
 from __future__ import annotations
@@ -105,17 +107,163 @@ def _policy(name: str, num_layers: int, stages: int, micro_batches: int, layer_s
     return as_policy(name)
 
 
+# run setting -> the flag that sets it, for what a plan decides (see `plan_settings`)
+PLAN_FLAGS = {"gradients": "--gradients", "optimizer": "--optimizer", "master": "--master", "compile": "--compile",
+              "compile_mode": "--compile-mode", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
+              "checkpoint_all": "--checkpoint-all", "parallel": "--parallel"}
+REPLICATED = ("none", "ddp")  # one process and DDP keep the same per-rank state: a plan's "none" runs as either
+SHARDED = ("sharded", "fsdp")  # both run a plan's sdp4bit gradients (its launch message offers either)
+PLAN_COMPILE_MODE = "default"  # torch.compile's mode a compiled plan was priced in (agoq.profiler.compiled)
+
+
+def plan_launch(plan) -> dict:
+    """The plan's `launch` section (processes, parallel mode), {} when it has none (1.0 plans)."""
+    launch = plan.to_dict().get("launch")
+    return launch if isinstance(launch, dict) else {}
+
+
+def plan_parallel_default(plan, world: World) -> str | None:
+    """The parallel mode a plan's `launch` asks for when --parallel is not given, or None (the usual default: none
+    for one process, ddp under torchrun). Only a several-process launch that is not replicated (sharded, fsdp,
+    pipeline) is taken, and only when this run has several processes: one process keeps the refusal that says
+    how to launch the plan."""
+    mode = plan_launch(plan).get("parallel")
+    if world.size > 1 and mode is not None and mode not in REPLICATED:
+        return mode
+    return None
+
+
+def plan_settings(plan, parallel: str) -> dict[str, Any]:
+    """What `plan` decides for a run in parallel mode `parallel`, named like the run settings: gradient storage,
+    optimizer and masters, compile (on/off and torch.compile's mode), micro-batch and accumulation (a pipeline's
+    accumulation is at least its micro-batches), whether every layer is checkpointed, and the parallel mode of its
+    `launch`. What the plan does not record is None (decided by the flags and their defaults): a 1.0 plan has no
+    `optimizer` section, `training.compile` or `launch`."""
+    grad_accum = plan.training.grad_accum
+    if parallel == "pipeline":
+        grad_accum = max(grad_accum, plan.pipeline.micro_batches)
+    decided = {"gradients": plan.gradients.mode, "optimizer": None, "master": None, "compile": None,
+               "compile_mode": None, "micro_batch": plan.training.micro_batch, "grad_accum": grad_accum,
+               "checkpoint_all": len(plan.checkpoint_layers()) == plan.num_layers,
+               "parallel": plan_launch(plan).get("parallel")}
+    states = plan.states_run_settings()
+    if states["optimizer"]:
+        decided.update(optimizer=plan.optimizer.name, master=plan.optimizer.master)
+    if states["compile"]:
+        compiled = plan.training.compile == "compiled"
+        decided.update(compile=compiled, compile_mode=PLAN_COMPILE_MODE if compiled else None)
+    return decided
+
+
+def record_of_plan(plan, cfg: JobConfig) -> dict:
+    """What run.json records as the plan: the plan, with the optimizer, masters and compile mode the run used
+    where the plan records none (a 1.0 plan)."""
+    record = plan.to_dict()
+    states = plan.states_run_settings()
+    if not states["optimizer"]:
+        record["optimizer"] = {"name": cfg.optim.optimizer, "master": cfg.optim.master}
+    if not states["compile"]:
+        record["training"]["compile"] = "compiled" if cfg.model.compile else "eager"
+    return record
+
+
+def given_settings(cfg: JobConfig) -> dict[str, Any]:
+    """The settings a plan decides that this run's flags set explicitly (None / off: not given)."""
+    given = {"gradients": cfg.memory.gradients, "optimizer": cfg.optim.optimizer, "master": cfg.optim.master,
+             "compile": cfg.model.compile, "micro_batch": cfg.data.micro_batch, "grad_accum": cfg.data.grad_accum,
+             "checkpoint_all": True if cfg.memory.checkpoint_all else None, "parallel": cfg.parallelism.parallel}
+    # ModelConfig fills "default" in for --compile without --compile-mode: a mode is given only beside a
+    # compile setting, or on its own when it is not the default
+    if cfg.model.compile_mode is not None and (cfg.model.compile is not None or cfg.model.compile_mode != "default"):
+        given["compile_mode"] = cfg.model.compile_mode
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _flag_text(name: str, value) -> str:
+    if name == "compile":
+        return "--compile" if value else "--no-compile"
+    if name == "checkpoint_all":
+        return "--checkpoint-all"
+    return f"{PLAN_FLAGS[name]} {value}"
+
+
+def _plan_text(name: str, value, plan) -> str:
+    if name == "compile":
+        return f"training.compile {'compiled' if value else 'eager'}"
+    if name == "compile_mode":
+        return (f"compile mode {value!r} (training.compile compiled, priced in torch.compile's {value!r} mode)"
+                if value else "no compile mode (training.compile eager)")
+    if name == "checkpoint_all":
+        layers = plan.checkpoint_layers()
+        return (f"checkpointed layers {layers} of {plan.num_layers}" if layers
+                else f"no checkpointed layer of {plan.num_layers}")
+    if name == "parallel":
+        launch = plan_launch(plan)
+        return f"launch parallel {value} ({launch.get('processes', '?')} process(es))"
+    where = {"gradients": "gradients.mode", "optimizer": "optimizer.name", "master": "optimizer.master",
+             "micro_batch": "training.micro_batch", "grad_accum": "training.grad_accum"}[name]
+    return f"{where} {value}"
+
+
+def check_flags_against_plan(given: dict[str, Any], decided: dict[str, Any], plan, where: str) -> None:
+    """Refuse flags that contradict what the plan decides (`plan_settings`), naming each flag and the plan's value.
+
+    A flag equal to the plan's value is accepted; a plan without a `launch` decides no parallel mode, one process
+    and DDP count as the same (replicated state), and so do sharded and fsdp (both shard sdp4bit gradients)."""
+    wrong = []
+    for name, value in given.items():
+        planned = decided.get(name)
+        if name == "parallel" and (planned is None or any(value in kind and planned in kind
+                                                          for kind in (REPLICATED, SHARDED))):
+            continue
+        recorded_as = "compile" if name == "compile_mode" else name
+        if recorded_as in ("optimizer", "master", "compile") and decided.get(recorded_as) is None:
+            continue  # the plan does not record it (1.0): the flag decides
+        if name == "compile_mode" and given.get("compile", decided["compile"]) != decided["compile"]:
+            continue  # the compile flag's own contradiction says it
+        if value != planned:
+            wrong.append(f"{_flag_text(name, value)} contradicts the plan's {_plan_text(name, planned, plan)}")
+    if wrong:
+        flags = "that flag" if len(wrong) == 1 else "those flags"
+        raise ValueError(f"{where}: " + "; ".join(wrong) + f". The plan was searched (and priced) with its own "
+                         f"values: drop {flags} to train it as it is, or re-run `agoq search` for what you want")
+
+
+def resolve_settings(cfg: JobConfig, decided: dict[str, Any], parallelism) -> JobConfig:
+    """`cfg` with each unset optimizer, master and compile setting taken from `decided` (a plan's, {} without one),
+    else today's defaults (adamw, fp32 masters, eager; torch.compile's mode "default"), and `parallelism`."""
+    optimizer = cfg.optim.optimizer or decided.get("optimizer") or "adamw"
+    master = cfg.optim.master or decided.get("master") or "fp32"
+    compile_ = cfg.model.compile if cfg.model.compile is not None else bool(decided.get("compile"))
+    mode = cfg.model.compile_mode or decided.get("compile_mode") or "default"
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer=optimizer, master=master),
+                               model=dataclasses.replace(cfg.model, compile=compile_, compile_mode=mode),
+                               parallelism=parallelism)
+
+
 def prepare(cfg: JobConfig, world: World) -> PreparedRun:
-    """Check every input and build the model: raises ValueError / FileNotFoundError before any training."""
+    """Check every input and build the model: raises ValueError / FileNotFoundError before any training.
+
+    With a plan, every setting it decides (`plan_settings`) is the plan's unless a flag gives it; a flag that
+    contradicts the plan is refused (`check_flags_against_plan`). The returned `cfg` holds the settings as run."""
     from agoq.activations.checkpointing import apply_checkpointing
     from agoq.activations.laaq import apply_activation_policy
     from agoq.activations.policy import split_layers
     from agoq.models import build, fingerprint, resolve_config
 
+    memory, data = cfg.memory, cfg.data
+    plan = load_plan(memory.plan) if memory.plan else None
     device = _device(cfg.model, world)
     dtype = _dtype(cfg.model, device)
-    parallel = cfg.parallelism.mode_for(world.size)
-    memory, data = cfg.memory, cfg.data
+    parallel_cfg = cfg.parallelism
+    if plan is not None and parallel_cfg.parallel is None and plan_parallel_default(plan, world):
+        parallel_cfg = dataclasses.replace(parallel_cfg, parallel=plan_parallel_default(plan, world))
+    parallel = parallel_cfg.mode_for(world.size)
+    decided = plan_settings(plan, parallel) if plan is not None else {}
+    if plan is not None:
+        check_flags_against_plan(given_settings(cfg), decided, plan, memory.plan)
+    flags = cfg
+    cfg = resolve_settings(cfg, decided, parallel_cfg)
 
     # the data first: its vocabulary decides the model's
     corpus = load_corpus(data.data, data.tokenizer)
@@ -126,17 +274,19 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
         spec["vocab_overridden"] = True
     model = build(config, dtype=dtype, device=device, seed=cfg.loop.seed)
 
-    plan = None
     plan_record = None
     gradients = "bf16"
     training = dict(BATCH_DEFAULTS)
     layer_stage = None
     policy_name = None
-    if memory.plan:
-        plan = load_plan(memory.plan, model)
+    if plan is not None:
+        try:
+            plan.check_model(model)
+        except ValueError as e:
+            raise ValueError(f"{memory.plan}: {e}") from None
         gradients = plan.gradients.mode
         training = {"seq_len": plan.training.seq_len, "micro_batch": plan.training.micro_batch,
-                    "grad_accum": plan.training.grad_accum}
+                    "grad_accum": decided["grad_accum"]}
         if plan.num_layers != config.num_hidden_layers:
             raise ValueError(f"{memory.plan}: the plan covers {plan.num_layers} layers, the model has "
                              f"{config.num_hidden_layers}")
@@ -149,18 +299,18 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
                 raise ValueError(f"{memory.plan}: the plan was made for the {schedule} schedule; agoq train runs 1F1B "
                                  "(its in-flight counts, hence its memory, differ): search a plan for 1f1b")
             layer_stage = [lp.stage for lp in plan.layers]
-            training["grad_accum"] = max(training["grad_accum"], plan.pipeline.micro_batches)
     if memory.gradients:
-        gradients = memory.gradients
+        gradients = memory.gradients  # with a plan, equal to its mode (check_flags_against_plan)
     if gradients not in GRADIENT_MODES:
         raise ValueError(f"gradient mode must be bf16, quangrad8 or sdp4bit, got {gradients!r}")
     if gradients == "sdp4bit" and parallel not in ("sharded", "fsdp"):
-        launch = (plan.to_dict().get("launch") or {}) if plan is not None and not memory.gradients else {}
+        launch = plan_launch(plan) if plan is not None else {}
         how = (f"launch it as the plan says: torchrun --nproc-per-node {launch['processes']} -m agoq.train ... "
                f"--parallel sharded (or fsdp)" if launch.get("processes")
                else "use --parallel sharded or fsdp under torchrun")
-        raise ValueError(f"gradient mode sdp4bit is sharded data parallelism: {how} "
-                         "(or pass --gradients quangrad8 / bf16 to run it otherwise)")
+        other = ("search a plan for one process (`agoq search` on a one-process profile) to run it otherwise"
+                 if plan is not None else "or pass --gradients quangrad8 / bf16 to run it otherwise")
+        raise ValueError(f"gradient mode sdp4bit is sharded data parallelism: {how} ({other})")
     if parallel == "sharded" and gradients == "quangrad8":
         raise ValueError("--parallel sharded reduces gradients with SDP4Bit (or exactly with --gradients bf16), "
                          "not with QuanGrad: use --parallel ddp for quangrad8")
@@ -171,15 +321,14 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
         from agoq.comm.fsdp_collectives import _require_protocol
 
         _require_protocol()  # FSDP2's custom reduce-scatter (torch >= 2.9): a clear message before anything runs
-    if parallel == "sharded" and cfg.optim.optimizer == "adamw8bit":
+    # a plan's adamw8bit with float32 masters under sharded is SDP4Bit's step itself; only the flag is refused
+    if parallel == "sharded" and given_settings(flags).get("optimizer") == "adamw8bit":
         raise ValueError("--parallel sharded uses SDP4Bit's sharded AdamW (float32 master and 8-bit moments, 1/N per rank): "
                          "--optimizer adamw8bit is for ddp, pipeline or one process")
     if plan is not None and world.rank == 0:
-        given = {"seq_len": data.seq_len, "micro_batch": data.micro_batch}
-        changed = {k: (training[k], v) for k, v in given.items() if v is not None and v != training[k]}
-        if changed:
-            print("agoq train: warning: the plan's predictions hold for its batch shape; this run changes "
-                  + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), file=sys.stderr)
+        if data.seq_len is not None and data.seq_len != training["seq_len"]:
+            print(f"agoq train: warning: the plan's predictions hold for its sequence length; this run changes "
+                  f"seq_len {training['seq_len']} -> {data.seq_len}", file=sys.stderr)
     seq_len = data.seq_len or training["seq_len"]
     micro_batch = data.micro_batch or training["micro_batch"]
     grad_accum = data.grad_accum or (max(training["grad_accum"], world.size) if parallel == "pipeline"
@@ -208,8 +357,10 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
         policy = _policy(memory.policy, config.num_hidden_layers, stages, grad_accum, layer_stage)
         apply_activation_policy(model, policy)
         policy_name = policy.name
-        plan_record = plan_for_policy(policy, model, gradients, micro_batch, seq_len, grad_accum, layer_stage, stages)
-    if memory.checkpoint_all:
+        plan_record = plan_for_policy(policy, model, gradients, micro_batch, seq_len, grad_accum, layer_stage, stages,
+                                      optimizer=cfg.optim.optimizer, master=cfg.optim.master,
+                                      compile=cfg.model.compile)
+    if memory.checkpoint_all and plan is None:  # a plan it agrees with checkpoints every layer already
         apply_checkpointing(model)
         policy_name = (policy_name + "+" if policy_name else "") + "checkpoint-all"
     before_micro_batch = compile_model(model, cfg.model)
@@ -228,7 +379,7 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
                    "train_tokens": corpus.train.numel(), "val_tokens": corpus.val.numel(),
                    "vocab_size": config.vocab_size}
     if plan is not None:
-        plan_record = plan.to_dict()
+        plan_record = record_of_plan(plan, cfg)
     return PreparedRun(cfg, world, device, dtype, parallel, gradients, model, spec, plan, policy_name, layer_stage,
                        plan_record, batches, corpus_info, shape, warmup, eval_every, before_micro_batch)
 
@@ -253,4 +404,5 @@ def _check_budget(plan, layer_stage, world: World, device: torch.device, where: 
                          f"--budget below {format_bytes(total)} for this device")
 
 
-__all__ = ["prepare", "PreparedRun", "BatchShape", "compile_model"]
+__all__ = ["prepare", "PreparedRun", "BatchShape", "compile_model", "plan_settings", "given_settings",
+           "check_flags_against_plan", "resolve_settings", "record_of_plan", "PLAN_FLAGS"]

@@ -2,6 +2,7 @@
 prints, and its budget rule. (The loop itself runs once per session in the stage_root fixture.)"""
 
 import json
+from pathlib import Path
 
 from agoq.cli import main
 from agoq.commands import demo
@@ -37,7 +38,8 @@ def test_budget_is_the_paper_recipes_peak(tmp_path):
 
 def test_loop_order_and_sdp4bit_plan_on_one_process(monkeypatch, tmp_path):
     """The loop's command lines: profile, search at the paper recipe's peak, then two runs on the plan's
-    batch shape; a plan with sharded (sdp4bit) gradients is trained in one process with quangrad8."""
+    batch shape; a plan with sharded (sdp4bit) gradients needs several processes, so the plan searched with
+    quangrad8 at the same budget is the one trained (agoq train refuses flags that contradict a plan)."""
     calls = []
 
     def fake_stage(argv):
@@ -49,18 +51,23 @@ def test_loop_order_and_sdp4bit_plan_on_one_process(monkeypatch, tmp_path):
             (tmp_path / "d" / "profile").mkdir(parents=True)
             (tmp_path / "d" / "profile" / "profile.json").write_text(json.dumps({"memory": {"steps": steps}}))
         if argv[0] == "search":
-            plan = {"gradients": {"mode": "sdp4bit"}, "training": {"seq_len": 48, "micro_batch": 3}}
-            (tmp_path / "d" / "search").mkdir(parents=True)
+            plan = ({"gradients": {"mode": "quangrad8"}, "training": {"seq_len": 47, "micro_batch": 5, "grad_accum": 2}}
+                    if "--gradients" in argv else
+                    {"gradients": {"mode": "sdp4bit"}, "training": {"seq_len": 48, "micro_batch": 3}})
+            Path(out).parent.mkdir(parents=True)
             with open(out, "w") as f:
                 json.dump(plan, f)
 
     monkeypatch.setattr(demo, "_stage", fake_stage)
     demo.run_loop(tmp_path / "d", steps=9, quiet=True)
-    assert [c[0] for c in calls] == ["profile", "search", "train", "train"]
+    assert [c[0] for c in calls] == ["profile", "search", "search", "train", "train"]
     assert calls[1][calls[1].index("--budget") + 1] == "4000003"
-    for run in calls[2:]:
-        assert run[run.index("--seq-len") + 1] == "48" and run[run.index("--micro-batch") + 1] == "3"
-        assert run[run.index("--steps") + 1] == "9"
-    assert "--gradients" not in calls[2] and "--plan" not in calls[2]
-    assert calls[3][calls[3].index("--gradients") + 1] == "quangrad8"
-    assert calls[3][calls[3].index("--plan") + 1] == str(tmp_path / "d" / "search" / "plan.json")
+    assert calls[2][calls[2].index("--budget") + 1] == "4000003"
+    assert calls[2][calls[2].index("--gradients") + 1] == "quangrad8"
+    one_process = str(tmp_path / "d" / "search-one-process" / "plan.json")
+    assert calls[2][calls[2].index("--out") + 1] == one_process
+    for run in calls[3:]:  # the one-process plan's batch shape (5 x 2 of 47 tokens)
+        assert run[run.index("--seq-len") + 1] == "47" and run[run.index("--micro-batch") + 1] == "5"
+        assert run[run.index("--grad-accum") + 1] == "2" and run[run.index("--steps") + 1] == "9"
+    assert "--gradients" not in calls[3] and "--plan" not in calls[3]
+    assert "--gradients" not in calls[4] and calls[4][calls[4].index("--plan") + 1] == one_process

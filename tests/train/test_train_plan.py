@@ -1,0 +1,233 @@
+"""`agoq train --plan` runs what the plan records: optimizer, masters, compile mode, micro-batch x accumulation,
+gradient storage, activation bits and checkpointed layers are the flags' defaults; a flag that contradicts the
+plan is refused (exit 2) naming both values; 1.0 plans train with today's defaults; policy runs record the
+optimizer and masters they used."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agoq.cli import main
+from agoq.formats.plan import Plan, load_plan, plan_from_dict
+from agoq.models import build, fingerprint
+
+LAYERS = 3  # llama-tiny
+
+
+def _run_json(run_dir):
+    return json.loads(Path(run_dir, "run.json").read_text())
+
+
+def _plan(tmp_path, schema="agoq.plan/1.1", name="plan.json", **sections) -> Path:
+    """A plan for llama-tiny: layer 1 checkpointed, the others at 4/5 bits or recomputed; micro-batch 3 x
+    accumulation 2 of 23 tokens, quangrad8, and whatever `sections` add (written as given: nothing filled in)."""
+    model = build("llama-tiny")
+    layers = [{"layer": i, "stage": 0, "checkpoint": i == 1,
+               "kinds": {} if i == 1 else {"norm_input": 4, "qkv_input": "recompute", "silu_input": 5}}
+              for i in range(LAYERS)]
+    data = {"schema": schema, "model": {"name": model.config.name, "fingerprint": fingerprint(model)},
+            "layers": layers, "gradients": {"mode": "quangrad8"},
+            "training": {"micro_batch": 3, "seq_len": 23, "grad_accum": 2}}
+    for key, value in sections.items():
+        if key == "training":
+            data["training"] = {**data["training"], **value}
+        else:
+            data[key] = value
+    plan_from_dict(data)  # valid
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _searched_plan(tmp_path):
+    return _plan(tmp_path, optimizer={"name": "adamw8bit", "master": "none"}, training={"compile": "compiled"})
+
+
+@pytest.fixture
+def compile_calls(monkeypatch):
+    """Counts the layers the trainer compiles; compiles with aot_eager (Inductor's cold CPU compile of each layer
+    would take most of a minute here: the same graphs, traced the same way)."""
+    import agoq.activations.compile as compile_module
+    from agoq.train import preparation
+
+    calls = []
+    real = compile_module.compile_decoder_layers
+
+    def aot_eager_layers(model, mode=None, **options):
+        calls.append((real(model, mode=mode, backend="aot_eager"), mode))
+        return calls[-1][0]
+
+    monkeypatch.setattr(preparation, "compile_decoder_layers", aot_eager_layers)
+    return calls
+
+
+def _train(plan, out, *flags):
+    return main(["train", "llama-tiny", "--plan", str(plan), "--steps", "3", "--eval-batches", "1",
+                 "--checkpoint-every", "0", "--dtype", "bf16", "--quiet", "--out", str(out), *flags])
+
+
+def test_a_searched_plan_trains_with_everything_it_records(tmp_path, compile_calls, monkeypatch):
+    from agoq.train import preparation
+
+    applied = []
+    real_prepare = preparation.prepare
+
+    def spy(cfg, world):  # the model as prepare hands it over: the plan's checkpointing and policy in place
+        prepared = real_prepare(cfg, world)
+        from agoq.activations.saved_bytes import find_decoder_layers
+
+        layers = find_decoder_layers(prepared.model)
+        applied.append([getattr(layer, "_agoq_checkpointed", False) for layer in layers])
+        applied.append(prepared.model._agoq_policy.settings(0)["silu_input"])
+        return prepared
+
+    from agoq.train import trainer
+
+    monkeypatch.setattr(trainer, "prepare", spy)
+    plan = _searched_plan(tmp_path)
+    out = tmp_path / "run"
+    assert _train(plan, out) == 0
+    run = _run_json(out)
+    s = run["settings"]
+    assert run["status"] == "finished"
+    assert (s["optimizer"], s["master"], s["gradients"]) == ("adamw8bit", "none", "quangrad8")
+    assert (s["compile"], s["compile_mode"]) == (True, "default")
+    assert (s["micro_batch"], s["grad_accum"], s["seq_len"]) == (3, 2, 23)
+    assert s["tokens_per_step"] == 3 * 2 * 23 and s["policy"] == "plan:plan.json"
+    assert run["plan"]["optimizer"] == {"name": "adamw8bit", "master": "none"}
+    assert run["plan"]["training"]["compile"] == "compiled"
+    assert compile_calls == [(LAYERS, "default")]
+    assert applied == [[False, True, False], 5]  # layer 1 checkpointed; layer 0's silu_input at 5 bits
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--optimizer", "adamw"], "--optimizer adamw contradicts the plan's optimizer.name adamw8bit"),
+    (["--master", "fp32"], "--master fp32 contradicts the plan's optimizer.master none"),
+    (["--no-compile"], "--no-compile contradicts the plan's training.compile compiled"),
+    (["--compile-mode", "max-autotune-no-cudagraphs"],
+     "--compile-mode max-autotune-no-cudagraphs contradicts the plan's compile mode 'default'"),
+    (["--micro-batch", "5"], "--micro-batch 5 contradicts the plan's training.micro_batch 3"),
+    (["--grad-accum", "7"], "--grad-accum 7 contradicts the plan's training.grad_accum 2"),
+    (["--gradients", "bf16"], "--gradients bf16 contradicts the plan's gradients.mode quangrad8"),
+    (["--checkpoint-all"], "--checkpoint-all contradicts the plan's checkpointed layers [1] of 3"),
+])
+def test_a_flag_that_contradicts_the_plan_is_refused(tmp_path, capsys, flags, said):
+    out = tmp_path / "never"
+    assert _train(_searched_plan(tmp_path), out, *flags) == 2
+    err = capsys.readouterr().err
+    assert said in err, err
+    assert "drop that flag" in err and "re-run `agoq search`" in err and str(tmp_path / "plan.json") in err
+    assert not (out / "run.json").exists()
+
+
+def test_every_contradiction_is_named_at_once(tmp_path, capsys):
+    assert _train(_searched_plan(tmp_path), tmp_path / "never", "--optimizer", "adamw", "--micro-batch", "4") == 2
+    err = capsys.readouterr().err
+    assert "--optimizer adamw contradicts" in err and "--micro-batch 4 contradicts" in err
+    assert "drop those flags" in err
+
+
+def test_flags_equal_to_the_plan_are_accepted(tmp_path, compile_calls):
+    out = tmp_path / "run"
+    assert _train(_searched_plan(tmp_path), out, "--optimizer", "adamw8bit", "--master", "none", "--compile",
+                  "--micro-batch", "3", "--grad-accum", "2", "--gradients", "quangrad8") == 0
+    s = _run_json(out)["settings"]
+    assert (s["optimizer"], s["master"], s["compile"], s["micro_batch"], s["grad_accum"]) == (
+        "adamw8bit", "none", True, 3, 2)
+
+
+def test_a_plan_checkpointing_every_layer_takes_checkpoint_all(tmp_path):
+    path = _plan(tmp_path, layers=[{"layer": i, "checkpoint": True} for i in range(LAYERS)],
+                 model={"name": "llama-tiny", "fingerprint": fingerprint(build("llama-tiny"))})
+    assert _train(path, tmp_path / "run", "--checkpoint-all") == 0
+
+
+def test_an_eager_plan_refuses_compile(tmp_path, capsys):
+    path = _plan(tmp_path, training={"compile": "eager"})
+    assert _train(path, tmp_path / "never", "--compile") == 2
+    err = capsys.readouterr().err
+    assert "--compile contradicts the plan's training.compile eager" in err
+    assert "compile mode" not in err  # said once, by the compile flag
+
+
+@pytest.mark.parametrize("schema", ["agoq.plan/1", "agoq.plan/1.0"])
+def test_a_1_0_plan_trains_with_todays_defaults(tmp_path, schema):
+    path = _plan(tmp_path, schema=schema)
+    out = tmp_path / "run"
+    assert _train(path, out) == 0
+    run = _run_json(out)
+    s = run["settings"]
+    assert (s["optimizer"], s["master"], s["compile"], s["gradients"]) == ("adamw", "fp32", False, "quangrad8")
+    assert (s["micro_batch"], s["grad_accum"], s["seq_len"]) == (3, 2, 23)
+    assert run["plan"]["schema"] == schema and run["plan"]["optimizer"] == {"name": "adamw", "master": "fp32"}
+    # it records no optimizer, so the flag decides it (as before 1.1), and run.json says what ran
+    out = tmp_path / "run8"
+    assert _train(path, out, "--optimizer", "adamw8bit", "--master", "none") == 0
+    run = _run_json(out)
+    assert (run["settings"]["optimizer"], run["settings"]["master"]) == ("adamw8bit", "none")
+    assert run["plan"]["optimizer"] == {"name": "adamw8bit", "master": "none"}
+    # a 1.0 plan written back with every default filled in still states nothing about the optimizer
+    resaved = load_plan(path)
+    resaved.save(path)
+    assert "optimizer" in json.loads(path.read_text())
+    assert load_plan(path).states_run_settings() == {"optimizer": False, "compile": False}
+
+
+def test_a_1_1_plan_without_the_sections_states_nothing(tmp_path):
+    assert load_plan(_plan(tmp_path)).states_run_settings() == {"optimizer": False, "compile": False}
+    assert load_plan(_searched_plan(tmp_path)).states_run_settings() == {"optimizer": True, "compile": True}
+
+
+def test_a_policy_run_records_the_optimizer_and_masters_it_used(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "llama-tiny", "--policy", "agoq-paper", "--optimizer", "adamw8bit", "--master", "none",
+                 "--gradients", "quangrad8", "--dtype", "bf16", "--seq-len", "19", "--micro-batch", "3",
+                 "--grad-accum", "2", "--steps", "2", "--eval-batches", "1", "--checkpoint-every", "0", "--quiet",
+                 "--out", str(out)]) == 0
+    run = _run_json(out)
+    recorded = plan_from_dict(run["plan"])
+    assert (recorded.optimizer.name, recorded.optimizer.master) == ("adamw8bit", "none")
+    assert recorded.training.compile == "eager" and recorded.states_run_settings() == {"optimizer": True,
+                                                                                        "compile": True}
+    assert (recorded.training.micro_batch, recorded.training.grad_accum, recorded.training.seq_len) == (3, 2, 19)
+    # the recorded plan trains the same run again, with the same optimizer and masters
+    plan_path = tmp_path / "recorded.json"
+    Plan.model_validate(run["plan"]).save(plan_path)
+    again = tmp_path / "again"
+    assert _train(plan_path, again) == 0
+    s = _run_json(again)["settings"]
+    assert (s["optimizer"], s["master"], s["gradients"], s["micro_batch"]) == ("adamw8bit", "none", "quangrad8", 3)
+
+
+def test_plan_for_policy_writes_the_optimizer_given():
+    from agoq.activations.policy import as_policy
+    from agoq.formats.plan import plan_for_policy
+
+    model = build("llama-tiny")
+    data = plan_for_policy(as_policy("agoq-paper"), model, "bf16", 3, 19, 2, None, 1, optimizer="adamw8bit",
+                           master="fp32", compile=True)
+    plan = plan_from_dict(data)
+    assert (plan.optimizer.name, plan.optimizer.master, plan.training.compile) == ("adamw8bit", "fp32", "compiled")
+    default = plan_from_dict(plan_for_policy(as_policy("agoq-paper"), model, "bf16", 3, 19, 2, None, 1))
+    assert (default.optimizer.name, default.optimizer.master, default.training.compile) == ("adamw", "fp32", "eager")
+
+
+def test_the_plans_launch_decides_the_parallel_mode_under_torchrun(tmp_path):
+    """Under torchrun a sharded or pipeline launch is --parallel's default; one process keeps the usual default
+    (and the refusal that says how to launch); an explicit mode of another kind is refused."""
+    from agoq.train.parallel import World
+    from agoq.train.preparation import check_flags_against_plan, plan_parallel_default, plan_settings
+
+    sharded = load_plan(_plan(tmp_path, gradients={"mode": "sdp4bit"}, launch={"processes": 3, "parallel": "sharded"}))
+    assert plan_parallel_default(sharded, World(size=3)) == "sharded"
+    assert plan_parallel_default(sharded, World()) is None
+    replicated = load_plan(_plan(tmp_path, name="ddp.json", launch={"processes": 3, "parallel": "ddp"}))
+    assert plan_parallel_default(replicated, World(size=3)) is None  # ddp is the default under torchrun anyway
+    decided = plan_settings(sharded, "sharded")
+    check_flags_against_plan({"parallel": "fsdp"}, decided, sharded, "p.json")  # both shard sdp4bit gradients
+    with pytest.raises(ValueError, match=r"--parallel ddp contradicts the plan's launch parallel sharded \(3 process"):
+        check_flags_against_plan({"parallel": "ddp"}, decided, sharded, "p.json")
+    check_flags_against_plan({"parallel": "none"}, plan_settings(replicated, "ddp"), replicated, "p.json")
+    check_flags_against_plan({"parallel": "fsdp"}, plan_settings(load_plan(_plan(tmp_path, name="old.json")), "fsdp"),
+                             sharded, "p.json")  # no launch: nothing decided
