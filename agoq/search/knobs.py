@@ -135,6 +135,17 @@ def tokens_per_second(profile: ProfileData, knobs: ProblemSettings, step_seconds
     return tokens / step_seconds if step_seconds > 0 else 0.0
 
 
+def step_seconds_lower_bound(p: ChoiceProblem) -> float:
+    """Seconds per step that no choice of `p` beats, whatever the budget and caps: the base step, each layer's
+    cheaper of (its kinds' fastest options, checkpointing it), and the LAAQ layer term where it is a saving.
+    (ChoiceProblem.evaluate's step seconds are that sum for one choice, so each term bounds its own.)"""
+    fastest = np.full(p.num_layers, 0.0)
+    for (layer, _kind), idx in p.groups().items():
+        fastest[layer] += float(p.seconds[idx].min())
+    per_layer = np.minimum(fastest, p.checkpoint_seconds) if p.allow_checkpoint else fastest
+    return float(p.base_seconds + per_layer.sum() + p.num_layers * min(0.0, p.laaq_layer_seconds))
+
+
 def _dominated(p: ChoiceProblem, q: ChoiceProblem) -> bool:
     """True when q is at least as good as p in static bytes, optimizer-step floor and base seconds (same options)."""
     return bool(np.all(q.static_bytes <= p.static_bytes) and np.all(q.peak_floor() <= p.peak_floor())
@@ -156,17 +167,28 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
         except ValueError as e:  # e.g. a micro-batch the config cannot scale to: say so, try the others
             tried.append(KnobResult(knobs, error=str(e)))
     smallest: list[int] = []
+    fastest = math.inf  # the best step seconds solved so far (objective "time")
+    if objective == "time":  # the most promising first, so that the others can be skipped by their bound
+        built.sort(key=lambda kp: step_seconds_lower_bound(kp[1]))
     for i, (knobs, problem) in enumerate(built):
         same = [q for k, q in built if k is not knobs and (k.micro_batch, k.compile_mode) == (knobs.micro_batch,
                                                                                               knobs.compile_mode)]
         if prune and any(_dominated(problem, q) and not _dominated(q, problem) for q in same):
             tried.append(KnobResult(knobs, problem, error="dominated"))
             continue
+        bound = step_seconds_lower_bound(problem)
+        if prune and objective == "time" and bound > fastest * (1 + 1e-9):
+            tried.append(KnobResult(knobs, problem, error=f"slower at best ({bound:.4g} s) than a solved combination "
+                                                          f"({fastest:.4g} s)"))
+            continue
         result = KnobResult(knobs, problem)
         try:
             result.time_cap = resolve_time_cap(problem, budget, time_cap)
-            result.alloc = Solver(problem).solve(budget, objective, result.time_cap, error_cap=error_cap)
+            # the first objective only: the winner (and any tie) is solved in full below
+            result.alloc = Solver(problem, tie_break=False).solve(budget, objective, result.time_cap,
+                                                                   error_cap=error_cap)
             result.tokens_per_second = tokens_per_second(profile, knobs, result.alloc.step_seconds)
+            fastest = min(fastest, result.alloc.step_seconds)
         except InfeasibleBudget as e:
             result.error = str(e)
             if e.smallest_budget is not None:
@@ -181,6 +203,15 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
         raise InfeasibleBudget(
             f"no knob combination (gradient storage, optimizer, micro-batch, compile mode) fits the budget: the "
             f"smallest feasible budget is {least} bytes: give --budget {least} or more", least)
+    first = (lambda r: r.alloc.grad_error) if objective == "error" else (lambda r: r.alloc.step_seconds)
+    top = min(first(r) for r in solved)
+    for r in solved:  # those reaching the best first objective: their ties broken by the second
+        if first(r) <= top + abs(top) * 1e-9 + 1e-15:
+            r.alloc = Solver(r.problem).solve(budget, objective, r.time_cap, error_cap=error_cap)
+            r.tokens_per_second = tokens_per_second(profile, r.knobs, r.alloc.step_seconds)
+        else:
+            r.error = "slower" if objective == "time" else "less exact"
+    solved = [r for r in solved if r.error is None]
     best = min(solved, key=lambda r: r.key(objective))
     return KnobSearch(best, tried, binding_constraints(best, budget, objective, error_cap, best.time_cap))
 
@@ -205,8 +236,9 @@ def budget_bounds(profile: ProfileData, space: KnobSpace = KnobSpace(),
 def binding_constraints(result: KnobResult, budget, objective: str, error_cap: Optional[float],
                         time_cap: Optional[float]) -> list[str]:
     """Which constraints bind the chosen plan: those whose removal (one at a time, same knobs) improves its
-    objective by more than 1e-6 relative; ["none"] when none does."""
-    solver = Solver(result.problem)
+    objective by more than 1e-6 relative; ["none"] when none does. (Only the first objective's optimum is
+    compared, so its ties are not broken.)"""
+    solver = Solver(result.problem, tie_break=False)
     value = (lambda a: a.grad_error) if objective == "error" else (lambda a: a.step_seconds)
     mine = value(result.alloc)
     out = []
@@ -237,4 +269,5 @@ def knob_values(profile: ProfileData, knobs: ProblemSettings) -> dict:
 
 
 __all__ = ["KnobSpace", "KnobResult", "KnobSearch", "combinations", "solve_knobs", "binding_constraints", "budget_bounds",
+           "step_seconds_lower_bound",
            "tokens_per_second", "knob_values", "MASTER_CHOICES"]

@@ -260,11 +260,16 @@ class _Model:
         second.second_gap = 0.0 if second.status == 0 else float(getattr(second, "mip_gap", 1.0) or 0.0)
         return second
 
+    tie_break = True  # False: the first objective only (its ties left unbroken, second_gap 1)
+
     def solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
               time_limit: Optional[float] = None, error_cap: Optional[float] = None):
         """Lexicographic: the first objective exactly, then the second (see the module docstring)."""
         first = self.solve_first_objective(budgets, objective, time_cap, time_limit, error_cap)
         if first.x is None:
+            return first
+        if not self.tie_break:
+            first.second_gap, first.gap = 1.0, primary_gap(first)
             return first
         res = self.solve_second_objective(first, budgets, objective, time_cap, time_limit, error_cap)
         res.gap = primary_gap(first)
@@ -290,9 +295,13 @@ def primary_gap(result) -> float:
 class Solver:
     """Solves one ChoiceProblem for many budgets (the matrices are built once)."""
 
-    def __init__(self, problem: ChoiceProblem):
+    def __init__(self, problem: ChoiceProblem, *, tie_break: bool = True):
+        """`tie_break` False: solve the first objective only (exact), leaving its ties unbroken by the second —
+        much faster, for comparing problems by their optimum before solving the winner in full."""
         self.problem = problem
+        self.tie_break = tie_break
         self._model = _Model(problem)
+        self._model.tie_break = tie_break
         self._stages: Optional[list] = None  # per-stage sub-solvers, built when first needed
 
     def _stage_solvers(self) -> list:
@@ -315,7 +324,9 @@ class Solver:
                                     recompute_bytes=p.recomputed()[layers],
                                     laaq_transient_bytes=p.laaq_transient()[s:s + 1],
                                     laaq_layer_seconds=p.laaq_layer_seconds)
-                self._stages.append((_Model(sub), idx, layers))
+                model = _Model(sub)
+                model.tie_break = self.tie_break
+                self._stages.append((model, idx, layers))
         return self._stages
 
     def _budgets(self, budget) -> np.ndarray:
@@ -410,6 +421,8 @@ class Solver:
                 # zero error is reachable within the cap: the least time at zero error is below the cap too,
                 # and without the cap the stages separate
                 return self._solve(budgets, objective, None, time_limit, None)
+            if not self.tie_break:
+                return m.allocation(first.x, 1.0, primary_gap(first))
             res = m.solve_second_objective(first, budgets, objective, time_cap, time_limit)
             return m.allocation(res.x, res.second_gap, primary_gap(first))
         if time_cap is None and self.problem.num_stages > 1:
