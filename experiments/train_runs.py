@@ -34,10 +34,13 @@ def tiny_shakespeare(explicit: str | None) -> str:
 
 
 def run_train(args: list[str], nproc: int = 1, env: dict | None = None, log: Path | None = None) -> float:
-    """Run agoq train with `args` (in `nproc` processes under torchrun when > 1); returns wall seconds.
+    """Run agoq train with `args` (in `nproc` processes under torchrun when > 1; eager unless `args` say
+    --compile); returns wall seconds.
 
     Raises SystemExit with the command's tail of output when it fails.
     """
+    if "--compile" not in args and "--no-compile" not in args:
+        args = [*args, "--no-compile"]  # eager unless asked: the recorded comparisons were made eager
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "agoq.train", *args]

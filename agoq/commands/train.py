@@ -68,7 +68,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer on its own (any policy, plan or --checkpoint-all; on the "
                         "CPU too, through Inductor's C++ backend); --no-compile: eager "
-                        "(default: the plan's training.compile, else off: eager)")
+                        "(default: the plan's training.compile, else on with a CUDA GPU in one process or DDP, where "
+                        "it was measured faster, and eager on the CPU and with sharded, fsdp or pipeline)")
     p.add_argument("--compile-mode", default=None,
                    choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                    help="torch.compile's mode with --compile: reduce-overhead records each layer as CUDA graphs "

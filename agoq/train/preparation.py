@@ -229,12 +229,24 @@ def check_flags_against_plan(given: dict[str, Any], decided: dict[str, Any], pla
                          f"values: drop {flags} to train it as it is, or re-run `agoq search` for what you want")
 
 
-def resolve_settings(cfg: JobConfig, decided: dict[str, Any], parallelism) -> JobConfig:
+COMPILED_BY_DEFAULT = ("none", "ddp")  # parallel modes compiled by default on CUDA (measured faster compiled)
+
+
+def compile_by_default(device: torch.device, parallel: str) -> bool:
+    """Whether a run compiles its decoder layers when neither a flag nor a plan says: on CUDA in one process or
+    DDP, where agoq's compiled layers were measured faster than eager (experiments/bench_compile.py,
+    train_8b_alternatives.py); eager on the CPU and in the sharded, fsdp and pipeline modes."""
+    return device.type == "cuda" and parallel in COMPILED_BY_DEFAULT
+
+
+def resolve_settings(cfg: JobConfig, decided: dict[str, Any], parallelism, *, compile_default: bool = False) -> JobConfig:
     """`cfg` with each unset optimizer, master and compile setting taken from `decided` (a plan's, {} without one),
-    else today's defaults (adamw, fp32 masters, eager; torch.compile's mode "default"), and `parallelism`."""
+    else the defaults (adamw, fp32 masters, `compile_default`; torch.compile's mode "default"), and
+    `parallelism`."""
     optimizer = cfg.optim.optimizer or decided.get("optimizer") or "adamw"
     master = cfg.optim.master or decided.get("master") or "fp32"
-    compile_ = cfg.model.compile if cfg.model.compile is not None else bool(decided.get("compile"))
+    compile_ = cfg.model.compile if cfg.model.compile is not None else \
+        bool(decided["compile"]) if decided.get("compile") is not None else compile_default
     mode = cfg.model.compile_mode or decided.get("compile_mode") or "default"
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer=optimizer, master=master),
                                model=dataclasses.replace(cfg.model, compile=compile_, compile_mode=mode),
@@ -263,7 +275,7 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
     if plan is not None:
         check_flags_against_plan(given_settings(cfg), decided, plan, memory.plan)
     flags = cfg
-    cfg = resolve_settings(cfg, decided, parallel_cfg)
+    cfg = resolve_settings(cfg, decided, parallel_cfg, compile_default=compile_by_default(device, parallel))
 
     # the data first: its vocabulary decides the model's
     corpus = load_corpus(data.data, data.tokenizer)
@@ -405,4 +417,4 @@ def _check_budget(plan, layer_stage, world: World, device: torch.device, where: 
 
 
 __all__ = ["prepare", "PreparedRun", "BatchShape", "compile_model", "plan_settings", "given_settings",
-           "check_flags_against_plan", "resolve_settings", "record_of_plan", "PLAN_FLAGS"]
+           "check_flags_against_plan", "resolve_settings", "compile_by_default", "record_of_plan", "PLAN_FLAGS"]

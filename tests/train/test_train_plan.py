@@ -231,3 +231,26 @@ def test_the_plans_launch_decides_the_parallel_mode_under_torchrun(tmp_path):
     check_flags_against_plan({"parallel": "none"}, plan_settings(replicated, "ddp"), replicated, "p.json")
     check_flags_against_plan({"parallel": "fsdp"}, plan_settings(load_plan(_plan(tmp_path, name="old.json")), "fsdp"),
                              sharded, "p.json")  # no launch: nothing decided
+
+
+def test_compile_defaults_to_the_device_and_mode_unless_a_flag_or_plan_says():
+    """No flag and no plan: compiled exactly on CUDA in one process or DDP; a plan's or a flag's value wins."""
+    import torch
+
+    from agoq.train.config import TrainConfig
+    from agoq.train.preparation import compile_by_default, resolve_settings
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for device, mode, want in [(cuda, "none", True), (cuda, "ddp", True), (cuda, "fsdp", False),
+                               (cuda, "sharded", False), (cuda, "pipeline", False), (cpu, "none", False),
+                               (cpu, "ddp", False)]:
+        assert compile_by_default(device, mode) is want, (device, mode)
+    base = TrainConfig(model="llama-tiny", data="d.txt")
+    flagged = TrainConfig(model="llama-tiny", data="d.txt", compile=False)
+    for default in (True, False):
+        assert resolve_settings(base, {}, base.parallelism, compile_default=default).model.compile is default
+        assert resolve_settings(base, {"compile": None}, base.parallelism,
+                                compile_default=default).model.compile is default  # a plan that does not say
+        assert resolve_settings(base, {"compile": not default}, base.parallelism,
+                                compile_default=default).model.compile is (not default)
+        assert resolve_settings(flagged, {}, flagged.parallelism, compile_default=default).model.compile is False
