@@ -1,9 +1,9 @@
 """agoq's default plan against the best alternative that fits the same budget, both measured in one run.
 
 For each model (the probe model, micro-batch 2 x 4096; LLaMA-3-8B shapes with 4 layers, micro-batch 1 x 4096):
-  1. profile   `agoq profile` (a subprocess, bits 4 and 8, int), then, for --compile-models, the compiled steps
-               (agoq.profiler.compiled: bf16, agoq-paper, checkpoint-all, activation_memory_budget 0.5 / 0.1)
-               written into the profile's "compiled" section
+  1. profile   `agoq profile` (a subprocess, bits 4 and 8, int), with --compile for --compile-models: the
+               compiled steps (agoq.profiler.compiled: bf16, agoq-paper, checkpoint-all, activation_memory_budget
+               0.5 / 0.1, smaller micro-batches) in the profile's "compiled" section
   2. budgets   from the alternatives' predicted peaks (agoq.search.alternatives): "bf16 fits" (the least bf16
                peak + 2 %), "only selective checkpointing fits" (halfway between full checkpointing's and bf16's
                peaks), "below compile's smallest peak" (97 % of the least compiled peak, never below the plan's
@@ -45,33 +45,15 @@ SMOKE = {"llama-tiny": ("llama-tiny", 2, 2, 32)}
 TRAIN_8B = Path(__file__).resolve().parent / "results" / "train_8b_memory.json"
 
 
-def profile(spec, layers, mb, seq, device, out: Path, smoke: bool) -> None:
+def profile(spec, layers, mb, seq, device, out: Path, smoke: bool, compiled: bool) -> None:
+    """`agoq profile` in a subprocess; with `compiled`, its compiled steps too (the profile's "compiled" section)."""
     cmd = [sys.executable, "-m", "agoq.cli", "profile", spec, "--device", device, "--out", str(out),
            "--micro-batch", str(mb), "--seq-len", str(seq), "--bits", "4,8", "--formats", "int", "--batches", "1",
-           "--quiet"]
+           "--quiet", "--compile" if compiled else "--no-compile"]
     if layers:
         cmd += ["--layers", str(layers)]
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
-
-
-def add_compiled(folder: Path, spec, layers, mb, seq, device) -> dict:
-    import torch
-
-    from agoq.models import build
-    from agoq.profiler.compiled import compiled_section
-
-    header = json.loads((folder / "profile.json").read_text())
-    model = build(spec, dtype=torch.bfloat16, device=device, num_layers=layers, seed=0)
-    g = torch.Generator(device=device).manual_seed(7)
-    ids = torch.randint(0, model.config.vocab_size, (mb, seq + 1), device=device, generator=g)
-    failures: list = []
-    section = compiled_section(model, ids, failures=failures)
-    header["compiled"] = section
-    header.setdefault("failures", []).extend(failures)
-    (folder / "profile.json").write_text(json.dumps(header, indent=1))
-    del model
-    return section
 
 
 def budgets(prof) -> dict:
@@ -138,14 +120,12 @@ def run_model(name, spec, layers, mb, seq, device, work: Path, steps: int, compi
 
     folder = work / name
     t = time.perf_counter()
-    profile(spec, layers, mb, seq, device, folder, smoke)
+    profile(spec, layers, mb, seq, device, folder, smoke, compile_)
     out = {"profile_seconds": time.perf_counter() - t}
-    if compile_:
-        t = time.perf_counter()
-        section = add_compiled(folder, spec, layers, mb, seq, device)
-        out["compiled_profile_seconds"] = time.perf_counter() - t
-        out["compiled_section"] = section
     prof = load_profile(folder)
+    if compile_:
+        out["compiled_profile_seconds"] = prof.header.get("seconds", {}).get("compiled")
+        out["compiled_section"] = prof.header.get("compiled")
     out["profile_memory_steps"] = prof.memory.get("steps")
     out["budgets"] = {}
     for label, budget in budgets(prof).items():

@@ -106,6 +106,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="CPU threads for torch (default: 1 for a CPU profile of a model with hidden size "
                              "< 1024, whose small operations run fastest on one thread; else torch's default)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the steps with each decoder layer torch.compile'd (bf16, agoq-paper, "
+                             "checkpoint-all, compile's activation_memory_budget 0.5 / 0.1, smaller micro-batches): "
+                             "the search then prices compiled plans and compile's own memory savers; about a minute "
+                             "more on a GPU (default: on with a CUDA device, as agoq train compiles there)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
 
@@ -190,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
         layers=args.layers, pipeline_stages=args.pipeline_stages, micro_batches=micro_batches,
         world_size=1 if collectives_torchrun else args.world_size, budget_bytes=args.budget,
         ray_address="local" if args.ray else args.ray_address, collective_sizes=args.collective_sizes,
-        sensitivity_method=args.sensitivity)
+        sensitivity_method=args.sensitivity,
+        compiled=args.compile if args.compile is not None else device.startswith("cuda"))
     say = (lambda *a: None) if args.quiet else (lambda text: print(text, file=sys.stderr))
     header = make_profile(settings, out, progress=not args.quiet, say=say)
     if collectives_torchrun is not None:
