@@ -37,7 +37,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from experiments.record import RESULTS, write_result
-from experiments.train_runs import common_args, compare, tiny_shakespeare, train_variant
+from experiments.train_runs import (
+    common_args,
+    compare,
+    tiny_check,
+    tiny_shakespeare,
+    train_variant,
+)
 
 GOAL = 0.01
 BASELINE = "fsdp_bf16"
@@ -73,11 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(transports) == 1:
         name += f"_{transports[0]}"
     if args.tiny:
-        model, name, device = "llama-tiny", "train_fsdp_tiny", ["--device", "cpu"]
-        args.steps, args.seq_len, args.micro_batch, eval_every, eval_batches = 12, 64, 2, 6, 2
-        transports = ["gloo"]
-        if args.out == str(RESULTS / "runs"):
-            args.out = "/tmp/agoq-train-fsdp"
+        model, name, device, eval_every, eval_batches, transports = tiny_check(args, "train_fsdp")
     data = tiny_shakespeare(args.data)
     common = common_args(model, data, seq_len=args.seq_len, micro_batch=args.micro_batch, steps=args.steps,
                          lr=args.lr, eval_every=eval_every, eval_batches=eval_batches, device=device)

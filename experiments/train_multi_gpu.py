@@ -41,6 +41,7 @@ from experiments.train_runs import (
     BYTE_MODEL,
     common_args,
     compare,
+    tiny_check,
     tiny_shakespeare,
     train_variant,
 )
@@ -74,11 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(transports) == 1:  # runs split over several commands keep one result file each
         name += f"_{transports[0]}"
     if args.tiny:
-        model, name, device = "llama-tiny", "train_2gpu_tiny", ["--device", "cpu"]
-        args.steps, args.seq_len, args.micro_batch, eval_every, eval_batches = 12, 64, 2, 6, 2
-        transports = ["gloo"]
-        if args.out == str(RESULTS / "runs"):
-            args.out = "/tmp/agoq-train-2gpu"
+        model, name, device, eval_every, eval_batches, transports = tiny_check(args, "train_2gpu")
     data = tiny_shakespeare(args.data)
     common = common_args(model, data, seq_len=args.seq_len, micro_batch=args.micro_batch, steps=args.steps,
                          lr=args.lr, eval_every=eval_every, eval_batches=eval_batches, device=device)

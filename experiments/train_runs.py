@@ -146,3 +146,13 @@ def compare(run: dict, base: dict, goal: float) -> dict:
             "throughput_ratio": run["median_tokens_per_s"] / base["median_tokens_per_s"],
             "peak_bytes_per_rank": [run["peak_bytes_per_rank"], base["peak_bytes_per_rank"]],
             "peak_not_above_baseline": max(run["peak_bytes_per_rank"]) <= max(base["peak_bytes_per_rank"])}
+
+
+def tiny_check(args, name: str) -> tuple[str, str, list[str], int, int, list[str]]:
+    """The CPU check of a multi-process comparison (llama-tiny, 12 steps of 2 x 64 tokens per rank, over gloo):
+    sets args.steps / seq_len / micro_batch (and args.out, when it is the committed runs folder, to a folder under
+    /tmp); returns (model, result name, device flags, eval_every, eval_batches, transports)."""
+    args.steps, args.seq_len, args.micro_batch = 12, 64, 2
+    if args.out == str(ROOT / "experiments" / "results" / "runs"):
+        args.out = "/tmp/agoq-" + name.replace("_", "-")
+    return "llama-tiny", f"{name}_tiny", ["--device", "cpu"], 6, 2, ["gloo"]
