@@ -199,11 +199,9 @@ class SDP4BitOptimizer(torch.optim.Optimizer):
     def apply_reduced(self, shard: torch.Tensor, scale: float = 1.0) -> None:
         """AdamW on this rank's shard with `shard` x `scale` as its gradient (`reduce_gradients`' result and
         the clip factor), then the weights all-gathered (qWD or exactly) into every parameter. Collective."""
-        if scale != 1.0:
-            shard = shard.mul(scale)
         self.steps += 1
         seed = derive_seed(self.seed, self.steps)
-        self._adamw(shard)
+        self._adamw(shard, scale)
         world = self.topo.world
         if world == 1:
             full = self.master
@@ -217,13 +215,14 @@ class SDP4BitOptimizer(torch.optim.Optimizer):
             p.copy_(full[offset: offset + p.numel()].view_as(p))
             offset += p.numel()
 
-    def _adamw(self, grad: torch.Tensor) -> None:
-        """The fused 8-bit AdamW step on this rank's shard (`grad`: its averaged float32 gradient), in place."""
+    def _adamw(self, grad: torch.Tensor, clip: float = 1.0) -> None:
+        """The fused 8-bit AdamW step on this rank's shard (`grad`: its averaged float32 gradient, times `clip` in
+        the kernel: no scaled copy), in place."""
         if self.master.numel() == 0:  # a small model leaves the last ranks no shard
             return
         hp = self.param_groups[0]
         adamw8bit_step([self.master], None, [grad], [self.moments], lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
-                       weight_decay=hp["weight_decay"], step=self.steps, block=MOMENT_BLOCK)
+                       weight_decay=hp["weight_decay"], step=self.steps, clip=clip, block=MOMENT_BLOCK)
 
     def global_layout(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """This rank's state tensors as pieces of whole-vector logical tensors: {name: (tensor, offset, length of

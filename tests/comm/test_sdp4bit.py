@@ -331,9 +331,10 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
 
 
-def _against_references(model_fn, hp: dict, world: int, group, steps: int = 30):
+def _against_references(model_fn, hp: dict, world: int, group, steps: int = 30, clip: float = 1.0):
     """SDP4Bit with exact communication for `steps` steps beside (1) `adamw8bit_step` on the whole flat vector
-    and (2) float64 AdamW, both fed the exactly averaged flat gradient of the SDP4Bit model's weights.
+    and (2) float64 AdamW, both fed the exactly averaged flat gradient of the SDP4Bit model's weights (times
+    `clip`: SDP4Bit then steps through reduce_gradients / apply_reduced, as a clipping trainer does).
     Returns ((SDP4Bit's weights, the fused step's), relative gap of the distance travelled to float64's)."""
     model, x, y = model_fn()
     opt = SDP4BitOptimizer(model.parameters(), **hp, group=group, quantize_gradients=False, quantize_weights=False)
@@ -351,9 +352,12 @@ def _against_references(model_fn, hp: dict, world: int, group, steps: int = 30):
         if world > 1:
             dist.all_reduce(g, group=group)
             g /= world
-        opt.step()
-        adamw8bit_step([flat], None, [g.clone()], [state], **hp, step=t, block=128)
-        g64 = g.double()
+        if clip == 1.0:
+            opt.step()
+        else:
+            opt.apply_reduced(opt.reduce_gradients(), clip)
+        adamw8bit_step([flat], None, [g.clone()], [state], **hp, step=t, clip=clip, block=128)
+        g64 = g.double() * clip
         m64 = b1 * m64 + (1 - b1) * g64
         v64 = b2 * v64 + (1 - b2) * g64 * g64
         w64 = w64 * (1 - hp["lr"] * hp["weight_decay"]) - hp["lr"] / (1 - b1 ** t) * m64 / (
@@ -383,6 +387,9 @@ def _optimizer_worker(rank: int, world: int, seed: int) -> dict:
     # exactly averaged gradient, bit for bit; and within 8-bit moments' tolerance of float64 AdamW
     out["vs_fused"], out["vs_float64"] = _against_references(model_fn=lambda: _least_squares(seed, rank), hp=hp,
                                                              world=world, group=None)
+    # the clip factor, multiplied in by the fused step (no scaled copy of the shard)
+    out["clipped"], out["clipped_vs_float64"] = _against_references(
+        model_fn=lambda: _least_squares(seed, rank), hp=hp, world=world, group=None, clip=0.37)
     # one rank alone (a group of its own): the same, with nothing communicated
     singles = [dist.new_group([r]) for r in range(world)]
     out["single"], _ = _against_references(model_fn=lambda: _least_squares(seed, rank), hp=hp, world=1,
@@ -444,10 +451,11 @@ def test_exact_sharding_is_the_fused_step_and_follows_float64_adamw(optimizer_ru
     float64 AdamW's distance (3 mantissa bits per moment, the tolerance of the fused step's own test)."""
     seed, res = optimizer_runs
     for r in res:
-        for name in ("vs_fused", "single"):
+        for name in ("vs_fused", "single", "clipped"):
             mine, ref = r[name]
             assert torch.equal(mine, ref), (seed, name, float((mine - ref).abs().max()))
-        assert r["vs_float64"] < 0.07, (seed, r["vs_float64"])
+        assert r["vs_float64"] < 0.07 and r["clipped_vs_float64"] < 0.07, (seed, r["vs_float64"],
+                                                                            r["clipped_vs_float64"])
 
 
 def test_moments_are_8bit(optimizer_runs):
