@@ -195,12 +195,14 @@ def validate_plans(plans: list, model_config: dict, *, dtype: str = "bf16", step
     """Measure each plan (agoq.formats.plan.Plan) and plain bf16 training of the same model, batch and data; writes
     `measured` into each plan and returns the measured dicts."""
     runner = runner or Runner()
+    # one process measures each plan: SDP4Bit's sharded gradients (several processes) are measured as bf16 .grad
     jobs = [dict(plan=None if p is None else p.to_dict(), model_config=model_config, dtype=dtype,
                  micro_batch=p.training.micro_batch, seq_len=p.training.seq_len, grad_accum=p.training.grad_accum,
-                 steps=steps, seed=seed, device=device) for p in plans]
+                 steps=steps, seed=seed, device=device, gradients="bf16" if p.gradients.mode == "sdp4bit" else None)
+            for p in plans]
     shapes = {(j["micro_batch"], j["seq_len"], j["grad_accum"]) for j in jobs}
     refs = [dict(plan=None, model_config=model_config, dtype=dtype, micro_batch=mb, seq_len=sl, grad_accum=ga,
-                 steps=steps, seed=seed, device=device) for mb, sl, ga in sorted(shapes)]
+                 steps=steps, seed=seed, device=device, gradients=None) for mb, sl, ga in sorted(shapes)]
     results = runner.map(measure_plan, jobs + refs, progress="validating plans")
     reference = {(j["micro_batch"], j["seq_len"], j["grad_accum"]): r for j, r in zip(refs, results[len(jobs):])}
     measured = []
@@ -217,8 +219,9 @@ def validate_plans(plans: list, model_config: dict, *, dtype: str = "bf16", step
             entry["note"] = "the whole model ran in one process: the peak is not per pipeline stage"
             entry["peak_bytes_per_stage"] = [None] * stages
             entry["whole_model_peak_bytes"] = r["peak_bytes"]
-        if plan.gradients.mode != "bf16":
-            entry["gradients"] = "measured with bf16 gradients (one process, no all-reduce)"
+        if plan.gradients.mode == "sdp4bit":
+            entry["gradients"] = ("measured with bf16 gradients in one process: SDP4Bit's sharded step needs several "
+                                  "processes")
         plan.measured = entry
         measured.append(entry)
     return measured
