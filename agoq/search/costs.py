@@ -454,6 +454,8 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     if layout == "fsdp" and world < 2:
         raise ValueError("layout fsdp shards over several ranks: the profile was made for one (profile with "
                          "--world-size N)")
+    if layout == "fsdp" and S > 1:
+        raise ValueError(f"layout fsdp is data parallelism over one pipeline stage, the plan has {S} stages")
     if layout == "sharded":  # SDP4Bit's sharded step is always its own: unset knobs mean it
         optimizer, master = knobs.optimizer or "adamw8bit", knobs.master or "fp32"
         if (optimizer, master) != ("adamw8bit", "fp32"):

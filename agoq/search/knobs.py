@@ -105,6 +105,7 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
         raise ValueError(f"the profile has step times for compile mode(s) {', '.join(compile_modes(profile))}, not "
                          f"{', '.join(space.compile_modes or ())}")
     world = int(profile.settings.get("world_size", 1) or 1)
+    stages = len(set(base.layer_stage)) if base.layer_stage is not None else max(profile.layer_stage()) + 1
     profiled = int(profile.settings.get("micro_batch", 1) or 1)
     batch = int(space.global_batch or profiled)
     sizes = list(space.micro_batches or _divisors(batch))
@@ -119,7 +120,7 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
     for compile_mode in compiles:
         for mb in sorted(sizes, reverse=True):
             for mode in modes:
-                for layout in layouts(world, profile.collectives, mode):
+                for layout in layouts(world, profile.collectives, mode, stages):
                     if space.layouts is not None and layout not in space.layouts:
                         continue
                     for optimizer, master in optimizer_choices(mode, layout):
@@ -131,9 +132,9 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
                                            master=master, compile_mode=compile_mode, micro_batch=mb,
                                            grad_accum=batch // mb))
     if not out and space.layouts is not None:
-        offered = sorted({lay for mode in modes for lay in layouts(world, profile.collectives, mode)})
+        offered = sorted({lay for mode in modes for lay in layouts(world, profile.collectives, mode, stages)})
         raise ValueError(f"no layout of {', '.join(space.layouts)} is possible with this profile (it offers "
-                         f"{', '.join(offered)}; fsdp needs several ranks and the all-gather and reduce-scatter "
+                         f"{', '.join(offered)}; fsdp needs several ranks, one pipeline stage and the all-gather and reduce-scatter "
                          "timings of its collectives table)")
     if not out:
         raise ValueError("no optimizer/master combination of the knob space is allowed (masters 'none' needs "

@@ -124,6 +124,11 @@ def test_layouts_offered_and_refused(tmp_path):
         combinations(bare, KnobSpace(layouts=("fsdp",)))
     with pytest.raises(ValueError, match="layout fsdp runs gradient mode"):
         build_problem(bare, ProblemSettings(gradient_mode="quangrad8", layout="fsdp"))
+    piped = load_profile(write_profile(tmp_path / "piped", random.Random(1), world_size=2, stages=2,
+                                       collectives=True, fsdp_collectives=True))
+    assert "fsdp" not in {k.layout for k in combinations(piped)}
+    with pytest.raises(ValueError, match="one pipeline stage, the plan has 2 stages"):
+        build_problem(piped, ProblemSettings(layout="fsdp"))
     assert launch_for(1, "sdp4bit", 3, "fsdp")["command"].endswith("--parallel fsdp --gradients sdp4bit")
     assert launch_for(1, "sdp4bit", 3)["parallel"] == "sharded"
     assert launch_for(1, "bf16", 1)["parallel"] == "none" and launch_for(4, "bf16", 2)["parallel"] == "pipeline"
