@@ -574,7 +574,8 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         in_flight_weights = fsdp_in_flight_bytes(units, knobs.gradient_mode)
         static = (state_total + in_flight_weights) * share
         notes.append(f"fsdp over {world} ranks: {int(state_total)} bytes of sharded state per rank and "
-                     f"{int(in_flight_weights)} bytes of unsharded weights and gradients in flight (agoq.search.layouts)")
+                     f"{int(in_flight_weights)} bytes of unsharded weights and gradients in flight "
+                     "(agoq.search.layouts)")
     else:
         state_total = static_bytes_total(profile, knobs.gradient_mode, optimizer, master)
         static = state_total * share
@@ -652,9 +653,9 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     if layout == "fsdp":
         parts = fsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb)
         comm = accum * parts["exposed"]
-        notes.append(f"fsdp communication: {comm:.4g} s per step not hidden by compute (all-gather "
-                     f"{parts['all_gather_layer'] * 1e3:.3g} ms, reduce-scatter {parts['reduce_scatter_layer'] * 1e3:.3g}"
-                     " ms per layer and micro-batch)")
+        ag_ms, rs_ms = parts["all_gather_layer"] * 1e3, parts["reduce_scatter_layer"] * 1e3
+        notes.append(f"fsdp communication: {comm:.4g} s per step not hidden by compute (all-gather {ag_ms:.3g} ms, "
+                     f"reduce-scatter {rs_ms:.3g} ms per layer and micro-batch)")
     else:
         comm = _collective_seconds(profile, knobs.gradient_mode, params * 4) if params else 0.0
     if math.isnan(comm):

@@ -134,8 +134,8 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
     if not out and space.layouts is not None:
         offered = sorted({lay for mode in modes for lay in layouts(world, profile.collectives, mode, stages)})
         raise ValueError(f"no layout of {', '.join(space.layouts)} is possible with this profile (it offers "
-                         f"{', '.join(offered)}; fsdp needs several ranks, one pipeline stage and the all-gather and reduce-scatter "
-                         "timings of its collectives table)")
+                         f"{', '.join(offered)}; fsdp needs several ranks, one pipeline stage and the all-gather "
+                         "and reduce-scatter timings of its collectives table)")
     if not out:
         raise ValueError("no optimizer/master combination of the knob space is allowed (masters 'none' needs "
                          "adamw8bit; sdp4bit runs the 8-bit AdamW with masters)")
@@ -215,8 +215,8 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             reasons = "; ".join(dict.fromkeys(r.error for r in tried if r.error and r.error != "dominated"))
             raise InfeasibleBudget(f"no knob combination meets the caps at any budget: {reasons}", None)
         raise InfeasibleBudget(
-            f"no knob combination (gradient storage, layout, optimizer, micro-batch, compile mode) fits the budget: the "
-            f"smallest feasible budget is {least} bytes: give --budget {least} or more", least)
+            f"no knob combination (gradient storage, layout, optimizer, micro-batch, compile mode) fits the budget: "
+            f"the smallest feasible budget is {least} bytes: give --budget {least} or more", least)
     first = (lambda r: r.alloc.grad_error) if objective == "error" else (lambda r: r.alloc.step_seconds)
     top = min(first(r) for r in solved)
     for r in solved:  # those reaching the best first objective: their ties broken by the second

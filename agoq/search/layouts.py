@@ -89,7 +89,8 @@ def layouts(world_size: int, table, gradient_mode: str, stages: int = 1) -> list
     and fsdp when there are several ranks, no pipeline stages (`stages` 1) and the collectives table has FSDP2's
     all-gather and reduce-scatter."""
     out = [default_layout(gradient_mode)]
-    if world_size > 1 and stages == 1 and gradient_mode in LAYOUT_GRADIENTS["fsdp"] and not fsdp_missing(table, gradient_mode):
+    if world_size > 1 and stages == 1 and gradient_mode in LAYOUT_GRADIENTS["fsdp"] \
+            and not fsdp_missing(table, gradient_mode):
         out.append("fsdp")
     return out
 
