@@ -89,6 +89,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradients", choices=("any", "bf16", "quangrad8", "sdp4bit"), default="any",
                         help="gradient storage the plan may use (default any the profile prices; QuanGrad's "
                              "8-bit rounding is not part of the error cap)")
+    parser.add_argument("--layout", choices=("any", "replicated", "sharded", "fsdp"), default="any",
+                        help="data-parallel layout over a several-rank profile's ranks: replicated (DDP), sharded "
+                             "(agoq's SDP4Bit step) or fsdp (PyTorch FSDP2, bf16 or TLq-HS reduce-scatter; priced "
+                             "from the profile's all-gather and reduce-scatter timings) (default any it prices)")
     parser.add_argument("--optimizer", choices=("any", "adamw", "adamw8bit"), default="any",
                         help="optimizer state: adamw (float32 moments) or adamw8bit (agoq's fused 8-bit AdamW) "
                              "(default any)")
@@ -150,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if storage is None and args.workers > 1:
         storage = str(out.parent.resolve() / "study.journal")
     space = KnobSpace(gradient_modes=None if args.gradients == "any" else (args.gradients,),
+                      layouts=None if args.layout == "any" else (args.layout,),
                       optimizers=None if args.optimizer == "any" else (args.optimizer,),
                       masters=("fp32", "none") if args.master == "any" else (args.master,),
                       compile_modes=None if args.compile == "any" else (args.compile,),

@@ -32,6 +32,11 @@ not hold. `laaq_layer_seconds` is that constant, from the profile's measured ago
 quantized plan on the probe model by ~25 ms (1.7-1.9 ms per layer; experiments/results/search_probe_budgets_*).
 Compiled, `laaq_layer_seconds` is grad_accum x delta and the options' seconds are 0.
 
+Layouts over several ranks (agoq.search.layouts): replicated (DDP) keeps the whole state per rank and pays one
+gradient all-reduce per step; agoq's sharded SDP4Bit keeps 1/N of gradients, masters and moments; fsdp (FSDP2)
+keeps 1/N of everything plus the unsharded units in flight, its communication priced per micro-batch with the
+overlap that module states, and its optimizer step over 1/N of the state.
+
 QuanGrad's gradients: fixed bytes are calibrated on a bf16-gradient step, at whose fwd + bwd peak most gradients
 did not exist yet; QuanGrad's buffer is allocated before the step, so a quangrad8 plan's fwd + bwd peak counts
 the buffer on top of the calibrated step's gradients. Compiled plans add the compiled peak margin
@@ -58,7 +63,15 @@ from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
 from agoq.formats.profile import ProfileData
 from agoq.optim.state_bytes import check_combination, step_bytes_moved
 from agoq.profiler.step_peak import head_and_workspace_bytes, head_shape_of
+from agoq.search.collective_times import collective_seconds, has_collective
 from agoq.search.compiled_costs import compiled_layer_seconds, compiled_peak_margin, forward_backward_seconds
+from agoq.search.layouts import (
+    fsdp_exposed_seconds,
+    fsdp_in_flight_bytes,
+    fsdp_sharded_bytes,
+    resolve_layout,
+    unit_sizes,
+)
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
@@ -81,6 +94,8 @@ class ProblemSettings:
     optimizer: Optional[str] = None       # adamw (float32 moments) or adamw8bit (fused; None: the profile's step's)
     master: Optional[str] = None          # fp32 or none (float32 masters; None: the profile's step's)
     compile_mode: Optional[str] = None    # "eager" or "compiled" (None: the profile's own mode)
+    layout: Optional[str] = None          # replicated, sharded or fsdp (agoq.search.layouts; None: the gradient
+                                          # mode's own, sharded for sdp4bit, else replicated)
 
     def floors(self) -> dict[str, int]:
         return dict(self.floor_bits)
@@ -225,26 +240,16 @@ def _kind_bytes(shape: LayerShape, kind: str, setting, block: int) -> int:
 
 
 def _collective_seconds(profile: ProfileData, mode: str, message_bytes: float) -> float:
-    """Seconds the gradient collective of `mode` takes for `message_bytes` fp32 bytes (log-log interpolation)."""
+    """Seconds the gradient collective of `mode` takes for `message_bytes` fp32 bytes under a replicated or agoq's
+    sharded layout (agoq.search.collective_times): bf16 and quangrad8 all-reduce (where the table has the
+    all-reduce of the path; else whatever it measured on it), sdp4bit its every op (TLq-HS reduce-scatter + qWD
+    all-gather). 0 without a table, NaN without rows for the path."""
     table = profile.collectives
     if table is None or not len(table):
         return 0.0
-    rows = table[table["path"] == COMM_PATHS[mode]]
-    if not len(rows):
-        return float("nan")
-    per_size = rows.groupby("message_bytes")["seconds"].sum().sort_index()
-    xs, ys = np.log(per_size.index.to_numpy(float)), np.log(np.maximum(per_size.to_numpy(float), 1e-12))
-    x = math.log(max(message_bytes, 1.0))
-    if len(xs) == 1:
-        return float(per_size.iloc[0] * message_bytes / per_size.index[0])
-    if x <= xs[0]:
-        slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
-    elif x >= xs[-1]:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    else:
-        return float(math.exp(np.interp(x, xs, ys)))
-    anchor = 0 if x <= xs[0] else -1
-    return float(math.exp(ys[anchor] + slope * (x - xs[anchor])))
+    path = COMM_PATHS[mode]
+    ops = ("all_reduce",) if mode != "sdp4bit" and has_collective(table, "all_reduce", path) else None
+    return collective_seconds(table, path, message_bytes, ops)
 
 
 def gradient_modes(profile: ProfileData) -> list[str]:
@@ -277,10 +282,10 @@ def resolve_optimizer(profile: ProfileData, optimizer: Optional[str], master: Op
     return optimizer, master
 
 
-def optimizer_choices(gradient_mode: str) -> list[tuple[str, str]]:
-    """(optimizer, master) combinations a plan may use with `gradient_mode` (SDP4Bit's sharded step is the fused
-    8-bit AdamW over float32 masters)."""
-    if gradient_mode == "sdp4bit":
+def optimizer_choices(gradient_mode: str, layout: Optional[str] = None) -> list[tuple[str, str]]:
+    """(optimizer, master) combinations a plan may use with `gradient_mode` under `layout` (None: the mode's own;
+    agoq's sharded SDP4Bit step is the fused 8-bit AdamW over float32 masters; FSDP2 runs every combination)."""
+    if resolve_layout(layout, gradient_mode) == "sharded":
         return [("adamw8bit", "fp32")]
     return [("adamw", "fp32"), ("adamw8bit", "fp32"), ("adamw8bit", "none")]
 
@@ -444,7 +449,14 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     if knobs.gradient_mode not in gradient_modes(profile):
         raise ValueError(f"gradient mode {knobs.gradient_mode!r} needs figures the profile lacks "
                          f"(available: {', '.join(gradient_modes(profile))})")
-    if knobs.gradient_mode == "sdp4bit":  # SDP4Bit's sharded step is always its own: unset knobs mean it
+    layout = resolve_layout(knobs.layout, knobs.gradient_mode)
+    world = int(profile.settings.get("world_size", 1) or 1)
+    if layout == "fsdp" and world < 2:
+        raise ValueError("layout fsdp shards over several ranks: the profile was made for one (profile with "
+                         "--world-size N)")
+    if layout == "fsdp" and S > 1:
+        raise ValueError(f"layout fsdp is data parallelism over one pipeline stage, the plan has {S} stages")
+    if layout == "sharded":  # SDP4Bit's sharded step is always its own: unset knobs mean it
         optimizer, master = knobs.optimizer or "adamw8bit", knobs.master or "fp32"
         if (optimizer, master) != ("adamw8bit", "fp32"):
             raise ValueError("gradient mode sdp4bit runs SDP4Bit's sharded step, the fused 8-bit AdamW over float32 "
@@ -555,7 +567,18 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         notes.append("no hidden size in the profile: whole-layer checkpointing is not offered")
 
     share = np.bincount(stages, minlength=S) / L
-    static = static_bytes_total(profile, knobs.gradient_mode, optimizer, master) * share
+    units = None
+    if layout == "fsdp":
+        units = unit_sizes(profile.model_config(), int(profile.header["model"].get("parameters") or 0), L)
+        state_total = fsdp_sharded_bytes(state_parts(profile, "bf16", optimizer, master), world)
+        in_flight_weights = fsdp_in_flight_bytes(units, knobs.gradient_mode)
+        static = (state_total + in_flight_weights) * share
+        notes.append(f"fsdp over {world} ranks: {int(state_total)} bytes of sharded state per rank and "
+                     f"{int(in_flight_weights)} bytes of unsharded weights and gradients in flight "
+                     "(agoq.search.layouts)")
+    else:
+        state_total = static_bytes_total(profile, knobs.gradient_mode, optimizer, master)
+        static = state_total * share
     calibrated = measured_with(profile)
     if knobs.gradient_mode == "quangrad8" and calibrated["gradients"] != "quangrad8":
         # fixed_bytes was calibrated on a step whose bf16 gradients mostly did not exist yet at its fwd + bwd peak
@@ -600,10 +623,10 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         calibrated = measured_with(profile)
         transient = state_parts(profile, knobs.gradient_mode, optimizer, master)["step_transient"] \
             - state_parts(profile, knobs.gradient_mode, calibrated["optimizer"], calibrated["master"])["step_transient"]
-        floor = (static_bytes_total(profile, knobs.gradient_mode, optimizer, master) + float(fixed_opt)
-                 + transient) * share
+        floor = (state_total + float(fixed_opt) + transient) * share
     base = 0.0
     laaq_seconds = 0.0
+    fb = 0.0  # seconds of one micro-batch's bf16 fwd + bwd (0: not measured)
     if bf16_step is not None:
         # fwd + bwd: grad_accum x fb(micro-batch) (compiled_costs.forward_backward_seconds); the optimizer step
         # runs once, its time scaled by the bytes it moves under this optimizer against the measured one's
@@ -612,7 +635,8 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         moved0 = step_bytes_moved(calibrated["optimizer"], calibrated["master"], calibrated["gradients"])
         fb = forward_backward_seconds(fb_points, mb) if fb_points else (bf16_step - timing["optimizer"]) * mb \
             / profiled_micro_batch
-        base = fb * accum + timing["optimizer"] * moved / moved0
+        optimizer_seconds = timing["optimizer"] * moved / moved0
+        base = fb * accum + (optimizer_seconds / world if layout == "fsdp" else optimizer_seconds)
         per_layer = laaq_layer_seconds(profile, timing)
         if delta is not None:
             laaq_seconds = delta * accum
@@ -626,7 +650,14 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     else:
         notes.append("no bf16 step time in the profile: predicted step times count only the options' extras")
     params = float(profile.header["model"].get("parameters") or 0)
-    comm = _collective_seconds(profile, knobs.gradient_mode, params * 4) if params else 0.0
+    if layout == "fsdp":
+        parts = fsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb)
+        comm = accum * parts["exposed"]
+        ag_ms, rs_ms = parts["all_gather_layer"] * 1e3, parts["reduce_scatter_layer"] * 1e3
+        notes.append(f"fsdp communication: {comm:.4g} s per step not hidden by compute (all-gather {ag_ms:.3g} ms, "
+                     f"reduce-scatter {rs_ms:.3g} ms per layer and micro-batch)")
+    else:
+        comm = _collective_seconds(profile, knobs.gradient_mode, params * 4) if params else 0.0
     if math.isnan(comm):
         notes.append(f"no collective timing for gradient mode {knobs.gradient_mode}: communication not counted")
         comm = 0.0

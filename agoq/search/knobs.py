@@ -1,5 +1,6 @@
-"""The outer knobs around the per-layer MILP: gradient storage, optimizer and masters, micro-batch x accumulation,
-compile mode. Each combination is one ChoiceProblem, solved exactly by the MILP; the best is kept.
+"""The outer knobs around the per-layer MILP: gradient storage, data-parallel layout (replicated, agoq's sharded
+SDP4Bit or FSDP2, where the profile has several ranks: agoq.search.layouts), optimizer and masters, micro-batch x
+accumulation, compile mode. Each combination is one ChoiceProblem, solved exactly by the MILP; the best is kept.
 
 The sequences per optimizer step (global batch G = micro_batch x grad_accum) stay what the profile measured
 (or what the caller fixes), so every split trains the same tokens per step and "most tokens/s" is "least step
@@ -40,6 +41,7 @@ from agoq.search.costs import (
     optimizer_choices,
     resolve_optimizer,
 )
+from agoq.search.layouts import layouts, resolve_layout
 from agoq.search.milp import Allocation, InfeasibleBudget, Solver, resolve_time_cap
 
 MASTER_CHOICES = ("fp32",)  # masters 'none' changes the update's rounding, which no error cap measures: opt in
@@ -50,6 +52,7 @@ class KnobSpace:
     """Which values each outer knob may take (None: every value the profile has figures for; see `combinations`)."""
 
     gradient_modes: Optional[tuple] = None      # subset of bf16, quangrad8, sdp4bit
+    layouts: Optional[tuple] = None             # subset of replicated, sharded, fsdp (agoq.search.layouts)
     optimizers: Optional[tuple] = None          # subset of adamw, adamw8bit
     masters: tuple = MASTER_CHOICES             # subset of fp32, none
     compile_modes: Optional[tuple] = None       # subset of eager, compiled
@@ -101,6 +104,8 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
     if not compiles:
         raise ValueError(f"the profile has step times for compile mode(s) {', '.join(compile_modes(profile))}, not "
                          f"{', '.join(space.compile_modes or ())}")
+    world = int(profile.settings.get("world_size", 1) or 1)
+    stages = len(set(base.layer_stage)) if base.layer_stage is not None else max(profile.layer_stage()) + 1
     profiled = int(profile.settings.get("micro_batch", 1) or 1)
     batch = int(space.global_batch or profiled)
     sizes = list(space.micro_batches or _divisors(batch))
@@ -115,13 +120,22 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
     for compile_mode in compiles:
         for mb in sorted(sizes, reverse=True):
             for mode in modes:
-                for optimizer, master in optimizer_choices(mode):
-                    if space.optimizers is not None and optimizer not in space.optimizers:
+                for layout in layouts(world, profile.collectives, mode, stages):
+                    if space.layouts is not None and layout not in space.layouts:
                         continue
-                    if master not in space.masters:
-                        continue
-                    out.append(replace(base, gradient_mode=mode, optimizer=optimizer, master=master,
-                                       compile_mode=compile_mode, micro_batch=mb, grad_accum=batch // mb))
+                    for optimizer, master in optimizer_choices(mode, layout):
+                        if space.optimizers is not None and optimizer not in space.optimizers:
+                            continue
+                        if master not in space.masters:
+                            continue
+                        out.append(replace(base, gradient_mode=mode, layout=layout, optimizer=optimizer,
+                                           master=master, compile_mode=compile_mode, micro_batch=mb,
+                                           grad_accum=batch // mb))
+    if not out and space.layouts is not None:
+        offered = sorted({lay for mode in modes for lay in layouts(world, profile.collectives, mode, stages)})
+        raise ValueError(f"no layout of {', '.join(space.layouts)} is possible with this profile (it offers "
+                         f"{', '.join(offered)}; fsdp needs several ranks, one pipeline stage and the all-gather "
+                         "and reduce-scatter timings of its collectives table)")
     if not out:
         raise ValueError("no optimizer/master combination of the knob space is allowed (masters 'none' needs "
                          "adamw8bit; sdp4bit runs the 8-bit AdamW with masters)")
@@ -201,8 +215,8 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             reasons = "; ".join(dict.fromkeys(r.error for r in tried if r.error and r.error != "dominated"))
             raise InfeasibleBudget(f"no knob combination meets the caps at any budget: {reasons}", None)
         raise InfeasibleBudget(
-            f"no knob combination (gradient storage, optimizer, micro-batch, compile mode) fits the budget: the "
-            f"smallest feasible budget is {least} bytes: give --budget {least} or more", least)
+            f"no knob combination (gradient storage, layout, optimizer, micro-batch, compile mode) fits the budget: "
+            f"the smallest feasible budget is {least} bytes: give --budget {least} or more", least)
     first = (lambda r: r.alloc.grad_error) if objective == "error" else (lambda r: r.alloc.step_seconds)
     top = min(first(r) for r in solved)
     for r in solved:  # those reaching the best first objective: their ties broken by the second
@@ -263,7 +277,8 @@ def knob_values(profile: ProfileData, knobs: ProblemSettings) -> dict:
     optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     from agoq.search.costs import mode_timing
 
-    return {"gradients": knobs.gradient_mode, "optimizer": optimizer, "master": master,
+    return {"gradients": knobs.gradient_mode, "layout": resolve_layout(knobs.layout, knobs.gradient_mode),
+            "optimizer": optimizer, "master": master,
             "micro_batch": int(knobs.micro_batch or profile.settings.get("micro_batch", 1) or 1),
             "grad_accum": int(knobs.grad_accum), "compile": mode_timing(profile, knobs.compile_mode)["mode"]}
 

@@ -10,6 +10,7 @@ import numpy as np
 from agoq.formats.plan import SCHEMA, Plan
 from agoq.formats.profile import ProfileData
 from agoq.search.costs import ChoiceProblem, ProblemSettings, mode_timing, resolve_optimizer
+from agoq.search.layouts import resolve_layout
 from agoq.search.milp import Allocation
 
 
@@ -18,14 +19,27 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def launch_for(stages: int, gradient_mode: str, world_size: int) -> dict:
-    """How a plan must be launched: processes and `agoq train --parallel` mode. Pipeline stages are one process
-    each; SDP4Bit shards over the profile's world size; QuanGrad and bf16 run in one process or under DDP."""
+def launch_for(stages: int, gradient_mode: str, world_size: int, layout: Optional[str] = None) -> dict:
+    """How a plan must be launched: processes, `agoq train --parallel` mode and the command line (MODEL and
+    PLAN.json are placeholders). Pipeline stages are one process each; agoq's sharded SDP4Bit and FSDP2
+    (`layout` fsdp; TLq-HS with sdp4bit gradients) shard over the profile's world size; replicated bf16 and
+    QuanGrad run in one process or under DDP."""
+    layout = resolve_layout(layout, gradient_mode)
     if stages > 1:
-        return {"processes": stages, "parallel": "pipeline"}
-    if gradient_mode == "sdp4bit":
-        return {"processes": world_size, "parallel": "sharded"}
-    return {"processes": world_size, "parallel": "ddp" if world_size > 1 else "none"}
+        processes, parallel = stages, "pipeline"
+    elif layout == "fsdp":
+        processes, parallel = world_size, "fsdp"
+    elif layout == "sharded":
+        processes, parallel = world_size, "sharded"
+    else:
+        processes, parallel = world_size, "ddp" if world_size > 1 else "none"
+    if processes > 1:
+        command = f"torchrun --nproc-per-node {processes} -m agoq.train MODEL --plan PLAN.json --parallel {parallel}"
+    else:
+        command = "agoq train MODEL --plan PLAN.json"
+    if parallel == "fsdp" and gradient_mode == "sdp4bit":
+        command += " --gradients sdp4bit"
+    return {"processes": processes, "parallel": parallel, "command": command}
 
 
 def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, knobs: ProblemSettings,
@@ -39,7 +53,7 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     s = profile.settings
     optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     data = {
-        "launch": launch_for(problem.num_stages, knobs.gradient_mode, int(s.get("world_size", 1) or 1)),
+        "launch": launch_for(problem.num_stages, knobs.gradient_mode, int(s.get("world_size", 1) or 1), knobs.layout),
         "schema": SCHEMA,
         "model": {"name": profile.model_name, "fingerprint": profile.fingerprint},
         "budget_bytes": int(budget_bytes) if budget_bytes is not None else None,

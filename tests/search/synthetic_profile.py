@@ -26,8 +26,11 @@ def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_lay
                   micro_batch: int = 2, seq_len: int = 48, block: int = 128, stages: int = 1,
                   in_flight: list[int] | None = None, world_size: int = 1, collectives: bool = False,
                   bits=BITS, step_seconds: float | None = 0.05, layer_forward: bool = False,
-                  optimizer_step_bytes: int | None = None, laaq_transient: int | None = None) -> Path:
-    """A profile of `model` at micro-batch x seq_len tokens; returns the folder."""
+                  optimizer_step_bytes: int | None = None, laaq_transient: int | None = None,
+                  fsdp_collectives: bool = False, link_bytes_per_second: float = 1e10) -> Path:
+    """A profile of `model` at micro-batch x seq_len tokens; returns the folder. `collectives`: all-reduce
+    timings of nccl-bf16, quangrad8 and sdp4bit, factor x message bytes / `link_bytes_per_second` seconds;
+    `fsdp_collectives` adds the all-gather (nccl-bf16) and reduce-scatter (nccl-bf16, sdp4bit) FSDP2 needs."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     m = build(model, device="meta", num_layers=num_layers)
@@ -100,6 +103,12 @@ def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_lay
         for path, factor in (("nccl-bf16", 1.0), ("quangrad8", 0.4), ("sdp4bit", 0.3)):
             for size in (2**20, 2**24, 2**28):
                 coll.append({"op": "all_reduce", "path": path, "world_size": world_size, "message_bytes": size,
-                             "seconds": factor * size / 1e10})
+                             "seconds": factor * size / link_bytes_per_second})
+        if fsdp_collectives:  # a ring's reduce-scatter and all-gather each move about half an all-reduce's bytes
+            for op, path, factor in (("all_gather", "nccl-bf16", 0.5), ("reduce_scatter", "nccl-bf16", 0.5),
+                                     ("reduce_scatter", "sdp4bit", 0.2)):
+                for size in (2**16, 2**20, 2**24, 2**28):
+                    coll.append({"op": op, "path": path, "world_size": world_size, "message_bytes": size,
+                                 "seconds": factor * size / link_bytes_per_second + 2e-5})
         pd.DataFrame(coll).to_parquet(folder / "collectives.parquet")
     return folder

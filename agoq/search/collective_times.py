@@ -1,0 +1,51 @@
+"""Seconds of one collective at one message size, read off the profile's measured collectives table
+(agoq.profiler.collectives: columns op, path, message_bytes, seconds).
+
+`message_bytes` is, as in the table, the float32 bytes of the whole tensor the collective moves (4 x values,
+whatever dtype travels). Between measured sizes the time is interpolated linearly in log(bytes) -> log(seconds);
+beyond them it is extrapolated along the nearest two points' slope (one point: proportional to the bytes).
+Several ops of one path at one size add up (a path measured as two collectives, e.g. SDP4Bit's reduce-scatter and
+its all-gather, is their sum).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+
+def has_collective(table: Optional[pd.DataFrame], op: str, path: str) -> bool:
+    """Whether the table measured `op` on `path`."""
+    return table is not None and bool(len(table)) and bool(((table["path"] == path) & (table["op"] == op)).any())
+
+
+def collective_seconds(table: Optional[pd.DataFrame], path: str, message_bytes: float,
+                       ops: Optional[tuple] = None) -> float:
+    """Seconds of the collectives `ops` (None: every op the table has) of `path` for `message_bytes` float32 bytes;
+    NaN when the table has no such rows."""
+    if table is None or not len(table):
+        return float("nan")
+    rows = table[table["path"] == path]
+    if ops is not None and "op" in rows.columns:
+        rows = rows[rows["op"].isin(ops)]
+    if not len(rows):
+        return float("nan")
+    per_size = rows.groupby("message_bytes")["seconds"].sum().sort_index()
+    xs, ys = np.log(per_size.index.to_numpy(float)), np.log(np.maximum(per_size.to_numpy(float), 1e-12))
+    x = math.log(max(message_bytes, 1.0))
+    if len(xs) == 1:
+        return float(per_size.iloc[0] * message_bytes / per_size.index[0])
+    if x <= xs[0]:
+        slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+    elif x >= xs[-1]:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    else:
+        return float(math.exp(np.interp(x, xs, ys)))
+    anchor = 0 if x <= xs[0] else -1
+    return float(math.exp(ys[anchor] + slope * (x - xs[anchor])))
+
+
+__all__ = ["collective_seconds", "has_collective"]

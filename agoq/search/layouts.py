@@ -1,0 +1,164 @@
+"""The data-parallel layout of a plan over the profile's ranks, and what FSDP2 costs per rank.
+
+Layouts (world size N = the profile's `settings.world_size`):
+
+  replicated  every rank keeps the whole model (DDP; one process when N = 1); gradients bf16 or quangrad8,
+              all-reduced once per step (agoq.search.costs)
+  sharded     agoq's own ZeRO-style SDP4Bit step (gradient mode sdp4bit; `agoq train --parallel sharded`)
+  fsdp        PyTorch's FSDP2 (`agoq train --parallel fsdp`), one unit per decoder layer and one root unit
+              (embeddings, final norm, LM head); gradients reduce-scattered in bf16 (gradient mode bf16) or by
+              SDP4Bit's TLq-HS (gradient mode sdp4bit, `--gradients sdp4bit`)
+
+FSDP2 memory per rank, bytes (W, G, M, A: the whole model's bf16 weights, bf16 gradients, float32 masters and
+optimizer moments, agoq.search.costs.state_parts; e: bytes per bf16 value, 2; n_root, n_layer: values of the root
+unit and of one decoder layer):
+
+  sharded   = (W + G + M + A) / N
+              (the runtime's shards are float32 parameters = the masters and float32 gradients, 4 + 4 bytes per
+              value with masters, or bf16 parameters and gradients, 2 + 2, without: the same totals)
+  in flight = e x (n_root + IN_FLIGHT_LAYERS x n_layer)      all-gathered bf16 weights: the root unit, whose
+                                                             forward spans the step, the layer computing and the
+                                                             one prefetched
+            + g x max(n_root, n_layer)                      one unit's unsharded gradients before their
+                                                             reduce-scatter (g = 2 for bf16, 4 for TLq-HS, which
+                                                             reduces from float32)
+
+The activations, the LM head's tensors and the calibrated workspace come on top as for any plan
+(agoq.search.costs); at the optimizer step nothing is unsharded: its floor is the sharded state + the profile's
+optimizer-step fixed bytes and transient, as for the other layouts.
+
+FSDP2 time per step, seconds: the compute of the step (grad_accum x fb(micro-batch), fb the bf16 fwd + bwd of one
+micro-batch; the optimizer step over 1/N of the state: its measured seconds / N) plus the communication FSDP2 does
+not hide. Every micro-batch all-gathers each unit's bf16 weights in forward and again in backward and
+reduce-scatters its gradients (FSDP2 reduces every micro-batch). With ag(n), rs(n) the measured all-gather
+(nccl-bf16) and reduce-scatter (nccl-bf16, or sdp4bit for TLq-HS) of a message of 4 x n bytes
+(agoq.search.collective_times), L decoder layers and a layer's compute taken as fb / L, a third of it forward:
+
+  exposed per micro-batch = L x max(0, ag(n_layer) - fb / (3 L))                 forward: the next layer's
+                                                                                 all-gather runs under this
+                                                                                 layer's forward
+                          + L x max(0, ag(n_layer) + rs(n_layer) - 2 fb / (3 L)) backward: the next layer's
+                                                                                 all-gather and the previous
+                                                                                 one's reduce-scatter run under
+                                                                                 this layer's backward
+                          + 2 ag(n_root) + rs(n_root)                            the root unit's, not hidden
+
+  step = grad_accum x (fb + exposed per micro-batch) + optimizer seconds / N
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from agoq.search.collective_times import collective_seconds, has_collective
+
+LAYOUTS = ("replicated", "sharded", "fsdp")
+LAYOUT_GRADIENTS = {"replicated": ("bf16", "quangrad8"), "sharded": ("sdp4bit",), "fsdp": ("bf16", "sdp4bit")}
+FSDP_REDUCE_PATHS = {"bf16": "nccl-bf16", "sdp4bit": "sdp4bit"}  # reduce-scatter path per gradient mode
+FSDP_GATHER_PATH = "nccl-bf16"
+IN_FLIGHT_LAYERS = 2  # decoder layers whose bf16 weights are unsharded at once: the one computing and the prefetched
+REDUCE_BYTES = {"bf16": 2, "sdp4bit": 4}  # bytes per value of the unsharded gradients a reduce-scatter reads
+
+
+def default_layout(gradient_mode: str) -> str:
+    """The layout a plan without one means: sdp4bit gradients are agoq's sharded step, the others replicated."""
+    return "sharded" if gradient_mode == "sdp4bit" else "replicated"
+
+
+def resolve_layout(layout: Optional[str], gradient_mode: str) -> str:
+    """`layout` (None: `default_layout`), checked against the gradient mode; raises ValueError."""
+    layout = layout or default_layout(gradient_mode)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if gradient_mode not in LAYOUT_GRADIENTS[layout]:
+        raise ValueError(f"layout {layout} runs gradient mode(s) {', '.join(LAYOUT_GRADIENTS[layout])}, "
+                         f"not {gradient_mode}")
+    return layout
+
+
+def fsdp_missing(table, gradient_mode: str) -> list[str]:
+    """The collectives (op path) an fsdp plan with `gradient_mode` needs that the profile's table lacks."""
+    need = [("all_gather", FSDP_GATHER_PATH), ("reduce_scatter", FSDP_REDUCE_PATHS[gradient_mode])]
+    return [f"{op} {path}" for op, path in need if not has_collective(table, op, path)]
+
+
+def layouts(world_size: int, table, gradient_mode: str, stages: int = 1) -> list[str]:
+    """Layouts a plan with `gradient_mode` may take on `world_size` ranks: replicated or sharded as the mode says,
+    and fsdp when there are several ranks, no pipeline stages (`stages` 1) and the collectives table has FSDP2's
+    all-gather and reduce-scatter."""
+    out = [default_layout(gradient_mode)]
+    if world_size > 1 and stages == 1 and gradient_mode in LAYOUT_GRADIENTS["fsdp"] \
+            and not fsdp_missing(table, gradient_mode):
+        out.append("fsdp")
+    return out
+
+
+@dataclass(frozen=True)
+class UnitSizes:
+    """Values (parameters) of FSDP2's root unit and of one decoder layer."""
+
+    root: int
+    layer: int
+
+
+def unit_sizes(config: Optional[dict], parameters: int, num_layers: int) -> UnitSizes:
+    """The root unit's and one decoder layer's values from the model config (agoq.models.LlamaConfig's count); the
+    root is `parameters` - num_layers x layer. Raises ValueError without a usable config."""
+    if not config:
+        raise ValueError("layout fsdp needs the model config in the profile (the size of a decoder layer)")
+    import dataclasses
+
+    from agoq.models import resolve_config
+
+    try:
+        cfg = resolve_config(dict(config))
+        one = dataclasses.replace(cfg, num_hidden_layers=1).num_parameters()
+        two = dataclasses.replace(cfg, num_hidden_layers=2).num_parameters()
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise ValueError(f"layout fsdp: the profile's model config gives no layer size ({e})") from None
+    layer = two - one
+    root = int(parameters) - num_layers * layer if parameters else one - layer
+    return UnitSizes(root=max(0, root), layer=layer)
+
+
+def fsdp_sharded_bytes(parts: dict, world_size: int) -> float:
+    """(weights + gradients + masters + moments) / N: the sharded state per rank, bytes (`parts`: state_parts with
+    bf16 gradients)."""
+    return (parts["weights"] + parts["gradients"] + parts["masters"] + parts["moments"]) / world_size
+
+
+def fsdp_in_flight_bytes(units: UnitSizes, gradient_mode: str, elem_bytes: int = 2) -> float:
+    """Unsharded bytes per rank during fwd + bwd: the root unit's and IN_FLIGHT_LAYERS layers' all-gathered weights
+    plus one unit's gradients before their reduce-scatter (see the module docstring)."""
+    weights = elem_bytes * (units.root + IN_FLIGHT_LAYERS * units.layer)
+    return float(weights + REDUCE_BYTES[gradient_mode] * max(units.root, units.layer))
+
+
+def fsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers: int,
+                         forward_backward: float) -> dict:
+    """Seconds of FSDP2's communication not hidden by compute, per micro-batch (see the module docstring), with
+    its parts: {"exposed", "all_gather_layer", "reduce_scatter_layer", "all_gather_root", "reduce_scatter_root"}.
+    `forward_backward`: seconds of one micro-batch's fwd + bwd. Raises ValueError when the table lacks a path."""
+    missing = fsdp_missing(table, gradient_mode)
+    if missing:
+        raise ValueError(f"layout fsdp with {gradient_mode} gradients needs the profile's collective timings of "
+                         f"{', '.join(missing)} (agoq profile with several ranks measures them)")
+    rs_path = FSDP_REDUCE_PATHS[gradient_mode]
+    ag_l = collective_seconds(table, FSDP_GATHER_PATH, 4.0 * units.layer, ("all_gather",))
+    rs_l = collective_seconds(table, rs_path, 4.0 * units.layer, ("reduce_scatter",))
+    ag_r = collective_seconds(table, FSDP_GATHER_PATH, 4.0 * units.root, ("all_gather",)) if units.root else 0.0
+    rs_r = collective_seconds(table, rs_path, 4.0 * units.root, ("reduce_scatter",)) if units.root else 0.0
+    if any(math.isnan(v) for v in (ag_l, rs_l, ag_r, rs_r)):
+        raise ValueError("layout fsdp: a collective time could not be read off the profile's table")
+    layer_fb = max(0.0, forward_backward) / num_layers
+    exposed = num_layers * (max(0.0, ag_l - layer_fb / 3.0) + max(0.0, ag_l + rs_l - 2.0 * layer_fb / 3.0)) \
+        + 2.0 * ag_r + rs_r
+    return {"exposed": exposed, "all_gather_layer": ag_l, "reduce_scatter_layer": rs_l, "all_gather_root": ag_r,
+            "reduce_scatter_root": rs_r}
+
+
+__all__ = ["LAYOUTS", "LAYOUT_GRADIENTS", "IN_FLIGHT_LAYERS", "UnitSizes", "default_layout", "resolve_layout",
+           "layouts", "fsdp_missing", "unit_sizes", "fsdp_sharded_bytes", "fsdp_in_flight_bytes",
+           "fsdp_exposed_seconds"]

@@ -1,0 +1,134 @@
+"""The data-parallel layout knob: FSDP2's per-rank memory and step time in closed form, and the search choosing
+FSDP2 where only it fits and DDP where collectives are slow (agoq.search.layouts)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from agoq.formats.plan import load_plan
+from agoq.formats.profile import load_profile
+from agoq.search.costs import ProblemSettings, build_problem, static_bytes_total
+from agoq.search.knobs import KnobSpace, budget_bounds, combinations, solve_knobs
+from agoq.search.plan_builder import build_plan, launch_for
+from tests.search.synthetic_profile import write_profile
+
+
+def _profile(tmp_path, world_size: int, link: float, seed: int = 11, **kw):
+    """A llama-tiny profile of `world_size` ranks with FSDP2's collectives over a link of `link` bytes/s, its bf16
+    step 0.05 s of which 0.0123 s is the optimizer step, and float32 masters of 4 bytes per parameter."""
+    folder = write_profile(tmp_path / f"p{world_size}", random.Random(seed), world_size=world_size, collectives=True,
+                           fsdp_collectives=True, link_bytes_per_second=link, layer_forward=True, **kw)
+    header = json.loads((folder / "profile.json").read_text())
+    header["memory"]["master_bytes"] = 4 * header["model"]["parameters"]
+    header["memory"]["steps"][0]["optimizer_step_seconds"] = 0.0123
+    (folder / "profile.json").write_text(json.dumps(header))
+    return load_profile(folder)
+
+
+def _table_seconds(table, op, path, message_bytes):
+    """Log-log interpolation of the measured rows (the documented reading of the collectives table)."""
+    rows = table[(table["op"] == op) & (table["path"] == path)].sort_values("message_bytes")
+    xs, ys = np.log(rows["message_bytes"].to_numpy(float)), np.log(rows["seconds"].to_numpy(float))
+    assert xs[0] < math.log(message_bytes) < xs[-1]  # inside the measured sizes: no extrapolation here
+    return float(np.exp(np.interp(math.log(message_bytes), xs, ys)))
+
+
+def test_fsdp_memory_and_step_time_in_closed_form(tmp_path):
+    world, accum = 3, 3
+    p = _profile(tmp_path, world, link=1.3e7)
+    cfg = p.model_config()
+    C, H, Hkv, I = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    D = cfg.get("head_dim") or C // H
+    L, P = p.num_layers, p.header["model"]["parameters"]
+    layer = 2 * C * H * D + 2 * C * Hkv * D + 3 * C * I + 2 * C  # q, o; k, v; gate, up, down; two norms
+    root = P - L * layer
+    assert root > 0 and layer > 0
+
+    knobs = ProblemSettings(gradient_mode="bf16", layout="fsdp", optimizer="adamw", master="fp32", micro_batch=2,
+                            grad_accum=accum)
+    fsdp = build_problem(p, knobs)
+    ddp = build_problem(p, ProblemSettings(gradient_mode="bf16", layout="replicated", optimizer="adamw",
+                                           master="fp32", micro_batch=2, grad_accum=accum))
+    mem = p.memory
+    sharded = (2 * P + 2 * P + 4 * P + mem["optimizer_bytes_adamw"]) / world
+    in_flight = 2 * (root + 2 * layer) + 2 * max(root, layer)
+    rest = float(ddp.static_bytes[0]) - static_bytes_total(p, "bf16", "adamw", "fp32")  # head + workspace
+    assert fsdp.static_bytes[0] == pytest.approx(sharded + in_flight + rest, rel=1e-12)
+    assert fsdp.static_bytes[0] < ddp.static_bytes[0]
+
+    table = p.collectives
+    ag_l = _table_seconds(table, "all_gather", "nccl-bf16", 4 * layer)
+    rs_l = _table_seconds(table, "reduce_scatter", "nccl-bf16", 4 * layer)
+    ag_r = _table_seconds(table, "all_gather", "nccl-bf16", 4 * root)
+    rs_r = _table_seconds(table, "reduce_scatter", "nccl-bf16", 4 * root)
+    fb = 0.05 - 0.0123  # one micro-batch's fwd + bwd at the profiled micro-batch
+    fwd, bwd = fb / (3 * L), 2 * fb / (3 * L)
+    assert ag_l > fwd and ag_l + rs_l > bwd  # this link leaves some of every layer's communication exposed
+    exposed = L * ((ag_l - fwd) + (ag_l + rs_l - bwd)) + 2 * ag_r + rs_r
+    assert fsdp.base_seconds == pytest.approx(accum * fb + 0.0123 / world + accum * exposed, rel=1e-9)
+
+
+def test_the_search_picks_fsdp_where_only_fsdp_fits(tmp_path):
+    p = _profile(tmp_path, 4, link=1e11, seed=5)
+    space_ddp, space_fsdp = KnobSpace(layouts=("replicated",)), KnobSpace(layouts=("fsdp",))
+    ddp_least, _ = budget_bounds(p, space_ddp)
+    fsdp_least, _ = budget_bounds(p, space_fsdp)
+    assert fsdp_least < ddp_least
+    budget = (fsdp_least + ddp_least) // 2 + 7
+    found = solve_knobs(p, budget, space=KnobSpace(layouts=("replicated", "fsdp")))
+    best = found.best
+    assert best.knobs.layout == "fsdp"
+    assert max(best.alloc.peak_bytes_per_stage) <= budget
+    assert any(r.knobs.layout == "replicated" and r.alloc is None for r in found.tried)  # DDP was tried, not fitting
+    plan = build_plan(p, best.problem, best.alloc, best.knobs, budget, "milp", "time")
+    launch = plan.to_dict()["launch"]
+    assert launch["parallel"] == "fsdp" and launch["processes"] == 4
+    assert "--nproc-per-node 4" in launch["command"] and "--parallel fsdp" in launch["command"]
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    from agoq.train.parallel import World
+    from agoq.train.preparation import plan_parallel_default
+
+    assert plan_parallel_default(load_plan(path), World(size=4)) == "fsdp"
+
+
+def test_slow_collectives_and_a_generous_budget_pick_ddp(tmp_path):
+    p = _profile(tmp_path, 2, link=2.9e6, seed=7)
+    _, largest = budget_bounds(p)
+    found = solve_knobs(p, 3 * largest + 13)
+    assert found.best.knobs.layout == "replicated"
+    fsdp = [r for r in found.tried if r.knobs.layout == "fsdp"]
+    assert fsdp  # priced, and slower
+    assert all(r.alloc is None or r.alloc.step_seconds > found.best.alloc.step_seconds for r in fsdp)
+    # the same profile over a fast link: FSDP2's communication hides under compute and its optimizer step is 1/N
+    fast = _profile(tmp_path / "fast", 2, link=1e13, seed=7)
+    assert solve_knobs(fast, 3 * largest + 13).best.knobs.layout == "fsdp"
+
+
+def test_layouts_offered_and_refused(tmp_path):
+    one = load_profile(write_profile(tmp_path / "one", random.Random(1), world_size=1))
+    assert {k.layout for k in combinations(one)} == {"replicated"}
+    with pytest.raises(ValueError, match="layout fsdp shards over several ranks"):
+        build_problem(one, ProblemSettings(layout="fsdp"))
+    # several ranks but no all-gather / reduce-scatter timings: fsdp is not offered, and asked for it says why
+    bare = load_profile(write_profile(tmp_path / "bare", random.Random(1), world_size=2, collectives=True))
+    assert "fsdp" not in {k.layout for k in combinations(bare)}
+    with pytest.raises(ValueError, match="all_gather nccl-bf16, reduce_scatter nccl-bf16"):
+        build_problem(bare, ProblemSettings(layout="fsdp"))
+    with pytest.raises(ValueError, match="no layout of fsdp is possible"):
+        combinations(bare, KnobSpace(layouts=("fsdp",)))
+    with pytest.raises(ValueError, match="layout fsdp runs gradient mode"):
+        build_problem(bare, ProblemSettings(gradient_mode="quangrad8", layout="fsdp"))
+    piped = load_profile(write_profile(tmp_path / "piped", random.Random(1), world_size=2, stages=2,
+                                       collectives=True, fsdp_collectives=True))
+    assert "fsdp" not in {k.layout for k in combinations(piped)}
+    with pytest.raises(ValueError, match="one pipeline stage, the plan has 2 stages"):
+        build_problem(piped, ProblemSettings(layout="fsdp"))
+    assert launch_for(1, "sdp4bit", 3, "fsdp")["command"].endswith("--parallel fsdp --gradients sdp4bit")
+    assert launch_for(1, "sdp4bit", 3)["parallel"] == "sharded"
+    assert launch_for(1, "bf16", 1)["parallel"] == "none" and launch_for(4, "bf16", 2)["parallel"] == "pipeline"
