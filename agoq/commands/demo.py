@@ -6,8 +6,8 @@ that shows the results in the dashboard:
   2. agoq search --budget B               -> OUT/search/    (plan.json, pareto.csv, Optuna study)
      B is the predicted peak of the published LAAQ recipe (agoq-paper) on this model; the search (MILP)
      looks for the fastest plan within it, then runs the two best plans for a few steps to measure them;
-     a plan with sharded (sdp4bit) gradients needs several processes, so the demo then also searches
-     one with QuanGrad's 8-bit gradients (--gradients quangrad8 -> OUT/search-one-process/) to train
+     a plan sharded over several processes (SDP4Bit or FSDP2) cannot train here, so the demo then also
+     searches one replicated with QuanGrad's 8-bit gradients (-> OUT/search-one-process/) to train
   3. agoq train llama-tiny                -> OUT/runs/bf16/ (the plain baseline)
      agoq train llama-tiny --plan ...     -> OUT/runs/plan/ (the same steps with the searched plan)
   4. prints `agoq dashboard --root OUT`
@@ -92,14 +92,15 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
             *q, *(SEARCH_ARGS if search_args is None else search_args)])
     plan = json.loads(paths["plan"].read_text())
     trained = paths["plan"]
-    if (plan.get("gradients") or {}).get("mode") == "sdp4bit":
-        # SDP4Bit shards gradients over several processes (--parallel sharded), and agoq train runs a plan as it
-        # was searched: one process trains the plan searched with QuanGrad's 8-bit gradients at the same budget
-        print("agoq demo: the plan's sdp4bit gradients need several processes; this single-process demo trains "
-              "the plan searched with --gradients quangrad8 instead", file=sys.stderr)
+    parallel = (plan.get("launch") or {}).get("parallel")
+    if parallel in ("sharded", "fsdp") or (plan.get("gradients") or {}).get("mode") == "sdp4bit":
+        # a sharded layout (agoq's SDP4Bit or FSDP2) needs several processes, and agoq train runs a plan as it was
+        # searched: one process trains the plan searched replicated with QuanGrad's 8-bit gradients instead
+        print(f"agoq demo: the plan shards over several processes ({parallel}); this single-process demo trains "
+              "the plan searched with --layout replicated --gradients quangrad8 instead", file=sys.stderr)
         paths["one_process"] = out / "search-one-process" / "plan.json"
         _stage(["search", "--profile", str(paths["profile"]), "--budget", str(budget), "--out",
-                str(paths["one_process"]), "--gradients", "quangrad8", *q,
+                str(paths["one_process"]), "--layout", "replicated", "--gradients", "quangrad8", *q,
                 *(SEARCH_ARGS if search_args is None else search_args)])
         trained = paths["one_process"]
         plan = json.loads(trained.read_text())

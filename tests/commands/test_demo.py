@@ -4,6 +4,8 @@ prints, and its budget rule. (The loop itself runs once per session in the stage
 import json
 from pathlib import Path
 
+import pytest
+
 from agoq.cli import main
 from agoq.commands import demo
 
@@ -36,10 +38,13 @@ def test_budget_is_the_paper_recipes_peak(tmp_path):
         raise AssertionError("a profile without the paper recipe's peak must be refused")
 
 
-def test_loop_order_and_sdp4bit_plan_on_one_process(monkeypatch, tmp_path):
+@pytest.mark.parametrize("sharded", [{"gradients": {"mode": "sdp4bit"}},
+                                     {"gradients": {"mode": "bf16"}, "launch": {"processes": 2, "parallel": "fsdp"}}])
+def test_loop_order_and_sharded_plan_on_one_process(monkeypatch, tmp_path, sharded):
     """The loop's command lines: profile, search at the paper recipe's peak, then two runs on the plan's
-    batch shape; a plan with sharded (sdp4bit) gradients needs several processes, so the plan searched with
-    quangrad8 at the same budget is the one trained (agoq train refuses flags that contradict a plan)."""
+    batch shape; a plan sharded over several processes (SDP4Bit, or FSDP2 with bf16 gradients) cannot train in
+    one, so the plan searched replicated with quangrad8 at the same budget is the one trained (agoq train
+    refuses flags that contradict a plan)."""
     calls = []
 
     def fake_stage(argv):
@@ -53,7 +58,7 @@ def test_loop_order_and_sdp4bit_plan_on_one_process(monkeypatch, tmp_path):
         if argv[0] == "search":
             plan = ({"gradients": {"mode": "quangrad8"}, "training": {"seq_len": 47, "micro_batch": 5, "grad_accum": 2}}
                     if "--gradients" in argv else
-                    {"gradients": {"mode": "sdp4bit"}, "training": {"seq_len": 48, "micro_batch": 3}})
+                    {**sharded, "training": {"seq_len": 48, "micro_batch": 3}})
             Path(out).parent.mkdir(parents=True)
             with open(out, "w") as f:
                 json.dump(plan, f)
@@ -64,6 +69,7 @@ def test_loop_order_and_sdp4bit_plan_on_one_process(monkeypatch, tmp_path):
     assert calls[1][calls[1].index("--budget") + 1] == "4000003"
     assert calls[2][calls[2].index("--budget") + 1] == "4000003"
     assert calls[2][calls[2].index("--gradients") + 1] == "quangrad8"
+    assert calls[2][calls[2].index("--layout") + 1] == "replicated"
     one_process = str(tmp_path / "d" / "search-one-process" / "plan.json")
     assert calls[2][calls[2].index("--out") + 1] == one_process
     for run in calls[3:]:  # the one-process plan's batch shape (5 x 2 of 47 tokens)
