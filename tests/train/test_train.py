@@ -329,10 +329,14 @@ def test_a_sharded_plan_says_how_to_launch_it(tmp_path, capsys):
     """A plan searched on a several-rank profile for SDP4Bit names its launch; one process refuses it with it."""
     from agoq.search.plan_builder import launch_for
 
-    assert launch_for(1, "sdp4bit", 3) == {"processes": 3, "parallel": "sharded"}
-    assert launch_for(4, "bf16", 1) == {"processes": 4, "parallel": "pipeline"}
-    assert launch_for(1, "quangrad8", 2) == {"processes": 2, "parallel": "ddp"}
-    assert launch_for(1, "bf16", 1) == {"processes": 1, "parallel": "none"}
+    def how(launch):
+        return launch["processes"], launch["parallel"], launch["command"]
+
+    torchrun = "torchrun --nproc-per-node {} -m agoq.train MODEL --plan PLAN.json --parallel {}"
+    assert how(launch_for(1, "sdp4bit", 3)) == (3, "sharded", torchrun.format(3, "sharded"))
+    assert how(launch_for(4, "bf16", 1)) == (4, "pipeline", torchrun.format(4, "pipeline"))
+    assert how(launch_for(1, "quangrad8", 2)) == (2, "ddp", torchrun.format(2, "ddp"))
+    assert how(launch_for(1, "bf16", 1)) == (1, "none", "agoq train MODEL --plan PLAN.json")
     path = _tiny_plan(tmp_path)
     data = json.loads(path.read_text())
     data["gradients"]["mode"] = "sdp4bit"
