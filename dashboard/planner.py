@@ -212,11 +212,8 @@ def plan_at_budget(entry: ProfileEntry, query: PlanQuery) -> dict[str, Any]:
     grad_error}, alternative, notes}. Infeasible when no plan fits the budget under the caps."""
     from agoq.search.search import search
 
-    kwargs = {**dict(query.search_kwargs), **SERVICE_FIXED}
-    takes = inspect.signature(search).parameters
-    kwargs = {k: v for k, v in kwargs.items() if k in takes}
-    try:
-        outcome = search(entry.profile, query.budget_bytes, **kwargs)
+    try:  # the query's options were already kept to those search() takes (PlanQuery.read)
+        outcome = search(entry.profile, query.budget_bytes, **dict(query.search_kwargs), **SERVICE_FIXED)
     except ValueError as e:
         infeasible, smallest = _smallest_budget(e)
         if infeasible:

@@ -149,17 +149,6 @@ def tokens_per_second(profile: ProfileData, knobs: ProblemSettings, step_seconds
     return tokens / step_seconds if step_seconds > 0 else 0.0
 
 
-def step_seconds_lower_bound(p: ChoiceProblem) -> float:
-    """Seconds per step that no choice of `p` beats, whatever the budget and caps: the base step, each layer's
-    cheaper of (its kinds' fastest options, checkpointing it), and the LAAQ layer term where it is a saving.
-    (ChoiceProblem.evaluate's step seconds are that sum for one choice, so each term bounds its own.)"""
-    fastest = np.full(p.num_layers, 0.0)
-    for (layer, _kind), idx in p.groups().items():
-        fastest[layer] += float(p.seconds[idx].min())
-    per_layer = np.minimum(fastest, p.checkpoint_seconds) if p.allow_checkpoint else fastest
-    return float(p.base_seconds + per_layer.sum() + p.num_layers * min(0.0, p.laaq_layer_seconds))
-
-
 def _dominated(p: ChoiceProblem, q: ChoiceProblem) -> bool:
     """True when q is at least as good as p in static bytes, optimizer-step floor and base seconds (same options)."""
     return bool(np.all(q.static_bytes <= p.static_bytes) and np.all(q.peak_floor() <= p.peak_floor())
@@ -181,19 +170,11 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
         except ValueError as e:  # e.g. a micro-batch the config cannot scale to: say so, try the others
             tried.append(KnobResult(knobs, error=str(e)))
     smallest: list[int] = []
-    fastest = math.inf  # the best step seconds solved so far (objective "time")
-    if objective == "time":  # the most promising first, so that the others can be skipped by their bound
-        built.sort(key=lambda kp: step_seconds_lower_bound(kp[1]))
     for i, (knobs, problem) in enumerate(built):
         same = [q for k, q in built if k is not knobs and (k.micro_batch, k.compile_mode) == (knobs.micro_batch,
                                                                                               knobs.compile_mode)]
         if prune and any(_dominated(problem, q) and not _dominated(q, problem) for q in same):
             tried.append(KnobResult(knobs, problem, error="dominated"))
-            continue
-        bound = step_seconds_lower_bound(problem)
-        if prune and objective == "time" and bound > fastest * (1 + 1e-9):
-            tried.append(KnobResult(knobs, problem, error=f"slower at best ({bound:.4g} s) than a solved combination "
-                                                          f"({fastest:.4g} s)"))
             continue
         result = KnobResult(knobs, problem)
         try:
@@ -202,7 +183,6 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             result.alloc = Solver(problem, tie_break=False).solve(budget, objective, result.time_cap,
                                                                    error_cap=error_cap)
             result.tokens_per_second = tokens_per_second(profile, knobs, result.alloc.step_seconds)
-            fastest = min(fastest, result.alloc.step_seconds)
         except InfeasibleBudget as e:
             result.error = str(e)
             if e.smallest_budget is not None:
@@ -284,5 +264,4 @@ def knob_values(profile: ProfileData, knobs: ProblemSettings) -> dict:
 
 
 __all__ = ["KnobSpace", "KnobResult", "KnobSearch", "combinations", "solve_knobs", "binding_constraints", "budget_bounds",
-           "step_seconds_lower_bound",
            "tokens_per_second", "knob_values", "MASTER_CHOICES"]
