@@ -226,7 +226,8 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
             measure = _trial_measurer(profile, budget, objective, runner, validate_steps, seed)
         result = run_study(profile, budget, storage=storage, study_name=study_name, trials=trials,
                            objective=objective, time_cap=time_cap, error_cap=error_cap, sampler=sampler, seed=seed,
-                           measure=measure, parallel=parallel, progress=progress, stop_after=stop_after)
+                           measure=measure, parallel=parallel, progress=progress, stop_after=stop_after,
+                           gradient_modes_allowed=space.gradient_modes if space is not None else None)
         outcome.trials_run = result.ran
         outcome.trials_total = len(result.study.trials)
         space = KnobSpace(profile)

@@ -79,7 +79,8 @@ class StudyResult:
 class KnobSpace:
     """Which knobs a profile allows, and turning a trial's suggestions into ProblemSettings."""
 
-    def __init__(self, profile: ProfileData, sequences_per_step: Optional[int] = None):
+    def __init__(self, profile: ProfileData, sequences_per_step: Optional[int] = None,
+                 gradient_modes_allowed: Optional[tuple] = None):
         self.profile = profile
         s = profile.settings
         self.has_config = bool(profile.model_config())
@@ -87,7 +88,9 @@ class KnobSpace:
         self.sequences = int(sequences_per_step or self.profiled_micro_batch)
         self.micro_batches = [d for d in range(1, self.sequences + 1) if self.sequences % d == 0] \
             if self.has_config else [self.profiled_micro_batch]
-        self.modes = gradient_modes(profile)
+        self.modes = [m for m in gradient_modes(profile) if gradient_modes_allowed is None or m in gradient_modes_allowed]
+        if not self.modes:
+            raise ValueError(f"no gradient storage of {gradient_modes_allowed} has figures in the profile")
         self.formats = ["int", "nf4"] if (profile.table["format"] == "nf4").any() else ["int"]
         self.block0 = int(s.get("block", 128) or 128)
         self.blocks = sorted(set(BLOCKS) | {self.block0}) if self.has_config else [self.block0]
@@ -99,7 +102,8 @@ class KnobSpace:
     def defaults(self) -> dict:
         """The profile's own knobs: the warm-start trial."""
         mb = self.profiled_micro_batch if self.profiled_micro_batch in self.micro_batches else self.micro_batches[-1]
-        d = {"block": self.block0, "format": "int", "gradient_mode": "bf16", "micro_batch": mb}
+        d = {"block": self.block0, "format": "int", "gradient_mode": "bf16" if "bf16" in self.modes else self.modes[0],
+             "micro_batch": mb}
         d.update({f"floor_{k}": self.floor_choices[0] for k in KINDS})
         d.update({f"stage_shift_{i}": 0 for i in range(1, self.stages)})
         return d
@@ -140,11 +144,13 @@ def run_study(profile: ProfileData, budget: int, *, storage: str, study_name: st
               trials: int = 40, objective: str = "error", time_cap="checkpoint", error_cap: Optional[float] = None,
               sampler: str = "nsga2", seed: int = 0, sequences_per_step: Optional[int] = None,
               measure: Optional[Callable[[list], list]] = None, parallel: int = 1,
-              progress: bool = True, stop_after: Optional[int] = None) -> StudyResult:
+              progress: bool = True, stop_after: Optional[int] = None,
+              gradient_modes_allowed: Optional[tuple] = None) -> StudyResult:
     """Run the study until it holds `trials` finished trials (resuming an existing one); returns them.
 
     `measure(list of (TrialResult)) -> list of dicts with peak_bytes and step_seconds` runs plans for
-    real (`parallel` at a time); `stop_after` stops this call after that many new trials (to test resume).
+    real (`parallel` at a time); `stop_after` stops this call after that many new trials (to test resume);
+    `gradient_modes_allowed` keeps the trials to those gradient storages (None: every one the profile has).
     """
     import optuna
     from optuna.trial import TrialState
@@ -174,7 +180,7 @@ def run_study(profile: ProfileData, budget: int, *, storage: str, study_name: st
     if parallel <= 1:  # one process owns the study: trials left running by an interrupted run failed
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study.tell(t.number, state=TrialState.FAIL)
-    space = KnobSpace(profile, sequences_per_step)
+    space = KnobSpace(profile, sequences_per_step, gradient_modes_allowed)
     finished = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
     if not study.trials:
         study.enqueue_trial(space.defaults())

@@ -118,3 +118,20 @@ def test_splits_and_bad_micro_batches(tmp_path):
         combinations(profile, KnobSpace(global_batch=6, micro_batches=(4,)))
     with pytest.raises(ValueError, match="compile mode"):
         combinations(profile, KnobSpace(compile_modes=("compiled",)))
+
+
+def test_optuna_trials_keep_to_the_gradient_storage_asked(tmp_path):
+    """`--gradients quangrad8` with --method both: every trial of the study, and so the plan, stores gradients in
+    8 bits, on a profile of several ranks that also offers bf16 and sdp4bit."""
+    import random
+
+    from agoq.formats.profile import load_profile
+    from agoq.search.knobs import KnobSpace as Knobs
+    from agoq.search.search import search
+    from tests.search.synthetic_profile import write_profile
+
+    profile = load_profile(write_profile(tmp_path / "p", random.Random(7), world_size=2, collectives=True))
+    outcome = search(profile, 10**9, method="both", trials=5, front_budgets=0, progress=False,
+                     out_dir=tmp_path / "s", space=Knobs(gradient_modes=("quangrad8",)))
+    assert outcome.plan.gradients.mode == "quangrad8"
+    assert {c.plan.gradients.mode for c in outcome.candidates} == {"quangrad8"}
