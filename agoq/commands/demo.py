@@ -88,8 +88,9 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
     _stage(["profile", MODEL, "--device", "cpu", "--out", str(paths["profile"]), *q,
             *(PROFILE_ARGS if profile_args is None else profile_args)])
     budget = demo_budget(paths["profile"])
+    # the demo trains in one process: the search keeps to layouts that run there (DDP's, replicated)
     _stage(["search", "--profile", str(paths["profile"]), "--budget", str(budget), "--out", str(paths["plan"]),
-            *q, *(SEARCH_ARGS if search_args is None else search_args)])
+            "--layout", "replicated", *q, *(SEARCH_ARGS if search_args is None else search_args)])
     plan = json.loads(paths["plan"].read_text())
     trained = paths["plan"]
     parallel = (plan.get("launch") or {}).get("parallel")

@@ -183,6 +183,17 @@ def plan_from_profile(profile_dir, budget_bytes: int, *, objective: str = DEFAUL
     return plan
 
 
+def _study_gradient_modes(space: Optional[KnobSpace]) -> Optional[tuple]:
+    """The gradient storages Optuna's trials may use under `space`: its own, less sdp4bit when no sharded layout
+    is allowed (the study knows gradient modes, not layouts). None: every one."""
+    if space is None:
+        return None
+    modes = space.gradient_modes
+    if space.layouts is not None and not {"sharded", "fsdp"} & set(space.layouts):
+        modes = tuple(m for m in (modes or ("bf16", "quangrad8", "sdp4bit")) if m != "sdp4bit")
+    return modes
+
+
 def search(profile: ProfileData, budget: int, *, method: str = "milp", objective: str = DEFAULT_OBJECTIVE,
            time_cap=DEFAULT_TIME_CAP, error_cap=DEFAULT_ERROR_CAP, trials: int = 40, storage: Optional[str] = None,
            study_name: str = "agoq-search", sampler: str = "nsga2", ray_address: Optional[str] = None,
@@ -227,7 +238,7 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
         result = run_study(profile, budget, storage=storage, study_name=study_name, trials=trials,
                            objective=objective, time_cap=time_cap, error_cap=error_cap, sampler=sampler, seed=seed,
                            measure=measure, parallel=parallel, progress=progress, stop_after=stop_after,
-                           gradient_modes_allowed=space.gradient_modes if space is not None else None)
+                           gradient_modes_allowed=_study_gradient_modes(space))
         outcome.trials_run = result.ran
         outcome.trials_total = len(result.study.trials)
         space = KnobSpace(profile)
