@@ -3,9 +3,12 @@
 `adamw_step_triton` updates a bucket of parameters in ONE launch. A small int64 table holds, per
 parameter, the addresses of its gradient (QuanGrad's uint8 codes and float32 scales, or a dense
 bf16 / float32 / float64 .grad), of its two 8-bit moments (float8 e4m3 codes, float32 scale per
-`block` values), of its float32 master (or 0) and of the parameter itself, its length and its
-stochastic-rounding seed; a second table maps every program to (parameter, tile). A program's
-tile is BPP whole moment blocks, so it requantizes its blocks without talking to any other.
+`block` values), of its float32 master (or 0) and of the parameter itself, and its length; the
+table is the same every step and stays on the device. A second table maps every program to
+(parameter, tile). A program's tile is BPP whole moment blocks, so it requantizes its blocks
+without talking to any other. Stochastic rounding (bf16 parameters without masters) reads one
+seed per parameter from a third, per-step tensor, copied without a host sync, and draws 16
+random bits per value, eight values per Philox call.
 Per value it reads about 1 (grad code) + 2 (moment codes) + 4 (master) bytes and writes
 2 + 4 + 2 (moments, master, bf16 parameter); no float32 copy of anything exists outside registers.
 
@@ -27,7 +30,7 @@ from agoq.quant.triton_common import USE_ASM, mul_rn, nanmax
 BLOCKS_PER_PROGRAM = 2  # moment blocks per program: 512 values at block 256 (fastest of 2..16 on an H200)
 NUM_WARPS = 4  # warps per program of the step kernel
 NORM_TILE = 4096  # values per program of the dense gradient-norm kernel
-FIELDS = 10  # int64 words per parameter in the step's table (see _table)
+FIELDS = 9  # int64 words per parameter in the step's table (see adamw_step_triton)
 PARAM_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float64: 2}
 GRAD_KINDS = {"quangrad": 0, torch.float32: 1, torch.bfloat16: 2, torch.float64: 3}
 
@@ -83,6 +86,22 @@ def _bf16_bits(x, noise, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
+def _noise16(seed, t, BPP: tl.constexpr, BLOCK: tl.constexpr):
+    """int32 [BPP, BLOCK] of 16 random bits per value of tile `t`: one Philox-4x32 call per 8 values (its four
+    32-bit outputs split into halves), counters = the value's offset within the parameter // 8, so every value of
+    a parameter draws its own bits from the stream of `seed`."""
+    EIGHTHS: tl.constexpr = BPP * BLOCK // 8
+    c = (t * EIGHTHS + tl.arange(0, EIGHTHS)).to(tl.uint32)
+    r0, r1, r2, r3 = tl.randint4x(seed, c)
+    h0 = tl.join(r0 & 0xFFFF, r0 >> 16)
+    h1 = tl.join(r1 & 0xFFFF, r1 >> 16)
+    h2 = tl.join(r2 & 0xFFFF, r2 >> 16)
+    h3 = tl.join(r3 & 0xFFFF, r3 >> 16)
+    eight = tl.join(tl.join(h0, h1), tl.join(h2, h3))  # [EIGHTHS, 2, 2, 2]: value 8c + 4a + 2b + d
+    return tl.reshape(eight, (BPP, BLOCK)).to(tl.int32)
+
+
+@triton.jit
 def _addr(ptr, ALIGNED: tl.constexpr):
     """An int64 address read from the table; with ALIGNED, declared a multiple of 16 bytes (the host checked),
     so that loads and stores of contiguous runs become 16-byte vector accesses."""
@@ -111,7 +130,7 @@ def _mul(x, s, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_size, inv_bc2_sqrt, eps, clip,
+def _adamw_kernel(table_ptr, tiles_ptr, seeds_ptr, beta1, beta2, omb1, omb2, decay, step_size, inv_bc2_sqrt, eps, clip,
                   FIELDS_: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr, GBLOCK: tl.constexpr,
                   GKIND: tl.constexpr, PKIND: tl.constexpr, HAS_MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
                   USE_ASM: tl.constexpr, ALIGNED: tl.constexpr):
@@ -171,8 +190,7 @@ def _adamw_kernel(table_ptr, tiles_ptr, beta1, beta2, omb1, omb2, decay, step_si
     elif PKIND == 1:
         noise = tl.zeros_like(off).to(tl.int32)
         if STOCHASTIC:
-            seed = tl.load(row + 9)
-            noise = (tl.randint(seed, off.to(tl.uint32)) >> 16).to(tl.int32)
+            noise = _noise16(tl.load(seeds_ptr + j), t, BPP, BLOCK)
         tl.store(pp.to(tl.pointer_type(tl.uint16)) + off, _bf16_bits(p, noise, STOCHASTIC).to(tl.uint16), mask=live)
     else:
         tl.store(pp.to(tl.pointer_type(tl.float64)) + off, p.to(tl.float64), mask=live)
@@ -260,20 +278,26 @@ def adamw_step_triton(params: list[torch.Tensor], masters: list[torch.Tensor] | 
         rows.append([_ptr(_contiguous("param", p)), _ptr(masters[i]) if masters is not None else 0, gp, gs,
                      _ptr(_contiguous("exp_avg_codes", st["exp_avg_codes"])), _ptr(st["exp_avg_scales"]),
                      _ptr(_contiguous("exp_avg_sqrt_codes", st["exp_avg_sqrt_codes"])),
-                     _ptr(st["exp_avg_sqrt_scales"]), p.numel(), seeds[i] if seeds is not None else 0])
+                     _ptr(st["exp_avg_sqrt_scales"]), p.numel()])
     device = params[0].device
     # 16-byte aligned addresses (param, master, grad or grad codes, moment codes) and lengths a multiple of 16
     aligned = all(r[k] % 16 == 0 for r in rows for k in (0, 1, 2, 4, 6)) and all(r[8] % 16 == 0 for r in rows)
     table = _on_device(("table", device, tuple(map(tuple, rows))), lambda: torch.tensor(rows, dtype=torch.int64),
                        device)
+    stochastic = seeds is not None and masters is None and pdtype == torch.bfloat16
+    # the seeds change every step: their own small tensor, copied from pinned memory without a host sync (the
+    # table, whose content is the same every step, stays on the device)
+    seeds_dev = torch.tensor(seeds, dtype=torch.int64).pin_memory().to(device, non_blocking=True) \
+        if stochastic and device.type == "cuda" else torch.tensor(seeds if stochastic else [0], dtype=torch.int64,
+                                                                  device=device)
     numels = tuple(p.numel() for p in params)
     tiles = _on_device(("tiles", device, block, numels),
                        lambda: _tile_map(list(numels), block * BLOCKS_PER_PROGRAM, torch.device("cpu")), device)
     _adamw_kernel[(tiles.shape[0],)](
-        table, tiles, beta1, beta2, omb1, omb2, decay, step_size, inv_bc2_sqrt, eps, clip,
+        table, tiles, seeds_dev, beta1, beta2, omb1, omb2, decay, step_size, inv_bc2_sqrt, eps, clip,
         FIELDS_=FIELDS, BLOCK=block, BPP=BLOCKS_PER_PROGRAM, GBLOCK=grad_block, GKIND=gkind,
         PKIND=PARAM_KINDS[pdtype], HAS_MASTER=masters is not None,
-        STOCHASTIC=seeds is not None and masters is None and pdtype == torch.bfloat16, USE_ASM=USE_ASM,
+        STOCHASTIC=stochastic, USE_ASM=USE_ASM,
         ALIGNED=aligned, num_warps=NUM_WARPS)
 
 

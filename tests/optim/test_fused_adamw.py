@@ -185,6 +185,30 @@ def test_stochastic_rounding_is_unbiased(backend):
     assert (mean - exact).abs().mean() < nearest / 2, f"seed {seed}: no better than nearest rounding"
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_stochastic_rounding_draws_independent_bits_per_value(backend):
+    """Every value draws its own random bits (the kernel splits one Philox call over 8 values): a constant
+    parameter whose decayed value lies halfway between two bf16 numbers rounds up or down by a fair coin per
+    value, so in one draw about half go up, and a group of 8 neighbours all agree with probability 2/256
+    (it would be 1 if neighbours shared their bits). n is not a multiple of 8 or of the block."""
+    seed = _seed()
+    n = 12_347
+    hp = dict(lr=2.0**-9, betas=(0.9, 0.95), eps=1e-8, weight_decay=1.0)  # decay 1 - 2**-9: halfway below 1.0
+    device = DEVICE if backend == "triton" else "cpu"
+    p = torch.ones(n, dtype=torch.bfloat16, device=device)
+    st = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+          for k, v in _state(n, torch.Generator().manual_seed(0), scale=0.0).items()}
+    adamw8bit_step([p], None, [torch.zeros(n, device=device)], [st], **hp, step=1, seeds=[sr_seed(seed, 1, 0)],
+                   backend=backend)
+    up = p.cpu().double()
+    assert set(up.unique().tolist()) <= {1.0, 1.0 - 2.0**-8}, f"seed {seed}"
+    up = (up == 1.0).double()
+    assert abs(up.mean().item() - 0.5) <= 5 * 0.5 / math.sqrt(n), f"seed {seed}: {up.mean().item()}"
+    groups = up[: n // 8 * 8].view(-1, 8).sum(dim=1)
+    agree = ((groups == 0) | (groups == 8)).double().mean().item()
+    assert agree < 0.03, f"seed {seed}: {agree:.3f} of 8-value groups rounded alike"
+
+
 def _model(seed, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in ((61, 67), (4099,), (33,))]
