@@ -235,8 +235,10 @@ def main() -> None:
             spec, layers, mb, seq = table[name]
             compiled = not args.smoke and name in args.compile_models.split(",")
             results[name] = run_model(name, spec, layers, mb, seq, device, work, args.steps, compiled, args.smoke)
-    figures = {"models": results, "wall_seconds": time.perf_counter() - started, "smoke": args.smoke}
-    print("wrote", write_result("search_vs_alternatives" + ("_smoke" if args.smoke else ""), figures))
+            figures = {"models": results, "wall_seconds": time.perf_counter() - started, "smoke": args.smoke,
+                       "complete": name == names[-1]}  # written after every model: a cut-off run keeps its models
+            path = write_result("search_vs_alternatives" + ("_smoke" if args.smoke else ""), figures)
+    print("wrote", path)
 
 
 if __name__ == "__main__":
