@@ -16,6 +16,12 @@ require of the ops in a layer:
     seed None draws its Philox seed from torch's CPU generator on the host, so the seed captured in the graph
     would be replayed unchanged every step (the same noise each step). `compile_decoder_layers` therefore refuses
     mode="reduce-overhead" for a model whose activation policy rounds stochastically.
+  * static integers: a layer's bit widths (and every other setting) are plain ints in its forward's closure. All
+    decoder layers share one forward code object, so one layer's widths differing from another's is, to Dynamo, an
+    int that changed between calls, which it would turn into a symbolic int (automatic dynamic); agoq's Triton
+    bodies need them as constants. `compile_decoder_layers` compiles with dynamic=False (one graph per distinct
+    layer configuration) and lets Dynamo keep a graph for every layer (recompile_limit >= 2 x layers + 8: training
+    and no-grad calls).
   * static shapes and stable input addresses: inputs are copied into the graph's buffers on replay, and outputs
     are overwritten by the next replay, so a training loop marks each step (`mark_cudagraph_step`).
 """
@@ -46,7 +52,10 @@ def compile_decoder_layers(model: nn.Module, mode: str | None = None, **options)
                 "nearest rounding")
     if mode is not None and mode != "default":
         options["mode"] = mode
+    options.setdefault("dynamic", False)  # see "static integers" in the module docstring
     layers = find_decoder_layers(model)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 2 * len(layers) + 8)
     for layer in layers:
         layer.compile(**options)
     return len(layers)

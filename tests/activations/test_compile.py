@@ -202,7 +202,35 @@ def test_compile_mode_is_passed_on_and_cuda_graphs_are_refused_with_stochastic_r
     for layer in model.model.layers:
         layer.compile = lambda **options: seen.append(options)
     assert compile_decoder_layers(model, mode="max-autotune-no-cudagraphs", backend="aot_eager") == 2
-    assert seen == [{"backend": "aot_eager", "mode": "max-autotune-no-cudagraphs"}] * 2
+    assert seen == [{"backend": "aot_eager", "mode": "max-autotune-no-cudagraphs", "dynamic": False}] * 2
     seen.clear()
     compile_decoder_layers(model, mode="default", backend="aot_eager")
-    assert seen == [{"backend": "aot_eager"}] * 2
+    assert seen == [{"backend": "aot_eager", "dynamic": False}] * 2
+
+
+def test_layers_with_different_bit_widths_compile_with_constant_widths():
+    """Layers share one forward; their widths differ. Dynamo must not turn a width into a symbolic int (agoq's
+    Triton bodies need constants): every graph it builds gets only tensors as inputs, and each layer's compiled
+    gradients equal eager's (same ops under aot_eager)."""
+    widths = [(8, 4), (4, 8), (6, 5), (3, 4), (5, 7)]
+    policy = agoq.ActivationPolicy(default={k: 8 for k in agoq.KINDS},
+                                   layers={i: {"attention": a, "norm_input": n} for i, (a, n) in enumerate(widths)})
+    models = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        model = build("llama-tiny", dtype=torch.bfloat16, num_layers=len(widths)).to(DEVICE)
+        agoq.apply_activation_policy(model, policy)
+        models.append(model)
+    inputs_seen = []
+
+    def backend(gm, example_inputs):
+        inputs_seen.append([type(x).__name__ for x in example_inputs if not isinstance(x, torch.Tensor)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    assert compile_decoder_layers(models[1], backend=backend) == len(widths)
+    ids, labels = batch()
+    _, ref = step(models[0], models[0], ids, labels)
+    _, got = step(models[1], models[1], ids, labels)
+    assert len(inputs_seen) == len(widths) and all(not extra for extra in inputs_seen), inputs_seen
+    assert worst_rel_error(got, ref) < 0.02
