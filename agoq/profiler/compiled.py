@@ -53,6 +53,10 @@ def compiled_step(model: nn.Module, ids: torch.Tensor, *, policy=None, checkpoin
     cuda = device.type == "cuda"
     params = [p for p in model.parameters() if p.requires_grad]
     opt = FusedAdamW8bit(params, lr=0.0, masters=True)  # lr 0: the weights do not move between variants
+    # Dynamo's graphs are cached per code object and guarded on the inputs, not on functorch's memory budget: a
+    # graph another model compiled earlier in this process (same layer code, same shapes) would be reused with its
+    # own partition, whatever budget is set now
+    torch._dynamo.reset()
     try:
         if policy is not None:
             apply_activation_policy(model, policy)
