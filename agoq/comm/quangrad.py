@@ -75,6 +75,7 @@ class QuantizedGradients:
             first += nb
         self._bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         device = self.params[0].device
+        self._view_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.codes = torch.full((first * block,), _ZERO_CODE, dtype=torch.uint8, device=device)
         self.scales = torch.zeros(first, dtype=torch.float32, device=device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._capture) for p in self.params] if capture else []
@@ -91,8 +92,14 @@ class QuantizedGradients:
         return self.codes.numel() + 4 * self.scales.numel()
 
     def _views(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        first, nb = self.slices[i]
-        return self.codes[first * self.block:(first + nb) * self.block], self.scales[first:first + nb]
+        """Parameter i's codes and scales: views into the buffers, made once (a backward asks for every parameter's,
+        and slicing costs host time on a path the GPU waits for)."""
+        views = self._view_cache.get(i)
+        if views is None:
+            first, nb = self.slices[i]
+            views = self._view_cache[i] = (self.codes[first * self.block:(first + nb) * self.block],
+                                           self.scales[first:first + nb])
+        return views
 
     def _bucket_range(self, b: int) -> tuple[int, int]:
         """(first block, blocks) of bucket b: its parameters' slices are adjacent."""

@@ -70,6 +70,7 @@ class KnobResult:
     tokens_per_second: float = 0.0
     error: Optional[str] = None
     time_cap: Optional[float] = None   # the cap in seconds it was solved under
+    solver: Optional[Solver] = field(default=None, repr=False, compare=False)  # keeps what it solved for reuse
 
     def key(self, objective: str) -> tuple:
         """Sort key, smaller is better."""
@@ -169,7 +170,10 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             built.append((knobs, build_problem(profile, knobs)))
         except ValueError as e:  # e.g. a micro-batch the config cannot scale to: say so, try the others
             tried.append(KnobResult(knobs, error=str(e)))
-    smallest: list[int] = []
+    first = (lambda r: r.alloc.grad_error) if objective == "error" else (lambda r: r.alloc.step_seconds)
+    smallest: list[int] = []  # the least budget of each combination that says it does not fit
+    bounded: list[tuple[float, int, KnobResult]] = []
+    hopeless: list[KnobResult] = []  # even the linear relaxation does not fit: solved only to say why, if need be
     for i, (knobs, problem) in enumerate(built):
         same = [q for k, q in built if k is not knobs and (k.micro_batch, k.compile_mode) == (knobs.micro_batch,
                                                                                               knobs.compile_mode)]
@@ -179,16 +183,45 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
         result = KnobResult(knobs, problem)
         try:
             result.time_cap = resolve_time_cap(problem, budget, time_cap)
-            # the first objective only: the winner (and any tie) is solved in full below
-            result.alloc = Solver(problem, tie_break=False).solve(budget, objective, result.time_cap,
-                                                                   error_cap=error_cap)
-            result.tokens_per_second = tokens_per_second(profile, knobs, result.alloc.step_seconds)
         except InfeasibleBudget as e:
             result.error = str(e)
-            if e.smallest_budget is not None:
-                smallest.append(e.smallest_budget)
+            smallest += [e.smallest_budget] if e.smallest_budget is not None else []
+            tried.append(result)
+            continue
+        result.solver = Solver(problem, tie_break=False)  # the first objective only; the winner's ties broken below
+        bound = result.solver.relaxed_bound(budget, objective, result.time_cap, error_cap) if prune else -np.inf
+        if bound is None:
+            hopeless.append(result)
+        else:
+            bounded.append((bound, i, result))
+    # best bound first; a combination whose relaxation is already worse than the best exact optimum found cannot
+    # win or tie (a relaxation's optimum is never worse than its MILP's), so its MILP is never solved
+    top = np.inf
+    for bound, _, result in sorted(bounded, key=lambda t: (t[0], t[1])):
+        if bound > top + abs(top) * 1e-6:
+            result.error = "slower" if objective == "time" else "less exact"
+            tried.append(result)
+            continue
+        try:
+            result.alloc = result.solver.solve(budget, objective, result.time_cap, error_cap=error_cap)
+            result.tokens_per_second = tokens_per_second(profile, result.knobs, result.alloc.step_seconds)
+            top = min(top, first(result))
+        except InfeasibleBudget as e:
+            result.error = str(e)
+            smallest += [e.smallest_budget] if e.smallest_budget is not None else []
         tried.append(result)
     solved = [r for r in tried if r.alloc is not None]
+    for result in hopeless:
+        result.error = "does not fit the budget"
+        if not solved:  # nothing fits: each combination says why, and the least budget any of them fits is the answer
+            try:
+                result.solver.solve(budget, objective, result.time_cap, error_cap=error_cap)
+            except InfeasibleBudget as e:
+                result.error = str(e)
+                smallest += [e.smallest_budget] if e.smallest_budget is not None else []
+        tried.append(result)
+    position = {id(knobs): i for i, knobs in enumerate(k for k, _ in built)}
+    tried.sort(key=lambda r: position.get(id(r.knobs), -1))  # the combinations' own order, whatever was solved first
     if not solved:
         least = min(smallest) if smallest else None
         if least is None:
@@ -197,11 +230,11 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
         raise InfeasibleBudget(
             f"no knob combination (gradient storage, layout, optimizer, micro-batch, compile mode) fits the budget: "
             f"the smallest feasible budget is {least} bytes: give --budget {least} or more", least)
-    first = (lambda r: r.alloc.grad_error) if objective == "error" else (lambda r: r.alloc.step_seconds)
     top = min(first(r) for r in solved)
     for r in solved:  # those reaching the best first objective: their ties broken by the second
         if first(r) <= top + abs(top) * 1e-9 + 1e-15:
-            r.alloc = Solver(r.problem).solve(budget, objective, r.time_cap, error_cap=error_cap)
+            r.solver.tie_break = True  # its first objective is not solved again
+            r.alloc = r.solver.solve(budget, objective, r.time_cap, error_cap=error_cap)
             r.tokens_per_second = tokens_per_second(profile, r.knobs, r.alloc.step_seconds)
         else:
             r.error = "slower" if objective == "time" else "less exact"

@@ -20,9 +20,11 @@ Objective: gradient error (ties broken by time) or step time (ties broken by err
 the first objective is solved exactly (relative MIP gap 1e-7) or, where HiGHS cannot prove that
 within PRIMARY_SECONDS (step time under both a memory budget and an error cap can take minutes), the
 best choice found by then, with `Allocation.gap` the relative gap left; the second is then minimised among the
-choices that reach that optimum, within SECOND_NODES branch-and-bound nodes (the best answer found is
-kept, and the first solve's if none; `Allocation.second_gap` is the relative gap HiGHS could still
-prove, typically below 1e-3 while the answer itself is within 1e-5 of the optimum). When the first
+choices that reach that optimum, within SECOND_NODES branch-and-bound nodes and SECOND_SECONDS (the
+best answer found is kept, and the first solve's if none; `Allocation.second_gap` is the relative gap
+HiGHS could still prove, typically below 1e-3 while the answer itself is within 1e-5 of the optimum).
+Near the smallest feasible budget, under an error cap, the second solve can take several seconds for a
+negligible change in error: the time limit keeps a plan request to about the first solve's time. When the first
 optimum is zero (zero error at a loose budget) that second solve is the real trade-off: the least time
 at zero error. Without a time cap, pipeline stages do not interact and are solved one by one.
 """
@@ -45,6 +47,7 @@ TIE_BREAK = 1e-6
 GAP = 1e-7  # relative MIP gap: optimal for all practical purposes
 PRIMARY_SECONDS = 10.0  # default time limit of the first objective's solve (its best choice found is kept)
 MIB = float(2**20)
+SECOND_SECONDS = 1.0  # time limit of the second objective's solve (a tie-break: the first objective is exact)
 SECOND_NODES = 1000  # branch-and-bound nodes for the second objective (its best answer found so far is kept)
 
 
@@ -82,6 +85,7 @@ class _Model:
     """The MILP's matrices for one problem; budgets and objective are filled in per solve."""
 
     def __init__(self, p: ChoiceProblem):
+        self._first: dict = {}  # first-objective results by (budgets, objective, caps, time limit)
         n, L, S = len(p.option), p.num_layers, p.num_stages
         self.p, self.n, self.L, self.S = p, n, L, S
         self.nv = n + 3 * L + S   # x, c, u, w, z
@@ -220,6 +224,9 @@ class _Model:
     def solve_first_objective(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
                               time_limit: Optional[float] = None, error_cap: Optional[float] = None):
         """The exact optimum of the first objective (scipy's OptimizeResult; x None when infeasible)."""
+        key = (np.asarray(budgets, float).tobytes(), objective, time_cap, time_limit, error_cap)
+        if key in self._first:  # solved already (first objective alone, then again with its ties broken)
+            return self._first[key]
         primary, _ = self._rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
         options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
@@ -228,6 +235,9 @@ class _Model:
         res = milp(primary / scale, options=options, **args)
         if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
             res = milp(primary / scale, options={"mip_rel_gap": GAP}, **args)
+        if len(self._first) >= 16:
+            self._first.pop(next(iter(self._first)))
+        self._first[key] = res
         return res
 
     def value(self, x: np.ndarray, objective: str) -> float:
@@ -241,7 +251,8 @@ class _Model:
         mem_scale = max(float(np.abs(self.memory_rows).sum()), 1e-30)
         sec_scale = max(float(np.abs(secondary).max()), 1e-30)
         c = secondary / sec_scale + TIE_BREAK * self.memory_rows.sum(0) / mem_scale
-        options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
+        limit = min(time_limit or SECOND_SECONDS, SECOND_SECONDS)
+        options = {"mip_rel_gap": GAP, "time_limit": limit}
         bounds = self.bounds
         if best <= 0.0 and not (primary < 0).any():  # the optimum uses no option with a primary cost: fix those out
             bounds = Bounds(bounds.lb, np.where(primary > 0, 0.0, bounds.ub))
@@ -299,10 +310,20 @@ class Solver:
         """`tie_break` False: solve the first objective only (exact), leaving its ties unbroken by the second —
         much faster, for comparing problems by their optimum before solving the winner in full."""
         self.problem = problem
-        self.tie_break = tie_break
         self._model = _Model(problem)
-        self._model.tie_break = tie_break
         self._stages: Optional[list] = None  # per-stage sub-solvers, built when first needed
+        self.tie_break = tie_break
+
+    @property
+    def tie_break(self) -> bool:
+        return self._model.tie_break
+
+    @tie_break.setter
+    def tie_break(self, value: bool) -> None:
+        """Switch tie-breaking on or off; a first objective already solved is reused, not solved again."""
+        self._model.tie_break = bool(value)
+        for model, _, _ in self._stages or []:
+            model.tie_break = bool(value)
 
     def _stage_solvers(self) -> list:
         """Without a time cap the stages do not interact: each is solved on its own (exactly the same
@@ -366,6 +387,27 @@ class Solver:
         caps alone cannot be met."""
         alloc = self.least_memory(time_cap, error_cap)
         return None if alloc is None else int(max(alloc.peak_bytes_per_stage))  # floor included
+
+    def relaxed_bound(self, budget, objective: str = "error", time_cap: Optional[float] = None,
+                      error_cap: Optional[float] = None) -> Optional[float]:
+        """A lower bound on what `solve` would return for the first objective (step seconds for "time", gradient
+        error for "error"): the optimum of the linear relaxation (every 0/1 variable in [0, 1]), milliseconds of
+        work where the MILP may take seconds. None when even the relaxation has no solution (then no choice fits);
+        -inf when HiGHS gives no answer (no bound)."""
+        budgets = self._budgets(budget)
+        if (self.problem.peak_floor() > budgets).any():
+            return None
+        m = self._model
+        primary, _ = m._rows(objective)
+        scale = max(float(np.abs(primary).max()), 1e-30)
+        res = milp(primary / scale, constraints=m._constraints(budgets, time_cap, error_cap),
+                   integrality=np.zeros(m.nv), bounds=m.bounds)
+        if res.status == 2:
+            return None
+        if res.x is None:
+            return -np.inf
+        value = float(primary @ res.x)
+        return value + m.time_constant if objective == "time" else value
 
     def solve(self, budget, objective: str = "error", time_cap: Optional[float] = None,
               time_limit: Optional[float] = None, error_cap: Optional[float] = None) -> Allocation:

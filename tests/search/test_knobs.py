@@ -97,6 +97,39 @@ def test_knob_search_equals_brute_force(tmp_path, paper_delta):
             assert found.binding and set(found.binding) <= {"memory budget", "error cap", "none"}
 
 
+def test_bounded_search_equals_solving_every_combination(tmp_path):
+    """The search skips a combination whose linear relaxation is already slower than the best exact optimum found;
+    that must never change the answer: on a 5-layer profile (micro-batch splits, optimizers, masters, gradient
+    storage), at budgets across the feasible range and under error caps, the plan equals the one found by solving
+    every combination (prune=False), and below the least budget both give the same smallest feasible budget."""
+    seed, rng = fresh_rng()
+    folder = write_profile(tmp_path / "p", rng, num_layers=5, micro_batch=4, seq_len=37)
+    profile = load_profile(folder)
+    space = KnobSpace(masters=("fp32", "none"))
+    from agoq.search.knobs import budget_bounds
+
+    least, largest = budget_bounds(profile, space)
+    for frac in (0.0, 0.004, 0.03, 0.2, 0.7):
+        budget = int(least + frac * (largest - least)) + 3
+        cap = rng.choice([None, rng.uniform(0.01, 0.3)])
+        try:
+            every = solve_knobs(profile, budget, error_cap=cap, space=space, prune=False)
+        except InfeasibleBudget as e:
+            with pytest.raises(InfeasibleBudget) as bounded:
+                solve_knobs(profile, budget, error_cap=cap, space=space)
+            assert bounded.value.smallest_budget == e.smallest_budget, (seed, budget, cap)
+            continue
+        bounded = solve_knobs(profile, budget, error_cap=cap, space=space)
+        assert bounded.best.tokens_per_second == pytest.approx(every.best.tokens_per_second, rel=1e-7), \
+            (seed, budget, cap)
+        assert bounded.best.alloc.grad_error <= (cap or np.inf) * (1 + 1e-9)
+        assert max(bounded.best.alloc.peak_bytes_per_stage) <= budget
+        assert len(bounded.tried) == len(every.tried)  # every combination is reported, solved or not
+    with pytest.raises(InfeasibleBudget) as low:
+        solve_knobs(profile, least - 1, space=space)
+    assert low.value.smallest_budget == least, seed
+
+
 def test_binding_constraint_is_the_budget_when_tight(tmp_path):
     seed, rng = fresh_rng()
     profile = _profile(tmp_path, rng, 0.002)  # LAAQ's layer is slower here: all-16 is the fastest plan

@@ -1,0 +1,80 @@
+"""How long one plan request takes, across the budget range: what `POST /api/plan` and `agoq search` wait for.
+
+The planner's search (agoq.search.search with the service's fixed options: MILP, no front, no validation) on a
+profile of the probe model's shapes (16 layers x 7 kinds, micro-batch 2 x 4096, synthetic sensitivities and
+times: tests/search/synthetic_profile.py), under the default objective (most tokens/s within the recipe's
+error cap), at budgets from the smallest feasible to the largest useful one (agoq.search.knobs.budget_bounds).
+The tight end is the hard one: the error cap and the memory budget both bind.
+
+Each budget is solved as the service does, and again with every knob combination solved
+(agoq.search.knobs.solve_knobs(prune=False): no dominance or relaxation bound skips any), the reference the
+bounded search must equal and beat. CPU only; the service solves on the CPU.
+
+    python experiments/plan_latency.py                 # about 2 minutes on 2 cores
+Writes experiments/results/plan_latency.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from experiments.record import write_result  # noqa: E402
+
+FRACTIONS = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0)  # of the way from the smallest to the largest budget
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="probe", help="model whose shapes the synthetic profile has (default probe)")
+    ap.add_argument("--repeats", type=int, default=2, help="solves per budget (the median is reported)")
+    args = ap.parse_args()
+    from agoq.formats.profile import load_profile
+    from agoq.search import knobs as knob_search
+    from agoq.search.search import DEFAULT_ERROR_CAP, _recipe_cap, search
+    from tests.search.synthetic_profile import write_profile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_profile(Path(tmp) / "profile", random.Random(7), model=args.model, micro_batch=2, seq_len=4096)
+        profile = load_profile(folder)
+        least, largest = knob_search.budget_bounds(profile)
+        cap = _recipe_cap(profile, DEFAULT_ERROR_CAP, [])
+        fixed = {"method": "milp", "front_budgets": 0, "validate": 0, "progress": False}
+        rows = []
+        for frac in FRACTIONS:
+            budget = int(least + frac * (largest - least))
+            times, plan = [], None
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                plan = search(profile, budget, **fixed).plan
+                times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            every = knob_search.solve_knobs(profile, budget, error_cap=cap, prune=False)
+            every_seconds = time.perf_counter() - t
+            row = {"budget_fraction": frac, "budget_bytes": budget, "request_seconds_median": statistics.median(times),
+                   "request_seconds_all": times, "every_combination_seconds": every_seconds,
+                   "tokens_per_second": plan.decision["tokens_per_second"],
+                   "every_combination_tokens_per_second": every.best.tokens_per_second,
+                   "same_answer": abs(plan.decision["tokens_per_second"] - every.best.tokens_per_second)
+                   <= 1e-7 * every.best.tokens_per_second}
+            rows.append(row)
+            print(f"budget {budget / 2**30:7.2f} GiB ({frac:4.2f}): request {row['request_seconds_median']:6.2f} s, "
+                  f"every combination solved {every_seconds:6.2f} s, same answer: {row['same_answer']}", flush=True)
+    figures = {"model": args.model, "profile": "synthetic (tests/search/synthetic_profile.py, seed 7)",
+               "error_cap": cap, "smallest_budget_bytes": least, "largest_budget_bytes": largest, "budgets": rows,
+               "worst_request_seconds": max(r["request_seconds_median"] for r in rows),
+               "cpu_count": os.cpu_count(), "load_average_1_5_15min_at_end": list(os.getloadavg()),
+               "target_request_seconds": 1.0}
+    print("wrote", write_result("plan_latency", figures))
+
+
+if __name__ == "__main__":
+    main()
