@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
     ap.add_argument("--modes", default="eager", help="comma-separated: " + ", ".join(MODES))
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the whole list this many times, alternating its order; each run's figure is the median "
+                         "over its repeats (a GPU shared with other work varies from minute to minute)")
     ap.add_argument("--extra", default="", help="extra arguments for every run, e.g. '--compile'")
     ap.add_argument("--tiny", action="store_true", help="llama-tiny on the CPU (a check that it runs)")
     args = ap.parse_args()
@@ -71,19 +74,27 @@ def main() -> None:
               "--eval-batches", "4", "--checkpoint-every", "0", "--lr", "1e-3", "--quiet", *shape,
               *(["--device", "cpu"] if args.tiny else []), *args.extra.split()]
     rows = {}
+    runs = [(mode, variant) for mode in modes for variant in args.variants.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in modes:
-            for variant in args.variants.split(","):
+        for repeat in range(args.repeats):
+            # repeats alternate the order, so that a slow spell of a shared GPU does not fall on one variant only
+            for mode, variant in (runs if repeat % 2 == 0 else runs[::-1]):
                 name = variant if modes == ["eager"] else f"{variant} @ {mode}"
                 flags = [*VARIANTS[variant], *MODES[mode]]
                 out = Path(tmp) / name.replace(" @ ", "-")
                 run_train([*common, *flags, "--out", str(out)])
                 s = summarize(out)
-                rows[name] = {"variant": variant, "mode": mode, "median_step_seconds": s["median_step_seconds"],
-                              "median_tokens_per_s": s["median_tokens_per_s"],
-                              "peak_bytes": s["peak_bytes_per_rank"][0] if s["peak_bytes_per_rank"] else None,
-                              "final_val_loss": s["final_val_loss"], "args": flags}
+                row = rows.setdefault(name, {"variant": variant, "mode": mode, "args": flags, "repeats": []})
+                row["repeats"].append({"median_step_seconds": s["median_step_seconds"],
+                                       "median_tokens_per_s": s["median_tokens_per_s"],
+                                       "peak_bytes": s["peak_bytes_per_rank"][0] if s["peak_bytes_per_rank"] else None,
+                                       "final_val_loss": s["final_val_loss"]})
                 shutil.rmtree(out, ignore_errors=True)
+    for row in rows.values():  # the median over repeats of each run's median step (repeats 1: that run's figures)
+        reps = sorted(row["repeats"], key=lambda r: r["median_step_seconds"] or float("inf"))
+        row.update(reps[(len(reps) - 1) // 2])
+        if args.repeats == 1:
+            del row["repeats"]
     bf16 = [r for r in rows.values() if r["variant"] == "bf16" and r["median_step_seconds"]]
     base = min(bf16, key=lambda r: r["median_step_seconds"]) if bf16 else None
     for r in rows.values():
@@ -98,10 +109,11 @@ def main() -> None:
               f"{r['final_val_loss'] or float('nan'):9.4f}")
     figures = {"model": "llama-tiny" if args.tiny else json.loads(BYTE_MODEL.read_text())["name"],
                "micro_batch": args.micro_batch, "seq_len": args.seq_len, "steps": args.steps, "modes": modes,
+               "repeats": args.repeats,
                "extra": args.extra, "variants": rows, "best_bf16": base and f"bf16 @ {base['mode']}",
                "target_agoq_step_vs_bf16": 1.05}
     if not args.tiny:
-        suffix = "" if modes == ["eager"] else "_" + "_".join(modes)
+        suffix = ("" if modes == ["eager"] else "_" + "_".join(modes)) + (f"_x{args.repeats}" if args.repeats > 1 else "")
         print("wrote", write_result(f"train_step_overhead{suffix}", figures))
 
 
