@@ -31,11 +31,15 @@ at zero error. Without a time cap, pipeline stages do not interact and are solve
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint
+from scipy.optimize import milp as _scipy_milp
 from scipy.sparse import coo_matrix
 
 from agoq.activations.policy import KINDS
@@ -49,6 +53,31 @@ PRIMARY_SECONDS = 10.0  # default time limit of the first objective's solve (its
 MIB = float(2**20)
 SECOND_SECONDS = 1.0  # time limit of the second objective's solve (a tie-break: the first objective is exact)
 SECOND_NODES = 1000  # branch-and-bound nodes for the second objective (its best answer found so far is kept)
+
+
+def milp(c, **kwargs):
+    """scipy.optimize.milp, without HiGHS's stray standard-output line.
+
+    HiGHS 1.12 (inside scipy) prints "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
+    to the process's file descriptor 1 on some solves, whatever its display option. In the main thread (the CLI,
+    scripts) descriptor 1 points at /dev/null for the solve's duration; Python's own output is flushed first and
+    is untouched after. Other threads (the dashboard's solver pool) solve as they are: redirecting a descriptor
+    the whole process shares would swallow the server's own output."""
+    if threading.current_thread() is not threading.main_thread():
+        return _scipy_milp(c, **kwargs)
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no descriptor 1 to protect (closed, or replaced streams)
+        return _scipy_milp(c, **kwargs)
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.close(null)
+        return _scipy_milp(c, **kwargs)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 class InfeasibleBudget(ValueError):

@@ -1,0 +1,55 @@
+"""The MILP solver's stray standard-output line (HiGHS, inside scipy) never reaches the user's terminal from the
+main thread, while agoq's own output does."""
+
+import os
+import threading
+
+import numpy as np
+from scipy.optimize import LinearConstraint
+
+from agoq.search import milp as milp_module
+
+
+def _noisy(c, **kwargs):
+    os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")  # as HiGHS does
+    return _noisy.real(c, **kwargs)
+
+
+def _small_problem(rng):
+    n = int(rng.integers(5, 13))
+    c = rng.uniform(0.1, 1.0, n)
+    weights = rng.uniform(1.0, 3.0, n)
+    cons = LinearConstraint(weights[None, :], float(weights.sum() * 0.3), np.inf)
+    return c, cons, weights
+
+
+def test_solver_lines_on_stdout_are_dropped_in_the_main_thread(capfd, monkeypatch):
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    _noisy.real = milp_module._scipy_milp
+    monkeypatch.setattr(milp_module, "_scipy_milp", _noisy)
+    c, cons, weights = _small_problem(rng)
+    print("before the solve", flush=True)
+    res = milp_module.milp(c, constraints=[cons], integrality=np.ones(len(c)), bounds=(0, 1))
+    print("after the solve", flush=True)
+    out = capfd.readouterr().out
+    assert "tmpSolver" not in out
+    assert "before the solve" in out and "after the solve" in out
+    # the answer is scipy's: a cover of >= 30 % of the weight at least cost, checked by brute force
+    best = min(float(c @ x) for x in (np.array([(k >> i) & 1 for i in range(len(c))]) for k in range(2 ** len(c)))
+               if float(weights @ x) >= weights.sum() * 0.3)
+    assert res.status == 0 and abs(res.fun - best) <= 1e-9 * max(1.0, abs(best))
+
+
+def test_other_threads_leave_stdout_alone(capfd, monkeypatch):
+    """A worker thread (the dashboard's solver pool) must not redirect the descriptor the server writes to."""
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    _noisy.real = milp_module._scipy_milp
+    monkeypatch.setattr(milp_module, "_scipy_milp", _noisy)
+    c, cons, _ = _small_problem(rng)
+    done = []
+    t = threading.Thread(target=lambda: done.append(milp_module.milp(c, constraints=[cons],
+                                                                     integrality=np.ones(len(c)), bounds=(0, 1))))
+    t.start()
+    t.join()
+    assert done and done[0].status == 0
+    assert "tmpSolver" in capfd.readouterr().out  # untouched: the line went where the process's stdout goes
