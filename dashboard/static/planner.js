@@ -143,10 +143,25 @@
           return;
         }
         say(detailText(r.body, r.status), "error");
+        var least = r.status === 422 && r.body && r.body.detail && r.body.detail.smallest_budget_bytes;
+        if (least && least > budget() && least <= state.high) offerSmallest(least);
       }).catch(function (err) {
         if (err && err.name === "AbortError") return;
         if (seq === state.seq) say("cannot reach the dashboard: " + err, "error");
       });
+    }
+    // below the smallest budget a plan fits (the range's low end ignores the error cap): a button that moves the
+    // slider to the first position at or above it
+    function offerSmallest(least) {
+      var button = el("button", "move to " + bytes(least));
+      button.type = "button";
+      button.id = "plan-smallest";
+      button.addEventListener("click", function () {
+        slider.value = String(Math.min(STEPS, Math.ceil((least - state.low) * STEPS / (state.high - state.low))));
+        moved();
+      });
+      status.appendChild(document.createTextNode(" "));
+      status.appendChild(button);
     }
     function moved() {
       budgetText.textContent = bytes(budget());

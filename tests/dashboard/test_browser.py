@@ -180,3 +180,47 @@ def test_budget_slider_redraws_and_saves_the_searchs_plan(chromium, tmp_path):
     for plan in (saved, want):
         plan["source"].pop("date")
     assert saved == want
+
+
+def test_below_the_smallest_budget_the_slider_offers_the_smallest(chromium, tmp_path):
+    """The slider's range starts where a plan fits with no caps; under the default error cap the low end fits
+    nothing. There the page says so and offers the smallest budget that fits; its button moves the slider to the
+    first position at or above it, and that plan is drawn."""
+    import random
+
+    from dashboard.app import create_app
+    from dashboard.command import LOOPBACK_NAMES
+    from experiments.service_load import serve
+    from tests.search.synthetic_profile import write_profile
+
+    from agoq.formats.profile import load_profile
+    from agoq.search.knobs import budget_bounds, solve_knobs
+    from agoq.search.milp import InfeasibleBudget
+    from agoq.search.search import DEFAULT_ERROR_CAP, _recipe_cap
+
+    root = (tmp_path / "root").resolve()
+    folder = write_profile(root / "prof", random.Random(int.from_bytes(os.urandom(4), "little")), micro_batch=3,
+                           seq_len=37)
+    profile = load_profile(folder)
+    low, high = budget_bounds(profile)
+    with pytest.raises(InfeasibleBudget) as e:  # the premise: nothing fits the low end under the recipe's cap
+        solve_knobs(profile, low, error_cap=_recipe_cap(profile, DEFAULT_ERROR_CAP, []))
+    least = e.value.smallest_budget
+    drawn = "document.body.dataset.plansDrawn"
+    with serve(create_app(root, allowed_hosts=LOOPBACK_NAMES)) as (host, port):
+        assert chromium.open(f"http://{host}:{port}/profile?id=prof", f"{drawn} === '1'") == []
+        chromium.evaluate("(() => { const s = document.getElementById('plan-budget'); "
+                          "s.value = 0; s.dispatchEvent(new Event('input')); })()")
+        deadline = time.monotonic() + 30
+        while not chromium.evaluate("!!document.getElementById('plan-smallest')"):
+            assert time.monotonic() < deadline, chromium.evaluate("document.getElementById('plan-status').textContent")
+            time.sleep(0.1)
+        assert chromium.evaluate("document.getElementById('plan-smallest').textContent").startswith("move to ")
+        chromium.evaluate("document.getElementById('plan-smallest').click()")
+        deadline = time.monotonic() + 30
+        while chromium.evaluate(drawn) != "2":
+            assert time.monotonic() < deadline, chromium.evaluate("document.getElementById('plan-status').textContent")
+            time.sleep(0.1)
+        got = chromium.evaluate("window.agoqPlanner.current.budget_bytes")
+    step = (high - low) / 1000
+    assert least <= got <= least + step + 1, (least, got, step)
