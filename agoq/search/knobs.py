@@ -16,6 +16,10 @@ and ties go to the larger micro-batch.
 Combinations are pruned only where exactly dominated: two combinations of the same split and compile mode build
 the same per-layer options, so one whose static bytes, optimizer-step floor and base step seconds are all no
 smaller than another's cannot have a better MILP optimum (brute force over a tiny profile checks this, tests).
+The others are bounded: each one's linear relaxation (milliseconds) is a lower bound on its MILP optimum, so they
+are solved best bound first and one whose bound is already worse than the best optimum found is not solved at all
+(it can neither win nor tie). Near the smallest budget, under an error cap, that skips most MILPs (seconds each);
+the answer is the one solving every combination gives (tests).
 
 Objectives: "time" (default) — the most tokens/s, ties by error; "error" — the least gradient error, ties by
 tokens/s. The binding constraint of the chosen plan is found by relaxing one constraint at a time: the memory
