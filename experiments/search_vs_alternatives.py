@@ -25,7 +25,6 @@ Writes experiments/results/search_vs_alternatives.json (search_vs_alternatives_s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -62,7 +61,7 @@ def budgets(prof) -> dict:
 
     from agoq.search.alternatives import price_alternatives
     from agoq.search.costs import ProblemSettings, build_problem, checkpointing_only, compile_modes
-    from agoq.search.milp import Solver
+    from agoq.search.knobs import budget_bounds
 
     mb = int(prof.settings["micro_batch"])
     alts = price_alternatives(prof, float("inf"), [(mb, 1)], compile_modes(prof))
@@ -70,17 +69,10 @@ def budgets(prof) -> dict:
     ckpt = checkpointing_only(build_problem(prof, ProblemSettings(optimizer="adamw8bit", master="fp32")))
     full = max(ckpt.evaluate(np.array([], dtype=int), np.ones(ckpt.num_layers, dtype=bool))["peak_bytes_per_stage"])
     compiled = [a.peak_bytes for a in alts if a.compile == "compiled"]
-    least = Solver(build_problem(prof, dataclasses.replace(_cheapest(prof)))).smallest_budget()
+    least = budget_bounds(prof)[0]  # the smallest any knob combination fits (quangrad8 is not always the least)
     low = int(0.97 * min(compiled)) if compiled else int(1.01 * full)
     return {"bf16 fits": int(1.02 * bf16), "only selective checkpointing fits": (full + bf16) // 2,
             "below compile's smallest peak": max(low, int(1.01 * least))}
-
-
-def _cheapest(prof):
-    from agoq.search.costs import ProblemSettings, gradient_modes
-
-    mode = "quangrad8" if "quangrad8" in gradient_modes(prof) else "bf16"
-    return ProblemSettings(gradient_mode=mode, optimizer="adamw8bit", master="fp32")
 
 
 def measure_alternative(prof, plan, alt, steps: int) -> dict:

@@ -1,5 +1,5 @@
-"""The probe model's profile as measured on one H200 (experiments/results/search_vs_alternatives.json), rebuilt
-from that run's recorded figures, and the three plans the search chose there with their measured steps and peaks.
+"""The probe model's profile as measured on one H200 (experiments/results/search_vs_alternatives.json as committed
+with the run of commit c7f29b9; later runs replaced the file), rebuilt from that run's recorded figures, and the three plans the search chose there with their measured steps and peaks.
 
 What the run recorded is used as it is: the eager memory steps (bf16, agoq-paper: step and optimizer seconds,
 predicted and measured peaks), the compiled section (bf16, agoq-paper, checkpoint-all, activation_memory_budget
