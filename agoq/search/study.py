@@ -25,7 +25,8 @@ import numpy as np
 
 from agoq.activations.policy import KINDS
 from agoq.formats.profile import ProfileData
-from agoq.search.costs import ProblemSettings, build_problem, gradient_modes
+from agoq.search.costs import ProblemSettings, build_problem, gradient_modes, optimizer_choices
+from agoq.search.layouts import layouts
 from agoq.search.milp import InfeasibleBudget, Solver, resolve_time_cap
 
 SAMPLERS = ("nsga2", "tpe")
@@ -80,8 +81,11 @@ class KnobSpace:
     """Which knobs a profile allows, and turning a trial's suggestions into ProblemSettings."""
 
     def __init__(self, profile: ProfileData, sequences_per_step: Optional[int] = None,
-                 gradient_modes_allowed: Optional[tuple] = None):
+                 gradient_modes_allowed: Optional[tuple] = None, base: ProblemSettings = ProblemSettings()):
+        """`base`: the knobs a trial does not vary (optimizer, masters, compile mode: the MILP's best plan's) and
+        its layout where the trial's gradient storage allows it."""
         self.profile = profile
+        self.base = base
         s = profile.settings
         self.has_config = bool(profile.model_config())
         self.profiled_micro_batch = int(s.get("micro_batch", 1) or 1)
@@ -98,6 +102,12 @@ class KnobSpace:
         self.layer_stage0 = profile.layer_stage()
         quantized = profile.table[~profile.table["option"].isin(["16", "recompute"])]
         self.floor_choices = sorted({int(b) for b in quantized["bits"]}) or [2]
+        # data-parallel layouts (agoq.search.layouts): one categorical over every layout some allowed gradient
+        # storage may take, so its choices are the same in every trial; a trial whose storage cannot take the
+        # layout it drew runs its storage's own
+        self.world = int(s.get("world_size", 1) or 1)
+        self._layouts_of = {m: layouts(self.world, profile.collectives, m, self.stages) for m in self.modes}
+        self.layouts = sorted({lay for offered in self._layouts_of.values() for lay in offered})
 
     def defaults(self) -> dict:
         """The profile's own knobs: the warm-start trial."""
@@ -106,6 +116,8 @@ class KnobSpace:
              "micro_batch": mb}
         d.update({f"floor_{k}": self.floor_choices[0] for k in KINDS})
         d.update({f"stage_shift_{i}": 0 for i in range(1, self.stages)})
+        if len(self.layouts) > 1:
+            d["layout"] = self.base.layout if self.base.layout in self.layouts else self._layouts_of[d["gradient_mode"]][0]
         return d
 
     def suggest(self, trial) -> ProblemSettings:
@@ -126,14 +138,22 @@ class KnobSpace:
                 layer_stage = tuple(int(np.searchsorted(moved, l, side="right")) for l in range(L))
             else:
                 layer_stage = tuple(self.layer_stage0)
+        layout = trial.suggest_categorical("layout", self.layouts) if len(self.layouts) > 1 else self.layouts[0]
+        if layout not in self._layouts_of[mode]:
+            layout = self._layouts_of[mode][0]
+        choices = optimizer_choices(mode, layout)
+        optimizer, master = ((self.base.optimizer, self.base.master) if (self.base.optimizer, self.base.master)
+                             in choices else choices[0])
         return ProblemSettings(block=block, format=fmt, floor_bits=floors, micro_batch=mb, grad_accum=self.sequences // mb,
-                     gradient_mode=mode, layer_stage=layer_stage)
+                               gradient_mode=mode, layer_stage=layer_stage, layout=layout, optimizer=optimizer,
+                               master=master, compile_mode=self.base.compile_mode)
 
 
 def knobs_dict(knobs: ProblemSettings) -> dict:
     """ProblemSettings as flat, CSV-ready values."""
     d = {"block": knobs.block, "format": knobs.format, "gradient_mode": knobs.gradient_mode,
-         "micro_batch": knobs.micro_batch, "grad_accum": knobs.grad_accum}
+         "micro_batch": knobs.micro_batch, "grad_accum": knobs.grad_accum, "layout": knobs.layout,
+         "optimizer": knobs.optimizer, "master": knobs.master, "compile_mode": knobs.compile_mode}
     d.update({f"floor_{k}": b for k, b in knobs.floor_bits})
     if knobs.layer_stage is not None:
         d["layer_stage"] = "".join(map(str, knobs.layer_stage))
@@ -145,12 +165,14 @@ def run_study(profile: ProfileData, budget: int, *, storage: str, study_name: st
               sampler: str = "nsga2", seed: int = 0, sequences_per_step: Optional[int] = None,
               measure: Optional[Callable[[list], list]] = None, parallel: int = 1,
               progress: bool = True, stop_after: Optional[int] = None,
-              gradient_modes_allowed: Optional[tuple] = None) -> StudyResult:
+              gradient_modes_allowed: Optional[tuple] = None,
+              base: ProblemSettings = ProblemSettings()) -> StudyResult:
     """Run the study until it holds `trials` finished trials (resuming an existing one); returns them.
 
     `measure(list of (TrialResult)) -> list of dicts with peak_bytes and step_seconds` runs plans for
     real (`parallel` at a time); `stop_after` stops this call after that many new trials (to test resume);
-    `gradient_modes_allowed` keeps the trials to those gradient storages (None: every one the profile has).
+    `gradient_modes_allowed` keeps the trials to those gradient storages (None: every one the profile has);
+    `base` holds the knobs trials do not vary (see KnobSpace).
     """
     import optuna
     from optuna.trial import TrialState
@@ -180,7 +202,7 @@ def run_study(profile: ProfileData, budget: int, *, storage: str, study_name: st
     if parallel <= 1:  # one process owns the study: trials left running by an interrupted run failed
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study.tell(t.number, state=TrialState.FAIL)
-    space = KnobSpace(profile, sequences_per_step, gradient_modes_allowed)
+    space = KnobSpace(profile, sequences_per_step, gradient_modes_allowed, base)
     finished = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
     if not study.trials:
         study.enqueue_trial(space.defaults())
@@ -268,5 +290,5 @@ def knobs_from_trial(trial, space: KnobSpace) -> ProblemSettings:
     """Rebuild a trial's ProblemSettings from its parameters (for a trial of an earlier run)."""
     import optuna
 
-    fixed = optuna.trial.FixedTrial(trial.params)
+    fixed = optuna.trial.FixedTrial({**space.defaults(), **trial.params})  # a knob newer than the trial: default
     return space.suggest(fixed)

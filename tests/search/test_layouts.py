@@ -132,3 +132,38 @@ def test_layouts_offered_and_refused(tmp_path):
     assert launch_for(1, "sdp4bit", 3, "fsdp")["command"].endswith("--parallel fsdp --gradients sdp4bit")
     assert launch_for(1, "sdp4bit", 3)["parallel"] == "sharded"
     assert launch_for(1, "bf16", 1)["parallel"] == "none" and launch_for(4, "bf16", 2)["parallel"] == "pipeline"
+
+
+def test_optuna_trials_draw_layouts_and_keep_the_plans_other_knobs(tmp_path):
+    """Optuna's trials vary the layout too: one categorical over every layout the profile offers; a trial whose
+    gradient storage cannot take the layout it drew runs its storage's own. Optimizer, masters and compile mode are
+    the MILP plan's (`base`) wherever the layout allows them. Each trial's knobs are rebuilt from its parameters."""
+    import optuna
+
+    from agoq.search.costs import compile_modes, gradient_modes, optimizer_choices
+    from agoq.search.layouts import layouts, resolve_layout
+    from agoq.search.study import KnobSpace, knobs_from_trial, run_study
+
+    seed = int.from_bytes(__import__("os").urandom(3), "little")
+    p = _profile(tmp_path, 2, link=1e11, seed=seed % 1000)
+    base = ProblemSettings(optimizer="adamw8bit", master="none", compile_mode=compile_modes(p)[-1])
+    space = KnobSpace(p, base=base)
+    offered = {m: layouts(2, p.collectives, m, 1) for m in gradient_modes(p)}
+    assert space.layouts == sorted({lay for v in offered.values() for lay in v}) and "fsdp" in space.layouts
+    for mode in gradient_modes(p):  # every (mode, layout drawn): the layout run is the one the mode allows
+        for drawn in space.layouts:
+            k = space.suggest(optuna.trial.FixedTrial({**space.defaults(), "gradient_mode": mode, "layout": drawn}))
+            assert k.layout == (drawn if drawn in offered[mode] else offered[mode][0]), (seed, mode, drawn)
+            assert (k.optimizer, k.master) == ((base.optimizer, base.master)
+                                               if (base.optimizer, base.master) in optimizer_choices(mode, k.layout)
+                                               else optimizer_choices(mode, k.layout)[0])
+            assert k.compile_mode == base.compile_mode
+    _, largest = budget_bounds(p)
+    result = run_study(p, largest, storage=f"sqlite:///{tmp_path / 'study.db'}", trials=10, objective="time",
+                       time_cap=None, base=base, progress=False, seed=seed)
+    assert len(result.trials) == 10
+    for r in result.trials:
+        resolve_layout(r.knobs.layout, r.knobs.gradient_mode)  # a layout the storage takes
+        trial = result.study.trials[r.number]
+        assert knobs_from_trial(trial, space) == r.knobs, seed
+        assert trial.distributions["layout"].choices == tuple(space.layouts)
