@@ -238,10 +238,12 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
         result = run_study(profile, budget, storage=storage, study_name=study_name, trials=trials,
                            objective=objective, time_cap=time_cap, error_cap=error_cap, sampler=sampler, seed=seed,
                            measure=measure, parallel=parallel, progress=progress, stop_after=stop_after,
-                           gradient_modes_allowed=_study_gradient_modes(space), base=knobs)
+                           gradient_modes_allowed=_study_gradient_modes(space), base=knobs,
+                           layouts_allowed=space.layouts if space is not None else None)
         outcome.trials_run = result.ran
         outcome.trials_total = len(result.study.trials)
-        space = KnobSpace(profile, base=knobs)
+        space = KnobSpace(profile, gradient_modes_allowed=_study_gradient_modes(space), base=knobs,
+                          layouts_allowed=space.layouts if space is not None else None)
         for t in result.front:
             k = knobs_from_trial(t, space)
             prob, _, a = _milp_plan(profile, k, budget, objective, time_cap, error_cap)

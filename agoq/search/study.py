@@ -81,9 +81,11 @@ class KnobSpace:
     """Which knobs a profile allows, and turning a trial's suggestions into ProblemSettings."""
 
     def __init__(self, profile: ProfileData, sequences_per_step: Optional[int] = None,
-                 gradient_modes_allowed: Optional[tuple] = None, base: ProblemSettings = ProblemSettings()):
+                 gradient_modes_allowed: Optional[tuple] = None, base: ProblemSettings = ProblemSettings(),
+                 layouts_allowed: Optional[tuple] = None):
         """`base`: the knobs a trial does not vary (optimizer, masters, compile mode: the MILP's best plan's) and
-        its layout where the trial's gradient storage allows it."""
+        its layout where the trial's gradient storage allows it. `layouts_allowed` (None: every one the profile
+        offers) keeps trials to those layouts, and to the gradient storages that can take one of them."""
         self.profile = profile
         self.base = base
         s = profile.settings
@@ -106,8 +108,12 @@ class KnobSpace:
         # storage may take, so its choices are the same in every trial; a trial whose storage cannot take the
         # layout it drew runs its storage's own
         self.world = int(s.get("world_size", 1) or 1)
-        self._layouts_of = {m: layouts(self.world, profile.collectives, m, self.stages) for m in self.modes}
-        self.layouts = sorted({lay for offered in self._layouts_of.values() for lay in offered})
+        self._layouts_of = {m: [lay for lay in layouts(self.world, profile.collectives, m, self.stages)
+                                if layouts_allowed is None or lay in layouts_allowed] for m in self.modes}
+        self.modes = [m for m in self.modes if self._layouts_of[m]]
+        if not self.modes:
+            raise ValueError(f"no gradient storage of the profile can take a layout of {layouts_allowed}")
+        self.layouts = sorted({lay for m in self.modes for lay in self._layouts_of[m]})
 
     def defaults(self) -> dict:
         """The profile's own knobs: the warm-start trial."""
@@ -166,13 +172,13 @@ def run_study(profile: ProfileData, budget: int, *, storage: str, study_name: st
               measure: Optional[Callable[[list], list]] = None, parallel: int = 1,
               progress: bool = True, stop_after: Optional[int] = None,
               gradient_modes_allowed: Optional[tuple] = None,
-              base: ProblemSettings = ProblemSettings()) -> StudyResult:
+              base: ProblemSettings = ProblemSettings(), layouts_allowed: Optional[tuple] = None) -> StudyResult:
     """Run the study until it holds `trials` finished trials (resuming an existing one); returns them.
 
     `measure(list of (TrialResult)) -> list of dicts with peak_bytes and step_seconds` runs plans for
     real (`parallel` at a time); `stop_after` stops this call after that many new trials (to test resume);
     `gradient_modes_allowed` keeps the trials to those gradient storages (None: every one the profile has);
-    `base` holds the knobs trials do not vary (see KnobSpace).
+    `base` holds the knobs trials do not vary and `layouts_allowed` the layouts they may take (see KnobSpace).
     """
     import optuna
     from optuna.trial import TrialState
@@ -202,7 +208,7 @@ def run_study(profile: ProfileData, budget: int, *, storage: str, study_name: st
     if parallel <= 1:  # one process owns the study: trials left running by an interrupted run failed
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             study.tell(t.number, state=TrialState.FAIL)
-    space = KnobSpace(profile, sequences_per_step, gradient_modes_allowed, base)
+    space = KnobSpace(profile, sequences_per_step, gradient_modes_allowed, base, layouts_allowed)
     finished = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
     if not study.trials:
         study.enqueue_trial(space.defaults())

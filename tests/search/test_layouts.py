@@ -167,3 +167,19 @@ def test_optuna_trials_draw_layouts_and_keep_the_plans_other_knobs(tmp_path):
         trial = result.study.trials[r.number]
         assert knobs_from_trial(trial, space) == r.knobs, seed
         assert trial.distributions["layout"].choices == tuple(space.layouts)
+
+
+def test_optuna_keeps_to_the_layouts_asked(tmp_path):
+    """`agoq search --layout replicated` (the demo's one-process search): no trial may come back sharded or fsdp,
+    or the plan could not run in one process; asking for a layout no storage takes is a clear error."""
+    from agoq.search.study import KnobSpace, run_study
+
+    seed = int.from_bytes(__import__("os").urandom(3), "little")
+    p = _profile(tmp_path, 2, link=1e11, seed=seed % 1000)
+    _, largest = budget_bounds(p)
+    result = run_study(p, largest, storage=f"sqlite:///{tmp_path / 'study.db'}", trials=8, objective="time",
+                       time_cap=None, progress=False, seed=seed, layouts_allowed=("replicated",))
+    assert result.trials and {r.knobs.layout for r in result.trials} == {"replicated"}, seed
+    assert {r.knobs.gradient_mode for r in result.trials} <= {"bf16", "quangrad8"}
+    with pytest.raises(ValueError, match="layout"):
+        KnobSpace(p, layouts_allowed=("pipeline",))
