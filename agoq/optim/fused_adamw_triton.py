@@ -286,10 +286,12 @@ def adamw_step_triton(params: list[torch.Tensor], masters: list[torch.Tensor] | 
                        device)
     stochastic = seeds is not None and masters is None and pdtype == torch.bfloat16
     # the seeds change every step: their own small tensor, copied from pinned memory without a host sync (the
-    # table, whose content is the same every step, stays on the device)
-    seeds_dev = torch.tensor(seeds, dtype=torch.int64).pin_memory().to(device, non_blocking=True) \
-        if stochastic and device.type == "cuda" else torch.tensor(seeds if stochastic else [0], dtype=torch.int64,
-                                                                  device=device)
+    # table, whose content is the same every step, stays on the device); without stochastic rounding the kernel
+    # reads no seed, and the table stands in for the pointer (no copy at all)
+    seeds_dev = table
+    if stochastic:
+        host = torch.tensor(seeds, dtype=torch.int64)
+        seeds_dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
     numels = tuple(p.numel() for p in params)
     tiles = _on_device(("tiles", device, block, numels),
                        lambda: _tile_map(list(numels), block * BLOCKS_PER_PROGRAM, torch.device("cpu")), device)

@@ -183,15 +183,12 @@ def plan_from_profile(profile_dir, budget_bytes: int, *, objective: str = DEFAUL
     return plan
 
 
-def _study_gradient_modes(space: Optional[KnobSpace]) -> Optional[tuple]:
-    """The gradient storages Optuna's trials may use under `space`: its own, less sdp4bit when no sharded layout
-    is allowed (the study knows gradient modes, not layouts). None: every one."""
+def _study_limits(space: Optional[KnobSpace]) -> dict:
+    """The gradient storages and layouts Optuna's trials may use under `space` (None: every one the profile offers);
+    a storage that can take none of the layouts is left out by the study itself."""
     if space is None:
-        return None
-    modes = space.gradient_modes
-    if space.layouts is not None and not {"sharded", "fsdp"} & set(space.layouts):
-        modes = tuple(m for m in (modes or ("bf16", "quangrad8", "sdp4bit")) if m != "sdp4bit")
-    return modes
+        return {}
+    return {"gradient_modes_allowed": space.gradient_modes, "layouts_allowed": space.layouts}
 
 
 def search(profile: ProfileData, budget: int, *, method: str = "milp", objective: str = DEFAULT_OBJECTIVE,
@@ -238,12 +235,10 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
         result = run_study(profile, budget, storage=storage, study_name=study_name, trials=trials,
                            objective=objective, time_cap=time_cap, error_cap=error_cap, sampler=sampler, seed=seed,
                            measure=measure, parallel=parallel, progress=progress, stop_after=stop_after,
-                           gradient_modes_allowed=_study_gradient_modes(space), base=knobs,
-                           layouts_allowed=space.layouts if space is not None else None)
+                           base=knobs, **_study_limits(space))
         outcome.trials_run = result.ran
         outcome.trials_total = len(result.study.trials)
-        space = KnobSpace(profile, gradient_modes_allowed=_study_gradient_modes(space), base=knobs,
-                          layouts_allowed=space.layouts if space is not None else None)
+        space = KnobSpace(profile, base=knobs, **_study_limits(space))
         for t in result.front:
             k = knobs_from_trial(t, space)
             prob, _, a = _milp_plan(profile, k, budget, objective, time_cap, error_cap)
