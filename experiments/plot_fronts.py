@@ -57,9 +57,8 @@ def points_by_model(files) -> dict:
 
 def front(points: dict) -> list[str]:
     """Names of the Pareto-optimal points (by memory, then step ratio), smallest memory first."""
-    names = sorted(points, key=lambda n: (points[n]["memory_GiB"], points[n]["step_ratio"]))
     kept, best = [], float("inf")
-    for n in sorted(names, key=lambda n: (points[n]["memory_GiB"], points[n]["step_ratio"])):
+    for n in sorted(points, key=lambda n: (points[n]["memory_GiB"], points[n]["step_ratio"])):
         if points[n]["step_ratio"] < best - 1e-12:
             kept.append(n)
             best = points[n]["step_ratio"]
