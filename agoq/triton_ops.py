@@ -12,18 +12,22 @@ the kernel itself and launches it from its generated code: no dispatcher round t
     op needs, e.g. no seed drawn on the host); elsewhere the op stays one opaque call, run by its device kernel.
 
 AGOQ_TRITON_OPS=0 in the environment (read at import) keeps every op opaque under torch.compile, as custom ops
-were before: a switch for comparing the two. On a torch without `triton_op` (< 2.6) the ops are custom ops.
+were before: a switch for comparing the two. On a torch without `triton_op` (< 2.6), or where the triton package
+is not installed (the CPU build of torch does not bring it), the ops are custom ops: their CPU kernels need no
+Triton, and nothing here imports it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 
 import torch
 
 DECOMPOSE = os.environ.get("AGOQ_TRITON_OPS", "1") != "0"
-HAS_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # looked up, not imported
+HAS_TRITON_OP = HAS_TRITON and hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
 
 
 def _decomposition_disabled_by_export() -> bool:

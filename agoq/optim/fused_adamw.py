@@ -29,7 +29,6 @@ import math
 import torch
 
 from agoq.comm.quangrad import QuantizedGradients
-from agoq.optim.fused_adamw_triton import adamw_step_triton, codes_norm_sq_triton, dense_norm_sq_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -194,6 +193,7 @@ def adamw8bit_step(params: list[torch.Tensor], masters: list[torch.Tensor] | Non
     groups: dict[tuple, list[int]] = {}
     for i, (p, g) in enumerate(zip(params, grads)):
         groups.setdefault((p.dtype, _kind(g)), []).append(i)
+    from agoq.optim.fused_adamw_triton import adamw_step_triton  # Triton is imported only when a kernel runs
     for members in groups.values():
         bucket: list[int] = []
         size = 0
@@ -219,6 +219,7 @@ def grad_norm_sq(grads: QuantizedGradients | list[torch.Tensor], backend: str = 
         grads.wait()
         codes, scales, block = grads.codes, grads.scales, grads.block
         if backend == "triton" or (backend == "auto" and codes.is_cuda):
+            from agoq.optim.fused_adamw_triton import codes_norm_sq_triton
             return codes_norm_sq_triton(codes, scales, block)
         total = torch.zeros((), dtype=torch.float64, device=codes.device)
         for a in range(0, scales.numel(), CHUNK // block):  # bounded temporaries
@@ -230,6 +231,7 @@ def grad_norm_sq(grads: QuantizedGradients | list[torch.Tensor], backend: str = 
     if not grads:
         raise ValueError("grad_norm_sq needs at least one gradient")
     if backend == "triton" or (backend == "auto" and grads[0].is_cuda):
+        from agoq.optim.fused_adamw_triton import dense_norm_sq_triton
         return dense_norm_sq_triton(grads)
     total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
     for g in grads:

@@ -306,8 +306,12 @@ def test_command_refuses_other_hosts_without_token(synthetic_root, monkeypatch, 
 
     from agoq.cli import main
 
-    served = {}
+    import dashboard.command
+
+    served, probed = {}, []
     monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: served.update(app=app, host=host, port=port))
+    # the port check binds for real: the default port 8000 may be taken by a dashboard the user started
+    monkeypatch.setattr(dashboard.command, "_check_port_free", lambda host, port: probed.append((host, port)))
     monkeypatch.delenv("AGOQ_DASHBOARD_TOKEN", raising=False)
     assert main(["dashboard", "--root", str(synthetic_root), "--host", "0.0.0.0"]) == 2
     assert "token" in capsys.readouterr().err
@@ -322,6 +326,25 @@ def test_command_refuses_other_hosts_without_token(synthetic_root, monkeypatch, 
     monkeypatch.delenv("AGOQ_DASHBOARD_TOKEN")
     assert main(["dashboard", "--root", str(synthetic_root)]) == 0
     assert served["host"] == "127.0.0.1" and served["port"] == 8000
+    assert probed == [("0.0.0.0", 8123), ("127.0.0.1", 8000)]
+
+
+def test_command_refuses_a_port_in_use(synthetic_root, monkeypatch, capsys):
+    """A port something already listens on is refused before serving (an OS-chosen free port, taken here)."""
+    import socket
+
+    import uvicorn
+
+    from agoq.cli import main
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: pytest.fail("served on a port in use"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["dashboard", "--root", str(synthetic_root), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "--port" in err
 
 
 # --- broken and empty folders, new folders --------------------------------------------------------------
