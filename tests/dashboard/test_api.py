@@ -61,7 +61,7 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
     index = visit_everything(client)
     assert [p["id"] for p in index["profiles"]] == ["demo/profile"]
     assert [s["id"] for s in index["searches"]] == ["demo/search"]
-    assert {r["id"] for r in index["runs"]} == {"demo/runs/bf16", "demo/runs/plan"}
+    assert {r["id"] for r in index["runs"]} == {"demo/runs/baseline", "demo/runs/plan"}
     assert "demo/search/plan.json" in [p["id"] for p in index["plans"]]
     assert all("error" not in item for kind in PAGES for item in index[kind]), index
     # a search's budget is its chosen plan's, not the first front row's
@@ -136,8 +136,8 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
     assert curves["series"]["loss"]["value"] == pytest.approx([x["loss"] for x in train])
     assert curves["series"]["val_loss"]["value"] == pytest.approx([x["val_loss"] for x in val])
     assert curves["peak_bytes"][0]["value"] == [x["peak_bytes"][0] for x in train]
-    summary = client.get("/api/run", params={"id": "demo/runs/bf16"}).json()["summary"]
-    assert summary["status"] == "finished" and summary["plan"] == "fp32 (no plan)"  # the demo trains on the CPU
+    summary = client.get("/api/run", params={"id": "demo/runs/baseline"}).json()["summary"]
+    assert summary["status"] == "finished" and summary["plan"] == "baseline (no plan), fp32"  # on the CPU: float32
     assert snapshot(stage_root) == before
 
 
