@@ -46,3 +46,14 @@ def format_bytes(n: Any, digits: int = 1) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
     return f"{n:.{digits}f} TiB"
+
+
+def format_bytes_apart(a: int, b: int, digits: int = 1, most: int = 3) -> tuple[str, str]:
+    """Two byte counts as format_bytes writes them, with `digits` decimals or more (up to `most`) where fewer
+    would make different counts read alike ('1.301 MiB' and '1.326 MiB', not '1.3 MiB' twice), and as exact
+    byte counts where even `most` decimals would; equal counts read alike."""
+    for d in range(digits, max(digits, most) + 1):
+        x, y = format_bytes(a, d), format_bytes(b, d)
+        if x != y or a == b:
+            return x, y
+    return f"{int(a)} B", f"{int(b)} B"

@@ -3,7 +3,8 @@ plans and runs, each named by its path relative to the root.
 
 The catalog never follows a path out of the root: directory symlinks are not descended into, file
 symlinks are kept only when they resolve inside the root, and a request's id is only ever looked up
-in the catalog, never joined onto the root.
+in the catalog, never joined onto the root. Symlinks left out because they lead outside the root (or
+nowhere) are listed in the index's problems, so that nothing vanishes unexplained.
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ def inside(root: Path, path: Path) -> bool:
         return False
 
 
+def outside_link_note(root: Path, path: Path, folder: bool) -> str:
+    """Why the symlink `path` under `root` is not read: it leads outside the root, or nowhere."""
+    what = "folder" if folder else "file"
+    if not os.path.exists(path):
+        return f"{_relative_id(root, path)}: a broken symlink, skipped"
+    return (f"{_relative_id(root, path)}: a symlink to a {what} outside the root, not read (the dashboard reads "
+            "only under --root: copy it in, or give a --root that holds it)")
+
+
 def _relative_id(root: Path, path: Path) -> str:
     rel = path.relative_to(root).as_posix()
     return rel or "."
@@ -103,23 +113,26 @@ def scan(root: Path, max_depth: int = 8, seen: dict | None = None) -> Index:
     """Walk `root` (already resolved) and index every profile folder (profile.json), run folder
     (run.json), search folder (pareto.csv or an Optuna study.db / study.journal) and plan file
     (plan.json, or any JSON file whose schema is agoq.plan/N). Hidden folders, checkpoints and
-    anything deeper than `max_depth` are skipped; so is every symlink leading out of `root`. `seen`
-    remembers which JSON files are plans between scans."""
+    anything deeper than `max_depth` are skipped; so is every symlink leading out of `root` (or nowhere), noted
+    in the index's problems. `seen` remembers which JSON files are plans between scans."""
     index = Index(scanned_at=time.time())
     seen = {} if seen is None else seen
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=None):
         here = Path(dirpath)
         depth = len(here.relative_to(root).parts)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS
-                             and not (here / d).is_symlink())
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
         if depth >= max_depth:
             dirnames[:] = []
+        for d in [d for d in dirnames if (here / d).is_symlink()]:  # its target, when inside, is walked itself
+            dirnames.remove(d)
+            if not inside(root, here / d):
+                index.problems.append(outside_link_note(root, here / d, folder=True))
         names = set(filenames)
         usable = set()
-        for name in names:
+        for name in sorted(names):
             p = here / name
             if p.is_symlink() and not inside(root, p):
-                index.problems.append(f"{_relative_id(root, p)}: a symlink leading outside the root, skipped")
+                index.problems.append(outside_link_note(root, p, folder=False))
                 continue
             usable.add(name)
         folder_id = _relative_id(root, here)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from agoq.units import format_bytes, parse_size
+from agoq.units import format_bytes, format_bytes_apart, parse_size
 
 MAX_BUDGET_BYTES = 2**50  # 1 PiB per GPU: anything above is a typo, not a GPU
 CAP_FIELDS = ("objective", "time_cap", "error_cap")
@@ -219,9 +219,9 @@ def plan_at_budget(entry: ProfileEntry, query: PlanQuery) -> dict[str, Any]:
         if infeasible:
             text = str(e).replace(f" (profile {entry.profile.path})", "")
             if smallest is not None:
-                text = (f"no plan fits {format_bytes(query.budget_bytes)} ({query.budget_bytes} bytes) per GPU under "
-                        f"these caps: the smallest budget that fits is {format_bytes(smallest)} ({smallest} bytes); "
-                        "ask for that much or more, or loosen the caps")
+                asked, least = format_bytes_apart(query.budget_bytes, smallest)
+                text = (f"no plan fits {asked} ({query.budget_bytes} bytes) per GPU under these caps: the smallest "
+                        f"budget that fits is {least} ({smallest} bytes); ask for that much or more, or loosen the caps")
             raise Infeasible(text, smallest) from None
         raise
     plan = outcome.plan.to_dict()

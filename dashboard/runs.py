@@ -146,9 +146,31 @@ def run_status(meta: dict[str, Any], folder: Folder, now: float | None = None) -
     return "stale" if last is not None and now - last > STALE_SECONDS else status
 
 
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def run_label(plan: Any, settings: dict[str, Any]) -> str:
+    """What a run trained with: its plan ('plan (milp), budget 2.1 MiB'); without one, its activation policy,
+    gradient storage and optimizer where not plain ('policy agoq-paper (no plan), fp32'), else 'baseline (no
+    plan), fp32', with the dtype it computed in (settings.dtype; bf16, agoq train's default on a GPU, when absent)."""
+    if isinstance(plan, dict):
+        source = plan.get("source") or {}
+        budget = number(plan.get("budget_bytes"))
+        label = "plan" + (f" ({source.get('method')})" if source.get("method") else "")
+        return label + (f", budget {format_bytes(budget)}" if budget else "")
+    dtype = settings.get("dtype")
+    dtype = DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else "bf16"
+    parts = [f"policy {settings['policy']}"] if settings.get("policy") else []
+    if settings.get("gradients") not in (None, "bf16"):  # bf16: plain gradients in the parameters' dtype
+        parts.append(f"{settings['gradients']} gradients")
+    if settings.get("optimizer") not in (None, "adamw"):
+        parts.append(str(settings["optimizer"]))
+    return f"{', '.join(parts) or 'baseline'} (no plan), {dtype}"
+
+
 def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
-    """Key figures of a run: model, plan or bf16, status, step reached, last loss and validation loss,
-    median tokens/s, highest peak memory of any rank, number of metric lines."""
+    """Key figures of a run: model, what it trained with (run_label), status, step reached, last loss and
+    validation loss, median tokens/s, highest peak memory of any rank, number of metric lines."""
     meta = read_json(folder.file("run.json"), "run")
     m = store.read(folder.file("metrics.jsonl"))
     model = meta.get("model") or {}
@@ -158,18 +180,10 @@ def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
     val = [v for v in m.val["val_loss"] if v is not None]
     tps = [v for v in m.train["tokens_per_s"] if v is not None]
     peaks = [v for row in m.peak for v in row if v is not None]
-    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(settings.get("dtype"), "bf16")
-    plan_label = f"{dtype} (no plan)"  # the CPU trains in fp32
-    if isinstance(plan, dict):
-        source = plan.get("source") or {}
-        budget = number(plan.get("budget_bytes"))
-        plan_label = "plan" + (f" ({source.get('method')})" if source.get("method") else "")
-        if budget:
-            plan_label += f", budget {format_bytes(budget)}"
     return json_safe({
         "model": model.get("name") or model.get("spec"),
         "fingerprint": model.get("fingerprint"),
-        "plan": plan_label,
+        "plan": run_label(plan, settings),
         "status": run_status(meta, folder),
         "message": meta.get("message") or (f"no sign of life for over {STALE_SECONDS // 60} minutes: the process "
                                            "probably died; --resume continues from its last checkpoint"

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from agoq.activations.policy import as_policy
 from agoq.commands.arguments import positive_int
 from agoq.files import write_atomic
 from agoq.models import build
 from agoq.profiler import compare_policies
+from agoq.progress import progress_bar
 from agoq.units import dtype_from_name, format_bytes
 
 HELP = "compare activation policies on a model: bytes kept for backward, gradient error, step time"
@@ -65,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                          f"({model.config.max_position_embeddings})")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq + 1), device=device, generator=gen)
-    bar = tqdm(total=len(policies), desc="policies", unit="policy", disable=args.quiet, file=sys.stderr)
+    bar = progress_bar(total=len(policies), desc="policies", unit="policy", enabled=not args.quiet)
 
     def progress(name):
         bar.set_postfix_str(name)

@@ -8,8 +8,8 @@ that shows the results in the dashboard:
      looks for the fastest plan within it, then runs the two best plans for a few steps to measure them;
      a plan sharded over several processes (SDP4Bit or FSDP2) cannot train here, so the demo then also
      searches one replicated with QuanGrad's 8-bit gradients (-> OUT/search-one-process/) to train
-  3. agoq train llama-tiny                -> OUT/runs/bf16/ (the plain baseline)
-     agoq train llama-tiny --plan ...     -> OUT/runs/plan/ (the same steps with the searched plan)
+  3. agoq train llama-tiny                -> OUT/runs/baseline/ (no plan: plain training, in float32 on the CPU)
+     agoq train llama-tiny --plan ...     -> OUT/runs/plan/     (the same steps with the searched plan)
   4. prints `agoq dashboard --root OUT`
 
 Each step runs the same command a user would type (its module in agoq.commands, with its own parser).
@@ -80,10 +80,11 @@ def demo_budget(profile_dir: Path) -> int:
 
 def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list[str] | None = None,
              search_args: list[str] | None = None, train_args: list[str] | None = None) -> dict[str, Path]:
-    """Profile, search and train (bf16 and with the plan) into `out`; returns the folders written.
+    """Profile, search and train (the baseline without a plan, and with the plan) into `out`; returns the folders
+    written.
     The *_args lists replace the demo's extra arguments of each stage (tests use them to go faster)."""
     q = ["--quiet"] if quiet else []
-    paths = {"profile": out / "profile", "search": out / "search", "bf16": out / "runs" / "bf16",
+    paths = {"profile": out / "profile", "search": out / "search", "baseline": out / "runs" / "baseline",
              "plan_run": out / "runs" / "plan", "plan": out / "search" / "plan.json"}
     _stage(["profile", MODEL, "--device", "cpu", "--out", str(paths["profile"]), *q,
             *(PROFILE_ARGS if profile_args is None else profile_args)])
@@ -112,7 +113,7 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
              if training.get(key) for arg in (flag, str(training[key]))]
     common = ["--device", "cpu", "--steps", str(steps), *shape, *q,
               *(TRAIN_ARGS if train_args is None else train_args)]
-    _stage(["train", MODEL, "--out", str(paths["bf16"]), *common])
+    _stage(["train", MODEL, "--out", str(paths["baseline"]), *common])
     _stage(["train", MODEL, "--plan", str(trained), "--out", str(paths["plan_run"]), *common])
     return paths
 

@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import socket
-import sys
 import tempfile
 import threading
 import traceback
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from agoq.profiler.kernel_time import median_seconds
+from agoq.progress import progress_bar
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 PATHS = ("nccl-fp32", "nccl-bf16", "quangrad8", "sdp4bit")
@@ -82,7 +82,7 @@ def profile_collectives(sizes: list[int], iters: int = 5, progress: bool = False
     rows, failures = [], []
     bar = None
     if progress and rank == 0:
-        bar = tqdm(total=len(sizes) * 9, desc="collectives", unit="case", file=sys.stderr)
+        bar = progress_bar(total=len(sizes) * 9, desc="collectives", unit="case")
     warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)  # names differ by version
     for size in sizes:
         numel = max(size // 4, world * 128)
@@ -114,7 +114,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned(rank: int, world: int, port: int, out_dir: str, sizes: list[int], iters: int, use_cuda: bool) -> None:
+def _spawned(rank: int, world: int, port: int, out_dir: str, sizes: list[int], iters: int, use_cuda: bool,
+             progress: bool) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch renames collectives across versions
     # a thread lock for progress bars: this process leaves by os._exit, which would strand a semaphore
     tqdm.set_lock(threading.RLock())
@@ -127,7 +128,7 @@ def _spawned(rank: int, world: int, port: int, out_dir: str, sizes: list[int], i
     try:
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300))
-        rows, failures = profile_collectives(sizes, iters, progress=True)
+        rows, failures = profile_collectives(sizes, iters, progress=progress)
         result = {"rows": rows, "failures": failures}
     except BaseException:  # reported to the parent, whatever it was
         result = {"error": traceback.format_exc()}
@@ -141,9 +142,9 @@ def _spawned(rank: int, world: int, port: int, out_dir: str, sizes: list[int], i
 
 
 def spawn_collectives(world_size: int, sizes: list[int] | None = None, iters: int | None = None,
-                      use_cuda: bool | None = None) -> tuple[list[dict], list[dict]]:
+                      use_cuda: bool | None = None, progress: bool = False) -> tuple[list[dict], list[dict]]:
     """Start `world_size` local processes (NCCL, one GPU each, or gloo on the CPU) and time the
-    collectives; returns (rows, failures)."""
+    collectives (rank 0 shows a progress bar with `progress`); returns (rows, failures)."""
     import multiprocessing
 
     if use_cuda is None:
@@ -157,7 +158,7 @@ def spawn_collectives(world_size: int, sizes: list[int] | None = None, iters: in
         # plain processes, results through files: no queues or semaphores left behind at exit
         ctx = multiprocessing.get_context("spawn")
         port = _free_port()
-        procs = [ctx.Process(target=_spawned, args=(rank, world_size, port, out_dir, sizes, iters, use_cuda))
+        procs = [ctx.Process(target=_spawned, args=(rank, world_size, port, out_dir, sizes, iters, use_cuda, progress))
                  for rank in range(world_size)]
         for proc in procs:
             proc.start()

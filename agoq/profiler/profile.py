@@ -12,12 +12,10 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from agoq.activations.policy import KINDS, split_layers
 from agoq.activations.saved_bytes import find_decoder_layers
@@ -48,6 +46,7 @@ from agoq.profiler.options import (
 from agoq.profiler.replay import REPLAYABLE
 from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chunk
 from agoq.profiler.tensor_error import measure_tensor_errors, sqnr_db
+from agoq.progress import progress_bar
 from agoq.schedules import in_flight
 
 
@@ -91,7 +90,7 @@ class _Progress:
     def start(self, total: int, desc: str) -> None:
         if self.enabled:
             self.close()
-            self.bar = tqdm(total=total, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
+            self.bar = progress_bar(total=total, desc=desc, unit="run")
 
     def update(self, n: int = 1) -> None:
         if self.bar is not None:
@@ -256,7 +255,7 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
         say(f"collectives: {settings.world_size} local processes")
         try:
             collectives, coll_failures = spawn_collectives(settings.world_size, settings.collective_sizes,
-                                                           use_cuda=device.type == "cuda")
+                                                           use_cuda=device.type == "cuda", progress=progress)
             failures += coll_failures
         except Exception as e:  # noqa: BLE001
             failures.append({"what": f"collectives world_size={settings.world_size}", "error": _short(e)})

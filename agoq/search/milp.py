@@ -44,7 +44,7 @@ from scipy.sparse import coo_matrix
 
 from agoq.activations.policy import KINDS
 from agoq.search.costs import ChoiceProblem, recipe_error
-from agoq.units import format_bytes
+from agoq.units import format_bytes_apart
 
 OBJECTIVES = ("error", "time")
 TIE_BREAK = 1e-6
@@ -518,7 +518,6 @@ class Solver:
     def _infeasible(self, budgets: np.ndarray, time_cap: Optional[float], why: str,
                     error_cap: Optional[float] = None) -> InfeasibleBudget:
         smallest = self.smallest_budget(time_cap, error_cap)
-        asked = ", ".join(format_bytes(b) for b in budgets)
         if smallest is None:
             if error_cap is not None and self.smallest_budget(None, error_cap) is None:
                 least = self.solve(np.full(self.problem.num_stages, np.inf), "error").grad_error
@@ -528,11 +527,12 @@ class Solver:
             return InfeasibleBudget(f"no choice meets the time cap of {time_cap:.4f} s per step at any memory budget"
                                     f"{' within the error cap' if error_cap is not None else ''}; the fastest choice "
                                     f"takes {fastest:.4f} s: raise --time-cap", None)
+        asked = ", ".join(format_bytes_apart(b, smallest)[0] for b in budgets)  # enough digits to tell them apart
         caps = "".join([f" within the time cap of {time_cap:.4f} s" if time_cap is not None else "",
                         f" and error cap {error_cap:.4g}" if error_cap is not None else ""])
         return InfeasibleBudget(
             f"no choice fits a budget of {asked} per stage{caps}: the smallest feasible budget is "
-            f"{format_bytes(smallest)} ({smallest} bytes): give --budget {smallest} or more"
+            f"{format_bytes_apart(smallest, min(budgets))[0]} ({smallest} bytes): give --budget {smallest} or more"
             + ("" if "infeasible" in why.lower() else f" ({why})"), smallest)
 
     def smallest_time(self) -> float:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
+from agoq.progress import progress_bar
 from agoq.search.costs import ChoiceProblem
 from agoq.search.milp import Allocation, Solver
 
@@ -70,9 +70,7 @@ def memory_error_front(problem: ChoiceProblem, count: int = 20, objective: str =
     points = []
     iterator = budgets
     if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(budgets, desc="pareto budgets", unit="budget", file=sys.stderr)
+        iterator = progress_bar(budgets, desc="pareto budgets", unit="budget")
     for b in iterator:
         try:
             points.append(FrontPoint(float(b), solver.solve(float(b), objective, _cap(time_cap, float(b)),

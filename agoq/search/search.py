@@ -277,7 +277,7 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
         if not config:
             raise ValueError("--validate needs the model config in profile.json (model.config)")
         validate_plans([c.plan for c in chosen], config, dtype=str(profile.settings.get("dtype", "bf16")),
-                       steps=validate_steps, seed=seed, runner=runner)
+                       steps=validate_steps, seed=seed, runner=runner, progress=progress)
         if alternatives and best.plan.alternative is not None:
             measure_alternative(best.plan, config, dtype=str(profile.settings.get("dtype", "bf16")),
                                 steps=validate_steps, seed=seed, runner=runner)

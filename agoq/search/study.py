@@ -15,7 +15,6 @@ storage and study name resumes: only the trials still missing are run.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 
 from agoq.activations.policy import KINDS
 from agoq.formats.profile import ProfileData
+from agoq.progress import progress_bar
 from agoq.search.costs import ProblemSettings, build_problem, gradient_modes, optimizer_choices
 from agoq.search.layouts import layouts
 from agoq.search.milp import InfeasibleBudget, Solver, resolve_time_cap
@@ -218,9 +218,7 @@ def run_study(profile: ProfileData, budget: int, *, storage: str, study_name: st
     result = StudyResult(study)
     bar = None
     if progress and todo:
-        from tqdm import tqdm
-
-        bar = tqdm(total=todo, desc="optuna trials", unit="trial", file=sys.stderr)
+        bar = progress_bar(total=todo, desc="optuna trials", unit="trial")
     solvers: dict = {}
     while todo > 0:
         batch = []

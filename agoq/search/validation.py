@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import gc
 import statistics
-import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
 from agoq.formats.plan import plan_from_dict
+from agoq.progress import progress_bar
 from agoq.units import dtype_from_name
 
 
@@ -165,9 +165,7 @@ class Runner:
         """fn(**job) for every job, in order; in parallel on Ray."""
         bar = None
         if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(jobs), desc=progress, unit="run", file=sys.stderr)
+            bar = progress_bar(total=len(jobs), desc=progress, unit="run")
         if self.ray is None:
             out = []
             for job in jobs:
@@ -191,9 +189,9 @@ class Runner:
 
 
 def validate_plans(plans: list, model_config: dict, *, dtype: str = "bf16", steps: int = 4, seed: int = 0,
-                   runner: Optional[Runner] = None, device: Optional[str] = None) -> list[dict]:
+                   runner: Optional[Runner] = None, device: Optional[str] = None, progress: bool = True) -> list[dict]:
     """Measure each plan (agoq.formats.plan.Plan) and plain bf16 training of the same model, batch and data; writes
-    `measured` into each plan and returns the measured dicts."""
+    `measured` into each plan and returns the measured dicts (a progress bar with `progress`)."""
     runner = runner or Runner()
     # one process measures each plan: SDP4Bit's sharded gradients (several processes) are measured as bf16 .grad
     jobs = [dict(plan=None if p is None else p.to_dict(), model_config=model_config, dtype=dtype,
@@ -203,7 +201,7 @@ def validate_plans(plans: list, model_config: dict, *, dtype: str = "bf16", step
     shapes = {(j["micro_batch"], j["seq_len"], j["grad_accum"]) for j in jobs}
     refs = [dict(plan=None, model_config=model_config, dtype=dtype, micro_batch=mb, seq_len=sl, grad_accum=ga,
                  steps=steps, seed=seed, device=device, gradients=None) for mb, sl, ga in sorted(shapes)]
-    results = runner.map(measure_plan, jobs + refs, progress="validating plans")
+    results = runner.map(measure_plan, jobs + refs, progress="validating plans" if progress else None)
     reference = {(j["micro_batch"], j["seq_len"], j["grad_accum"]): r for j, r in zip(refs, results[len(jobs):])}
     measured = []
     for plan, job, r in zip(plans, jobs, results[:len(jobs)]):

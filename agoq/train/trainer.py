@@ -30,6 +30,7 @@ import torch.distributed as dist
 from agoq.environment import hardware, software_versions
 from agoq.files import json_safe
 from agoq.formats.run import RunRecord, read_run
+from agoq.progress import progress_bar
 from agoq.train.checkpoint import clean_partial, find_checkpoint, load_checkpoint, save_checkpoint
 from agoq.train.config import OPTIMIZERS, PARALLEL_MODES, JobConfig, TrainConfig
 from agoq.train.optimizer import BETAS
@@ -323,9 +324,7 @@ class Trainer:
             self.record.start_heartbeat()
         bar = None
         if world.rank == 0 and not cfg.loop.quiet:
-            from tqdm import tqdm
-
-            bar = tqdm(total=steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+            bar = progress_bar(total=steps, initial=start, desc="train", unit="step")
         last_saved = start
         step = start
         if start < steps and self._stop_requested():  # a signal while the run was being prepared

@@ -1,17 +1,26 @@
 // The profile page's live plan: a budget slider whose plan (POST /api/plan, solved as `agoq search` would)
 // is redrawn as it moves, and a button saving the plan shown (POST /api/plan/save). The last plan drawn is
-// window.agoqPlanner.current; body[data-plans-drawn] counts the plans drawn.
+// window.agoqPlanner.current (null, and nothing drawn, once a budget gets no plan); body[data-plans-drawn]
+// counts the plans drawn.
 (function () {
   "use strict";
   var STEPS = 1000;
   var DEBOUNCE_MS = 200;
 
-  function bytes(n) {
+  function bytes(n, digits) {
     if (n === null || n === undefined || !isFinite(n)) return "–";
     var units = ["B", "KiB", "MiB", "GiB", "TiB"];
     var i = 0;
     while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
-    return i === 0 ? String(Math.round(n)) + " B" : n.toFixed(2) + " " + units[i];
+    return i === 0 ? String(Math.round(n)) + " B" : n.toFixed(digits === undefined ? 2 : digits) + " " + units[i];
+  }
+  // two byte counts with enough decimals (up to 4) that different counts read differently, else exact bytes
+  function bytesApart(a, b) {
+    for (var d = 2; d <= 4; d++) {
+      var x = bytes(a, d), y = bytes(b, d);
+      if (x !== y || a === b) return [x, y];
+    }
+    return [String(Math.round(a)) + " B", String(Math.round(b)) + " B"];
   }
   function seconds(s) {
     if (s === null || s === undefined) return "–";
@@ -92,33 +101,48 @@
          num(p.tokens_per_second, 5), num(p.grad_error), String(answer.caps.objective),
          answer.cached ? "cached" : seconds(answer.solve_seconds)]));
       (answer.notes || []).forEach(function (n) { figures.appendChild(el("div", n, "msg info")); });
-      var alt = document.getElementById("plan-alternative");
-      alt.textContent = "";
-      if (answer.alternative !== null && answer.alternative !== undefined) {
-        alt.appendChild(el("h3", "Best alternative at this budget"));
-        var a = answer.alternative;
-        if (typeof a === "object" && !Array.isArray(a)) {
-          var keys = Object.keys(a).filter(function (k) { return a[k] === null || typeof a[k] !== "object"; });
-          alt.appendChild(table(keys, keys.map(function (k) {
-            var v = a[k];
-            if (/_bytes$/.test(k)) return bytes(v);
-            if (/_seconds$/.test(k)) return seconds(v);
-            return num(v);
-          })));
-        } else {
-          alt.appendChild(el("p", String(a)));
-        }
-      }
+      drawAlternative(answer.alternative, p);
       var config = {responsive: true, displaylogo: false};
+      result.hidden = false;
       var jobs = [Plotly.react("plan-bits", view.figures.bits.data, view.figures.bits.layout, config),
                   Plotly.react("plan-memory", view.figures.memory.data, view.figures.memory.layout, config)];
-      result.hidden = false;
       if (!nameInput.dataset.edited) nameInput.value = suggestedName(answer.budget_bytes);
       return Promise.all(jobs).then(function () {
         state.drawn += 1;
         document.body.dataset.plansDrawn = String(state.drawn);
         document.body.dataset.planBudget = String(answer.budget_bytes);
       });
+    }
+    // the best alternative without a plan (plain bf16, checkpointing, torch.compile; docs/formats.md), and how
+    // much faster the plan is: its tokens/s over the alternative's
+    function drawAlternative(a, p) {
+      var alt = document.getElementById("plan-alternative");
+      alt.textContent = "";
+      if (a === null || a === undefined) return;
+      alt.appendChild(el("h3", "Best alternative at this budget"));
+      if (typeof a !== "object" || Array.isArray(a)) { alt.appendChild(el("p", String(a))); return; }
+      var pred = a.predicted || {}, meas = a.measured || {};
+      var speedup = function (x) { return typeof x === "number" && isFinite(x) ? "× " + x.toFixed(2) : "–"; };
+      var cols = [["alternative", a.name === undefined ? "–" : String(a.name)],
+                  ["predicted peak", bytes(pred.peak_bytes)], ["predicted step", seconds(pred.step_seconds)],
+                  ["predicted tokens/s", num(pred.tokens_per_second, 5)],
+                  ["plan's speed-up (predicted)", speedup(a.speedup_predicted)]];
+      if (typeof meas.tokens_per_second === "number" || typeof a.speedup_measured === "number") {
+        cols.push(["measured tokens/s", num(meas.tokens_per_second, 5)],
+                  ["plan's speed-up (measured)", speedup(a.speedup_measured)]);
+      }
+      alt.appendChild(table(cols.map(function (c) { return c[0]; }), cols.map(function (c) { return c[1]; })));
+      alt.appendChild(el("p", "speed-up = the plan's tokens/s (" + num(p.tokens_per_second, 5) + " predicted) ÷ " +
+                         "this alternative's, both training the same tokens per step: above 1 the plan is faster, " +
+                         "below 1 slower.", "meta"));
+    }
+    // the plan drawn no longer answers the budget asked for: take it away, so the page shows no stale plan
+    function clearPlan() {
+      state.current = null;
+      result.hidden = true;
+      ["plan-figures", "plan-alternative"].forEach(function (id) { document.getElementById(id).textContent = ""; });
+      ["plan-bits", "plan-memory"].forEach(function (id) { Plotly.purge(id); });
+      delete document.body.dataset.planBudget;
     }
     function suggestedName(b) {
       var base = (profile === "." ? "profile" : profile).replace(/[^A-Za-z0-9._-]+/g, "-").replace(/^[^A-Za-z0-9]+/, "");
@@ -142,18 +166,23 @@
           setTimeout(function () { if (seq === state.seq) solve(); }, 1000 * Math.max(1, r.retry));
           return;
         }
+        clearPlan();
         say(detailText(r.body, r.status), "error");
         var least = r.status === 422 && r.body && r.body.detail && r.body.detail.smallest_budget_bytes;
         if (least && least > budget() && least <= state.high) offerSmallest(least);
       }).catch(function (err) {
         if (err && err.name === "AbortError") return;
-        if (seq === state.seq) say("cannot reach the dashboard: " + err, "error");
+        if (seq !== state.seq) return;
+        clearPlan();
+        say("cannot reach the dashboard: " + err, "error");
       });
     }
     // below the smallest budget a plan fits (the range's low end ignores the error cap): a button that moves the
     // slider to the first position at or above it
     function offerSmallest(least) {
-      var button = el("button", "move to " + bytes(least));
+      var texts = bytesApart(budget(), least);
+      budgetText.textContent = texts[0];
+      var button = el("button", "move to " + texts[1]);
       button.type = "button";
       button.id = "plan-smallest";
       button.addEventListener("click", function () {

@@ -107,10 +107,11 @@ def test_unsupported_layer_is_refused_up_front(capsys):
     assert code == 2 and "SwiGLU" in err
 
 
-def test_world_size_spawns_collectives(tmp_path):
+def test_world_size_spawns_collectives(tmp_path, capfd):
     out = tmp_path / "w"
     assert main(["profile", "llama-tiny", *FAST, "--layers", "1", "--world-size", "2", "--collective-sizes",
                  "20KiB", "--out", str(out)]) == 0
+    assert "collectives" not in capfd.readouterr().err  # --quiet: no bar, from the spawned processes either
     coll = pd.read_parquet(out / "collectives.parquet")
     assert set(coll.world_size) == {2} and set(coll.message_bytes) == {20 * 1024} and len(coll) == 9
     assert json.loads((out / "profile.json").read_text())["files"]["collectives"] == "collectives.parquet"

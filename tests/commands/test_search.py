@@ -179,7 +179,20 @@ def test_validate_on_cpu(profile_dir, tmp_path, capsys):
     assert "not measured" in m.model_extra["note"]
     rows = _rows(tmp_path / "v" / "pareto.csv")
     assert sum(1 for r in rows if r["measured_step_seconds"]) >= 1
-    assert "measured: peak not measured" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "measured: peak not measured" in out
+    assert "validating plans" not in err and "pareto budgets" not in err and "\r" not in err  # --quiet: no bars
+
+
+def test_no_bars_in_a_log(profile_dir, tmp_path, capsys):
+    """Without --quiet, on a stream that is not a terminal (pytest's capture, like a CI log), a search that ends
+    within a minute writes no progress lines."""
+    low, high = _bounds(profile_dir)
+    out = tmp_path / "plan.json"
+    assert main(["search", "--profile", str(profile_dir), "--budget", str((low + 2 * high) // 3), "--out", str(out),
+                 "--front-budgets", "5", "--method", "both", "--trials", "3", *PIN]) == 0
+    err = capsys.readouterr().err
+    assert "pareto budgets" not in err and "optuna trials" not in err and "\r" not in err, err
 
 
 def test_validation_loss_deviation_is_zero_for_a_plain_plan(tmp_path):

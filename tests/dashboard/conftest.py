@@ -23,7 +23,7 @@ FAST_TRAIN = ["--eval-every", "3", "--eval-batches", "1", "--checkpoint-every", 
 
 @pytest.fixture(scope="session")
 def stage_root(tmp_path_factory) -> Path:
-    """A root holding demo/ (profile, search, runs/bf16, runs/plan) made by the real stage commands."""
+    """A root holding demo/ (profile, search, runs/baseline, runs/plan) made by the real stage commands."""
     from agoq.commands import demo
 
     root = tmp_path_factory.mktemp("stages")

@@ -61,7 +61,7 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
     index = visit_everything(client)
     assert [p["id"] for p in index["profiles"]] == ["demo/profile"]
     assert [s["id"] for s in index["searches"]] == ["demo/search"]
-    assert {r["id"] for r in index["runs"]} == {"demo/runs/bf16", "demo/runs/plan"}
+    assert {r["id"] for r in index["runs"]} == {"demo/runs/baseline", "demo/runs/plan"}
     assert "demo/search/plan.json" in [p["id"] for p in index["plans"]]
     assert all("error" not in item for kind in PAGES for item in index[kind]), index
     # a search's budget is its chosen plan's, not the first front row's
@@ -136,8 +136,8 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
     assert curves["series"]["loss"]["value"] == pytest.approx([x["loss"] for x in train])
     assert curves["series"]["val_loss"]["value"] == pytest.approx([x["val_loss"] for x in val])
     assert curves["peak_bytes"][0]["value"] == [x["peak_bytes"][0] for x in train]
-    summary = client.get("/api/run", params={"id": "demo/runs/bf16"}).json()["summary"]
-    assert summary["status"] == "finished" and summary["plan"] == "fp32 (no plan)"  # the demo trains on the CPU
+    summary = client.get("/api/run", params={"id": "demo/runs/baseline"}).json()["summary"]
+    assert summary["status"] == "finished" and summary["plan"] == "baseline (no plan), fp32"  # on the CPU: float32
     assert snapshot(stage_root) == before
 
 
@@ -270,6 +270,37 @@ def test_no_path_leads_outside_the_root(escape_root):
                 "/api/run?id=%252e%252e%252Foutside%252Fsecret", "/api/run?id=linked-dir%2F..%2F..%2Foutside"):
         assert client.get(raw).status_code == 404, raw
     assert client.get("/api/run", params={"id": "inside"}).status_code == 200
+
+
+def test_symlinks_leading_outside_are_skipped_and_said(tmp_path):
+    """A profile folder, a run folder and a plan file symlinked from outside the root are not read, and the index
+    (and the overview page) says which and why; so for a broken symlink. A symlink to a folder inside the root
+    is no problem: the folder is listed under its own path."""
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    from tests.dashboard import synthetic
+
+    outside, root = tmp_path / "outside", tmp_path / "root"
+    synthetic.write_profile(outside / "prof", rng, 3, "00112233aabbccdd")
+    synthetic.write_run(outside / "run", rng, 7)
+    (outside / "plan.json").write_text(json.dumps(synthetic.make_plan(rng, 3, "00112233aabbccdd")))
+    synthetic.write_run(root / "mine", rng, 7)
+    (root / "linked").mkdir()
+    (root / "linked" / "prof").symlink_to(outside / "prof", target_is_directory=True)
+    (root / "linked-run").symlink_to(outside / "run", target_is_directory=True)
+    (root / "linked" / "plan.json").symlink_to(outside / "plan.json")
+    (root / "gone").symlink_to(tmp_path / "no-such-folder", target_is_directory=True)
+    (root / "mine-again").symlink_to(root / "mine", target_is_directory=True)
+    client = TestClient(create_app(root))
+    index = client.get("/api/index").json()
+    assert [r["id"] for r in index["runs"]] == ["mine"] and index["profiles"] == [] and index["plans"] == []
+    notes = {p.split(":")[0]: p for p in index["problems"]}
+    assert set(notes) == {"linked/prof", "linked-run", "linked/plan.json", "gone"}, index["problems"]
+    for name in ("linked/prof", "linked-run"):
+        assert "a symlink to a folder outside the root, not read" in notes[name]
+    assert "a symlink to a file outside the root, not read" in notes["linked/plan.json"]
+    assert "broken symlink" in notes["gone"]
+    page = client.get("/").text
+    assert "Skipped" in page and all(name in page for name in notes)
 
 
 # --- access rules ------------------------------------------------------------------------------------

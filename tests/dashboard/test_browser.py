@@ -163,6 +163,12 @@ def test_budget_slider_redraws_and_saves_the_searchs_plan(chromium, tmp_path):
         assert seen[20][0] < first < budget and chromium.evaluate("document.body.dataset.planBudget") == str(budget)
         assert seen[20][1] != seen[985][1]  # near the smallest budget the plan keeps less than when roomy
         assert str(budget) in chromium.evaluate("document.getElementById('plan-figures').textContent")
+        # the best alternative (near the top of the range checkpointing, at least, fits): readable headers, and the
+        # speed-up said to be the plan's tokens/s over its
+        assert chromium.evaluate("!!window.agoqPlanner.current.alternative")
+        heads = chromium.evaluate("Array.from(document.querySelectorAll('#plan-alternative th')).map(h => h.textContent)")
+        assert "plan's speed-up (predicted)" in heads and not any("_" in h for h in heads), heads
+        assert "the plan's tokens/s" in chromium.evaluate("document.getElementById('plan-alternative').textContent")
         chromium.evaluate("document.getElementById('plan-name').value = 'from-the-slider'; "
                           "document.getElementById('plan-name').dispatchEvent(new Event('input'))")
         artifacts = Path(os.environ.get("AGOQ_TEST_ARTIFACTS") or tmp_path)
@@ -215,12 +221,21 @@ def test_below_the_smallest_budget_the_slider_offers_the_smallest(chromium, tmp_
         while not chromium.evaluate("!!document.getElementById('plan-smallest')"):
             assert time.monotonic() < deadline, chromium.evaluate("document.getElementById('plan-status').textContent")
             time.sleep(0.1)
-        assert chromium.evaluate("document.getElementById('plan-smallest').textContent").startswith("move to ")
+        offer = chromium.evaluate("document.getElementById('plan-smallest').textContent")
+        shown = chromium.evaluate("document.getElementById('plan-budget-text').textContent")
+        assert offer.startswith("move to ") and offer[len("move to "):] != shown, (offer, shown)
+        # the plan drawn before (at the first budget) is gone: no table, chart or plan that would seem to answer this
+        assert chromium.evaluate("document.getElementById('plan-result').hidden") is True
+        assert chromium.evaluate("document.getElementById('plan-figures').textContent") == ""
+        assert chromium.evaluate("document.getElementById('plan-bits').data === undefined")
+        assert chromium.evaluate("window.agoqPlanner.current") is None
         chromium.evaluate("document.getElementById('plan-smallest').click()")
         deadline = time.monotonic() + 30
         while chromium.evaluate(drawn) != "2":
             assert time.monotonic() < deadline, chromium.evaluate("document.getElementById('plan-status').textContent")
             time.sleep(0.1)
         got = chromium.evaluate("window.agoqPlanner.current.budget_bytes")
+        assert chromium.evaluate("document.getElementById('plan-result').hidden") is False
+        assert str(got) in chromium.evaluate("document.getElementById('plan-figures').textContent")
     step = (high - low) / 1000
     assert least <= got <= least + step + 1, (least, got, step)

@@ -1,0 +1,93 @@
+"""agoq.progress: bars redrawn in place on a terminal, rare whole lines elsewhere (logs, pipes), nothing when off;
+the clock is simulated, so the intervals are checked exactly."""
+
+import io
+import os
+import random
+
+import pytest
+
+from agoq.progress import LOG_INTERVAL_S, progress_bar
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    import tqdm.std
+
+    c = Clock()
+    monkeypatch.setattr(tqdm.std, "time", c)
+    monkeypatch.setattr(tqdm.std.tqdm, "monitor_interval", 0)  # no monitor thread reading the real clock
+    return c
+
+
+def run_bar(stream, clock, total, seconds_per_step, enabled=True):
+    bar = progress_bar(total=total, desc="work", unit="item", stream=stream, enabled=enabled)
+    for _ in range(total):
+        clock.now += seconds_per_step
+        bar.update(1)
+    bar.close()
+
+
+def expected_log_lines(total, seconds_per_step):
+    """Brute force of the rule: a line at an update once LOG_INTERVAL_S have passed since the start and since the
+    last line, and a last line at the end when any was written."""
+    start = last = 0.0
+    lines = 0
+    for i in range(1, total + 1):
+        t = i * seconds_per_step
+        if t - start >= LOG_INTERVAL_S and t - last >= LOG_INTERVAL_S:
+            lines, last = lines + 1, t
+    return lines + (1 if lines else 0)
+
+
+@pytest.mark.parametrize("seed", [int.from_bytes(os.urandom(4), "little") for _ in range(3)])
+def test_not_a_terminal_gets_rare_whole_lines(clock, seed):
+    rng = random.Random(seed)
+    print("seed", seed)
+    total = rng.randint(50, 400)
+    short = io.StringIO()
+    run_bar(short, clock, total, (LOG_INTERVAL_S * 0.9) / total)  # done within the interval: nothing at all
+    assert short.getvalue() == ""
+    step = rng.uniform(2.1, 9.7)  # minutes in all: a line at most every LOG_INTERVAL_S
+    log = io.StringIO()
+    run_bar(log, clock, total, step)
+    text = log.getvalue()
+    assert "\r" not in text and "█" not in text and "\x1b" not in text
+    lines = text.splitlines()
+    assert len(lines) == expected_log_lines(total, step) and len(lines) <= total * step / LOG_INTERVAL_S + 1
+    assert all(line.startswith("work: ") for line in lines)
+    assert lines[-1].startswith(f"work: {total}/{total} (100%)")
+
+
+def test_a_terminal_gets_a_bar_redrawn_in_place(clock):
+    term = Terminal()
+    run_bar(term, clock, 37, 0.5)
+    assert "\r" in term.getvalue() and "37/37" in term.getvalue()
+
+
+def test_off_writes_nothing_even_on_a_terminal(clock, capsys):
+    term = Terminal()
+    run_bar(term, clock, 23, 5.0, enabled=False)
+    bar = progress_bar(range(11), desc="off", enabled=False)
+    assert list(bar) == list(range(11))
+    assert term.getvalue() == "" and capsys.readouterr() == ("", "")
+
+
+def test_default_stream_is_stderr_when_called(clock, capsys):
+    """The bar writes to sys.stderr as it is when made (pytest's capture here: not a terminal)."""
+    run_bar(None, clock, 19, 2 * LOG_INTERVAL_S / 3)
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1].startswith("work: 19/19") and "\r" not in err
