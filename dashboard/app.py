@@ -212,7 +212,8 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
             table_file(folder, "table")
             table_file(folder, "collectives")
         except KeyError:
-            raise HTTPException(404, f"no profile named {excerpt(profile_id)} under the root (see /api/index)") from None
+            shown = excerpt(profile_id)
+            raise HTTPException(404, f"no profile named {shown} under the root (see /api/index)") from None
         except BrokenFile as e:
             raise HTTPException(422, f"profile {profile_id}: {e}") from None
         return folder.path
@@ -259,7 +260,8 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
                           "alternative (the best alternative the search priced, or null), notes, view: {summary, "
                           "bits, memory, figures} (as /api/plan?id= shows a plan), solve_seconds, cached}. "
                           "404: unknown profile; 422: bad budget or caps, a profile the search cannot read, or a "
-                          "budget nothing fits (detail.smallest_budget_bytes says what does); 503 with "
+                          "budget nothing fits (detail.smallest_budget_bytes says what does); 413: a body over "
+                          f"{MAX_BODY_BYTES} bytes; 503 with "
                           "Retry-After: every worker busy and the queue full; 504: the solve outlasted the "
                           "timeout (it finishes in the background and is kept).")
     async def api_plan_solve(body: PlanRequest):
