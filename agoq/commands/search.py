@@ -67,49 +67,50 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--profile", required=True, help="profile folder written by `agoq profile` (profile.json, "
                                                          "profile.parquet)")
-    field("budget", required=True, help="memory budget per GPU (each pipeline stage), e.g. 30GiB, 1.5GB or bytes")
+    field("budget", required=True, help="memory budget per GPU (each pipeline stage), e.g. 30GiB, 1.5GB or bytes "
+                                        "(more than 0, at most 1 PiB)")
     parser.add_argument("--out", required=True, help="the plan file to write, e.g. plan.json; pareto.csv, the "
                                                     "front's plans and the study go in the same folder")
     field("method", choices=METHODS, default=None,
-                        help="milp (exact, default), optuna (knobs, multi-objective) or both "
-                             "(default: both when --trials is given, else milp)")
+          help="milp (exact, default), optuna (knobs, multi-objective) or both "
+               "(default: both when --trials is given, else milp)")
     field("objective", choices=OBJECTIVES, default=DEFAULT_OBJECTIVE,
-                        help="time: the most tokens/s that fits the budget within --error-cap; error: the least "
-                             f"predicted gradient error (default {DEFAULT_OBJECTIVE})")
+          help="time: the most tokens/s that fits the budget within --error-cap; error: the least "
+               f"predicted gradient error (default {DEFAULT_OBJECTIVE})")
     field("time_cap", default=DEFAULT_TIME_CAP, metavar="SECONDS|checkpoint|none",
-                        help="largest predicted step time allowed: seconds, 'checkpoint' (no slower than the "
-                             "fastest full-or-selective activation checkpointing that fits the budget; no cap "
-                             "when none fits) or 'none' (default none). With --objective error and no cap, "
-                             "the least error prefers recomputation, which has none")
+          help="largest predicted step time allowed: seconds, 'checkpoint' (no slower than the "
+               "fastest full-or-selective activation checkpointing that fits the budget; no cap "
+               "when none fits) or 'none' (default none). With --objective error and no cap, "
+               "the least error prefers recomputation, which has none")
     field("error_cap", default=DEFAULT_ERROR_CAP, metavar="ERROR|recipe|none",
-                        help="largest predicted gradient error allowed (sum of sensitivities, relative L2): a "
-                             "number, 'recipe' (the predicted error of the published agoq-paper recipe on this "
-                             f"profile) or 'none' (default {DEFAULT_ERROR_CAP})")
+          help="largest predicted gradient error allowed (sum of sensitivities, relative L2): a "
+               "number, 'recipe' (the predicted error of the published agoq-paper recipe on this "
+               f"profile) or 'none' (default {DEFAULT_ERROR_CAP})")
     field("gradients", choices=GRADIENTS, default="any",
-                        help="gradient storage the plan may use (default any the profile prices; QuanGrad's "
-                             "8-bit rounding is not part of the error cap)")
+          help="gradient storage the plan may use (default any the profile prices; QuanGrad's "
+               "8-bit rounding is not part of the error cap)")
     field("layout", choices=LAYOUTS, default="any",
-                        help="data-parallel layout over a several-rank profile's ranks: replicated (DDP), sharded "
-                             "(agoq's SDP4Bit step) or fsdp (PyTorch FSDP2, bf16 or TLq-HS reduce-scatter; priced "
-                             "from the profile's all-gather and reduce-scatter timings) (default any it prices)")
+          help="data-parallel layout over a several-rank profile's ranks: replicated (DDP), sharded "
+               "(agoq's SDP4Bit step) or fsdp (PyTorch FSDP2, bf16 or TLq-HS reduce-scatter; priced "
+               "from the profile's all-gather and reduce-scatter timings) (default any it prices)")
     field("optimizer", choices=OPTIMIZERS, default="any",
-                        help="optimizer state: adamw (float32 moments) or adamw8bit (agoq's fused 8-bit AdamW) "
-                             "(default any)")
+          help="optimizer state: adamw (float32 moments) or adamw8bit (agoq's fused 8-bit AdamW) "
+               "(default any)")
     field("master", choices=MASTERS, default="fp32",
-                        help="float32 master weights: fp32 (default), none (bf16 parameters with stochastic "
-                             "rounding; adamw8bit only, its effect is not part of the error cap) or any")
+          help="float32 master weights: fp32 (default), none (bf16 parameters with stochastic "
+               "rounding; adamw8bit only, its effect is not part of the error cap) or any")
     field("compile", choices=COMPILE_MODES, default="any",
-                        help="compile mode: the profile's own, or 'compiled' where the profile has compiled step "
-                             "times (agoq profile --compile); default any the profile prices")
+          help="compile mode: the profile's own, or 'compiled' where the profile has compiled step "
+               "times (agoq profile --compile); default any the profile prices")
     field("global_batch", default=None, metavar="SEQUENCES",
-                        help="sequences per optimizer step, split into micro-batch x accumulation by the search "
-                             "(default: the profiled micro-batch)")
+          help="sequences per optimizer step, split into micro-batch x accumulation by the search "
+               "(default: the profiled micro-batch)")
     field("micro_batch", default=None, metavar="SEQUENCES",
-                        help="fix the micro-batch (it must divide the global batch; default: try every divisor)")
+          help="fix the micro-batch (it must divide the global batch; default: try every divisor)")
     field("trials", default=None,
-                        help="Optuna trials the study should hold in total (default 40 with --method optuna/both)")
+          help="Optuna trials the study should hold in total (default 40 with --method optuna/both)")
     field("sampler", choices=SAMPLERS, default="nsga2",
-                        help="Optuna sampler, both honour the budget as a constraint (default nsga2)")
+          help="Optuna sampler, both honour the budget as a constraint (default nsga2)")
     parser.add_argument("--storage", default=None,
                         help="Optuna storage: a database URL (sqlite:///file.db, postgresql://...) or a path "
                              "ending in .journal (several processes on one file system); default "
@@ -124,11 +125,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run measurements as Ray tasks: 'local' starts Ray on this machine, an address "
                              "(e.g. ray://head:10001 or auto) joins a cluster (default: no Ray, in this process)")
     field("validate", default=0, metavar="K",
-                        help="run the K best plans for real and record measured figures (default 0)")
+          help="run the K best plans for real and record measured figures (default 0)")
     field("validate_steps", default=4,
-                        help="training steps per measured plan, the first not timed (default 4)")
+          help="training steps per measured plan, the first not timed (default 4)")
     field("front_budgets", default=20,
-                        help="budgets of the MILP memory/error Pareto front (default 20; 0: none)")
+          help="budgets of the MILP memory/error Pareto front (default 20; 0: none)")
     field("seed", default=0, help="seed of the Optuna sampler and the measured runs")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)

@@ -48,6 +48,7 @@ from agoq.search.costs import (
 from agoq.search.layouts import layouts, resolve_layout
 from agoq.search.milp import Allocation, Solver, resolve_time_cap
 from agoq.search.request import MASTER_CHOICES, InfeasibleBudget, KnobSpace
+from agoq.units import format_bytes
 
 
 @dataclass
@@ -220,7 +221,7 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             raise InfeasibleBudget(f"no knob combination meets the caps at any budget: {reasons}", None, caps)
         raise InfeasibleBudget(
             f"no knob combination (gradient storage, layout, optimizer, micro-batch, compile mode) fits the budget: "
-            f"the smallest feasible budget is {least} bytes", least)
+            f"the smallest feasible budget is {format_bytes(least)} ({least} bytes)", least)
     top = min(first(r) for r in solved)
     for r in solved:  # those reaching the best first objective: their ties broken by the second
         if first(r) <= top + abs(top) * 1e-9 + 1e-15:
