@@ -29,7 +29,7 @@ from agoq.units import excerpt
 from dashboard import pages, saved_plans
 from dashboard.command import is_loopback
 from dashboard.formats import BrokenFile
-from dashboard.limits import MAX_BODY_BYTES, BodyLimit, short_validation_errors
+from dashboard.limits import MAX_BODY_BYTES, BodyLimit, clipped, short_validation_errors
 from dashboard.planner import Busy, Planner, service_request
 from dashboard.profiles import table_file
 from dashboard.service import MAX_POINTS_LIMIT, Dashboard
@@ -144,7 +144,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
         try:
             return fn()
         except KeyError as e:
-            raise HTTPException(404, f"not found under the root: {e.args[0] if e.args else e}") from None
+            raise HTTPException(404, f"not found under the root: {clipped(e.args[0] if e.args else e)}") from None
         except (BrokenFile, ValueError) as e:
             raise HTTPException(422, str(e)) from None
 
@@ -152,7 +152,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
         try:
             return HTMLResponse(fn())
         except KeyError as e:
-            return HTMLResponse(pages.error_page(title, f"nothing named {e.args[0] if e.args else e} "
+            return HTMLResponse(pages.error_page(title, f"nothing named {clipped(e.args[0] if e.args else e)} "
                                                         "under the root (see the overview)"), status_code=404)
         except (BrokenFile, ValueError) as e:
             return HTMLResponse(pages.error_page(title, str(e)), status_code=422)

@@ -4,7 +4,8 @@
   by its Content-Length alone when it declares one, else as soon as that many bytes have come, and the rest is
   never read (the connection is closed), so no request grows the server's memory with its size.
 - A validation error (FastAPI's 422 for a body or query of the wrong shape) quotes at most an excerpt of the
-  input it refused, and lists at most MAX_ERRORS errors: FastAPI's own answer quotes the input whole.
+  input it refused, and lists at most MAX_ERRORS errors: FastAPI's own answer quotes the input whole. A name
+  that is not found (an id in a query) is repeated up to MAX_NAMED_CHARS characters.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from agoq.units import EXCERPT_CHARS, excerpt
 
 MAX_BODY_BYTES = 64 * 1024
 MAX_ERRORS = 8
+MAX_NAMED_CHARS = 200  # the most of a name a request gave (an id in a query) that an answer repeats
 
 
 class BodyLimit:
@@ -70,6 +72,13 @@ class BodyLimit:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close"), (b"x-content-type-options", b"nosniff")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def clipped(name: Any, limit: int = MAX_NAMED_CHARS) -> str:
+    """str(name), cut to `limit` characters and marked so when longer: what an answer repeats of a name it was
+    asked for (an id, an option)."""
+    text = str(name)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def quoted(value: Any) -> Any:

@@ -165,3 +165,15 @@ def test_errors_quote_a_short_excerpt(what, tmp_path):
     assert len(content) > 40_000
     assert len(r.content) < 2000, (what, len(r.content), r.text[:300])
     assert time.monotonic() - start < 5
+
+
+def test_names_not_found_are_repeated_short(tmp_path):
+    """An unknown id of ~10 kB in a query (under the server's 16 KiB request line) is a 404 that repeats its
+    start only, on the API and on the pages."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    long = "".join(rng.choice("abcdefgh/") for _ in range(10_000 + rng.randrange(1000)))
+    client = TestClient(create_app(tmp_path))
+    for path in ("/api/profile", "/api/plan", "/api/run", "/profile", "/plan"):
+        r = client.get(path, params={"id": long})
+        assert r.status_code == 404, (path, r.text[:200])
+        assert long[:200] in r.text and long[:201] not in r.text and f"({len(long)} characters)" in r.text
