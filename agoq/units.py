@@ -10,8 +10,15 @@ import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # the names agoq accepts
 
+EXCERPT_CHARS = 40  # the most of a bad value an error quotes
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
+    """repr(value), cut to `limit` characters and marked so when longer: what an error quotes of bad input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def parse_size(text: str | int) -> int:
@@ -20,11 +27,15 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise ValueError(f"size must be >= 0 bytes, got {text}")
         return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    # one way to match any text (no nested or adjacent repeats of the same characters): linear in its length
+    m = re.fullmatch(r"((?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE]\+?[0-9]+)?)\s*([a-zA-Z]*)", str(text).strip())
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read size {text!r}: write a number with an optional unit, e.g. 30GiB, "
+        raise ValueError(f"cannot read size {excerpt(text)}: write a number with an optional unit, e.g. 30GiB, "
                          "1.5GB, 512MiB, 4096 or 1e9 (bytes)")
-    return int(round(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+    number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(number):
+        raise ValueError(f"size {excerpt(text)} is too large to be a number of bytes")
+    return int(round(number))
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -1,5 +1,6 @@
 """The FastAPI application: JSON API under /api, HTML pages, static files (Plotly's bundle from the
-installed plotly package, so the pages work offline), and the access rules (token, Host header).
+installed plotly package, so the pages work offline), and the access rules (token, Host header, the size of a
+request body: dashboard.limits).
 Everything reads, except `POST /api/plan/save`, which writes a plan file under ROOT/plans/."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from urllib.parse import urlencode
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (
     FileResponse,
     HTMLResponse,
@@ -22,10 +24,13 @@ from fastapi.responses import (
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from agoq.search.request import CAP_FIELDS, BadField, InfeasibleBudget, SearchRequest, cap_defaults
+from agoq.units import excerpt
 from dashboard import pages, saved_plans
 from dashboard.command import is_loopback
 from dashboard.formats import BrokenFile
-from dashboard.planner import Busy, Infeasible, Planner, PlanQuery, cli_defaults
+from dashboard.limits import MAX_BODY_BYTES, BodyLimit, clipped, short_validation_errors
+from dashboard.planner import Busy, Planner, service_request
 from dashboard.profiles import table_file
 from dashboard.service import MAX_POINTS_LIMIT, Dashboard
 
@@ -61,7 +66,8 @@ def _given_token(request: Request) -> tuple[str | None, bool]:
 
 
 class PlanRequest(BaseModel):
-    """A plan at one budget: the profile, the budget and the caps as `agoq search` takes them."""
+    """A plan at one budget: the profile, and the budget and caps of its search request (agoq.search.request),
+    read by the rules that read `agoq search`'s flags."""
 
     model_config = ConfigDict(extra="forbid")
     profile: str = Field(..., description="profile folder, relative to the root (as /api/profile's id)")
@@ -74,8 +80,9 @@ class PlanRequest(BaseModel):
     error_cap: StrictInt | StrictFloat | StrictStr | None = Field(None, description='a gradient error, "recipe" or "none", as '
                                                             "`agoq search --error-cap` (omitted or null: its default)")
 
-    def query(self) -> PlanQuery:
-        return PlanQuery.read(self.budget, self.objective, self.time_cap, self.error_cap)
+    def request(self) -> SearchRequest:
+        """The search request of these fields (null or omitted: the default); BadField naming the field refused."""
+        return service_request({name: getattr(self, name) for name in ("budget", *CAP_FIELDS)})
 
 
 class SaveRequest(PlanRequest):
@@ -130,11 +137,14 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
             response.headers.update(PAGE_SECURITY)
         return response
 
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)  # outermost: a body over the limit reaches nothing else
+    app.add_exception_handler(RequestValidationError, short_validation_errors)
+
     def api(fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except KeyError as e:
-            raise HTTPException(404, f"not found under the root: {e.args[0] if e.args else e}") from None
+            raise HTTPException(404, f"not found under the root: {clipped(e.args[0] if e.args else e)}") from None
         except (BrokenFile, ValueError) as e:
             raise HTTPException(422, str(e)) from None
 
@@ -142,7 +152,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
         try:
             return HTMLResponse(fn())
         except KeyError as e:
-            return HTMLResponse(pages.error_page(title, f"nothing named {e.args[0] if e.args else e} "
+            return HTMLResponse(pages.error_page(title, f"nothing named {clipped(e.args[0] if e.args else e)} "
                                                         "under the root (see the overview)"), status_code=404)
         except (BrokenFile, ValueError) as e:
             return HTMLResponse(pages.error_page(title, str(e)), status_code=422)
@@ -202,7 +212,8 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
             table_file(folder, "table")
             table_file(folder, "collectives")
         except KeyError:
-            raise HTTPException(404, f"no profile named {profile_id!r} under the root (see /api/index)") from None
+            shown = excerpt(profile_id)
+            raise HTTPException(404, f"no profile named {shown} under the root (see /api/index)") from None
         except BrokenFile as e:
             raise HTTPException(422, f"profile {profile_id}: {e}") from None
         return folder.path
@@ -215,22 +226,22 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
             raise HTTPException(503, str(e), headers={"Retry-After": str(e.retry_after)}) from None
         except TimeoutError as e:
             raise HTTPException(504, str(e)) from None
-        except Infeasible as e:
-            raise HTTPException(422, {"message": str(e), "smallest_budget_bytes": e.smallest_budget}) from None
+        except InfeasibleBudget as e:
+            raise HTTPException(422, {"message": e.advice(), "smallest_budget_bytes": e.smallest_budget}) from None
         except (ValueError, FileNotFoundError, BrokenFile) as e:
             raise HTTPException(422, str(e)) from None
 
-    def read_query(body: PlanRequest) -> PlanQuery:
+    def read_request(body: PlanRequest) -> SearchRequest:
         try:
-            return body.query()
-        except ValueError as e:
+            return body.request()
+        except BadField as e:
             raise HTTPException(422, str(e)) from None
 
     async def plan_for(body: PlanRequest) -> dict[str, Any]:
-        query = read_query(body)
+        request = read_request(body)
         folder = await run_in_threadpool(profile_folder, body.profile)
-        result = await solved(lambda: planner.plan(folder, query))
-        return {"profile": body.profile, "budget_bytes": query.budget_bytes, "caps": dict(query.caps), **result}
+        result = await solved(lambda: planner.plan(folder, request))
+        return {"profile": body.profile, "budget_bytes": request.budget, "caps": request.caps, **result}
 
     def same_origin(request: Request) -> None:
         """Refuse a write a page of another site could have sent: a JSON body only, and an Origin (when the
@@ -249,7 +260,8 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
                           "alternative (the best alternative the search priced, or null), notes, view: {summary, "
                           "bits, memory, figures} (as /api/plan?id= shows a plan), solve_seconds, cached}. "
                           "404: unknown profile; 422: bad budget or caps, a profile the search cannot read, or a "
-                          "budget nothing fits (detail.smallest_budget_bytes says what does); 503 with "
+                          "budget nothing fits (detail.smallest_budget_bytes says what does); 413: a body over "
+                          f"{MAX_BODY_BYTES} bytes; 503 with "
                           "Retry-After: every worker busy and the queue full; 504: the solve outlasted the "
                           "timeout (it finishes in the background and is kept).")
     async def api_plan_solve(body: PlanRequest):
@@ -270,7 +282,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
             if e.status_code != 422:
                 raise
             return {"profile": profile, "error": str(e.detail)}
-        return {"profile": profile, **found, "defaults": cli_defaults()}
+        return {"profile": profile, **found, "defaults": cap_defaults()}
 
     @app.post("/api/plan/save", tags=["api"], summary="Save the plan at a budget as ROOT/plans/NAME",
               description="Solves (or takes from the cache) the plan POST /api/plan gives for the same fields and "

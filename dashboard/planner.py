@@ -1,10 +1,10 @@
-"""The live policy search behind `POST /api/plan`: one plan per (profile, budget, caps), solved by the
+"""The live policy search behind `POST /api/plan`: one plan per (profile, search request), solved by the
 same call `agoq search` makes, in a bounded pool of worker threads so no solve blocks the server.
 
-- The request is read by `agoq search`'s own argument parser (budget sizes such as "4GB", the caps'
-  words "checkpoint" / "recipe" / "none"), and every option it fills in that `agoq.search.search`
-  takes is passed on, so the plan follows the command's defaults when they change. The service only
-  fixes what serves one budget: the MILP at the asked budget, no Pareto front, no validation runs.
+- A request is a SearchRequest (agoq.search.request), read from the JSON fields by the same rules that read
+  `agoq search`'s flags (budget sizes such as "4GB", the caps' words "checkpoint" / "recipe" / "none"), so
+  that both accept the same values with the same defaults. The service only fixes what serves one budget
+  (SERVICE_FIXED): the MILP at the asked budget, no Pareto front, no validation runs.
 - Threads, not processes: scipy's HiGHS releases the GIL while it solves, so two solves in two threads
   take about the time of one and the event loop keeps answering meanwhile (measured on a 2-core CPU:
   six 24-layer solves 6.4 s in a row, 3.4 s on two threads, 15 s on two spawned processes).
@@ -13,31 +13,26 @@ same call `agoq search` makes, in a bounded pool of worker threads so no solve b
   requests in flight share one solve.
 - Warm start: per profile folder (keyed by its path and its files' modification times and sizes) the
   checked profile, the built choice problem and its budget range are kept; results are kept in an LRU
-  keyed by (profile, its files, budget, caps).
+  keyed by (profile, its files, request).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import inspect
 import math
 import os
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from agoq.units import format_bytes, format_bytes_apart, parse_size
+from agoq.search.request import SearchRequest
+from agoq.units import format_bytes
 
-MAX_BUDGET_BYTES = 2**50  # 1 PiB per GPU: anything above is a typo, not a GPU
-CAP_FIELDS = ("objective", "time_cap", "error_cap")
 # what the service itself decides, whatever `agoq search` would do: one MILP plan at the asked budget
-SERVICE_FIXED = {"method": "milp", "front_budgets": 0, "validate": 0, "measure_trials": False, "ray_address": None,
-                 "storage": None, "out_dir": None, "progress": False, "parallel": 1, "stop_after": None}
+SERVICE_FIXED = {"method": "milp", "front_budgets": 0, "validate": 0, "measure_trials": False}
 
 
 class Busy(Exception):
@@ -48,104 +43,12 @@ class Busy(Exception):
         self.retry_after = retry_after
 
 
-class Infeasible(ValueError):
-    """No plan fits the budget under the caps; `smallest_budget` (bytes) is the least that fits, or None when
-    no budget does (the caps themselves cannot be met)."""
-
-    def __init__(self, message: str, smallest_budget: Optional[int]):
-        super().__init__(message)
-        self.smallest_budget = smallest_budget
-
-
-class _RefusingParser(argparse.ArgumentParser):
-    """`agoq search`'s parser that raises ValueError where the command line would exit."""
-
-    def error(self, message: str):
-        raise ValueError(message)
-
-
-def search_parser() -> argparse.ArgumentParser:
-    """A fresh parser with exactly `agoq search`'s arguments and defaults."""
-    from agoq.commands import search as search_command
-
-    parser = _RefusingParser(prog="agoq search", add_help=False)
-    search_command.configure(parser)
-    return parser
-
-
-def cli_defaults() -> dict[str, Any]:
-    """`agoq search`'s current defaults of the objective and the caps, and the objectives it offers."""
-    parser = search_parser()
-    out = {name: parser.get_default(name) for name in CAP_FIELDS}
-    objective = next((a for a in parser._actions if a.dest == "objective"), None)
-    out["objectives"] = list(objective.choices) if objective is not None and objective.choices else []
-    return out
-
-
-def parse_budget(value: Any) -> int:
-    """Bytes per GPU from a number of bytes or a size such as "4GB", "30GiB", "1.5e9"; ValueError saying
-    what is wrong when it is not a size, not positive, or above MAX_BUDGET_BYTES."""
-    if isinstance(value, bool) or value is None:
-        raise ValueError(f"budget: expected bytes (a number) or a size such as 30GiB or 4GB, got {value!r}")
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"budget: expected a finite number of bytes, got {value}")
-        value = int(round(value))
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"budget: must be more than 0 bytes, got {value}")
-        budget = value
-    else:
-        text = str(value).strip()
-        if text.startswith("-"):
-            raise ValueError(f"budget: must be more than 0 bytes, got {value!r}")
-        budget = parse_size(text)  # ValueError naming the accepted forms
-        if budget <= 0:
-            raise ValueError(f"budget: must be more than 0 bytes, got {value!r}")
-    if budget > MAX_BUDGET_BYTES:
-        raise ValueError(f"budget: {format_bytes(budget)} per GPU is more than any GPU holds (at most "
-                         f"{format_bytes(MAX_BUDGET_BYTES)}); give the memory of one GPU, e.g. 80GB")
-    return budget
-
-
-def _cap_text(name: str, value: Any) -> Optional[str]:
-    """A cap as `agoq search` reads it from the command line; None when not given (the command's default)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{name}: expected a number or a word as `agoq search` takes it, got {value!r}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite number, got {value}")
-    return repr(value) if isinstance(value, float) else str(value)
-
-
-@dataclass(frozen=True)
-class PlanQuery:
-    """One question to the search, read by `agoq search`'s parser: `budget_bytes` per GPU (stage), the
-    objective and caps as the command holds them (defaults filled in), and the keyword arguments of
-    `agoq.search.search` they make."""
-
-    budget_bytes: int
-    caps: tuple  # ((name, value), ...) in CAP_FIELDS order, as `agoq search` parsed them
-    search_kwargs: tuple  # ((name, value), ...) passed to agoq.search.search besides SERVICE_FIXED
-
-    @classmethod
-    def read(cls, budget: Any, objective: Any = None, time_cap: Any = None, error_cap: Any = None) -> "PlanQuery":
-        """The query of a request; ValueError saying what is wrong (with `agoq search`'s own words)."""
-        from agoq.search.search import search
-
-        budget_bytes = parse_budget(budget)
-        argv = ["--profile", "-", "--budget", str(budget_bytes), "--out", "plan.json"]
-        for name, value in (("objective", objective), ("time_cap", time_cap), ("error_cap", error_cap)):
-            text = _cap_text(name, value)
-            if text is not None:
-                argv += ["--" + name.replace("_", "-"), text]
-        args = search_parser().parse_args(argv)
-        takes = inspect.signature(search).parameters
-        kwargs = {k: v for k, v in sorted(vars(args).items())
-                  if k in takes and k not in SERVICE_FIXED and k not in ("profile", "budget")}
-        caps = tuple((name, getattr(args, name, None)) for name in CAP_FIELDS)
-        return cls(budget_bytes, caps, tuple(kwargs.items()))
+def service_request(fields: Mapping[str, Any]) -> SearchRequest:
+    """The search request of a plan request's fields (named as SearchRequest.read names them; None, JSON's
+    null, as if omitted: the default), with what the service fixes (SERVICE_FIXED); BadField naming the field
+    refused."""
+    given = {name: value for name, value in fields.items() if value is not None}
+    return SearchRequest.read({**given, **SERVICE_FIXED})
 
 
 def folder_signature(folder: Path) -> tuple:
@@ -185,18 +88,6 @@ class ProfileEntry:
             return dict(self._range)
 
 
-def _smallest_budget(error: BaseException) -> tuple[bool, Optional[int]]:
-    """Whether `error` (or what it was raised from) is the search's InfeasibleBudget, and its smallest budget."""
-    from agoq.search.milp import InfeasibleBudget
-
-    seen = error
-    while seen is not None:
-        if isinstance(seen, InfeasibleBudget):
-            return True, seen.smallest_budget
-        seen = seen.__cause__ or seen.__context__
-    return False, None
-
-
 def tokens_per_step(plan: dict[str, Any]) -> int:
     """Tokens one optimizer step of the plan trains on: micro-batch x sequence x accumulation x data ranks."""
     training = plan.get("training") or {}
@@ -206,24 +97,13 @@ def tokens_per_step(plan: dict[str, Any]) -> int:
         int(training.get("grad_accum", 1)) * ranks
 
 
-def plan_at_budget(entry: ProfileEntry, query: PlanQuery) -> dict[str, Any]:
-    """The plan `agoq search` writes for `query` on the entry's profile, with its predicted figures:
+def plan_at_budget(entry: ProfileEntry, request: SearchRequest) -> dict[str, Any]:
+    """The plan `agoq search` writes for `request` on the entry's profile, with its predicted figures:
     {plan, predicted: {peak_bytes, peak_bytes_per_stage, step_seconds, tokens_per_step, tokens_per_second,
-    grad_error}, alternative, notes}. Infeasible when no plan fits the budget under the caps."""
+    grad_error}, alternative, notes}. InfeasibleBudget when no plan fits the budget under the caps."""
     from agoq.search.search import search
 
-    try:  # the query's options were already kept to those search() takes (PlanQuery.read)
-        outcome = search(entry.profile, query.budget_bytes, **dict(query.search_kwargs), **SERVICE_FIXED)
-    except ValueError as e:
-        infeasible, smallest = _smallest_budget(e)
-        if infeasible:
-            text = str(e).replace(f" (profile {entry.profile.path})", "")
-            if smallest is not None:
-                asked, least = format_bytes_apart(query.budget_bytes, smallest)
-                text = (f"no plan fits {asked} ({query.budget_bytes} bytes) per GPU under these caps: the smallest "
-                        f"budget that fits is {least} ({smallest} bytes); ask for that much or more, or loosen the caps")
-            raise Infeasible(text, smallest) from None
-        raise
+    outcome = search(entry.profile, request, progress=False)
     plan = outcome.plan.to_dict()
     pred = plan["predicted"]
     tokens = tokens_per_step(plan)
@@ -330,16 +210,17 @@ class Planner:
                                "and is kept when done: ask again in a while (or start the dashboard with a "
                                "larger --plan-timeout)") from None
 
-    async def plan(self, folder: Path, query: PlanQuery) -> dict[str, Any]:
-        """The plan of `query` on the profile in `folder` (see `plan_at_budget`), plus `solve_seconds` and
-        `cached`. Raises Busy, TimeoutError, Infeasible, ValueError / FileNotFoundError (unreadable profile)."""
+    async def plan(self, folder: Path, request: SearchRequest) -> dict[str, Any]:
+        """The plan of `request` on the profile in `folder` (see `plan_at_budget`), plus `solve_seconds` and
+        `cached`. Raises Busy, TimeoutError, InfeasibleBudget, ValueError / FileNotFoundError (unreadable
+        profile)."""
         folder = Path(folder)
 
         def work() -> dict:
-            return plan_at_budget(self.profile(folder), query)
+            return plan_at_budget(self.profile(folder), request)
 
-        key = ("plan", folder, folder_signature(folder), query)
-        return await self._wait(self._submit(key, work), f"the plan at {format_bytes(query.budget_bytes)}")
+        key = ("plan", folder, folder_signature(folder), request)
+        return await self._wait(self._submit(key, work), f"the plan at {format_bytes(request.budget)}")
 
     async def budget_range(self, folder: Path) -> dict[str, Any]:
         """The profile's budget range (see ProfileEntry.budget_range), solved in the pool like a plan."""

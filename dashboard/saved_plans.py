@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from agoq.files import write_json
+from agoq.units import excerpt
 
 FOLDER = "plans"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
@@ -25,7 +26,7 @@ def safe_name(name: Any) -> str:
     .json added when missing; ValueError saying what is allowed otherwise."""
     text = str(name or "").strip()
     if not isinstance(name, str) or not NAME.fullmatch(text) or ".." in text:
-        raise ValueError(f"name: {name!r} is not a plain file name: use letters, digits, '.', '_' and '-' (at most "
+        raise ValueError(f"name: {excerpt(name)} is not a plain file name: use letters, digits, '.', '_' and '-' (at most "
                          "96, starting with a letter or digit, no folders), e.g. plan-30GiB.json")
     return text if text.endswith(".json") else text + ".json"
 

@@ -40,7 +40,8 @@ def main() -> None:
     from agoq.formats.profile import load_profile
     from agoq.search import knobs as knob_search
     from agoq.search.milp import InfeasibleBudget
-    from agoq.search.search import DEFAULT_ERROR_CAP, _recipe_cap, search
+    from agoq.search.request import DEFAULT_ERROR_CAP
+    from agoq.search.search import _recipe_cap, search
     from tests.search.synthetic_profile import write_profile
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -57,6 +57,25 @@ def size_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def flag(field: str) -> str:
+    """The command line's name of a search request's field (agoq.search.request): time_cap -> --time-cap."""
+    return "--" + field.replace("_", "-")
+
+
+def request_field(field: str):
+    """argparse type of a search request's field: the field's own rule (agoq.search.request), which the
+    dashboard's plan service reads its JSON with too; a refusal is argparse's error in the rule's words."""
+    from agoq.search.request import BadField, read_field
+
+    def parse(text: str):
+        try:
+            return read_field(field, text)
+        except BadField as e:
+            raise argparse.ArgumentTypeError(e.problem) from None
+    parse.__name__ = field
+    return parse
+
+
 def run_command(args: argparse.Namespace, name: str) -> int:
     """Run a parsed command (`args.func`); bad input prints `name: error: ...` and returns exit code 2."""
     try:

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from agoq.formats.profile import add_collectives, load_profile
-from agoq.search import plan_from_profile
+from agoq.search import InfeasibleBudget, plan_from_profile
 from agoq.units import format_bytes
 
 HELP = "measure a model on this hardware: bytes, error and sensitivity per layer and kind"
@@ -62,7 +62,7 @@ def _size_list(text: str) -> list[int]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq profile`'s arguments to `parser` and set its function."""
-    from agoq.commands.arguments import positive_int, size_bytes
+    from agoq.commands.arguments import positive_int, request_field
 
     parser.add_argument("model", help="preset, HuggingFace config.json, or package.module:function")
     parser.add_argument("--seq-len", type=positive_int, default=None,
@@ -87,7 +87,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "only the backward below its layer, with the tensor quantized; the same numbers) or "
                              "policy (a full forward + backward under each option's policy) (default replay)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and batches (default 0)")
-    parser.add_argument("--budget", type=size_bytes, default=None,
+    parser.add_argument("--budget", type=request_field("budget"), default=None,
                         help="memory budget per GPU, e.g. 30GiB: also write DIR/plan.json")
     parser.add_argument("--pipeline-stages", type=positive_int, default=1, help="pipeline stages P (default 1)")
     parser.add_argument("--micro-batches", type=positive_int, default=None,
@@ -145,7 +145,10 @@ def _write_plan(out: Path, budget: int) -> str:
     try:
         plan = plan_from_profile(str(out), budget)
     except ValueError as e:
-        raise ValueError(f"the profile is written to {out}, but no plan fits the budget: {e}") from None
+        from agoq.commands.arguments import flag
+
+        why = e.advice(flag) if isinstance(e, InfeasibleBudget) else str(e)
+        raise ValueError(f"the profile is written to {out}, but no plan fits the budget: {why}") from None
     plan.save(out / "plan.json")
     return f"wrote {out / 'plan.json'} (agoq search, MILP, budget {format_bytes(budget)})"
 

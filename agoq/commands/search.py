@@ -37,80 +37,80 @@ import argparse
 import sys
 from pathlib import Path
 
-from agoq.commands.arguments import positive_int, size_bytes
-from agoq.search.defaults import DEFAULT_ERROR_CAP, DEFAULT_OBJECTIVE, DEFAULT_TIME_CAP
+from agoq.commands.arguments import flag, positive_int, request_field
+from agoq.search.request import (
+    COMPILE_MODES,
+    DEFAULT_ERROR_CAP,
+    DEFAULT_OBJECTIVE,
+    DEFAULT_TIME_CAP,
+    GRADIENTS,
+    LAYOUTS,
+    MASTERS,
+    METHODS,
+    OBJECTIVES,
+    OPTIMIZERS,
+    SAMPLERS,
+    WORDS,
+    BadField,
+    SearchRequest,
+)
 from agoq.units import format_bytes
 
 HELP = "turn a profile and a memory budget into a plan (MILP, Optuna)"
 
 
-def _cap(what: str, unit: str, word: str, positive: bool):
-    """argparse type of a cap: a number (> 0 when `positive`, else >= 0), `word` or 'none' (None)."""
-    def parse(text: str):
-        if text in (word, "none"):
-            return None if text == "none" else text
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {unit}, {word!r} or 'none', got {text!r}") from None
-        if not (value > 0 if positive else value >= 0):
-            raise argparse.ArgumentTypeError(f"the {what} must be {'>' if positive else '>='} 0, got {value}")
-        return value
-    return parse
-
-
-time_cap = _cap("time cap", "seconds", "checkpoint", positive=True)
-error_cap = _cap("error cap", "a gradient error", "recipe", positive=False)
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Add `agoq search`'s arguments."""
+    """Add `agoq search`'s arguments. Those of the search request (agoq.search.request.WORDS) are read by the
+    request's own rules, as the dashboard's plan service reads its JSON fields."""
+    def field(name: str, **kwargs) -> None:
+        parser.add_argument(flag(name), type=request_field(name), **kwargs)
+
     parser.add_argument("--profile", required=True, help="profile folder written by `agoq profile` (profile.json, "
                                                          "profile.parquet)")
-    parser.add_argument("--budget", required=True, type=size_bytes,
-                        help="memory budget per GPU (each pipeline stage), e.g. 30GiB, 1.5GB or bytes")
+    field("budget", required=True, help="memory budget per GPU (each pipeline stage), e.g. 30GiB, 1.5GB or bytes "
+                                        "(more than 0, at most 1 PiB)")
     parser.add_argument("--out", required=True, help="the plan file to write, e.g. plan.json; pareto.csv, the "
                                                     "front's plans and the study go in the same folder")
-    parser.add_argument("--method", choices=("milp", "optuna", "both"), default=None,
-                        help="milp (exact, default), optuna (knobs, multi-objective) or both "
-                             "(default: both when --trials is given, else milp)")
-    parser.add_argument("--objective", choices=("time", "error"), default=DEFAULT_OBJECTIVE,
-                        help="time: the most tokens/s that fits the budget within --error-cap; error: the least "
-                             f"predicted gradient error (default {DEFAULT_OBJECTIVE})")
-    parser.add_argument("--time-cap", type=time_cap, default=DEFAULT_TIME_CAP, metavar="SECONDS|checkpoint|none",
-                        help="largest predicted step time allowed: seconds, 'checkpoint' (no slower than the "
-                             "fastest full-or-selective activation checkpointing that fits the budget; no cap "
-                             "when none fits) or 'none' (default none). With --objective error and no cap, "
-                             "the least error prefers recomputation, which has none")
-    parser.add_argument("--error-cap", type=error_cap, default=DEFAULT_ERROR_CAP, metavar="ERROR|recipe|none",
-                        help="largest predicted gradient error allowed (sum of sensitivities, relative L2): a "
-                             "number, 'recipe' (the predicted error of the published agoq-paper recipe on this "
-                             f"profile) or 'none' (default {DEFAULT_ERROR_CAP})")
-    parser.add_argument("--gradients", choices=("any", "bf16", "quangrad8", "sdp4bit"), default="any",
-                        help="gradient storage the plan may use (default any the profile prices; QuanGrad's "
-                             "8-bit rounding is not part of the error cap)")
-    parser.add_argument("--layout", choices=("any", "replicated", "sharded", "fsdp"), default="any",
-                        help="data-parallel layout over a several-rank profile's ranks: replicated (DDP), sharded "
-                             "(agoq's SDP4Bit step) or fsdp (PyTorch FSDP2, bf16 or TLq-HS reduce-scatter; priced "
-                             "from the profile's all-gather and reduce-scatter timings) (default any it prices)")
-    parser.add_argument("--optimizer", choices=("any", "adamw", "adamw8bit"), default="any",
-                        help="optimizer state: adamw (float32 moments) or adamw8bit (agoq's fused 8-bit AdamW) "
-                             "(default any)")
-    parser.add_argument("--master", choices=("fp32", "none", "any"), default="fp32",
-                        help="float32 master weights: fp32 (default), none (bf16 parameters with stochastic "
-                             "rounding; adamw8bit only, its effect is not part of the error cap) or any")
-    parser.add_argument("--compile", choices=("any", "eager", "compiled"), default="any",
-                        help="compile mode: the profile's own, or 'compiled' where the profile has compiled step "
-                             "times (agoq profile --compile); default any the profile prices")
-    parser.add_argument("--global-batch", type=positive_int, default=None, metavar="SEQUENCES",
-                        help="sequences per optimizer step, split into micro-batch x accumulation by the search "
-                             "(default: the profiled micro-batch)")
-    parser.add_argument("--micro-batch", type=positive_int, default=None, metavar="SEQUENCES",
-                        help="fix the micro-batch (it must divide the global batch; default: try every divisor)")
-    parser.add_argument("--trials", type=positive_int, default=None,
-                        help="Optuna trials the study should hold in total (default 40 with --method optuna/both)")
-    parser.add_argument("--sampler", choices=("nsga2", "tpe"), default="nsga2",
-                        help="Optuna sampler, both honour the budget as a constraint (default nsga2)")
+    field("method", choices=METHODS, default=None,
+          help="milp (exact, default), optuna (knobs, multi-objective) or both "
+               "(default: both when --trials is given, else milp)")
+    field("objective", choices=OBJECTIVES, default=DEFAULT_OBJECTIVE,
+          help="time: the most tokens/s that fits the budget within --error-cap; error: the least "
+               f"predicted gradient error (default {DEFAULT_OBJECTIVE})")
+    field("time_cap", default=DEFAULT_TIME_CAP, metavar="SECONDS|checkpoint|none",
+          help="largest predicted step time allowed: seconds, 'checkpoint' (no slower than the "
+               "fastest full-or-selective activation checkpointing that fits the budget; no cap "
+               "when none fits) or 'none' (default none). With --objective error and no cap, "
+               "the least error prefers recomputation, which has none")
+    field("error_cap", default=DEFAULT_ERROR_CAP, metavar="ERROR|recipe|none",
+          help="largest predicted gradient error allowed (sum of sensitivities, relative L2): a "
+               "number, 'recipe' (the predicted error of the published agoq-paper recipe on this "
+               f"profile) or 'none' (default {DEFAULT_ERROR_CAP})")
+    field("gradients", choices=GRADIENTS, default="any",
+          help="gradient storage the plan may use (default any the profile prices; QuanGrad's "
+               "8-bit rounding is not part of the error cap)")
+    field("layout", choices=LAYOUTS, default="any",
+          help="data-parallel layout over a several-rank profile's ranks: replicated (DDP), sharded "
+               "(agoq's SDP4Bit step) or fsdp (PyTorch FSDP2, bf16 or TLq-HS reduce-scatter; priced "
+               "from the profile's all-gather and reduce-scatter timings) (default any it prices)")
+    field("optimizer", choices=OPTIMIZERS, default="any",
+          help="optimizer state: adamw (float32 moments) or adamw8bit (agoq's fused 8-bit AdamW) "
+               "(default any)")
+    field("master", choices=MASTERS, default="fp32",
+          help="float32 master weights: fp32 (default), none (bf16 parameters with stochastic "
+               "rounding; adamw8bit only, its effect is not part of the error cap) or any")
+    field("compile", choices=COMPILE_MODES, default="any",
+          help="compile mode: the profile's own, or 'compiled' where the profile has compiled step "
+               "times (agoq profile --compile); default any the profile prices")
+    field("global_batch", default=None, metavar="SEQUENCES",
+          help="sequences per optimizer step, split into micro-batch x accumulation by the search "
+               "(default: the profiled micro-batch)")
+    field("micro_batch", default=None, metavar="SEQUENCES",
+          help="fix the micro-batch (it must divide the global batch; default: try every divisor)")
+    field("trials", default=None,
+          help="Optuna trials the study should hold in total (default 40 with --method optuna/both)")
+    field("sampler", choices=SAMPLERS, default="nsga2",
+          help="Optuna sampler, both honour the budget as a constraint (default nsga2)")
     parser.add_argument("--storage", default=None,
                         help="Optuna storage: a database URL (sqlite:///file.db, postgresql://...) or a path "
                              "ending in .journal (several processes on one file system); default "
@@ -119,33 +119,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive_int, default=1,
                         help="trials measured at a time (with --measure-trials, on Ray); >1 also means other "
                              "processes may share the study, so interrupted trials are not failed (default 1)")
-    parser.add_argument("--measure-trials", action="store_true",
+    parser.add_argument(flag("measure_trials"), action="store_true",
                         help="run every feasible Optuna trial's plan for real and use measured peak and time")
     parser.add_argument("--ray-address", default=None,
                         help="run measurements as Ray tasks: 'local' starts Ray on this machine, an address "
                              "(e.g. ray://head:10001 or auto) joins a cluster (default: no Ray, in this process)")
-    parser.add_argument("--validate", type=int, default=0, metavar="K",
-                        help="run the K best plans for real and record measured figures (default 0)")
-    parser.add_argument("--validate-steps", type=positive_int, default=4,
-                        help="training steps per measured plan, the first not timed (default 4)")
-    parser.add_argument("--front-budgets", type=int, default=20,
-                        help="budgets of the MILP memory/error Pareto front (default 20; 0: none)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the Optuna sampler and the measured runs")
+    field("validate", default=0, metavar="K",
+          help="run the K best plans for real and record measured figures (default 0)")
+    field("validate_steps", default=4,
+          help="training steps per measured plan, the first not timed (default 4)")
+    field("front_budgets", default=20,
+          help="budgets of the MILP memory/error Pareto front (default 20; 0: none)")
+    field("seed", default=0, help="seed of the Optuna sampler and the measured runs")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
+
+
+def read_request(args: argparse.Namespace) -> SearchRequest:
+    """The search request of `agoq search`'s parsed flags; ValueError naming the flag of a value refused."""
+    try:
+        return SearchRequest.read({name: getattr(args, name) for name in WORDS})
+    except BadField as e:
+        raise ValueError(f"{flag(e.field)}: {e.problem}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `agoq search`; returns the exit code."""
     from agoq.formats.profile import load_profile
-    from agoq.search.knobs import KnobSpace
+    from agoq.search.request import InfeasibleBudget
     from agoq.search.search import search, write_outputs
 
-    if args.validate < 0:
-        raise ValueError(f"--validate must be >= 0, got {args.validate}")
-    if args.front_budgets < 0:
-        raise ValueError(f"--front-budgets must be >= 0, got {args.front_budgets}")
-    method = args.method or ("both" if args.trials else "milp")
+    request = read_request(args)
     out = Path(args.out)
     if out.suffix != ".json":
         raise ValueError(f"--out must name a .json file, got {out}")
@@ -153,27 +157,19 @@ def run(args: argparse.Namespace) -> int:
     storage = args.storage
     if storage is None and args.workers > 1:
         storage = str(out.parent.resolve() / "study.journal")
-    space = KnobSpace(gradient_modes=None if args.gradients == "any" else (args.gradients,),
-                      layouts=None if args.layout == "any" else (args.layout,),
-                      optimizers=None if args.optimizer == "any" else (args.optimizer,),
-                      masters=("fp32", "none") if args.master == "any" else (args.master,),
-                      compile_modes=None if args.compile == "any" else (args.compile,),
-                      global_batch=args.global_batch,
-                      micro_batches=None if args.micro_batch is None else (args.micro_batch,))
-    outcome = search(profile, args.budget, method=method, objective=args.objective, time_cap=args.time_cap,
-                     error_cap=args.error_cap, space=space,
-                     trials=args.trials or 40, storage=storage, study_name=args.study_name, sampler=args.sampler,
-                     ray_address=args.ray_address, measure_trials=args.measure_trials, parallel=args.workers,
-                     validate=args.validate, validate_steps=args.validate_steps, front_budgets=args.front_budgets,
-                     out_dir=out.parent, seed=args.seed, progress=not args.quiet)
+    try:
+        outcome = search(profile, request, storage=storage, study_name=args.study_name, ray_address=args.ray_address,
+                         parallel=args.workers, out_dir=out.parent, progress=not args.quiet)
+    except InfeasibleBudget as e:
+        raise ValueError(f"{e.advice(flag)} (profile {profile.path})") from None
     if out.exists():
         print(f"agoq search: replacing {out} and the front beside it (pareto.csv, {out.stem}-pareto/) with this "
               "search's", file=sys.stderr)
     written = write_outputs(outcome, out)
     plan = outcome.plan
     pred = plan.predicted
-    print(f"plan for {plan.model.name} under {format_bytes(args.budget)} per GPU ({plan.source.method}, "
-          f"objective {args.objective}):")
+    print(f"plan for {plan.model.name} under {format_bytes(request.budget)} per GPU ({plan.source.method}, "
+          f"objective {request.objective}):")
     print(f"  predicted peak {', '.join(format_bytes(b) for b in pred.peak_bytes_per_stage)} per stage; "
           f"activations {', '.join(format_bytes(b) for b in pred.activation_bytes_per_stage)}; "
           f"step {pred.step_seconds:.4f} s; gradient error {pred.grad_error:.4g}")

@@ -46,22 +46,9 @@ from agoq.search.costs import (
     resolve_optimizer,
 )
 from agoq.search.layouts import layouts, resolve_layout
-from agoq.search.milp import Allocation, InfeasibleBudget, Solver, resolve_time_cap
-
-MASTER_CHOICES = ("fp32",)  # masters 'none' changes the update's rounding, which no error cap measures: opt in
-
-
-@dataclass(frozen=True)
-class KnobSpace:
-    """Which values each outer knob may take (None: every value the profile has figures for; see `combinations`)."""
-
-    gradient_modes: Optional[tuple] = None      # subset of bf16, quangrad8, sdp4bit
-    layouts: Optional[tuple] = None             # subset of replicated, sharded, fsdp (agoq.search.layouts)
-    optimizers: Optional[tuple] = None          # subset of adamw, adamw8bit
-    masters: tuple = MASTER_CHOICES             # subset of fp32, none
-    compile_modes: Optional[tuple] = None       # subset of eager, compiled
-    global_batch: Optional[int] = None          # sequences per optimizer step (None: the profile's micro-batch)
-    micro_batches: Optional[tuple] = None       # micro-batch sizes to try (None: every divisor of global_batch)
+from agoq.search.milp import Allocation, Solver, resolve_time_cap
+from agoq.search.request import MASTER_CHOICES, InfeasibleBudget, KnobSpace
+from agoq.units import format_bytes_apart
 
 
 @dataclass
@@ -175,7 +162,7 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
         except ValueError as e:  # e.g. a micro-batch the config cannot scale to: say so, try the others
             tried.append(KnobResult(knobs, error=str(e)))
     first = (lambda r: r.alloc.grad_error) if objective == "error" else (lambda r: r.alloc.step_seconds)
-    smallest: list[int] = []  # the least budget of each combination that says it does not fit
+    refused: list[InfeasibleBudget] = []  # why each combination that was solved does not fit
     bounded: list[tuple[float, int, KnobResult]] = []
     hopeless: list[KnobResult] = []  # even the linear relaxation does not fit: solved only to say why, if need be
     for i, (knobs, problem) in enumerate(built):
@@ -189,7 +176,7 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             result.time_cap = resolve_time_cap(problem, budget, time_cap)
         except InfeasibleBudget as e:
             result.error = str(e)
-            smallest += [e.smallest_budget] if e.smallest_budget is not None else []
+            refused.append(e)
             tried.append(result)
             continue
         result.solver = Solver(problem, tie_break=False)  # the first objective only; the winner's ties broken below
@@ -212,7 +199,7 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             top = min(top, first(result))
         except InfeasibleBudget as e:
             result.error = str(e)
-            smallest += [e.smallest_budget] if e.smallest_budget is not None else []
+            refused.append(e)
         tried.append(result)
     solved = [r for r in tried if r.alloc is not None]
     for result in hopeless:
@@ -222,18 +209,21 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
                 result.solver.solve(budget, objective, result.time_cap, error_cap=error_cap)
             except InfeasibleBudget as e:
                 result.error = str(e)
-                smallest += [e.smallest_budget] if e.smallest_budget is not None else []
+                refused.append(e)
         tried.append(result)
     position = {id(knobs): i for i, knobs in enumerate(k for k, _ in built)}
     tried.sort(key=lambda r: position.get(id(r.knobs), -1))  # the combinations' own order, whatever was solved first
     if not solved:
-        least = min(smallest) if smallest else None
+        asked = int(np.min(np.atleast_1d(budget)))
+        least = min((e.smallest_budget for e in refused if e.smallest_budget is not None), default=None)
         if least is None:
             reasons = "; ".join(dict.fromkeys(r.error for r in tried if r.error and r.error != "dominated"))
-            raise InfeasibleBudget(f"no knob combination meets the caps at any budget: {reasons}", None)
+            caps = tuple(dict.fromkeys(cap for e in refused for cap in e.caps))
+            raise InfeasibleBudget(f"no knob combination meets the caps at any budget: {reasons}", None, caps)
         raise InfeasibleBudget(
-            f"no knob combination (gradient storage, layout, optimizer, micro-batch, compile mode) fits the budget: "
-            f"the smallest feasible budget is {least} bytes: give --budget {least} or more", least)
+            f"no knob combination (gradient storage, layout, optimizer, micro-batch, compile mode) fits a budget of "
+            f"{format_bytes_apart(asked, least)[0]} per GPU: the smallest feasible budget is "
+            f"{format_bytes_apart(least, asked)[0]} ({least} bytes)", least)
     top = min(first(r) for r in solved)
     for r in solved:  # those reaching the best first objective: their ties broken by the second
         if first(r) <= top + abs(top) * 1e-9 + 1e-15:

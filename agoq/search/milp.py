@@ -44,6 +44,7 @@ from scipy.sparse import coo_matrix
 
 from agoq.activations.policy import KINDS
 from agoq.search.costs import ChoiceProblem, recipe_error
+from agoq.search.request import CHECKPOINT_CAP, RECIPE_CAP, InfeasibleBudget
 from agoq.units import format_bytes_apart
 
 OBJECTIVES = ("error", "time")
@@ -78,14 +79,6 @@ def milp(c, **kwargs):
     finally:
         os.dup2(saved, 1)
         os.close(saved)
-
-
-class InfeasibleBudget(ValueError):
-    """No choice fits the budget; `smallest_budget` (bytes) is the least per-stage budget that does."""
-
-    def __init__(self, message: str, smallest_budget: Optional[int]):
-        super().__init__(message)
-        self.smallest_budget = smallest_budget
 
 
 @dataclass
@@ -522,17 +515,17 @@ class Solver:
             if error_cap is not None and self.smallest_budget(None, error_cap) is None:
                 least = self.solve(np.full(self.problem.num_stages, np.inf), "error").grad_error
                 return InfeasibleBudget(f"no choice has a gradient error <= {error_cap:.4g} at any memory budget; the "
-                                        f"least is {least:.4g}: raise --error-cap", None)
+                                        f"least is {least:.4g}", None, ("error_cap",))
             fastest = self.smallest_time()
             return InfeasibleBudget(f"no choice meets the time cap of {time_cap:.4f} s per step at any memory budget"
                                     f"{' within the error cap' if error_cap is not None else ''}; the fastest choice "
-                                    f"takes {fastest:.4f} s: raise --time-cap", None)
+                                    f"takes {fastest:.4f} s", None, ("time_cap",))
         asked = ", ".join(format_bytes_apart(b, smallest)[0] for b in budgets)  # enough digits to tell them apart
         caps = "".join([f" within the time cap of {time_cap:.4f} s" if time_cap is not None else "",
                         f" and error cap {error_cap:.4g}" if error_cap is not None else ""])
         return InfeasibleBudget(
             f"no choice fits a budget of {asked} per stage{caps}: the smallest feasible budget is "
-            f"{format_bytes_apart(smallest, min(budgets))[0]} ({smallest} bytes): give --budget {smallest} or more"
+            f"{format_bytes_apart(smallest, min(budgets))[0]} ({smallest} bytes)"
             + ("" if "infeasible" in why.lower() else f" ({why})"), smallest)
 
     def smallest_time(self) -> float:
@@ -545,10 +538,6 @@ def solve(problem: ChoiceProblem, budget, objective: str = "error", time_cap: Op
           error_cap: Optional[float] = None) -> Allocation:
     """Solve one problem at one budget (bytes per stage); see `Solver.solve`."""
     return Solver(problem).solve(budget, objective, time_cap, error_cap=error_cap)
-
-
-CHECKPOINT_CAP = "checkpoint"
-RECIPE_CAP = "recipe"
 
 
 def resolve_error_cap(problem: ChoiceProblem, error_cap) -> Optional[float]:

@@ -1,11 +1,12 @@
 """The whole search: profile -> outer knobs x MILP and/or Optuna -> best plan, priced against the best
 alternative, Pareto front (CSV + plans), validation.
 
-The defaults are agoq.search.defaults' (objective "time": the most tokens/s that fits the budget; error cap
-"recipe": no more predicted gradient error than the published agoq-paper recipe on this profile; no time cap). `agoq search`, `agoq profile --budget` and the dashboard's plan service
-call `search` / `plan_from_profile` and get them.
-
-`plan_from_profile` is the one-call form that `agoq profile --budget` uses.
+What to search for is a SearchRequest (agoq.search.request: the budget, objective, caps, knob space, method and
+its counts, with their defaults: objective "time", the most tokens/s that fits the budget; error cap "recipe", no
+more predicted gradient error than the published agoq-paper recipe on this profile; no time cap). `agoq search`
+and the dashboard's plan service build one and call `search`; `plan_from_profile` is the one-call form that
+`agoq profile --budget` uses. When no plan meets the request they raise InfeasibleBudget, with the smallest
+budget that fits (or the caps no budget meets), for the caller to word.
 """
 
 from __future__ import annotations
@@ -15,26 +16,19 @@ import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from agoq.files import write_atomic
 from agoq.formats.plan import Plan
 from agoq.formats.profile import ProfileData, load_profile
 from agoq.search.alternatives import best_alternative, price_alternatives
 from agoq.search.costs import ProblemSettings, build_problem
-from agoq.search.defaults import DEFAULT_ERROR_CAP, DEFAULT_OBJECTIVE, DEFAULT_TIME_CAP
-from agoq.search.knobs import KnobSearch, KnobSpace, knob_values, solve_knobs
-from agoq.search.milp import (
-    RECIPE_CAP,
-    InfeasibleBudget,
-    Solver,
-    resolve_error_cap,
-    resolve_time_cap,
-)
+from agoq.search.knobs import KnobSearch, knob_values, solve_knobs
+from agoq.search.milp import Solver, resolve_error_cap, resolve_time_cap
 from agoq.search.pareto import memory_error_front
 from agoq.search.plan_builder import build_plan
+from agoq.search.request import CHECKPOINT_CAP, RECIPE_CAP, KnobSpace, SearchRequest
 
-METHODS = ("milp", "optuna", "both")
 CSV_COLUMNS = ["source", "trial", "budget_bytes", "predicted_peak_bytes", "predicted_step_seconds",
                "predicted_grad_error", "block", "format", "gradient_mode", "micro_batch", "grad_accum",
                "floors", "plan", "measured_peak_bytes", "measured_step_seconds", "measured_loss_deviation"]
@@ -68,10 +62,6 @@ class SearchOutcome:
     trials_total: int = 0
 
 
-def _infeasible_error(e: InfeasibleBudget, profile: ProfileData) -> ValueError:
-    return ValueError(f"{e} (profile {profile.path})")
-
-
 def _recipe_cap(profile: ProfileData, error_cap, notes: list | None = None):
     """`error_cap` as a number or None: "recipe" becomes the recipe's predicted error on the default knobs (the
     stage rule's widths; where the profile lacks them, as for a pipeline profiled at 4 bits only, the recipe at
@@ -91,14 +81,11 @@ def _recipe_cap(profile: ProfileData, error_cap, notes: list | None = None):
 
 
 def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, error_cap: Optional[float],
-               cap_source: Optional[str], space: Optional[KnobSpace], alternatives: bool) -> tuple:
+               cap_source: Optional[str], space: KnobSpace, alternatives: bool) -> tuple:
     """The best plan over the outer knobs (agoq.search.knobs), with its decision and best alternative recorded;
     returns (plan, KnobSearch)."""
-    try:
-        found = solve_knobs(profile, budget, objective=objective, error_cap=error_cap, time_cap=time_cap,
-                            space=space or KnobSpace())
-    except InfeasibleBudget as e:
-        raise _infeasible_error(e, profile) from None
+    found = solve_knobs(profile, budget, objective=objective, error_cap=error_cap, time_cap=time_cap,
+                        space=space)
     best = found.best
     plan = build_plan(profile, best.problem, best.alloc, best.knobs, budget, "milp", objective)
     record_decision(plan, profile, found, objective, error_cap, cap_source)
@@ -151,96 +138,95 @@ def _milp_plan(profile: ProfileData, knobs: ProblemSettings, budget: int, object
                error_cap: Optional[float] = None):
     problem = build_problem(profile, knobs)
     solver = Solver(problem)
-    try:
-        alloc = solver.solve(budget, objective, resolve_time_cap(problem, budget, time_cap), error_cap=error_cap)
-    except InfeasibleBudget as e:
-        raise _infeasible_error(e, profile) from None
+    alloc = solver.solve(budget, objective, resolve_time_cap(problem, budget, time_cap), error_cap=error_cap)
     return problem, solver, alloc
 
 
-def plan_from_profile(profile_dir, budget_bytes: int, *, objective: str = DEFAULT_OBJECTIVE,
-                      time_cap=DEFAULT_TIME_CAP, error_cap=DEFAULT_ERROR_CAP,
-                      knobs: Optional[ProblemSettings] = None, space: Optional[KnobSpace] = None,
-                      alternatives: bool = True) -> Plan:
-    """The best plan of a profile (folder or ProfileData) under `budget_bytes` per GPU (stage).
+def _cap_source(error_cap) -> Optional[str]:
+    """Where the error cap comes from, as the plan's decision records it: "recipe", "given" or None (no cap)."""
+    return RECIPE_CAP if error_cap == RECIPE_CAP else ("given" if error_cap is not None else None)
 
-    `objective`: "time" (default: the most tokens/s) or "error" (the least predicted gradient error).
-    `time_cap`: seconds per step, None (default), or "checkpoint" (no slower than the best full-or-selective
-    checkpointing that fits the budget); `error_cap`: the largest predicted gradient error (None: no cap;
-    "recipe", the default: the predicted error of the published agoq-paper recipe on this profile).
-    With `knobs` (ProblemSettings) the plan uses exactly those knobs; else the outer knobs of `space`
-    (agoq.search.knobs.KnobSpace, default: every gradient storage, optimizer and compile mode the profile
-    prices, float32 masters, every split of the profiled micro-batch) are searched. The plan records its
-    decision and, with `alternatives`, the best alternative that fits the budget.
-    Raises ValueError with the smallest feasible budget when none fits."""
+
+def plan_from_profile(profile_dir, request: Union[SearchRequest, int], *, knobs: Optional[ProblemSettings] = None,
+                      alternatives: bool = True, **changes) -> Plan:
+    """The best plan of a profile (folder or ProfileData) for `request`: a SearchRequest, or its budget in bytes
+    per GPU (stage) with its other fields as keywords (objective, time_cap, error_cap, space; see SearchRequest).
+
+    With `knobs` (ProblemSettings) the plan uses exactly those knobs; else the outer knobs of the request's space
+    (default: every gradient storage, optimizer and compile mode the profile prices, float32 masters, every split
+    of the profiled micro-batch) are searched. The plan records its decision and, with `alternatives`, the best
+    alternative that fits the budget. Raises InfeasibleBudget (with the smallest feasible budget) when none fits."""
+    r = SearchRequest.of(request, changes)
     profile = profile_dir if isinstance(profile_dir, ProfileData) else load_profile(profile_dir)
-    source = RECIPE_CAP if error_cap == RECIPE_CAP else ("given" if error_cap is not None else None)
-    error_cap = _recipe_cap(profile, error_cap)
+    error_cap = _recipe_cap(profile, r.error_cap)
     if knobs is not None:
-        problem, _, alloc = _milp_plan(profile, knobs, budget_bytes, objective, time_cap, error_cap)
-        return build_plan(profile, problem, alloc, knobs, budget_bytes, "milp", objective)
-    plan, _ = _knob_plan(profile, budget_bytes, objective, time_cap, error_cap, source, space, alternatives)
+        problem, _, alloc = _milp_plan(profile, knobs, r.budget, r.objective, r.time_cap, error_cap)
+        return build_plan(profile, problem, alloc, knobs, r.budget, "milp", r.objective)
+    plan, _ = _knob_plan(profile, r.budget, r.objective, r.time_cap, error_cap, _cap_source(r.error_cap), r.space,
+                         alternatives)
     return plan
 
 
-def _study_limits(space: Optional[KnobSpace]) -> dict:
+def _study_limits(space: KnobSpace) -> dict:
     """The gradient storages and layouts Optuna's trials may use under `space` (None: every one the profile offers);
     a storage that can take none of the layouts is left out by the study itself."""
-    if space is None:
-        return {}
     return {"gradient_modes_allowed": space.gradient_modes, "layouts_allowed": space.layouts}
 
 
-def search(profile: ProfileData, budget: int, *, method: str = "milp", objective: str = DEFAULT_OBJECTIVE,
-           time_cap=DEFAULT_TIME_CAP, error_cap=DEFAULT_ERROR_CAP, trials: int = 40, storage: Optional[str] = None,
-           study_name: str = "agoq-search", sampler: str = "nsga2", ray_address: Optional[str] = None,
-           measure_trials: bool = False, parallel: int = 1, validate: int = 0, validate_steps: int = 4,
-           front_budgets: int = 20, out_dir: Optional[Path] = None, seed: int = 0, progress: bool = True,
-           stop_after: Optional[int] = None, space: Optional[KnobSpace] = None,
-           alternatives: bool = True) -> SearchOutcome:
-    """Run the search (see `agoq search --help`); plans of the fronts are built but not written.
+def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage: Optional[str] = None,
+           study_name: str = "agoq-search", ray_address: Optional[str] = None, parallel: int = 1,
+           out_dir: Optional[Path] = None, progress: bool = True, stop_after: Optional[int] = None,
+           alternatives: bool = True, **changes) -> SearchOutcome:
+    """Run the search for `request` (see `agoq search --help`); plans of the fronts are built but not written.
 
-    The MILP plan is the best over the outer knobs of `space` (agoq.search.knobs; default KnobSpace()); the front
-    and the Optuna study use that plan's knobs. With `alternatives` the plan carries the best alternative that fits
-    the budget (agoq.search.alternatives) and, with `validate`, its measured figures beside the plan's."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    `request` is a SearchRequest (`changes` replace its fields), or its budget in bytes per GPU with its other
+    fields as keywords. The rest says how the search runs: the Optuna study's `storage` (default
+    sqlite:///OUT_DIR/study.db) and `study_name`, Ray at `ray_address` (None: in this process), `parallel` trials
+    at a time, progress bars, at most `stop_after` trials now (None: all of them).
+    The MILP plan is the best over the outer knobs of the request's space (agoq.search.knobs); the front and the
+    Optuna study use that plan's knobs. With `alternatives` the plan carries the best alternative that fits the
+    budget (agoq.search.alternatives) and, with `validate`, its measured figures beside the plan's. Raises
+    InfeasibleBudget when no plan meets the request."""
+    r = SearchRequest.of(request, changes)
+    budget, objective, time_cap = r.budget, r.objective, r.time_cap
     cap_notes: list = []
-    cap_source = RECIPE_CAP if error_cap == RECIPE_CAP else ("given" if error_cap is not None else None)
-    error_cap = _recipe_cap(profile, error_cap, cap_notes)
-    plan, found = _knob_plan(profile, budget, objective, time_cap, error_cap, cap_source, space, alternatives)
+    error_cap = _recipe_cap(profile, r.error_cap, cap_notes)
+    plan, found = _knob_plan(profile, budget, objective, time_cap, error_cap, _cap_source(r.error_cap), r.space,
+                             alternatives)
     knobs, problem = found.best.knobs, found.best.problem
-    solver = Solver(problem)
     outcome = SearchOutcome(plan)
     outcome.notes += cap_notes + problem.notes
     candidates = [Candidate(outcome.plan, "milp", budget)]
-    if method in ("milp", "both") and front_budgets > 0:
-        cap = (lambda b: resolve_time_cap(problem, b, time_cap)) if time_cap == "checkpoint" else time_cap
-        for point in memory_error_front(problem, front_budgets, objective, cap, solver, progress, error_cap):
+    if r.method in ("milp", "both") and r.front_budgets > 0:
+        solver = Solver(problem)
+        cap = (lambda b: resolve_time_cap(problem, b, time_cap)) if time_cap == CHECKPOINT_CAP else time_cap
+        for point in memory_error_front(problem, r.front_budgets, objective, cap, solver, progress, error_cap):
             candidates.append(Candidate(build_plan(profile, problem, point.alloc, knobs, int(point.budget_bytes),
                                                    "milp", objective), "milp-front", point.budget_bytes))
     runner = None
-    if ray_address is not None or (measure_trials and method != "milp"):
+    if ray_address is not None or (r.measure_trials and r.method != "milp"):
         from agoq.search.validation import Runner
 
         runner = Runner(ray_address)
-    if method in ("optuna", "both"):
-        from agoq.search.study import KnobSpace, knobs_from_trial, run_study
+    study = None
+    if r.method in ("optuna", "both"):
+        from agoq.search.study import KnobSpace as TrialSpace
+        from agoq.search.study import knobs_from_trial, run_study
 
         if storage is None:
             storage = f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}"
         measure = None
-        if measure_trials:
-            measure = _trial_measurer(profile, budget, objective, runner, validate_steps, seed)
-        result = run_study(profile, budget, storage=storage, study_name=study_name, trials=trials,
-                           objective=objective, time_cap=time_cap, error_cap=error_cap, sampler=sampler, seed=seed,
-                           measure=measure, parallel=parallel, progress=progress, stop_after=stop_after,
-                           base=knobs, **_study_limits(space))
+        if r.measure_trials:
+            measure = _trial_measurer(profile, budget, objective, runner, r.validate_steps, r.seed)
+        result = run_study(profile, budget, storage=storage, study_name=study_name, trials=r.trials,
+                           objective=objective, time_cap=time_cap, error_cap=error_cap, sampler=r.sampler,
+                           seed=r.seed, measure=measure, parallel=parallel, progress=progress, stop_after=stop_after,
+                           base=knobs, **_study_limits(r.space))
         outcome.trials_run = result.ran
         outcome.trials_total = len(result.study.trials)
-        space = KnobSpace(profile, base=knobs, **_study_limits(space))
+        trial_space = TrialSpace(profile, base=knobs, **_study_limits(r.space))
         for t in result.front:
-            k = knobs_from_trial(t, space)
+            k = knobs_from_trial(t, trial_space)
             prob, _, a = _milp_plan(profile, k, budget, objective, time_cap, error_cap)
             plan = build_plan(profile, prob, a, k, budget, "optuna", objective)
             plan.source.trial = t.number
@@ -251,43 +237,50 @@ def search(profile: ProfileData, budget: int, *, method: str = "milp", objective
                                  "date": m.get("date")}
             candidates.append(Candidate(plan, "optuna", budget, trial=t.number))
         study = result.study
-    else:
-        study = None
     best = min((c for c in candidates if c.source in ("milp", "optuna")), key=lambda c: c.key(objective))
     if best.plan is not outcome.plan and alternatives:
         attach_alternatives(best.plan, profile, budget, found)
     outcome.plan = best.plan
     outcome.candidates = candidates
-    if validate > 0:
-        from agoq.search.validation import Runner, validate_plans
+    if r.validate > 0:
+        from agoq.search.validation import Runner
 
-        runner = runner or Runner(ray_address)
-        ranked = [best] + sorted((c for c in candidates if c is not best
-                                  and max(c.plan.predicted.peak_bytes_per_stage) <= budget),
-                                 key=lambda c: c.key(objective))
-        chosen, seen = [], set()
-        for c in ranked:
-            sig = c.plan.model_dump_json(include={"layers", "activations", "training", "gradients"})
-            if sig not in seen:
-                seen.add(sig)
-                chosen.append(c)
-            if len(chosen) == validate:
-                break
-        config = profile.model_config()
-        if not config:
-            raise ValueError("--validate needs the model config in profile.json (model.config)")
-        validate_plans([c.plan for c in chosen], config, dtype=str(profile.settings.get("dtype", "bf16")),
-                       steps=validate_steps, seed=seed, runner=runner, progress=progress)
-        if alternatives and best.plan.alternative is not None:
-            measure_alternative(best.plan, config, dtype=str(profile.settings.get("dtype", "bf16")),
-                                steps=validate_steps, seed=seed, runner=runner)
-        if study is not None:
-            for c in chosen:
-                if c.trial is not None:
-                    study.set_user_attr(f"validated_trial_{c.trial}", c.plan.measured.model_dump(mode="json"))
-            study.set_user_attr("validated", [{"source": c.source, "trial": c.trial,
-                                               "measured": c.plan.measured.model_dump(mode="json")} for c in chosen])
+        _validate(profile, r, best, candidates, study, runner or Runner(ray_address), alternatives, progress)
     return outcome
+
+
+def _validate(profile: ProfileData, r: SearchRequest, best: Candidate, candidates: list, study, runner,
+              alternatives: bool, progress: bool) -> None:
+    """Run the request's `validate` best distinct plans that fit its budget (the chosen one first) and, with
+    `alternatives`, the chosen plan's best alternative for real; their measured figures go into the plans and the
+    study (None: no study)."""
+    from agoq.search.validation import validate_plans
+
+    ranked = [best] + sorted((c for c in candidates if c is not best
+                              and max(c.plan.predicted.peak_bytes_per_stage) <= r.budget),
+                             key=lambda c: c.key(r.objective))
+    chosen, seen = [], set()
+    for c in ranked:
+        sig = c.plan.model_dump_json(include={"layers", "activations", "training", "gradients"})
+        if sig not in seen:
+            seen.add(sig)
+            chosen.append(c)
+        if len(chosen) == r.validate:
+            break
+    config = profile.model_config()
+    if not config:
+        raise ValueError("--validate needs the model config in profile.json (model.config)")
+    dtype = str(profile.settings.get("dtype", "bf16"))
+    validate_plans([c.plan for c in chosen], config, dtype=dtype, steps=r.validate_steps, seed=r.seed, runner=runner,
+                   progress=progress)
+    if alternatives and best.plan.alternative is not None:
+        measure_alternative(best.plan, config, dtype=dtype, steps=r.validate_steps, seed=r.seed, runner=runner)
+    if study is not None:
+        for c in chosen:
+            if c.trial is not None:
+                study.set_user_attr(f"validated_trial_{c.trial}", c.plan.measured.model_dump(mode="json"))
+        study.set_user_attr("validated", [{"source": c.source, "trial": c.trial,
+                                           "measured": c.plan.measured.model_dump(mode="json")} for c in chosen])
 
 
 def measure_alternative(plan: Plan, model_config: dict, *, dtype: str = "bf16", steps: int = 4, seed: int = 0,

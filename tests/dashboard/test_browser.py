@@ -202,7 +202,8 @@ def test_below_the_smallest_budget_the_slider_offers_the_smallest(chromium, tmp_
     from agoq.formats.profile import load_profile
     from agoq.search.knobs import budget_bounds, solve_knobs
     from agoq.search.milp import InfeasibleBudget
-    from agoq.search.search import DEFAULT_ERROR_CAP, _recipe_cap
+    from agoq.search.request import DEFAULT_ERROR_CAP
+    from agoq.search.search import _recipe_cap
 
     root = (tmp_path / "root").resolve()
     folder = write_profile(root / "prof", random.Random(int.from_bytes(os.urandom(4), "little")), micro_batch=3,

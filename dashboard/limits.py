@@ -1,0 +1,109 @@
+"""What a request may send the dashboard, and how much of it an answer may quote back.
+
+- A request body is at most MAX_BODY_BYTES (a plan request is a few hundred bytes): a larger one is answered 413,
+  by its Content-Length alone when it declares one, else as soon as that many bytes have come, and the rest is
+  never read (the connection is closed), so no request grows the server's memory with its size.
+- A validation error (FastAPI's 422 for a body or query of the wrong shape) quotes at most an excerpt of the
+  input it refused, and lists at most MAX_ERRORS errors: FastAPI's own answer quotes the input whole. A name
+  that is not found (an id in a query) is repeated up to MAX_NAMED_CHARS characters.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from agoq.units import EXCERPT_CHARS, excerpt
+
+MAX_BODY_BYTES = 64 * 1024
+MAX_ERRORS = 8
+MAX_NAMED_CHARS = 200  # the most of a name a request gave (an id in a query) that an answer repeats
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 without reading the rest; a body
+    within it is read (at most `limit` bytes held) and handed on to `app` whole."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await self._refuse(send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: nobody to answer
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._refuse(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        handed = False
+
+        async def replay() -> dict:
+            nonlocal handed
+            if handed:
+                return await receive()
+            handed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        text = json.dumps({"detail": f"the request body is larger than {self.limit} bytes, the most this dashboard "
+                                     "reads: send the fields it asks for (a plan request is a few hundred bytes)"})
+        body = text.encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close"), (b"x-content-type-options", b"nosniff")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def clipped(name: Any, limit: int = MAX_NAMED_CHARS) -> str:
+    """str(name), cut to `limit` characters and marked so when longer: what an answer repeats of a name it was
+    asked for (an id, an option)."""
+    text = str(name)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def quoted(value: Any) -> Any:
+    """`value` as an error may quote it: itself when its JSON is short, else a short excerpt (a string)."""
+    try:
+        short = len(json.dumps(value)) <= EXCERPT_CHARS
+    except (TypeError, ValueError):
+        short = False
+    return value if short else excerpt(value)
+
+
+async def short_validation_errors(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 with FastAPI's list of validation errors ({type, loc, msg, input, ctx}), each value quoted short, at
+    most MAX_ERRORS of them (then one more entry counting the rest)."""
+    errors = list(exc.errors())
+    detail: list[dict[str, Any]] = []
+    for error in errors[:MAX_ERRORS]:
+        item = {"type": error.get("type"), "loc": [quoted(part) for part in error.get("loc", ())],
+                "msg": error.get("msg")}
+        if "input" in error:
+            item["input"] = quoted(error["input"])
+        if error.get("ctx"):
+            item["ctx"] = {str(k): quoted(v if isinstance(v, (str, int, float, bool, type(None))) else str(v))
+                           for k, v in error["ctx"].items()}
+        detail.append(item)
+    if len(errors) > MAX_ERRORS:
+        detail.append({"type": "more", "loc": [], "msg": f"{len(errors) - MAX_ERRORS} more error(s) not listed"})
+    return JSONResponse({"detail": detail}, status_code=422)
