@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from agoq.activations.policy import as_policy
 from agoq.commands.arguments import positive_int
-from agoq.files import write_atomic
+from agoq.files import check_output_file, read_json_object, write_atomic
 from agoq.models import build
 from agoq.profiler import compare_policies
 from agoq.units import dtype_from_name, format_bytes
@@ -48,6 +47,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out:
+        check_output_file(args.out, "--out")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.dtype == "auto":  # bf16 where it is the training dtype (GPUs); the CPU computes in float32
         args.dtype = "fp32" if torch.device(device).type == "cpu" else "bf16"
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     for item in args.policy.split(","):
         item = item.strip()
         if item.endswith(".json"):
-            policies.append(as_policy(json.loads(Path(item).read_text())))
+            policies.append(as_policy(read_json_object(item, "policy file")))
         else:
             policies.append(as_policy(item))
     model = build(args.model, dtype=dtype, device=device, seed=args.seed, num_layers=args.layers)

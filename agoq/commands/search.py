@@ -38,6 +38,7 @@ import sys
 from pathlib import Path
 
 from agoq.commands.arguments import positive_int, size_bytes
+from agoq.files import check_output_file
 from agoq.search.defaults import DEFAULT_ERROR_CAP, DEFAULT_OBJECTIVE, DEFAULT_TIME_CAP
 from agoq.units import format_bytes
 
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     from agoq.formats.profile import load_profile
     from agoq.search.knobs import KnobSpace
     from agoq.search.search import search, write_outputs
+    from agoq.search.study import storage_file
 
     if args.validate < 0:
         raise ValueError(f"--validate must be >= 0, got {args.validate}")
@@ -149,10 +151,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix != ".json":
         raise ValueError(f"--out must name a .json file, got {out}")
-    profile = load_profile(args.profile)
+    check_output_file(out, "--out")
     storage = args.storage
     if storage is None and args.workers > 1:
         storage = str(out.parent.resolve() / "study.journal")
+    if storage is not None and storage_file(storage) is not None:
+        check_output_file(storage_file(storage), "--storage")
+    profile = load_profile(args.profile)
     space = KnobSpace(gradient_modes=None if args.gradients == "any" else (args.gradients,),
                       layouts=None if args.layout == "any" else (args.layout,),
                       optimizers=None if args.optimizer == "any" else (args.optimizer,),
