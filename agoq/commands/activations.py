@@ -21,6 +21,7 @@ from agoq.commands.arguments import positive_int
 from agoq.files import check_output_file, read_json_object, write_atomic
 from agoq.models import build
 from agoq.profiler import compare_policies
+from agoq.profiler.model_source import check_layers
 from agoq.units import dtype_from_name, format_bytes
 
 HELP = "compare activation policies on a model: bytes kept for backward, gradient error, step time"
@@ -47,6 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_layers(args.model, args.layers)
     if args.out:
         check_output_file(args.out, "--out")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -51,15 +51,6 @@ def resolve_config(spec: ModelSpec) -> LlamaConfig:
         f"got {type(spec).__name__}")
 
 
-def check_num_layers(num_layers: int | None, available, model: str) -> None:
-    """Refuse `num_layers` (--layers: the first N decoder layers) above the `available` layers of `model`: that
-    would build a larger model under its name, whose fingerprint no plan of the model matches."""
-    if num_layers is not None and isinstance(available, int) and num_layers > available:
-        raise ValueError(f"--layers {num_layers}: model {model} has {available} decoder layers; give at most "
-                         f"{available} (--layers keeps the first N, e.g. to profile part of a large model), or "
-                         "leave it out for all of them")
-
-
 def build(spec: ModelSpec, *, dtype: torch.dtype | None = None,
           device: torch.device | str | None = None, seed: int = 0,
           num_layers: int | None = None) -> nn.Module:
@@ -69,12 +60,10 @@ def build(spec: ModelSpec, *, dtype: torch.dtype | None = None,
     so the same seed and device give the same model. Parameters are created directly on
     ``device`` (``"meta"`` allocates nothing), in float32, then cast to ``dtype`` if given,
     so a bfloat16 model holds the rounded weights of the float32 one. ``num_layers``
-    replaces ``num_hidden_layers``, e.g. to profile a few layers of a large model (at most as many as the
-    model has: ValueError).
+    replaces ``num_hidden_layers``, e.g. to profile a few layers of a large model.
     """
     config = resolve_config(spec)
     if num_layers is not None:
-        check_num_layers(num_layers, config.num_hidden_layers, config.name)
         config = dataclasses.replace(config, num_hidden_layers=num_layers)
     torch.manual_seed(seed)
     if device is None:
@@ -87,7 +76,7 @@ def build(spec: ModelSpec, *, dtype: torch.dtype | None = None,
     return model
 
 
-__all__ = ["PRESETS", "LlamaConfig", "LlamaForCausalLM", "resolve_config", "build", "check_num_layers", "ModelSpec"]
+__all__ = ["PRESETS", "LlamaConfig", "LlamaForCausalLM", "resolve_config", "build", "ModelSpec"]
 
 
 def fingerprint(model: nn.Module) -> str:

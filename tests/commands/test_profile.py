@@ -73,12 +73,15 @@ def test_bad_config_files(tmp_path, capsys):
 
 def test_more_layers_than_the_model_has_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
     """--layers above the model's own count would profile a larger model under its name: refused at once, for a
-    preset and a config file (the same rule in `agoq activations` and `build`); the model's own count is fine."""
+    preset and a config file (the same rule in `agoq activations` and `load_model`); the model's own count is
+    fine."""
     import os
     import random
 
     import agoq.profiler.profile
-    from agoq.models import PRESETS, build
+    from agoq.activations.saved_bytes import find_decoder_layers
+    from agoq.models import PRESETS
+    from agoq.profiler.model_source import load_model
 
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
@@ -97,8 +100,8 @@ def test_more_layers_than_the_model_has_are_refused_before_any_work(tmp_path, ca
         code, err = _error(capsys, ["activations", model, "--quiet", "--layers", str(asked)])
         assert code == 2 and f"--layers {asked}:" in err and f"has {available} decoder layers" in err, (seed, err)
         with pytest.raises(ValueError, match=f"has {available} decoder layers"):
-            build(model, num_layers=asked, device="meta")
-        assert build(model, num_layers=available, device="meta").config.num_hidden_layers == available
+            load_model(model, num_layers=asked, device="meta")
+        assert len(find_decoder_layers(load_model(model, num_layers=available, device="meta"))) == available
     assert not (tmp_path / "p").exists()
 
 
