@@ -293,7 +293,7 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
         gradients = memory.gradients  # with a plan, equal to its mode (check_flags_against_plan)
     if gradients not in GRADIENT_MODES:
         raise ValueError(f"gradient mode must be bf16, quangrad8 or sdp4bit, got {gradients!r}")
-    if gradients == "sdp4bit" and parallel not in SHARDED:  # a plan's: refused by check_plan_world already
+    if gradients == "sdp4bit" and parallel not in SHARDED:  # a sharded plan was refused by check_plan_world
         raise ValueError("gradient mode sdp4bit is sharded data parallelism: use --parallel sharded or fsdp under "
                          "torchrun (or pass --gradients quangrad8 / bf16 to run it otherwise)")
     if parallel == "sharded" and gradients == "quangrad8":
