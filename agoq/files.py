@@ -71,10 +71,45 @@ def write_with(path: str | os.PathLike, writer: Callable[[str], None]) -> Path:
     return target
 
 
+def check_output_folder(path: str | os.PathLike, what: str) -> Path:
+    """Make sure a command can write into folder `path` before it does any work, leaving nothing behind: the
+    folder, or the nearest of its parents that exists (where the command will create it), must be a folder in
+    which a temporary file can be made (it is removed at once). Raises ValueError naming `what` (e.g. "--out")
+    when `path` is a file, lies under a file, or cannot be created or written to. Several processes may check
+    one folder at once."""
+    folder = Path(path)
+    full = folder.absolute()
+    existing = next(p for p in (full, *full.parents) if os.path.exists(p) or p == p.parent)
+    if not existing.is_dir():
+        where = "is" if existing == full else f"lies under {existing}, which is"
+        raise ValueError(f"{what} {folder} {where} a file, not a folder: give a folder path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".agoq-write-check.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        inside = "" if existing == full else f" (it would be created in {existing})"
+        raise ValueError(f"{what} {folder}: cannot write there{inside}: {e.strerror or e}; give a folder you can "
+                         "write to") from None
+    return folder
+
+
+def check_output_file(path: str | os.PathLike, what: str) -> Path:
+    """Make sure a command can (atomically) write file `path` before it does any work: it must not be a folder,
+    and its folder must be writable (`check_output_folder`). Raises ValueError naming `what`."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{what} {target} is a folder: give a file path")
+    check_output_folder(target.parent, f"{what} {target}: its folder")
+    return target
+
+
 def read_json_object(path: str | os.PathLike, what: str) -> dict:
     """The JSON object in `path`; FileNotFoundError / ValueError that name `what` (e.g. "plan file") and say
     what is wrong with it."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {p} is a folder: give the file")
     if not p.is_file():
         raise FileNotFoundError(f"{what} not found: {p}")
     try:

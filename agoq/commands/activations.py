@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 from agoq.activations.policy import as_policy
 from agoq.commands.arguments import positive_int
-from agoq.files import write_atomic
+from agoq.files import check_output_file, read_json_object, write_atomic
 from agoq.models import build
 from agoq.profiler import compare_policies
 from agoq.progress import progress_bar
+from agoq.profiler.model_source import check_layers
 from agoq.units import dtype_from_name, format_bytes
 
 HELP = "compare activation policies on a model: bytes kept for backward, gradient error, step time"
@@ -47,6 +49,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_layers(args.model, args.layers)
+    if args.out:
+        check_output_file(args.out, "--out")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.dtype == "auto":  # bf16 where it is the training dtype (GPUs); the CPU computes in float32
         args.dtype = "fp32" if torch.device(device).type == "cpu" else "bf16"
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     for item in args.policy.split(","):
         item = item.strip()
         if item.endswith(".json"):
-            policies.append(as_policy(json.loads(Path(item).read_text())))
+            policies.append(as_policy(read_json_object(item, "policy file")))
         else:
             policies.append(as_policy(item))
     model = build(args.model, dtype=dtype, device=device, seed=args.seed, num_layers=args.layers)

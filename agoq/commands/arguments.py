@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from agoq.units import parse_size
@@ -76,11 +75,27 @@ def request_field(field: str):
     return parse
 
 
+def path_error(e: OSError) -> str:
+    """One line for an OSError about a path: 'PATH: what is wrong' (both paths of a rename or link)."""
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    return f"{paths}: {e.strerror or e}; check the path and its permissions"
+
+
 def run_command(args: argparse.Namespace, name: str) -> int:
-    """Run a parsed command (`args.func`); bad input prints `name: error: ...` and returns exit code 2."""
+    """Run a parsed command (`args.func`); bad input prints `name: error: ...` and returns exit code 2.
+
+    Bad input is a ValueError (UnicodeDecodeError included), NotImplementedError, a FileNotFoundError raised with
+    a message, or any OSError about a path the user gave (a missing file, a file where a folder belongs, no
+    permission, a read-only file system): those name their path. An OSError about no path is no input's fault
+    and is raised."""
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, NotImplementedError, json.JSONDecodeError) as e:
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise
+        print(f"{name}: error: {path_error(e) if e.filename is not None else e}", file=sys.stderr)
+        return 2
+    except (ValueError, NotImplementedError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
 

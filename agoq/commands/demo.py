@@ -26,6 +26,7 @@ from pathlib import Path
 
 from agoq.commands import profile, search, train
 from agoq.commands.arguments import positive_int, run_module
+from agoq.files import check_output_folder
 
 HELP = "the whole loop on a tiny model on the CPU, then the dashboard command to see it"
 MODEL = "llama-tiny"
@@ -120,9 +121,7 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print the dashboard command."""
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; give a folder")
+    out = check_output_folder(args.out, "--out")
     earlier = [out / p for p in DEMO_PARTS if (out / p).exists()]
     if earlier and not args.force:
         raise ValueError(f"--out {out} already holds an earlier demo ({', '.join(p.name for p in earlier)}); "

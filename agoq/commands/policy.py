@@ -13,7 +13,7 @@ import sys
 
 from agoq.activations.policy import preset, stage_aware_policy
 from agoq.commands.arguments import positive_int, positive_int_list
-from agoq.files import write_atomic
+from agoq.files import check_output_file, write_atomic
 
 HELP = "print an activation policy as JSON"
 
@@ -29,6 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out:
+        check_output_file(args.out, "--out")
     if args.in_flight:
         counts = args.in_flight
         if args.layers is None:

@@ -30,6 +30,7 @@ import os
 import sys
 from pathlib import Path
 
+from agoq.files import check_output_folder
 from agoq.formats.profile import add_collectives, load_profile
 from agoq.search import InfeasibleBudget, plan_from_profile
 from agoq.units import format_bytes
@@ -73,7 +74,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="model dtype (default: bf16 on CUDA, fp32 on the CPU, whose bf16 matmuls are slow)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--layers", type=positive_int, default=None,
-                        help="profile only this many decoder layers of the model (default: all)")
+                        help="profile only the first N decoder layers of the model, at most its own number "
+                             "(default: all)")
     parser.add_argument("--bits", type=_int_list, default=[2, 3, 4, 5, 6, 8],
                         help="bit widths to measure, 2..8 (default 2,3,4,5,6,8)")
     parser.add_argument("--formats", type=_str_list, default=["int", "nf4"],
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `agoq profile`."""
     import torch
 
-    from agoq.profiler.model_source import model_name
+    from agoq.profiler.model_source import check_layers, model_name
     from agoq.profiler.profile import ProfileSettings, make_profile
     from agoq.units import format_bytes
 
@@ -170,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ray and args.ray_address:
         raise ValueError("give either --ray (a new local Ray) or --ray-address ADDR, not both")
     micro_batches = args.micro_batches or (1 if args.pipeline_stages == 1 else 2 * args.pipeline_stages)
+    check_layers(args.model, args.layers)
+    out = check_output_folder(args.out or Path("profiles") / model_name(args.model), "--out")
 
     collectives_torchrun = None
     if _under_torchrun():
@@ -187,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
         seq_len = 4096 if device.startswith("cuda") else 64
         if args.model in PRESETS:
             seq_len = min(seq_len, resolve_config(args.model).max_position_embeddings)
-    out = Path(args.out or Path("profiles") / model_name(args.model))
     if args.threads:
         torch.set_num_threads(args.threads)
     elif device == "cpu" and args.model in PRESETS and resolve_config(args.model).hidden_size < 1024:

@@ -54,6 +54,7 @@ from agoq.search.request import (
     BadField,
     SearchRequest,
 )
+from agoq.files import check_output_file
 from agoq.units import format_bytes
 
 HELP = "turn a profile and a memory budget into a plan (MILP, Optuna)"
@@ -148,15 +149,19 @@ def run(args: argparse.Namespace) -> int:
     from agoq.formats.profile import load_profile
     from agoq.search.request import InfeasibleBudget
     from agoq.search.search import search, write_outputs
+    from agoq.search.study import storage_file
 
     request = read_request(args)
     out = Path(args.out)
     if out.suffix != ".json":
         raise ValueError(f"--out must name a .json file, got {out}")
-    profile = load_profile(args.profile)
+    check_output_file(out, "--out")
     storage = args.storage
     if storage is None and args.workers > 1:
         storage = str(out.parent.resolve() / "study.journal")
+    if storage is not None and storage_file(storage) is not None:
+        check_output_file(storage_file(storage), "--storage")
+    profile = load_profile(args.profile)
     try:
         outcome = search(profile, request, storage=storage, study_name=args.study_name, ray_address=args.ray_address,
                          parallel=args.workers, out_dir=out.parent, progress=not args.quiet)

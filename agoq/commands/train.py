@@ -26,6 +26,8 @@ With --plan the plan decides the activation bits and checkpointed layers, gradie
 master weights, compile mode (training.compile: compiled is torch.compile per decoder layer in mode default),
 micro-batch x accumulation and, under torchrun, the parallel mode of its launch: each is its flag's default. A
 flag given with another value than the plan's is refused (exit 2): drop it, or search a plan for what you want.
+A plan searched for a sharded, fsdp or pipeline layout runs only in the number of processes it was searched for
+(its launch.command, which the refusal prints); a replicated plan runs in any.
 --seq-len may differ (with a warning: the plan's predictions hold for its own). Plans of schema 1.0 say nothing
 of optimizer or compile and train with AdamW on float32 masters, eager.
 

@@ -55,6 +55,31 @@ def _from_factory(spec: str) -> nn.Module:
     return model
 
 
+def _check_num_layers(num_layers: int, available, model: str) -> None:
+    if isinstance(available, int) and num_layers > available:
+        raise ValueError(f"--layers {num_layers}: model {model} has {available} decoder layers; give at most "
+                         f"{available} (--layers keeps the first N, e.g. to measure part of a large model), or "
+                         "leave it out for all of them")
+
+
+def check_layers(spec: str, num_layers: int | None) -> None:
+    """Refuse --layers that `spec` cannot take, without building anything: more layers than the preset's or the
+    config file's num_hidden_layers (that would build a larger model under its name, whose fingerprint no plan
+    of the model matches), or any for a factory function. An unknown spec is left to `load_model`."""
+    from agoq.models import PRESETS
+
+    if num_layers is None:
+        return
+    if spec in PRESETS:
+        _check_num_layers(num_layers, PRESETS[spec].num_hidden_layers, spec)
+    elif spec.endswith(".json") or os.path.isfile(spec):
+        _check_num_layers(num_layers, read_json_object(Path(spec), "model config file").get("num_hidden_layers"),
+                         spec)
+    elif _FACTORY.fullmatch(spec):
+        raise ValueError(f"--layers applies to presets and config files, not to {spec!r} (a function "
+                         "decides its own model)")
+
+
 def load_model(spec: str, *, dtype: str = "bf16", device: str = "cpu", seed: int = 0,
                num_layers: int | None = None) -> nn.Module:
     """Build the model named by `spec` on `device` in `dtype` ("bf16", "fp16", "fp32").
@@ -65,6 +90,7 @@ def load_model(spec: str, *, dtype: str = "bf16", device: str = "cpu", seed: int
     """
     from agoq.models import PRESETS, build
 
+    check_layers(spec, num_layers)
     torch_dtype = dtype_from_name(dtype)
     if spec in PRESETS:
         model = build(spec, dtype=torch_dtype, device=device, seed=seed, num_layers=num_layers)
@@ -86,9 +112,6 @@ def load_model(spec: str, *, dtype: str = "bf16", device: str = "cpu", seed: int
                 model = _hf_model(config, path)
             model = model.to(dtype=torch_dtype)
     elif _FACTORY.fullmatch(spec):
-        if num_layers is not None:
-            raise ValueError(f"--layers applies to presets and config files, not to {spec!r} (a function "
-                             "decides its own model)")
         torch.manual_seed(seed)
         with torch.device(device):
             model = _from_factory(spec)

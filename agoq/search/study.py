@@ -35,19 +35,30 @@ FLOOR_BITS = (2, 3, 4, 5, 6, 8)
 DEFAULT_STUDY = "agoq-search"
 
 
+def storage_file(storage: str) -> Optional[Path]:
+    """The local file a storage writes (a .journal path, or an sqlite:/// URL's database), None for a database
+    server's URL; ValueError for a string that is neither a URL nor a .journal path."""
+    if "://" not in storage:
+        if not storage.endswith(".journal"):
+            raise ValueError(f"--storage must be a database URL (sqlite:///study.db, postgresql://...) or a path "
+                             f"ending in .journal, got {storage!r}")
+        return Path(storage)
+    return Path(storage[len("sqlite:///"):]) if storage.startswith("sqlite:///") else None
+
+
 def open_storage(storage: str):
     """An Optuna storage from a URL (sqlite:///..., postgresql://...) or a path ending in .journal."""
     import optuna
 
-    if storage.endswith(".journal") and "://" not in storage:
+    path = storage_file(storage)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if "://" not in storage:
         from optuna.storages import JournalStorage
         from optuna.storages.journal import JournalFileBackend
 
-        Path(storage).parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(storage))
-    if storage.startswith("sqlite:///"):
-        Path(storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-    return optuna.storages.RDBStorage(storage) if "://" in storage else storage
+    return optuna.storages.RDBStorage(storage)
 
 
 def _constraints(trial) -> list[float]:

@@ -84,7 +84,8 @@ def _split(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, tor
 def load_corpus(data: str | None, tokenizer: str | None = None, val_fraction: float = VAL_FRACTION) -> Corpus:
     """Read and tokenize `data` (a text file; None: the synthetic corpus), split 90/10 into train/validation.
 
-    Raises FileNotFoundError for a missing data or tokenizer file, ValueError for an empty one.
+    Raises FileNotFoundError for a missing data or tokenizer file, ValueError for an empty data file or a
+    tokenizer file that is no tokenizers JSON.
     """
     if data is None:
         raw, source = synthetic_text(), "synthetic"
@@ -104,6 +105,8 @@ def load_corpus(data: str | None, tokenizer: str | None = None, val_fraction: fl
         vocab, name = BYTE_VOCAB, "bytes"
     else:
         tok_path = Path(tokenizer)
+        if tok_path.is_dir():
+            raise ValueError(f"--tokenizer {tok_path} is a folder: give its tokenizer.json")
         if not tok_path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {tok_path} (a HuggingFace tokenizers JSON)")
         try:
@@ -111,7 +114,11 @@ def load_corpus(data: str | None, tokenizer: str | None = None, val_fraction: fl
         except ImportError:
             raise ValueError("--tokenizer needs the `tokenizers` package (pip install tokenizers); "
                              "leave --tokenizer out to use bytes") from None
-        tok = Tokenizer.from_file(str(tok_path))
+        try:
+            tok = Tokenizer.from_file(str(tok_path))
+        except Exception as e:  # the tokenizers package raises a bare Exception for a file it cannot parse
+            raise ValueError(f"--tokenizer {tok_path} is not a HuggingFace tokenizers JSON file ({e}): give the "
+                             "tokenizer.json of a model, or leave --tokenizer out to use bytes") from None
         ids = tok.encode(raw.decode("utf-8", errors="replace")).ids
         tokens = torch.tensor(ids, dtype=torch.int64)
         vocab, name = tok.get_vocab_size(), str(tok_path)

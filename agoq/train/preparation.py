@@ -25,6 +25,7 @@ from agoq.formats.plan import load_plan, plan_for_policy
 from agoq.train.config import JobConfig, ModelConfig
 from agoq.train.data import Batches, load_corpus
 from agoq.train.parallel import World
+from agoq.train.plan_layout import REPLICATED, SHARDED, check_plan_world, plan_launch, plan_parallel_default
 
 BATCH_DEFAULTS = {"seq_len": 256, "micro_batch": 8, "grad_accum": 1}
 GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
@@ -92,18 +93,14 @@ def compile_model(model: nn.Module, model_cfg: ModelConfig) -> Callable[[], None
 
 
 def _policy(name: str, num_layers: int, stages: int, micro_batches: int, layer_stage: list[int] | None):
-    import json
-
     from agoq.activations.policy import as_policy, stage_aware_policy
+    from agoq.files import read_json_object
     from agoq.schedules import in_flight
 
     if name == "stage-aware":
         return stage_aware_policy(in_flight(stages, micro_batches), num_layers, layer_stage)
     if name.endswith(".json"):
-        path = Path(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"policy file not found: {path}")
-        return as_policy(json.loads(path.read_text()))
+        return as_policy(read_json_object(name, "policy file"))
     return as_policy(name)
 
 
@@ -111,26 +108,7 @@ def _policy(name: str, num_layers: int, stages: int, micro_batches: int, layer_s
 PLAN_FLAGS = {"gradients": "--gradients", "optimizer": "--optimizer", "master": "--master", "compile": "--compile",
               "compile_mode": "--compile-mode", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
               "checkpoint_all": "--checkpoint-all", "parallel": "--parallel"}
-REPLICATED = ("none", "ddp")  # one process and DDP keep the same per-rank state: a plan's "none" runs as either
-SHARDED = ("sharded", "fsdp")  # both run a plan's sdp4bit gradients (its launch message offers either)
 PLAN_COMPILE_MODE = "default"  # torch.compile's mode a compiled plan was priced in (agoq.profiler.compiled)
-
-
-def plan_launch(plan) -> dict:
-    """The plan's `launch` section (processes, parallel mode), {} when it has none (1.0 plans)."""
-    launch = plan.to_dict().get("launch")
-    return launch if isinstance(launch, dict) else {}
-
-
-def plan_parallel_default(plan, world: World) -> str | None:
-    """The parallel mode a plan's `launch` asks for when --parallel is not given, or None (the usual default: none
-    for one process, ddp under torchrun). Only a several-process launch that is not replicated (sharded, fsdp,
-    pipeline) is taken, and only when this run has several processes: one process keeps the refusal that says
-    how to launch the plan."""
-    mode = plan_launch(plan).get("parallel")
-    if world.size > 1 and mode is not None and mode not in REPLICATED:
-        return mode
-    return None
 
 
 def plan_settings(plan, parallel: str) -> dict[str, Any]:
@@ -268,12 +246,15 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
     device = _device(cfg.model, world)
     dtype = _dtype(cfg.model, device)
     parallel_cfg = cfg.parallelism
-    if plan is not None and parallel_cfg.parallel is None and plan_parallel_default(plan, world):
-        parallel_cfg = dataclasses.replace(parallel_cfg, parallel=plan_parallel_default(plan, world))
+    if plan is not None:
+        check_plan_world(plan, world.size, None, cfg.model.model, memory.plan)
+        if parallel_cfg.parallel is None and plan_parallel_default(plan, world):
+            parallel_cfg = dataclasses.replace(parallel_cfg, parallel=plan_parallel_default(plan, world))
     parallel = parallel_cfg.mode_for(world.size)
     decided = plan_settings(plan, parallel) if plan is not None else {}
     if plan is not None:
         check_flags_against_plan(given_settings(cfg), decided, plan, memory.plan)
+        check_plan_world(plan, world.size, parallel, cfg.model.model, memory.plan)
     flags = cfg
     cfg = resolve_settings(cfg, decided, parallel_cfg, compile_default=compile_by_default(device, parallel))
 
@@ -302,10 +283,7 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
         if plan.num_layers != config.num_hidden_layers:
             raise ValueError(f"{memory.plan}: the plan covers {plan.num_layers} layers, the model has "
                              f"{config.num_hidden_layers}")
-        if parallel == "pipeline":
-            if plan.pipeline.stages != world.size:
-                raise ValueError(f"{memory.plan}: the plan was made for {plan.pipeline.stages} pipeline stage(s), "
-                                 f"this run has {world.size}: search a plan for {world.size} stages")
+        if parallel == "pipeline":  # with as many processes as the plan has stages (check_plan_world)
             schedule = getattr(plan.pipeline, "schedule", "1f1b")
             if schedule != "1f1b":
                 raise ValueError(f"{memory.plan}: the plan was made for the {schedule} schedule; agoq train runs 1F1B "
@@ -315,14 +293,9 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
         gradients = memory.gradients  # with a plan, equal to its mode (check_flags_against_plan)
     if gradients not in GRADIENT_MODES:
         raise ValueError(f"gradient mode must be bf16, quangrad8 or sdp4bit, got {gradients!r}")
-    if gradients == "sdp4bit" and parallel not in ("sharded", "fsdp"):
-        launch = plan_launch(plan) if plan is not None else {}
-        how = (f"launch it as the plan says: torchrun --nproc-per-node {launch['processes']} -m agoq.train ... "
-               f"--parallel sharded (or fsdp)" if launch.get("processes")
-               else "use --parallel sharded or fsdp under torchrun")
-        other = ("search a plan for one process (`agoq search` on a one-process profile) to run it otherwise"
-                 if plan is not None else "or pass --gradients quangrad8 / bf16 to run it otherwise")
-        raise ValueError(f"gradient mode sdp4bit is sharded data parallelism: {how} ({other})")
+    if gradients == "sdp4bit" and parallel not in SHARDED:  # a sharded plan was refused by check_plan_world
+        raise ValueError("gradient mode sdp4bit is sharded data parallelism: use --parallel sharded or fsdp under "
+                         "torchrun (or pass --gradients quangrad8 / bf16 to run it otherwise)")
     if parallel == "sharded" and gradients == "quangrad8":
         raise ValueError("--parallel sharded reduces gradients with SDP4Bit (or exactly with --gradients bf16), "
                          "not with QuanGrad: use --parallel ddp for quangrad8")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from agoq.environment import hardware, software_versions
-from agoq.files import json_safe
+from agoq.files import check_output_folder, json_safe
 from agoq.formats.run import RunRecord, read_run
 from agoq.progress import progress_bar
 from agoq.train.checkpoint import clean_partial, find_checkpoint, load_checkpoint, save_checkpoint
@@ -36,16 +36,8 @@ from agoq.train.config import OPTIMIZERS, PARALLEL_MODES, JobConfig, TrainConfig
 from agoq.train.optimizer import BETAS
 from agoq.train.parallel import World, apply_parallel, join_world
 from agoq.train.preparation import PreparedRun, _check_budget, prepare  # noqa: F401 -- _check_budget: tests
+from agoq.train.resume_settings import FIXED_SETTINGS, changed_settings, check_override, difference
 from agoq.train.stopping import RunFolderBusy, RunLock, StopSignals
-
-# run.json settings that follow from others (never compared on resume: their sources are). grad_accum follows
-# tokens_per_step and the number of data-parallel ranks, which a resume may change (the step reads the same
-# sequences: agoq.train.data)
-DERIVED_SETTINGS = ("min_lr", "grad_accum", "train_tokens", "val_tokens", "vocab_size", "betas", "schedule")
-# settings the checkpoint's state depends on (data order, optimizer state, numerics): never changed on resume
-FIXED_SETTINGS = ("seq_len", "micro_batch", "tokens_per_step", "optimizer", "master", "parallel", "gradients",
-                  "policy", "dtype", "seed", "data_sha256", "tokenizer")
-
 
 REPLICATED = "none or ddp (replicated)"
 
@@ -120,44 +112,6 @@ class Trainer:
         key["parallel"] = REPLICATED if key["parallel"] in ("none", "ddp") else key["parallel"]
         return key
 
-    def _changed_settings(self, out: Path) -> dict[str, list]:
-        """On resume: the settings that differ from run.json's, {name: [old, new]}, once --override allows each.
-
-        Raises ValueError listing every change (old -> new) that --override does not name. Settings fixed by
-        the checkpoint are checked against it (`try_resume`); derived ones follow their sources.
-        """
-        new = json_safe(self._settings())
-        free = self._check_override()
-        allowed = self.cfg.checkpoint.override
-        old = (read_run(out) or {}).get("settings") or {}
-        changed = {k: [old[k], new[k]] for k in free if k in old and old[k] != new[k]}
-        refused = [k for k in changed if k not in allowed]
-        if refused:
-            follow = [k for k in ("warmup", "eval_every") if k in refused]
-            hint = (f" ({' and '.join(follow)} default{'s' if len(follow) == 1 else ''} to a share of --steps: give "
-                    f"{'it' if len(follow) == 1 else 'them'} explicitly to keep the old value)") if follow else ""
-            raise ValueError(f"cannot resume {out} with other settings: "
-                             + ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused) + hint
-                             + f". Add --override {','.join(refused)} to accept "
-                             + ("this change" if len(refused) == 1 else "these changes")
-                             + " (run.json records it), or resume with the old values")
-        return changed
-
-    def _check_override(self) -> list[str]:
-        """Refuse --override names that are no setting, or that the checkpoint fixes; returns the changeable ones."""
-        free = [k for k in self._settings() if k not in DERIVED_SETTINGS and k not in FIXED_SETTINGS]
-        allowed = self.cfg.checkpoint.override
-        fixed = [n for n in allowed if n in FIXED_SETTINGS or n in ("fingerprint", "model")]
-        if fixed:
-            raise ValueError(f"--override {','.join(fixed)}: the checkpoint's state depends on "
-                             f"{'it' if len(fixed) == 1 else 'them'} (model, data order, optimizer state or "
-                             "numerics) and cannot change on resume: start a new run (another --out)")
-        unknown = [n for n in allowed if n not in free]
-        if unknown:
-            raise ValueError(f"--override {','.join(unknown)}: not a setting a resumed run may change; those are "
-                             + ", ".join(free))
-        return free
-
     # ---------------------------------------------------------------- checkpoints
 
     def _state(self, ranks_saved: int | None = None) -> dict:
@@ -217,7 +171,7 @@ class Trainer:
             if found is not None or (out / "metrics.jsonl").exists():
                 raise ValueError(f"{out} already holds a run: add --resume to continue it, or give another --out")
             return None
-        self._check_override()
+        check_override(self._settings(), self.cfg.checkpoint.override)
         if found is None:
             if world.rank == 0:
                 print(f"agoq train: no checkpoint in {out} yet: starting from step 0", file=sys.stderr)
@@ -226,14 +180,19 @@ class Trainer:
         mine = json_safe(self._resume_key())
         theirs = state.get("resume", {})
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        old_settings = (read_run(out) or {}).get("settings") or {}
+        old_data, new_data = old_settings.get("data"), self.prepared.corpus_info["data"]
         if diff:
             hint = (" (with another number of processes, scale --grad-accum to keep tokens_per_step)"
                     if "tokens_per_step" in diff else "")
             raise ValueError(f"cannot resume {folder}: settings differ from the checkpoint's "
-                             + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
+                             + ", ".join(difference(k, a, b, old_data, new_data) for k, (a, b) in diff.items())
                              + " (the checkpoint's state depends on these: --override cannot change them)" + hint)
+        if old_data is not None and old_data != new_data and world.rank == 0:
+            print(f"agoq train: the data is read from {new_data} now (the run began on {old_data}; the same "
+                  "content)", file=sys.stderr)
         self._check_layout(folder, state)
-        self.changed = self._changed_settings(out)
+        self.changed = changed_settings(json_safe(self._settings()), old_settings, self.cfg.checkpoint.override, out)
         if self.changed and world.rank == 0:
             print("agoq train: resuming with changed settings (--override): "
                   + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items()), file=sys.stderr)
@@ -416,6 +375,7 @@ def train(cfg: JobConfig) -> int:
     checkpoint at its end (every rank stops after the same step), then stops: status "stopped", exit 130.
     A second signal stops at once, keeping the last checkpoint.
     """
+    check_output_folder(cfg.checkpoint.out, "--out")  # every rank writes its checkpoint shards there
     with StopSignals() as stop:
         world = join_world(cfg.model.device)
         try:

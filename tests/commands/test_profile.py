@@ -71,6 +71,40 @@ def test_bad_config_files(tmp_path, capsys):
     assert code == 2 and "not found" in err
 
 
+def test_more_layers_than_the_model_has_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """--layers above the model's own count would profile a larger model under its name: refused at once, for a
+    preset and a config file (the same rule in `agoq activations` and `load_model`); the model's own count is
+    fine."""
+    import os
+    import random
+
+    import agoq.profiler.profile
+    from agoq.activations.saved_bytes import find_decoder_layers
+    from agoq.models import PRESETS
+    from agoq.profiler.model_source import load_model
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    layers = rng.randint(2, 9)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**PRESETS["llama-tiny"].to_dict(), "num_hidden_layers": layers, "name": "mine"}))
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("profiled before refusing --layers")
+
+    monkeypatch.setattr(agoq.profiler.profile, "make_profile", no_work)
+    for model, available in (("llama-tiny", PRESETS["llama-tiny"].num_hidden_layers), (str(config), layers)):
+        asked = available + rng.randint(1, 96)
+        code, err = _error(capsys, ["profile", model, *FAST, "--layers", str(asked), "--out", str(tmp_path / "p")])
+        assert code == 2 and f"--layers {asked}: model {model} has {available} decoder layers" in err, (seed, err)
+        code, err = _error(capsys, ["activations", model, "--quiet", "--layers", str(asked)])
+        assert code == 2 and f"--layers {asked}:" in err and f"has {available} decoder layers" in err, (seed, err)
+        with pytest.raises(ValueError, match=f"has {available} decoder layers"):
+            load_model(model, num_layers=asked, device="meta")
+        assert len(find_decoder_layers(load_model(model, num_layers=available, device="meta"))) == available
+    assert not (tmp_path / "p").exists()
+
+
 def test_bad_arguments(capsys):
     code, err = _error(capsys, ["profile", "llama-tiny", "--quiet", "--bits", "9"])
     assert code == 2 and "2..8" in err

@@ -3,6 +3,7 @@ no silent change of settings on resume, and a heartbeat that tells a killed run 
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -250,6 +251,33 @@ def test_resume_refuses_changed_settings_unless_overridden(tmp_path, capsys):
     run = _run_json(out)
     assert run["resumed"][-1]["changed"] == {} and run["original_settings"]["lr"] == 0.001
     assert len(run["resumed"]) == 2
+
+
+def test_the_data_cannot_change_on_resume_and_is_named_by_its_files(tmp_path, capsys):
+    """Another data file is refused naming both files (not only their hashes); --override neither offers nor takes
+    the data; the same content under another name resumes, and says so."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    words = ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 7))) for _ in range(50)]
+    first, other, moved = tmp_path / "first.txt", tmp_path / "other.txt", tmp_path / "moved.txt"
+    first.write_text(" ".join(rng.choice(words) for _ in range(3000)))
+    other.write_text(" ".join(rng.choice(words) for _ in range(3000)))
+    moved.write_bytes(first.read_bytes())
+    out = tmp_path / "run"
+    assert main(_cmd(out, "--steps", "2", "--data", str(first))) == 0
+    capsys.readouterr()
+    assert main(_cmd(out, "--steps", "2", "--data", str(other), "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"data {first} -> {other}, another content (sha256 " in err and "data_sha256" not in err, err
+    assert main(_cmd(out, "--steps", "2", "--data", str(other), "--resume", "--override", "data")) == 2
+    assert "--override data: the checkpoint's state depends on it" in capsys.readouterr().err
+    assert main(_cmd(out, "--steps", "2", "--resume", "--override", "no_such_setting")) == 2
+    listed = capsys.readouterr().err.split("those are ")[1].strip().split(", ")
+    assert "steps" in listed and "lr" in listed
+    assert not {"data", "data_sha256", "tokenizer", "seed", "pipeline_stages", "layer_stage"} & set(listed), listed
+    assert main(_cmd(out, "--steps", "3", "--data", str(moved), "--resume", "--override", "steps")) == 0
+    assert f"the data is read from {moved} now (the run began on {first}; the same content)" in \
+        capsys.readouterr().err
+    assert _run_json(out)["step"] == 3
 
 
 # ------------------------------------------------------------------------------------------ heartbeat

@@ -173,8 +173,13 @@ def test_bad_inputs_are_refused_before_training(tmp_path, capsys):
                                  "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2,
                                  "max_position_embeddings": 128, "name": "other"}))
     plan = _tiny_plan(tmp_path)
+    binary = tmp_path / "tokenizer.json"
+    binary.write_bytes(os.urandom(3000) + b"\xff\xfe")  # no UTF-8 (0xff never is)
     cases = [
         (["llama-tiny", "--data", str(tmp_path / "missing.txt")], "data file not found"),
+        (["llama-tiny", "--tokenizer", str(binary)], f"--tokenizer {binary} is not a HuggingFace tokenizers JSON"),
+        (["llama-tiny", "--tokenizer", str(tmp_path)], f"--tokenizer {tmp_path} is a folder"),
+        (["llama-tiny", "--policy", str(binary)], f"policy file {binary} is not valid JSON"),
         ([str(other), "--plan", str(plan)], "made for model 'llama-tiny'"),
         (["llama-tiny", "--plan", str(tmp_path / "nope.json")], "plan file not found"),
         (["llama-tiny", "--parallel", "ddp"], "needs several processes"),
@@ -186,7 +191,7 @@ def test_bad_inputs_are_refused_before_training(tmp_path, capsys):
         out = tmp_path / "never"
         code = main(["train", *args, "--steps", "2", "--quiet", "--out", str(out)])
         err = capsys.readouterr().err
-        assert code == 2 and message in err, (args, err)
+        assert code == 2 and message in err and err.count("\n") == 1, (args, err)
         assert not (out / "metrics.jsonl").exists()
     # a run folder that already holds a run needs --resume
     out = tmp_path / "run"
