@@ -23,7 +23,7 @@ from fastapi.responses import (
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from dashboard import pages, saved_plans
-from dashboard.command import is_loopback
+from dashboard.access import is_loopback
 from dashboard.formats import BrokenFile
 from dashboard.planner import Busy, Infeasible, Planner, PlanQuery, cli_defaults
 from dashboard.profiles import table_file
