@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from agoq.quant.codebook import nf4_levels, nf4_thresholds
-from agoq.quant.qtensor import int_qmax, num_blocks, packed_nbytes
+from agoq.quant.layout import int_qmax, num_blocks, packed_nbytes
 from agoq.quant.reference import LIFT, TINY_SCALE
 from agoq.quant.triton_common import USE_ASM, floor_bits, mul_rn, nanmax, sanitize
 from agoq.triton_ops import register_kernels, wrap
@@ -547,7 +547,7 @@ def dequantize_triton(
     return out
 
 
-# The bodies of the operators agoq::quantize_block / agoq::dequantize_block (agoq.quant.quantize): fresh outputs
+# The bodies of the operators agoq::quantize_block / agoq::dequantize_block (agoq.quant.operators): fresh outputs
 # allocated with torch ops, the kernel launched through wrap_triton so that torch.compile traces the launch.
 # Unused pointer arguments get an input tensor (never an output: two names for one mutated buffer would
 # confuse the functionalization of the launch).
