@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from agoq import triton_ops
+from agoq.activations import rmsnorm, swiglu  # noqa: F401  (they define the norm and SwiGLU operators)
 from agoq.quant import operators
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
