@@ -1,27 +1,40 @@
-"""agoq: low-bit activations, gradients and communication for LLM training, tuned per layer."""
+"""agoq: low-bit activations, gradients and communication for LLM training, tuned per layer.
+
+The names below load on first use (PEP 562), so `import agoq` and its light modules (units, files,
+formats) do not import the kernels: `agoq.quantize` imports agoq.quant when it is first read.
+"""
+
+import importlib
 
 from agoq.cpu_isa import avoid_amx
 
-avoid_amx()  # before any bf16 CPU work: oneDNN's AMX kernels fault on some hosts (agoq.cpu_isa)
-
-
-from agoq.activations import (  # noqa: E402
-    KINDS,
-    ActivationPolicy,
-    apply_activation_policy,
-    preset,
-    remove_activation_policy,
-    stage_aware_policy,
-    stage_bits,
-    track_saved_tensors,
-)
-from agoq.comm import QuantizedGradients, quangrad_hook, quantized_all_reduce  # noqa: E402
-from agoq.comm.fsdp import fully_shard_quantized  # noqa: E402
-from agoq.comm.fsdp_collectives import TLQHSReduceScatter, use_quantized_reduce_scatter  # noqa: E402
-from agoq.quant import QTensor, dequantize, quantize, quantized_nbytes  # noqa: E402
+avoid_amx()  # before any bf16 CPU work: oneDNN's AMX kernels fault on some hosts (agoq.cpu_isa); reads no torch
 
 __version__ = "0.1.0"
-__all__ = ["QTensor", "quantize", "dequantize", "quantized_nbytes", "ActivationPolicy", "KINDS", "preset",
-           "stage_aware_policy", "stage_bits", "apply_activation_policy", "remove_activation_policy",
-           "track_saved_tensors", "QuantizedGradients", "quangrad_hook", "quantized_all_reduce", "fully_shard_quantized",
-           "use_quantized_reduce_scatter", "TLQHSReduceScatter", "__version__"]
+
+# public name -> the module that defines it
+_HOMES = {
+    "QTensor": "agoq.quant", "quantize": "agoq.quant", "dequantize": "agoq.quant", "quantized_nbytes": "agoq.quant",
+    "ActivationPolicy": "agoq.activations", "KINDS": "agoq.activations", "preset": "agoq.activations",
+    "stage_aware_policy": "agoq.activations", "stage_bits": "agoq.activations",
+    "apply_activation_policy": "agoq.activations", "remove_activation_policy": "agoq.activations",
+    "track_saved_tensors": "agoq.activations",
+    "QuantizedGradients": "agoq.comm", "quangrad_hook": "agoq.comm", "quantized_all_reduce": "agoq.comm",
+    "fully_shard_quantized": "agoq.comm.fsdp",
+    "use_quantized_reduce_scatter": "agoq.comm.fsdp_collectives", "TLQHSReduceScatter": "agoq.comm.fsdp_collectives",
+}
+
+__all__ = [*_HOMES, "__version__"]
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'agoq' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next read finds it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

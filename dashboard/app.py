@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from agoq.search.request import CAP_FIELDS, BadField, InfeasibleBudget, SearchRequest, cap_defaults
 from agoq.units import excerpt
 from dashboard import pages, saved_plans
-from dashboard.command import is_loopback
+from dashboard.access import is_loopback
 from dashboard.formats import BrokenFile
 from dashboard.limits import MAX_BODY_BYTES, BodyLimit, clipped, short_validation_errors
 from dashboard.planner import Busy, Planner, service_request

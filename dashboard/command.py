@@ -20,24 +20,14 @@ example:
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import secrets
 import sys
 
+from dashboard.access import LOOPBACK_NAMES, is_loopback
+
 HELP = "serve a web page of profiles, plans, searches and runs"
 TOKEN_ENV = "AGOQ_DASHBOARD_TOKEN"
-LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or address to listen on) only accepts connections from this machine."""
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agoq.activations.policy import KEEP, RECOMPUTE, Setting
-from agoq.quant.qtensor import quantized_nbytes
+from agoq.quant.layout import quantized_nbytes
 
 
 @dataclass(frozen=True)

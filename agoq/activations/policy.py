@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Union
 
-from agoq.quant.qtensor import MAX_BITS, MIN_BITS
+from agoq.quant.layout import MAX_BITS, MIN_BITS
 from agoq.quant.quantize import check_arguments
 
 KINDS = ("norm_input", "qkv_input", "attention", "o_proj_input", "ffn1_input", "silu_input", "ffn2_input")

@@ -20,7 +20,8 @@ from agoq.comm.quantized_allreduce import (
     all_reduce_codes,
     quantized_all_reduce,
 )
-from agoq.quant.qtensor import QTensor, int_qmax, num_blocks
+from agoq.quant.layout import int_qmax, num_blocks
+from agoq.quant.qtensor import QTensor
 from agoq.quant.quantize import dequantize, quantize
 
 _ZERO_CODE = int_qmax(8)

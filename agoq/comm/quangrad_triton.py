@@ -2,7 +2,7 @@
 
 Per block: dequantize the stored codes, add the new gradient in float32, take the new absmax and
 requantize, writing codes and scale back in place. `quangrad.accumulate_reference` is its torch twin;
-the arithmetic is the same operation for operation (agoq/quant/block_triton.py explains the
+the arithmetic is the same operation for operation (agoq/quant/quantize_kernel.py explains the
 rounding), so the stored bytes match it exactly.
 """
 

@@ -37,7 +37,7 @@ from agoq.comm.wire_rows import (
     split_row,
     sum_requantize,
 )
-from agoq.quant.qtensor import num_blocks
+from agoq.quant.layout import num_blocks
 
 DEFAULT_BLOCK = 256
 MIN_NUMEL = 1 << 16  # tensors with fewer values take the plain all-reduce: too small to gain

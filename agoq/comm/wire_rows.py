@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from agoq.quant.qtensor import int_qmax, num_blocks
+from agoq.quant.layout import int_qmax, num_blocks
 from agoq.quant.reference import dequantize_reference, quantize_reference
 
 ZERO_CODE = int_qmax(8)  # the code of 0.0 in the symmetric 8-bit format

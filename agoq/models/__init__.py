@@ -3,52 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
-from typing import Union
 
 import torch
 from torch import nn
 
-from agoq.files import read_json_object
-
-from .llama import PRESETS, LlamaConfig, LlamaForCausalLM
-
-ModelSpec = Union[str, os.PathLike, dict, LlamaConfig]
-
-
-def _load_json_config(path: Path) -> LlamaConfig:
-    d = read_json_object(path, "model config file")
-    if "name" not in d:
-        # HF checkpoints keep config.json in a folder named after the model
-        d = {**d, "name": path.parent.name if path.name == "config.json" and path.parent.name else path.stem}
-    return LlamaConfig.from_dict(d)
-
-
-def resolve_config(spec: ModelSpec) -> LlamaConfig:
-    """Turn a model spec into a ``LlamaConfig`` (a new object; presets are not shared).
-
-    ``spec`` is a preset name (a key of ``PRESETS``), a path to a HuggingFace-style
-    ``config.json`` (str ending in .json, an existing file, or a ``PathLike``), a dict
-    of HF or ``LlamaConfig`` fields, or a ``LlamaConfig``.
-    """
-    if isinstance(spec, LlamaConfig):
-        return dataclasses.replace(spec)
-    if isinstance(spec, dict):
-        return LlamaConfig.from_dict(spec)
-    if isinstance(spec, os.PathLike):
-        return _load_json_config(Path(spec))
-    if isinstance(spec, str):
-        if spec in PRESETS:
-            return dataclasses.replace(PRESETS[spec])
-        if spec.endswith(".json") or os.path.isfile(spec):
-            return _load_json_config(Path(spec))
-        raise ValueError(
-            f"unknown model {spec!r}: give one of the presets {', '.join(sorted(PRESETS))}, "
-            f"or a path to a HuggingFace config.json")
-    raise TypeError(
-        f"model spec must be a preset name, a config.json path, a dict or a LlamaConfig, "
-        f"got {type(spec).__name__}")
+from agoq.models.config import PRESETS, LlamaConfig, ModelSpec, resolve_config
+from agoq.models.llama import LlamaForCausalLM
 
 
 def build(spec: ModelSpec, *, dtype: torch.dtype | None = None,

@@ -7,32 +7,21 @@ from typing import Literal
 
 import torch
 
+from agoq.quant import operators
+from agoq.quant.layout import (  # noqa: F401  (the layout's names, also importable from here)
+    MAX_BITS,
+    MAX_BLOCK,
+    MIN_BITS,
+    MIN_BLOCK,
+    SCALE_BYTES,
+    int_qmax,
+    num_blocks,
+    packed_nbytes,
+    quantized_nbytes,
+)
+
 Format = Literal["int", "nf4"]
 Rounding = Literal["nearest", "stochastic"]
-
-MIN_BITS, MAX_BITS = 2, 8
-MIN_BLOCK, MAX_BLOCK = 32, 4096
-SCALE_BYTES = 4  # one float32 scale per block
-
-
-def packed_nbytes(numel: int, bits: int) -> int:
-    """Bytes taken by `numel` codes of `bits` bits packed densely: ceil(numel * bits / 8)."""
-    return (numel * bits + 7) // 8
-
-
-def num_blocks(numel: int, block: int) -> int:
-    """Number of quantization blocks (one scale each) covering `numel` values."""
-    return (numel + block - 1) // block
-
-
-def quantized_nbytes(numel: int, bits: int, block: int) -> int:
-    """Exact bytes of a QTensor of `numel` values: packed codes plus one float32 scale per block."""
-    return packed_nbytes(numel, bits) + SCALE_BYTES * num_blocks(numel, block)
-
-
-def int_qmax(bits: int) -> int:
-    """Largest integer level of the symmetric `bits`-bit format: levels are -qmax..qmax."""
-    return (1 << (bits - 1)) - 1
 
 
 @dataclass(frozen=True)
@@ -72,11 +61,20 @@ class QTensor:
     def device(self) -> torch.device:
         return self.data.device
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Restore a tensor of the original shape (and strides) in `dtype` (default: the source dtype)."""
-        from agoq.quant.quantize import dequantize
+    def dequantize(self, dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
+        """Restore a tensor of the original shape and strides in `dtype` (default: the source dtype).
 
-        return dequantize(self, dtype)
+        `backend` as `agoq.quant.quantize`'s: "auto" (the torch operator), "triton" or "torch"."""
+        dtype = self.dtype if dtype is None else dtype
+        flat = operators.dequantize_flat(self.data, self.scales, self.bits, self.block, self.numel, self.format,
+                                         dtype, backend)
+        if self.order is None:
+            return flat.view(self.shape)
+        permuted_shape = [self.shape[d] for d in self.order]
+        inverse = [0] * len(self.order)
+        for i, d in enumerate(self.order):
+            inverse[d] = i
+        return flat.view(permuted_shape).permute(inverse)
 
     def __repr__(self) -> str:
         return (f"QTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={self.bits}, "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from agoq.quant.codebook import nf4_levels, nf4_thresholds
-from agoq.quant.qtensor import int_qmax, num_blocks, packed_nbytes
+from agoq.quant.layout import int_qmax, num_blocks, packed_nbytes
 
 TINY_SCALE = 2.0**-100  # below this a block's values are multiplied by LIFT before scaling
 LIFT = 2.0**32

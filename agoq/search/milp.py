@@ -1,328 +1,24 @@
-"""The exact per-layer choice: a mixed-integer program solved with scipy.optimize.milp (HiGHS).
+"""The solver `agoq search` asks: the best per-layer choice under a memory budget per stage, with optional caps on
+step time and gradient error, for one problem at many budgets (the MILP of agoq.search.milp_model, built once).
 
-Variables: x_i (option i chosen), c_l (layer l checkpointed), u_l (layer l all at 16 bits, so it runs
-unmodified), w_l (attention and o_proj_input both at 16, so o_proj's input is shared), z_s (some layer of
-stage s runs LAAQ's functions, whose backward holds dequantized copies: the profile's measured
-transient). Constraints:
-
-  for each (layer l, kind k):   sum_{i in (l,k)} x_i + c_l = 1
-  u_l >= sum_k x_{l,k,16} - (K - 1)          (with u_l <= x_{l,k,16} for every k: u_l is exactly "all at 16"
-  u_l <= x_{l,k,16} for every k               wherever memory, the LAAQ transient or the LAAQ layer time
-                                              depends on it)
-  z_s >= 1 - u_l - c_l  for each layer l of stage s
-  w_l <= x_{l,attention,16},  w_l <= x_{l,o_proj,16}      (saves memory, so it is pushed up to them)
-  for each stage s:   sum memory + static_s <= budget_s, and the same for the backward of each
-                      checkpointed layer (its input and rerun forward on top of the earlier layers)
-  optionally:         step seconds <= time cap, where step seconds = base + sum options' seconds
-                      + sum_l checkpoint seconds c_l + laaq_layer_seconds x (L - sum_l u_l - sum_l c_l)
-
-Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically:
-the first objective is solved exactly (relative MIP gap 1e-7) or, where HiGHS cannot prove that
-within PRIMARY_SECONDS (step time under both a memory budget and an error cap can take minutes), the
-best choice found by then, with `Allocation.gap` the relative gap left; the second is then minimised among the
-choices that reach that optimum, within SECOND_NODES branch-and-bound nodes and SECOND_SECONDS (the
-best answer found is kept, and the first solve's if none; `Allocation.second_gap` is the relative gap
-HiGHS could still prove, typically below 1e-3 while the answer itself is within 1e-5 of the optimum).
-Near the smallest feasible budget, under an error cap, the second solve can take several seconds for a
-negligible change in error: the time limit keeps a plan request to about the first solve's time. When the first
-optimum is zero (zero error at a loose budget) that second solve is the real trade-off: the least time
-at zero error. Without a time cap, pipeline stages do not interact and are solved one by one.
+Each question becomes the mixed-integer programs that answer it: a cap the optimum of its own objective meets
+or misses is checked on that optimum; without a time cap, pipeline stages do not interact and are solved one by
+one; an infeasible budget is answered with the smallest one that fits. The first objective's solve stops after
+PRIMARY_SECONDS (its best choice found by then is kept, with `Allocation.gap` the relative gap left).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint
-from scipy.optimize import milp as _scipy_milp
-from scipy.sparse import coo_matrix
 
-from agoq.activations.policy import KINDS
 from agoq.search.costs import ChoiceProblem, recipe_error
+from agoq.search.milp_model import Allocation, Model, primary_gap
 from agoq.search.request import CHECKPOINT_CAP, RECIPE_CAP, InfeasibleBudget
 from agoq.units import format_bytes_apart
 
-OBJECTIVES = ("error", "time")
-TIE_BREAK = 1e-6
-GAP = 1e-7  # relative MIP gap: optimal for all practical purposes
 PRIMARY_SECONDS = 10.0  # default time limit of the first objective's solve (its best choice found is kept)
-MIB = float(2**20)
-SECOND_SECONDS = 1.0  # time limit of the second objective's solve (a tie-break: the first objective is exact)
-SECOND_NODES = 1000  # branch-and-bound nodes for the second objective (its best answer found so far is kept)
-
-
-def milp(c, **kwargs):
-    """scipy.optimize.milp, without HiGHS's stray standard-output line.
-
-    HiGHS 1.12 (inside scipy) prints "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
-    to the process's file descriptor 1 on some solves, whatever its display option. In the main thread (the CLI,
-    scripts) descriptor 1 points at /dev/null for the solve's duration; Python's own output is flushed first and
-    is untouched after. Other threads (the dashboard's solver pool) solve as they are: redirecting a descriptor
-    the whole process shares would swallow the server's own output."""
-    if threading.current_thread() is not threading.main_thread():
-        return _scipy_milp(c, **kwargs)
-    try:
-        sys.stdout.flush()
-        saved = os.dup(1)
-    except (OSError, ValueError, AttributeError):  # no descriptor 1 to protect (closed, or replaced streams)
-        return _scipy_milp(c, **kwargs)
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1)
-        os.close(null)
-        return _scipy_milp(c, **kwargs)
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-@dataclass
-class Allocation:
-    """A solved choice: the option index chosen per (layer, kind), checkpointed layers, and its costs."""
-
-    chosen: np.ndarray        # option indices
-    checkpoint: np.ndarray    # bool per layer
-    peak_bytes_per_stage: list
-    step_seconds: float
-    grad_error: float
-    activation_bytes_per_stage: Optional[list] = None  # what the layers keep (peak less the static part)
-    second_gap: float = 0.0   # MIP gap left on the second objective (0: proven optimal)
-    gap: float = 0.0          # MIP gap left on the first objective when its time limit stopped it (0: proven)
-
-    def settings(self, problem: ChoiceProblem) -> list[dict]:
-        """Per layer: {'checkpoint': bool, 'kinds': {kind: setting}} in Plan form."""
-        out = [{"checkpoint": bool(c), "kinds": {k: 16 for k in KINDS}} for c in self.checkpoint]
-        for i in self.chosen:
-            l, kind, opt = int(problem.layer[i]), KINDS[int(problem.kind[i])], problem.option[i]
-            out[l]["kinds"][kind] = opt if opt == "recompute" else int(opt)
-        return out
-
-
-class _Model:
-    """The MILP's matrices for one problem; budgets and objective are filled in per solve."""
-
-    def __init__(self, p: ChoiceProblem):
-        self._first: dict = {}  # first-objective results by (budgets, objective, caps, time limit)
-        n, L, S = len(p.option), p.num_layers, p.num_stages
-        self.p, self.n, self.L, self.S = p, n, L, S
-        self.nv = n + 3 * L + S   # x, c, u, w, z
-        self.c0, self.u0, self.w0, self.z0 = n, n + L, n + 2 * L, n + 3 * L
-        laaq = p.laaq_transient()
-        rows, cols, vals, lo, hi = [], [], [], [], []
-        r = 0
-        groups = p.groups()
-        self.groups = groups
-        for (l, _k), idx in groups.items():
-            rows += [r] * (len(idx) + 1)
-            cols += list(idx) + [self.c0 + l]
-            vals += [1.0] * (len(idx) + 1)
-            lo.append(1.0)
-            hi.append(1.0)
-            r += 1
-        is16 = p.keeps_16bit()
-        timed = p.laaq_layer_seconds != 0.0  # u_l carries the LAAQ layer time: it must be exact
-        att, oproj = KINDS.index("attention"), KINDS.index("o_proj_input")
-        kinds_per_layer = np.zeros(L, dtype=int)
-        for (l, _k) in groups:
-            kinds_per_layer[l] += 1
-        sixteen_by_layer: dict[int, list[int]] = {}
-        for i in np.nonzero(is16)[0]:
-            sixteen_by_layer.setdefault(int(p.layer[i]), []).append(int(i))
-        for l in range(L):
-            s16 = sixteen_by_layer.get(l, [])
-            if (p.unmodified_extra[l] > 0 or timed) and len(s16) == kinds_per_layer[l]:
-                rows += [r] * (len(s16) + 1)
-                cols += s16 + [self.u0 + l]
-                vals += [1.0] * len(s16) + [-1.0]
-                lo.append(-np.inf)
-                hi.append(kinds_per_layer[l] - 1.0)
-                r += 1
-            if laaq[p.layer_stage[l]] > 0 or timed:
-                # u_l = 1 only when every kind is at 16 (the layer runs unmodified), and z_s = 1 when any
-                # layer of the stage runs LAAQ's functions: 1 - u_l - c_l <= z_s
-                kinds16 = {int(p.kind[i]) for i in s16}
-                for i in s16:
-                    rows += [r, r]
-                    cols += [self.u0 + l, i]
-                    vals += [1.0, -1.0]
-                    lo.append(-np.inf)
-                    hi.append(0.0)
-                    r += 1
-                if len(kinds16) < kinds_per_layer[l]:  # some kind cannot stay at 16: never unmodified
-                    rows += [r]
-                    cols += [self.u0 + l]
-                    vals += [1.0]
-                    lo.append(-np.inf)
-                    hi.append(0.0)
-                    r += 1
-            if laaq[p.layer_stage[l]] > 0:
-                rows += [r, r, r]
-                cols += [self.u0 + l, self.c0 + l, self.z0 + p.layer_stage[l]]
-                vals += [-1.0, -1.0, -1.0]
-                lo.append(-np.inf)
-                hi.append(-1.0)
-                r += 1
-            if p.shared_credit[l] > 0:
-                for i in s16:
-                    if p.kind[i] in (att, oproj):
-                        rows += [r, r]
-                        cols += [self.w0 + l, i]
-                        vals += [1.0, -1.0]
-                        lo.append(-np.inf)
-                        hi.append(0.0)
-                        r += 1
-        self.structure = LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(r, self.nv)).tocsr(), lo, hi)
-        # which credit variables may be non-zero: only where both 16 options exist
-        w_possible = np.zeros(L, dtype=bool)
-        for l in range(L):
-            kinds16 = {int(p.kind[i]) for i in sixteen_by_layer.get(l, [])}
-            w_possible[l] = p.shared_credit[l] > 0 and {att, oproj} <= kinds16
-        upper = np.ones(self.nv)
-        upper[self.c0:self.c0 + L] = 1.0 if p.allow_checkpoint else 0.0
-        upper[self.w0:self.w0 + L] = w_possible.astype(float)
-        upper[self.z0:self.z0 + S] = (laaq > 0).astype(float)
-        self.bounds = Bounds(np.zeros(self.nv), upper)
-        # per-stage memory rows and the time row
-        mem = np.zeros((S, self.nv))
-        stage_of_opt = p.layer_stage[p.layer]
-        np.add.at(mem, (stage_of_opt, np.arange(n)), p.memory)
-        mem[p.layer_stage, self.c0 + np.arange(L)] = p.checkpoint_memory
-        mem[p.layer_stage, self.u0 + np.arange(L)] = p.unmodified_extra
-        mem[p.layer_stage, self.w0 + np.arange(L)] = -p.shared_credit
-        mem[np.arange(S), self.z0 + np.arange(S)] = laaq
-        self.memory_rows = mem
-        # peaks during the backward of each layer that may be checkpointed (see ChoiceProblem.evaluate)
-        flight, extra = p.in_flight_counts(), p.recomputed()
-        rows_l, stage_l = [], []
-        if p.allow_checkpoint:
-            owner = np.full(self.nv, -1)
-            owner[:n] = p.layer
-            owner[self.c0:self.c0 + L] = owner[self.u0:self.u0 + L] = owner[self.w0:self.w0 + L] = np.arange(L)
-            for l in range(L):
-                s = p.layer_stage[l]
-                row = mem[s] * (flight[s] - 1) / flight[s]
-                earlier = (owner >= 0) & (owner < l) & (p.layer_stage[np.maximum(owner, 0)] == s)
-                row = row + np.where(earlier, mem[s] / flight[s], 0.0)
-                row[self.c0 + l] += p.checkpoint_memory[l] / flight[s] + extra[l]
-                row[self.z0 + s] = laaq[s]
-                rows_l.append(row)
-                stage_l.append(s)
-        self.peak_rows = np.vstack([mem] + rows_l) if rows_l else mem
-        self.peak_stage = np.array(list(range(S)) + stage_l)
-        # memory rows in units that keep coefficients near 1 (HiGHS's numerics and speed), at most a MiB
-        self.unit = float(min(MIB, max(1.0, 2.0 ** np.floor(np.log2(max(float(np.abs(mem).max()), 1.0) / 1e3)))))
-        t = np.zeros(self.nv)
-        t[:n] = p.seconds
-        t[self.c0:self.c0 + L] = p.checkpoint_seconds - p.laaq_layer_seconds
-        t[self.u0:self.u0 + L] = -p.laaq_layer_seconds
-        self.time_row = t
-        self.time_constant = p.base_seconds + L * p.laaq_layer_seconds  # step seconds = time_constant + t @ x
-        e = np.zeros(self.nv)
-        e[:n] = p.error
-        self.error_row = e
-
-    def _constraints(self, budgets: np.ndarray, time_cap: Optional[float], error_cap: Optional[float] = None) -> list:
-        p = self.p
-        # memory in self.unit bytes, time in milliseconds: coefficients near 1 keep HiGHS healthy
-        room = (np.asarray(budgets, float) - p.static_bytes)[self.peak_stage]
-        constraints = [self.structure, LinearConstraint(self.peak_rows / self.unit, -np.inf, room / self.unit)]
-        if time_cap is not None:
-            constraints.append(LinearConstraint(self.time_row[None, :] * 1e3, -np.inf, (time_cap - self.time_constant) * 1e3))
-        if error_cap is not None:
-            scale = max(float(np.abs(self.error_row).max()), 1e-30)
-            constraints.append(LinearConstraint(self.error_row[None, :] / scale, -np.inf, error_cap / scale))
-        return constraints
-
-    def _rows(self, objective: str):
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-        return (self.error_row, self.time_row) if objective == "error" else (self.time_row, self.error_row)
-
-    def solve_first_objective(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-                              time_limit: Optional[float] = None, error_cap: Optional[float] = None):
-        """The exact optimum of the first objective (scipy's OptimizeResult; x None when infeasible)."""
-        key = (np.asarray(budgets, float).tobytes(), objective, time_cap, time_limit, error_cap)
-        if key in self._first:  # solved already (first objective alone, then again with its ties broken)
-            return self._first[key]
-        primary, _ = self._rows(objective)
-        scale = max(float(np.abs(primary).max()), 1e-30)
-        options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
-        args = dict(constraints=self._constraints(budgets, time_cap, error_cap), integrality=np.ones(self.nv),
-                    bounds=self.bounds)
-        res = milp(primary / scale, options=options, **args)
-        if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
-            res = milp(primary / scale, options={"mip_rel_gap": GAP}, **args)
-        if len(self._first) >= 16:
-            self._first.pop(next(iter(self._first)))
-        self._first[key] = res
-        return res
-
-    def value(self, x: np.ndarray, objective: str) -> float:
-        return float(self._rows(objective)[0] @ np.round(x))
-
-    def solve_second_objective(self, first, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-                               time_limit: Optional[float] = None, error_cap: Optional[float] = None):
-        """Among the choices reaching `first`'s optimum, the best second objective, then the least memory."""
-        primary, secondary = self._rows(objective)
-        best = self.value(first.x, objective)
-        mem_scale = max(float(np.abs(self.memory_rows).sum()), 1e-30)
-        sec_scale = max(float(np.abs(secondary).max()), 1e-30)
-        c = secondary / sec_scale + TIE_BREAK * self.memory_rows.sum(0) / mem_scale
-        limit = min(time_limit or SECOND_SECONDS, SECOND_SECONDS)
-        options = {"mip_rel_gap": GAP, "time_limit": limit}
-        bounds = self.bounds
-        if best <= 0.0 and not (primary < 0).any():  # the optimum uses no option with a primary cost: fix those out
-            bounds = Bounds(bounds.lb, np.where(primary > 0, 0.0, bounds.ub))
-            extra = []
-            if objective == "error":
-                time_cap = None  # minimising time among choices the cap allowed: the cap cannot bind
-        else:  # ties among the optimum's equals
-            scale = max(float(np.abs(primary).max()), 1e-30)
-            extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + abs(best) * 1e-9 + 1e-12) / scale)]
-        options["node_limit"] = SECOND_NODES
-        second = milp(c, constraints=self._constraints(budgets, time_cap, error_cap) + extra, integrality=np.ones(self.nv),
-                      bounds=bounds, options=options)
-        if second.x is None:  # nothing found within the nodes: the first answer stands, its second unproven
-            first.second_gap = 1.0
-            return first
-        second.second_gap = 0.0 if second.status == 0 else float(getattr(second, "mip_gap", 1.0) or 0.0)
-        return second
-
-    tie_break = True  # False: the first objective only (its ties left unbroken, second_gap 1)
-
-    def solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-              time_limit: Optional[float] = None, error_cap: Optional[float] = None):
-        """Lexicographic: the first objective exactly, then the second (see the module docstring)."""
-        first = self.solve_first_objective(budgets, objective, time_cap, time_limit, error_cap)
-        if first.x is None:
-            return first
-        if not self.tie_break:
-            first.second_gap, first.gap = 1.0, primary_gap(first)
-            return first
-        res = self.solve_second_objective(first, budgets, objective, time_cap, time_limit, error_cap)
-        res.gap = primary_gap(first)
-        return res
-
-    def allocation(self, x: np.ndarray, second_gap: float = 0.0, gap: float = 0.0) -> Allocation:
-        x = np.round(x).astype(int)
-        chosen = np.nonzero(x[:self.n])[0]
-        ckpt = x[self.c0:self.c0 + self.L].astype(bool)
-        figures = self.p.evaluate(chosen, ckpt)
-        return Allocation(chosen, ckpt, figures["peak_bytes_per_stage"], figures["step_seconds"],
-                          figures["grad_error"], figures["activation_bytes_per_stage"], float(second_gap), float(gap))
-
-
-def primary_gap(result) -> float:
-    """The relative MIP gap a first-objective solve left: 0 when proven optimal, else HiGHS's gap (1: unknown)."""
-    if result.status == 0:
-        return 0.0
-    gap = getattr(result, "mip_gap", None)
-    return 1.0 if gap is None or not np.isfinite(gap) else float(gap)
 
 
 class Solver:
@@ -332,7 +28,7 @@ class Solver:
         """`tie_break` False: solve the first objective only (exact), leaving its ties unbroken by the second —
         much faster, for comparing problems by their optimum before solving the winner in full."""
         self.problem = problem
-        self._model = _Model(problem)
+        self._model = Model(problem)
         self._stages: Optional[list] = None  # per-stage sub-solvers, built when first needed
         self.tie_break = tie_break
 
@@ -367,7 +63,7 @@ class Solver:
                                     recompute_bytes=p.recomputed()[layers],
                                     laaq_transient_bytes=p.laaq_transient()[s:s + 1],
                                     laaq_layer_seconds=p.laaq_layer_seconds)
-                model = _Model(sub)
+                model = Model(sub)
                 model.tie_break = self.tie_break
                 self._stages.append((model, idx, layers))
         return self._stages
@@ -378,31 +74,7 @@ class Solver:
 
     def least_memory(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None) -> Optional[Allocation]:
         """The choice of least peak (the largest stage's), within the caps; None when the caps cannot be met."""
-        m = self._model
-        # minimise t subject to memory_s <= t for every stage (and every backward peak): t is the last variable
-        nv = m.nv + 1
-        mem = np.hstack([m.peak_rows / m.unit, -np.ones((len(m.peak_stage), 1))])
-        structure = LinearConstraint(np.hstack([m.structure.A.toarray(), np.zeros((m.structure.A.shape[0], 1))]),
-                                     m.structure.lb, m.structure.ub)
-        cons = [structure, LinearConstraint(mem, -np.inf, -self.problem.static_bytes[m.peak_stage] / m.unit)]
-        if time_cap is not None:
-            cons.append(LinearConstraint(np.append(m.time_row, 0.0)[None, :] * 1e3, -np.inf,
-                                         (time_cap - m.time_constant) * 1e3))
-        if error_cap is not None:
-            scale = max(float(np.abs(m.error_row).max()), 1e-30)
-            cons.append(LinearConstraint(np.append(m.error_row, 0.0)[None, :] / scale, -np.inf, error_cap / scale))
-        c = np.zeros(nv)
-        c[-1] = 1.0
-        lb = np.append(m.bounds.lb, 0.0)
-        ub = np.append(m.bounds.ub, np.inf)
-        integrality = np.append(np.ones(m.nv), 0)
-        res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub),
-                   options={"mip_rel_gap": GAP, "time_limit": PRIMARY_SECONDS})
-        if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
-            res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub), options={"mip_rel_gap": GAP})
-        if res.x is None:
-            return None
-        return m.allocation(res.x[:-1], gap=primary_gap(res))
+        return self._model.least_peak(time_cap, error_cap, PRIMARY_SECONDS)
 
     def smallest_budget(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None) -> Optional[int]:
         """The least per-stage budget (bytes, same for every stage) that some choice fits; None when the
@@ -416,20 +88,7 @@ class Solver:
         error for "error"): the optimum of the linear relaxation (every 0/1 variable in [0, 1]), milliseconds of
         work where the MILP may take seconds. None when even the relaxation has no solution (then no choice fits);
         -inf when HiGHS gives no answer (no bound)."""
-        budgets = self._budgets(budget)
-        if (self.problem.peak_floor() > budgets).any():
-            return None
-        m = self._model
-        primary, _ = m._rows(objective)
-        scale = max(float(np.abs(primary).max()), 1e-30)
-        res = milp(primary / scale, constraints=m._constraints(budgets, time_cap, error_cap),
-                   integrality=np.zeros(m.nv), bounds=m.bounds)
-        if res.status == 2:
-            return None
-        if res.x is None:
-            return -np.inf
-        value = float(primary @ res.x)
-        return value + m.time_constant if objective == "time" else value
+        return self._model.relaxed_bound(self._budgets(budget), objective, time_cap, error_cap)
 
     def solve(self, budget, objective: str = "error", time_cap: Optional[float] = None,
               time_limit: Optional[float] = None, error_cap: Optional[float] = None) -> Allocation:
@@ -457,7 +116,7 @@ class Solver:
     def _solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float], time_limit: Optional[float],
                error_cap: Optional[float]) -> Allocation:
         m = self._model
-        m._rows(objective)
+        m.rows(objective)
         if (self.problem.peak_floor() > budgets).any():
             raise self._infeasible(budgets, time_cap, "the optimizer step alone exceeds the budget", error_cap)
         if objective == "error" and error_cap is not None:
@@ -481,7 +140,7 @@ class Solver:
             first = m.solve_first_objective(budgets, objective, time_cap, time_limit)
             if first.x is None:
                 raise self._infeasible(budgets, time_cap, first.message)
-            if m.value(first.x, objective) <= 0.0 and not (m._rows(objective)[0] < 0).any():
+            if m.value(first.x, objective) <= 0.0 and not (m.rows(objective)[0] < 0).any():
                 # zero error is reachable within the cap: the least time at zero error is below the cap too,
                 # and without the cap the stages separate
                 return self._solve(budgets, objective, None, time_limit, None)

@@ -2,14 +2,12 @@
 interpreter) against the CPU reference kernel, and eager against compiled (aot_eager) on non-round sizes. On a GPU
 the last test checks that torch.compile traces the CUDA bodies down to the Triton kernels."""
 
-import importlib
-
 import pytest
 import torch
 
 from agoq import triton_ops
-
-quantize = importlib.import_module("agoq.quant.quantize")  # the module (agoq.quant.quantize is also a function)
+from agoq.activations import rmsnorm, swiglu  # noqa: F401  (they define the norm and SwiGLU operators)
+from agoq.quant import operators
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPS = ("agoq::quantize_block", "agoq::dequantize_block", "agoq::rms_norm", "agoq::rms_norm_backward",
@@ -72,12 +70,12 @@ def test_quantize_body_equals_cpu_kernel(bits, block, fmt):
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("needs a GPU or TRITON_INTERPRET=1")
     x = _random(5 * block + 13, bits + block, device=DEVICE)
-    data, scales = quantize._quantize_body(x, bits, block, fmt, "nearest", None)
-    ref_data, ref_scales = quantize._quantize_cpu(x.cpu(), bits, block, fmt, "nearest", None)
+    data, scales = operators._quantize_body(x, bits, block, fmt, "nearest", None)
+    ref_data, ref_scales = operators._quantize_cpu(x.cpu(), bits, block, fmt, "nearest", None)
     assert torch.equal(data.cpu(), ref_data) and torch.equal(scales.cpu(), ref_scales)
-    back = quantize._dequantize_body(data, scales, bits, block, x.numel(), fmt, torch.float32)
-    assert torch.equal(back.cpu(), quantize._dequantize_cpu(ref_data, ref_scales, bits, block, x.numel(), fmt,
-                                                            torch.float32))
+    back = operators._dequantize_body(data, scales, bits, block, x.numel(), fmt, torch.float32)
+    assert torch.equal(back.cpu(), operators._dequantize_cpu(ref_data, ref_scales, bits, block, x.numel(), fmt,
+                                                             torch.float32))
 
 
 @pytest.mark.parametrize("want_output", [False, True])
