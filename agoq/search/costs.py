@@ -470,11 +470,13 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     table = profile.table
     fmt_ok = table["format"].isin(["bf16", "recompute", "int"] + (["nf4"] if knobs.format == "nf4" else []))
     if knobs.format == "nf4":  # the codebook replaces the int 4-bit row where the profile measured one
-        has_nf4 = set(map(tuple, table.loc[table["format"] == "nf4", ["layer", "kind"]].to_numpy().tolist()))
+        where = list(zip(table["layer"].astype(int), table["kind"]))
+        has_nf4 = {w for w, f in zip(where, table["format"]) if f == "nf4"}
         fmt_ok &= ~((table["format"] == "int") & (table["bits"] == 4)
-                    & [(int(a), b) in has_nf4 for a, b in zip(table["layer"], table["kind"])])
+                    & np.array([w in has_nf4 for w in where], dtype=bool))
     rows = table[fmt_ok]
-    rows = rows[[(o in ("16", "recompute")) or int(o) >= floors.get(k, 0) for o, k in zip(rows["option"], rows["kind"])]]
+    rows = rows[np.array([(o in ("16", "recompute")) or int(o) >= floors.get(k, 0)
+                          for o, k in zip(rows["option"], rows["kind"])], dtype=bool)]
     rows = rows.drop_duplicates(["layer", "kind", "option"]).sort_values(["layer", "kind", "option"]).copy()
     # o_proj_input at 16 shares attention's output while attention is 16: profiles give that shared size
     # as `bytes` and the full size as `bytes_unshared`; the full size is costed here and the sharing is
