@@ -73,7 +73,6 @@ from agoq.search.compiled_costs import compiled_layer_seconds, compiled_peak_mar
 from agoq.search.layouts import fsdp_exposed_seconds, fsdp_in_flight_bytes, resolve_layout, unit_sizes
 from agoq.search.memory_parts import stage_entry
 from agoq.search.state import (
-    GRADIENT_MODES,
     measured_with,
     optimizer_choices,
     resolve_optimizer,

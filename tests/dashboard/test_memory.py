@@ -8,14 +8,16 @@ from __future__ import annotations
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
 
 from agoq.search.costs import ProblemSettings, build_problem
 from agoq.search.milp import Solver
-from agoq.search.search import plan_from_profile
+from agoq.search.plan_builder import build_plan
 from dashboard.app import create_app
+from dashboard.figures import memory_breakdown
 from tests.dashboard.test_api import snapshot
 from tests.search.test_memory_parts import _profile, expected_state
 
@@ -39,9 +41,11 @@ def root(tmp_path_factory):
     for name, knobs in [*KNOBS.items(), ("pipeline", dict(gradient_mode="bf16", optimizer="adamw8bit"))]:
         profile = pipe if name == "pipeline" else ranks
         settings = ProblemSettings(micro_batch=2, **knobs)
-        solver = Solver(build_problem(profile, settings))
+        problem = build_problem(profile, settings)
+        solver = Solver(problem)
         low, high = solver.smallest_budget(), max(solver.solve(math.inf).peak_bytes_per_stage)
-        plan = plan_from_profile(profile, (low + high) // 2, knobs=settings, error_cap=None)
+        budget = (low + high) // 2
+        plan = build_plan(profile, problem, solver.solve(budget, "time"), settings, budget, "milp", "time")
         plan.save(plans / f"{name}.json")
     return root
 
@@ -79,12 +83,8 @@ def test_bars_are_the_plans_parts(root):
     for name in [*KNOBS, "pipeline"]:
         plan = json.loads((root / "plans" / f"{name}.json").read_text())
         got = client.get("/api/plan", params={"id": f"plans/{name}.json"}).json()
-        from dashboard.figures import memory_breakdown
-
         _check(got["memory"], memory_breakdown(got["memory"]), plan)
         if name in KNOBS:  # the plan's own optimizer, masters and shards, whatever the profile was measured with
-            from types import SimpleNamespace
-
             knobs = SimpleNamespace(**KNOBS[name])
             profile = SimpleNamespace(memory=ranks["memory"], settings=ranks["settings"])
             want = expected_state(profile, knobs, 1.0)
@@ -118,8 +118,6 @@ def test_a_plan_without_parts_shows_its_peak_whole(root, tmp_path):
     client = TestClient(create_app(tmp_path))
     got = client.get("/api/plan", params={"id": "older.json"}).json()["memory"]
     assert got["parts_recorded"] is False and got["predicted_parts"] == {}
-    from dashboard.figures import memory_breakdown
-
     figure = memory_breakdown(got)
     assert [t["name"] for t in figure["data"]] == ["predicted peak (this plan records no parts)"]
     assert list(_bars(figure).values()) == pytest.approx(

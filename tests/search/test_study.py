@@ -10,6 +10,7 @@ import math
 import os
 import random
 
+import optuna
 import pytest
 
 from agoq.activations.policy import KINDS
@@ -89,8 +90,6 @@ def _run_every_value(profile, tmp_path):
     bases = [ProblemSettings(optimizer=o, master=m, compile_mode=c) for c in compile_modes(profile)
              for o, m in optimizer_choices("bf16")]
     for n, base in enumerate(bases):
-        import optuna
-
         storage = f"sqlite:///{tmp_path / 'study.db'}"
         name = f"every-value-{n}"
         study = optuna.create_study(study_name=name, storage=storage, directions=["minimize"] * 3)
