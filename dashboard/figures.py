@@ -234,7 +234,8 @@ def phase_label(phase: dict[str, Any] | None) -> str:
 def memory_breakdown(mem: dict[str, Any]) -> dict[str, Any]:
     """Stacked bars per stage: the parts of the predicted peak the plan records, at the phase of the step that sets
     it (named under the bar), beside each measured peak; a plan without recorded parts shows its predicted peak
-    whole. Parts that are 0 on every stage are left out; a negative part is drawn below 0."""
+    whole. Parts that are 0 on every stage are left out; a negative part (head and workspace, whose calibration
+    credits the gradients not made yet at the peak) is drawn below 0, and then the peak is marked on its bar."""
     parts = {name: values for name, values in mem["predicted_parts"].items() if any(v for v in values)}
     measured = mem["measured_peak"]
     largest = max([v or 0 for p in parts.values() for v in p] + [v or 0 for m in measured.values() for v in m]
@@ -249,6 +250,10 @@ def memory_breakdown(mem: dict[str, Any]) -> dict[str, Any]:
         data.append({"type": "bar", "name": f"predicted {name.replace('_', ' ')}",
                      "marker": {"color": PART_COLORS[i % len(PART_COLORS)]}, "x": labels[:len(values)],
                      "y": _scaled(values, size)})
+    if mem.get("parts_recorded") and any(v < 0 for p in parts.values() for v in p if v is not None):
+        data.append({"type": "scatter", "mode": "markers", "name": "predicted peak (the parts' sum)",
+                     "marker": {"symbol": "line-ew-open", "size": 48, "color": "#000000", "line": {"width": 3}},
+                     "x": labels[:len(mem["predicted_peak"])], "y": _scaled(mem["predicted_peak"], size)})
     for j, (label, values) in enumerate(measured.items()):
         data.append({"type": "bar", "name": f"measured ({label})",
                      "marker": {"color": "#444444", "pattern": {"shape": "/x+-."[j % 5]}},

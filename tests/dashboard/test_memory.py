@@ -54,7 +54,7 @@ def _bars(figure) -> dict:
     """x label -> summed height of the predicted bars there (in the figure's unit)."""
     out: dict = {}
     for trace in figure["data"]:
-        if trace["name"].startswith("predicted"):
+        if trace["type"] == "bar" and trace["name"].startswith("predicted"):
             for x, y in zip(trace["x"], trace["y"]):
                 out[x] = out.get(x, 0.0) + y
     return out
@@ -128,3 +128,23 @@ def test_a_plan_without_parts_shows_its_peak_whole(root, tmp_path):
     broken = client.get("/api/plan", params={"id": "damaged.json"})
     assert broken.status_code == 200 and "memory_per_stage[1]" in broken.json()["memory"]["error"]
     assert client.get("/plan", params={"id": "damaged.json"}).status_code == 200
+
+
+def test_a_negative_part_is_drawn_below_zero_with_the_peak_marked(root, tmp_path):
+    """Head and workspace go negative where the calibration's credit for gradients not made yet at the peak is the
+    larger: the bars still add up to the peak, and the peak is marked on each bar."""
+    plan = json.loads((root / "plans" / "pipeline.json").read_text())
+    parts = plan["predicted"]["memory_per_stage"][0]["parts"]
+    moved = parts["head_and_workspace"] + 1000
+    parts["head_and_workspace"] -= moved
+    parts["activations"] += moved
+    (tmp_path / "negative.json").write_text(json.dumps(plan))
+    client = TestClient(create_app(tmp_path))
+    memory = client.get("/api/plan", params={"id": "negative.json"}).json()["memory"]
+    assert memory["predicted_parts"]["head_and_workspace"][0] == -1000
+    figure = memory_breakdown(memory)
+    _check(memory, figure, plan)
+    size = {"B": 1, "KiB": 2**10, "MiB": 2**20}[figure["layout"]["yaxis"]["title"]["text"]]
+    marks = [t for t in figure["data"] if t["type"] == "scatter"]
+    assert len(marks) == 1 and marks[0]["y"] == pytest.approx([p / size for p in plan["predicted"]["peak_bytes_per_stage"]])
+    assert figure["layout"]["barmode"] == "relative"
