@@ -182,8 +182,9 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
 
     @app.get("/api/plan", tags=["api"], summary="A plan: key figures, bit widths, memory breakdown",
              description="`bits`: layers x kinds (16, 2..8, 0 = recompute, -1 = layer checkpointed); `memory`: per "
-                         "stage, predicted parts (weights, gradients, optimizer, activations, other; bytes) and "
-                         "measured peaks; `runs`: runs that trained with this plan.")
+                         "stage, the parts of the predicted peak the plan records (bytes on one rank at the phase "
+                         "that sets the peak, `phases`; they add up to the peak; none for plans before schema 1.2) "
+                         "and measured peaks; `runs`: runs that trained with this plan.")
     def api_plan(id: str = Query(..., description="plan file, relative to the root")):
         return api(lambda: data.plan(id))
 

@@ -218,24 +218,49 @@ def plan_bits(bits: dict[str, Any]) -> dict[str, Any]:
                     colorbar_tickvals=[2, 4, 8, 16, exact], colorbar_ticktext=["2", "4", "8", "16", "R"])
 
 
+PART_COLORS = PALETTE + ("#aec7e8", "#ffbb78")  # one per part a plan may record (agoq.search.memory_parts)
+PHASE_LABELS = {"forward_backward": "end of forward", "optimizer_step": "optimizer step"}
+
+
+def phase_label(phase: dict[str, Any] | None) -> str:
+    """What a stage's predicted peak is: 'end of forward', 'optimizer step', 'backward of checkpointed layer N'."""
+    if not phase:
+        return "peak"
+    if phase.get("phase") == "checkpoint_backward":
+        return f"backward of checkpointed layer {phase.get('layer')}"
+    return PHASE_LABELS.get(str(phase.get("phase")), str(phase.get("phase")))
+
+
 def memory_breakdown(mem: dict[str, Any]) -> dict[str, Any]:
-    """Stacked bars per stage: the predicted parts of the peak, beside each measured peak."""
-    parts = mem["predicted_parts"]
+    """Stacked bars per stage: the parts of the predicted peak the plan records, at the phase of the step that sets
+    it (named under the bar), beside each measured peak; a plan without recorded parts shows its predicted peak
+    whole. Parts that are 0 on every stage are left out; a negative part (head and workspace, whose calibration
+    credits the gradients not made yet at the peak) is drawn below 0, and then the peak is marked on its bar."""
+    parts = {name: values for name, values in mem["predicted_parts"].items() if any(v for v in values)}
     measured = mem["measured_peak"]
     largest = max([v or 0 for p in parts.values() for v in p] + [v or 0 for m in measured.values() for v in m]
                   + [v or 0 for v in mem["predicted_peak"]] + [0])
     unit, size = byte_unit(largest)
+    phases = mem.get("phases") or [None] * len(mem["stages"])
+    labels = [f"stage {s}: predicted ({phase_label(p)})" for s, p in zip(mem["stages"], phases)]
     data = []
+    if not mem.get("parts_recorded"):
+        parts = {"peak (this plan records no parts)": mem["predicted_peak"]}
     for i, (name, values) in enumerate(parts.items()):
-        data.append({"type": "bar", "name": f"predicted {name}", "marker": {"color": PALETTE[i]},
-                     "x": [f"stage {s}: predicted" for s in mem["stages"]], "y": _scaled(values, size)})
+        data.append({"type": "bar", "name": f"predicted {name.replace('_', ' ')}",
+                     "marker": {"color": PART_COLORS[i % len(PART_COLORS)]}, "x": labels[:len(values)],
+                     "y": _scaled(values, size)})
+    if mem.get("parts_recorded") and any(v < 0 for p in parts.values() for v in p if v is not None):
+        data.append({"type": "scatter", "mode": "markers", "name": "predicted peak (the parts' sum)",
+                     "marker": {"symbol": "line-ew-open", "size": 48, "color": "#000000", "line": {"width": 3}},
+                     "x": labels[:len(mem["predicted_peak"])], "y": _scaled(mem["predicted_peak"], size)})
     for j, (label, values) in enumerate(measured.items()):
         data.append({"type": "bar", "name": f"measured ({label})",
                      "marker": {"color": "#444444", "pattern": {"shape": "/x+-."[j % 5]}},
                      "x": [f"stage {s}: {label}" for s in mem["stages"][:len(values)]], "y": _scaled(values, size)})
-    order = [f"stage {s}: {label}" for s in mem["stages"] for label in ["predicted", *measured]]
-    return _figure(data, "Memory per stage: predicted parts beside measured peak", barmode="stack",
-                   yaxis={"title": {"text": unit}},
+    order = [x for s, predicted in zip(mem["stages"], labels) for x in [predicted, *(f"stage {s}: {m}" for m in measured)]]
+    return _figure(data, "Memory per stage, one rank: the predicted peak's parts at the phase that sets it, beside "
+                         "measured peaks", barmode="relative", yaxis={"title": {"text": unit}},
                    xaxis={"type": "category", "categoryorder": "array", "categoryarray": order})
 
 

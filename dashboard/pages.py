@@ -310,18 +310,19 @@ def _plan_sections(page: Page, data: dict[str, Any]) -> None:
         page.figure(figures.plan_bits(data["bits"]))
     mem = data["memory"]
     if page.error_or(mem, "memory breakdown"):
-        if not mem["profile_found"]:
-            page.add(message("No profile of this model (same fingerprint) under the root: weights, gradients and "
-                             "optimizer state are not split out of the predicted peak.", "info"))
+        if not mem["parts_recorded"]:
+            page.add(message("This plan records no parts of its predicted peak (plans written before schema "
+                             "agoq.plan/1.2): search again to see what the peak is made of.", "info"))
         if mem.get("cpu_runs"):
             page.add(message("Not compared with the prediction: " + ", ".join(mem["cpu_runs"]) + " ran on the CPU, "
                              "where the recorded peak is the whole process's memory.", "info"))
         page.figure(figures.memory_breakdown(mem))
         parts = mem["predicted_parts"]
         measured = mem["measured_peak"]
-        page.add(table(["stage", *(f"predicted {k}" for k in parts), "predicted peak",
+        phases = mem.get("phases") or [None] * len(mem["stages"])
+        page.add(table(["stage", "peak at", *(f"predicted {k.replace('_', ' ')}" for k in parts), "predicted peak",
                         *(f"measured ({k})" for k in measured)],
-                       [[str(st), *(fmt_bytes(v[i]) for v in parts.values()),
+                       [[str(st), esc(figures.phase_label(phases[i])), *(fmt_bytes(v[i]) for v in parts.values()),
                          fmt_bytes(mem["predicted_peak"][i] if i < len(mem["predicted_peak"]) else None),
                          *(fmt_bytes(v[i] if i < len(v) else None) for v in measured.values())]
                         for i, st in enumerate(mem["stages"])]))

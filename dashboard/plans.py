@@ -1,6 +1,6 @@
 """A Plan (plan.json) turned into what the search page shows: key figures, a layer x kind map of the
-chosen bit widths, and a per-stage memory breakdown (weights, gradients, optimizer state, activations)
-predicted beside measured."""
+chosen bit widths, and a per-stage memory breakdown (the parts of the predicted peak the plan records: weights,
+gradients, optimizer state, activations, ...) predicted beside measured."""
 
 from __future__ import annotations
 
@@ -83,38 +83,28 @@ def bit_map(plan: dict[str, Any]) -> dict[str, Any]:
             "stages": [int(e.get("stage", 0)) for e in layers], "kinds": kinds, "bits": z, "text": text}
 
 
-def memory_breakdown(plan: dict[str, Any], profile: dict[str, Any] | None,
-                     run_peaks: dict[str, list[float | None]] | None = None) -> dict[str, Any]:
-    """Per pipeline stage, the predicted parts of the peak: weights, gradients (bf16 or 8-bit by the
-    plan's gradient mode), optimizer state (AdamW) and the stage's activations, split over stages by
-    their share of decoder layers, plus 'other' (what the predicted peak holds beyond those parts);
-    beside it the measured peak of each stage from the plan's validation and from each run that
-    trained with this plan (`run_peaks`: run id -> peak bytes per rank, None for a CPU run, which is
-    listed in `cpu_runs` but not compared; rank s is taken as stage s when there are as many ranks as
-    stages, else the largest rank's peak)."""
+def memory_breakdown(plan: dict[str, Any], run_peaks: dict[str, list[float | None]] | None = None) -> dict[str, Any]:
+    """Per pipeline stage, the parts of the predicted peak as the search recorded them in the plan
+    (`predicted.memory_per_stage`, plan schema 1.2: bytes on one rank of the stage at the phase of the step that
+    sets its peak, adding up to it; `phases` names that phase, with the checkpointed layer whose backward it is),
+    nothing recomputed here; a plan written before 1.2 has no parts (`parts_recorded` false) and shows its peak
+    alone. Beside it the measured peak of each stage from the plan's validation and from each run that trained
+    with this plan (`run_peaks`: run id -> peak bytes per rank, None for a CPU run, which is listed in `cpu_runs`
+    but not compared; rank s is taken as stage s when there are as many ranks as stages, else the largest rank's
+    peak)."""
     predicted = plan.get("predicted") or {}
     peaks = [number(v) for v in predicted.get("peak_bytes_per_stage") or []]
-    acts = [number(v) for v in predicted.get("activation_bytes_per_stage") or []]
+    by_stage = _recorded_stages(predicted.get("memory_per_stage"))
     stage_of = [int(e.get("stage", 0)) for e in plan.get("layers") or []]
-    stages = max(len(peaks), len(acts), int((plan.get("pipeline") or {}).get("stages", 1) or 1),
+    stages = max(len(peaks), max(by_stage, default=-1) + 1, int((plan.get("pipeline") or {}).get("stages", 1) or 1),
                  (max(stage_of) + 1) if stage_of else 1)
-    share = [stage_of.count(s) / len(stage_of) if stage_of else 1.0 / stages for s in range(stages)]
-    memory = (profile or {}).get("memory") or {}
-    mode = (plan.get("gradients") or {}).get("mode", "bf16")
-    grad_key = "gradients_bytes_quangrad8" if mode in ("quangrad8", "sdp4bit") else "gradients_bytes_bf16"
-    whole = {"weights": number(memory.get("weights_bytes")), "gradients": number(memory.get(grad_key)),
-             "optimizer": number(memory.get("optimizer_bytes_adamw"))}
-    parts: dict[str, list[float | None]] = {name: [] for name in ("weights", "gradients", "optimizer",
-                                                                  "activations", "other")}
-    for s in range(stages):
-        for name, total in whole.items():
-            parts[name].append(total * share[s] if total is not None else None)
-        act = acts[s] if s < len(acts) else None
-        parts["activations"].append(act)
-        peak = peaks[s] if s < len(peaks) else None
-        known = sum(v[s] for v in (parts["weights"], parts["gradients"], parts["optimizer"],
-                                   parts["activations"]) if v[s] is not None)
-        parts["other"].append(max(peak - known, 0.0) if peak is not None else None)
+    names: list[str] = []
+    for m in by_stage.values():
+        names += [name for name in m["parts"] if name not in names]
+    parts = {name: [by_stage[s]["parts"].get(name, 0.0) if s in by_stage else None for s in range(stages)]
+             for name in names}
+    phases = [{"phase": by_stage[s]["phase"], "layer": by_stage[s]["layer"]} if s in by_stage else None
+              for s in range(stages)]
     measured = {}
     cpu_runs = sorted(run_id for run_id, ranks in (run_peaks or {}).items() if ranks is None)
     mplan = plan.get("measured") or {}
@@ -127,5 +117,24 @@ def memory_breakdown(plan: dict[str, Any], profile: dict[str, Any] | None,
             measured[f"run {run_id}"] = ranks
         elif ranks and stages == 1:
             measured[f"run {run_id}"] = [max((r for r in ranks if r is not None), default=None)]
-    return json_safe({"stages": list(range(stages)), "predicted_parts": parts, "predicted_peak": peaks,
-                  "measured_peak": measured, "cpu_runs": cpu_runs, "profile_found": profile is not None, "gradient_mode": mode})
+    return json_safe({"stages": list(range(stages)), "predicted_parts": parts, "phases": phases,
+                      "parts_recorded": bool(by_stage), "predicted_peak": peaks, "measured_peak": measured,
+                      "cpu_runs": cpu_runs, "gradient_mode": (plan.get("gradients") or {}).get("mode", "bf16")})
+
+
+def _recorded_stages(entries: Any) -> dict[int, dict[str, Any]]:
+    """stage -> {phase, layer, parts} of a plan's `predicted.memory_per_stage` as written (BrokenFile naming the
+    entry when one is not {stage, phase, parts: {name: bytes}})."""
+    out: dict[int, dict[str, Any]] = {}
+    for i, m in enumerate(entries or []):
+        where = f"plan: predicted.memory_per_stage[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("parts"), dict):
+            raise BrokenFile(f"{where}: expected {{stage, phase, parts: {{name: bytes}}}}")
+        stage = number(m.get("stage"))
+        values = {str(name): number(v) for name, v in m["parts"].items()}
+        if stage is None or stage < 0 or stage != int(stage) or any(v is None for v in values.values()):
+            raise BrokenFile(f"{where}: its stage and each part's bytes must be numbers")
+        layer = number(m.get("layer"))
+        out[int(stage)] = {"phase": str(m.get("phase")), "layer": None if layer is None else int(layer),
+                           "parts": values}
+    return out

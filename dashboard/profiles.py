@@ -51,6 +51,12 @@ def read_table(path: Path, columns: tuple[str, ...]):
     return _read_table(str(path), key, columns)
 
 
+def as_text(column):
+    """A column's values as strings, a missing value as "nan": the same under pandas 2 and 3 (pandas 3's
+    `astype(str)` keeps missing values missing, pandas 2's writes "nan" or "None")."""
+    return column.map(lambda v: "nan" if v is None or (isinstance(v, float) and v != v) else str(v))
+
+
 def option_order(option: str) -> tuple[int, int]:
     """Sort key for options: 16 first, then narrower widths, recompute last."""
     if option == "recompute":
@@ -107,7 +113,7 @@ def layer_kind_maps(folder: Folder, option: str | None = None) -> dict[str, Any]
     profiled, else the narrowest width): sensitivity (relative L2 error of all weight gradients) and
     bytes kept per micro-batch. Rows are layers, columns kinds in the order the profile lists them."""
     frame = read_table(table_file(folder), TABLE_COLUMNS)
-    frame = frame.assign(option=frame["option"].astype(str))
+    frame = frame.assign(option=as_text(frame["option"]))
     options = sorted(frame["option"].unique().tolist(), key=option_order)
     if not options:
         raise BrokenFile("profile.parquet: no rows")
@@ -116,7 +122,7 @@ def layer_kind_maps(folder: Folder, option: str | None = None) -> dict[str, Any]
         option = "4" if "4" in options else (widths[-1] if widths else options[0])
     if option not in options:
         raise KeyError(f"option {option!r} is not in this profile; it has {', '.join(options)}")
-    kinds = list(dict.fromkeys(frame["kind"].astype(str)))
+    kinds = list(dict.fromkeys(as_text(frame["kind"])))
     layers = sorted(int(x) for x in frame["layer"].unique())
     rows = frame[frame["option"] == option]
     if "format" in rows.columns and rows["format"].nunique() > 1:
@@ -161,7 +167,7 @@ def collectives(folder: Folder) -> dict[str, Any]:
     for (op, comm_path, world), part in frame.groupby(["op", "path", "world_size"], sort=True):
         part = part.sort_values("message_bytes")
         label = str(comm_path)
-        backends = set(part["backend"].dropna().astype(str)) if "backend" in part else set()
+        backends = set(as_text(part["backend"].dropna())) if "backend" in part else set()
         if label.startswith("nccl-") and len(backends) == 1 and backends != {"nccl"}:
             # "nccl-*" names torch.distributed's own collectives; say which backend they really ran on
             label = f"{backends.pop()}-{label[len('nccl-'):]}"
@@ -181,12 +187,13 @@ def kind_times(folder: Folder) -> dict[str, Any]:
     if not all(c in frame.columns for c in TIME_COLUMNS):
         return {"rows": [], "options": [], "message": "this profile has no per-option kernel times"}
     if "format" in frame.columns:
-        frame = frame[frame["format"].astype(str).isin(["int", "nan", "None", ""]) | (frame["option"] == "recompute")]
+        old = as_text(frame["format"]).isin(["int", "nan", "None", ""])  # int, or written before formats
+        frame = frame[old | (as_text(frame["option"]) == "recompute")]
     options = sorted({str(o) for o in frame["option"]} - {"16"}, key=option_order)
     rows = []
     for kind, part in frame.groupby("kind", sort=False):
         row = {"kind": str(kind)}
-        for option, opt_part in part.groupby(part["option"].astype(str)):
+        for option, opt_part in part.groupby(as_text(part["option"])):
             if option == "16":
                 continue
             if option == "recompute":

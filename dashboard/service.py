@@ -100,7 +100,7 @@ class Dashboard:
         summary["bf16_predicted_peak_bytes"] = next(
             (s.get("predicted_peak_bytes") for s in steps if s.get("policy") == "bf16"), None)
         return {"id": a.id, "summary": summary, "bits": part(lambda: plans.bit_map(plan)),
-                "memory": part(lambda: plans.memory_breakdown(plan, profile, used_by)),
+                "memory": part(lambda: plans.memory_breakdown(plan, used_by)),
                 "runs": sorted(used_by)}
 
     def plan_view(self, plan: dict[str, Any]) -> dict[str, Any]:
@@ -112,7 +112,7 @@ class Dashboard:
         summary["bf16_predicted_peak_bytes"] = next(
             (s.get("predicted_peak_bytes") for s in steps if s.get("policy") == "bf16"), None)
         bits = plans.bit_map(plan)
-        memory = plans.memory_breakdown(plan, profile)
+        memory = plans.memory_breakdown(plan)
         return {"summary": summary, "bits": bits, "memory": memory,
                 "figures": {"bits": figures.plan_bits(bits), "memory": figures.memory_breakdown(memory)}}
 

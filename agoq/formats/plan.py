@@ -1,4 +1,4 @@
-"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.1``, docs/formats.md).
+"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.2``, docs/formats.md).
 
 A plan says, for one model (by fingerprint), how each decoder layer keeps each tensor kind for
 backward (a bit width 2..8, 16, or "recompute"), which layers are checkpointed whole, how gradients are
@@ -6,8 +6,9 @@ stored and all-reduced, the optimizer and its masters, the compile mode, the pip
 the memory budget it was made for, and the predicted (and, once validated, measured) peak memory per
 stage, step time and gradient error. Since 1.1 a searched plan also says why it was chosen (`decision`:
 objective, caps, the binding constraint, the knob values) and what it beats (`alternative`: the fastest
-of bf16, checkpointing and torch.compile's memory budget that fits the same budget). 1.0 plans load
-unchanged (eager, AdamW with float32 masters, nothing about the decision).
+of bf16, checkpointing and torch.compile's memory budget that fits the same budget). Since 1.2 it says what each
+stage's predicted peak is made of (`predicted.memory_per_stage`). 1.0 plans load unchanged (eager, AdamW with
+float32 masters, nothing about the decision); 1.0 and 1.1 plans have no memory parts.
 
     plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
     plan.apply(model)                      # activation policy + checkpointing, in one go
@@ -43,11 +44,12 @@ from agoq.activations.policy import (
 from agoq.files import read_json_object
 from agoq.quant.quantize import check_arguments
 
-SCHEMA = "agoq.plan/1.1"
+SCHEMA = "agoq.plan/1.2"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
 GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+MEMORY_PHASES = ("forward_backward", "checkpoint_backward", "optimizer_step")  # where a stage's peak is set
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
 
 
@@ -200,11 +202,24 @@ class TrainingSpec(_Part):
     compile: Literal["eager", "compiled"] = "eager"  # compiled: each decoder layer torch.compile'd (agoq train --compile)
 
 
+class StageMemory(_Part):
+    """One stage's predicted peak part by part (agoq.search.memory_parts, since 1.2): the phase of the step that sets
+    it (`layer`: the checkpointed layer whose backward it is) and the bytes of each part then, on one rank of the
+    stage (a sharded part: the rank's shard), adding up to the stage's predicted peak."""
+
+    stage: int = Field(ge=0)
+    phase: Literal[MEMORY_PHASES]
+    layer: Optional[int] = Field(default=None, ge=0)
+    parts: dict[str, int] = Field(default_factory=dict)
+
+
 class Predicted(_Part):
-    """The search's predictions: peak and activation bytes per stage, step seconds, gradient error."""
+    """The search's predictions: peak and activation bytes per stage, what each stage's peak is made of, step
+    seconds, gradient error."""
 
     peak_bytes_per_stage: list[int] = Field(default_factory=list)
     activation_bytes_per_stage: list[int] = Field(default_factory=list)
+    memory_per_stage: list[StageMemory] = Field(default_factory=list)
     step_seconds: Optional[float] = Field(default=None, ge=0)
     grad_error: Optional[float] = Field(default=None, ge=0)
 
@@ -285,11 +300,27 @@ class Plan(_Part):
             values = getattr(self.predicted, name)
             if values and len(values) != n:
                 raise ValueError(f"predicted.{name}: {len(values)} value(s) for {n} pipeline stage(s)")
+        self._memory_adds_up(n)
         if self.measured is not None and self.measured.peak_bytes_per_stage \
                 and len(self.measured.peak_bytes_per_stage) != n:
             raise ValueError(f"measured.peak_bytes_per_stage: {len(self.measured.peak_bytes_per_stage)} value(s) "
                              f"for {n} pipeline stage(s)")
         return self
+
+    def _memory_adds_up(self, stages: int) -> None:
+        memory, peaks = self.predicted.memory_per_stage, self.predicted.peak_bytes_per_stage
+        if not memory:
+            return
+        if [m.stage for m in memory] != list(range(stages)):
+            raise ValueError(f"predicted.memory_per_stage: one entry per pipeline stage 0..{stages - 1} in order, "
+                             f"got stages {[m.stage for m in memory]}")
+        for m in memory:
+            if peaks and sum(m.parts.values()) != peaks[m.stage]:
+                raise ValueError(f"predicted.memory_per_stage[{m.stage}].parts: add up to {sum(m.parts.values())} "
+                                 f"bytes, the stage's predicted peak is {peaks[m.stage]}")
+            if (m.phase == "checkpoint_backward") != (m.layer is not None):
+                raise ValueError(f"predicted.memory_per_stage[{m.stage}].layer: the checkpointed layer is given "
+                                 "with phase checkpoint_backward, and only with it")
 
     # ------------------------------------------------------------------ reading the plan
 
@@ -435,7 +466,7 @@ def load_plan(path: str | os.PathLike, model=None) -> Plan:
 def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: int, grad_accum: int,
                    layer_stage: list[int] | None, stages: int, *, optimizer: str = "adamw", master: str = "fp32",
                    compile: bool = False) -> dict[str, Any]:
-    """A plan (agoq.plan/1.1 layout) recording what a run given `--policy` applies, for run.json: its activation
+    """A plan (agoq.plan/1.2 layout) recording what a run given `--policy` applies, for run.json: its activation
     settings, gradient mode, batch shape, the optimizer and masters it steps with and whether its layers are
     compiled (`compile`: torch.compile per decoder layer).
 
@@ -466,5 +497,5 @@ def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: in
 
 
 __all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec",
-           "TrainingSpec", "Predicted", "Measured", "Source", "OptimizerSpec", "Decision", "Alternative", "Figures", "load_plan", "plan_from_dict", "remove_plan",
-           "GRADIENT_MODES", "SCHEDULES", "plan_for_policy"]
+           "TrainingSpec", "Predicted", "StageMemory", "Measured", "Source", "OptimizerSpec", "Decision", "Alternative", "Figures", "load_plan", "plan_from_dict", "remove_plan",
+           "GRADIENT_MODES", "SCHEDULES", "MEMORY_PHASES", "plan_for_policy"]

@@ -108,8 +108,12 @@ def _check_table(table: pd.DataFrame, num_layers: int, where: Path) -> pd.DataFr
     if missing:
         raise ValueError(f"{where}: missing column(s) {missing}")
     table = table.copy()
-    table["option"] = table["option"].astype(str)
-    table["kind"] = table["kind"].astype(str)
+    for col in ("option", "kind"):  # checked before astype(str), which writes "nan" on pandas 2 and keeps NaN on 3
+        empty = table[col].isna()
+        if empty.any():
+            raise ValueError(f"{where}: {col}: {int(empty.sum())} row(s) without a value, e.g. rows\n"
+                             f"{table.loc[empty].head(3)}")
+        table[col] = table[col].astype(str)
     bad_kinds = sorted(set(table["kind"]) - set(KINDS))
     if bad_kinds:
         raise ValueError(f"{where}: kind: unknown kind(s) {bad_kinds}; the kinds are {', '.join(KINDS)}")

@@ -32,6 +32,11 @@ not hold. `laaq_layer_seconds` is that constant, from the profile's measured ago
 quantized plan on the probe model by ~25 ms (1.7-1.9 ms per layer; experiments/results/search_probe_budgets_*).
 Compiled, `laaq_layer_seconds` is grad_accum x delta and the options' seconds are 0.
 
+A stage's peak is the largest of the end of forward (above), the backward of each checkpointed layer and the
+optimizer step (the state and its workspace); `ChoiceProblem.memory_parts` gives the phase that sets it and the
+peak's parts then (agoq.search.memory_parts; the model state per rank is agoq.search.state's), which a plan
+records and the dashboard draws.
+
 Layouts over several ranks (agoq.search.layouts): replicated (DDP) keeps the whole state per rank and pays one
 gradient all-reduce per step; agoq's sharded SDP4Bit keeps 1/N of gradients, masters and moments; fsdp (FSDP2)
 keeps 1/N of everything plus the unsharded units in flight, its communication priced per micro-batch with the
@@ -61,20 +66,22 @@ import pandas as pd
 from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
 from agoq.formats.profile import ProfileData
-from agoq.optim.state_bytes import check_combination, step_bytes_moved
+from agoq.optim.state_bytes import step_bytes_moved
 from agoq.profiler.step_peak import head_and_workspace_bytes, head_shape_of
 from agoq.search.collective_times import collective_seconds, has_collective
 from agoq.search.compiled_costs import compiled_layer_seconds, compiled_peak_margin, forward_backward_seconds
-from agoq.search.layouts import (
-    fsdp_exposed_seconds,
-    fsdp_in_flight_bytes,
-    fsdp_sharded_bytes,
-    resolve_layout,
-    unit_sizes,
+from agoq.search.layouts import fsdp_exposed_seconds, fsdp_in_flight_bytes, resolve_layout, unit_sizes
+from agoq.search.memory_parts import stage_entry
+from agoq.search.state import (
+    measured_with,
+    optimizer_choices,
+    resolve_optimizer,
+    state_parts,
+    state_per_rank,
+    static_bytes_total,
 )
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
 COMM_PATHS = {"bf16": "nccl-bf16", "quangrad8": "quangrad8", "sdp4bit": "sdp4bit"}
 
 
@@ -129,6 +136,8 @@ class ChoiceProblem:
     laaq_transient_bytes: Optional[np.ndarray] = None  # [S] extra peak while a LAAQ layer runs backward
     laaq_layer_seconds: float = 0.0   # seconds per step each layer running LAAQ's functions adds (x accum), < 0
                                       # when agoq's fused layer is faster than the plain one
+    static_parts: Optional[dict] = None  # {part: [S] bytes} adding up to static_bytes (agoq.search.memory_parts)
+    floor_parts: Optional[dict] = None   # {part: [S] bytes} adding up to floor_bytes
 
     def laaq_transient(self) -> np.ndarray:
         """Per stage, what the backward of a layer under LAAQ's functions holds beyond the memory model
@@ -166,17 +175,15 @@ class ChoiceProblem:
         """Boolean mask of the '16' options."""
         return np.array([o == "16" for o in self.option])
 
-    def evaluate(self, chosen: np.ndarray, checkpoint: np.ndarray) -> dict:
-        """Memory per stage, step seconds and error of a choice.
-
-        `chosen`: option indices (one per (layer, kind) of non-checkpointed layers); `checkpoint`: bool [L].
-        """
-        chosen = np.asarray(chosen, dtype=int)
-        ckpt = np.asarray(checkpoint, dtype=bool)
+    def _memory(self, chosen: np.ndarray, ckpt: np.ndarray) -> dict:
+        """Per stage: the peak (bytes), the phase that sets it (agoq.search.memory_parts) with its checkpointed
+        layer, and what the decoder layers hold then ("held") and its rerun layer's bytes ("rerun"); also the
+        activations at the end of forward, the LAAQ transient and the number of layers running LAAQ."""
         per_layer = np.zeros(self.num_layers)  # bytes each layer adds to its stage (x in-flight)
         np.add.at(per_layer, self.layer[chosen], self.memory[chosen])
         per_layer[ckpt] += self.checkpoint_memory[ckpt]
         is16 = self.keeps_16bit()
+        laaq = np.zeros(self.num_layers, dtype=bool)  # layers running LAAQ's functions
         for l in range(self.num_layers):
             if ckpt[l]:
                 continue
@@ -186,33 +193,66 @@ class ChoiceProblem:
                 per_layer[l] += self.unmodified_extra[l]
             if {KINDS.index("attention"), KINDS.index("o_proj_input")} <= kinds16:
                 per_layer[l] -= self.shared_credit[l]
+            laaq[l] = not all(self.option[i] == "16" for i in mine)
         activations = np.zeros(self.num_stages)
         np.add.at(activations, self.layer_stage, per_layer)
         laaq_stage = np.zeros(self.num_stages, dtype=bool)
-        for l in range(self.num_layers):
-            mine = chosen[self.layer[chosen] == l]
-            if not ckpt[l] and not all(self.option[i] == "16" for i in mine):
-                laaq_stage[self.layer_stage[l]] = True
+        laaq_stage[self.layer_stage[laaq]] = True
         transient = np.where(laaq_stage, self.laaq_transient(), 0.0)
         mem = self.static_bytes + activations + transient
+        phase, at_layer = ["forward_backward"] * self.num_stages, [None] * self.num_stages
+        held, rerun = activations.copy(), np.zeros(self.num_stages)
         # backward of a checkpointed layer l: the other in-flight micro-batches, this one's layers before l,
         # and l's input plus everything its rerun forward keeps
         flight, extra = self.in_flight_counts(), self.recomputed()
         for l in np.nonzero(ckpt)[0]:
             s = self.layer_stage[l]
             before = per_layer[(self.layer_stage == s) & (np.arange(self.num_layers) < l)].sum()
-            during = self.static_bytes[s] + (flight[s] - 1) / flight[s] * activations[s] + before / flight[s] \
-                + self.checkpoint_memory[l] / flight[s] + extra[l] + transient[s]
-            mem[s] = max(mem[s], during)
-        mem = np.maximum(mem, self.peak_floor())
-        laaq_layers = sum(1 for l in range(self.num_layers) if not ckpt[l]
-                          and not all(self.option[i] == "16" for i in chosen[self.layer[chosen] == l]))
-        seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum()) \
-            + self.laaq_layer_seconds * laaq_layers
+            kept = (flight[s] - 1) / flight[s] * activations[s] + before / flight[s] \
+                + self.checkpoint_memory[l] / flight[s]
+            during = self.static_bytes[s] + kept + extra[l] + transient[s]
+            if during > mem[s]:
+                mem[s], phase[s], at_layer[s], held[s], rerun[s] = during, "checkpoint_backward", int(l), kept, extra[l]
+        floor = self.peak_floor()
+        for s in np.nonzero(floor > mem)[0]:
+            mem[s], phase[s], at_layer[s] = floor[s], "optimizer_step", None
         # whole bytes, rounded up (a fraction of a byte over a budget is over it; 1e-6 absorbs float noise)
-        return {"peak_bytes_per_stage": [int(np.ceil(m - 1e-6)) for m in mem], "step_seconds": seconds,
+        return {"peak": [int(np.ceil(m - 1e-6)) for m in mem], "phase": phase, "layer": at_layer, "held": held,
+                "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum())}
+
+    def evaluate(self, chosen: np.ndarray, checkpoint: np.ndarray) -> dict:
+        """Memory per stage, step seconds and error of a choice.
+
+        `chosen`: option indices (one per (layer, kind) of non-checkpointed layers); `checkpoint`: bool [L].
+        """
+        chosen = np.asarray(chosen, dtype=int)
+        ckpt = np.asarray(checkpoint, dtype=bool)
+        m = self._memory(chosen, ckpt)
+        seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum()) \
+            + self.laaq_layer_seconds * m["laaq_layers"]
+        return {"peak_bytes_per_stage": m["peak"], "step_seconds": seconds,
                 "grad_error": float(self.error[chosen].sum()),
-                "activation_bytes_per_stage": [int(round(a)) for a in activations]}
+                "activation_bytes_per_stage": [int(round(a)) for a in m["activations"]],
+                "peak_phase_per_stage": m["phase"]}
+
+    def memory_parts(self, chosen: np.ndarray, checkpoint: np.ndarray) -> list[dict]:
+        """Per stage, the phase that sets its peak and the parts of the peak then, in whole bytes adding up to the
+        stage's `evaluate` peak (agoq.search.memory_parts; a plan's `predicted.memory_per_stage`)."""
+        if self.static_parts is None or (self.floor_bytes is not None and self.floor_parts is None):
+            raise ValueError("this problem does not list the parts of its static bytes (build_problem's do)")
+        m = self._memory(np.asarray(chosen, dtype=int), np.asarray(checkpoint, dtype=bool))
+        out = []
+        for s in range(self.num_stages):
+            if m["phase"][s] == "optimizer_step":
+                parts = {name: float(v[s]) for name, v in self.floor_parts.items()}
+            else:
+                parts = {name: float(v[s]) for name, v in self.static_parts.items()}
+                parts["activations"] = float(m["held"][s])
+                if m["phase"][s] == "checkpoint_backward":
+                    parts["recomputed_layer"] = float(m["rerun"][s])
+                parts["laaq_transient"] = float(m["transient"][s])
+            out.append(stage_entry(s, m["phase"][s], m["layer"][s], parts, m["peak"][s]))
+        return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,72 +303,7 @@ def gradient_modes(profile: ProfileData) -> list[str]:
     return modes
 
 
-OLD_MEASURED_WITH = {"optimizer": "adamw", "master": "fp32", "gradients": "bf16"}  # profiles before the fused step
 COMPILE_MODES = ("eager", "compiled")
-
-
-def measured_with(profile: ProfileData) -> dict:
-    """The optimizer, masters and gradient storage of the profile's measured steps (its calibration)."""
-    return dict(profile.memory.get("measured_with") or OLD_MEASURED_WITH)
-
-
-def resolve_optimizer(profile: ProfileData, optimizer: Optional[str], master: Optional[str]) -> tuple[str, str]:
-    """(optimizer, master) with None read as the profile's measured step's; raises ValueError for a combination
-    the trainer refuses."""
-    base = measured_with(profile)
-    optimizer = optimizer or base["optimizer"]
-    master = master or base["master"]
-    check_combination(optimizer, master)
-    return optimizer, master
-
-
-def optimizer_choices(gradient_mode: str, layout: Optional[str] = None) -> list[tuple[str, str]]:
-    """(optimizer, master) combinations a plan may use with `gradient_mode` under `layout` (None: the mode's own;
-    agoq's sharded SDP4Bit step is the fused 8-bit AdamW over float32 masters; FSDP2 runs every combination)."""
-    if resolve_layout(layout, gradient_mode) == "sharded":
-        return [("adamw8bit", "fp32")]
-    return [("adamw", "fp32"), ("adamw8bit", "fp32"), ("adamw8bit", "none")]
-
-
-def state_parts(profile: ProfileData, mode: str, optimizer: Optional[str] = None,
-                master: Optional[str] = None) -> dict:
-    """Bytes of the whole model's weights, gradients (gradient mode `mode`), masters, moments and the optimizer
-    step's transient (see agoq.optim.state_bytes), from the profile's memory section. Profiles written before it
-    recorded `state` give masters as master_bytes, moments as optimizer_bytes_adamw / _adamw8bit and torch AdamW's
-    float32 gradient copies as master_bytes."""
-    if mode not in GRADIENT_MODES:
-        raise ValueError(f"gradient mode must be one of {', '.join(GRADIENT_MODES)}, got {mode!r}")
-    optimizer, master = resolve_optimizer(profile, optimizer, master)
-    mem = profile.memory
-    weights = float(mem.get("weights_bytes") or profile.header["model"].get("weight_bytes") or 0)
-    grads_bf16 = float(mem.get("gradients_bytes_bf16") or weights)
-    grads = {"bf16": grads_bf16, "quangrad8": float(mem.get("gradients_bytes_quangrad8") or grads_bf16),
-             "sdp4bit": grads_bf16}
-    state = (mem.get("state") or {}).get("optimizers", {}).get(f"{optimizer}/{master}")
-    if state is not None:
-        masters, moments, transient = (float(state[k]) for k in ("masters", "moments", "step_transient"))
-    else:
-        fp32 = float(mem.get("master_bytes") or 0)
-        masters = fp32 if master == "fp32" else 0.0
-        if optimizer == "adamw":
-            moments = float(mem.get("optimizer_bytes_adamw") or 0)
-        else:
-            moments = float(mem.get("optimizer_bytes_adamw8bit") or mem.get("optimizer_bytes_adamw") or 0)
-        transient = fp32 if (optimizer, master) == ("adamw", "fp32") else 0.0
-    return {"weights": weights, "gradients": grads[mode], "masters": masters, "moments": moments,
-            "step_transient": transient, "optimizer": optimizer, "master": master}
-
-
-def static_bytes_total(profile: ProfileData, mode: str, optimizer: Optional[str] = None,
-                       master: Optional[str] = None) -> float:
-    """Weights + masters + gradients + optimizer moments of the whole model, in bytes, under a gradient mode and
-    an optimizer (None: the profile's measured step's; see `state_parts`). SDP4Bit (sharded data parallelism)
-    keeps 1/world of masters, gradients and moments per rank."""
-    parts = state_parts(profile, mode, optimizer, master)
-    if mode == "sdp4bit":
-        world = int(profile.settings.get("world_size", 1) or 1)
-        return parts["weights"] + (parts["masters"] + parts["gradients"] + parts["moments"]) / world
-    return parts["weights"] + parts["gradients"] + parts["masters"] + parts["moments"]
 
 
 def profile_compile_mode(profile: ProfileData) -> str:
@@ -470,11 +445,13 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     table = profile.table
     fmt_ok = table["format"].isin(["bf16", "recompute", "int"] + (["nf4"] if knobs.format == "nf4" else []))
     if knobs.format == "nf4":  # the codebook replaces the int 4-bit row where the profile measured one
-        has_nf4 = set(map(tuple, table.loc[table["format"] == "nf4", ["layer", "kind"]].to_numpy().tolist()))
+        where = list(zip(table["layer"].astype(int), table["kind"]))
+        has_nf4 = {w for w, f in zip(where, table["format"]) if f == "nf4"}
         fmt_ok &= ~((table["format"] == "int") & (table["bits"] == 4)
-                    & [(int(a), b) in has_nf4 for a, b in zip(table["layer"], table["kind"])])
+                    & np.array([w in has_nf4 for w in where], dtype=bool))
     rows = table[fmt_ok]
-    rows = rows[[(o in ("16", "recompute")) or int(o) >= floors.get(k, 0) for o, k in zip(rows["option"], rows["kind"])]]
+    rows = rows[np.array([(o in ("16", "recompute")) or int(o) >= floors.get(k, 0)
+                          for o, k in zip(rows["option"], rows["kind"])], dtype=bool)]
     rows = rows.drop_duplicates(["layer", "kind", "option"]).sort_values(["layer", "kind", "option"]).copy()
     # o_proj_input at 16 shares attention's output while attention is 16: profiles give that shared size
     # as `bytes` and the full size as `bytes_unshared`; the full size is costed here and the sharing is
@@ -568,17 +545,16 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
 
     share = np.bincount(stages, minlength=S) / L
     units = None
+    state = state_per_rank(profile, knobs.gradient_mode, optimizer, master, layout)  # bytes per rank
+    state_total = sum(state.values())
+    static_parts = {name: value * share for name, value in state.items()}  # {part: [S] bytes}
     if layout == "fsdp":
         units = unit_sizes(profile.model_config(), int(profile.header["model"].get("parameters") or 0), L)
-        state_total = fsdp_sharded_bytes(state_parts(profile, "bf16", optimizer, master), world)
         in_flight_weights = fsdp_in_flight_bytes(units, knobs.gradient_mode)
-        static = (state_total + in_flight_weights) * share
+        static_parts["fsdp_unsharded"] = in_flight_weights * share
         notes.append(f"fsdp over {world} ranks: {int(state_total)} bytes of sharded state per rank and "
                      f"{int(in_flight_weights)} bytes of unsharded weights and gradients in flight "
                      "(agoq.search.layouts)")
-    else:
-        state_total = static_bytes_total(profile, knobs.gradient_mode, optimizer, master)
-        static = state_total * share
     calibrated = measured_with(profile)
     if knobs.gradient_mode == "quangrad8" and calibrated["gradients"] != "quangrad8":
         # fixed_bytes was calibrated on a step whose bf16 gradients mostly did not exist yet at its fwd + bwd peak
@@ -586,7 +562,7 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         # while backward still produces each bf16 gradient: the peak keeps the calibrated step's gradients and
         # the buffer too
         grads_calibrated = state_parts(profile, calibrated["gradients"], optimizer, master)["gradients"]
-        static = static + grads_calibrated * share
+        static_parts["backward_gradients"] = grads_calibrated * share
         notes.append(f"QuanGrad's 8-bit gradient buffer is counted on top of the {calibrated['gradients']} gradients "
                      "the profile's fixed bytes were calibrated with (+"
                      f"{int(grads_calibrated)} bytes at the fwd + bwd peak)")
@@ -604,8 +580,9 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     # micro-batch and the calibrated workspace (the gradient storage there is the QuanGrad correction above)
     head = head_shape_of(profile.memory, profile.model_config(), profiled_micro_batch,
                          int(profile.settings.get("seq_len", 1)), elem)
-    fixed = head_and_workspace_bytes(profile.memory, head, mb, profiled_micro_batch)
-    static = static + fixed
+    static_parts["head_and_workspace"] = np.full(S, head_and_workspace_bytes(profile.memory, head, mb,
+                                                                          profiled_micro_batch))
+    static = sum(static_parts.values())
     # LAAQ's backward holds dequantized copies the memory model does not list: the agoq-paper step's
     # measured fwd + bwd peak beyond its prediction (both from the profile) is taken as that transient
     laaq = None
@@ -617,13 +594,15 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         laaq = np.full(S, over)
         notes.append(f"LAAQ backward transient of {int(over)} bytes per stage, from the profile's agoq-paper step")
     fixed_opt = profile.memory.get("fixed_bytes_optimizer_step")
-    floor = None
+    floor, floor_parts = None, None
     if fixed_opt is not None:  # the optimizer step's peak: weights, gradients, state and its temporaries
         # fixed_opt was measured with the profile's optimizer: its transient is swapped for this optimizer's
         calibrated = measured_with(profile)
         transient = state_parts(profile, knobs.gradient_mode, optimizer, master)["step_transient"] \
             - state_parts(profile, knobs.gradient_mode, calibrated["optimizer"], calibrated["master"])["step_transient"]
-        floor = (state_total + float(fixed_opt) + transient) * share
+        floor_parts = {name: value * share for name, value in state.items()}
+        floor_parts["optimizer_step_workspace"] = (float(fixed_opt) + transient) * share
+        floor = sum(floor_parts.values())
     base = 0.0
     laaq_seconds = 0.0
     fb = 0.0  # seconds of one micro-batch's bf16 fwd + bwd (0: not measured)
@@ -663,10 +642,12 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         comm = 0.0
     problem = ChoiceProblem(layer, kind, option, memory, seconds, error, stages, checkpoint_memory,
                             checkpoint_seconds, allow_ckpt, unmodified, credit, static, base + comm, time_scale, notes,
-                            floor, np.array(in_flight[:S], dtype=float), recompute, laaq, laaq_seconds)
+                            floor, np.array(in_flight[:S], dtype=float), recompute, laaq, laaq_seconds,
+                            static_parts, floor_parts)
     if peak_margin and compiled and S == 1 and profile.header.get("compiled"):
         margin, rows_ = compiled_peak_margin(profile, lambda policy: _own_peak(profile, policy))
         if margin > 0:
+            problem.static_parts["compiled_margin"] = np.full(S, margin)
             problem.static_bytes = problem.static_bytes + margin
             worst = max(rows_, key=lambda r: r[1] - r[2])
             notes.append(f"compiled peak margin of {int(margin)} bytes: the memory model predicted the measured "

@@ -10,10 +10,10 @@ Layouts (world size N = the profile's `settings.world_size`):
               SDP4Bit's TLq-HS (gradient mode sdp4bit, `--gradients sdp4bit`)
 
 FSDP2 memory per rank, bytes (W, G, M, A: the whole model's bf16 weights, bf16 gradients, float32 masters and
-optimizer moments, agoq.search.costs.state_parts; e: bytes per bf16 value, 2; n_root, n_layer: values of the root
+optimizer moments, agoq.search.state.state_parts; e: bytes per bf16 value, 2; n_root, n_layer: values of the root
 unit and of one decoder layer):
 
-  sharded   = (W + G + M + A) / N
+  sharded   = (W + G + M + A) / N                            (agoq.search.state.state_per_rank)
               (the runtime's shards are float32 parameters = the masters and float32 gradients, 4 + 4 bytes per
               value with masters, or bf16 parameters and gradients, 2 + 2, without: the same totals)
   in flight = e x (n_root + IN_FLIGHT_LAYERS x n_layer)      all-gathered bf16 weights: the root unit, whose
@@ -123,12 +123,6 @@ def unit_sizes(config: Optional[dict], parameters: int, num_layers: int) -> Unit
     return UnitSizes(root=max(0, root), layer=layer)
 
 
-def fsdp_sharded_bytes(parts: dict, world_size: int) -> float:
-    """(weights + gradients + masters + moments) / N: the sharded state per rank, bytes (`parts`: state_parts with
-    bf16 gradients)."""
-    return (parts["weights"] + parts["gradients"] + parts["masters"] + parts["moments"]) / world_size
-
-
 def fsdp_in_flight_bytes(units: UnitSizes, gradient_mode: str, elem_bytes: int = 2) -> float:
     """Unsharded bytes per rank during fwd + bwd: the root unit's and IN_FLIGHT_LAYERS layers' all-gathered weights
     plus one unit's gradients before their reduce-scatter (see the module docstring)."""
@@ -160,5 +154,5 @@ def fsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers
 
 
 __all__ = ["LAYOUTS", "LAYOUT_GRADIENTS", "IN_FLIGHT_LAYERS", "UnitSizes", "default_layout", "resolve_layout",
-           "layouts", "fsdp_missing", "unit_sizes", "fsdp_sharded_bytes", "fsdp_in_flight_bytes",
+           "layouts", "fsdp_missing", "unit_sizes", "fsdp_in_flight_bytes",
            "fsdp_exposed_seconds"]

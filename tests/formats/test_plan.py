@@ -254,7 +254,8 @@ def test_checkpoint_only_plan_matches_plain_gradients():
 
 
 def test_a_1_0_plan_loads_with_the_1_1_defaults():
-    """Plans written before 1.1 (no optimizer, compile, decision or alternative) load as eager float32 AdamW."""
+    """Plans written before 1.1 (no optimizer, compile, decision or alternative) load as eager float32 AdamW, with
+    no memory parts (1.2)."""
     rng = random.Random(5)
     data = random_plan_dict(rng, 3)
     data["schema"] = "agoq.plan/1"
@@ -262,7 +263,8 @@ def test_a_1_0_plan_loads_with_the_1_1_defaults():
         data.pop(key, None)
     data["training"].pop("compile", None)
     plan = plan_from_dict(data)
-    assert SCHEMA == "agoq.plan/1.1"
+    assert SCHEMA == "agoq.plan/1.2"
+    assert plan.predicted.memory_per_stage == []
     assert (plan.optimizer.name, plan.optimizer.master, plan.training.compile) == ("adamw", "fp32", "eager")
     assert plan.decision is None and plan.alternative is None and plan.alternatives == []
     assert plan.to_dict()["schema"] == "agoq.plan/1"  # what it was written with is kept
@@ -286,3 +288,38 @@ def test_optimizer_and_alternative_fields_are_checked():
     data["schema"] = "agoq.plan/2.0"
     with pytest.raises(ValueError, match="newer"):
         plan_from_dict(data)
+
+
+def test_memory_parts_must_add_up_to_each_stage_peak():
+    """predicted.memory_per_stage (1.2): one entry per stage whose parts add up to the stage's predicted peak, the
+    checkpointed layer given with checkpoint_backward only; anything else is refused naming the field."""
+    seed, rng = fresh_rng()
+    data = random_plan_dict(rng, 6, stages=3)
+    peaks = data["predicted"]["peak_bytes_per_stage"]
+    entries = []
+    for s, peak in enumerate(peaks):
+        cut = sorted(rng.randrange(peak + 1) for _ in range(3))
+        parts = dict(zip(("weights", "optimizer_state", "activations", "head_and_workspace"),
+                         [cut[0], cut[1] - cut[0], cut[2] - cut[1], peak - cut[2]]))
+        entries.append({"stage": s, "phase": "forward_backward", "parts": parts})
+    entries[1].update(phase="checkpoint_backward", layer=3)
+    data["predicted"]["memory_per_stage"] = entries
+    plan = plan_from_dict(data)
+    assert [sum(m.parts.values()) for m in plan.predicted.memory_per_stage] == peaks, seed
+    assert plan_from_dict(plan.to_dict()).to_dict() == plan.to_dict()
+    bad = json.loads(json.dumps(data))
+    bad["predicted"]["memory_per_stage"][2]["parts"]["weights"] += 1
+    with pytest.raises(ValueError, match=r"memory_per_stage\[2\].parts: add up to"):
+        plan_from_dict(bad)
+    bad = json.loads(json.dumps(data))
+    bad["predicted"]["memory_per_stage"].pop()
+    with pytest.raises(ValueError, match="memory_per_stage: one entry per pipeline stage"):
+        plan_from_dict(bad)
+    bad = json.loads(json.dumps(data))
+    del bad["predicted"]["memory_per_stage"][1]["layer"]
+    with pytest.raises(ValueError, match=r"memory_per_stage\[1\].layer"):
+        plan_from_dict(bad)
+    bad = json.loads(json.dumps(data))
+    bad["predicted"]["memory_per_stage"][0]["phase"] = "backward"
+    with pytest.raises(ValueError, match=r"memory_per_stage\.0\.phase|memory_per_stage\[0\]\.phase"):
+        plan_from_dict(bad)

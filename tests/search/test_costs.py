@@ -192,6 +192,7 @@ def test_floor_bits_and_checkpointing_only(tmp_path):
 @pytest.mark.parametrize("damage,match", [
     ("schema", "schema"), ("newer", "newer"), ("no_parquet", "profile.parquet"), ("column", "missing column"),
     ("negative", "bytes"), ("kind", "unknown kind"), ("recompute", "cannot be recomputed"), ("layers", "layer"),
+    ("no_option", "option: 1 row"), ("no_kind", "kind: 1 row"),
 ])
 def test_profile_reader_errors(tmp_path, damage, match):
     folder = write_profile(tmp_path / "p", random.Random(1), num_layers=2)
@@ -213,6 +214,11 @@ def test_profile_reader_errors(tmp_path, damage, match):
         table.loc[table.option == "recompute", "kind"] = "attention"
     elif damage == "layers":
         header["model"]["num_layers"] = 3
+    elif damage in ("no_option", "no_kind"):  # a cell without a value (NaN on pandas 3, "nan" text on 2)
+        column = damage[3:]
+        values = table[column].astype(object)
+        values[5] = None
+        table[column] = values
     (folder / "profile.json").write_text(json.dumps(header))
     if damage != "no_parquet":
         table.to_parquet(folder / "profile.parquet")

@@ -1,0 +1,68 @@
+"""What a plan's predicted peak is made of: per pipeline stage, the phase of the step that sets the peak and the
+bytes of each part at that moment, on one rank of the stage. The parts add up to the stage's predicted peak; a
+plan records them as `predicted.memory_per_stage` (docs/formats.md) and the dashboard draws them as they are.
+
+Phases (agoq.search.costs.ChoiceProblem.evaluate; the peak is the largest):
+
+  forward_backward     the end of forward: the state, the rest of the step and every in-flight micro-batch's
+                       activations, plus LAAQ's backward transient
+  checkpoint_backward  the backward of a checkpointed layer (`layer`): the state, the rest of the step, what the
+                       micro-batches hold then and the layer's rerun forward
+  optimizer_step       the optimizer step: the state and the step's own workspace, no activations
+
+Parts, bytes per rank of the stage (sharded layouts: this rank's shard; agoq.search.state):
+
+  weights, gradients, masters, optimizer_state   the model state (optimizer_state: AdamW's float32 moments or the
+                                                 8-bit AdamW's, as the plan's optimizer)
+  fsdp_unsharded         FSDP2's all-gathered bf16 weights and one unit's unsharded gradients (agoq.search.layouts)
+  backward_gradients     QuanGrad: the bf16 gradients backward makes before they are stored in 8 bits
+  head_and_workspace     the LM head's tensors at this micro-batch and the calibrated workspace, less the gradients
+                         not made yet at that moment (agoq.profiler.step_peak; may be negative)
+  compiled_margin        compiled plans: the calibrated margin (agoq.search.compiled_costs)
+  activations            what the decoder layers keep for backward at that moment
+  recomputed_layer       a checkpointed layer's rerun forward
+  laaq_transient         what LAAQ's backward holds beyond the memory model (dequantized copies)
+  optimizer_step_workspace  the optimizer step's measured temporaries and its transient
+"""
+
+from __future__ import annotations
+
+import math
+
+from agoq.formats.plan import MEMORY_PHASES as PHASES
+
+PARTS = ("weights", "gradients", "masters", "optimizer_state", "fsdp_unsharded", "backward_gradients",
+         "head_and_workspace", "compiled_margin", "activations", "recomputed_layer", "laaq_transient",
+         "optimizer_step_workspace")
+
+
+def whole_bytes(parts: dict[str, float], total: int) -> dict[str, int]:
+    """`parts` in whole bytes adding up to `total` exactly: each rounded down, and the bytes left over (the
+    rounding, and the peak's rounding up to a whole byte) one each to the parts with the largest fractions."""
+    out = {name: math.floor(value) for name, value in parts.items()}
+    left = int(total) - sum(out.values())
+    if not out or left == 0:
+        return out
+    by_fraction = sorted(out, key=lambda name: out[name] - parts[name])  # largest fraction first
+    order = by_fraction if left > 0 else by_fraction[::-1]
+    step = 1 if left > 0 else -1
+    for i in range(abs(left)):
+        out[order[i % len(order)]] += step
+    return out
+
+
+def stage_entry(stage: int, phase: str, layer, parts: dict[str, float], peak: int) -> dict:
+    """One stage's `predicted.memory_per_stage` entry: its phase (with the checkpointed layer for
+    checkpoint_backward) and its parts in whole bytes adding up to `peak`."""
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"unknown memory part(s) {unknown}; the parts are {', '.join(PARTS)}")
+    entry = {"stage": int(stage), "phase": phase, "parts": whole_bytes(parts, peak)}
+    if phase == "checkpoint_backward":
+        entry["layer"] = int(layer)
+    return entry
+
+
+__all__ = ["PHASES", "PARTS", "whole_bytes", "stage_entry"]
