@@ -163,7 +163,7 @@ def run_model(name, spec, layers, mb, seq, device, work: Path, steps: int, compi
 def full_8b_check(prof) -> dict:
     """The 32-layer LLaMA-3-8B peak (vocab 128256, micro-batch 1 x 4096, agoq-paper, QuanGrad, fused 8-bit AdamW)
     predicted from this 4-layer profile and agoq.optim.state_bytes, against experiments/results/train_8b_memory.json:
-    static + the 32 layers' activations + the eager memory model's rest (agoq.profiler.step_peak.extra_bytes: the
+    static + the 32 layers' activations + the eager memory model's rest (agoq.models.step_peak.extra_bytes: the
     chunked loss's forward peak, the calibrated workspace, and QuanGrad's buffer where the calibration step had
     no bf16 gradient yet) + the profile's LAAQ transient."""
     import torch
@@ -173,7 +173,7 @@ def full_8b_check(prof) -> dict:
     from agoq.models import build
     from agoq.models.llama import PRESETS
     from agoq.optim.state_bytes import state_bytes
-    from agoq.profiler.step_peak import extra_bytes, head_peak_bytes, head_peak_parts, head_shape_of
+    from agoq.models.step_peak import extra_bytes, head_peak_bytes, head_peak_parts, head_shape_of
 
     cfg = PRESETS["llama-3-8b"]  # agoq train keeps the model's vocabulary (128256) on byte data
     numels = [p.numel() for p in build(cfg, device="meta", dtype=torch.bfloat16).parameters()]

@@ -32,7 +32,7 @@ from agoq.models.llama import LlamaForCausalLM
 from agoq.optim.adamw8bit import FusedAdamW8bit
 from agoq.optim.state_bytes import state_table
 from agoq.profiler.model_source import next_token_loss
-from agoq.profiler.step_peak import HeadShape, head_peak_bytes
+from agoq.models.step_peak import HeadShape, head_peak_bytes
 
 
 
@@ -150,14 +150,14 @@ def memory_section(model: nn.Module, shape: LayerShape, num_layers: int, ids: to
     Two peaks are modelled: during fwd + bwd, static + activations + `fixed_bytes`, and during the
     optimizer step, static + `fixed_bytes_optimizer_step` (AdamW's temporaries, independent of the
     policy); the step's peak is the larger. For agoq's models the section also records the chunked LM
-    head's shape and its forward peak (`chunked_lm_head`, agoq.profiler.step_peak.head_peak_parts) and
+    head's shape and its forward peak (`chunked_lm_head`, agoq.models.step_peak.head_peak_parts) and
     `workspace_bytes` = fixed_bytes + outside_activation_bytes + gradients_bytes_bf16 - that peak: the
     calibrated step has no bf16 gradient yet at the loss's forward peak, so that `fixed_bytes` holds minus
     them, which a plan with other gradient storage (QuanGrad's buffer, allocated all run) must add back
-    (agoq.profiler.step_peak.extra_bytes).
+    (agoq.models.step_peak.extra_bytes).
     """
     section = static_bytes(model)
-    if isinstance(model, LlamaForCausalLM):  # its chunked head: where the eager step peaks (agoq.profiler.step_peak)
+    if isinstance(model, LlamaForCausalLM):  # its chunked head: where the eager step peaks (agoq.models.step_peak)
         cfg = model.config
         seq = ids.shape[1] - 1
         head = HeadShape(cfg.vocab_size, cfg.hidden_size, cfg.head_dim, seq, ids.shape[0] * seq,
@@ -199,7 +199,7 @@ def memory_section(model: nn.Module, shape: LayerShape, num_layers: int, ids: to
     section["fixed_bytes"] = fixed
     section["fixed_bytes_optimizer_step"] = fixed_opt
     if fixed is not None and "chunked_lm_head" in section and "outside_activation_bytes" in section:
-        # what the step holds beyond its modelled tensors at the loss's forward peak (agoq.profiler.step_peak)
+        # what the step holds beyond its modelled tensors at the loss's forward peak (agoq.models.step_peak)
         section["workspace_bytes"] = (fixed + section["outside_activation_bytes"] + section["gradients_bytes_bf16"]
                                       - section["chunked_lm_head"]["peak_bytes"])
     section["steps"] = steps

@@ -7,7 +7,7 @@ layer is checkpointed, in which case none is (the layer then keeps only its inpu
   memory of stage s = in_flight[s] x (bytes the stage's layers keep per micro-batch)
                       + the stage's share of weights, gradients (by gradient mode), masters and moments (by
                         optimizer and masters: agoq.optim.state_bytes, as the profile records them)
-                      + the rest of the eager step's peak (agoq.profiler.step_peak.head_and_workspace_bytes: the
+                      + the rest of the eager step's peak (agoq.models.step_peak.head_and_workspace_bytes: the
                         chunked LM head's tensors at this micro-batch and the calibrated workspace), and for QuanGrad
                         the bf16 gradients the calibration step had not made yet at its peak
   step time, eager  = grad_accum x fb(micro_batch) + E x (extra seconds of the chosen options
@@ -67,7 +67,7 @@ from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
 from agoq.formats.profile import ProfileData
 from agoq.optim.state_bytes import step_bytes_moved
-from agoq.profiler.step_peak import head_and_workspace_bytes, head_shape_of
+from agoq.models.step_peak import head_and_workspace_bytes, head_shape_of
 from agoq.search.collective_times import collective_seconds, has_collective
 from agoq.search.compiled_costs import compiled_layer_seconds, compiled_peak_margin, forward_backward_seconds
 from agoq.search.layouts import fsdp_exposed_seconds, fsdp_in_flight_bytes, resolve_layout, unit_sizes
@@ -576,7 +576,7 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
                      "weights, gradients, optimizer state, activations and the LM head's modelled tensors "
                      f"(at least the {int(outside)} bytes kept outside the decoder layers); profile on the GPU you "
                      "will train on for peaks you can budget by")
-    # the eager step's peak is the chunked loss's forward (agoq.profiler.step_peak): the head's tensors at this
+    # the eager step's peak is the chunked loss's forward (agoq.models.step_peak): the head's tensors at this
     # micro-batch and the calibrated workspace (the gradient storage there is the QuanGrad correction above)
     head = head_shape_of(profile.memory, profile.model_config(), profiled_micro_batch,
                          int(profile.settings.get("seq_len", 1)), elem)

@@ -17,7 +17,7 @@ Parts, bytes per rank of the stage (sharded layouts: this rank's shard; agoq.sea
   fsdp_unsharded         FSDP2's all-gathered bf16 weights and one unit's unsharded gradients (agoq.search.layouts)
   backward_gradients     QuanGrad: the bf16 gradients backward makes before they are stored in 8 bits
   head_and_workspace     the LM head's tensors at this micro-batch and the calibrated workspace, less the gradients
-                         not made yet at that moment (agoq.profiler.step_peak; may be negative)
+                         not made yet at that moment (agoq.models.step_peak; may be negative)
   compiled_margin        compiled plans: the calibrated margin (agoq.search.compiled_costs)
   activations            what the decoder layers keep for backward at that moment
   recomputed_layer       a checkpointed layer's rerun forward

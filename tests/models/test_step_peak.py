@@ -1,4 +1,4 @@
-"""The eager step's peak model (agoq.profiler.step_peak) against live tensor bytes tracked on the CPU.
+"""The eager step's peak model (agoq.models.step_peak) against live tensor bytes tracked on the CPU.
 
 A TorchDispatchMode records every storage an op returns and drops it when the storage is freed (a weak
 reference to it expires), so its running total is the bytes a step has allocated beyond what existed before it
@@ -20,7 +20,7 @@ from agoq.activations.saved_bytes import track_saved_tensors
 from agoq.comm.quangrad import QuantizedGradients
 from agoq.models.llama import LlamaConfig, LlamaForCausalLM
 from agoq.profiler.memory import predicted_activation_bytes
-from agoq.profiler.step_peak import HeadShape, extra_bytes, head_peak_bytes
+from agoq.models.step_peak import HeadShape, extra_bytes, head_peak_bytes
 
 VOCAB, HIDDEN, SEQ = 5003, 96, 61
 
