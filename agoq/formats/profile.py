@@ -34,6 +34,7 @@ class ProfileData:
     table: pd.DataFrame
     collectives: Optional[pd.DataFrame] = None
     notes: list[str] = field(default_factory=list)
+    cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # what readers derive once
 
     @property
     def num_layers(self) -> int:

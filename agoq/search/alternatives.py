@@ -6,14 +6,14 @@ micro-batch x accumulation split of the same global batch, in every compile mode
   bf16                         every layer unmodified, nothing recomputed (ChoiceProblem.evaluate of all-16)
   selective / full checkpointing  each layer kept whole or checkpointed, the fastest that fits
                                (costs.checkpointing_only solved for time by the MILP); full when every layer is
-  torch.compile activation_memory_budget B   compiled only, measured: the profile's `compiled.memory_budget_points`
-                               (step seconds and peak at the profiled micro-batch, measured with the profile's
-                               optimizer; the peak is moved by the static bytes, the step by the optimizer step's
-                               time, of each optimizer priced)
+  torch.compile activation_memory_budget B   compiled only, measured: the profile's measured steps under a
+                               budget (agoq.search.timing; step seconds and peak at their split and optimizer; the
+                               peak is moved by the state's bytes, the step by what the optimizer was measured to
+                               add, for each optimizer priced)
 
-Compiled bf16 and compiled checkpointing use the compiled step and layer times with the eager memory model (the
-partitioner may save a little less, so their predicted peaks are upper bounds). `best_alternative` is the one of
-most tokens/s among those whose predicted peak fits the budget.
+bf16 and checkpointing are priced by the same cost model as plans (agoq.search.costs, calibrated on the profile's
+measured peaks: agoq.search.calibration), so a plan and its alternatives are compared on one footing.
+`best_alternative` is the one of most tokens/s among those whose predicted peak fits the budget.
 """
 
 from __future__ import annotations
@@ -24,17 +24,10 @@ from typing import Optional
 import numpy as np
 
 from agoq.formats.profile import ProfileData
-from agoq.search.costs import (
-    ProblemSettings,
-    build_problem,
-    checkpointing_only,
-    measured_with,
-    mode_timing,
-    state_parts,
-    static_bytes_total,
-)
+from agoq.search.calibration import margin
+from agoq.search.costs import ProblemSettings, build_problem, checkpointing_only, state_parts, static_bytes_total
 from agoq.search.milp import InfeasibleBudget, Solver
-from agoq.optim.state_bytes import step_bytes_moved
+from agoq.search.timing import prices
 
 OPTIMIZERS = (("adamw", "fp32"), ("adamw8bit", "fp32"))
 OPTIMIZER_NAMES = {"adamw": "AdamW", "adamw8bit": "8-bit AdamW"}
@@ -86,7 +79,6 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
     """Every alternative of the module docstring at `budget` bytes (largest stage), for each (micro_batch,
     grad_accum) of `splits` and each compile mode; priced with bf16 gradients."""
     out: list[PricedAlternative] = []
-    profiled = int(profile.settings.get("micro_batch", 1) or 1)
     for compile_mode in compile_modes:
         for mb, accum in splits:
             for optimizer, master in OPTIMIZERS:
@@ -120,38 +112,39 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                                                      optimizer, master, mb, accum, figures["step_seconds"], peak,
                                                      _tokens(profile, mb, accum, figures["step_seconds"]),
                                                      peak <= budget, [int(i) for i in np.nonzero(ckpt)[0]]))
-                if compile_mode == "compiled" and (mb, accum) == (profiled, 1):
-                    out += _memory_budget_points(profile, budget, optimizer, master)
+    if "compiled" in compile_modes:
+        for optimizer, master in OPTIMIZERS:
+            out += _memory_budget_points(profile, budget, optimizer, master)
     return out
 
 
 def _memory_budget_points(profile: ProfileData, budget: float, optimizer: str, master: str) -> list:
-    """The profile's measured torch.compile activation_memory_budget points, moved to `optimizer`'s state."""
-    section = profile.header.get("compiled") or {}
-    points = section.get("memory_budget_points") or []
-    if not points:
-        return []
-    base = measured_with(profile)
-    timing = mode_timing(profile, "compiled")
-    moved = step_bytes_moved(optimizer, master, "bf16") / step_bytes_moved(base["optimizer"], base["master"],
-                                                                            base["gradients"])
-    static = static_bytes_total(profile, "bf16", optimizer, master) \
-        - static_bytes_total(profile, "bf16", base["optimizer"], base["master"])
-    transient = state_parts(profile, "bf16", optimizer, master)["step_transient"] \
-        - state_parts(profile, "bf16", base["optimizer"], base["master"])["step_transient"]
-    mb = int(profile.settings.get("micro_batch", 1) or 1)
+    """The profile's measured torch.compile activation_memory_budget steps (agoq.search.timing), moved to
+    `optimizer`'s state: the step by what the optimizer was measured to add (none where it was not), the peak by
+    the state's bytes (and the optimizer step's transient), plus the compiled peak margin (agoq.search.calibration)."""
+    sp = prices(profile)
+    base = sp.base("compiled")
     out = []
-    for point in points:
-        if point.get("step_seconds") is None or point.get("peak_bytes") is None:
+    for row in sp.memory_budget_rows():
+        if row.get("peak_bytes") is None:
             continue
-        b = float(point["activation_memory_budget"])
-        seconds = float(point["step_seconds"]) + timing["optimizer"] * (moved - 1.0)
-        fb_peak = float(point.get("peak_bytes_forward_backward") or point["peak_bytes"]) + static
-        opt_peak = float(point.get("peak_bytes_optimizer_step") or 0) + static + transient
-        peak = int(max(fb_peak, opt_peak))
-        out.append(PricedAlternative(_label("compiled", f"activation_memory_budget {b:g}", optimizer, mb, 1),
-                                     "compiled", optimizer, master, mb, 1, seconds, peak,
-                                     _tokens(profile, mb, 1, seconds), peak <= budget,
+        seconds = float(row["step_seconds"])
+        if (optimizer, master) != (row["optimizer"], row["master"]):
+            theirs = sp.seconds("compiled", sp.m0, 1, "bf16", optimizer, master)
+            ours = sp.seconds("compiled", sp.m0, 1, "bf16", row["optimizer"], row["master"])
+            if theirs is None or ours is None or base is None:
+                continue
+            seconds += theirs - ours
+        static = static_bytes_total(profile, "bf16", optimizer, master) \
+            - static_bytes_total(profile, "bf16", row["optimizer"], row["master"])
+        transient = state_parts(profile, "bf16", optimizer, master)["step_transient"] \
+            - state_parts(profile, "bf16", row["optimizer"], row["master"])["step_transient"]
+        peak = int(float(row["peak_bytes"]) + static + max(0.0, transient) + margin(profile, "compiled")[0])
+        b = float(row["activation_memory_budget"])
+        mb, accum = row["micro_batch"], row["grad_accum"]
+        out.append(PricedAlternative(_label("compiled", f"activation_memory_budget {b:g}", optimizer, mb, accum),
+                                     "compiled", optimizer, master, mb, accum, seconds, peak,
+                                     _tokens(profile, mb, accum, seconds), peak <= budget,
                                      activation_memory_budget=b))
     return out
 

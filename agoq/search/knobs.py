@@ -8,10 +8,9 @@ seconds":
 
     tokens/s = micro_batch x grad_accum x seq_len / step seconds
 
-Two splits differ in memory (a smaller micro-batch keeps fewer activations) and in time only as far as the
-profile measured: fwd + bwd at micro-batches it measured (agoq.search.compiled_costs.forward_backward_seconds),
-compiled LAAQ layers' overhead per micro-batch; where nothing else was measured the model is linear in tokens,
-and ties go to the larger micro-batch.
+Two splits differ in memory (a smaller micro-batch keeps fewer activations) and in time as the profile measured
+them: a split is offered only where the profile measured steps at it (agoq.search.timing), and ties go to the
+larger micro-batch.
 
 Combinations are pruned only where exactly dominated: two combinations of the same split and compile mode build
 the same per-layer options, so one whose static bytes, optimizer-step floor and base step seconds are all no
@@ -43,6 +42,7 @@ from agoq.search.costs import (
     compile_modes,
     gradient_modes,
     optimizer_choices,
+    profile_compile_mode,
     resolve_optimizer,
 )
 from agoq.search.layouts import layouts, resolve_layout
@@ -282,12 +282,10 @@ def binding_constraints(result: KnobResult, budget, objective: str, error_cap: O
 def knob_values(profile: ProfileData, knobs: ProblemSettings) -> dict:
     """The knob values of a combination as a plan records them."""
     optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
-    from agoq.search.costs import mode_timing
-
     return {"gradients": knobs.gradient_mode, "layout": resolve_layout(knobs.layout, knobs.gradient_mode),
             "optimizer": optimizer, "master": master,
             "micro_batch": int(knobs.micro_batch or profile.settings.get("micro_batch", 1) or 1),
-            "grad_accum": int(knobs.grad_accum), "compile": mode_timing(profile, knobs.compile_mode)["mode"]}
+            "grad_accum": int(knobs.grad_accum), "compile": knobs.compile_mode or profile_compile_mode(profile)}
 
 
 __all__ = ["KnobSpace", "KnobResult", "KnobSearch", "combinations", "solve_knobs", "binding_constraints", "budget_bounds",

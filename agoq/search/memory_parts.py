@@ -16,9 +16,13 @@ Parts, bytes per rank of the stage (sharded layouts: this rank's shard; agoq.sea
                                                  8-bit AdamW's, as the plan's optimizer)
   fsdp_unsharded         FSDP2's all-gathered bf16 weights and one unit's unsharded gradients (agoq.search.layouts)
   backward_gradients     QuanGrad: the bf16 gradients backward makes before they are stored in 8 bits
+  accumulated_gradients  bf16 gradients with several micro-batches per step: the earlier micro-batches' gradients,
+                         kept through the next one's forward and backward
   head_and_workspace     the LM head's tensors at this micro-batch and the calibrated workspace, less the gradients
                          not made yet at that moment (agoq.models.step_peak; may be negative)
-  compiled_margin        compiled plans: the calibrated margin (agoq.search.compiled_costs)
+  calibration            what the profile's measured peaks add to the model's per-layer bytes (agoq.search.calibration)
+  margin                 the margin learnt from the calibrated model's misses on the profile's measured steps
+  compiled_margin        (plans of earlier versions) their compiled peak margin
   activations            what the decoder layers keep for backward at that moment
   recomputed_layer       a checkpointed layer's rerun forward
   laaq_transient         what LAAQ's backward holds beyond the memory model (dequantized copies)
@@ -32,8 +36,8 @@ import math
 from agoq.formats.plan import MEMORY_PHASES as PHASES
 
 PARTS = ("weights", "gradients", "masters", "optimizer_state", "fsdp_unsharded", "backward_gradients",
-         "head_and_workspace", "compiled_margin", "activations", "recomputed_layer", "laaq_transient",
-         "optimizer_step_workspace")
+         "accumulated_gradients", "head_and_workspace", "calibration", "margin", "compiled_margin", "activations",
+         "recomputed_layer", "laaq_transient", "optimizer_step_workspace")
 
 
 def whole_bytes(parts: dict[str, float], total: int) -> dict[str, int]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from agoq.formats.plan import SCHEMA, Plan
 from agoq.formats.profile import ProfileData
-from agoq.search.costs import ChoiceProblem, ProblemSettings, mode_timing, resolve_optimizer
+from agoq.search.costs import ChoiceProblem, ProblemSettings, profile_compile_mode, resolve_optimizer
 from agoq.search.layouts import resolve_layout
 from agoq.search.milp import Allocation
 
@@ -65,7 +65,7 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
                      "schedule": knobs.schedule},
         "training": {"micro_batch": int(knobs.micro_batch or s.get("micro_batch", 1) or 1),
                      "seq_len": int(s.get("seq_len", 1) or 1), "grad_accum": int(knobs.grad_accum),
-                     "compile": mode_timing(profile, knobs.compile_mode)["mode"]},
+                     "compile": knobs.compile_mode or profile_compile_mode(profile)},
         "optimizer": {"name": optimizer, "master": master},
         "predicted": {"peak_bytes_per_stage": [int(p) for p in alloc.peak_bytes_per_stage],
                       "activation_bytes_per_stage": activation,

@@ -22,15 +22,60 @@ def kind_bytes(shape: LayerShape, kind: str, setting, block: int) -> int:
     return predict_layer_bytes(shape, settings, block)[kind]
 
 
+def synthetic_steps(rng: random.Random, num_layers: int, micro_batch: int, step_seconds: float,
+                    compile_modes=("eager",), peak: int | None = None) -> list[dict]:
+    """Measured steps as the profiler records them (agoq.formats.measured_steps), from a random linear time model:
+    one micro-batch of m sequences costs fb(m) = a + b m (fb(profiled) + the optimizer step = `step_seconds` for
+    bf16), each further micro-batch of a step the same plus an accumulation cost; a layer under LAAQ or
+    checkpointed adds its own seconds per micro-batch; QuanGrad, another optimizer or masters add their own. At
+    every micro-batch m dividing the profiled one: steps of (m, 1) and (m, profiled / m). Peaks: `peak` for every
+    step (None: not measured)."""
+    optimizer = step_seconds * rng.uniform(0.05, 0.15)
+    fb0 = step_seconds - optimizer
+    a = fb0 * rng.uniform(0.05, 0.3)
+    b = (fb0 - a) / micro_batch
+    accumulate = fb0 * rng.uniform(0.0, 0.05)
+    quangrad = fb0 * rng.uniform(0.0, 0.05)
+    policy_cost = {"bf16": 0.0, "agoq-paper": rng.uniform(0.0, 0.1) * fb0 / num_layers,
+                   "checkpoint-all": rng.uniform(0.2, 0.4) * fb0 / num_layers}
+    others = {("adamw", "fp32"): optimizer * rng.uniform(1.2, 2.0), ("adamw8bit", "none"): optimizer * rng.uniform(0.6, 1.0)}
+    rows = []
+
+    def add(compile_mode, policy, m, accum, gradients="bf16", opt=("adamw8bit", "fp32"), extra=0.0):
+        per = a + b * m + num_layers * policy_cost[policy] * (m / micro_batch + 0.5) / 1.5
+        seconds = accum * per + (accum - 1) * accumulate + optimizer + extra
+        rows.append({"compile": compile_mode, "policy": policy, "activation_memory_budget": None, "micro_batch": m,
+                     "grad_accum": accum, "gradients": gradients, "optimizer": opt[0], "master": opt[1],
+                     "steps": 5, "step_seconds": seconds, "peak_bytes": peak, "first_step_peak_bytes": peak,
+                     "source": "profile"})
+
+    for compile_mode in compile_modes:
+        scale = 1.0 if compile_mode == "eager" else 0.8
+        for m in [d for d in range(1, micro_batch + 1) if micro_batch % d == 0]:
+            for accum in sorted({1, micro_batch // m}):
+                for policy in policy_cost:
+                    add(compile_mode, policy, m, accum)
+                add(compile_mode, "bf16", m, accum, "quangrad8", extra=quangrad * accum)
+        for opt, seconds in others.items():
+            add(compile_mode, "bf16", micro_batch, 1, opt=opt, extra=seconds - optimizer)
+        for row in rows:
+            if row["compile"] == compile_mode:
+                row["step_seconds"] *= scale
+    return rows
+
+
 def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_layers: int | None = None,
                   micro_batch: int = 2, seq_len: int = 48, block: int = 128, stages: int = 1,
                   in_flight: list[int] | None = None, world_size: int = 1, collectives: bool = False,
                   bits=BITS, step_seconds: float | None = 0.05, layer_forward: bool = False,
                   optimizer_step_bytes: int | None = None, laaq_transient: int | None = None,
-                  fsdp_collectives: bool = False, link_bytes_per_second: float = 1e10) -> Path:
+                  fsdp_collectives: bool = False, link_bytes_per_second: float = 1e10,
+                  compile_modes: tuple = ("eager",), step_peaks: bool = False) -> Path:
     """A profile of `model` at micro-batch x seq_len tokens; returns the folder. `collectives`: all-reduce
     timings of nccl-bf16, quangrad8 and sdp4bit, factor x message bytes / `link_bytes_per_second` seconds;
-    `fsdp_collectives` adds the all-gather (nccl-bf16) and reduce-scatter (nccl-bf16, sdp4bit) FSDP2 needs."""
+    `fsdp_collectives` adds the all-gather (nccl-bf16) and reduce-scatter (nccl-bf16, sdp4bit) FSDP2 needs.
+    With `step_seconds`, the measured steps the search prices from (`synthetic_steps`) in each of `compile_modes`,
+    with peaks when `step_peaks`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     m = build(model, device="meta", num_layers=num_layers)
@@ -89,6 +134,9 @@ def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_lay
                      "in_flight": {"1f1b": in_flight}},
         "failures": [],
     }
+    if step_seconds is not None:
+        header["measured_steps"] = {"version": 1, "rows": synthetic_steps(
+            rng, L, micro_batch, step_seconds, compile_modes, peak=rng.randrange(10**6, 10**7) if step_peaks else None)}
     if laaq_transient is not None:  # the agoq-paper step peaked this much above its prediction
         predicted = rng.randrange(10**6, 10**7)
         header["memory"]["steps"].append({"policy": "agoq-paper", "predicted_peak_bytes_forward_backward": predicted,

@@ -1,0 +1,166 @@
+"""Peaks a plan can be budgeted by: the memory model of agoq.search.costs calibrated on the peaks the profile
+measured (agoq.formats.measured_steps), per compile mode and batch split, with a margin learnt from its misses.
+
+The model counts what agoq's eager runtime keeps. A compiled layer keeps less (torch.compile's partitioner saves
+fewer tensors of an unmodified layer and recomputes cheap ones), and what a layer under LAAQ or a checkpointed
+layer keeps differs again. At a compile mode c and split (m, a) the profile measured three anchors at its base
+knobs: every layer unmodified (bf16), under LAAQ (agoq-paper) and checkpointed (checkpoint-all). For each anchor
+with a measured peak that the model places in forward or backward (not in the optimizer step),
+
+    k = (model's peak - measured peak) / layers          bytes the model over-counts per layer of that kind
+
+and a plan's peak is the model's less k16 per unmodified layer, kC per checkpointed layer and kQ per layer under
+LAAQ. kQ is applied only where it adds bytes (kQ < 0): a per-LAAQ-layer correction is a constant of the problem
+that the peak during a checkpointed layer's backward would also receive for layers not yet run, so a saving there
+is not counted (the model's own LAAQ bytes are then an upper bound). An anchor not measured gives k = 0.
+
+Margin. Every other step the profile measured in mode c with a peak (other optimizers, masters, gradient storage,
+splits) is predicted with the calibrated model; the largest amount by which a measured peak exceeds its
+prediction is added to every plan's peak of that mode (0 when the model never under-predicts), and the plan's
+notes say so. Steps' peaks are the largest of any step, the first included (agoq.formats.measured_steps).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from agoq.formats.measured_steps import POLICIES
+from agoq.formats.profile import ProfileData
+from agoq.search.problem import ChoiceProblem, ProblemSettings
+from agoq.search.timing import prices
+
+NOT_MEASURED = {policy: 0.0 for policy in POLICIES}
+
+
+def _anchor_row(profile: ProfileData, compile_mode: str, policy: str, micro_batch: int,
+                grad_accum: int) -> Optional[dict]:
+    """The measured anchor whose peak holds at (m, a): the row of exactly that split, else (peaks do not grow with
+    more micro-batches) one of the same micro-batch that also accumulates (a >= 2) or also does not (a = 1)."""
+    sp = prices(profile)
+    base = sp.base(compile_mode)
+    if base is None:
+        return None
+    rows = [r for r in sp.rows if (r["compile"], r["policy"], r["micro_batch"], r["gradients"], r["optimizer"],
+                                   r["master"], r["activation_memory_budget"])
+            == (compile_mode, policy, micro_batch, "bf16", *base, None) and r.get("peak_bytes") is not None]
+    exact = [r for r in rows if r["grad_accum"] == grad_accum]
+    alike = [r for r in rows if (r["grad_accum"] >= 2) == (grad_accum >= 2)]
+    return (exact or sorted(alike, key=lambda r: r["grad_accum"]) or [None])[0]
+
+
+def _row_knobs(profile: ProfileData, row: dict) -> ProblemSettings:
+    return ProblemSettings(micro_batch=row["micro_batch"], grad_accum=row["grad_accum"], gradient_mode=row["gradients"],
+                           optimizer=row["optimizer"], master=row["master"], compile_mode=row["compile"],
+                           layer_stage=(0,) * profile.num_layers)
+
+
+def _choice(problem: ChoiceProblem, policy: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(chosen options, checkpointed layers) of an anchor policy in `problem`, None when it cannot express it."""
+    from agoq.search.costs import recipe_choice
+
+    L = problem.num_layers
+    if policy == "bf16":
+        return np.nonzero(problem.keeps_16bit())[0], np.zeros(L, dtype=bool)
+    if policy == "checkpoint-all":
+        return (np.array([], dtype=int), np.ones(L, dtype=bool)) if problem.allow_checkpoint else None
+    chosen = recipe_choice(problem)
+    return None if chosen is None else (chosen, np.zeros(L, dtype=bool))
+
+
+def _model_peak(problem: ChoiceProblem, policy: str) -> Optional[tuple[int, str]]:
+    choice = _choice(problem, policy)
+    if choice is None:
+        return None
+    figures = problem.evaluate(*choice)
+    return max(figures["peak_bytes_per_stage"]), figures["peak_phase_per_stage"][0]
+
+
+def corrections(profile: ProfileData, compile_mode: str, micro_batch: int, grad_accum: int) -> dict[str, float]:
+    """{policy: k} of the module docstring at (compile mode, m, a), bytes per layer (cached on the profile)."""
+    from agoq.search.costs import build_problem
+
+    cache = profile.cache.setdefault("calibration", {})
+    key = (compile_mode, micro_batch, grad_accum)
+    if key in cache:
+        return cache[key]
+    out = dict(NOT_MEASURED)
+    for policy in POLICIES:
+        row = _anchor_row(profile, compile_mode, policy, micro_batch, grad_accum)
+        if row is None:
+            continue
+        try:
+            model = _model_peak(build_problem(profile, _row_knobs(profile, row), calibrate=False), policy)
+        except ValueError:
+            continue
+        if model is not None and model[1] != "optimizer_step":
+            out[policy] = (model[0] - float(row["peak_bytes"])) / profile.num_layers
+    cache[key] = out
+    return out
+
+
+def _apply(problem: ChoiceProblem, k: dict[str, float]) -> None:
+    """Take the corrections `k` off `problem`'s memory terms (one stage; see the module docstring)."""
+    laaq = min(k["agoq-paper"], 0.0)
+    problem.static_bytes = problem.static_bytes - problem.num_layers * laaq
+    problem.static_parts["calibration"] = np.full(problem.num_stages, -problem.num_layers * laaq)
+    problem.unmodified_extra = problem.unmodified_extra + laaq - k["bf16"]
+    problem.checkpoint_memory = problem.checkpoint_memory + laaq - k["checkpoint-all"]
+
+
+def margin(profile: ProfileData, compile_mode: str) -> tuple[float, Optional[dict]]:
+    """(the margin of the module docstring in bytes, the measured step missed by most or None), cached."""
+    from agoq.search.costs import build_problem
+
+    cache = profile.cache.setdefault("margin", {})
+    if compile_mode in cache:
+        return cache[compile_mode]
+    worst, worst_row = 0.0, None
+    for row in prices(profile).rows:
+        if row["compile"] != compile_mode or row.get("peak_bytes") is None or row["activation_memory_budget"]:
+            continue
+        try:
+            problem = build_problem(profile, _row_knobs(profile, row), calibrate=False)
+        except ValueError:
+            continue
+        _apply(problem, corrections(profile, compile_mode, row["micro_batch"], row["grad_accum"]))
+        model = _model_peak(problem, row["policy"])
+        if model is None:
+            continue
+        missed = float(row["peak_bytes"]) - model[0]
+        if missed > worst:
+            worst, worst_row = missed, {**row, "predicted_peak_bytes": model[0]}
+    cache[compile_mode] = (worst, worst_row)
+    return worst, worst_row
+
+
+def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: ProblemSettings, compile_mode: str,
+                      micro_batch: int, grad_accum: int) -> None:
+    """Calibrate `problem` (built for `knobs`) in place: the corrections at its split and the mode's margin."""
+    if problem.num_stages != 1:
+        return  # the anchors are one-process steps of the whole model
+    k = corrections(profile, compile_mode, micro_batch, grad_accum)
+    if any(k.values()):
+        _apply(problem, k)
+        problem.notes.append(
+            f"{compile_mode} peaks calibrated on the profile's measured steps at micro-batch {micro_batch} x "
+            f"{grad_accum}: per layer the model counted " + ", ".join(
+                f"{what} {v / 2**20:+.1f} MiB" for what, v in
+                (("unmodified", k["bf16"]), ("under LAAQ", k["agoq-paper"]), ("checkpointed", k["checkpoint-all"]))
+                if v) + " more than measured")
+    extra, row = margin(profile, compile_mode)
+    if extra > 0:
+        problem.static_bytes = problem.static_bytes + extra
+        problem.static_parts["margin"] = np.full(problem.num_stages, extra)
+        problem.notes.append(
+            f"peak margin of {int(extra)} bytes: the calibrated model predicted the profile's measured {compile_mode} "
+            f"{row['policy']} step (micro-batch {row['micro_batch']} x {row['grad_accum']}, gradients "
+            f"{row['gradients']}, {row['optimizer']}, masters {row['master']}) at {int(row['predicted_peak_bytes'])} "
+            f"bytes, it peaked at {int(row['peak_bytes'])}")
+    elif any(r.get("peak_bytes") is not None for r in prices(profile).rows if r["compile"] == compile_mode):
+        problem.notes.append(f"peak margin 0: the calibrated model predicts every measured {compile_mode} step at or "
+                             "above its measured peak")
+
+
+__all__ = ["calibrate_problem", "corrections", "margin"]

@@ -1,0 +1,187 @@
+"""The per-layer choice as data: `ProblemSettings` (the knobs outside the per-layer choice) and `ChoiceProblem`
+(every option's memory, time and error, and how a choice of them adds up to a peak per stage, a step time and a
+gradient error). agoq.search.costs builds a ChoiceProblem from a profile; the MILP (agoq.search.milp) solves it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from agoq.activations.policy import KINDS
+from agoq.search.memory_parts import stage_entry
+
+
+@dataclass(frozen=True)
+class ProblemSettings:
+    """Settings outside the per-layer choice: what the Optuna study varies (defaults: the profile's)."""
+
+    block: Optional[int] = None           # values per quantization scale (None: the profile's block)
+    format: str = "int"                   # "int" or "nf4" (4-bit options use the codebook)
+    floor_bits: tuple = ()                # ((kind, bits), ...): no quantized option below these bits
+    micro_batch: Optional[int] = None     # sequences per micro-batch (None: the profile's)
+    grad_accum: int = 1                   # micro-batches per optimizer step
+    gradient_mode: str = "bf16"           # bf16, quangrad8 or sdp4bit
+    schedule: str = "1f1b"                # pipeline schedule whose in-flight counts apply
+    layer_stage: Optional[tuple] = None   # pipeline stage per layer (None: the profile's split)
+    allow_checkpoint: bool = True         # offer whole-layer checkpointing
+    optimizer: Optional[str] = None       # adamw (float32 moments) or adamw8bit (fused; None: the profile's step's)
+    master: Optional[str] = None          # fp32 or none (float32 masters; None: the profile's step's)
+    compile_mode: Optional[str] = None    # "eager" or "compiled" (None: the profile's own mode)
+    layout: Optional[str] = None          # replicated, sharded or fsdp (agoq.search.layouts; None: the gradient
+                                          # mode's own, sharded for sdp4bit, else replicated)
+
+    def floors(self) -> dict[str, int]:
+        return dict(self.floor_bits)
+
+
+@dataclass
+class ChoiceProblem:
+    """Arrays describing every option (index i) and layer (index l); sizes in bytes, times in seconds."""
+
+    layer: np.ndarray          # [n] layer of option i
+    kind: np.ndarray           # [n] kind index (into KINDS) of option i
+    option: list               # [n] "16", "8", ..., "recompute"
+    memory: np.ndarray         # [n] bytes option i adds to its stage's peak (already x in-flight)
+    seconds: np.ndarray        # [n] seconds option i adds per step
+    error: np.ndarray          # [n] gradient error option i adds
+    layer_stage: np.ndarray    # [L] stage of each layer
+    checkpoint_memory: np.ndarray   # [L] bytes a checkpointed layer adds (its input x in-flight)
+    checkpoint_seconds: np.ndarray  # [L] seconds a checkpointed layer adds (its forward, again)
+    allow_checkpoint: bool
+    unmodified_extra: np.ndarray    # [L] bytes added when every kind of the layer is 16
+    shared_credit: np.ndarray       # [L] bytes saved when attention and o_proj_input are both 16
+    static_bytes: np.ndarray        # [S] weights + gradients + optimizer + fixed, per stage
+    base_seconds: float             # step time before the options' extras (bf16 step x accum + comm)
+    seconds_scale: float = 1.0      # each option's seconds are already multiplied by grad_accum
+    notes: list = field(default_factory=list)
+    floor_bytes: Optional[np.ndarray] = None  # [S] the optimizer step's peak, whatever the activations
+    in_flight: Optional[np.ndarray] = None    # [S] micro-batches each stage holds (memory is already x this)
+    recompute_bytes: Optional[np.ndarray] = None  # [L] what a checkpointed layer's forward keeps when rerun
+                                                  # in backward (the unmodified layer's bytes, per micro-batch)
+
+    laaq_transient_bytes: Optional[np.ndarray] = None  # [S] extra peak while a LAAQ layer runs backward
+    laaq_layer_seconds: float = 0.0   # seconds per step each layer running LAAQ's functions adds (x accum), < 0
+                                      # when agoq's fused layer is faster than the plain one
+    static_parts: Optional[dict] = None  # {part: [S] bytes} adding up to static_bytes (agoq.search.memory_parts)
+    floor_parts: Optional[dict] = None   # {part: [S] bytes} adding up to floor_bytes
+
+    def laaq_transient(self) -> np.ndarray:
+        """Per stage, what the backward of a layer under LAAQ's functions holds beyond the memory model
+        (dequantized copies), added when any layer of the stage is neither all-16 nor checkpointed."""
+        if self.laaq_transient_bytes is None:
+            return np.zeros(self.num_stages)
+        return np.asarray(self.laaq_transient_bytes, float)
+
+    def in_flight_counts(self) -> np.ndarray:
+        return np.ones(self.num_stages) if self.in_flight is None else np.asarray(self.in_flight, float)
+
+    def recomputed(self) -> np.ndarray:
+        return np.zeros(self.num_layers) if self.recompute_bytes is None else np.asarray(self.recompute_bytes, float)
+
+    def peak_floor(self) -> np.ndarray:
+        """Per stage, the least peak whatever is chosen (the optimizer step's), bytes."""
+        return np.zeros(self.num_stages) if self.floor_bytes is None else np.asarray(self.floor_bytes, float)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_stage)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.static_bytes)
+
+    def groups(self) -> dict[tuple[int, int], np.ndarray]:
+        """(layer, kind index) -> indices of its options."""
+        out: dict[tuple[int, int], list[int]] = {}
+        for i, (l, k) in enumerate(zip(self.layer, self.kind)):
+            out.setdefault((int(l), int(k)), []).append(i)
+        return {g: np.array(v) for g, v in out.items()}
+
+    def keeps_16bit(self) -> np.ndarray:
+        """Boolean mask of the '16' options."""
+        return np.array([o == "16" for o in self.option])
+
+    def _memory(self, chosen: np.ndarray, ckpt: np.ndarray) -> dict:
+        """Per stage: the peak (bytes), the phase that sets it (agoq.search.memory_parts) with its checkpointed
+        layer, and what the decoder layers hold then ("held") and its rerun layer's bytes ("rerun"); also the
+        activations at the end of forward, the LAAQ transient and the number of layers running LAAQ."""
+        per_layer = np.zeros(self.num_layers)  # bytes each layer adds to its stage (x in-flight)
+        np.add.at(per_layer, self.layer[chosen], self.memory[chosen])
+        per_layer[ckpt] += self.checkpoint_memory[ckpt]
+        is16 = self.keeps_16bit()
+        laaq = np.zeros(self.num_layers, dtype=bool)  # layers running LAAQ's functions
+        for l in range(self.num_layers):
+            if ckpt[l]:
+                continue
+            mine = chosen[self.layer[chosen] == l]
+            kinds16 = {int(self.kind[i]) for i in mine if is16[i]}
+            if len(kinds16) == len({int(self.kind[i]) for i in mine}):
+                per_layer[l] += self.unmodified_extra[l]
+            if {KINDS.index("attention"), KINDS.index("o_proj_input")} <= kinds16:
+                per_layer[l] -= self.shared_credit[l]
+            laaq[l] = not all(self.option[i] == "16" for i in mine)
+        activations = np.zeros(self.num_stages)
+        np.add.at(activations, self.layer_stage, per_layer)
+        laaq_stage = np.zeros(self.num_stages, dtype=bool)
+        laaq_stage[self.layer_stage[laaq]] = True
+        transient = np.where(laaq_stage, self.laaq_transient(), 0.0)
+        mem = self.static_bytes + activations + transient
+        phase, at_layer = ["forward_backward"] * self.num_stages, [None] * self.num_stages
+        held, rerun = activations.copy(), np.zeros(self.num_stages)
+        # backward of a checkpointed layer l: the other in-flight micro-batches, this one's layers before l,
+        # and l's input plus everything its rerun forward keeps
+        flight, extra = self.in_flight_counts(), self.recomputed()
+        for l in np.nonzero(ckpt)[0]:
+            s = self.layer_stage[l]
+            before = per_layer[(self.layer_stage == s) & (np.arange(self.num_layers) < l)].sum()
+            kept = (flight[s] - 1) / flight[s] * activations[s] + before / flight[s] \
+                + self.checkpoint_memory[l] / flight[s]
+            during = self.static_bytes[s] + kept + extra[l] + transient[s]
+            if during > mem[s]:
+                mem[s], phase[s], at_layer[s], held[s], rerun[s] = during, "checkpoint_backward", int(l), kept, extra[l]
+        floor = self.peak_floor()
+        for s in np.nonzero(floor > mem)[0]:
+            mem[s], phase[s], at_layer[s] = floor[s], "optimizer_step", None
+        # whole bytes, rounded up (a fraction of a byte over a budget is over it; 1e-6 absorbs float noise)
+        return {"peak": [int(np.ceil(m - 1e-6)) for m in mem], "phase": phase, "layer": at_layer, "held": held,
+                "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum())}
+
+    def evaluate(self, chosen: np.ndarray, checkpoint: np.ndarray) -> dict:
+        """Memory per stage, step seconds and error of a choice.
+
+        `chosen`: option indices (one per (layer, kind) of non-checkpointed layers); `checkpoint`: bool [L].
+        """
+        chosen = np.asarray(chosen, dtype=int)
+        ckpt = np.asarray(checkpoint, dtype=bool)
+        m = self._memory(chosen, ckpt)
+        seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum()) \
+            + self.laaq_layer_seconds * m["laaq_layers"]
+        return {"peak_bytes_per_stage": m["peak"], "step_seconds": seconds,
+                "grad_error": float(self.error[chosen].sum()),
+                "activation_bytes_per_stage": [int(round(a)) for a in m["activations"]],
+                "peak_phase_per_stage": m["phase"]}
+
+    def memory_parts(self, chosen: np.ndarray, checkpoint: np.ndarray) -> list[dict]:
+        """Per stage, the phase that sets its peak and the parts of the peak then, in whole bytes adding up to the
+        stage's `evaluate` peak (agoq.search.memory_parts; a plan's `predicted.memory_per_stage`)."""
+        if self.static_parts is None or (self.floor_bytes is not None and self.floor_parts is None):
+            raise ValueError("this problem does not list the parts of its static bytes (build_problem's do)")
+        m = self._memory(np.asarray(chosen, dtype=int), np.asarray(checkpoint, dtype=bool))
+        out = []
+        for s in range(self.num_stages):
+            if m["phase"][s] == "optimizer_step":
+                parts = {name: float(v[s]) for name, v in self.floor_parts.items()}
+            else:
+                parts = {name: float(v[s]) for name, v in self.static_parts.items()}
+                parts["activations"] = float(m["held"][s])
+                if m["phase"][s] == "checkpoint_backward":
+                    parts["recomputed_layer"] = float(m["rerun"][s])
+                parts["laaq_transient"] = float(m["transient"][s])
+            out.append(stage_entry(s, m["phase"][s], m["layer"][s], parts, m["peak"][s]))
+        return out
+
+
+__all__ = ["ProblemSettings", "ChoiceProblem"]

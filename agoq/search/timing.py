@@ -1,0 +1,168 @@
+"""What a training step costs in seconds, read from the steps the profile measured (agoq.formats.measured_steps):
+every knob combination a plan may use is priced from measured steps of that kind, and a combination without one
+is not offered.
+
+For a compile mode c and a batch split (micro-batch m, accumulation a), the anchors are the measured steps at
+(c, m, a) with bf16 gradients and the profile's base optimizer (the one its bf16 step at the profiled micro-batch
+ran with): bf16 (every layer unmodified), agoq-paper (every layer under LAAQ's functions) and checkpoint-all. Then
+
+    T(plan) = T_bf16(c, m, a, gradients, optimizer, masters)
+              + (layers under LAAQ) x dQ + (checkpointed layers) x dC + (eager: the options' own extra seconds)
+    dQ = (T_paper - T_bf16 - the recipe's own extra seconds) / L      (compiled: no option has seconds of its own)
+    dC = (T_checkpoint-all - T_bf16) / L
+
+all at (c, m, a). T_bf16 at other knobs is the measured step of those knobs where there is one, else the anchor
+plus what the knob was measured to add: another optimizer or masters (the bf16 steps of both at the profiled
+micro-batch, their difference), QuanGrad's gradients (bf16 steps with quangrad8 and with bf16 gradients at the same
+split). Another accumulation a' of a micro-batch measured at two accumulations is the line through them (each
+further micro-batch costs what the measured ones did); nothing else is extrapolated.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from agoq.formats.measured_steps import COMPILE_MODES, find, measured_rows
+from agoq.formats.profile import ProfileData
+
+BASE_GRADIENTS = "bf16"
+
+
+class StepPrices:
+    """The measured steps of one profile, and the step times they price (see the module docstring)."""
+
+    def __init__(self, profile: ProfileData):
+        self.rows = measured_rows(profile.header, str(profile.path / "profile.json"))
+        self.m0 = int(profile.settings.get("micro_batch", 1) or 1)
+        self.num_layers = profile.num_layers
+        own = str(profile.settings.get("compile_mode") or "eager")
+        self.modes = [c for c in [own] + [m for m in COMPILE_MODES if m != own] if self.base(c) is not None]
+
+    # ------------------------------------------------------------------ what was measured
+
+    def base(self, compile_mode: str) -> Optional[tuple[str, str]]:
+        """(optimizer, masters) of the bf16 step at the profiled micro-batch in `compile_mode` (adamw8bit over fp32
+        masters where several were measured), or None when there is none."""
+        found = [(r["optimizer"], r["master"]) for r in self.rows
+                 if (r["compile"], r["policy"], r["micro_batch"], r["grad_accum"], r["gradients"],
+                     r["activation_memory_budget"]) == (compile_mode, "bf16", self.m0, 1, BASE_GRADIENTS, None)]
+        if not found:
+            return None
+        return ("adamw8bit", "fp32") if ("adamw8bit", "fp32") in found else sorted(found)[0]
+
+    def row(self, compile_mode: str, policy: str, micro_batch: int, grad_accum: int, gradients: str = BASE_GRADIENTS,
+            optimizer: Optional[str] = None, master: Optional[str] = None) -> Optional[dict]:
+        """The measured step of exactly these knobs (optimizer and masters None: the mode's base)."""
+        base = self.base(compile_mode)
+        if base is None:
+            return None
+        return find(self.rows, compile=compile_mode, policy=policy, micro_batch=micro_batch, grad_accum=grad_accum,
+                    gradients=gradients, optimizer=optimizer or base[0], master=master or base[1])
+
+    def accumulations(self, compile_mode: str, policy: str, micro_batch: int, gradients: str = BASE_GRADIENTS,
+                      optimizer: Optional[str] = None, master: Optional[str] = None) -> dict[int, float]:
+        """{grad_accum: measured step seconds} of these knobs at `micro_batch`."""
+        base = self.base(compile_mode)
+        if base is None:
+            return {}
+        want = (compile_mode, policy, micro_batch, gradients, optimizer or base[0], master or base[1], None)
+        return {r["grad_accum"]: float(r["step_seconds"]) for r in self.rows
+                if (r["compile"], r["policy"], r["micro_batch"], r["gradients"], r["optimizer"], r["master"],
+                    r["activation_memory_budget"]) == want}
+
+    def splits(self, compile_mode: str) -> list[tuple[int, int]]:
+        """The (micro_batch, grad_accum) pairs measured with the mode's bf16 anchor."""
+        base = self.base(compile_mode)
+        if base is None:
+            return []
+        return sorted({(r["micro_batch"], r["grad_accum"]) for r in self.rows
+                       if (r["compile"], r["policy"], r["gradients"], r["optimizer"], r["master"],
+                           r["activation_memory_budget"]) == (compile_mode, "bf16", BASE_GRADIENTS, *base, None)})
+
+    def memory_budget_rows(self) -> list[dict]:
+        """The compiled bf16 steps measured under torch.compile's activation_memory_budget."""
+        return [r for r in self.rows if r["activation_memory_budget"] is not None]
+
+    # ------------------------------------------------------------------ prices
+
+    def _seconds(self, compile_mode: str, policy: str, micro_batch: int, grad_accum: int, gradients: str,
+                 optimizer: Optional[str], master: Optional[str]) -> Optional[float]:
+        """Seconds of a step of exactly these knobs: measured, or on the line through two measured accumulations
+        of the same micro-batch."""
+        points = self.accumulations(compile_mode, policy, micro_batch, gradients, optimizer, master)
+        if grad_accum in points:
+            return points[grad_accum]
+        if len(points) < 2:
+            return None
+        (a1, t1), (a2, t2) = sorted(points.items())[:2]
+        return t1 + (t2 - t1) / (a2 - a1) * (grad_accum - a1)
+
+    def seconds(self, compile_mode: str, micro_batch: int, grad_accum: int, gradients: str = BASE_GRADIENTS,
+                optimizer: Optional[str] = None, master: Optional[str] = None, policy: str = "bf16") -> Optional[float]:
+        """T of the module docstring for one policy at these knobs, or None where the profile measured too little."""
+        base = self.base(compile_mode)
+        if base is None:
+            return None
+        optimizer, master = optimizer or base[0], master or base[1]
+        exact = self._seconds(compile_mode, policy, micro_batch, grad_accum, gradients, optimizer, master)
+        if exact is not None:
+            return exact
+        anchor = self._seconds(compile_mode, policy, micro_batch, grad_accum, BASE_GRADIENTS, *base)
+        if anchor is None:
+            return None
+        if (optimizer, master) != base:
+            theirs = self._seconds(compile_mode, "bf16", self.m0, 1, BASE_GRADIENTS, optimizer, master)
+            ours = self._seconds(compile_mode, "bf16", self.m0, 1, BASE_GRADIENTS, *base)
+            if theirs is None or ours is None:
+                return None
+            anchor += theirs - ours
+        if gradients != BASE_GRADIENTS:
+            theirs = self._seconds(compile_mode, "bf16", micro_batch, grad_accum, gradients, *base)
+            ours = self._seconds(compile_mode, "bf16", micro_batch, grad_accum, BASE_GRADIENTS, *base)
+            if theirs is None or ours is None:
+                return None
+            anchor += theirs - ours
+        return anchor
+
+    def per_layer(self, compile_mode: str, policy: str, micro_batch: int, grad_accum: int) -> Optional[float]:
+        """(T_policy - T_bf16) / L at the split with the base knobs: dQ before the recipe's extras, or dC."""
+        mine = self.seconds(compile_mode, micro_batch, grad_accum, policy=policy)
+        bf16 = self.seconds(compile_mode, micro_batch, grad_accum)
+        if mine is None or bf16 is None:
+            return None
+        return (mine - bf16) / self.num_layers
+
+    def missing(self, compile_mode: str, micro_batch: int, grad_accum: int, gradients: str, optimizer: str,
+                master: str) -> Optional[str]:
+        """Why these knobs cannot be priced (None: they can)."""
+        if self.base(compile_mode) is None:
+            return f"the profile measured no {compile_mode} step"
+        if self.seconds(compile_mode, micro_batch, grad_accum) is None:
+            have = ", ".join(f"{m} x {a}" for m, a in self.splits(compile_mode))
+            return (f"the profile measured no {compile_mode} step at micro-batch {micro_batch} x {grad_accum} "
+                    f"(measured: {have})")
+        if self.seconds(compile_mode, micro_batch, grad_accum, gradients, optimizer, master) is None:
+            return (f"the profile measured no {compile_mode} step with gradients {gradients}, optimizer {optimizer} "
+                    f"and masters {master} at micro-batch {micro_batch} x {grad_accum}")
+        return None
+
+
+def prices(profile: ProfileData) -> StepPrices:
+    """The profile's StepPrices, made once per loaded profile."""
+    cached = profile.cache.get("step_prices")
+    if cached is None:
+        cached = profile.cache["step_prices"] = StepPrices(profile)
+    return cached
+
+
+def compile_modes(profile: ProfileData) -> list[str]:
+    """Compile modes the profile measured a bf16 step in (its own mode first)."""
+    return list(prices(profile).modes)
+
+
+def profile_compile_mode(profile: ProfileData) -> str:
+    """The compile mode the profile's memory steps and kernel times were measured in (eager unless it says)."""
+    return str(profile.settings.get("compile_mode") or "eager")
+
+
+__all__ = ["StepPrices", "prices", "compile_modes", "profile_compile_mode"]
