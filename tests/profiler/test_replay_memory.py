@@ -1,7 +1,16 @@
-"""A replay session frees its kept forward when closed (no graph left in a reference cycle)."""
+"""A replay session frees its kept forward when closed (no graph left in a reference cycle).
+
+The check: every tensor object that came into existence while the session was open (its outputs, the
+gradients, and the detached copies its saved-tensor hook hands autograd, which only the graph holds) is
+gone once the session is closed and dropped. A graph kept alive by anything, even a reference to one of
+its nodes that holds no tensor with a grad_fn, keeps those copies alive; the second test shows the check
+sees such a leak.
+"""
 
 import gc
+import weakref
 
+import pytest
 import torch
 
 from agoq.models import build
@@ -9,17 +18,41 @@ from agoq.profiler.replay import ReplaySession
 from agoq.profiler.sensitivity import measurement_policy, reference_kind
 
 
-def _graph_tensors_alive() -> int:
+def _tensors() -> list[torch.Tensor]:
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
 
 
-def test_closed_session_keeps_no_graph():
-    model = build("llama-tiny", dtype=torch.float32, seed=5)
+def _surviving_session_tensors(seed: int, keep=None) -> tuple[int, int]:
+    """(tensors made while a session was open, how many of them outlive it); `keep(session)` may hold on to
+    something of the session until the count is taken."""
+    model = build("llama-tiny", dtype=torch.float32, seed=seed % 1000)
     ids = torch.randint(0, model.config.vocab_size, (2, 29))
-    before = _graph_tensors_alive()
+    before = _tensors()  # held, so that no new tensor can reuse one of their ids
+    known = {id(t) for t in before}
     session = ReplaySession(model, ids, measurement_policy(None, reference_kind("silu_input"), 64))
     session.error(1, "silu_input", 4, "int")
+    made = [weakref.ref(t) for t in _tensors() if id(t) not in known]
+    kept = keep(session) if keep is not None else None
     session.close()
     del session
-    assert _graph_tensors_alive() == before
+    gc.collect()
+    alive = sum(1 for r in made if r() is not None)
+    del kept
+    return len(made), alive
+
+
+def test_closed_session_keeps_no_graph(seed):
+    made, alive = _surviving_session_tensors(seed)
+    assert made > 0
+    assert alive == 0, f"{alive} of the {made} tensors a replay session made outlive it"
+
+
+@pytest.mark.parametrize("keep", ["output node", "outputs"])
+def test_check_sees_a_kept_graph(seed, keep):
+    """The check above fails when something keeps the graph: the last layer's output's grad_fn alone (no
+    tensor with a grad_fn stays alive then, only the graph's nodes and the saved tensors they hold), or the
+    output tensors themselves."""
+    hold = {"output node": lambda s: s.outputs[-1].grad_fn, "outputs": lambda s: list(s.outputs)}[keep]
+    made, alive = _surviving_session_tensors(seed, hold)
+    assert made > 0 and alive > 0
