@@ -32,21 +32,34 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
-def visit_everything(client: TestClient) -> dict:
-    """GET every API endpoint and page for everything the index lists; returns the index."""
+def visit_everything(client: TestClient, present=tuple(PAGES), readable_run: bool = True) -> dict:
+    """GET every API endpoint and page for everything the index lists, and the fixed pages; returns the index.
+
+    An item the index marks broken answers 422, any other 200, and its page answers as its API did, except
+    /runs: it compares runs and answers 200, with a message for each broken one. `present`: the kinds the
+    index must list at least one item of; `readable_run`: whether one of its runs must be readable (their
+    curves are then fetched together)."""
     index = client.get("/api/index?refresh=1").json()
+    for kind in present:
+        assert index[kind], (kind, index)
+    runs = [r["id"] for r in index["runs"] if "error" not in r]
+    assert bool(runs) == readable_run, index["runs"]
     for kind in PAGES:
         for item in index[kind]:
             expect = 200 if "error" not in item else 422
-            r = client.get(APIS[kind], params={"id": item["id"]})
-            assert r.status_code == expect, (kind, item["id"], r.text)
-            r = client.get(PAGES[kind], params={"id": item["id"]})
-            assert r.status_code in (200, 422), (kind, item["id"], r.text)
-            assert "<html" in r.text
-    runs = [r["id"] for r in index["runs"] if "error" not in r]
+            api = client.get(APIS[kind], params={"id": item["id"]})
+            assert api.status_code == expect, (kind, item["id"], api.text)
+            page = client.get(PAGES[kind], params={"id": item["id"]})
+            assert "<html" in page.text
+            if kind == "runs":
+                assert page.status_code == 200, (item["id"], page.text)
+                assert ('class="msg error"' in page.text) == ("error" in item), (item, page.text)
+            else:
+                assert page.status_code == api.status_code, (kind, item["id"], page.text)
     if runs:
         r = client.get("/api/curves", params=[("id", i) for i in runs[:12]] + [("points", 100)])
         assert r.status_code == 200
+        assert [c["id"] for c in r.json()["runs"]] == runs[:12]
     for path in ("/", "/runs", "/static/plotly.min.js", "/static/dashboard.js", "/static/dashboard.css",
                  "/openapi.json", "/docs"):
         assert client.get(path).status_code == 200, path
@@ -390,10 +403,15 @@ def test_broken_files_are_messages_not_500(synthetic_root, tmp_path):
     assert run["summary"]["bad_lines"] == 3
     curves = client.get("/api/curves", params={"id": "run-bad-lines"}).json()["runs"][0]["curves"]
     assert curves["series"]["loss"]["value"][-1] is None  # NaN loss kept as a gap, valid JSON
-    for path in ["/", "/runs?id=run-broken&id=run-bad-lines", "/profile?id=bad-parquet", "/profile?id=bad-json",
-                 "/search?id=search", "/plan?id=search/plan.json"]:
+    # a page that shows one broken item answers 422, as its API does; pages that show parts of items or
+    # several runs answer 200 with the problems in them
+    for path, status in [("/", 200), ("/runs?id=run-broken&id=run-bad-lines", 200), ("/profile?id=bad-parquet", 200),
+                         ("/profile?id=bad-json", 422), ("/search?id=search", 200),
+                         ("/plan?id=search/plan.json", 422)]:
         r = client.get(path)
-        assert r.status_code in (200, 422) and ('class="msg error"' in r.text or 'class="bad"' in r.text), path
+        assert r.status_code == status, (path, r.status_code)
+        assert 'class="msg error"' in r.text or 'class="bad"' in r.text, path
+    visit_everything(client)
     assert snapshot(root) == before
 
 
@@ -515,7 +533,7 @@ def test_files_inside_an_artifact_that_lead_outside_are_not_read(synthetic_root,
     assert "outside the root" in client.get("/api/curves", params={"id": "run"}).json()["detail"]
     index = client.get("/api/index").json()
     assert "outside the root" in next(r for r in index["runs"] if r["id"] == "run")["error"]
-    visit_everything(client)
+    visit_everything(client, present=("profiles", "searches", "runs"), readable_run=False)
     assert snapshot(root) == before
 
 
