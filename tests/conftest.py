@@ -7,9 +7,11 @@ itself runs no oneDNN kernel at import, so the cap is in place before the first 
 Seeds. Every test runs under the autouse fixture `seed`: it seeds Python's `random`, NumPy's global
 generator and torch (CPU and CUDA) with a seed of the test's own, and a test that draws random numbers
 takes its generators from there (`random.Random(seed)`, `np.random.default_rng(seed)`,
-`torch.Generator().manual_seed(seed)`, or the seeded global generators). The test's seed is derived from
-the run's base seed and the test's id, so it is fresh on every run and independent of which other tests
-run. The base seed is drawn from os.urandom, or read from the environment variable
+`torch.Generator().manual_seed(seed)`, or the seeded global generators; a helper that needs a new seed
+on each call draws it with `random.getrandbits`). The test's seed is derived from the run's base seed and
+the test's id, so it is fresh on every run and independent of which other tests run. Fixtures shared by
+several tests take theirs from `named_seed`, a function of the base seed too. The base seed is drawn
+from os.urandom, or read from the environment variable
 
     AGOQ_TEST_SEED=<integer>
 
@@ -52,11 +54,9 @@ def pytest_configure(config):
     BASE_SEED = _base_seed()
 
 
-def per_test_seed(nodeid: str) -> int:
-    """The seed of one test: a function of the base seed and the test's id only (stable across processes)."""
-    return random.Random(f"{BASE_SEED}:{nodeid}").randrange(2**31)
-
-
+def derived_seed(name: str) -> int:
+    """A seed that is a function of the base seed and `name` only (the same in every process and run order)."""
+    return random.Random(f"{BASE_SEED}:{name}").randrange(2**31)
 
 
 def pytest_report_header(config):
@@ -66,12 +66,19 @@ def pytest_report_header(config):
 @pytest.fixture(autouse=True)
 def seed(request) -> int:
     """This test's seed; random, numpy.random and torch are seeded with it before the test runs."""
-    value = per_test_seed(request.node.nodeid)
+    value = derived_seed(request.node.nodeid)
     random.seed(value)
     np.random.seed(value)
     torch.manual_seed(value)  # seeds CUDA too
     request.node.user_properties.append(("seed", value))
     return value
+
+
+@pytest.fixture(scope="session")
+def named_seed():
+    """For fixtures shared by several tests (module or session scope), which run outside any one test's
+    seed: named_seed(name) is a seed of the base seed and the name (the fixture's, say)."""
+    return derived_seed
 
 
 @pytest.hookimpl(hookwrapper=True)

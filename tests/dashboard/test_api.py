@@ -98,11 +98,14 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
 
     # the time each option adds, per kind, is the parquet's mean over layers
     times = {r["kind"]: r for r in prof["times"]["rows"]}
+    assert set(times) == set(table.kind)
     for kind, part in table[table.format.astype(str) == "int"].groupby("kind"):
         four = part[part.option.astype(str) == "4"]
-        if len(four):
-            assert times[kind]["4"] == pytest.approx(float((four.quantize_seconds + four.dequantize_seconds).mean()))
-    for kind, part in table[table.option.astype(str) == "recompute"].groupby("kind"):
+        assert len(four), kind  # every kind has a 4-bit option (the demo profiles 2, 4 and 8 bits)
+        assert times[kind]["4"] == pytest.approx(float((four.quantize_seconds + four.dequantize_seconds).mean()))
+    recomputed = table[table.option.astype(str) == "recompute"]
+    assert len(recomputed)
+    for kind, part in recomputed.groupby("kind"):
         assert times[kind]["recompute"] == pytest.approx(float(part.recompute_seconds.mean()))
     assert "Time each option adds" in client.get("/profile", params={"id": "demo/profile"}).text
 
@@ -216,6 +219,7 @@ def test_several_ranks_and_stages(synthetic_root):
     assert journal["pareto"]["rows"] == [] and journal["pareto"]["message"]
     coll = client.get("/api/profile", params={"id": "prof"}).json()["collectives"]
     table = pd.read_parquet(synthetic_root / "prof/collectives.parquet")
+    assert {(s["op"], s["path"]) for s in coll["series"]} == set(zip(table.op, table.path)) and len(table)
     for s in coll["series"]:
         part = table[(table.path == s["path"]) & (table.op == s["op"])].sort_values("message_bytes")
         assert s["seconds"] == pytest.approx(part.seconds.tolist())
@@ -461,10 +465,10 @@ def test_metrics_are_read_incrementally(tmp_path):
     assert get()["series"]["loss"]["value"] == [7.0]
 
 
-def test_pareto_figure_marks_each_validated_point():
+def test_pareto_figure_marks_each_validated_point(seed):
     from dashboard.figures import pareto_front
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     rows = []
     for i in range(7):
         peak, step = float(rng.uniform(1, 9) * 2**30), float(rng.uniform(0.05, 0.2))
@@ -560,29 +564,30 @@ def test_profile_table_as_csv(synthetic_root, tmp_path):
     assert "plain file name" in client.get("/api/profile", params={"id": "prof"}).json()["maps"]["error"]
 
 
-def test_study_figure_separates_trials_over_the_budget():
+def test_study_figure_separates_trials_over_the_budget(seed):
     from dashboard.figures import study_trials
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     trials = []
     for n in range(11):
         values = rng.uniform(0, 1, 3).tolist()
+        # trial 1 over the budget and trial 2 within it whatever the draws; no constraint: within
+        constraint = {1: 0.5, 2: -0.5}.get(n, float(rng.uniform(-1, 1)))
         trials.append({"number": n, "values": values, "params": {},
-                       "user_attrs": {"constraint": [float(rng.uniform(-1, 1))]} if n % 4 else {}})
+                       "user_attrs": {"constraint": [constraint]} if n % 4 else {}})
     fig = study_trials({"name": "s", "directions": ["minimize"] * 3, "objectives": ["peak", "time", "error"],
                         "trials": trials})
     feasible = [t for t in trials if all(c <= 0 for c in t["user_attrs"].get("constraint", []))]
     over = [t for t in trials if t not in feasible]
     assert fig["data"][0]["x"] == pytest.approx([t["values"][0] for t in feasible])
     assert fig["data"][0]["marker"]["color"] == pytest.approx([t["values"][2] for t in feasible])
-    if over:
-        assert fig["data"][1]["y"] == pytest.approx([t["values"][1] for t in over])
+    assert over and fig["data"][1]["y"] == pytest.approx([t["values"][1] for t in over])
 
 
-def test_sensitivity_map_goes_logarithmic_over_decades():
+def test_sensitivity_map_goes_logarithmic_over_decades(seed):
     from dashboard.figures import profile_maps
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     sens = (10.0 ** rng.uniform(-5, -1, size=(4, 3))).tolist()
     sens[1][2] = None  # an option that was not measured stays a gap
     maps = {"option": "4", "kinds": ["a", "b", "c"], "layers": [0, 1, 2, 3], "sensitivity": sens,
