@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlencode
 
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (
@@ -290,8 +290,8 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
                           "writes it, as `agoq search` writes a plan, to ROOT/plans/NAME atomically. 409 when the "
                           "file exists and `overwrite` is false; 403 from another machine unless the dashboard "
                           "has a token; 415 unless the body is JSON. Answers {id, path, overwritten}.")
-    async def api_plan_save(body: SaveRequest, request: Request):
-        same_origin(request)
+    async def api_plan_save(body: SaveRequest, request: Request, _origin: None = Depends(same_origin)):
+        # same_origin as a dependency: it runs before the body is validated, so a body that is not JSON gets 415
         client = request.client.host if request.client else ""
         if token is None and not is_loopback(client):
             raise HTTPException(403, "saving plans from another machine needs the dashboard's token: start it with "

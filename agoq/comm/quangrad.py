@@ -188,6 +188,11 @@ class QuantizedGradients:
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
 
+    def scale_(self, factor: float) -> None:
+        """Multiply every gradient by `factor`: each block's scale (value = (code - 127) * scale), codes unchanged."""
+        self.wait()
+        self.scales.mul_(factor)
+
     def stored(self, param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
         """`param`'s gradient as stored: (uint8 codes [blocks * block], float32 scales [blocks]), views of the
         buffer (value = (code - 127) * scale; values past param.numel() are zero padding)."""

@@ -355,6 +355,10 @@ class Pipelined(ParallelStrategy):
                          before_micro_batch: Callable[[], None]) -> torch.Tensor:
         ids, labels = batches.micro(step, 0)
         loss = self.pipeline.step(ids.to(self.device), labels.to(self.device))
+        if self.qgrads is not None:
+            # the schedule averages the micro-batches' gradients by dividing each .grad after the last backward;
+            # QuanGrad has moved them into its buffer by then, where they are summed
+            self.qgrads.scale_(1 / grad_accum)
         return loss if loss is not None else torch.zeros((), device=self.device)
 
     def reduce_grad_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:

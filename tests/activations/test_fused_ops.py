@@ -1,7 +1,5 @@
 """Fused RMSNorm and SwiGLU kernels: Triton vs torch reference vs float64 autograd."""
 
-import os
-
 import pytest
 import torch
 
@@ -17,14 +15,7 @@ from agoq.activations.swiglu import (
     swiglu_backward_reference,
     swiglu_reference,
 )
-
-pytest.importorskip("triton")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["torch", "triton"] if (DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") else ["torch"]
-
-
-def gen():
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+from tests.backends import BACKENDS, DEVICE
 
 
 def rel(a, b):
@@ -40,8 +31,8 @@ def f64_rmsnorm_grads(x, w, eps, g):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_rmsnorm_forward_backward(backend, dtype, tol):
-    rng = gen()
+def test_rmsnorm_forward_backward(backend, dtype, tol, seed):
+    rng = torch.Generator().manual_seed(seed)
     x = (torch.randn(3, 7, 203, generator=rng) * 2.3).to(dtype).to(DEVICE)
     w = (1 + 0.1 * torch.randn(203, generator=rng)).to(dtype).to(DEVICE)
     g = torch.randn(3, 7, 203, generator=rng).to(dtype).to(DEVICE)
@@ -62,8 +53,8 @@ def test_rmsnorm_forward_backward(backend, dtype, tol):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_swiglu_forward_backward(backend, dtype, tol):
-    rng = gen()
+def test_swiglu_forward_backward(backend, dtype, tol, seed):
+    rng = torch.Generator().manual_seed(seed)
     gate = (torch.randn(5, 3001, generator=rng) * 3).to(dtype).to(DEVICE)
     up = torch.randn(5, 3001, generator=rng).to(dtype).to(DEVICE)
     d = torch.randn(5, 3001, generator=rng).to(dtype).to(DEVICE)

@@ -3,7 +3,6 @@ recompute, reversibility, and measured saved bytes against the predictor."""
 
 import inspect
 import math
-import os
 import random
 
 import pytest
@@ -57,7 +56,7 @@ PARAM_GRAD_ERR_BOUND = {"int8": INT8_PARAM_GRAD_ERR_BOUND, "int4": INT4_PARAM_GR
 # ---------------------------------------------------------------------------
 
 def fresh_seed():
-    return int.from_bytes(os.urandom(4), "little")
+    return random.getrandbits(32)  # seeded per test: tests/conftest.py
 
 
 def make(seed, dtype=torch.float32):

@@ -1,16 +1,17 @@
 """The saved-tensor tracker on hand-made graphs whose saved tensors are known in closed form."""
 
-import os
+import random
 
 import pytest
 import torch
 from torch import nn
 
 import agoq
+from tests.leaks import NewTensors
 
 
 def fresh_gen():
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = random.getrandbits(32)  # seeded per test: tests/conftest.py
     return seed, torch.Generator().manual_seed(seed)
 
 
@@ -134,27 +135,31 @@ def test_per_layer_attribution_closed_form():
     out.sum().backward()
 
 
-def _graph_tensors_alive() -> int:
-    """Real tensors holding a graph (FakeTensors that torch.compile's tracing leaves to its caches don't count)."""
-    import gc
-
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    gc.collect()
-    return sum(1 for o in gc.get_objects()
-               if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor) and o.grad_fn is not None)
-
-
-def test_tracking_leaves_no_graph_alive():
-    """The tracker's pack hook must not hand autograd the saved tensor itself: a saved output (the
-    loss's log_softmax) would then hold its own graph in a cycle no collector frees."""
+def _tracked_leftovers(seed: int, keep=None) -> tuple[int, int]:
+    """(tensors made by a tracked forward, how many outlive it once the loss is dropped); `keep(loss)` may hold
+    on to something of the graph until they are counted."""
     from agoq.models import build
 
-    model = build("llama-tiny", dtype=torch.float32, seed=3)
+    model = build("llama-tiny", dtype=torch.float32, seed=seed)
     ids = torch.randint(0, model.config.vocab_size, (2, 37))
-    before = _graph_tensors_alive()
-    with agoq.track_saved_tensors(model):
-        loss = model(ids[:, :-1], ids[:, 1:])
+    with NewTensors() as made:
+        with agoq.track_saved_tensors(model):
+            loss = model(ids[:, :-1], ids[:, 1:])
+    kept = keep(loss) if keep is not None else None
     del loss
-    # <=: a leak adds tensors; earlier tests' leftovers (torch.compile's caches) may be freed meanwhile
-    assert _graph_tensors_alive() <= before
+    alive = made.alive()
+    del kept
+    return made.count, alive
+
+
+def test_tracking_leaves_no_graph_alive(seed):
+    """The tracker's pack hook must not hand autograd the saved tensor itself: a saved output (the
+    loss's log_softmax) would then hold its own graph in a cycle no collector frees (tests/leaks.py)."""
+    made, alive = _tracked_leftovers(seed)
+    assert made > 0
+    assert alive == 0, f"{alive} of the {made} tensors a tracked forward made outlive its loss"
+
+
+def test_leak_check_sees_a_kept_graph(seed):
+    made, alive = _tracked_leftovers(seed, keep=lambda loss: loss.grad_fn)
+    assert made > 0 and alive > 0

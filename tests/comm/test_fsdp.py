@@ -29,8 +29,8 @@ class _Loss(nn.Module):
         return chunked_lm_loss(self.model.model(ids), self.model.lm_head.weight, labels)
 
 
-def _batch(rank):
-    g = torch.Generator().manual_seed(1000 + rank)
+def _batch(seed, rank):
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
     ids = torch.randint(0, CFG["vocab_size"], (BATCH, SEQ + 1), generator=g)
     return ids[:, :-1], ids[:, 1:]
 
@@ -41,14 +41,14 @@ def _mesh(world):
     return init_device_mesh("cpu", (world,))
 
 
-def _train_worker(rank, world, reduce_scatter):
+def _train_worker(rank, world, reduce_scatter, seed):
     """STEPS of SGD under FSDP2; per step the gathered parameters before it and the gathered gradient."""
     from agoq.comm.fsdp import fully_shard_quantized
 
-    root = fully_shard_quantized(_Loss(build(CFG, dtype=torch.float32, seed=0)), mesh=_mesh(world),
-                                 reduce_scatter=reduce_scatter, seed=7)
+    root = fully_shard_quantized(_Loss(build(CFG, dtype=torch.float32, seed=seed)), mesh=_mesh(world),
+                                 reduce_scatter=reduce_scatter, seed=seed + 7)
     opt = torch.optim.SGD(root.parameters(), lr=LR, momentum=0.9)
-    ids, labels = _batch(rank)
+    ids, labels = _batch(seed, rank)
     steps = []
     for _ in range(STEPS):
         params = {n: p.full_tensor().clone() for n, p in root.named_parameters()}
@@ -59,15 +59,15 @@ def _train_worker(rank, world, reduce_scatter):
     return steps, {n: p.full_tensor() for n, p in root.named_parameters()}
 
 
-def _reference_grads(params, world):
+def _reference_grads(params, world, seed):
     """Per rank, the float64 gradient of its batch's loss at `params` (names as in the FSDP root)."""
-    model = _Loss(build(CFG, dtype=torch.float64, seed=0))
+    model = _Loss(build(CFG, dtype=torch.float64, seed=seed))
     missing, unexpected = model.load_state_dict({k: v.double() for k, v in params.items()}, strict=False)
     assert not unexpected and not any(k in dict(model.named_parameters()) for k in missing)
     out = []
     for r in range(world):
         model.zero_grad()
-        model(*_batch(r)).backward()
+        model(*_batch(seed, r)).backward()
         out.append({n: p.grad.clone() for n, p in model.named_parameters()})
     return out
 
@@ -76,12 +76,12 @@ def _norm(d):
     return math.sqrt(sum(float(v.double().square().sum()) for v in d.values()))
 
 
-def _single_process(world):
+def _single_process(world, seed):
     """The same SGD run in one process, on the mean of the ranks' losses."""
-    model = _Loss(build(CFG, dtype=torch.float32, seed=0))
+    model = _Loss(build(CFG, dtype=torch.float32, seed=seed))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     for _ in range(STEPS):
-        loss = sum(model(*_batch(r)) for r in range(world)) / world
+        loss = sum(model(*_batch(seed, r)) for r in range(world)) / world
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -97,21 +97,21 @@ def _check_replicas(results):
             assert all(torch.equal(grads[n], results[0][0][step][1][n]) for n in grads)
 
 
-def test_exact_fsdp2_matches_one_process_and_replicas_agree():
+def test_exact_fsdp2_matches_one_process_and_replicas_agree(seed):
     world = 3
-    results = run_workers(_train_worker, world, "exact")
+    results = run_workers(_train_worker, world, "exact", seed)
     _check_replicas(results)
-    ref = _single_process(world)
+    ref = _single_process(world, seed)
     for n, p in results[0][1].items():
         torch.testing.assert_close(p, ref[n].detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_tlq_hs_reduce_scatter_within_its_int8_bound_every_step():
+def test_tlq_hs_reduce_scatter_within_its_int8_bound_every_step(seed):
     world = 3
-    results = run_workers(_train_worker, world, "tlq-hs")
+    results = run_workers(_train_worker, world, "tlq-hs", seed)
     _check_replicas(results)
     for params, grads in results[0][0]:
-        per_rank = _reference_grads(params, world)
+        per_rank = _reference_grads(params, world, seed)
         exact = {n: sum(g[n] for g in per_rank) / world for n in grads}
         error = _norm({n: grads[n].double() - exact[n] for n in grads})
         # FSDP2 divides the TLq-HS sum by the world size after the reduce-scatter
@@ -147,36 +147,36 @@ def _ops_worker(rank, world):
 # ------------------------------------------------------------------------------------------ clip norm
 
 
-def _strategy_norm_worker(rank, world, mode, gradients):
+def _strategy_norm_worker(rank, world, mode, gradients, seed):
     """The clip norm `agoq train` computes in `mode` after one backward of this rank's batch."""
     from agoq.train.config import OptimizerConfig
     from agoq.train.parallel import World, _model_loss, apply_parallel
 
-    model = build(CFG, dtype=torch.float32, seed=0)
+    model = build(CFG, dtype=torch.float32, seed=seed)
     strategy = apply_parallel(model, mode=mode, world=World(rank, world, backend="gloo"), device=torch.device("cpu"),
                               gradients=gradients, dtype=torch.float32, micro_batch=BATCH, seq_len=SEQ, grad_accum=1)
     step = strategy.build_optimizer(OptimizerConfig(), seed=0)
-    ids, labels = _batch(rank)
+    ids, labels = _batch(seed, rank)
     loss = strategy.loss_module(ids, labels) if mode == "fsdp" else _model_loss(strategy.module, ids, labels)
     loss.backward()
     return strategy.grad_norm(strategy.gradients(fused=step.fused), fused=step.fused)
 
 
-def test_clip_norm_is_the_norm_of_the_averaged_gradient():
+def test_clip_norm_is_the_norm_of_the_averaged_gradient(seed):
     world = 3
-    params = {f"model.{k}": v for k, v in build(CFG, dtype=torch.float32, seed=0).state_dict().items()}
-    per_rank = _reference_grads(params, world)
+    params = {f"model.{k}": v for k, v in build(CFG, dtype=torch.float32, seed=seed).state_dict().items()}
+    per_rank = _reference_grads(params, world, seed)
     names = per_rank[0].keys()
     exact = _norm({n: sum(g[n] for g in per_rank) / world for n in names})
     rms_of_local = math.sqrt(sum(_norm(g) ** 2 for g in per_rank) / world)
     assert abs(rms_of_local - exact) > 0.05 * exact  # the old formula would fail below
     for mode, gradients in (("fsdp", "bf16"), ("sharded", "bf16")):
-        norms = run_workers(_strategy_norm_worker, world, mode, gradients)
+        norms = run_workers(_strategy_norm_worker, world, mode, gradients, seed)
         assert all(n == norms[0] for n in norms)
         assert abs(norms[0] - exact) <= 1e-5 * exact, (mode, norms[0], exact)
     # quantized: |norm(q) - norm(exact)| <= norm(q - exact) <= the int8 bound (triangle inequality)
     bound = INT8_BOUND * sum(_norm(g) for g in per_rank) / world
     for mode in ("fsdp", "sharded"):
-        norms = run_workers(_strategy_norm_worker, world, mode, "sdp4bit")
+        norms = run_workers(_strategy_norm_worker, world, mode, "sdp4bit", seed)
         assert all(n == norms[0] for n in norms)
         assert abs(norms[0] - exact) <= bound, (mode, norms[0], exact, bound)

@@ -1,11 +1,10 @@
 """QuanGrad's 8-bit all-reduce in several gloo processes, against the exact float64 sum."""
 
-import os
-
 import pytest
 import torch
 
 from agoq.comm.quantized_allreduce import quantized_all_reduce
+from tests.backends import needs_triton
 from tests.multiprocess import run_workers
 
 # documented bound: relative L2 error of the 8-bit all-reduce on Gaussian gradients (block 256).
@@ -55,8 +54,7 @@ def _worker(rank, world, seed, sizes):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_quantized_all_reduce(world):
-    seed = int.from_bytes(os.urandom(3), "little")
+def test_quantized_all_reduce(world, seed):
     sizes = [(100_003, "gauss"), (1_031, "gauss"), (777, "zeros"), (2_049, "const")]
     results = run_workers(_worker, world, seed, sizes)
     for n, kind in sizes:
@@ -88,9 +86,8 @@ def _error_worker(rank, world, seed):
     return x
 
 
-def test_error_does_not_grow_with_world_size():
+def test_error_does_not_grow_with_world_size(seed):
     """Relative error at W=4 is no worse than ~at W=2 (two roundings per value, whatever W)."""
-    seed = int.from_bytes(os.urandom(3), "little")
     errs = {}
     for world in (2, 4):
         y = run_workers(_error_worker, world, seed)[0]
@@ -99,12 +96,11 @@ def test_error_does_not_grow_with_world_size():
     assert errs[4] < errs[2] * 1.5, f"seed {seed}: {errs}"
 
 
+@needs_triton
 @pytest.mark.parametrize("world", [1, 3])
 def test_shard_sum_kernel_matches_reference(world):
     """The Triton shard sum (interpreter on CPU) equals the torch reference exactly, reading rows
     straight out of the wire buffer (codes then scales)."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and no interpreter")
     from agoq.comm.wire_rows import (
         quantize_into,
         row_bytes,
@@ -125,12 +121,11 @@ def test_shard_sum_kernel_matches_reference(world):
     assert torch.allclose(got.double(), (codes * scales).sum(0).reshape(-1), rtol=1e-6, atol=1e-6)
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wire_rows_round_trip_matches_reference(dtype):
     """Quantizing into a row and dequantizing out of it with the Triton kernels (interpreter on CPU)
     gives the torch reference's bytes and values; padding is the zero code with scale 0."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and no interpreter")
     from agoq.comm.wire_rows import (
         ZERO_CODE,
         dequantize_from,
@@ -177,13 +172,12 @@ def _same_rows(a, b, per, block):
             and torch.equal(sa.nan_to_num(), sb.nan_to_num()))
 
 
+@needs_triton
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16)])
 def test_fused_wire_kernels_match_reference(world, dtype):
     """The one-launch kernels (quantize every shard into its row, sum + requantize into several rows,
     dequantize every row) give the torch reference's bytes: odd sizes, a short last shard, an inf block,
     a subnormal-scale block, a mean (divisor)."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and no interpreter")
     from agoq.comm.wire_rows import (
         dequantize_shards,
         quantize_shards,

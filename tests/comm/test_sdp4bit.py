@@ -1,13 +1,12 @@
 """SDP4Bit: Hadamard-32, TLq-HS reduce-scatter, qWD all-gather and the sharded optimizer, in gloo processes.
 
 Each spawned run (slow to start) is a module-scoped fixture that does many checks at once; the tests
-then assert on what it returned. Seeds come from os.urandom in the parent (the same on every rank,
-mixed with the rank where data must differ) and are part of every failure message.
+then assert on what it returned. Seeds come from the run's base seed in the parent (`named_seed`,
+tests/conftest.py; the same on every rank, mixed with the rank where data must differ) and are part of
+every failure message.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -41,10 +40,6 @@ LOSS_REL = 0.02  # final eval loss (noise floor included): measured |gap| <= 0.5
 # gap reached 11 %, the same spread as exact training with another data order (5-10 %): a noise-free
 # toy's small final loss is chaotic in the trajectory, quantized or not.
 EXCESS_LOSS_REL = 0.2
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def _gauss(seed: int, rank: int, n: int, outliers: int = 0) -> torch.Tensor:
@@ -192,9 +187,9 @@ def _collectives_worker(rank: int, world: int, seed: int, node_size: int) -> dic
 
 
 @pytest.fixture(scope="module", params=[(2, 2), (4, 2)], ids=["2ranks-1node", "4ranks-2nodes"])
-def collectives(request):
+def collectives(request, named_seed):
     world, node_size = request.param
-    seed = _seed()
+    seed = named_seed(f"sdp4bit collectives {world} {node_size}")
     return world, node_size, seed, run_workers(_collectives_worker, world, seed, node_size)
 
 
@@ -431,8 +426,8 @@ def _optimizer_worker(rank: int, world: int, seed: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def optimizer_runs():
-    seed = _seed()
+def optimizer_runs(named_seed):
+    seed = named_seed("sdp4bit optimizer")
     return seed, run_workers(_optimizer_worker, 3, seed)
 
 
@@ -491,12 +486,12 @@ def test_optimizer_bad_inputs(optimizer_runs):
 
 
 @pytest.mark.parametrize("rows", [1, 77, 130])
-def test_hadamard_kernel_matches_float64(rows):
+def test_hadamard_kernel_matches_float64(rows, seed):
     """The GPU kernel (here under the interpreter) against the float64 product, with TF32 allowed globally:
     the kernel's IEEE product must not depend on the switch, and it must leave the switch as it was."""
     from agoq.comm.hadamard_triton import hadamard_rows_triton
 
-    g = torch.Generator().manual_seed(rows)
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 32, generator=g) * torch.logspace(-3, 3, 32)
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -33,11 +33,11 @@ def stage_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def synthetic_root(tmp_path_factory) -> Path:
+def synthetic_root(tmp_path_factory, named_seed) -> Path:
     """A root in agoq's formats with random contents (see tests/dashboard/synthetic.py)."""
     import optuna
 
-    rng = np.random.default_rng(int.from_bytes(__import__("os").urandom(4), "little"))
+    rng = np.random.default_rng(named_seed("synthetic_root"))
     root = tmp_path_factory.mktemp("synthetic")
     layers = 5
     synthetic.write_profile(root / "prof", rng, layers, "0123456789abcdef")

@@ -32,21 +32,34 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
-def visit_everything(client: TestClient) -> dict:
-    """GET every API endpoint and page for everything the index lists; returns the index."""
+def visit_everything(client: TestClient, present=tuple(PAGES), readable_run: bool = True) -> dict:
+    """GET every API endpoint and page for everything the index lists, and the fixed pages; returns the index.
+
+    An item the index marks broken answers 422, any other 200, and its page answers as its API did, except
+    /runs: it compares runs and answers 200, with a message for each broken one. `present`: the kinds the
+    index must list at least one item of; `readable_run`: whether one of its runs must be readable (their
+    curves are then fetched together)."""
     index = client.get("/api/index?refresh=1").json()
+    for kind in present:
+        assert index[kind], (kind, index)
+    runs = [r["id"] for r in index["runs"] if "error" not in r]
+    assert bool(runs) == readable_run, index["runs"]
     for kind in PAGES:
         for item in index[kind]:
             expect = 200 if "error" not in item else 422
-            r = client.get(APIS[kind], params={"id": item["id"]})
-            assert r.status_code == expect, (kind, item["id"], r.text)
-            r = client.get(PAGES[kind], params={"id": item["id"]})
-            assert r.status_code in (200, 422), (kind, item["id"], r.text)
-            assert "<html" in r.text
-    runs = [r["id"] for r in index["runs"] if "error" not in r]
+            api = client.get(APIS[kind], params={"id": item["id"]})
+            assert api.status_code == expect, (kind, item["id"], api.text)
+            page = client.get(PAGES[kind], params={"id": item["id"]})
+            assert "<html" in page.text
+            if kind == "runs":
+                assert page.status_code == 200, (item["id"], page.text)
+                assert ('class="msg error"' in page.text) == ("error" in item), (item, page.text)
+            else:
+                assert page.status_code == api.status_code, (kind, item["id"], page.text)
     if runs:
         r = client.get("/api/curves", params=[("id", i) for i in runs[:12]] + [("points", 100)])
         assert r.status_code == 200
+        assert [c["id"] for c in r.json()["runs"]] == runs[:12]
     for path in ("/", "/runs", "/static/plotly.min.js", "/static/dashboard.js", "/static/dashboard.css",
                  "/openapi.json", "/docs"):
         assert client.get(path).status_code == 200, path
@@ -85,11 +98,14 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
 
     # the time each option adds, per kind, is the parquet's mean over layers
     times = {r["kind"]: r for r in prof["times"]["rows"]}
+    assert set(times) == set(table.kind)
     for kind, part in table[table.format.astype(str) == "int"].groupby("kind"):
         four = part[part.option.astype(str) == "4"]
-        if len(four):
-            assert times[kind]["4"] == pytest.approx(float((four.quantize_seconds + four.dequantize_seconds).mean()))
-    for kind, part in table[table.option.astype(str) == "recompute"].groupby("kind"):
+        assert len(four), kind  # every kind has a 4-bit option (the demo profiles 2, 4 and 8 bits)
+        assert times[kind]["4"] == pytest.approx(float((four.quantize_seconds + four.dequantize_seconds).mean()))
+    recomputed = table[table.option.astype(str) == "recompute"]
+    assert len(recomputed)
+    for kind, part in recomputed.groupby("kind"):
         assert times[kind]["recompute"] == pytest.approx(float(part.recompute_seconds.mean()))
     assert "Time each option adds" in client.get("/profile", params={"id": "demo/profile"}).text
 
@@ -202,6 +218,7 @@ def test_several_ranks_and_stages(synthetic_root):
     assert journal["pareto"]["rows"] == [] and journal["pareto"]["message"]
     coll = client.get("/api/profile", params={"id": "prof"}).json()["collectives"]
     table = pd.read_parquet(synthetic_root / "prof/collectives.parquet")
+    assert {(s["op"], s["path"]) for s in coll["series"]} == set(zip(table.op, table.path)) and len(table)
     for s in coll["series"]:
         part = table[(table.path == s["path"]) & (table.op == s["op"])].sort_values("message_bytes")
         assert s["seconds"] == pytest.approx(part.seconds.tolist())
@@ -420,10 +437,15 @@ def test_broken_files_are_messages_not_500(synthetic_root, tmp_path):
     assert run["summary"]["bad_lines"] == 3
     curves = client.get("/api/curves", params={"id": "run-bad-lines"}).json()["runs"][0]["curves"]
     assert curves["series"]["loss"]["value"][-1] is None  # NaN loss kept as a gap, valid JSON
-    for path in ["/", "/runs?id=run-broken&id=run-bad-lines", "/profile?id=bad-parquet", "/profile?id=bad-json",
-                 "/search?id=search", "/plan?id=search/plan.json"]:
+    # a page that shows one broken item answers 422, as its API does; pages that show parts of items or
+    # several runs answer 200 with the problems in them
+    for path, status in [("/", 200), ("/runs?id=run-broken&id=run-bad-lines", 200), ("/profile?id=bad-parquet", 200),
+                         ("/profile?id=bad-json", 422), ("/search?id=search", 200),
+                         ("/plan?id=search/plan.json", 422)]:
         r = client.get(path)
-        assert r.status_code in (200, 422) and ('class="msg error"' in r.text or 'class="bad"' in r.text), path
+        assert r.status_code == status, (path, r.status_code)
+        assert 'class="msg error"' in r.text or 'class="bad"' in r.text, path
+    visit_everything(client)
     assert snapshot(root) == before
 
 
@@ -473,10 +495,10 @@ def test_metrics_are_read_incrementally(tmp_path):
     assert get()["series"]["loss"]["value"] == [7.0]
 
 
-def test_pareto_figure_marks_each_validated_point():
+def test_pareto_figure_marks_each_validated_point(seed):
     from dashboard.figures import pareto_front
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     rows = []
     for i in range(7):
         peak, step = float(rng.uniform(1, 9) * 2**30), float(rng.uniform(0.05, 0.2))
@@ -545,7 +567,7 @@ def test_files_inside_an_artifact_that_lead_outside_are_not_read(synthetic_root,
     assert "outside the root" in client.get("/api/curves", params={"id": "run"}).json()["detail"]
     index = client.get("/api/index").json()
     assert "outside the root" in next(r for r in index["runs"] if r["id"] == "run")["error"]
-    visit_everything(client)
+    visit_everything(client, present=("profiles", "searches", "runs"), readable_run=False)
     assert snapshot(root) == before
 
 
@@ -572,29 +594,30 @@ def test_profile_table_as_csv(synthetic_root, tmp_path):
     assert "plain file name" in client.get("/api/profile", params={"id": "prof"}).json()["maps"]["error"]
 
 
-def test_study_figure_separates_trials_over_the_budget():
+def test_study_figure_separates_trials_over_the_budget(seed):
     from dashboard.figures import study_trials
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     trials = []
     for n in range(11):
         values = rng.uniform(0, 1, 3).tolist()
+        # trial 1 over the budget and trial 2 within it whatever the draws; no constraint: within
+        constraint = {1: 0.5, 2: -0.5}.get(n, float(rng.uniform(-1, 1)))
         trials.append({"number": n, "values": values, "params": {},
-                       "user_attrs": {"constraint": [float(rng.uniform(-1, 1))]} if n % 4 else {}})
+                       "user_attrs": {"constraint": [constraint]} if n % 4 else {}})
     fig = study_trials({"name": "s", "directions": ["minimize"] * 3, "objectives": ["peak", "time", "error"],
                         "trials": trials})
     feasible = [t for t in trials if all(c <= 0 for c in t["user_attrs"].get("constraint", []))]
     over = [t for t in trials if t not in feasible]
     assert fig["data"][0]["x"] == pytest.approx([t["values"][0] for t in feasible])
     assert fig["data"][0]["marker"]["color"] == pytest.approx([t["values"][2] for t in feasible])
-    if over:
-        assert fig["data"][1]["y"] == pytest.approx([t["values"][1] for t in over])
+    assert over and fig["data"][1]["y"] == pytest.approx([t["values"][1] for t in over])
 
 
-def test_sensitivity_map_goes_logarithmic_over_decades():
+def test_sensitivity_map_goes_logarithmic_over_decades(seed):
     from dashboard.figures import profile_maps
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     sens = (10.0 ** rng.uniform(-5, -1, size=(4, 3))).tolist()
     sens[1][2] = None  # an option that was not measured stays a gap
     maps = {"option": "4", "kinds": ["a", "b", "c"], "layers": [0, 1, 2, 3], "sensitivity": sens,

@@ -126,7 +126,7 @@ def test_the_harness_sees_javascript_errors(chromium):
     assert "missing.js" in text or "load failed" in text
 
 
-def test_budget_slider_redraws_and_saves_the_searchs_plan(chromium, tmp_path):
+def test_budget_slider_redraws_and_saves_the_searchs_plan(chromium, tmp_path, seed):
     """On a profile page: the plan is drawn, moving the slider redraws another plan, and the saved file is the
     one `agoq search` writes for the budget shown."""
     import json
@@ -139,7 +139,7 @@ def test_budget_slider_redraws_and_saves_the_searchs_plan(chromium, tmp_path):
     from tests.search.synthetic_profile import write_profile
 
     root = (tmp_path / "root").resolve()
-    write_profile(root / "prof", random.Random(int.from_bytes(os.urandom(4), "little")), micro_batch=3, seq_len=37)
+    write_profile(root / "prof", random.Random(seed), micro_batch=3, seq_len=37)
     drawn = "document.body.dataset.plansDrawn"
     # what the plan keeps, as drawn (bits per layer and kind) and as chosen (micro-batch x accumulation, gradients,
     # optimizer: a small budget may be met by the split alone)
@@ -188,7 +188,7 @@ def test_budget_slider_redraws_and_saves_the_searchs_plan(chromium, tmp_path):
     assert saved == want
 
 
-def test_below_the_smallest_budget_the_slider_offers_the_smallest(chromium, tmp_path):
+def test_below_the_smallest_budget_the_slider_offers_the_smallest(chromium, tmp_path, seed):
     """The slider's range starts where a plan fits with no caps; under the default error cap the low end fits
     nothing. There the page says so and offers the smallest budget that fits; its button moves the slider to the
     first position at or above it, and that plan is drawn."""
@@ -206,8 +206,7 @@ def test_below_the_smallest_budget_the_slider_offers_the_smallest(chromium, tmp_
     from agoq.search.search import _recipe_cap
 
     root = (tmp_path / "root").resolve()
-    folder = write_profile(root / "prof", random.Random(int.from_bytes(os.urandom(4), "little")), micro_batch=3,
-                           seq_len=37)
+    folder = write_profile(root / "prof", random.Random(seed), micro_batch=3, seq_len=37)
     profile = load_profile(folder)
     low, high = budget_bounds(profile)
     with pytest.raises(InfeasibleBudget) as e:  # the premise: nothing fits the low end under the recipe's cap

@@ -7,8 +7,8 @@ from dashboard.downsample import minmax_indices
 
 
 @pytest.mark.parametrize("n, max_points", [(1, 4), (37, 37), (38, 37), (1013, 101), (100_003, 2000), (5000, 5)])
-def test_minmax_keeps_each_buckets_extremes(n, max_points):
-    rng = np.random.default_rng()
+def test_minmax_keeps_each_buckets_extremes(n, max_points, seed):
+    rng = np.random.default_rng(seed)
     y = rng.standard_normal(n).cumsum()
     spikes = rng.integers(0, n, size=max(1, n // 997))
     y[spikes] += rng.choice([-50.0, 50.0], size=len(spikes))
@@ -70,12 +70,12 @@ def test_pareto_chart_draws_the_budget_and_says_what_it_plots():
     assert "shapes" not in pareto_front(rows, None)["layout"] or not pareto_front(rows, None)["layout"]["shapes"]
 
 
-def test_smoothing_interpolation_and_the_loss_difference():
+def test_smoothing_interpolation_and_the_loss_difference(seed):
     import random
 
     from dashboard.figures import _interp, run_color, run_curves, smooth
 
-    rng = random.Random()
+    rng = random.Random(seed)
     xs = [rng.random() for _ in range(37)]
     ema, acc = smooth(xs, 0.8), None
     for x, y in zip(xs, ema):  # by hand

@@ -4,7 +4,6 @@ the search's own, and the server answers afterwards. Prints the p95 latency."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -17,9 +16,8 @@ from experiments.service_load import request, run_load, serve, spread
 from tests.search.synthetic_profile import write_profile
 
 
-def test_fifty_concurrent_plans(tmp_path, capsys):
-    write_profile(tmp_path / "prof", random.Random(int.from_bytes(os.urandom(4), "little")), micro_batch=3,
-                  seq_len=37)
+def test_fifty_concurrent_plans(tmp_path, capsys, seed):
+    write_profile(tmp_path / "prof", random.Random(seed), micro_batch=3, seq_len=37)
     planner = Planner(workers=2, queue=4, timeout=40)
     with serve(create_app(tmp_path, planner=planner)) as (host, port):
         status, _, found = request(host, port, "GET", "/api/plan/range?profile=prof")

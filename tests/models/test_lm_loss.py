@@ -1,6 +1,5 @@
 """Chunked LM head + cross-entropy against the plain full-logits loss, values and gradients, in float64."""
 
-import os
 
 import pytest
 import torch
@@ -16,8 +15,7 @@ def _plain(hidden, weight, labels):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 53, 10_000])
-def test_loss_and_gradients_equal_full_logits_float64(chunk):
-    seed = int.from_bytes(os.urandom(3), "little")
+def test_loss_and_gradients_equal_full_logits_float64(chunk, seed):
     g = torch.Generator().manual_seed(seed)
     B, S, C, V = 3, 19, 24, 131
     hidden = torch.randn(B, S, C, generator=g, dtype=torch.float64)
@@ -37,8 +35,7 @@ def test_loss_and_gradients_equal_full_logits_float64(chunk):
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-10, atol=1e-12, msg=f"seed {seed}")
 
 
-def test_model_loss_and_tied_weights_match_the_model_float64():
-    seed = int.from_bytes(os.urandom(3), "little")
+def test_model_loss_and_tied_weights_match_the_model_float64(seed):
     cfg = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
            "tie_word_embeddings": True, "name": "tied"}
@@ -57,8 +54,8 @@ def test_model_loss_and_tied_weights_match_the_model_float64():
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
-def test_bf16_close_to_full_logits_and_no_grad_path():
-    g = torch.Generator().manual_seed(5)
+def test_bf16_close_to_full_logits_and_no_grad_path(seed):
+    g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(45, 16, generator=g).bfloat16()
     weight = (torch.randn(300, 16, generator=g) * 0.2).bfloat16()
     labels = torch.randint(0, 300, (45,), generator=g)

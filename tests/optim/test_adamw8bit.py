@@ -1,7 +1,6 @@
 """8-bit AdamW against torch.optim.AdamW in float64."""
 
 import io
-import os
 
 import torch
 
@@ -35,8 +34,8 @@ def _train(opt_cls, seed, steps=60, **kw):
     return w0, b0, w.detach(), b.detach(), opt
 
 
-def test_block_quantization_error_bounded():
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+def test_block_quantization_error_bounded(seed):
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(1000, generator=g) * torch.logspace(-3, 0, 1000)
     codes, scales = quantize_blocks(x, 256)
     assert codes.dtype == torch.uint8 and codes.numel() == 1024 and scales.numel() == 4
@@ -46,16 +45,14 @@ def test_block_quantization_error_bounded():
     assert ((y - x).abs()[big] <= x.abs()[big] * 2**-4 + 1e-12).all()
 
 
-def test_exact_moments_equal_torch_adamw_float64():
-    seed = int.from_bytes(os.urandom(3), "little")
+def test_exact_moments_equal_torch_adamw_float64(seed):
     _, _, w_ref, b_ref, _ = _train(torch.optim.AdamW, seed)
     _, _, w, b, opt = _train(AdamW8bit, seed, min_8bit_numel=10**9)  # every parameter keeps exact moments
     torch.testing.assert_close(w, w_ref, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(b, b_ref, rtol=1e-12, atol=1e-14)
 
 
-def test_8bit_moments_follow_torch_adamw_float64():
-    seed = int.from_bytes(os.urandom(3), "little")
+def test_8bit_moments_follow_torch_adamw_float64(seed):
     w0, b0, w_ref, b_ref, _ = _train(torch.optim.AdamW, seed)
     _, _, w, b, opt = _train(AdamW8bit, seed, min_8bit_numel=0)
     ref = torch.cat([(w_ref - w0).flatten(), (b_ref - b0).flatten()])
@@ -68,8 +65,7 @@ def test_8bit_moments_follow_torch_adamw_float64():
     assert opt.state_bytes() <= 2 * n + 2 * 256 + 8 * (n // 256 + 2) + 16
 
 
-def test_state_dict_round_trip_continues_exactly():
-    seed = int.from_bytes(os.urandom(3), "little")
+def test_state_dict_round_trip_continues_exactly(seed):
     w0, b0, target, xs = _problem(seed)
 
     def run(split):
@@ -95,7 +91,7 @@ def test_state_dict_round_trip_continues_exactly():
     assert state["exp_avg_scales"].dtype == torch.float32 and state["exp_avg_codes"].dtype == torch.uint8
 
 
-def test_parameters_updated_together_equal_one_at_a_time(monkeypatch):
+def test_parameters_updated_together_equal_one_at_a_time(monkeypatch, seed):
     """The fused kernel's buckets (one launch over several parameters) give the bytes of one launch per parameter."""
     import functools
 
@@ -104,7 +100,7 @@ def test_parameters_updated_together_equal_one_at_a_time(monkeypatch):
     monkeypatch.setattr(adamw8bit, "adamw8bit_step", functools.partial(fused_adamw.adamw8bit_step, backend="triton"))
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernel: compiled, or interpreted
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+    g = torch.Generator().manual_seed(seed)
     shapes = [(37, 53), (300,), (129, 7), (5, 5), (1000,)]
     init = [torch.randn(s, generator=g).to(device) for s in shapes]
     grads = [[(torch.randn(s, generator=g) * (i + 1)).to(device) for s in shapes] for i in range(6)]

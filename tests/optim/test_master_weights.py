@@ -1,6 +1,5 @@
 """float32 master weights: the optimizer steps float32 copies and the bf16 parameters get them rounded."""
 
-import os
 
 import torch
 
@@ -16,8 +15,7 @@ def _adamw_float64(w, g, lr, wd, beta1=0.9, beta2=0.999, eps=1e-8):
     return w * (1 - lr * wd) - lr * m_hat / (v_hat.sqrt() + eps)
 
 
-def test_masters_step_and_round_back_like_a_float64_reference():
-    seed = int.from_bytes(os.urandom(3), "little")
+def test_masters_step_and_round_back_like_a_float64_reference(seed):
     g = torch.Generator().manual_seed(seed)
     params = [torch.randn(37, 13, generator=g).bfloat16().requires_grad_(True),
               torch.randn(29, generator=g).bfloat16().requires_grad_(True)]

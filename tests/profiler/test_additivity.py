@@ -2,7 +2,7 @@
 
 import random
 
-from agoq.activations.policy import KINDS, RECOMPUTE, ActivationPolicy
+from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, ActivationPolicy
 from agoq.profiler.additivity import (
     QUADRATURE_FACTOR,
     QUADRATURE_FACTOR_WITH_RECOMPUTE,
@@ -14,8 +14,23 @@ from agoq.profiler.options import kind_options
 from agoq.profiler.sensitivity import Measurement, SensitivityMeter
 
 
-def test_mixed_policies_within_factor():
-    rng = random.Random()
+TRIALS = 6  # mixed policies, each one checked; the last half with recompute among the choices
+
+
+def _mixed_layer(rng: random.Random, bits: list[int], with_recompute: bool) -> dict:
+    """One layer's random settings, drawn again while they would keep every kind in 16 bits (such a layer
+    runs unmodified: it would test nothing)."""
+    while True:
+        choice = {}
+        for kind in KINDS:
+            opts = [o.setting for o in kind_options(kind, bits, ["int"]) if with_recompute or o.setting != RECOMPUTE]
+            choice[kind] = rng.choice(opts)
+        if any(v != KEEP for v in choice.values()):
+            return choice
+
+
+def test_mixed_policies_within_factor(seed):
+    rng = random.Random(seed)
     model = load_model("llama-tiny", dtype="fp32", seed=rng.randint(0, 999))
     meter = SensitivityMeter(model, token_batches(256, 2, 2, rng.randint(20, 40), rng.randint(0, 999), "cpu"))
     bits = [2, 3, 5, 8]
@@ -26,19 +41,10 @@ def test_mixed_policies_within_factor():
                 s = meter.measure(Measurement(layer, kind, o.option, o.format))
                 rows.append({"layer": layer, "kind": kind, "option": o.option, "bits": o.bits, "format": o.format,
                              "sensitivity": s})
-    for trial in range(6):
-        with_recompute = trial >= 3
-        layers = {}
-        for layer in range(3):
-            choice = {}
-            for kind in KINDS:
-                opts = [o.setting for o in kind_options(kind, bits, ["int"])
-                        if with_recompute or o.setting != RECOMPUTE]
-                choice[kind] = rng.choice(opts)
-            layers[layer] = choice
-        policy = ActivationPolicy(layers=layers)
-        if any(policy.keeps_everything(i) for i in range(3)):
-            continue
+    for trial in range(TRIALS):
+        with_recompute = trial >= TRIALS // 2
+        policy = ActivationPolicy(layers={layer: _mixed_layer(rng, bits, with_recompute) for layer in range(3)})
+        assert not any(policy.keeps_everything(i) for i in range(3))
         measured = meter.policy_error(policy)
         quad = predicted_error(rows, policy, 3)
         total = predicted_error(rows, policy, 3, how="sum")

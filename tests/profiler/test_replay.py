@@ -10,8 +10,8 @@ from agoq.profiler.sensitivity import Measurement, SensitivityMeter, measure_chu
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_replay_equals_policy_runs(dtype):
-    rng = random.Random()
+def test_replay_equals_policy_runs(dtype, seed):
+    rng = random.Random(seed)
     model = load_model("llama-tiny", dtype=dtype, seed=rng.randint(0, 999))
     meter = SensitivityMeter(model, token_batches(256, 2, 2, rng.randint(11, 29), rng.randint(0, 999), "cpu"),
                              block=64)

@@ -74,14 +74,15 @@ def _capture(model, ids):
     return found
 
 
+KINDS_MEASURED = ("norm_input", "qkv_input", "attention", "o_proj_input", "ffn1_input", "silu_input", "ffn2_input")
+
+
 def test_errors_match_float64_reference():
     seq = random.randint(17, 40)
     model = build("llama-tiny", dtype=torch.float32, seed=random.randint(0, 1000))
     batches = token_batches(256, 2, 2, seq, random.randint(0, 1000), "cpu")
     options = [Option("3", 3, "int"), Option("4", 4, "nf4"), Option("8", 8, "int")]
-    got = measure_tensor_errors(model, batches, {k: options for k in
-                                                 ("norm_input", "qkv_input", "attention", "o_proj_input",
-                                                  "ffn1_input", "silu_input", "ffn2_input")}, block=64)
+    got = measure_tensor_errors(model, batches, {k: options for k in KINDS_MEASURED}, block=64)
     sums = {}
     for ids in batches:
         for key, tensors in _capture(model, ids).items():
@@ -92,6 +93,8 @@ def test_errors_match_float64_reference():
                     acc[0] += e
                     acc[1] += t.double().pow(2).sum().item()
     assert set(sums) == set(got)
+    assert {(layer, kind) for layer, kind, _, _ in got} == \
+        {(layer, kind) for layer in range(model.config.num_hidden_layers) for kind in KINDS_MEASURED}
     for key, (e, n) in sums.items():
         assert abs(got[key] - (e / n) ** 0.5) <= 2e-3 * (e / n) ** 0.5, key
     # ordering by bits for every layer and kind

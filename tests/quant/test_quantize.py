@@ -1,7 +1,6 @@
 """Block quantization: Triton kernels vs the torch reference, and both vs closed-form bounds."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -10,10 +9,8 @@ import agoq
 from agoq.quant.codebook import nf4_levels
 from agoq.quant.qtensor import int_qmax, packed_nbytes, quantized_nbytes
 from agoq.quant.quantize import dequantize, quantize
+from tests.backends import BACKENDS, DEVICE, needs_triton
 
-triton = pytest.importorskip("triton")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["torch", "triton"] if (DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") else ["torch"]
 ALL_BITS = list(range(2, 9))
 
 
@@ -23,16 +20,15 @@ def rel_l2(a, b):
 
 
 def fresh(shape, dtype=torch.float32, scale=1.0):
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(DEVICE)
+    """Gaussian values from torch's global generator (seeded per test by tests/conftest.py)."""
+    return (torch.randn(shape, dtype=torch.float64) * scale).to(dtype).to(DEVICE)
 
 
+@needs_triton
 @pytest.mark.parametrize("bits", ALL_BITS)
 @pytest.mark.parametrize("block", [32, 128, 512])
 def test_kernel_bytes_equal_reference(bits, block):
     """Triton and torch produce the same packed bytes and scales, on sizes that divide nothing."""
-    if "triton" not in BACKENDS:
-        pytest.skip("no GPU and no interpreter")
     x = fresh((3, 331), torch.float32)
     ref = quantize(x, bits, block, backend="torch")
     out = quantize(x, bits, block, backend="triton")

@@ -4,7 +4,6 @@ at the new size, and the profile reader's errors."""
 
 import json
 import math
-import os
 import random
 
 import numpy as np
@@ -29,7 +28,7 @@ from tests.search.synthetic_profile import write_profile
 
 
 def fresh_rng():
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = random.getrandbits(32)  # seeded per test: tests/conftest.py
     return seed, random.Random(seed)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 
 import numpy as np
@@ -21,7 +20,7 @@ from tests.search.synthetic_profile import write_profile
 
 
 def fresh_rng():
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = random.getrandbits(32)  # seeded per test: tests/conftest.py
     return seed, random.Random(seed)
 
 

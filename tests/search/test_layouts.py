@@ -134,7 +134,7 @@ def test_layouts_offered_and_refused(tmp_path):
     assert launch_for(1, "bf16", 1)["parallel"] == "none" and launch_for(4, "bf16", 2)["parallel"] == "pipeline"
 
 
-def test_optuna_trials_draw_layouts_and_keep_the_plans_other_knobs(tmp_path):
+def test_optuna_trials_draw_layouts_and_keep_the_plans_other_knobs(tmp_path, seed):
     """Optuna's trials vary the layout too: one categorical over every layout the profile offers; a trial whose
     gradient storage cannot take the layout it drew runs its storage's own. Optimizer, masters and compile mode are
     the MILP plan's (`base`) wherever the layout allows them. Each trial's knobs are rebuilt from its parameters."""
@@ -144,7 +144,6 @@ def test_optuna_trials_draw_layouts_and_keep_the_plans_other_knobs(tmp_path):
     from agoq.search.layouts import layouts, resolve_layout
     from agoq.search.study import KnobSpace, knobs_from_trial, run_study
 
-    seed = int.from_bytes(__import__("os").urandom(3), "little")
     p = _profile(tmp_path, 2, link=1e11, seed=seed % 1000)
     base = ProblemSettings(optimizer="adamw8bit", master="none", compile_mode=compile_modes(p)[-1])
     space = KnobSpace(p, base=base)
@@ -169,12 +168,11 @@ def test_optuna_trials_draw_layouts_and_keep_the_plans_other_knobs(tmp_path):
         assert trial.distributions["layout"].choices == tuple(space.layouts)
 
 
-def test_optuna_keeps_to_the_layouts_asked(tmp_path):
+def test_optuna_keeps_to_the_layouts_asked(tmp_path, seed):
     """`agoq search --layout replicated` (the demo's one-process search): no trial may come back sharded or fsdp,
     or the plan could not run in one process; asking for a layout no storage takes is a clear error."""
     from agoq.search.study import KnobSpace, run_study
 
-    seed = int.from_bytes(__import__("os").urandom(3), "little")
     p = _profile(tmp_path, 2, link=1e11, seed=seed % 1000)
     _, largest = budget_bounds(p)
     result = run_study(p, largest, storage=f"sqlite:///{tmp_path / 'study.db'}", trials=8, objective="time",

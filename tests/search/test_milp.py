@@ -2,7 +2,6 @@
 feasible budget it reports is the true one."""
 
 import itertools
-import os
 import random
 
 import numpy as np
@@ -14,7 +13,7 @@ from agoq.search.milp import InfeasibleBudget, Solver
 
 
 def fresh_rng():
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = random.getrandbits(32)  # seeded per test: tests/conftest.py
     return seed, random.Random(seed)
 
 

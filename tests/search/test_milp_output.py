@@ -23,8 +23,8 @@ def _small_problem(rng):
     return c, cons, weights
 
 
-def test_solver_lines_on_stdout_are_dropped_in_the_main_thread(capfd, monkeypatch):
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+def test_solver_lines_on_stdout_are_dropped_in_the_main_thread(capfd, monkeypatch, seed):
+    rng = np.random.default_rng(seed)
     _noisy.real = milp_model._scipy_milp
     monkeypatch.setattr(milp_model, "_scipy_milp", _noisy)
     c, cons, weights = _small_problem(rng)
@@ -40,9 +40,9 @@ def test_solver_lines_on_stdout_are_dropped_in_the_main_thread(capfd, monkeypatc
     assert res.status == 0 and abs(res.fun - best) <= 1e-9 * max(1.0, abs(best))
 
 
-def test_other_threads_leave_stdout_alone(capfd, monkeypatch):
+def test_other_threads_leave_stdout_alone(capfd, monkeypatch, seed):
     """A worker thread (the dashboard's solver pool) must not redirect the descriptor the server writes to."""
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    rng = np.random.default_rng(seed)
     _noisy.real = milp_model._scipy_milp
     monkeypatch.setattr(milp_model, "_scipy_milp", _noisy)
     c, cons, _ = _small_problem(rng)
