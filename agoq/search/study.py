@@ -28,6 +28,7 @@ from agoq.progress import progress_bar
 from agoq.search.costs import ProblemSettings, build_problem, gradient_modes, optimizer_choices
 from agoq.search.layouts import layouts
 from agoq.search.milp import InfeasibleBudget, Solver, resolve_time_cap
+from agoq.search.timing import prices, profile_compile_mode
 
 SAMPLERS = ("nsga2", "tpe")
 BLOCKS = (32, 64, 128, 256)
@@ -103,8 +104,12 @@ class KnobSpace:
         self.has_config = bool(profile.model_config())
         self.profiled_micro_batch = int(s.get("micro_batch", 1) or 1)
         self.sequences = int(sequences_per_step or self.profiled_micro_batch)
-        self.micro_batches = [d for d in range(1, self.sequences + 1) if self.sequences % d == 0] \
+        divisors = [d for d in range(1, self.sequences + 1) if self.sequences % d == 0] \
             if self.has_config else [self.profiled_micro_batch]
+        # splits the profile measured steps at (agoq.search.timing): the others are not offered
+        steps, mode = prices(profile), base.compile_mode or profile_compile_mode(profile)
+        self.micro_batches = [d for d in divisors if steps.seconds(mode, d, self.sequences // d) is not None] \
+            or [self.profiled_micro_batch]
         self.modes = [m for m in gradient_modes(profile) if gradient_modes_allowed is None or m in gradient_modes_allowed]
         if not self.modes:
             raise ValueError(f"no gradient storage of {gradient_modes_allowed} has figures in the profile")

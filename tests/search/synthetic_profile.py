@@ -28,8 +28,8 @@ def synthetic_steps(rng: random.Random, num_layers: int, micro_batch: int, step_
     one micro-batch of m sequences costs fb(m) = a + b m (fb(profiled) + the optimizer step = `step_seconds` for
     bf16), each further micro-batch of a step the same plus an accumulation cost; a layer under LAAQ or
     checkpointed adds its own seconds per micro-batch; QuanGrad, another optimizer or masters add their own. At
-    every micro-batch m dividing the profiled one: steps of (m, 1) and (m, profiled / m). Peaks: `peak` for every
-    step (None: not measured)."""
+    every micro-batch m dividing the profiled one: steps of one and of two micro-batches (as the profiler measures
+    them). Peaks: `peak` for every step (None: not measured)."""
     optimizer = step_seconds * rng.uniform(0.05, 0.15)
     fb0 = step_seconds - optimizer
     a = fb0 * rng.uniform(0.05, 0.3)
@@ -52,7 +52,7 @@ def synthetic_steps(rng: random.Random, num_layers: int, micro_batch: int, step_
     for compile_mode in compile_modes:
         scale = 1.0 if compile_mode == "eager" else 0.8
         for m in [d for d in range(1, micro_batch + 1) if micro_batch % d == 0]:
-            for accum in sorted({1, micro_batch // m}):
+            for accum in (1, 2):
                 for policy in policy_cost:
                     add(compile_mode, policy, m, accum)
                 add(compile_mode, "bf16", m, accum, "quangrad8", extra=quangrad * accum)
