@@ -5,11 +5,9 @@ Everything reads, except `POST /api/plan/save`, which writes a plan file under R
 
 from __future__ import annotations
 
-import hmac
 import os
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlencode
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -19,7 +17,6 @@ from fastapi.responses import (
     HTMLResponse,
     JSONResponse,
     PlainTextResponse,
-    RedirectResponse,
 )
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -27,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from agoq.search.request import CAP_FIELDS, BadField, InfeasibleBudget, SearchRequest, cap_defaults
 from agoq.units import excerpt
 from dashboard import pages, saved_plans
-from dashboard.access import is_loopback
+from dashboard.access import Access, check_write, guard
 from dashboard.formats import BrokenFile
 from dashboard.limits import MAX_BODY_BYTES, BodyLimit, clipped, short_validation_errors
 from dashboard.planner import Busy, Planner, service_request
@@ -35,12 +32,7 @@ from dashboard.profiles import table_file
 from dashboard.service import MAX_POINTS_LIMIT, Dashboard
 
 STATIC = Path(__file__).with_name("static")
-TOKEN_COOKIE = "agoq_dashboard_token"
-TOKEN_HEADER = "x-agoq-token"
 MAX_COMPARE = 12
-PAGE_SECURITY = {"content-security-policy": "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
-                                            "img-src 'self' data: blob:; connect-src 'self'; frame-ancestors 'none'",
-                 "x-content-type-options": "nosniff", "referrer-policy": "no-referrer"}
 
 
 def plotly_bundle() -> Path:
@@ -51,18 +43,6 @@ def plotly_bundle() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: reinstall plotly (pip install --force-reinstall plotly)")
     return path
-
-
-def _given_token(request: Request) -> tuple[str | None, bool]:
-    """The token a request carries (header, bearer, query or cookie) and whether it came in the query."""
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip(), False
-    if request.headers.get(TOKEN_HEADER):
-        return request.headers[TOKEN_HEADER], False
-    if request.query_params.get("token"):
-        return request.query_params["token"], True
-    return request.cookies.get(TOKEN_COOKIE), False
 
 
 class PlanRequest(BaseModel):
@@ -110,33 +90,8 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
     app.state.dashboard = data
     app.state.planner = planner
 
-    @app.middleware("http")
-    async def access(request: Request, call_next):
-        if allowed_hosts is not None:
-            host = (request.headers.get("host") or "").lower()
-            host = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
-            if host not in allowed_hosts:
-                return PlainTextResponse(f"Host {host!r} is not served here: without a token this dashboard only "
-                                         "answers to localhost addresses (start it with --token to reach it "
-                                         "under another name, e.g. through a proxy)", status_code=400)
-        from_query = False
-        if token is not None:
-            given, from_query = _given_token(request)
-            if not given or not hmac.compare_digest(given.encode(), token.encode()):
-                return PlainTextResponse("this dashboard needs its token: add ?token=... to the address "
-                                         f"(or send the header {TOKEN_HEADER})", status_code=401)
-        if from_query and request.method == "GET" and not request.url.path.startswith("/api/"):
-            # keep the token out of the address bar, history and shared links: a cookie carries it
-            rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
-            response = RedirectResponse(request.url.path + ("?" + urlencode(rest) if rest else ""), status_code=303)
-        else:
-            response = await call_next(request)
-        if from_query:
-            response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
-        if not request.url.path.startswith(("/docs", "/redoc")):
-            response.headers.update(PAGE_SECURITY)
-        return response
-
+    app.state.access = Access.of(token, allowed_hosts)
+    app.middleware("http")(guard)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)  # outermost: a body over the limit reaches nothing else
     app.add_exception_handler(RequestValidationError, short_validation_errors)
 
@@ -244,15 +199,6 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
         result = await solved(lambda: planner.plan(folder, request))
         return {"profile": body.profile, "budget_bytes": request.budget, "caps": request.caps, **result}
 
-    def same_origin(request: Request) -> None:
-        """Refuse a write a page of another site could have sent: a JSON body only, and an Origin (when the
-        browser sends one) naming this dashboard's own host."""
-        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-            raise HTTPException(415, "send the request as JSON (Content-Type: application/json)")
-        origin = request.headers.get("origin")
-        if origin is not None and origin.split("://", 1)[-1].lower() != (request.headers.get("host") or "").lower():
-            raise HTTPException(403, f"a request from {origin} may not save plans here: open the dashboard itself")
-
     @app.post("/api/plan", tags=["api"], summary="Solve a plan at a budget, as `agoq search` would",
               description="The plan `agoq search --profile P --budget B` writes (with the objective and caps "
                           "given, else the command's defaults), solved by the same search in a pool of worker "
@@ -291,11 +237,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
                           "file exists and `overwrite` is false; 403 from another machine unless the dashboard "
                           "has a token; 415 unless the body is JSON. Answers {id, path, overwritten}.")
     async def api_plan_save(body: SaveRequest, request: Request):
-        same_origin(request)
-        client = request.client.host if request.client else ""
-        if token is None and not is_loopback(client):
-            raise HTTPException(403, "saving plans from another machine needs the dashboard's token: start it with "
-                                     "--token (or AGOQ_DASHBOARD_TOKEN) and send it")
+        check_write(request)
         try:
             name = saved_plans.safe_name(body.name)
         except ValueError as e:
