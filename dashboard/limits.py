@@ -3,6 +3,8 @@
 - A request body is at most MAX_BODY_BYTES (a plan request is a few hundred bytes): a larger one is answered 413,
   by its Content-Length alone when it declares one, else as soon as that many bytes have come, and the rest is
   never read (the connection is closed), so no request grows the server's memory with its size.
+- /api/curves answers for at most MAX_COMPARE runs at once (more: 422); the /runs page draws the first
+  MAX_COMPARE it is given.
 - A validation error (FastAPI's 422 for a body or query of the wrong shape) quotes at most an excerpt of the
   input it refused, and lists at most MAX_ERRORS errors: FastAPI's own answer quotes the input whole. A name
   that is not found (an id in a query) is repeated up to MAX_NAMED_CHARS characters.
@@ -21,6 +23,7 @@ from agoq.units import EXCERPT_CHARS, excerpt
 
 MAX_BODY_BYTES = 64 * 1024
 MAX_ERRORS = 8
+MAX_COMPARE = 12  # the most runs one request compares
 MAX_NAMED_CHARS = 200  # the most of a name a request gave (an id in a query) that an answer repeats
 
 
