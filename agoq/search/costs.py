@@ -367,8 +367,13 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         floor = sum(floor_parts.values())
     params = float(profile.header["model"].get("parameters") or 0)
     base = times["base"]
-    if layout == "fsdp":
-        fb = (base / accum) * 0.9  # one micro-batch's fwd + bwd, the optimizer step's tenth aside
+    if layout == "fsdp":  # FSDP2: each rank steps 1/N of the state; its collectives overlap each layer's compute
+        split = prices(profile).split_parts(compile_mode, mb, "bf16", optimizer, master)
+        if split is None:
+            raise ValueError(f"the profile measured no {compile_mode} steps of one and two micro-batches of {mb} "
+                             "sequences: an fsdp plan's compute and optimizer step cannot be told apart")
+        fb, once = split
+        base = accum * fb + once / world
         parts = fsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb)
         comm = accum * parts["exposed"]
         ag_ms, rs_ms = parts["all_gather_layer"] * 1e3, parts["reduce_scatter_layer"] * 1e3

@@ -132,6 +132,17 @@ class StepPrices:
             return None
         return (mine - bf16) / self.num_layers
 
+    def split_parts(self, compile_mode: str, micro_batch: int, gradients: str = BASE_GRADIENTS,
+                    optimizer: Optional[str] = None, master: Optional[str] = None) -> Optional[tuple[float, float]]:
+        """(seconds one more micro-batch of `micro_batch` sequences adds to a step: its fwd + bwd and accumulation,
+        seconds of the rest of a one-micro-batch step: the optimizer step and what runs once), from the steps of
+        one and of two micro-batches; None without both."""
+        one = self.seconds(compile_mode, micro_batch, 1, gradients, optimizer, master)
+        two = self.seconds(compile_mode, micro_batch, 2, gradients, optimizer, master)
+        if one is None or two is None:
+            return None
+        return two - one, 2 * one - two
+
     def missing(self, compile_mode: str, micro_batch: int, grad_accum: int, gradients: str, optimizer: str,
                 master: str) -> Optional[str]:
         """Why these knobs cannot be priced (None: they can)."""

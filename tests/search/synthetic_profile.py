@@ -126,6 +126,7 @@ def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_lay
         "memory": {"weights_bytes": 2 * params, "gradients_bytes_bf16": 2 * params,
                    "gradients_bytes_quangrad8": params + 4 * (params // 256 + 1),
                    "optimizer_bytes_adamw": 8 * params, "optimizer_bytes_adamw8bit": 2 * params,
+                   "measured_with": {"optimizer": "adamw8bit", "master": "fp32", "gradients": "bf16"},
                    "fixed_bytes": rng.randrange(10**5, 10**6), "outside_activation_bytes": rng.randrange(10**4, 10**5),
                    "steps": [] if step_seconds is None else [{"policy": "bf16", "measured_peak_bytes": None,
                                                              "predicted_peak_bytes": None,

@@ -13,7 +13,14 @@ import pytest
 from agoq.formats.plan import plan_from_dict
 from agoq.formats.profile import load_profile
 from agoq.search.alternatives import best_alternative, price_alternatives
-from agoq.search.costs import ProblemSettings, build_problem, checkpointing_only, compile_modes, static_bytes_total
+from agoq.search.costs import (
+    ProblemSettings,
+    build_problem,
+    checkpointing_only,
+    compile_modes,
+    state_parts,
+    static_bytes_total,
+)
 from agoq.search.search import plan_from_profile
 from tests.search.synthetic_profile import write_profile
 
@@ -24,15 +31,19 @@ def fresh_rng():
 
 
 def _profile(tmp_path, rng, compiled: bool):
-    folder = write_profile(tmp_path / "p", rng, num_layers=3, micro_batch=2, seq_len=29, layer_forward=True)
+    """A 3-layer profile whose measured steps are eager (and compiled), with two compiled steps under torch.compile's
+    activation_memory_budget when `compiled`."""
+    modes = ("eager", "compiled") if compiled else ("eager",)
+    folder = write_profile(tmp_path / "p", rng, num_layers=3, micro_batch=2, seq_len=29, compile_modes=modes)
     header = json.loads((folder / "profile.json").read_text())
     if compiled:
-        bf16 = header["memory"]["steps"][0]["step_seconds"]
-        header["compiled"] = {"mode": "default", "steps": [
-            {"policy": "bf16", "step_seconds": 0.8 * bf16},
-            {"policy": "checkpoint-all", "step_seconds": 0.95 * bf16}],
-            "memory_budget_points": [{"activation_memory_budget": b, "step_seconds": (0.85 + 0.1 * (1 - b)) * bf16,
-                                      "peak_bytes": rng.randrange(10**6, 10**7)} for b in (0.5, 0.1)]}
+        rows = header["measured_steps"]["rows"]
+        bf16 = next(r for r in rows if (r["compile"], r["policy"], r["micro_batch"], r["grad_accum"], r["gradients"],
+                                        r["optimizer"], r["master"]) == ("compiled", "bf16", 2, 1, "bf16", "adamw8bit",
+                                                                         "fp32"))
+        for b in (0.5, 0.1):
+            rows.append({**bf16, "activation_memory_budget": b, "step_seconds": (1.05 + 0.1 * (1 - b)) * bf16["step_seconds"],
+                         "peak_bytes": rng.randrange(10**6, 10**7)})
     (folder / "profile.json").write_text(json.dumps(header))
     return load_profile(folder)
 
@@ -71,15 +82,27 @@ def test_compiled_points_move_with_the_optimizer(tmp_path):
     priced = price_alternatives(profile, 10**12, [(2, 1)], ["eager", "compiled"])
     points = [a for a in priced if a.activation_memory_budget is not None]
     assert len(points) == 4  # two points x two optimizers
-    measured = {p["activation_memory_budget"]: p for p in profile.header["compiled"]["memory_budget_points"]}
+    rows = profile.header["measured_steps"]["rows"]
+    measured = {r["activation_memory_budget"]: r for r in rows if r["activation_memory_budget"] is not None}
+
+    def step(optimizer, master="fp32"):
+        return next(r["step_seconds"] for r in rows if (r["compile"], r["policy"], r["micro_batch"], r["grad_accum"],
+                                                        r["gradients"], r["optimizer"], r["master"],
+                                                        r["activation_memory_budget"])
+                    == ("compiled", "bf16", 2, 1, "bf16", optimizer, master, None))
+
     for a in points:
-        # the profile (synthetic, old style) was measured with float32 AdamW: its points are moved by the static bytes
+        # measured with the fused 8-bit AdamW: moved by the static bytes (AdamW's step transient too) and by what
+        # AdamW's measured step took longer
+        point = measured[a.activation_memory_budget]
         shift = static_bytes_total(profile, "bf16", a.optimizer, a.master) - static_bytes_total(profile, "bf16",
-                                                                                                 "adamw", "fp32")
-        assert a.peak_bytes == int(measured[a.activation_memory_budget]["peak_bytes"] + shift)
+                                                                                                 "adamw8bit", "fp32")
+        shift += state_parts(profile, "bf16", a.optimizer, a.master)["step_transient"]
+        assert a.peak_bytes == int(point["peak_bytes"] + shift), seed
+        assert a.step_seconds == pytest.approx(point["step_seconds"] + step(a.optimizer) - step("adamw8bit"),
+                                               rel=1e-12), seed
     compiled_bf16 = next(a for a in priced if a.compile == "compiled" and "bf16" in a.name and a.optimizer == "adamw")
-    eager_bf16 = next(a for a in priced if a.compile == "eager" and "bf16" in a.name and a.optimizer == "adamw")
-    assert compiled_bf16.step_seconds == pytest.approx(0.8 * eager_bf16.step_seconds, rel=1e-9)
+    assert compiled_bf16.step_seconds == pytest.approx(step("adamw"), rel=1e-12)
     assert best_alternative([]) is None
 
 

@@ -173,7 +173,7 @@ def test_micro_batch_and_block_rescaling_match_a_fresh_profile(tmp_path):
     seed, rng = fresh_rng()
     seq = rng.choice([17, 33])
     mb_new, block_new = rng.choice([1, 3, 4]), rng.choice([32, 64, 256])
-    a = load_profile(write_profile(tmp_path / "a", random.Random(seed), micro_batch=2, seq_len=seq))
+    a = load_profile(write_profile(tmp_path / "a", random.Random(seed), micro_batch=12, seq_len=seq))
     b = load_profile(write_profile(tmp_path / "b", random.Random(seed), micro_batch=mb_new, seq_len=seq, block=block_new))
     pa = build_problem(a, ProblemSettings(micro_batch=mb_new, block=block_new))
     pb = build_problem(b)
