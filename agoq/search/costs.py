@@ -387,7 +387,7 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     problem = ChoiceProblem(layer, kind, option, memory, seconds, error, stages, checkpoint_memory,
                             checkpoint_seconds, allow_ckpt, unmodified, credit, static, base + comm, 1.0, notes,
                             floor, np.array(in_flight[:S], dtype=float), recompute, laaq, times["laaq"] or 0.0,
-                            static_parts, floor_parts)
+                            static_parts, floor_parts, one_setting_per_stage=compile_mode == "compiled")
     if calibrate:
         calibrate_problem(problem, profile, knobs, compile_mode, mb, accum)
     return problem

@@ -62,7 +62,8 @@ class Solver:
                                     floor_bytes=p.peak_floor()[s:s + 1], in_flight=p.in_flight_counts()[s:s + 1],
                                     recompute_bytes=p.recomputed()[layers],
                                     laaq_transient_bytes=p.laaq_transient()[s:s + 1],
-                                    laaq_layer_seconds=p.laaq_layer_seconds)
+                                    laaq_layer_seconds=p.laaq_layer_seconds,
+                                    one_setting_per_stage=p.one_setting_per_stage)
                 model = Model(sub)
                 model.tie_break = self.tie_break
                 self._stages.append((model, idx, layers))

@@ -17,17 +17,18 @@ transient). Constraints:
   optionally:         step seconds <= time cap, where step seconds = base + sum options' seconds
                       + sum_l checkpoint seconds c_l + laaq_layer_seconds x (L - sum_l u_l - sum_l c_l)
 
+With one setting per stage (ChoiceProblem.one_setting_per_stage: compiled plans, whose every distinct layer
+setting is a graph to compile), y_{s,k,o} picks each stage's setting of kind k, sum_o y_{s,k,o} = 1, and a layer
+under LAAQ's functions takes it: |x_{l,k,o} - y_{s,k,o}| <= u_l + c_l. A stage then compiles at most three graphs
+(unmodified, checkpointed, its LAAQ setting).
+
 Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically: the
 first objective is solved exactly (relative MIP gap 1e-7) or, where HiGHS cannot prove that within the time
-limit it is given (agoq.search.milp.PRIMARY_SECONDS; step time under both a memory budget and an error cap can
-take minutes), the best choice found by then, with `Allocation.gap` the relative gap left; the second is then
-minimised among the choices that reach that optimum, within SECOND_NODES branch-and-bound nodes and
-SECOND_SECONDS (the best answer found is kept, and the first solve's if none; `Allocation.second_gap` is the
-relative gap HiGHS could still prove, typically below 1e-3 while the answer itself is within 1e-5 of the
-optimum). Near the smallest feasible budget, under an error cap, the second solve can take several seconds for
-a negligible change in error: the time limit keeps a plan request to about the first solve's time. When the
-first optimum is zero (zero error at a loose budget) that second solve is the real trade-off: the least time
-at zero error.
+limit it is given (agoq.search.milp.PRIMARY_SECONDS), the best choice found by then, with `Allocation.gap` the
+relative gap left; the second is then minimised exactly among the choices that reach that optimum, and among
+those the one that changes fewest tensors (quantized or recomputed options, checkpointed layers): where keeping a
+tensor as it is costs nothing, it is kept. When the first optimum is zero (zero error at a loose budget) that
+second solve is the real trade-off: the least time at zero error.
 """
 
 from __future__ import annotations
@@ -47,11 +48,9 @@ from agoq.activations.policy import KINDS
 from agoq.search.costs import ChoiceProblem
 
 OBJECTIVES = ("error", "time")
-TIE_BREAK = 1e-6
+CHANGE_WEIGHT = 1e-4  # the second solve's weight of one tensor not kept as it is
 GAP = 1e-7  # relative MIP gap: optimal for all practical purposes
 MIB = float(2**20)
-SECOND_SECONDS = 1.0  # time limit of the second objective's solve (a tie-break: the first objective is exact)
-SECOND_NODES = 1000  # branch-and-bound nodes for the second objective (its best answer found so far is kept)
 
 
 def milp(c, **kwargs):
@@ -108,8 +107,15 @@ class Model:
         self._first: dict = {}  # first-objective results by (budgets, objective, caps, time limit)
         n, L, S = len(p.option), p.num_layers, p.num_stages
         self.p, self.n, self.L, self.S = p, n, L, S
-        self.nv = n + 3 * L + S   # x, c, u, w, z
+        # y: each stage's one setting of every kind for its layers under LAAQ (p.one_setting_per_stage)
+        self.settings_of = {}
+        if p.one_setting_per_stage:
+            for i in range(n):
+                self.settings_of.setdefault((int(p.layer_stage[p.layer[i]]), int(p.kind[i]), p.option[i]),
+                                            len(self.settings_of))
+        self.nv = n + 3 * L + S + len(self.settings_of)   # x, c, u, w, z, y
         self.c0, self.u0, self.w0, self.z0 = n, n + L, n + 2 * L, n + 3 * L
+        self.y0 = n + 3 * L + S
         laaq = p.laaq_transient()
         rows, cols, vals, lo, hi = [], [], [], [], []
         r = 0
@@ -123,7 +129,8 @@ class Model:
             hi.append(1.0)
             r += 1
         is16 = p.keeps_16bit()
-        timed = p.laaq_layer_seconds != 0.0  # u_l carries the LAAQ layer time: it must be exact
+        # u_l carries the LAAQ layer time, and frees a layer from its stage's one setting: it must be exact
+        timed = p.laaq_layer_seconds != 0.0 or p.one_setting_per_stage
         att, oproj = KINDS.index("attention"), KINDS.index("o_proj_input")
         kinds_per_layer = np.zeros(L, dtype=int)
         for (l, _k) in groups:
@@ -174,6 +181,27 @@ class Model:
                         lo.append(-np.inf)
                         hi.append(0.0)
                         r += 1
+        if self.settings_of:  # one setting per (stage, kind): sum_o y = 1, and |x_i - y| <= u_l + c_l
+            by_group: dict = {}
+            for (s, k, _o), j in self.settings_of.items():
+                by_group.setdefault((s, k), []).append(j)
+            for js in by_group.values():
+                rows += [r] * len(js)
+                cols += [self.y0 + j for j in js]
+                vals += [1.0] * len(js)
+                lo.append(1.0)
+                hi.append(1.0)
+                r += 1
+            for i in range(n):
+                l = int(p.layer[i])
+                y = self.y0 + self.settings_of[(int(p.layer_stage[l]), int(p.kind[i]), p.option[i])]
+                for sign, low, high in ((1.0, 0.0, np.inf), (-1.0, -np.inf, 0.0)):
+                    rows += [r] * 4
+                    cols += [i, y, self.u0 + l, self.c0 + l]
+                    vals += [1.0, -1.0, sign, sign]
+                    lo.append(low)
+                    hi.append(high)
+                    r += 1
         self.structure = LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(r, self.nv)).tocsr(), lo, hi)
         # which credit variables may be non-zero: only where both 16 options exist
         w_possible = np.zeros(L, dtype=bool)
@@ -268,11 +296,14 @@ class Model:
         """Among the choices reaching `first`'s optimum, the best second objective, then the least memory."""
         primary, secondary = self.rows(objective)
         best = self.value(first.x, objective)
-        mem_scale = max(float(np.abs(self.memory_rows).sum()), 1e-30)
         sec_scale = max(float(np.abs(secondary).max()), 1e-30)
-        c = secondary / sec_scale + TIE_BREAK * self.memory_rows.sum(0) / mem_scale
-        limit = min(time_limit or SECOND_SECONDS, SECOND_SECONDS)
-        options = {"mip_rel_gap": GAP, "time_limit": limit}
+        changes = np.zeros(self.nv)  # tensors not kept as they are: quantized or recomputed options, checkpointed layers
+        changes[:self.n] = ~self.p.keeps_16bit()
+        changes[self.c0:self.c0 + self.L] = 1.0
+        # HiGHS stops within an absolute gap of 1e-6: the second objective (its largest coefficient 1e3) and the
+        # changed tensors (1e-4 each) are scaled so that one changed tensor is well above it
+        c = 1e3 * secondary / sec_scale + CHANGE_WEIGHT * changes
+        options = {"mip_rel_gap": GAP}
         bounds = self.bounds
         if best <= 0.0 and not (primary < 0).any():  # the optimum uses no option with a primary cost: fix those out
             bounds = Bounds(bounds.lb, np.where(primary > 0, 0.0, bounds.ub))
@@ -282,10 +313,9 @@ class Model:
         else:  # ties among the optimum's equals
             scale = max(float(np.abs(primary).max()), 1e-30)
             extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + abs(best) * 1e-9 + 1e-12) / scale)]
-        options["node_limit"] = SECOND_NODES
         second = milp(c, constraints=self.constraints(budgets, time_cap, error_cap) + extra, integrality=np.ones(self.nv),
                       bounds=bounds, options=options)
-        if second.x is None:  # nothing found within the nodes: the first answer stands, its second unproven
+        if second.x is None:  # cannot happen (the first answer is feasible); kept as the answer if it does
             first.second_gap = 1.0
             return first
         second.second_gap = 0.0 if second.status == 0 else float(getattr(second, "mip_gap", 1.0) or 0.0)

@@ -67,6 +67,8 @@ class ChoiceProblem:
                                       # when agoq's fused layer is faster than the plain one
     static_parts: Optional[dict] = None  # {part: [S] bytes} adding up to static_bytes (agoq.search.memory_parts)
     floor_parts: Optional[dict] = None   # {part: [S] bytes} adding up to floor_bytes
+    one_setting_per_stage: bool = False  # every layer of a stage under LAAQ's functions has the same settings
+                                         # (compiled: one graph for them, beside the unmodified and checkpointed)
 
     def laaq_transient(self) -> np.ndarray:
         """Per stage, what the backward of a layer under LAAQ's functions holds beyond the memory model

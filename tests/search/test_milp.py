@@ -169,3 +169,66 @@ def test_a_time_limited_first_solve_keeps_a_feasible_choice_and_reports_its_gap(
     assert 0.0 <= rushed.gap <= 1.0 and rushed.step_seconds >= best.step_seconds * (1 - 1e-9), seed
     if rushed.step_seconds > best.step_seconds * (1 + 1e-6):
         assert rushed.gap > 0.0, seed  # a worse answer is never reported as proven
+
+
+def _one_setting_per_stage(p: ChoiceProblem, f_chosen, ckpt) -> bool:
+    """Brute force's reference of the constraint: per stage, the layers under LAAQ (neither all 16 nor
+    checkpointed) share one setting of every kind."""
+    by_stage: dict = {}
+    for l in range(p.num_layers):
+        mine = {int(p.kind[i]): p.option[i] for i in f_chosen if p.layer[i] == l}
+        if ckpt[l] or all(o == "16" for o in mine.values()):
+            continue
+        by_stage.setdefault(int(p.layer_stage[l]), set()).add(tuple(sorted(mine.items())))
+    return all(len(settings) == 1 for settings in by_stage.values())
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_one_setting_per_stage_equals_brute_force(stages):
+    """Compiled plans: the MILP under one LAAQ setting per stage finds brute force's optimum over the choices that
+    keep to it, and its answer keeps to it."""
+    seed, rng = fresh_rng()
+    for trial in range(4):
+        p = random_problem(rng, layers=3, kinds_per_layer=rng.choice([2, 3]), stages=stages)
+        p.laaq_layer_seconds = rng.uniform(-0.2, 0.5)
+        p.one_setting_per_stage = True
+        everything = []
+        for _, f in brute_force(p):
+            everything.append(f)
+        groups = p.groups()
+        per_layer = []
+        for l in range(p.num_layers):
+            mine = [idx for (gl, _), idx in sorted(groups.items()) if gl == l]
+            per_layer.append([(tuple(c), False) for c in itertools.product(*mine)]
+                             + ([((), True)] if p.allow_checkpoint else []))
+        allowed = []
+        for combo in itertools.product(*per_layer):
+            chosen = np.array([i for c, _ in combo for i in c], dtype=int)
+            ckpt = np.array([k for _, k in combo])
+            if _one_setting_per_stage(p, chosen, ckpt):
+                allowed.append(p.evaluate(chosen, ckpt))
+        low = min(max(f["peak_bytes_per_stage"]) for f in allowed)
+        high = max(max(f["peak_bytes_per_stage"]) for f in allowed)
+        solver = Solver(p)
+        for budget in (low, rng.uniform(low, high), high):
+            fits = [f for f in allowed if max(f["peak_bytes_per_stage"]) <= budget]
+            best = min(f["step_seconds"] for f in fits)
+            alloc = solver.solve(budget, "time")
+            assert alloc.step_seconds == pytest.approx(best, rel=1e-7, abs=1e-9), f"seed {seed} trial {trial}"
+            assert _one_setting_per_stage(p, alloc.chosen, alloc.checkpoint), f"seed {seed} trial {trial}"
+
+
+def test_ties_keep_tensors_as_they_are():
+    """Where time and error tie, the answer changes the fewest tensors: recompute (error 0) and quantized options
+    that cost no time are not chosen at a budget where keeping everything fits."""
+    seed, rng = fresh_rng()
+    for trial in range(5):
+        p = random_problem(rng, layers=3, kinds_per_layer=3)
+        p.seconds[:] = 0.0  # every option free in time (compiled layers), checkpointing too
+        p.checkpoint_seconds[:] = 0.0
+        p.error[np.array([o == "recompute" for o in p.option])] = 0.0
+        sixteen = np.nonzero(p.keeps_16bit())[0]
+        keep = max(p.evaluate(sixteen, np.zeros(p.num_layers, dtype=bool))["peak_bytes_per_stage"])
+        alloc = Solver(p).solve(keep + rng.randint(0, 50), "time")
+        assert all(p.option[i] == "16" for i in alloc.chosen) and not alloc.checkpoint.any(), \
+            f"seed {seed} trial {trial}: {[p.option[i] for i in alloc.chosen]}"
