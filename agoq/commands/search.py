@@ -129,8 +129,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
           help="run the K best plans for real and record measured figures (default 0)")
     field("validate_steps", default=4,
           help="training steps per measured plan, the first not timed (default 4)")
-    field("front_budgets", default=20,
-          help="budgets of the MILP memory/error Pareto front (default 20; 0: none)")
+    field("front_budgets", default=8,
+          help="budgets of the MILP memory/error Pareto front (default 8; 0: none)")
     field("seed", default=0, help="seed of the Optuna sampler and the measured runs")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)

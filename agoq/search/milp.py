@@ -92,19 +92,22 @@ class Solver:
         return self._model.relaxed_bound(self._budgets(budget), objective, time_cap, error_cap)
 
     def solve(self, budget, objective: str = "error", time_cap: Optional[float] = None,
-              time_limit: Optional[float] = None, error_cap: Optional[float] = None) -> Allocation:
+              time_limit: Optional[float] = None, error_cap: Optional[float] = None,
+              tie_limit: Optional[float] = None) -> Allocation:
         """The best choice under `budget` bytes per stage (a number, or one per stage), with optional caps on
-        step seconds and gradient error.
+        step seconds and gradient error. `time_limit` bounds the first objective's solve (PRIMARY_SECONDS by
+        default); its ties are broken exactly, unless `tie_limit` bounds that solve too (e.g. a front's points).
 
         Raises InfeasibleBudget, whose message gives the smallest feasible budget.
         """
         budgets = self._budgets(budget)
         time_limit = PRIMARY_SECONDS if time_limit is None else time_limit
-        alloc = self._solve(budgets, objective, time_cap, time_limit, error_cap)
+        alloc = self._solve(budgets, objective, time_cap, time_limit, error_cap, tie_limit)
         over = np.asarray(alloc.peak_bytes_per_stage, float) - budgets
         if (over > 0).any():  # within the solver's feasibility tolerance, a few bytes over: ask for less
             try:
-                alloc = self._solve(budgets - np.maximum(over, 0) - 1, objective, time_cap, time_limit, error_cap)
+                alloc = self._solve(budgets - np.maximum(over, 0) - 1, objective, time_cap, time_limit, error_cap,
+                                    tie_limit)
             except InfeasibleBudget:
                 alloc = None
             if alloc is None or (np.asarray(alloc.peak_bytes_per_stage) > budgets).any():
@@ -115,25 +118,25 @@ class Solver:
         return alloc
 
     def _solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float], time_limit: Optional[float],
-               error_cap: Optional[float]) -> Allocation:
+               error_cap: Optional[float], tie_limit: Optional[float] = None) -> Allocation:
         m = self._model
         m.rows(objective)
         if (self.problem.peak_floor() > budgets).any():
             raise self._infeasible(budgets, time_cap, "the optimizer step alone exceeds the budget", error_cap)
         if objective == "error" and error_cap is not None:
             # the least error either meets the cap or nothing does
-            alloc = self._solve(budgets, "error", time_cap, time_limit, None)
+            alloc = self._solve(budgets, "error", time_cap, time_limit, None, tie_limit)
             if alloc.grad_error > error_cap * (1 + 1e-9):
                 raise self._infeasible(budgets, time_cap, "the least error that fits exceeds the error cap", error_cap)
             return alloc
         if objective == "time" and time_cap is not None:
             # the least time either meets the cap or nothing does: solve without it (stages may then separate)
-            alloc = self._solve(budgets, "time", None, time_limit, error_cap)
+            alloc = self._solve(budgets, "time", None, time_limit, error_cap, tie_limit)
             if alloc.step_seconds > time_cap * (1 + 1e-9):
                 raise self._infeasible(budgets, time_cap, "the fastest choice that fits exceeds the time cap", error_cap)
             return alloc
         if error_cap is not None:  # objective time under an error cap: the cap couples the stages
-            res = m.solve(budgets, objective, None, time_limit, error_cap)
+            res = m.solve(budgets, objective, None, time_limit, error_cap, tie_limit)
             if res.x is None:
                 raise self._infeasible(budgets, None, res.message, error_cap)
             return m.allocation(res.x, getattr(res, "second_gap", 0.0), getattr(res, "gap", 0.0))
@@ -144,16 +147,16 @@ class Solver:
             if m.value(first.x, objective) <= 0.0 and not (m.rows(objective)[0] < 0).any():
                 # zero error is reachable within the cap: the least time at zero error is below the cap too,
                 # and without the cap the stages separate
-                return self._solve(budgets, objective, None, time_limit, None)
+                return self._solve(budgets, objective, None, time_limit, None, tie_limit)
             if not self.tie_break:
                 return m.allocation(first.x, 1.0, primary_gap(first))
-            res = m.solve_second_objective(first, budgets, objective, time_cap, time_limit)
+            res = m.solve_second_objective(first, budgets, objective, time_cap, tie_limit)
             return m.allocation(res.x, res.second_gap, primary_gap(first))
         if time_cap is None and self.problem.num_stages > 1:
             x = np.zeros(m.nv)
             gap = first_gap = 0.0
             for s, (model, idx, layers) in enumerate(self._stage_solvers()):
-                res = model.solve(budgets[s:s + 1], objective, None, time_limit)
+                res = model.solve(budgets[s:s + 1], objective, None, time_limit, None, tie_limit)
                 if res.x is None:
                     raise self._infeasible(budgets, time_cap, f"stage {s}: {res.message}")
                 sx = np.round(res.x)
@@ -163,7 +166,7 @@ class Solver:
                 for offset, sub_offset in ((m.c0, model.c0), (m.u0, model.u0), (m.w0, model.w0)):
                     x[offset + layers] = sx[sub_offset:sub_offset + len(layers)]
             return m.allocation(x, gap, first_gap)
-        res = m.solve(budgets, objective, time_cap, time_limit)
+        res = m.solve(budgets, objective, time_cap, time_limit, None, tie_limit)
         if res.x is None:
             raise self._infeasible(budgets, time_cap, res.message)
         return m.allocation(res.x, getattr(res, "second_gap", 0.0), getattr(res, "gap", 0.0))

@@ -292,7 +292,7 @@ class Model:
         return float(self.rows(objective)[0] @ np.round(x))
 
     def solve_second_objective(self, first, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-                               time_limit: Optional[float] = None, error_cap: Optional[float] = None):
+                               tie_limit: Optional[float] = None, error_cap: Optional[float] = None):
         """Among the choices reaching `first`'s optimum, the best second objective, then the least memory."""
         primary, secondary = self.rows(objective)
         best = self.value(first.x, objective)
@@ -303,7 +303,7 @@ class Model:
         # HiGHS stops within an absolute gap of 1e-6: the second objective (its largest coefficient 1e3) and the
         # changed tensors (1e-4 each) are scaled so that one changed tensor is well above it
         c = 1e3 * secondary / sec_scale + CHANGE_WEIGHT * changes
-        options = {"mip_rel_gap": GAP}
+        options = {"mip_rel_gap": GAP, **({"time_limit": tie_limit} if tie_limit else {})}
         bounds = self.bounds
         if best <= 0.0 and not (primary < 0).any():  # the optimum uses no option with a primary cost: fix those out
             bounds = Bounds(bounds.lb, np.where(primary > 0, 0.0, bounds.ub))
@@ -324,7 +324,8 @@ class Model:
     tie_break = True  # False: the first objective only (its ties left unbroken, second_gap 1)
 
     def solve(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-              time_limit: Optional[float] = None, error_cap: Optional[float] = None):
+              time_limit: Optional[float] = None, error_cap: Optional[float] = None,
+              tie_limit: Optional[float] = None):
         """Lexicographic: the first objective exactly, then the second (see the module docstring)."""
         first = self.solve_first_objective(budgets, objective, time_cap, time_limit, error_cap)
         if first.x is None:
@@ -332,7 +333,7 @@ class Model:
         if not self.tie_break:
             first.second_gap, first.gap = 1.0, primary_gap(first)
             return first
-        res = self.solve_second_objective(first, budgets, objective, time_cap, time_limit, error_cap)
+        res = self.solve_second_objective(first, budgets, objective, time_cap, tie_limit, error_cap)
         res.gap = primary_gap(first)
         return res
 

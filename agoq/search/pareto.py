@@ -41,6 +41,7 @@ def non_dominated(points: Sequence, keys) -> list:
 
 
 TimeCap = Union[None, float, Callable[[float], Optional[float]]]
+FRONT_SECONDS = 0.5  # a front point's solve stops here with the best choice found (a front shows the trade-off)
 
 
 def _cap(time_cap: TimeCap, budget: float) -> Optional[float]:
@@ -74,7 +75,8 @@ def memory_error_front(problem: ChoiceProblem, count: int = 20, objective: str =
     for b in iterator:
         try:
             points.append(FrontPoint(float(b), solver.solve(float(b), objective, _cap(time_cap, float(b)),
-                                                            error_cap=error_cap)))
+                                                            error_cap=error_cap, time_limit=FRONT_SECONDS,
+                                                            tie_limit=FRONT_SECONDS)))
         except ValueError:  # a budget-dependent cap that nothing meets at this budget
             continue
     unique: dict = {}

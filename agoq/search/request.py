@@ -230,7 +230,7 @@ class SearchRequest:
     trials: int = 40
     sampler: str = "nsga2"
     seed: int = 0
-    front_budgets: int = 20
+    front_budgets: int = 8
     validate: int = 0
     validate_steps: int = 4
     measure_trials: bool = False
