@@ -323,12 +323,14 @@ class Plan(_Part):
     def activation_policy(self) -> ActivationPolicy:
         """The runtime's ActivationPolicy: per-layer settings with the plan's block, format and rounding.
 
-        Checkpointed layers are all 16 in it, so they run their own forward inside the checkpoint.
+        Checkpointed layers are all 16 in it, so they run their own forward inside the checkpoint. The settings
+        were checked when the plan was (each kind's in `LayerPlan`, the storage in `ActivationsSpec`): the policy
+        takes them as they are.
         """
         layers = {lp.layer: dict(lp.kinds) for lp in self.layers}
         return ActivationPolicy(default={k: KEEP for k in KINDS}, layers=layers, block=self.activations.block,
                                 format=self.activations.format, rounding=self.activations.rounding,
-                                name=f"plan-{self.source.method}")
+                                name=f"plan-{self.source.method}", checked=True)
 
     def check_model(self, model) -> None:
         """Raise ValueError unless `model` (an nn.Module or a fingerprint string) is the plan's model."""
