@@ -224,8 +224,8 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
             trial_measure = _trial_measurer(profile, budget, objective, runner, r.validate_steps, r.seed, measure)
         result = run_study(profile, budget, storage=storage, study_name=study_name, trials=r.trials,
                            objective=objective, time_cap=time_cap, error_cap=error_cap, sampler=r.sampler,
-                           seed=r.seed, measure=trial_measure, parallel=parallel, progress=progress, stop_after=stop_after,
-                           base=knobs, **_study_limits(r.space))
+                           seed=r.seed, measure=trial_measure, parallel=parallel, progress=progress,
+                           stop_after=stop_after, base=knobs, **_study_limits(r.space))
         outcome.trials_run = result.ran
         outcome.trials_total = len(result.study.trials)
         trial_space = TrialSpace(profile, base=knobs, **_study_limits(r.space))

@@ -39,7 +39,7 @@ class StepFigures:
     losses: list[float]
     seconds: list[float]
     peak_bytes: Optional[list[int]]  # None: not measured (a CPU)
-    device: str
+    device: str  # as asked (e.g. "cuda:1"), else "cuda" or "cpu"
 
     @property
     def first_peak_bytes(self) -> Optional[int]:
@@ -83,7 +83,7 @@ def measure_steps(cfg: JobConfig) -> StepFigures:
         del trainer
         _release_memory()
     peaks = [r.peak_bytes[0] for r in results] if device.type == "cuda" else None
-    return StepFigures([r.loss for r in results], [r.seconds for r in results], peaks, str(device))
+    return StepFigures([r.loss for r in results], [r.seconds for r in results], peaks, cfg.model.device or device.type)
 
 
 def one_process_plan(plan: dict, *, micro_batch: int, seq_len: int, grad_accum: int, optimizer: Optional[str] = None,

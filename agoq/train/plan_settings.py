@@ -145,7 +145,6 @@ class Reconciled:
     layout: ParallelLayout
     gradients: str  # gradient storage: the flag's, else the plan's, else bf16
     shape: BatchShape
-    decided: dict[str, Any]  # what the plan decides (`plan_settings`; {} without a plan)
 
 
 def reconcile(cfg: JobConfig, plan, where: str, world: World, device: torch.device) -> Reconciled:
@@ -169,7 +168,7 @@ def reconcile(cfg: JobConfig, plan, where: str, world: World, device: torch.devi
     layout.check_optimizer_flag(cfg.optim.optimizer)
     shape = batch_shape(cfg, plan, decided, layout, world)
     run_cfg = resolve_settings(cfg, decided, parallel_cfg, compile_default=compile_by_default(device, layout.mode))
-    return Reconciled(run_cfg, layout, gradients, shape, decided)
+    return Reconciled(run_cfg, layout, gradients, shape)
 
 
 def batch_shape(cfg: JobConfig, plan, decided: dict[str, Any], layout: ParallelLayout, world: World) -> BatchShape:
@@ -184,7 +183,7 @@ def batch_shape(cfg: JobConfig, plan, decided: dict[str, Any], layout: ParallelL
         if data.seq_len is not None and data.seq_len != training["seq_len"] and world.rank == 0:
             print(f"agoq train: warning: the plan's predictions hold for its sequence length; this run changes "
                   f"seq_len {training['seq_len']} -> {data.seq_len}", file=sys.stderr)
-    grad_accum = data.grad_accum or (max(training["grad_accum"], world.size) if layout.pipelined
+    grad_accum = data.grad_accum or (max(training["grad_accum"], layout.world_size) if layout.pipelined
                                      else training["grad_accum"])
     return BatchShape(data.seq_len or training["seq_len"], data.micro_batch or training["micro_batch"], grad_accum)
 

@@ -89,8 +89,8 @@ def _build_model(cfg: JobConfig, corpus: Corpus, dtype: torch.dtype, device: tor
     return model, spec
 
 
-def _check_model(plan: Plan | None, where: str, model: nn.Module, spec: dict, settled: Reconciled,
-                 world: World) -> list[int] | None:
+def _check_model(plan: Plan | None, where: str, model: nn.Module, spec: dict,
+                 settled: Reconciled) -> list[int] | None:
     """Refuse a plan made for another model or layer count, or a shape or pipeline this model cannot take;
     returns the pipeline stage of each decoder layer (None: no pipeline)."""
     from agoq.activations.policy import split_layers
@@ -114,12 +114,13 @@ def _check_model(plan: Plan | None, where: str, model: nn.Module, spec: dict, se
     if shape.seq_len > model.config.max_position_embeddings:
         raise ValueError(f"--seq-len {shape.seq_len} exceeds the model's max_position_embeddings "
                          f"({model.config.max_position_embeddings})")
+    stages = settled.layout.pipeline_stages
     if settled.layout.pipelined:
-        if layers < world.size:
-            raise ValueError(f"{layers} layers cannot be cut into {world.size} pipeline stages")
-        layer_stage = layer_stage or split_layers(layers, world.size)
-        if shape.grad_accum < world.size:
-            raise ValueError(f"the 1F1B schedule needs --grad-accum (micro-batches per step) >= the {world.size} "
+        if layers < stages:
+            raise ValueError(f"{layers} layers cannot be cut into {stages} pipeline stages")
+        layer_stage = layer_stage or split_layers(layers, stages)
+        if shape.grad_accum < stages:
+            raise ValueError(f"the 1F1B schedule needs --grad-accum (micro-batches per step) >= the {stages} "
                              f"pipeline stages, got {shape.grad_accum}")
     return layer_stage
 
@@ -136,7 +137,7 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
 
     corpus = load_corpus(cfg.data.data, cfg.data.tokenizer)  # the data first: its vocabulary decides the model's
     model, spec = _build_model(cfg, corpus, dtype, device)
-    layer_stage = _check_model(plan, where, model, spec, settled, world)
+    layer_stage = _check_model(plan, where, model, spec, settled)
     if device.type == "cuda" and plan is not None:
         check_budget(plan, layer_stage, world, device, where)
 
@@ -147,7 +148,7 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
         policy_name = f"plan:{Path(where).name}"
         plan_record = record_of_plan(plan, cfg)
     elif memory.policy:
-        stages = world.size if layout.pipelined else 1
+        stages = layout.pipeline_stages
         policy = _policy(memory.policy, model.config.num_hidden_layers, stages, shape.grad_accum, layer_stage)
         policy_name = policy.name
         plan_record = plan_for_policy(policy, model, settled.gradients, shape.micro_batch, shape.seq_len,

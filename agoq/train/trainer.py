@@ -266,7 +266,6 @@ class Trainer:
             raise TrainingFailed(f"step {step + 1}: the loss is {loss} and the gradient norm {norm} (not finite); "
                                  "the step was not taken")
         self._apply(grads, self.clip_scale(norm))
-        del grads  # else the next step's backward runs beside this step's gradients
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
