@@ -31,14 +31,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def one_step(trainer: Trainer, step: int) -> None:
-    trainer._zero()
-    trainer._forward_backward(step)
-    grads = trainer._gradients()
-    norm = trainer._grad_norm(grads)
-    trainer._apply(grads, trainer.clip_scale(norm))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--profile-steps", type=int, default=3)
@@ -54,17 +46,17 @@ def main() -> None:
     world = join_world(cfg.model.device)
     trainer = Trainer(prepare(cfg, world))
     for step in range(ours.warmup_steps):
-        one_step(trainer, step)
+        trainer.step(step)
     sync()
     t0 = time.perf_counter()
     for step in range(ours.profile_steps):
-        one_step(trainer, step)
+        trainer.step(step)
     sync()
     plain = (time.perf_counter() - t0) / ours.profile_steps
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for step in range(ours.profile_steps):
-            one_step(trainer, step)
+            trainer.step(step)
         sync()
     events = prof.key_averages()
     gpu_total = sum(e.self_device_time_total for e in events) / ours.profile_steps / 1e3

@@ -6,9 +6,9 @@ End to end, as a user would run it:
                + f x (bf16 decoder-layer activations); the agoq plan (MILP, objective error, time cap: the
                best checkpointing that fits) and the best full-or-selective checkpointing configuration
                that fits the same budget (MILP over {keep layer, checkpoint layer}, least time)
-  3. measure   real training steps (AdamW, random tokens) of: plain bf16, full checkpointing, and per
+  3. measure   real training steps (agoq train's, synthetic corpus) of: plain bf16, full checkpointing, and per
                budget the agoq plan and the checkpointing configuration: peak memory
-               (torch.cuda.max_memory_allocated after a warm-up step), median step time, loss deviation
+               (torch.cuda.max_memory_allocated, the largest of any step), median step time, loss deviation
 
 Checks per budget: measured peak <= budget, |measured - predicted| / predicted <= 5 %, agoq step time <=
 the checkpointing configuration's. Phases can run apart (`--phase search` where scipy/pandas/pydantic are
@@ -118,7 +118,8 @@ def search_phase(args, folder: Path, out: Path) -> dict:
 
 
 def measure_phase(args, blob: dict) -> dict:
-    from agoq.search.validation import loss_deviation, measure_plan
+    from agoq.search.validation import loss_deviation
+    from agoq.train.measure import measure_plan
 
     runs = {}
     for name, plan in blob["plans"].items():

@@ -9,9 +9,9 @@ For each model (the probe model, micro-batch 2 x 4096; LLaMA-3-8B shapes with 4 
                peaks), "below compile's smallest peak" (97 % of the least compiled peak, never below the plan's
                smallest feasible budget)
   3. search    the default search (agoq.search.plan_from_profile: most tokens/s within the recipe's error)
-  4. measure   the plan and its best alternative, real steps on random tokens (agoq.search.validation.
-               measure_plan: the plan's optimizer, gradient storage and compile mode); torch.compile's
-               memory-budget alternative by a compiled step (agoq.profiler.compiled)
+  4. measure   the plan and its best alternative, real steps of agoq train on its synthetic corpus
+               (agoq.train.measure.measure_plan: the plan's optimizer, gradient storage and compile mode);
+               torch.compile's memory-budget alternative by a compiled step (agoq.profiler.compiled)
 
 Checks per budget: measured peak <= budget, predicted step within 5 % of measured, and where the plan quantizes
 anything, plan tokens/s >= 1.2 x the alternative's. Also: the 32-layer LLaMA-3-8B peak (vocab 128256, as
@@ -76,7 +76,7 @@ def budgets(prof) -> dict:
 
 
 def measure_alternative(prof, plan, alt, steps: int) -> dict:
-    from agoq.search.validation import measure_plan
+    from agoq.train.measure import measure_plan
 
     config = prof.model_config()
     if alt.activation_memory_budget is not None:
@@ -108,7 +108,7 @@ def measure_alternative(prof, plan, alt, steps: int) -> dict:
 def run_model(name, spec, layers, mb, seq, device, work: Path, steps: int, compile_: bool, smoke: bool) -> dict:
     from agoq.formats.profile import load_profile
     from agoq.search.search import plan_from_profile
-    from agoq.search.validation import measure_plan
+    from agoq.train.measure import measure_plan
 
     folder = work / name
     t = time.perf_counter()

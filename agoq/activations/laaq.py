@@ -23,7 +23,7 @@ from agoq.activations.rmsnorm import rms_norm, rms_norm_backward
 from agoq.activations.saved_bytes import find_decoder_layers, label, scope
 from agoq.activations.swiglu import swiglu, swiglu_backward
 from agoq.quant.qtensor import QTensor
-from agoq.quant.quantize import dequantize, quantize
+from agoq.quant.quantize import dequantize, quantize_unchecked
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class _Stash:
             self.meta.append("raw")
             return
         fmt = self.cfg.format if setting == 4 else "int"
-        q = quantize(t, setting, self.cfg.block, self.cfg.rounding, fmt, check_finite=False)
+        q = quantize_unchecked(t, setting, self.cfg.block, self.cfg.rounding, fmt, check_finite=False)  # policy-checked
         label(q.data, kind)
         label(q.scales, kind)
         self.tensors += [q.data, q.scales]

@@ -16,7 +16,7 @@ from a tensor that is stored). The kinds, in the order data flows through a LLaM
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Union
 
 from agoq.quant.layout import MAX_BITS, MIN_BITS
@@ -52,7 +52,9 @@ class ActivationPolicy:
     """Per-layer, per-kind settings: `default` for every layer, `layers` overriding single layers.
 
     `block`, `format` ("int" or "nf4", the latter for 4-bit settings) and `rounding` apply to every
-    quantized tensor.
+    quantized tensor. Every setting is checked here, once: what applies the policy trusts it. `checked=True` says
+    the settings were checked where they were read (a loaded plan's: `agoq.formats.plan.Plan.activation_policy`)
+    and are complete (`default` names every kind): they are taken as they are.
     """
 
     default: dict[str, Setting] = field(default_factory=lambda: {k: KEEP for k in KINDS})
@@ -61,8 +63,11 @@ class ActivationPolicy:
     format: str = "int"
     rounding: str = "nearest"
     name: str = "custom"
+    checked: InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, checked: bool) -> None:
+        if checked:
+            return
         full = {k: KEEP for k in KINDS}
         full.update(self.default)
         self.default = {k: check_setting(k, v) for k, v in full.items()}

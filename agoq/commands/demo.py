@@ -27,6 +27,7 @@ from pathlib import Path
 from agoq.commands import profile, search, train
 from agoq.commands.arguments import positive_int, run_module
 from agoq.files import check_output_folder
+from agoq.layout import SHARDED_MODES
 
 HELP = "the whole loop on a tiny model on the CPU, then the dashboard command to see it"
 MODEL = "llama-tiny"
@@ -96,7 +97,7 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
     plan = json.loads(paths["plan"].read_text())
     trained = paths["plan"]
     parallel = (plan.get("launch") or {}).get("parallel")
-    if parallel in ("sharded", "fsdp") or (plan.get("gradients") or {}).get("mode") == "sdp4bit":
+    if parallel in SHARDED_MODES or (plan.get("gradients") or {}).get("mode") == "sdp4bit":
         # a sharded layout (agoq's SDP4Bit or FSDP2) needs several processes, and agoq train runs a plan as it was
         # searched: one process trains the plan searched replicated with QuanGrad's 8-bit gradients instead
         print(f"agoq demo: the plan shards over several processes ({parallel}); this single-process demo trains "

@@ -24,9 +24,10 @@ steps, torch.compile with activation_memory_budget, each with float32 or 8-bit A
   both    the two together (default for --method when --trials is given)
 
 Writes the chosen plan (--out), pareto.csv beside it (one row per Pareto-optimal plan, MILP and Optuna)
-and the front's plans in OUT_STEM-pareto/. With --validate K, the K best plans are run for real (a few
-training steps on random tokens) and the measured peak memory (GPU only), step time and loss deviation
-from bf16 are written into the plans, pareto.csv and the study.
+and the front's plans in OUT_STEM-pareto/. With --validate K, the K best plans are run for real (a few steps of
+`agoq train`'s own training, in this process, on its built-in synthetic corpus: agoq.train.measure) and the
+measured peak memory (GPU only; the largest of any step, the first included), step time and loss deviation from
+bf16 are written into the plans, pareto.csv and the study.
 
 Example:  agoq search --profile runs/probe-profile --budget 30GiB --out runs/probe-plan/plan.json
 """
@@ -128,7 +129,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     field("validate", default=0, metavar="K",
           help="run the K best plans for real and record measured figures (default 0)")
     field("validate_steps", default=4,
-          help="training steps per measured plan, the first not timed (default 4)")
+          help="training steps per measured plan, the first not timed (its peak counts) (default 4)")
     field("front_budgets", default=8,
           help="budgets of the MILP memory/error Pareto front (default 8; 0: none)")
     field("seed", default=0, help="seed of the Optuna sampler and the measured runs")
@@ -162,9 +163,12 @@ def run(args: argparse.Namespace) -> int:
     if storage is not None and storage_file(storage) is not None:
         check_output_file(storage_file(storage), "--storage")
     profile = load_profile(args.profile)
+    measure = None
+    if request.validate or request.measure_trials:  # the search runs plans with agoq train's own step
+        from agoq.train.measure import measure_plan as measure
     try:
         outcome = search(profile, request, storage=storage, study_name=args.study_name, ray_address=args.ray_address,
-                         parallel=args.workers, out_dir=out.parent, progress=not args.quiet)
+                         parallel=args.workers, out_dir=out.parent, progress=not args.quiet, measure=measure)
     except InfeasibleBudget as e:
         raise ValueError(f"{e.advice(flag)} (profile {profile.path})") from None
     if out.exists():

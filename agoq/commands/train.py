@@ -46,6 +46,7 @@ HELP = "train a model in bf16 or with a plan, on one GPU or many (torchrun)"
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq train`'s arguments."""
     from agoq.commands.arguments import non_negative_float, non_negative_int, positive_float, positive_int
+    from agoq.layout import MODES
 
     p = parser
     p.add_argument("model", help="preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b) or a HuggingFace config.json (LLaMA, Qwen2, Mistral); "
@@ -104,7 +105,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "optimizer (4 bytes per parameter); none updates the bf16 parameters directly with "
                         "stochastic rounding (default: the plan's optimizer.master, else fp32; --optimizer adamw "
                         "always keeps fp32 masters)")
-    p.add_argument("--parallel", choices=("none", "ddp", "sharded", "fsdp", "pipeline"), default=None,
+    p.add_argument("--parallel", choices=MODES, default=None,
                    help="how several processes share the work: ddp (replicas), sharded (agoq's SDP4Bit sharded "
                         "AdamW), fsdp (PyTorch's FSDP2, one unit per decoder layer, float32 shards with bf16 "
                         "compute), pipeline (default: the plan's launch.parallel when it is sharded, fsdp or "

@@ -11,11 +11,12 @@ stage's predicted peak is made of (`predicted.memory_per_stage`). 1.0 plans load
 float32 masters, nothing about the decision); 1.0 and 1.1 plans have no memory parts.
 
     plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
-    plan.apply(model)                      # activation policy + checkpointing, in one go
+    plan.activation_policy()               # what the runtime applies: agoq.train.apply.apply_plan
     plan.save("plan.json")                 # atomic
 
 Unknown fields are kept and written back (formats grow additively); unknown schema kinds, newer major
-versions, impossible values and plans for another model are refused with an error naming the field.
+versions, impossible values and plans for another model are refused with an error naming the field. A plan is
+data: this module reads, checks and writes it, and changes no model.
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ from agoq.activations.policy import (
     check_setting,
 )
 from agoq.files import read_json_object
+from agoq.layout import GRADIENT_MODES
 from agoq.quant.quantize import check_arguments
 
 SCHEMA = "agoq.plan/1.2"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
-GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 MEMORY_PHASES = ("forward_backward", "checkpoint_backward", "optimizer_step")  # where a stage's peak is set
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
@@ -354,12 +355,14 @@ class Plan(_Part):
     def activation_policy(self) -> ActivationPolicy:
         """The runtime's ActivationPolicy: per-layer settings with the plan's block, format and rounding.
 
-        Checkpointed layers are all 16 in it, so they run their own forward inside the checkpoint.
+        Checkpointed layers are all 16 in it, so they run their own forward inside the checkpoint. The settings
+        were checked when the plan was (each kind's in `LayerPlan`, the storage in `ActivationsSpec`): the policy
+        takes them as they are.
         """
         layers = {lp.layer: dict(lp.kinds) for lp in self.layers}
         return ActivationPolicy(default={k: KEEP for k in KINDS}, layers=layers, block=self.activations.block,
                                 format=self.activations.format, rounding=self.activations.rounding,
-                                name=f"plan-{self.source.method}")
+                                name=f"plan-{self.source.method}", checked=True)
 
     def check_model(self, model) -> None:
         """Raise ValueError unless `model` (an nn.Module or a fingerprint string) is the plan's model."""
@@ -374,26 +377,6 @@ class Plan(_Part):
                              f"(fingerprint {self.model.fingerprint}), not for this one ({found}); "
                              "profile and search this model to get its own plan")
 
-    def apply(self, model) -> ActivationPolicy:
-        """Make `model` keep activations as the plan says: its activation policy, then checkpointing.
-
-        Replaces any policy or checkpointing applied before; returns the activation policy applied.
-        Raises ValueError for a model with another fingerprint.
-        """
-        from agoq.activations.checkpointing import (
-            apply_checkpointing,
-            remove_checkpointing,
-        )
-        from agoq.activations.laaq import apply_activation_policy
-
-        self.check_model(model)
-        remove_checkpointing(model)
-        policy = apply_activation_policy(model, self.activation_policy())
-        checkpointed = self.checkpoint_layers()
-        if checkpointed:
-            apply_checkpointing(model, checkpointed)
-        return policy
-
     # ------------------------------------------------------------------ writing
 
     def to_dict(self) -> dict[str, Any]:
@@ -405,15 +388,6 @@ class Plan(_Part):
         from agoq.files import write_json
 
         return write_json(path, self.to_dict())
-
-
-def remove_plan(model) -> None:
-    """Undo `Plan.apply`: no activation policy, no checkpointing."""
-    from agoq.activations.checkpointing import remove_checkpointing
-    from agoq.activations.laaq import remove_activation_policy
-
-    remove_checkpointing(model)
-    remove_activation_policy(model)
 
 
 def _field_name(loc: tuple) -> str:
@@ -463,39 +437,6 @@ def load_plan(path: str | os.PathLike, model=None) -> Plan:
     return plan
 
 
-def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: int, grad_accum: int,
-                   layer_stage: list[int] | None, stages: int, *, optimizer: str = "adamw", master: str = "fp32",
-                   compile: bool = False) -> dict[str, Any]:
-    """A plan (agoq.plan/1.2 layout) recording what a run given `--policy` applies, for run.json: its activation
-    settings, gradient mode, batch shape, the optimizer and masters it steps with and whether its layers are
-    compiled (`compile`: torch.compile per decoder layer).
-
-    `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted.
-    """
-    from agoq.activations.saved_bytes import find_decoder_layers
-    from agoq.models import fingerprint
-
-    num_layers = len(find_decoder_layers(model))
-    stage_of = layer_stage or [0] * num_layers
-    return {
-        "schema": SCHEMA,
-        "model": {"name": model.config.name, "fingerprint": fingerprint(model)},
-        "budget_bytes": None,
-        "activations": {"block": policy.block, "format": policy.format, "rounding": policy.rounding},
-        "layers": [{"layer": i, "stage": stage_of[i], "checkpoint": False, "kinds": dict(policy.settings(i))}
-                   for i in range(num_layers)],
-        "gradients": {"mode": gradients, "block": 256, "bucket_bytes": 25 * 2**20},
-        "pipeline": {"stages": stages, "micro_batches": grad_accum if stages > 1 else 1, "schedule": "1f1b"},
-        "training": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
-                     "compile": "compiled" if compile else "eager"},
-        "optimizer": OptimizerSpec(name=optimizer, master=master).model_dump(mode="json"),
-        "predicted": {"peak_bytes_per_stage": [], "activation_bytes_per_stage": [], "step_seconds": None,
-                      "grad_error": None},
-        "measured": None,
-        "source": {"method": "policy", "objective": policy.name, "profile": None, "date": None},
-    }
-
-
 __all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec",
-           "TrainingSpec", "Predicted", "StageMemory", "Measured", "Source", "OptimizerSpec", "Decision", "Alternative", "Figures", "load_plan", "plan_from_dict", "remove_plan",
-           "GRADIENT_MODES", "SCHEDULES", "MEMORY_PHASES", "plan_for_policy"]
+           "TrainingSpec", "Predicted", "StageMemory", "Measured", "Source", "OptimizerSpec", "Decision", "Alternative",
+           "Figures", "load_plan", "plan_from_dict", "GRADIENT_MODES", "SCHEDULES", "MEMORY_PHASES"]

@@ -68,6 +68,14 @@ def quantize(
         raise TypeError(f"quantize takes a floating-point torch.Tensor, got {type(x).__name__}"
                         + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
     check_arguments(bits, block, rounding, format)
+    return quantize_unchecked(x, bits, block, rounding, format, seed=seed, check_finite=check_finite, backend=backend)
+
+
+def quantize_unchecked(x: torch.Tensor, bits: int, block: int, rounding: str, format: str, *,
+                       seed: int | None = None, check_finite: bool = True, backend: str = "auto") -> QTensor:
+    """`quantize` without its argument check, for settings validated once already (a plan's or an activation
+    policy's, checked where they were read): what LAAQ calls for every tensor it keeps, on the hot path. `x` must
+    be a floating-point tensor and the settings what `check_arguments` accepts."""
     flat, order = _flatten_dense(x.detach())
     seed = seed if rounding == "stochastic" else None
     data, scales = quantize_flat(flat, bits, block, format, rounding, seed, backend)

@@ -9,6 +9,7 @@ import numpy as np
 
 from agoq.formats.plan import SCHEMA, Plan
 from agoq.formats.profile import ProfileData
+from agoq.layout import DDP, FSDP, NONE, PIPELINE, SHARDED, launch_line
 from agoq.search.costs import ChoiceProblem, ProblemSettings, profile_compile_mode, resolve_optimizer
 from agoq.search.layouts import resolve_layout
 from agoq.search.milp import Allocation
@@ -21,25 +22,20 @@ def now() -> str:
 
 def launch_for(stages: int, gradient_mode: str, world_size: int, layout: Optional[str] = None) -> dict:
     """How a plan must be launched: processes, `agoq train --parallel` mode and the command line (MODEL and
-    PLAN.json are placeholders). Pipeline stages are one process each; agoq's sharded SDP4Bit and FSDP2
-    (`layout` fsdp; TLq-HS with sdp4bit gradients) shard over the profile's world size; replicated bf16 and
-    QuanGrad run in one process or under DDP."""
+    PLAN.json are placeholders; agoq.layout.launch_line). Pipeline stages are one process each; agoq's sharded
+    SDP4Bit and FSDP2 (`layout` fsdp; TLq-HS with sdp4bit gradients) shard over the profile's world size;
+    replicated bf16 and QuanGrad run in one process or under DDP."""
     layout = resolve_layout(layout, gradient_mode)
     if stages > 1:
-        processes, parallel = stages, "pipeline"
+        processes, parallel = stages, PIPELINE
     elif layout == "fsdp":
-        processes, parallel = world_size, "fsdp"
+        processes, parallel = world_size, FSDP
     elif layout == "sharded":
-        processes, parallel = world_size, "sharded"
+        processes, parallel = world_size, SHARDED
     else:
-        processes, parallel = world_size, "ddp" if world_size > 1 else "none"
-    if processes > 1:
-        command = f"torchrun --nproc-per-node {processes} -m agoq.train MODEL --plan PLAN.json --parallel {parallel}"
-    else:
-        command = "agoq train MODEL --plan PLAN.json"
-    if parallel == "fsdp" and gradient_mode == "sdp4bit":
-        command += " --gradients sdp4bit"
-    return {"processes": processes, "parallel": parallel, "command": command}
+        processes, parallel = world_size, DDP if world_size > 1 else NONE
+    return {"processes": processes, "parallel": parallel,
+            "command": launch_line(parallel, processes, gradient_mode)}
 
 
 def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, knobs: ProblemSettings,

@@ -16,7 +16,7 @@ import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from agoq.files import write_atomic
 from agoq.formats.plan import Plan
@@ -176,7 +176,7 @@ def _study_limits(space: KnobSpace) -> dict:
 def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage: Optional[str] = None,
            study_name: str = "agoq-search", ray_address: Optional[str] = None, parallel: int = 1,
            out_dir: Optional[Path] = None, progress: bool = True, stop_after: Optional[int] = None,
-           alternatives: bool = True, **changes) -> SearchOutcome:
+           alternatives: bool = True, measure: Optional[Callable] = None, **changes) -> SearchOutcome:
     """Run the search for `request` (see `agoq search --help`); plans of the fronts are built but not written.
 
     `request` is a SearchRequest (`changes` replace its fields), or its budget in bytes per GPU with its other
@@ -185,9 +185,13 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
     at a time, progress bars, at most `stop_after` trials now (None: all of them).
     The MILP plan is the best over the outer knobs of the request's space (agoq.search.knobs); the front and the
     Optuna study use that plan's knobs. With `alternatives` the plan carries the best alternative that fits the
-    budget (agoq.search.alternatives) and, with `validate`, its measured figures beside the plan's. Raises
+    budget (agoq.search.alternatives) and, with `validate`, its measured figures beside the plan's. `validate` and
+    `measure_trials` run plans with `measure` (agoq.search.validation; `agoq search` gives agoq.train's). Raises
     InfeasibleBudget when no plan meets the request."""
     r = SearchRequest.of(request, changes)
+    if measure is None and (r.validate > 0 or (r.measure_trials and r.method != "milp")):
+        raise ValueError("validating plans or measuring trials runs them: pass measure= (agoq.train.measure."
+                         "measure_plan, what `agoq search` passes)")
     budget, objective, time_cap = r.budget, r.objective, r.time_cap
     cap_notes: list = []
     error_cap = _recipe_cap(profile, r.error_cap, cap_notes)
@@ -215,13 +219,13 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
 
         if storage is None:
             storage = f"sqlite:///{(out_dir or Path('.')).resolve() / 'study.db'}"
-        measure = None
+        trial_measure = None
         if r.measure_trials:
-            measure = _trial_measurer(profile, budget, objective, runner, r.validate_steps, r.seed)
+            trial_measure = _trial_measurer(profile, budget, objective, runner, r.validate_steps, r.seed, measure)
         result = run_study(profile, budget, storage=storage, study_name=study_name, trials=r.trials,
                            objective=objective, time_cap=time_cap, error_cap=error_cap, sampler=r.sampler,
-                           seed=r.seed, measure=measure, parallel=parallel, progress=progress, stop_after=stop_after,
-                           base=knobs, **_study_limits(r.space))
+                           seed=r.seed, measure=trial_measure, parallel=parallel, progress=progress,
+                           stop_after=stop_after, base=knobs, **_study_limits(r.space))
         outcome.trials_run = result.ran
         outcome.trials_total = len(result.study.trials)
         trial_space = TrialSpace(profile, base=knobs, **_study_limits(r.space))
@@ -245,12 +249,13 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
     if r.validate > 0:
         from agoq.search.validation import Runner
 
-        _validate(profile, r, best, candidates, study, runner or Runner(ray_address), alternatives, progress)
+        _validate(profile, r, best, candidates, study, runner or Runner(ray_address), alternatives, progress,
+                  measure)
     return outcome
 
 
 def _validate(profile: ProfileData, r: SearchRequest, best: Candidate, candidates: list, study, runner,
-              alternatives: bool, progress: bool) -> None:
+              alternatives: bool, progress: bool, measure: Callable) -> None:
     """Run the request's `validate` best distinct plans that fit its budget (the chosen one first) and, with
     `alternatives`, the chosen plan's best alternative for real; their measured figures go into the plans and the
     study (None: no study)."""
@@ -271,10 +276,11 @@ def _validate(profile: ProfileData, r: SearchRequest, best: Candidate, candidate
     if not config:
         raise ValueError("--validate needs the model config in profile.json (model.config)")
     dtype = str(profile.settings.get("dtype", "bf16"))
-    validate_plans([c.plan for c in chosen], config, dtype=dtype, steps=r.validate_steps, seed=r.seed, runner=runner,
-                   progress=progress)
+    validate_plans([c.plan for c in chosen], config, measure=measure, dtype=dtype, steps=r.validate_steps,
+                   seed=r.seed, runner=runner, progress=progress)
     if alternatives and best.plan.alternative is not None:
-        measure_alternative(best.plan, config, dtype=dtype, steps=r.validate_steps, seed=r.seed, runner=runner)
+        measure_alternative(best.plan, config, measure=measure, dtype=dtype, steps=r.validate_steps, seed=r.seed,
+                            runner=runner)
     if study is not None:
         for c in chosen:
             if c.trial is not None:
@@ -283,12 +289,13 @@ def _validate(profile: ProfileData, r: SearchRequest, best: Candidate, candidate
                                            "measured": c.plan.measured.model_dump(mode="json")} for c in chosen])
 
 
-def measure_alternative(plan: Plan, model_config: dict, *, dtype: str = "bf16", steps: int = 4, seed: int = 0,
-                        runner=None, device: Optional[str] = None) -> Optional[dict]:
-    """Run `plan.alternative` for real (bf16 or checkpointed layers, its optimizer, bf16 gradients, its compile mode)
-    and write its measured figures and the plan's measured speed-up into the plan. torch.compile's
-    activation_memory_budget points are measured by experiments, not here: None for them."""
-    from agoq.search.validation import Runner, measure_plan
+def measure_alternative(plan: Plan, model_config: dict, *, measure: Callable, dtype: str = "bf16", steps: int = 4,
+                        seed: int = 0, runner=None, device: Optional[str] = None) -> Optional[dict]:
+    """Run `plan.alternative` for real with `measure` (agoq.search.validation: bf16 or checkpointed layers, its
+    optimizer, bf16 gradients, its compile mode) and write its measured figures and the plan's measured speed-up
+    into the plan. torch.compile's activation_memory_budget points are measured by experiments, not here: None for
+    them."""
+    from agoq.search.validation import Runner
 
     alt = plan.alternative
     if alt is None or alt.activation_memory_budget is not None:
@@ -302,9 +309,9 @@ def measure_alternative(plan: Plan, model_config: dict, *, dtype: str = "bf16", 
                               "compile": alt.compile},
                  "alternative": None, "alternatives": [], "decision": None, "measured": None})
     runner = runner or Runner()
-    r = runner.map(measure_plan, [dict(plan=data, model_config=model_config, dtype=dtype, micro_batch=alt.micro_batch,
-                                       seq_len=plan.training.seq_len, grad_accum=alt.grad_accum, steps=steps,
-                                       seed=seed, device=device)])[0]
+    r = runner.map(measure, [dict(plan=data, model_config=model_config, dtype=dtype, micro_batch=alt.micro_batch,
+                                  seq_len=plan.training.seq_len, grad_accum=alt.grad_accum, steps=steps, seed=seed,
+                                  device=device)])[0]
     tokens = alt.micro_batch * alt.grad_accum * plan.training.seq_len
     alt.measured = {"step_seconds": r["step_seconds"], "peak_bytes": r["peak_bytes"],
                     "tokens_per_second": tokens / r["step_seconds"] if r["step_seconds"] else None}
@@ -315,9 +322,10 @@ def measure_alternative(plan: Plan, model_config: dict, *, dtype: str = "bf16", 
     return r
 
 
-def _trial_measurer(profile: ProfileData, budget: int, objective: str, runner, steps: int, seed: int):
-    """measure(list of TrialResult) -> measured dicts, running each trial's plan for real."""
-    from agoq.search.validation import loss_deviation, measure_plan, now
+def _trial_measurer(profile: ProfileData, budget: int, objective: str, runner, steps: int, seed: int,
+                    measure_plan: Callable):
+    """measure(list of TrialResult) -> measured dicts, running each trial's plan for real with `measure_plan`."""
+    from agoq.search.validation import loss_deviation, now
 
     config = profile.model_config()
     if not config:

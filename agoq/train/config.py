@@ -10,8 +10,11 @@ the data (the parallel mode under torchrun, the plan's batch shape) is checked b
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
-PARALLEL_MODES = ("none", "ddp", "sharded", "fsdp", "pipeline")
+from agoq.layout import MODES as PARALLEL_MODES
+from agoq.layout import ParallelLayout, check_options
+
 OPTIMIZERS = ("adamw", "adamw8bit")
 MASTERS = ("fp32", "none")
 DTYPES = ("bf16", "fp32", "fp16")
@@ -23,9 +26,12 @@ def _master_none_needs_adamw8bit() -> ValueError:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """The model, where and in what dtype it runs, and whether its decoder layers are compiled."""
+    """The model, where and in what dtype it runs, and whether its decoder layers are compiled.
 
-    model: str = "llama-tiny"
+    `model` is a preset or a config.json (the command line's), or from Python any spec `agoq.models.build` takes
+    (a dict of config fields, a LlamaConfig)."""
+
+    model: Any = "llama-tiny"
     device: str | None = None
     dtype: str | None = None
     compile: bool | None = None  # torch.compile each decoder layer on its own (None: the plan's, else eager)
@@ -43,9 +49,11 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig:
-    """How activations and gradients are stored: a plan, or an activation policy, and the gradient mode."""
+    """How activations and gradients are stored: a plan, or an activation policy, and the gradient mode.
 
-    plan: str | None = None
+    `plan` is a plan.json (the command line's) or, from Python, a loaded `agoq.formats.plan.Plan`."""
+
+    plan: Any = None
     policy: str | None = None
     gradients: str | None = None
     checkpoint_all: bool = False
@@ -99,26 +107,16 @@ class ParallelConfig:
     node_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.parallel is not None and self.parallel not in PARALLEL_MODES:
-            raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}")
-        if self.node_size is not None and self.parallel not in ("sharded", "fsdp"):
-            raise ValueError("--node-size is for --parallel sharded or fsdp (SDP4Bit's two-level gradient "
-                             "reduce-scatter)")
-        if self.pipeline_stages is not None and self.parallel != "pipeline":
-            raise ValueError("--pipeline-stages is for --parallel pipeline")
+        check_options(self.parallel, node_size=self.node_size, pipeline_stages=self.pipeline_stages)
+
+    def layout(self, world_size: int) -> ParallelLayout:
+        """The parallel layout of a run with `world_size` processes; refuses one that does not fit it."""
+        return ParallelLayout.of(self.parallel, world_size, pipeline_stages=self.pipeline_stages,
+                                 node_size=self.node_size)
 
     def mode_for(self, world_size: int) -> str:
-        """The parallel mode of a run with `world_size` processes; refuses one that does not fit it."""
-        mode = self.parallel or ("none" if world_size == 1 else "ddp")
-        if mode == "none" and world_size > 1:
-            raise ValueError(f"--parallel none with {world_size} processes: choose ddp, sharded, fsdp or pipeline")
-        if mode != "none" and world_size < 2:
-            raise ValueError(f"--parallel {mode} needs several processes: launch with "
-                             f"torchrun --nproc-per-node N agoq train ... --parallel {mode}")
-        if mode == "pipeline" and self.pipeline_stages not in (None, world_size):
-            raise ValueError(f"--pipeline-stages {self.pipeline_stages} but {world_size} processes: run one process "
-                             "per stage (pipeline and data parallelism are not combined)")
-        return mode
+        """The parallel mode of a run with `world_size` processes (`layout`'s)."""
+        return self.layout(world_size).mode
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -126,6 +126,16 @@ def load_corpus(data: str | None, tokenizer: str | None = None, val_fraction: fl
     return Corpus(train, val, vocab, name, source, digest)
 
 
+@dataclass(frozen=True)
+class BatchShape:
+    """The batch shape of a run: tokens per sequence, sequences per micro-batch (and rank), micro-batches per
+    optimizer step (with a pipeline: the 1F1B schedule's)."""
+
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+
+
 class Batches:
     """Micro-batches of (input_ids, labels) [B, seq_len] by position (see the module docstring)."""
 

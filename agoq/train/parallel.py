@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agoq.layout import DDP, FSDP, NONE, PIPELINE, SHARDED
 from agoq.models.lm_loss import chunked_lm_loss
 from agoq.train.config import OptimizerConfig
 from agoq.train.data import Batches
@@ -99,7 +100,7 @@ def _model_loss(module: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> t
 class ParallelStrategy:
     """One process (`--parallel none`); the base of the others, which override what differs."""
 
-    mode = "none"
+    mode = NONE
     overlaps_quantized_reduce = False  # QuanGrad reduces its buckets during the last micro-batch's backward
 
     def __init__(self, module: nn.Module, *, world: World, device: torch.device, gradients: str):
@@ -221,7 +222,7 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
 class DataParallel(ParallelStrategy):
     """`--parallel ddp`: replicas; bf16 gradients all-reduced by torch's DDP, QuanGrad's by its 8-bit all-reduce."""
 
-    mode = "ddp"
+    mode = DDP
 
     def __init__(self, model: nn.Module, *, world: World, device: torch.device, gradients: str):
         self.overlaps_quantized_reduce = world.size > 1
@@ -250,7 +251,7 @@ class DataParallel(ParallelStrategy):
 class Sharded(ParallelStrategy):
     """`--parallel sharded`: SDP4Bit's sharded AdamW reduces the local gradients (int8/int4, or exactly)."""
 
-    mode = "sharded"
+    mode = SHARDED
 
     def __init__(self, model: nn.Module, *, world: World, device: torch.device, gradients: str, node_size: int | None):
         if world.size > 1:
@@ -286,14 +287,16 @@ class FullyShardedDataParallel(ParallelStrategy):
     were sharded; checkpoints hold each rank's DTensor shards.
     """
 
-    mode = "fsdp"
+    mode = FSDP
 
     def __init__(self, model: nn.Module, *, world: World, device: torch.device, gradients: str, dtype: torch.dtype,
                  node_size: int | None, optimizer: str, master: str):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         from agoq.comm.fsdp import default_mesh, fully_shard_quantized
+        from agoq.comm.fsdp_collectives import _require_protocol
 
+        _require_protocol()  # FSDP2's custom reduce-scatter (torch >= 2.9): a clear message before anything is sharded
         if world.size > 1:
             _broadcast_from_rank0(model)
         keep_dtype = optimizer == "adamw8bit" and master == "none"
@@ -332,7 +335,7 @@ class FullyShardedDataParallel(ParallelStrategy):
 class Pipelined(ParallelStrategy):
     """`--parallel pipeline`: one stage per rank under the 1F1B schedule; one stacked batch per step."""
 
-    mode = "pipeline"
+    mode = PIPELINE
 
     def __init__(self, model: nn.Module, *, world: World, device: torch.device, gradients: str,
                  layer_stage: list[int], micro_batch: int, seq_len: int, grad_accum: int, dtype: torch.dtype):
@@ -382,18 +385,19 @@ def apply_parallel(model: nn.Module, *, mode: str, world: World, device: torch.d
                    dtype: torch.dtype, micro_batch: int, seq_len: int, grad_accum: int,
                    layer_stage: list[int] | None = None, node_size: int | None = None, optimizer: str = "adamw",
                    master: str = "fp32") -> ParallelStrategy:
-    """This rank's strategy for `mode` (one of PARALLEL_MODES), wrapping or cutting `model` as the mode needs."""
-    if mode == "pipeline":
+    """This rank's strategy for `mode` (one of agoq.layout.MODES), wrapping or cutting `model` as the mode needs:
+    the last step of applying a plan (agoq.train.apply.apply_plan)."""
+    if mode == PIPELINE:
         return Pipelined(model, world=world, device=device, gradients=gradients, layer_stage=layer_stage,
                          micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, dtype=dtype)
-    if mode == "fsdp":
+    if mode == FSDP:
         return FullyShardedDataParallel(model, world=world, device=device, gradients=gradients, dtype=dtype,
                                         node_size=node_size, optimizer=optimizer, master=master)
-    if mode == "sharded":
+    if mode == SHARDED:
         return Sharded(model, world=world, device=device, gradients=gradients, node_size=node_size)
-    if mode == "ddp":
+    if mode == DDP:
         return DataParallel(model, world=world, device=device, gradients=gradients)
-    if mode == "none":
+    if mode == NONE:
         return ParallelStrategy(model, world=world, device=device, gradients=gradients)
     raise ValueError(f"unknown parallel mode {mode!r}")
 

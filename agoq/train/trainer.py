@@ -1,9 +1,10 @@
 """The training loop behind `agoq train`: one process, or DDP / sharded / pipeline under torchrun.
 
-`train(TrainConfig(...))` prepares the run (`agoq.train.preparation`: the model with the plan or an
-activation policy, the data, the batch shape), applies the parallel mode (`agoq.train.parallel`: one
-strategy per mode, which also holds the gradient storage, bf16 or 8-bit QuanGrad), builds the optimizer
-(`agoq.train.optimizer`: AdamW, 8-bit AdamW, or SDP4Bit's sharded AdamW), then runs `steps` optimizer steps,
+`train(TrainConfig(...))` prepares the run (`agoq.train.preparation`: the data and the model, with the plan or an
+activation policy, checkpointing, compilation and the parallel strategy applied in one ordered step,
+`agoq.train.apply.apply_plan`; the strategy, one per mode, also holds the gradient storage, bf16 or 8-bit
+QuanGrad), builds the optimizer (`agoq.train.optimizer`: AdamW, 8-bit AdamW, or SDP4Bit's sharded AdamW), then
+runs `steps` optimizer steps (`Trainer.step`, which `agoq.train.measure` runs too),
 writing RUN_DIR/run.json, RUN_DIR/metrics.jsonl and atomic per-rank checkpoints through
 torch.distributed.checkpoint, which a run of another world size resumes (`agoq.train.checkpoint`;
 docs/formats.md, "Run"). Everything
@@ -22,6 +23,7 @@ import random
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,12 +36,10 @@ from agoq.progress import progress_bar
 from agoq.train.checkpoint import clean_partial, find_checkpoint, load_checkpoint, save_checkpoint
 from agoq.train.config import OPTIMIZERS, PARALLEL_MODES, JobConfig, TrainConfig
 from agoq.train.optimizer import BETAS
-from agoq.train.parallel import World, apply_parallel, join_world
-from agoq.train.preparation import PreparedRun, _check_budget, prepare  # noqa: F401 -- _check_budget: tests
+from agoq.train.parallel import World, join_world
+from agoq.train.preparation import PreparedRun, prepare
 from agoq.train.resume_settings import FIXED_SETTINGS, changed_settings, check_override, difference
 from agoq.train.stopping import RunFolderBusy, RunLock, StopSignals
-
-REPLICATED = "none or ddp (replicated)"
 
 
 class TrainingFailed(RuntimeError):
@@ -57,9 +57,23 @@ def lr_at(step: int, cfg: JobConfig, warmup: int) -> float:
 
 
 def _peak_bytes(device: torch.device) -> int:
+    """The step's peak: the GPU's allocated bytes since the step began; on the CPU the process's largest resident
+    set so far."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step's figures: the mean loss and the gradient norm (over the ranks), the learning rate, its
+    seconds and each rank's peak bytes (`_peak_bytes`)."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    seconds: float
+    peak_bytes: list[int]
 
 
 class Trainer:
@@ -71,12 +85,7 @@ class Trainer:
         self.changed: dict[str, list] = {}  # settings this resume changed, {name: [old, new]}
         self.cfg, self.world, self.device, self.shape = prepared.cfg, prepared.world, prepared.device, prepared.shape
         self.record = RunRecord(self.cfg.checkpoint.out) if self.world.rank == 0 else None
-        self.parallel = apply_parallel(prepared.model, mode=prepared.parallel, world=self.world, device=self.device,
-                                       gradients=prepared.gradients, dtype=prepared.dtype,
-                                       micro_batch=self.shape.micro_batch, seq_len=self.shape.seq_len,
-                                       grad_accum=self.shape.grad_accum, layer_stage=prepared.layer_stage,
-                                       node_size=self.cfg.parallelism.node_size,
-                                       optimizer=self.cfg.optim.optimizer, master=self.cfg.optim.master)
+        self.parallel = prepared.strategy
         self.module = self.parallel.module
         self.optimizer_step = self.parallel.build_optimizer(self.cfg.optim, self.cfg.loop.seed)
         self.optimizer = self.optimizer_step.optimizer
@@ -89,7 +98,7 @@ class Trainer:
         return {"seq_len": shape.seq_len, "micro_batch": shape.micro_batch, "grad_accum": shape.grad_accum,
                 "steps": cfg.loop.steps, "lr": optim.lr, "warmup": p.warmup, "optimizer": optim.optimizer,
                 "master": optim.master if p.dtype != torch.float32 else "none (float32 parameters)",
-                "parallel": p.parallel, "data": p.corpus_info["data"], "seed": cfg.loop.seed,
+                "parallel": p.layout.mode, "data": p.corpus_info["data"], "seed": cfg.loop.seed,
                 "gradients": p.gradients, "policy": p.policy_name, "dtype": str(p.dtype).replace("torch.", ""),
                 "weight_decay": optim.weight_decay, "clip": optim.clip, "betas": list(BETAS),
                 "min_lr": optim.lr * 0.1, "schedule": "linear warmup, cosine to lr/10",
@@ -109,7 +118,7 @@ class Trainer:
         checkpoints are interchangeable (a DDP run resumes in one process with the same tokens per step)."""
         settings = self._settings()
         key = {"fingerprint": self.prepared.spec["fingerprint"], **{k: settings[k] for k in FIXED_SETTINGS}}
-        key["parallel"] = REPLICATED if key["parallel"] in ("none", "ddp") else key["parallel"]
+        key["parallel"] = self.prepared.layout.resume_state
         return key
 
     # ---------------------------------------------------------------- checkpoints
@@ -139,7 +148,7 @@ class Trainer:
                 torch.cuda.set_rng_state(rng[2].cpu(), self.device)
 
     def save(self, step: int) -> None:
-        info = {"resume": self._resume_key(), "parallel": self.prepared.parallel,
+        info = {"resume": self._resume_key(), "parallel": self.prepared.layout.mode,
                 "pipeline_stages": self.parallel.pipeline_stages, "layer_stage": self.prepared.layer_stage}
         save_checkpoint(self.cfg.checkpoint.out, step, self._state(), json_safe(info), rank=self.world.rank,
                         world=self.world.size, barrier=self.world.barrier)
@@ -237,6 +246,31 @@ class Trainer:
         """Mean validation loss over the fixed validation batches."""
         return self.parallel.evaluate(self.prepared.batches, self.cfg.loop.eval_batches)
 
+    def step(self, step: int) -> StepResult:
+        """Optimizer step `step` (0-based): the learning rate of the schedule, every micro-batch's forward and
+        backward, the gradients reduced, clipped and applied. Raises TrainingFailed, the step not taken, when the
+        loss or the gradient norm is not finite."""
+        device = self.device
+        lr = lr_at(step, self.cfg, self.prepared.warmup)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        self._zero()
+        loss_local = self._forward_backward(step)
+        grads = self._gradients()
+        loss = self.parallel.mean_over_ranks(loss_local)
+        norm = self._grad_norm(grads)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise TrainingFailed(f"step {step + 1}: the loss is {loss} and the gradient norm {norm} (not finite); "
+                                 "the step was not taken")
+        self._apply(grads, self.clip_scale(norm))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        return StepResult(loss, norm, lr, seconds, self.world.gather_ints(_peak_bytes(device), device))
+
     # ---------------------------------------------------------------- the run
 
     def _lock_run_folder(self) -> RunLock | None:
@@ -291,32 +325,17 @@ class Trainer:
                              f"--resume continues from step {start}", 130)
         try:
             for step in range(start, steps):
-                lr = lr_at(step, cfg, p.warmup)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                t0 = time.perf_counter()
-                self._zero()
-                loss_local = self._forward_backward(step)
-                grads = self._gradients()
-                loss = self.parallel.mean_over_ranks(loss_local)
-                norm = self._grad_norm(grads)
-                if not (math.isfinite(loss) and math.isfinite(norm)):
-                    raise TrainingFailed(f"step {step + 1}: the loss is {loss} and the gradient norm {norm} (not "
-                                         f"finite); the step was not taken. The last good checkpoint (step "
-                                         f"{last_saved}) is kept: lower --lr or raise --warmup, then --resume")
-                self._apply(grads, self.clip_scale(norm))
-                del grads  # else the next step's backward runs beside this step's gradients
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                seconds = time.perf_counter() - t0
-                peaks = world.gather_ints(_peak_bytes(device), device)
+                try:
+                    result = self.step(step)
+                except TrainingFailed as e:
+                    raise TrainingFailed(f"{e}. The last good checkpoint (step {last_saved}) is kept: lower --lr or "
+                                         "raise --warmup, then --resume") from None
                 done = step + 1
                 if self.record is not None:
-                    self.record.append({"step": done, "loss": loss, "grad_norm": norm, "lr": lr,
-                                        "tokens_per_s": self.tokens_per_step / seconds, "step_seconds": seconds,
-                                        "peak_bytes": peaks, "time": time.time()})
+                    self.record.append({"step": done, "loss": result.loss, "grad_norm": result.grad_norm,
+                                        "lr": result.lr, "tokens_per_s": self.tokens_per_step / result.seconds,
+                                        "step_seconds": result.seconds, "peak_bytes": result.peak_bytes,
+                                        "time": time.time()})
                 if done % p.eval_every == 0 or done == steps:
                     val = self.evaluate()
                     if self.record is not None:
@@ -333,7 +352,7 @@ class Trainer:
                         self.record.update(done)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                    bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
                 if self._stop_requested() and done < steps:
                     # the step has ended on every rank: save it, so that --resume continues exactly from here
                     if every > 0 and last_saved != done:
@@ -385,5 +404,5 @@ def train(cfg: JobConfig) -> int:
                 dist.destroy_process_group()
 
 
-__all__ = ["TrainConfig", "JobConfig", "train", "prepare", "Trainer", "World", "lr_at", "TrainingFailed",
-           "PARALLEL_MODES", "OPTIMIZERS"]
+__all__ = ["TrainConfig", "JobConfig", "train", "prepare", "Trainer", "StepResult", "World", "lr_at",
+           "TrainingFailed", "PARALLEL_MODES", "OPTIMIZERS"]

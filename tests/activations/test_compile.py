@@ -173,7 +173,7 @@ def test_train_compile_flag_compiles_each_layer_and_records_it(tmp_path, monkeyp
     import json
 
     import agoq.activations.compile as compile_module
-    import agoq.train.preparation as preparation
+    import agoq.train.apply as apply
     from agoq.cli import main
 
     calls = []
@@ -183,7 +183,7 @@ def test_train_compile_flag_compiles_each_layer_and_records_it(tmp_path, monkeyp
         calls.append(real(model, backend="aot_eager", **options))
         return calls[-1]
 
-    monkeypatch.setattr(preparation, "compile_decoder_layers", aot_eager_layers)  # where the trainer calls it
+    monkeypatch.setattr(apply, "compile_decoder_layers", aot_eager_layers)  # where the trainer calls it
     out = tmp_path / "run"
     assert main(["train", "llama-tiny", "--policy", "agoq-paper", "--compile", "--seq-len", "24",
                  "--steps", "2", "--quiet", "--out", str(out)]) == 0

@@ -298,3 +298,54 @@ def test_from_dict_rejects_unknown_fields_and_bad_values():
     bad["layers"] = {"1": {"silu_input": "recompute"}}
     with pytest.raises(ValueError, match="silu_input"):
         ActivationPolicy.from_dict(bad)
+
+
+def test_settings_are_checked_where_they_are_read_only(monkeypatch):
+    """A plan's settings are checked once, when the plan is read: the policy it gives and the LAAQ layers that
+    quantize with it (every kept tensor, every step) check nothing again. A policy from user input and the public
+    quantize still refuse a bad bit width."""
+    import importlib
+
+    import torch
+
+    import agoq.activations.policy as policy_module
+    import agoq.formats.plan as plan_module
+    from agoq.activations.laaq import apply_activation_policy, observe_kept_tensors
+    from agoq.models import build, fingerprint
+
+    quantize_module = importlib.import_module("agoq.quant.quantize")  # agoq.quant.quantize is also the function
+    seed, rng = fresh_rng()
+    calls = {}
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def check(*args):
+            calls[module.__name__, name] = calls.get((module.__name__, name), 0) + 1
+            return real(*args)
+        monkeypatch.setattr(module, name, check)
+
+    for module, name in [(plan_module, "check_setting"), (plan_module, "check_arguments"),
+                         (policy_module, "check_setting"), (policy_module, "check_arguments"),
+                         (quantize_module, "check_arguments")]:
+        counted(module, name)
+    model = build("llama-tiny", seed=seed % 2**31)
+    kinds = {k: rng.choice([2, 3, 4, 5, 8]) for k in ("norm_input", "o_proj_input", "silu_input")}
+    plan = plan_module.plan_from_dict({"schema": "agoq.plan/1.1",
+                                       "model": {"name": "t", "fingerprint": fingerprint(model)},
+                                       "layers": [{"layer": i, "kinds": kinds} for i in range(3)]})
+    assert calls[plan_module.__name__, "check_setting"] == 3 * len(kinds), seed  # read: checked
+    calls.clear()
+    policy = plan.activation_policy()
+    apply_activation_policy(model, policy)
+    kept = []
+    ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(seed))
+    with observe_kept_tensors(lambda kind, t, setting: kept.append(setting)):
+        model(ids[:, :-1], ids[:, 1:]).backward()
+    assert set(kinds.values()) <= set(kept), seed  # quantized at the plan's widths
+    assert calls == {}, seed  # and nothing checked again
+    with pytest.raises(ValueError, match="bits must be an integer"):
+        agoq.quantize(torch.randn(64), 9)
+    with pytest.raises(ValueError, match="setting must be a bit width"):
+        ActivationPolicy(default={"norm_input": 9})
+    assert calls[policy_module.__name__, "check_setting"] > 0

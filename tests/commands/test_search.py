@@ -14,6 +14,7 @@ from agoq.models import build, fingerprint
 from agoq.search.costs import build_problem
 from agoq.search.milp import Solver
 from agoq.search.search import search
+from agoq.train.measure import measure_plan
 from tests.search.synthetic_profile import write_profile
 
 
@@ -206,7 +207,7 @@ def test_validation_loss_deviation_is_zero_for_a_plain_plan(tmp_path):
     quant = Plan(model={"name": "t", "fingerprint": fingerprint(model)},
                  layers=[{"layer": i, "kinds": {k: 2 for k in ("norm_input", "silu_input", "o_proj_input")}}
                          for i in range(3)], training={"micro_batch": 2, "seq_len": 21})
-    validate_plans([plan, quant], model.config.to_dict(), dtype="fp32", steps=3)
+    validate_plans([plan, quant], model.config.to_dict(), measure=measure_plan, dtype="fp32", steps=3)
     assert plan.measured.loss_deviation == 0.0
     assert quant.measured.loss_deviation > 0.0
 
@@ -223,18 +224,19 @@ def test_validation_as_ray_tasks(profile_dir, tmp_path):
         profile = load_profile(profile_dir)
         low, high = _bounds(profile_dir)
         out = search(profile, (low + high) // 2, method="milp", validate=1, validate_steps=2, progress=False,
-                     front_budgets=0, ray_address="local")
+                     front_budgets=0, ray_address="local", measure=measure_plan)
         m = out.plan.measured
         assert m.step_seconds > 0 and math.isfinite(m.loss_deviation)
         local = search(profile, (low + high) // 2, method="milp", validate=1, validate_steps=2, progress=False,
-                       front_budgets=0)
+                       front_budgets=0, measure=measure_plan)
         # same seed, same data, same model: the losses, hence the deviation, do not depend on where it ran
         assert m.loss_deviation == pytest.approx(local.plan.measured.loss_deviation, rel=1e-6, abs=1e-9)
         assert runner.ray is ray
         # Optuna trials measured as Ray tasks, two at a time, in a journal-file study
         journal = str(tmp_path / "study.journal")
         res = search(profile, (low + high) // 2, method="optuna", trials=4, storage=journal, measure_trials=True,
-                     parallel=2, ray_address="local", progress=False, front_budgets=0, validate_steps=2)
+                     parallel=2, ray_address="local", progress=False, front_budgets=0, validate_steps=2,
+                     measure=measure_plan)
         assert res.trials_run == 4
         _check_measured_trials(journal, 4)
     finally:
@@ -262,7 +264,7 @@ def test_measured_trials_here(profile_dir, tmp_path):
     low, high = _bounds(profile_dir)
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     res = search(profile, (low + high) // 2, method="optuna", trials=3, storage=storage, measure_trials=True,
-                 progress=False, front_budgets=0, validate_steps=2)
+                 progress=False, front_budgets=0, validate_steps=2, measure=measure_plan)
     assert res.trials_run == 3
     _check_measured_trials(storage, 3)
 
@@ -273,7 +275,7 @@ def test_on_a_real_profile(tmp_path):
     import torch
 
     import agoq
-    from agoq.formats.plan import remove_plan
+    from agoq.train.apply import apply_plan, remove_plan
 
     prof = tmp_path / "profile"
     assert main(["profile", "llama-tiny", "--layers", "2", "--seq-len", "24", "--batches", "1", "--bits", "3,4,8",
@@ -291,7 +293,7 @@ def test_on_a_real_profile(tmp_path):
                      str(mb), "--error-cap", "none"]) == 0
         plan = load_plan(out, model)
         assert max(plan.predicted.peak_bytes_per_stage) <= budget
-        plan.apply(model)
+        apply_plan(model, policy=plan.activation_policy(), checkpoint=plan.checkpoint_layers())
         with agoq.track_saved_tensors(model) as log:
             loss = model(ids[:, :-1], ids[:, 1:])
         loss.backward()

@@ -11,7 +11,8 @@ import agoq
 from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.checkpointing import apply_checkpointing
 from agoq.activations.policy import KINDS, RECOMPUTABLE
-from agoq.formats.plan import SCHEMA, Plan, load_plan, plan_from_dict, remove_plan
+from agoq.formats.plan import SCHEMA, Plan, load_plan, plan_from_dict
+from agoq.train.apply import apply_plan, remove_plan
 from agoq.models import build, fingerprint
 
 B, S = 3, 23
@@ -171,7 +172,7 @@ def test_plan_for_another_model_refused(tmp_path):
     with pytest.raises(ValueError, match="model.fingerprint"):
         load_plan(path, other)
     with pytest.raises(ValueError, match="model.fingerprint"):
-        plan_from_dict(d).apply(other)
+        plan_from_dict(d).check_model(other)
 
 
 def _grads(model, ids, labels):
@@ -191,9 +192,9 @@ def _layer_bytes(model, ids, labels):
 
 @pytest.mark.parametrize("repeat", range(2))
 def test_apply_equals_policy_plus_checkpointing(repeat):
-    """Plan.apply == apply_activation_policy(the plan's settings) + apply_checkpointing(its layers), on fresh
-    random plans and weights; checkpointed layers keep exactly their input, the others what the
-    runtime's byte predictor says; remove_plan gives the plain model back."""
+    """apply_plan(the plan's policy and checkpointed layers) == apply_activation_policy(the plan's settings) +
+    apply_checkpointing(its layers), on fresh random plans and weights; checkpointed layers keep exactly their
+    input, the others what the runtime's byte predictor says; remove_plan gives the plain model back."""
     seed, rng = fresh_rng()
     model = build("llama-tiny", seed=seed % 2**31, num_layers=4)
     g = torch.Generator().manual_seed(seed)
@@ -206,8 +207,9 @@ def test_apply_equals_policy_plus_checkpointing(repeat):
     plan = plan_from_dict(d)
     loss_plain, g_plain = _grads(model, ids, labels)
 
-    plan.apply(model)
-    plan.apply(model)  # applying again replaces, it does not stack
+    apply_plan(model, policy=plan.activation_policy(), checkpoint=plan.checkpoint_layers())
+    # applying again replaces, it does not stack
+    apply_plan(model, policy=plan.activation_policy(), checkpoint=plan.checkpoint_layers())
     loss_plan, g_plan = _grads(model, ids, labels)
     measured = _layer_bytes(model, ids, labels)
     remove_plan(model)
@@ -244,7 +246,7 @@ def test_checkpoint_only_plan_matches_plain_gradients():
     plan = Plan(model={"name": "t", "fingerprint": fingerprint(model)},
                 layers=[{"layer": i, "checkpoint": True} for i in range(n)])
     loss0, g0 = _grads(model, ids, ids)
-    plan.apply(model)
+    apply_plan(model, policy=plan.activation_policy(), checkpoint=plan.checkpoint_layers())
     loss1, g1 = _grads(model, ids, ids)
     remove_plan(model)
     assert torch.equal(loss0, loss1)

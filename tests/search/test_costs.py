@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import agoq
-from agoq.formats.plan import remove_plan
+from agoq.train.apply import apply_plan, remove_plan
 from agoq.formats.profile import load_profile
 from agoq.models import build
 from agoq.search.costs import (
@@ -51,7 +51,7 @@ def test_predicted_activation_bytes_equal_measured(tmp_path):
         for cap in (None, "checkpoint"):
             plan = plan_from_profile(profile, budget, objective="error", time_cap=cap, error_cap=None,
                                      knobs=ProblemSettings())
-            plan.apply(model)
+            apply_plan(model, policy=plan.activation_policy(), checkpoint=plan.checkpoint_layers())
             with agoq.track_saved_tensors(model) as log:
                 loss = model(ids[:, :-1], ids[:, 1:])
             loss.backward()

@@ -101,7 +101,7 @@ def test_the_search_picks_fsdp_where_only_fsdp_fits(tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     from agoq.train.parallel import World
-    from agoq.train.preparation import plan_parallel_default
+    from agoq.layout import plan_parallel_default
 
     assert plan_parallel_default(load_plan(path), World(size=4)) == "fsdp"
 

@@ -1,6 +1,6 @@
 """A plan whose layout needs a number of processes (a pipeline's stages, sharded or fsdp over the profile's
 ranks) trains only in that many, and is refused elsewhere with the command that launches it; replicated plans
-run in any number (agoq.train.plan_layout)."""
+run in any number (agoq.layout)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from agoq.cli import main
 from agoq.formats.plan import load_plan, plan_from_dict
 from agoq.models import build, fingerprint
 from agoq.search.plan_builder import launch_for
-from agoq.train.plan_layout import check_plan_world, plan_layout
+from agoq.layout import check_plan_world, plan_layout
 
 LAYERS = 3  # llama-tiny
 

@@ -207,6 +207,7 @@ def test_bad_inputs_are_refused_before_training(tmp_path, capsys):
 def test_plan_over_the_gpu_memory_is_refused(tmp_path, monkeypatch):
     """The budget check compares the plan's predicted peak with the device memory (faked here: no GPU in CI)."""
     from agoq.formats.plan import load_plan
+    from agoq.train.device import check_budget
 
     plan = load_plan(_tiny_plan(tmp_path))
     plan.predicted.peak_bytes_per_stage = [200 * 2**30]
@@ -217,9 +218,9 @@ def test_plan_over_the_gpu_memory_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a 141 GiB GPU")
     with pytest.raises(ValueError, match="predicted peak is 200.0 GiB but this GPU"):
-        trainer_module._check_budget(plan, None, trainer_module.World(), torch.device("cuda", 0), "plan.json")
+        check_budget(plan, None, trainer_module.World(), torch.device("cuda", 0), "plan.json")
     plan.predicted.peak_bytes_per_stage = [100 * 2**30]
-    trainer_module._check_budget(plan, None, trainer_module.World(), torch.device("cuda", 0), "plan.json")
+    check_budget(plan, None, trainer_module.World(), torch.device("cuda", 0), "plan.json")
 
 
 def test_text_file_bytes_and_vocabulary_override(tmp_path):

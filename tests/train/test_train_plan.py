@@ -49,7 +49,7 @@ def compile_calls(monkeypatch):
     """Counts the layers the trainer compiles; compiles with aot_eager (Inductor's cold CPU compile of each layer
     would take most of a minute here: the same graphs, traced the same way)."""
     import agoq.activations.compile as compile_module
-    from agoq.train import preparation
+    from agoq.train import apply
 
     calls = []
     real = compile_module.compile_decoder_layers
@@ -58,7 +58,7 @@ def compile_calls(monkeypatch):
         calls.append((real(model, mode=mode, backend="aot_eager"), mode))
         return calls[-1][0]
 
-    monkeypatch.setattr(preparation, "compile_decoder_layers", aot_eager_layers)
+    monkeypatch.setattr(apply, "compile_decoder_layers", aot_eager_layers)
     return calls
 
 
@@ -202,7 +202,7 @@ def test_a_policy_run_records_the_optimizer_and_masters_it_used(tmp_path):
 
 def test_plan_for_policy_writes_the_optimizer_given():
     from agoq.activations.policy import as_policy
-    from agoq.formats.plan import plan_for_policy
+    from agoq.train.plan_settings import plan_for_policy
 
     model = build("llama-tiny")
     data = plan_for_policy(as_policy("agoq-paper"), model, "bf16", 3, 19, 2, None, 1, optimizer="adamw8bit",
@@ -217,7 +217,8 @@ def test_the_plans_launch_decides_the_parallel_mode_under_torchrun(tmp_path):
     """Under torchrun a sharded or pipeline launch is --parallel's default; one process keeps the usual default
     (and the refusal that says how to launch); an explicit mode of another kind is refused."""
     from agoq.train.parallel import World
-    from agoq.train.preparation import check_flags_against_plan, plan_parallel_default, plan_settings
+    from agoq.layout import plan_parallel_default
+    from agoq.train.plan_settings import check_flags_against_plan, plan_settings
 
     sharded = load_plan(_plan(tmp_path, gradients={"mode": "sdp4bit"}, launch={"processes": 3, "parallel": "sharded"}))
     assert plan_parallel_default(sharded, World(size=3)) == "sharded"
@@ -238,7 +239,7 @@ def test_compile_defaults_to_the_device_and_mode_unless_a_flag_or_plan_says():
     import torch
 
     from agoq.train.config import TrainConfig
-    from agoq.train.preparation import compile_by_default, resolve_settings
+    from agoq.train.plan_settings import compile_by_default, resolve_settings
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     for device, mode, want in [(cuda, "none", True), (cuda, "ddp", True), (cuda, "fsdp", False),

@@ -1,0 +1,231 @@
+"""The parallel layout: how the processes of a run share the work, as one validated value with its rules.
+
+Modes (`agoq train --parallel`):
+
+  none      one process
+  ddp       replicas: every rank keeps the whole model and optimizer state; gradients all-reduced (bf16 by
+            torch's DDP, quangrad8 by QuanGrad's 8-bit all-reduce)
+  sharded   agoq's SDP4Bit step: float32 masters and 8-bit moments 1/N per rank, gradients reduce-scattered
+            (sdp4bit: int8/int4 TLq-HS; bf16: exactly); it is its own optimizer
+  fsdp      PyTorch's FSDP2: parameters, gradients and optimizer state 1/N per rank, gradients reduce-scattered
+            by FSDP2 (bf16) or by SDP4Bit's TLq-HS (sdp4bit)
+  pipeline  one stage of consecutive decoder layers per rank under the 1F1B schedule (one process per stage)
+
+none and ddp keep the same per-rank state (replicated: a checkpoint of one resumes in the other); sharded and
+fsdp both shard it over the ranks (and both run sdp4bit gradients). `ParallelLayout` holds a run's mode, world
+size, pipeline stages and node size (the ranks of a node for SDP4Bit's two-level reduce-scatter) and refuses
+the combinations no run can have.
+
+A plan's layout (its `launch`, docs/formats.md "Plan") can fix the number of processes: a pipeline of S stages
+runs S processes, one per stage; agoq's sharded step and FSDP2 shard the state over the N ranks of the profile,
+so each rank holds 1/N of it. Such a plan in another number of processes would train with exit 0 and figures
+that do not apply, so it is refused with the command that launches it as searched (`check_plan_world`).
+Replicated plans keep the whole state on every rank and run in any number of processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NONE, DDP, SHARDED, FSDP, PIPELINE = "none", "ddp", "sharded", "fsdp", "pipeline"
+MODES = (NONE, DDP, SHARDED, FSDP, PIPELINE)
+REPLICATED_MODES = (NONE, DDP)  # every rank keeps the whole state
+SHARDED_MODES = (SHARDED, FSDP)  # the state is 1/N per rank
+GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
+MODE_GRADIENTS = {NONE: ("bf16", "quangrad8"), DDP: ("bf16", "quangrad8"), SHARDED: ("bf16", "sdp4bit"),
+                  FSDP: ("bf16", "sdp4bit"), PIPELINE: ("bf16", "quangrad8")}
+REPLICATED_STATE = "none or ddp (replicated)"  # what a checkpoint of one process or DDP records as its mode
+
+
+def check_options(parallel: str | None, *, node_size: int | None = None, pipeline_stages: int | None = None) -> None:
+    """The rules of `--parallel` and the options that go with it, before the number of processes is known
+    (`parallel` None: not given): a known mode, --node-size only where SDP4Bit reduce-scatters, --pipeline-stages
+    only for a pipeline. Raises ValueError with the command line's message."""
+    if parallel is not None and parallel not in MODES:
+        raise ValueError(f"--parallel must be one of {', '.join(MODES)}, got {parallel!r}")
+    if node_size is not None and parallel not in SHARDED_MODES:
+        raise ValueError("--node-size is for --parallel sharded or fsdp (SDP4Bit's two-level gradient "
+                         "reduce-scatter)")
+    if pipeline_stages is not None and parallel != PIPELINE:
+        raise ValueError("--pipeline-stages is for --parallel pipeline")
+
+
+def state_kind(mode: str) -> str:
+    """"replicated" (none, ddp), "sharded" (sharded, fsdp) or the mode itself: modes of one kind keep the same
+    per-rank state, so a plan searched for one runs in the other."""
+    return "replicated" if mode in REPLICATED_MODES else "sharded" if mode in SHARDED_MODES else mode
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A run's parallel layout: its mode, processes (`world_size`), pipeline stages (the processes of a pipeline,
+    else 1) and the ranks per node of SDP4Bit's reduce-scatter (None: torchrun's LOCAL_WORLD_SIZE). Built only
+    valid: ValueError (the command line's message) otherwise."""
+
+    mode: str = NONE
+    world_size: int = 1
+    pipeline_stages: int = 1
+    node_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_options(self.mode, node_size=self.node_size,
+                      pipeline_stages=None if self.pipeline_stages == 1 else self.pipeline_stages)
+        if self.world_size < 1:
+            raise ValueError(f"a run has at least one process, got {self.world_size}")
+        if self.mode == NONE and self.world_size > 1:
+            raise ValueError(f"--parallel none with {self.world_size} processes: choose ddp, sharded, fsdp or "
+                             "pipeline")
+        if self.mode != NONE and self.world_size < 2:
+            raise ValueError(f"--parallel {self.mode} needs several processes: launch with "
+                             f"torchrun --nproc-per-node N agoq train ... --parallel {self.mode}")
+        if self.pipelined and self.pipeline_stages != self.world_size:
+            raise ValueError(f"--pipeline-stages {self.pipeline_stages} but {self.world_size} processes: run one "
+                             "process per stage (pipeline and data parallelism are not combined)")
+
+    @classmethod
+    def of(cls, parallel: str | None, world_size: int, *, pipeline_stages: int | None = None,
+           node_size: int | None = None) -> ParallelLayout:
+        """The layout of a run of `world_size` processes given `--parallel` (None: none for one process, ddp under
+        torchrun), `--pipeline-stages` (None: one per process) and `--node-size`."""
+        mode = parallel or (NONE if world_size == 1 else DDP)
+        if pipeline_stages is None:
+            pipeline_stages = world_size if mode == PIPELINE else 1
+        return cls(mode, world_size, pipeline_stages, node_size)
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank keeps the whole model and optimizer state (none, ddp)."""
+        return self.mode in REPLICATED_MODES
+
+    @property
+    def sharded(self) -> bool:
+        """The optimizer state (and FSDP2's parameters) is 1/N per rank (sharded, fsdp)."""
+        return self.mode in SHARDED_MODES
+
+    @property
+    def pipelined(self) -> bool:
+        """One pipeline stage per rank."""
+        return self.mode == PIPELINE
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different data: every rank, except in a pipeline, whose stages read one batch."""
+        return 1 if self.pipelined else self.world_size
+
+    @property
+    def gradient_modes(self) -> tuple[str, ...]:
+        """The gradient storage this mode runs (`check_gradients` refuses the others)."""
+        return MODE_GRADIENTS[self.mode]
+
+    @property
+    def resume_state(self) -> str:
+        """What a checkpoint records as its mode: one process and DDP keep the same replicated state, so their
+        checkpoints are interchangeable; every other mode resumes only in itself."""
+        return REPLICATED_STATE if self.replicated else self.mode
+
+    def check_gradients(self, gradients: str) -> None:
+        """Refuse gradient storage this mode cannot run, saying which mode runs it."""
+        if gradients not in GRADIENT_MODES:
+            raise ValueError(f"gradient mode must be bf16, quangrad8 or sdp4bit, got {gradients!r}")
+        if gradients in self.gradient_modes:
+            return
+        if gradients == "sdp4bit":
+            raise ValueError("gradient mode sdp4bit is sharded data parallelism: use --parallel sharded or fsdp "
+                             "under torchrun (or pass --gradients quangrad8 / bf16 to run it otherwise)")
+        if self.mode == SHARDED:
+            raise ValueError("--parallel sharded reduces gradients with SDP4Bit (or exactly with --gradients bf16), "
+                             "not with QuanGrad: use --parallel ddp for quangrad8")
+        raise ValueError("--parallel fsdp reduce-scatters gradients with FSDP2 (--gradients bf16) or SDP4Bit's "
+                         "TLq-HS (--gradients sdp4bit), not with QuanGrad: use --parallel ddp for quangrad8")
+
+    def check_optimizer_flag(self, optimizer: str | None) -> None:
+        """Refuse `--optimizer` given as this mode cannot run it: sharded is SDP4Bit's own sharded AdamW (float32
+        masters, 8-bit moments; a plan's adamw8bit with float32 masters is that step itself)."""
+        if self.mode == SHARDED and optimizer == "adamw8bit":
+            raise ValueError("--parallel sharded uses SDP4Bit's sharded AdamW (float32 master and 8-bit moments, 1/N "
+                             "per rank): --optimizer adamw8bit is for ddp, pipeline or one process")
+
+
+# ------------------------------------------------------------------------------------ what a plan's launch needs
+
+
+def launch_line(mode: str, processes: int | str, gradients: str | None = None) -> str:
+    """The command that launches a plan in `mode` over `processes` (MODEL and PLAN.json are placeholders): torchrun
+    for several processes, with `--gradients sdp4bit` where fsdp is to reduce-scatter by TLq-HS."""
+    if processes == 1:
+        command = "agoq train MODEL --plan PLAN.json"
+    else:
+        command = f"torchrun --nproc-per-node {processes} -m agoq.train MODEL --plan PLAN.json --parallel {mode}"
+    if mode == FSDP and gradients == "sdp4bit":
+        command += " --gradients sdp4bit"
+    return command
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """A layout that fixes the world size: its parallel mode and processes (None: several, number unrecorded)."""
+
+    parallel: str
+    processes: int | None
+
+    def fits(self, parallel: str) -> bool:
+        """Whether a run in parallel mode `parallel` runs this layout (sharded and fsdp count as one)."""
+        return state_kind(parallel) == state_kind(self.parallel)
+
+
+def plan_launch(plan) -> dict:
+    """The plan's `launch` section (processes, parallel mode, command), {} when it has none (1.0 plans)."""
+    launch = plan.to_dict().get("launch")
+    return launch if isinstance(launch, dict) else {}
+
+
+def plan_layout(plan) -> PlanLayout | None:
+    """The layout `plan` needs a given number of processes for, or None when any number runs it (replicated).
+
+    A pipeline of S > 1 stages needs S; a `launch` that is sharded or fsdp needs its `processes`; a plan without
+    a `launch` (1.0) whose gradients are sdp4bit is agoq's sharded step over an unrecorded number of ranks."""
+    launch = plan_launch(plan)
+    if plan.pipeline.stages > 1:
+        return PlanLayout(PIPELINE, plan.pipeline.stages)
+    if launch.get("parallel") in SHARDED_MODES:
+        processes = int(launch.get("processes") or 0)
+        return PlanLayout(launch["parallel"], processes if processes > 1 else None)
+    if not launch and plan.gradients.mode == "sdp4bit":
+        return PlanLayout(SHARDED, None)
+    return None
+
+
+def plan_parallel_default(plan, world) -> str | None:
+    """The parallel mode the plan's layout asks for when --parallel is not given, or None (the usual default:
+    none for one process, ddp under torchrun). Only several processes take it: one process is refused by
+    `check_plan_world` with the command that launches the plan."""
+    layout = plan_layout(plan)
+    return layout.parallel if layout is not None and world.size > 1 else None
+
+
+def launch_command(plan, layout: PlanLayout, model: str, plan_path: str) -> str:
+    """The command that runs `plan` as searched: its `launch.command` with MODEL and PLAN.json filled in."""
+    command = plan_launch(plan).get("command") or launch_line(layout.parallel, layout.processes or "N")
+    return command.replace("MODEL", str(model)).replace("PLAN.json", plan_path)
+
+
+def check_plan_world(plan, world_size: int, parallel: str | None, model: str, plan_path: str) -> None:
+    """Refuse to run `plan` in `world_size` processes, or in parallel mode `parallel` (None: not decided yet),
+    when its layout needs another (`plan_layout`): the message gives the command that launches it."""
+    layout = plan_layout(plan)
+    if layout is None:
+        return
+    wrong_size = world_size != layout.processes if layout.processes else world_size < 2
+    if not wrong_size and (parallel is None or layout.fits(parallel)):
+        return
+    what = (f"a {layout.processes}-stage pipeline" if layout.parallel == PIPELINE else
+            f"{layout.parallel} over {layout.processes or 'several'} processes")
+    now = f"{world_size} process{'es' if world_size > 1 else ''}" + ("" if wrong_size else f", --parallel {parallel}")
+    raise ValueError(f"{plan_path}: the plan was searched for {what} (its predicted peak and step time hold for "
+                     f"that layout only), this run has {now}: launch it as the plan says: "
+                     f"{launch_command(plan, layout, model, plan_path)}; or search a plan for this layout")
+
+
+__all__ = ["ParallelLayout", "MODES", "NONE", "DDP", "SHARDED", "FSDP", "PIPELINE", "REPLICATED_MODES",
+           "SHARDED_MODES", "GRADIENT_MODES", "MODE_GRADIENTS", "check_options", "state_kind", "launch_line",
+           "PlanLayout", "plan_launch", "plan_layout", "plan_parallel_default", "launch_command", "check_plan_world"]

@@ -1,0 +1,117 @@
+"""Applying a plan to a model: every transform of a run, in one ordered function.
+
+`apply_plan(model, policy=..., checkpoint=..., compile_mode=..., parallel=...)` runs these steps, each once, in
+this order (each is a keyword-only `apply_*` function of its own):
+
+  1. policy         what each decoder layer keeps for backward (LAAQ: bit widths, kept, recomputed kinds)
+  2. checkpointing  the layers recomputed whole in backward; it wraps whatever forward step 1 left
+  3. offload        nothing yet: the place where keeping saved activations in host memory will go
+  4. compile        torch.compile each decoder layer on its own: it traces the forward steps 1-2 made
+  5. parallel       this rank's strategy (agoq.train.parallel): replicas, shards or a pipeline stage of the
+                    model as transformed above, with the gradient storage
+
+The activation settings come from a plan (`Plan.activation_policy()`, `Plan.checkpoint_layers()`) or from the
+flags (--policy, --checkpoint-all); the rest from the run's settings (agoq.train.plan_settings). Steps 1-2 replace
+what was applied before (`remove_plan` undoes them); steps 4-5 are for a model that trains next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from agoq.activations import checkpointing
+from agoq.activations.compile import compile_decoder_layers, mark_cudagraph_step
+from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
+from agoq.activations.policy import ActivationPolicy
+from agoq.layout import ParallelLayout
+from agoq.train.data import BatchShape
+from agoq.train.parallel import ParallelStrategy, World, apply_parallel
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """What the parallel step needs: the layout, this process's place in it, and what the strategy keeps."""
+
+    layout: ParallelLayout
+    world: World
+    device: torch.device
+    dtype: torch.dtype
+    gradients: str  # gradient storage: bf16, quangrad8 or sdp4bit
+    shape: BatchShape
+    layer_stage: list[int] | None  # a pipeline's stage of each decoder layer
+    optimizer: str
+    master: str
+
+
+@dataclass(frozen=True)
+class AppliedPlan:
+    """What `apply_plan` made: the strategy that trains the model (None: no parallel step asked), and what the loop
+    calls before each training micro-batch (compile's; nothing when eager)."""
+
+    strategy: ParallelStrategy | None
+    before_micro_batch: Callable[[], None]
+
+
+def apply_plan(model: nn.Module, *, policy: ActivationPolicy | None = None, checkpoint: Sequence[int] = (),
+               compile_mode: str | None = None, parallel: ParallelSettings | None = None) -> AppliedPlan:
+    """Transform `model` as a run's plan says, in the module docstring's order: `policy` (None: every kind kept),
+    `checkpoint` (decoder layer indices), no offload, `compile_mode` (torch.compile's mode; None: eager), then
+    `parallel` (None: no strategy, e.g. to measure what a layer keeps)."""
+    apply_policy(model, policy=policy)
+    apply_checkpointing(model, layers=checkpoint)
+    apply_offload(model)
+    before_micro_batch = apply_compile(model, mode=compile_mode)
+    strategy = None if parallel is None else apply_parallel(
+        model, mode=parallel.layout.mode, world=parallel.world, device=parallel.device, gradients=parallel.gradients,
+        dtype=parallel.dtype, micro_batch=parallel.shape.micro_batch, seq_len=parallel.shape.seq_len,
+        grad_accum=parallel.shape.grad_accum, layer_stage=parallel.layer_stage, node_size=parallel.layout.node_size,
+        optimizer=parallel.optimizer, master=parallel.master)
+    return AppliedPlan(strategy, before_micro_batch)
+
+
+def apply_policy(model: nn.Module, *, policy: ActivationPolicy | None) -> None:
+    """Step 1: `policy` on every decoder layer (None: each runs its own forward). Replaces the policy and the
+    checkpointing applied before (checkpointing wraps the policy's forward, so it is undone first)."""
+    checkpointing.remove_checkpointing(model)
+    if policy is None:
+        remove_activation_policy(model)
+    else:
+        apply_activation_policy(model, policy)
+
+
+def apply_checkpointing(model: nn.Module, *, layers: Sequence[int]) -> None:
+    """Step 2: recompute decoder layers `layers` whole in backward (each then keeps only its input)."""
+    if layers:
+        checkpointing.apply_checkpointing(model, list(layers))
+
+
+def apply_offload(model: nn.Module) -> None:
+    """Step 3: host offload of the activations saved for backward goes here, between what a layer keeps (steps
+    1-2) and the compiled code that keeps it (step 4). No plan offloads yet: nothing changes."""
+
+
+def _nothing() -> None:
+    pass
+
+
+def apply_compile(model: nn.Module, *, mode: str | None) -> Callable[[], None]:
+    """Step 4: torch.compile each decoder layer on its own in `mode` (None: eager, nothing changes). Returns what
+    the loop calls before each training micro-batch: under CUDA graphs, that the last one's outputs are done with."""
+    if mode is None:
+        return _nothing
+    compile_decoder_layers(model, mode=mode)
+    return lambda: mark_cudagraph_step(mode)
+
+
+def remove_plan(model: nn.Module) -> None:
+    """Undo steps 1-2 of `apply_plan`: no activation policy, no checkpointing."""
+    checkpointing.remove_checkpointing(model)
+    remove_activation_policy(model)
+
+
+__all__ = ["apply_plan", "apply_policy", "apply_checkpointing", "apply_offload", "apply_compile", "apply_parallel",
+           "remove_plan", "AppliedPlan", "ParallelSettings"]

@@ -1,0 +1,239 @@
+"""Where a plan and the flags meet: the settings a run takes, its parallel layout, and what run.json records.
+
+A plan decides gradient storage, optimizer and masters, compile mode, micro-batch x accumulation, checkpointed
+layers and (through its `launch`) the parallel mode: unset settings take its values, and a setting given
+otherwise is refused, naming the flag and the plan's value (`check_flags_against_plan`). Without a plan the flags
+and their defaults decide. `reconcile` does it all before anything is built; `record_of_plan` and
+`plan_for_policy` say what run.json records as the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from agoq.formats.plan import SCHEMA, OptimizerSpec
+from agoq.layout import DDP, NONE, PIPELINE, ParallelLayout, check_plan_world, plan_launch, plan_parallel_default, \
+    state_kind
+from agoq.train.config import JobConfig
+from agoq.train.data import BatchShape
+from agoq.train.parallel import World
+
+BATCH_DEFAULTS = {"seq_len": 256, "micro_batch": 8, "grad_accum": 1}
+# run setting -> the flag that sets it, for what a plan decides (see `plan_settings`)
+PLAN_FLAGS = {"gradients": "--gradients", "optimizer": "--optimizer", "master": "--master", "compile": "--compile",
+              "compile_mode": "--compile-mode", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
+              "checkpoint_all": "--checkpoint-all", "parallel": "--parallel"}
+PLAN_COMPILE_MODE = "default"  # torch.compile's mode a compiled plan was priced in (agoq.profiler.compiled)
+COMPILED_BY_DEFAULT = (NONE, DDP)  # parallel modes compiled by default on CUDA (measured faster compiled)
+
+
+def plan_settings(plan, parallel: str) -> dict[str, Any]:
+    """What `plan` decides for a run in parallel mode `parallel`, named like the run settings: gradient storage,
+    optimizer and masters, compile (on/off and torch.compile's mode), micro-batch and accumulation (a pipeline's
+    accumulation is at least its micro-batches), whether every layer is checkpointed, and the parallel mode of its
+    `launch`. What the plan does not record is None (decided by the flags and their defaults): a 1.0 plan has no
+    `optimizer` section, `training.compile` or `launch`."""
+    grad_accum = plan.training.grad_accum
+    if parallel == PIPELINE:
+        grad_accum = max(grad_accum, plan.pipeline.micro_batches)
+    decided = {"gradients": plan.gradients.mode, "optimizer": None, "master": None, "compile": None,
+               "compile_mode": None, "micro_batch": plan.training.micro_batch, "grad_accum": grad_accum,
+               "checkpoint_all": len(plan.checkpoint_layers()) == plan.num_layers,
+               "parallel": plan_launch(plan).get("parallel")}
+    states = plan.states_run_settings()
+    if states["optimizer"]:
+        decided.update(optimizer=plan.optimizer.name, master=plan.optimizer.master)
+    if states["compile"]:
+        compiled = plan.training.compile == "compiled"
+        decided.update(compile=compiled, compile_mode=PLAN_COMPILE_MODE if compiled else None)
+    return decided
+
+
+def given_settings(cfg: JobConfig) -> dict[str, Any]:
+    """The settings a plan decides that this run's flags set explicitly (None / off: not given)."""
+    given = {"gradients": cfg.memory.gradients, "optimizer": cfg.optim.optimizer, "master": cfg.optim.master,
+             "compile": cfg.model.compile, "micro_batch": cfg.data.micro_batch, "grad_accum": cfg.data.grad_accum,
+             "checkpoint_all": True if cfg.memory.checkpoint_all else None, "parallel": cfg.parallelism.parallel}
+    # ModelConfig fills "default" in for --compile without --compile-mode: a mode is given only beside a
+    # compile setting, or on its own when it is not the default
+    if cfg.model.compile_mode is not None and (cfg.model.compile is not None or cfg.model.compile_mode != "default"):
+        given["compile_mode"] = cfg.model.compile_mode
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _flag_text(name: str, value) -> str:
+    if name == "compile":
+        return "--compile" if value else "--no-compile"
+    if name == "checkpoint_all":
+        return "--checkpoint-all"
+    return f"{PLAN_FLAGS[name]} {value}"
+
+
+def _plan_text(name: str, value, plan) -> str:
+    if name == "compile":
+        return f"training.compile {'compiled' if value else 'eager'}"
+    if name == "compile_mode":
+        return (f"compile mode {value!r} (training.compile compiled, priced in torch.compile's {value!r} mode)"
+                if value else "no compile mode (training.compile eager)")
+    if name == "checkpoint_all":
+        layers = plan.checkpoint_layers()
+        return (f"checkpointed layers {layers} of {plan.num_layers}" if layers
+                else f"no checkpointed layer of {plan.num_layers}")
+    if name == "parallel":
+        launch = plan_launch(plan)
+        return f"launch parallel {value} ({launch.get('processes', '?')} process(es))"
+    where = {"gradients": "gradients.mode", "optimizer": "optimizer.name", "master": "optimizer.master",
+             "micro_batch": "training.micro_batch", "grad_accum": "training.grad_accum"}[name]
+    return f"{where} {value}"
+
+
+def check_flags_against_plan(given: dict[str, Any], decided: dict[str, Any], plan, where: str) -> None:
+    """Refuse flags that contradict what the plan decides (`plan_settings`), naming each flag and the plan's value.
+
+    A flag equal to the plan's value is accepted; a plan without a `launch` decides no parallel mode, and modes of
+    one state kind count as the same (`agoq.layout.state_kind`: one process and DDP replicate the state, sharded
+    and fsdp shard it and both run sdp4bit gradients)."""
+    wrong = []
+    for name, value in given.items():
+        planned = decided.get(name)
+        if name == "parallel" and (planned is None or state_kind(value) == state_kind(planned)):
+            continue
+        recorded_as = "compile" if name == "compile_mode" else name
+        if recorded_as in ("optimizer", "master", "compile") and decided.get(recorded_as) is None:
+            continue  # the plan does not record it (1.0): the flag decides
+        if name == "compile_mode" and given.get("compile", decided["compile"]) != decided["compile"]:
+            continue  # the compile flag's own contradiction says it
+        if value != planned:
+            wrong.append(f"{_flag_text(name, value)} contradicts the plan's {_plan_text(name, planned, plan)}")
+    if wrong:
+        flags = "that flag" if len(wrong) == 1 else "those flags"
+        raise ValueError(f"{where}: " + "; ".join(wrong) + f". The plan was searched (and priced) with its own "
+                         f"values: drop {flags} to train it as it is, or re-run `agoq search` for what you want")
+
+
+def compile_by_default(device: torch.device, parallel: str) -> bool:
+    """Whether a run compiles its decoder layers when neither a flag nor a plan says: on CUDA in one process or
+    DDP, where agoq's compiled layers were measured faster than eager (experiments/bench_compile.py,
+    train_8b_alternatives.py); eager on the CPU and in the sharded, fsdp and pipeline modes."""
+    return device.type == "cuda" and parallel in COMPILED_BY_DEFAULT
+
+
+def resolve_settings(cfg: JobConfig, decided: dict[str, Any], parallelism, *, compile_default: bool = False) -> JobConfig:
+    """`cfg` with each unset optimizer, master and compile setting taken from `decided` (a plan's, {} without one),
+    else the defaults (adamw, fp32 masters, `compile_default`; torch.compile's mode "default"), and
+    `parallelism`."""
+    optimizer = cfg.optim.optimizer or decided.get("optimizer") or "adamw"
+    master = cfg.optim.master or decided.get("master") or "fp32"
+    compile_ = cfg.model.compile if cfg.model.compile is not None else \
+        bool(decided["compile"]) if decided.get("compile") is not None else compile_default
+    mode = cfg.model.compile_mode or decided.get("compile_mode") or "default"
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer=optimizer, master=master),
+                               model=dataclasses.replace(cfg.model, compile=compile_, compile_mode=mode),
+                               parallelism=parallelism)
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """A run's settings once the plan and the flags have met (see `reconcile`)."""
+
+    cfg: JobConfig  # every setting as run: optimizer, masters, compile and the parallel mode filled in
+    layout: ParallelLayout
+    gradients: str  # gradient storage: the flag's, else the plan's, else bf16
+    shape: BatchShape
+
+
+def reconcile(cfg: JobConfig, plan, where: str, world: World, device: torch.device) -> Reconciled:
+    """The settings a run takes from `plan` (None: none) and its flags: a plan searched for another number of
+    processes or another layout is refused (agoq.layout.check_plan_world), so is a flag that contradicts the plan,
+    and gradient storage or an optimizer flag the parallel layout cannot run. Nothing is built."""
+    parallel_cfg = cfg.parallelism
+    if plan is not None:
+        check_plan_world(plan, world.size, None, cfg.model.model, where)
+        if parallel_cfg.parallel is None and plan_parallel_default(plan, world):
+            parallel_cfg = dataclasses.replace(parallel_cfg, parallel=plan_parallel_default(plan, world))
+    layout = parallel_cfg.layout(world.size)
+    decided = {}
+    if plan is not None:
+        decided = plan_settings(plan, layout.mode)
+        check_flags_against_plan(given_settings(cfg), decided, plan, where)
+        check_plan_world(plan, world.size, layout.mode, cfg.model.model, where)
+    gradients = cfg.memory.gradients or decided.get("gradients") or "bf16"  # with a plan, equal to its mode
+    layout.check_gradients(gradients)
+    # a plan's adamw8bit with float32 masters under sharded is SDP4Bit's step itself; only the flag is refused
+    layout.check_optimizer_flag(cfg.optim.optimizer)
+    shape = batch_shape(cfg, plan, decided, layout, world)
+    run_cfg = resolve_settings(cfg, decided, parallel_cfg, compile_default=compile_by_default(device, layout.mode))
+    return Reconciled(run_cfg, layout, gradients, shape)
+
+
+def batch_shape(cfg: JobConfig, plan, decided: dict[str, Any], layout: ParallelLayout, world: World) -> BatchShape:
+    """The flags' batch shape, else the plan's, else the defaults; a pipeline accumulates at least one micro-batch
+    per stage. A sequence length other than the plan's is taken with a warning (its predictions hold for its
+    own)."""
+    data = cfg.data
+    training = dict(BATCH_DEFAULTS)
+    if plan is not None:
+        training = {"seq_len": plan.training.seq_len, "micro_batch": plan.training.micro_batch,
+                    "grad_accum": decided["grad_accum"]}
+        if data.seq_len is not None and data.seq_len != training["seq_len"] and world.rank == 0:
+            print(f"agoq train: warning: the plan's predictions hold for its sequence length; this run changes "
+                  f"seq_len {training['seq_len']} -> {data.seq_len}", file=sys.stderr)
+    grad_accum = data.grad_accum or (max(training["grad_accum"], layout.world_size) if layout.pipelined
+                                     else training["grad_accum"])
+    return BatchShape(data.seq_len or training["seq_len"], data.micro_batch or training["micro_batch"], grad_accum)
+
+
+def record_of_plan(plan, cfg: JobConfig) -> dict:
+    """What run.json records as the plan: the plan, with the optimizer, masters and compile mode the run used
+    where the plan records none (a 1.0 plan)."""
+    record = plan.to_dict()
+    states = plan.states_run_settings()
+    if not states["optimizer"]:
+        record["optimizer"] = {"name": cfg.optim.optimizer, "master": cfg.optim.master}
+    if not states["compile"]:
+        record["training"]["compile"] = "compiled" if cfg.model.compile else "eager"
+    return record
+
+
+def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: int, grad_accum: int,
+                    layer_stage: list[int] | None, stages: int, *, optimizer: str = "adamw", master: str = "fp32",
+                    compile: bool = False, model_fingerprint: str | None = None) -> dict[str, Any]:
+    """A plan (agoq.plan layout) recording what a run given `--policy` applies, for run.json: its activation
+    settings, gradient mode, batch shape, the optimizer and masters it steps with and whether its layers are
+    compiled (`compile`: torch.compile per decoder layer). `model_fingerprint` is the model's
+    `agoq.models.fingerprint` where the caller has it (else it is computed here).
+
+    `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted.
+    """
+    from agoq.activations.saved_bytes import find_decoder_layers
+    from agoq.models import fingerprint
+
+    num_layers = len(find_decoder_layers(model))
+    stage_of = layer_stage or [0] * num_layers
+    return {
+        "schema": SCHEMA,
+        "model": {"name": model.config.name, "fingerprint": model_fingerprint or fingerprint(model)},
+        "budget_bytes": None,
+        "activations": {"block": policy.block, "format": policy.format, "rounding": policy.rounding},
+        "layers": [{"layer": i, "stage": stage_of[i], "checkpoint": False, "kinds": dict(policy.settings(i))}
+                   for i in range(num_layers)],
+        "gradients": {"mode": gradients, "block": 256, "bucket_bytes": 25 * 2**20},
+        "pipeline": {"stages": stages, "micro_batches": grad_accum if stages > 1 else 1, "schedule": "1f1b"},
+        "training": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
+                     "compile": "compiled" if compile else "eager"},
+        "optimizer": OptimizerSpec(name=optimizer, master=master).model_dump(mode="json"),
+        "predicted": {"peak_bytes_per_stage": [], "activation_bytes_per_stage": [], "step_seconds": None,
+                      "grad_error": None},
+        "measured": None,
+        "source": {"method": "policy", "objective": policy.name, "profile": None, "date": None},
+    }
+
+
+__all__ = ["reconcile", "Reconciled", "batch_shape", "plan_settings", "given_settings", "check_flags_against_plan",
+           "resolve_settings", "compile_by_default", "record_of_plan", "plan_for_policy", "PLAN_FLAGS",
+           "BATCH_DEFAULTS"]

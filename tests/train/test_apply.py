@@ -1,0 +1,139 @@
+"""apply_plan: the policy, checkpointing, offload, compile and parallel steps, each once and in that order, and a
+model that trains as the policy-applied, checkpointed model does, with its policy-applied layers compiled."""
+
+import os
+
+import pytest
+import torch
+
+import agoq.activations.compile as compile_module
+from agoq.activations.checkpointing import apply_checkpointing as checkpoint_layers
+from agoq.activations.laaq import apply_activation_policy
+from agoq.activations.policy import KINDS, RECOMPUTABLE, ActivationPolicy
+from agoq.layout import ParallelLayout
+from agoq.models import build
+from agoq.train import apply
+from agoq.train.apply import ParallelSettings, apply_plan, remove_plan
+from agoq.train.data import BatchShape
+from agoq.train.parallel import World
+
+STEPS = ["policy", "checkpointing", "offload", "compile", "parallel"]
+
+
+def _seed():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print("seed", seed)
+    return seed
+
+
+def _random_policy(gen: torch.Generator, layers: int) -> ActivationPolicy:
+    """Per layer and kind: a bit width 2..8, kept, or recomputed where the kind can be."""
+    def setting(kind):
+        choices = [2, 3, 4, 5, 8, 16] + (["recompute"] if kind in RECOMPUTABLE else [])
+        return choices[int(torch.randint(len(choices), (1,), generator=gen))]
+    return ActivationPolicy(layers={i: {k: setting(k) for k in KINDS} for i in range(layers)})
+
+
+def _settings(shape=BatchShape(19, 3, 1)) -> ParallelSettings:
+    return ParallelSettings(ParallelLayout(), World(), torch.device("cpu"), torch.float32, "bf16", shape, None,
+                            "adamw", "fp32")
+
+
+def test_each_step_once_in_order(monkeypatch):
+    calls = []
+
+    def record(name, result=None):
+        def step(model, **kwargs):
+            calls.append((name, model, kwargs))
+            return result
+        return step
+
+    hook = object()
+    strategy = object()
+    monkeypatch.setattr(apply, "apply_policy", record("policy"))
+    monkeypatch.setattr(apply, "apply_checkpointing", record("checkpointing"))
+    monkeypatch.setattr(apply, "apply_offload", record("offload"))
+    monkeypatch.setattr(apply, "apply_compile", record("compile", hook))
+    monkeypatch.setattr(apply, "apply_parallel", record("parallel", strategy))
+    model, policy, parallel = torch.nn.Linear(2, 2), ActivationPolicy(), _settings()
+    applied = apply_plan(model, policy=policy, checkpoint=[1], compile_mode="default", parallel=parallel)
+    assert [c[0] for c in calls] == STEPS and all(c[1] is model for c in calls)
+    kwargs = {name: kw for name, _, kw in calls}
+    assert kwargs["policy"] == {"policy": policy} and kwargs["checkpointing"] == {"layers": [1]}
+    assert kwargs["compile"] == {"mode": "default"} and kwargs["offload"] == {}
+    assert kwargs["parallel"]["mode"] == "none" and kwargs["parallel"]["micro_batch"] == 3
+    assert applied.strategy is strategy and applied.before_micro_batch is hook
+
+
+def test_the_compiled_layers_are_the_policy_applied_ones(monkeypatch):
+    """A random policy with one layer checkpointed, compiled (aot_eager: Inductor's cold CPU compile would take
+    most of a minute) in one process: every decoder layer is compiled, holds the policy's settings (and the
+    checkpoint), and the loss and gradients equal those of the same weights under the eager policy and
+    checkpointing; they differ from the plain model's."""
+    seed = _seed()
+    real = compile_module.compile_decoder_layers
+    compiled = []
+    monkeypatch.setattr(apply, "compile_decoder_layers",
+                        lambda model, mode=None: compiled.append(real(model, mode=mode, backend="aot_eager")))
+    gen = torch.Generator().manual_seed(seed)
+    layers = 4
+    policy = _random_policy(gen, layers)
+    policy.layers[0] = {k: 4 for k in KINDS}  # at least one layer quantized: the policy changes the gradients
+    checkpointed = [int(torch.randint(1, layers, (1,), generator=gen))]
+    policy.layers[checkpointed[0]] = {k: 16 for k in KINDS}  # a checkpointed layer keeps its kinds (as in a plan)
+    model = build("llama-tiny", num_layers=layers, seed=seed % 2**31)
+    reference = build("llama-tiny", num_layers=layers, seed=seed % 2**31)
+    plain = build("llama-tiny", num_layers=layers, seed=seed % 2**31)
+    ids = torch.randint(0, model.config.vocab_size, (3, 20), generator=gen)
+
+    applied = apply_plan(model, policy=policy, checkpoint=checkpointed, compile_mode="default", parallel=_settings())
+    assert compiled == [layers] and applied.strategy.module is model
+    for i, layer in enumerate(model.model.layers):
+        assert layer._compiled_call_impl is not None, i
+        assert getattr(layer, "_agoq_checkpointed", False) is (i in checkpointed), i
+        if not policy.keeps_everything(i):
+            assert layer._agoq_settings == policy.settings(i), i
+    apply_activation_policy(reference, policy)
+    checkpoint_layers(reference, checkpointed)
+
+    def loss_and_grads(m):
+        m.zero_grad(set_to_none=True)
+        loss = m(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    loss, grads = loss_and_grads(model)
+    loss_ref, grads_ref = loss_and_grads(reference)
+    loss_plain, grads_plain = loss_and_grads(plain)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6, msg=f"seed {seed}")
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-6, msg=f"seed {seed}: {name}")
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(grads[down], grads_plain[down])
+
+
+def test_apply_without_compile_or_parallel_and_remove():
+    """Only the activation steps: no strategy, nothing to call per micro-batch, nothing compiled; applying again
+    replaces (it does not stack) and remove_plan gives every layer its own forward back."""
+    model = build("llama-tiny")
+    policy = ActivationPolicy(default={k: 8 for k in KINDS})
+    for _ in range(2):
+        applied = apply_plan(model, policy=policy, checkpoint=[0, 2])
+        assert applied.strategy is None and applied.before_micro_batch() is None
+    layers = model.model.layers
+    assert [getattr(layer, "_agoq_checkpointed", False) for layer in layers] == [True, False, True]
+    assert all(layer._compiled_call_impl is None for layer in layers)
+    apply_plan(model, policy=None)
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    apply_plan(model, policy=policy, checkpoint=[1])
+    remove_plan(model)
+    assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+@pytest.mark.parametrize("checkpoint", [[], [1]])
+def test_offload_is_a_step_that_changes_nothing(checkpoint):
+    model = build("llama-tiny")
+    apply_plan(model, policy=ActivationPolicy(default={k: 4 for k in KINDS}), checkpoint=checkpoint)
+    before = {i: dict(layer.__dict__) for i, layer in enumerate(model.model.layers)}
+    apply.apply_offload(model)
+    assert {i: dict(layer.__dict__) for i, layer in enumerate(model.model.layers)} == before

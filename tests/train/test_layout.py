@@ -1,0 +1,136 @@
+"""The parallel layout value (agoq.layout): the combinations of mode, processes, pipeline stages, node size,
+gradient storage and optimizer flag it takes and refuses are exactly those `agoq train` took and refused when
+each rule was a string comparison of its own (the reference below is that code, kept as it was), and its
+derived figures are the ones the runtime used."""
+
+import itertools
+
+import pytest
+
+from agoq.layout import (
+    MODES,
+    ParallelLayout,
+    PlanLayout,
+    check_options,
+    launch_line,
+    state_kind,
+)
+from agoq.train.config import ParallelConfig
+
+
+def _reference(parallel, world, pipeline_stages, node_size, gradients, optimizer):
+    """The mode or the message of `agoq train` before the layout value: ParallelConfig's own checks and mode_for,
+    then prepare's gradient and optimizer-flag checks, as they were written."""
+    if parallel is not None and parallel not in ("none", "ddp", "sharded", "fsdp", "pipeline"):
+        return f"--parallel must be one of none, ddp, sharded, fsdp, pipeline, got {parallel!r}"
+    if node_size is not None and parallel not in ("sharded", "fsdp"):
+        return "--node-size is for --parallel sharded or fsdp (SDP4Bit's two-level gradient reduce-scatter)"
+    if pipeline_stages is not None and parallel != "pipeline":
+        return "--pipeline-stages is for --parallel pipeline"
+    mode = parallel or ("none" if world == 1 else "ddp")
+    if mode == "none" and world > 1:
+        return f"--parallel none with {world} processes: choose ddp, sharded, fsdp or pipeline"
+    if mode != "none" and world < 2:
+        return (f"--parallel {mode} needs several processes: launch with torchrun --nproc-per-node N agoq train ... "
+                f"--parallel {mode}")
+    if mode == "pipeline" and pipeline_stages not in (None, world):
+        return (f"--pipeline-stages {pipeline_stages} but {world} processes: run one process per stage (pipeline and "
+                "data parallelism are not combined)")
+    if gradients not in ("bf16", "quangrad8", "sdp4bit"):
+        return f"gradient mode must be bf16, quangrad8 or sdp4bit, got {gradients!r}"
+    if gradients == "sdp4bit" and mode not in ("sharded", "fsdp"):
+        return ("gradient mode sdp4bit is sharded data parallelism: use --parallel sharded or fsdp under torchrun (or "
+                "pass --gradients quangrad8 / bf16 to run it otherwise)")
+    if mode == "sharded" and gradients == "quangrad8":
+        return ("--parallel sharded reduces gradients with SDP4Bit (or exactly with --gradients bf16), not with "
+                "QuanGrad: use --parallel ddp for quangrad8")
+    if mode == "fsdp" and gradients == "quangrad8":
+        return ("--parallel fsdp reduce-scatters gradients with FSDP2 (--gradients bf16) or SDP4Bit's TLq-HS "
+                "(--gradients sdp4bit), not with QuanGrad: use --parallel ddp for quangrad8")
+    if mode == "sharded" and optimizer == "adamw8bit":
+        return ("--parallel sharded uses SDP4Bit's sharded AdamW (float32 master and 8-bit moments, 1/N per rank): "
+                "--optimizer adamw8bit is for ddp, pipeline or one process")
+    return mode
+
+
+def _layout_value(parallel, world, pipeline_stages, node_size, gradients, optimizer):
+    """The same through the layout value: the flags' part, its layout for `world` processes, then its rules."""
+    try:
+        layout = ParallelConfig(parallel=parallel, pipeline_stages=pipeline_stages, node_size=node_size).layout(world)
+        layout.check_gradients(gradients)
+        layout.check_optimizer_flag(optimizer)
+    except ValueError as e:
+        return str(e)
+    return layout.mode
+
+
+def test_every_combination_is_taken_or_refused_as_before():
+    cases = list(itertools.product([None, *MODES, "tensor"], range(1, 5), [None, 1, 2, 3], [None, 2],
+                                   ["bf16", "quangrad8", "sdp4bit", "fp8"], [None, "adamw", "adamw8bit"]))
+    outcomes = {}
+    for case in cases:
+        want = _reference(*case)
+        assert _layout_value(*case) == want, case
+        outcomes[want in MODES] = outcomes.get(want in MODES, 0) + 1
+    assert outcomes[True] > 50 and outcomes[False] > 50  # the table holds both kinds
+
+
+@pytest.mark.parametrize("mode, world, gradients, ok", [
+    ("none", 1, "bf16", True), ("none", 1, "quangrad8", True), ("none", 1, "sdp4bit", False),
+    ("ddp", 3, "quangrad8", True), ("ddp", 3, "sdp4bit", False),
+    ("sharded", 3, "bf16", True), ("sharded", 3, "sdp4bit", True), ("sharded", 3, "quangrad8", False),
+    ("fsdp", 2, "bf16", True), ("fsdp", 2, "sdp4bit", True), ("fsdp", 2, "quangrad8", False),
+    ("pipeline", 4, "bf16", True), ("pipeline", 4, "quangrad8", True), ("pipeline", 4, "sdp4bit", False),
+])
+def test_gradient_storage_each_mode_runs(mode, world, gradients, ok):
+    layout = ParallelLayout.of(mode, world)
+    assert (gradients in layout.gradient_modes) is ok
+    if ok:
+        layout.check_gradients(gradients)
+    else:
+        with pytest.raises(ValueError, match="gradient"):
+            layout.check_gradients(gradients)
+
+
+@pytest.mark.parametrize("mode, world, replicated, sharded, pipelined, data_ranks, resume_state, kind", [
+    ("none", 1, True, False, False, 1, "none or ddp (replicated)", "replicated"),
+    ("ddp", 5, True, False, False, 5, "none or ddp (replicated)", "replicated"),
+    ("sharded", 3, False, True, False, 3, "sharded", "sharded"),
+    ("fsdp", 7, False, True, False, 7, "fsdp", "sharded"),
+    ("pipeline", 3, False, False, True, 1, "pipeline", "pipeline"),
+])
+def test_what_each_mode_means(mode, world, replicated, sharded, pipelined, data_ranks, resume_state, kind):
+    layout = ParallelLayout.of(mode, world)
+    assert (layout.replicated, layout.sharded, layout.pipelined) == (replicated, sharded, pipelined)
+    assert layout.data_ranks == data_ranks and layout.resume_state == resume_state and state_kind(mode) == kind
+    assert layout.pipeline_stages == (world if pipelined else 1)
+    with pytest.raises(AttributeError):
+        layout.mode = "ddp"  # a value: frozen
+
+
+def test_the_default_mode_follows_the_processes_and_the_value_is_always_valid():
+    assert ParallelLayout() == ParallelLayout.of(None, 1) == ParallelLayout("none", 1, 1, None)
+    assert ParallelLayout.of(None, 4).mode == "ddp"
+    for bad in [dict(mode="ddp", world_size=1), dict(mode="none", world_size=2), dict(mode="pipeline", world_size=3),
+                dict(mode="ddp", world_size=2, pipeline_stages=2), dict(mode="ddp", world_size=2, node_size=2),
+                dict(mode="tensor", world_size=2), dict(mode="none", world_size=0)]:
+        with pytest.raises(ValueError):
+            ParallelLayout(**bad)
+    check_options(None)
+    with pytest.raises(ValueError, match="--node-size"):
+        check_options(None, node_size=1)
+
+
+def test_a_plan_layout_fits_its_own_state_kind():
+    for planned, run, fits in [("sharded", "fsdp", True), ("fsdp", "sharded", True), ("sharded", "sharded", True),
+                               ("fsdp", "ddp", False), ("pipeline", "pipeline", True), ("pipeline", "ddp", False),
+                               ("sharded", "none", False)]:
+        assert PlanLayout(planned, 3).fits(run) is fits, (planned, run)
+
+
+def test_launch_line():
+    assert launch_line("none", 1) == "agoq train MODEL --plan PLAN.json"
+    assert launch_line("ddp", 3) == "torchrun --nproc-per-node 3 -m agoq.train MODEL --plan PLAN.json --parallel ddp"
+    assert launch_line("fsdp", "N", "sdp4bit").endswith("--nproc-per-node N -m agoq.train MODEL --plan PLAN.json "
+                                                         "--parallel fsdp --gradients sdp4bit")
+    assert launch_line("sharded", 2, "sdp4bit").endswith("--parallel sharded")  # its own step reduces sdp4bit
