@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from agoq.files import check_output_folder
-from agoq.formats.profile import add_collectives, load_profile
+from agoq.formats.profile import add_collectives, add_measured_steps, load_profile
 from agoq.search import InfeasibleBudget, plan_from_profile
 from agoq.units import format_bytes
 
@@ -63,7 +63,7 @@ def _size_list(text: str) -> list[int]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq profile`'s arguments to `parser` and set its function."""
-    from agoq.commands.arguments import positive_int, request_field
+    from agoq.commands.arguments import non_negative_int, positive_int, request_field
 
     parser.add_argument("model", help="preset, HuggingFace config.json, or package.module:function")
     parser.add_argument("--seq-len", type=positive_int, default=None,
@@ -109,10 +109,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for torch (default: 1 for a CPU profile of a model with hidden size "
                              "< 1024, whose small operations run fastest on one thread; else torch's default)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="also time the steps with each decoder layer torch.compile'd (bf16, agoq-paper, "
-                             "checkpoint-all, compile's activation_memory_budget 0.5 / 0.1, smaller micro-batches): "
-                             "the search then prices compiled plans and compile's own memory savers; about a minute "
-                             "more on a GPU (default: on with a CUDA device, as agoq train compiles there)")
+                        help="also measure the steps with each decoder layer torch.compile'd (every kind of step "
+                             "below, and compile's activation_memory_budget 0.5 / 0.1): the search then prices "
+                             "compiled plans and compile's own memory saver (default: on with a CUDA device, as "
+                             "agoq train compiles there)")
+    parser.add_argument("--measured-steps", type=non_negative_int, default=None, metavar="N",
+                        help="training steps per kind of step measured with agoq train's own code, for the search "
+                             "to price plans from: bf16, agoq-paper and checkpoint-all at every micro-batch dividing "
+                             "--micro-batch with one and two micro-batches per step, QuanGrad's gradients, float32 "
+                             "AdamW and no masters (agoq.commands.profile_steps); plans of a kind not measured are "
+                             "not offered; 0: none (default 6 on a GPU, 3 on the CPU)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
 
@@ -201,12 +207,23 @@ def run(args: argparse.Namespace) -> int:
         layers=args.layers, pipeline_stages=args.pipeline_stages, micro_batches=micro_batches,
         world_size=1 if collectives_torchrun else args.world_size, budget_bytes=args.budget,
         ray_address="local" if args.ray else args.ray_address, collective_sizes=args.collective_sizes,
-        sensitivity_method=args.sensitivity,
-        compiled=args.compile if args.compile is not None else device.startswith("cuda"))
+        sensitivity_method=args.sensitivity)
     say = (lambda *a: None) if args.quiet else (lambda text: print(text, file=sys.stderr))
     header = make_profile(settings, out, progress=not args.quiet, say=say)
     if collectives_torchrun is not None:
         header = add_collectives(out, header, *collectives_torchrun)
+    steps = args.measured_steps if args.measured_steps is not None else (6 if device.startswith("cuda") else 3)
+    if steps:
+        from agoq.commands.profile_steps import measure_profile_steps
+
+        compiled = args.compile if args.compile is not None else device.startswith("cuda")
+        modes = ["eager"] + (["compiled"] if compiled else [])
+        say(f"measured steps: {steps} steps of each kind the search prices plans from ({', '.join(modes)})")
+        rows, failures = measure_profile_steps(args.model, layers=args.layers, seq_len=seq_len,
+                                               micro_batch=args.micro_batch, dtype=dtype, device=device,
+                                               compile_modes=modes, steps=steps, seed=args.seed,
+                                               progress=not args.quiet)
+        header = add_measured_steps(out, header, rows, failures)
     files = header["files"]
     print(f"wrote {out / 'profile.json'} and {out / files['table']}"
           + (f" and {out / files['collectives']}" if "collectives" in files else ""))

@@ -78,6 +78,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="torch.compile's mode with --compile: reduce-overhead records each layer as CUDA graphs "
                         "(refused with stochastic rounding, whose host-drawn seeds a graph would freeze); a compiled "
                         "plan was priced in mode default (default: default)")
+    p.add_argument("--activation-memory-budget", type=float, default=None, metavar="B",
+                   help="with --compile: torch.compile's partitioner recomputes to keep about B (0 < B <= 1) of the "
+                        "activations it would save (torch._functorch.config.activation_memory_budget; compile's own "
+                        "memory saver) (default: the plan's training.activation_memory_budget, else 1)")
     p.add_argument("--data", default=None, help="text file to train on, split 90/10 into train/validation "
                                                 "(default: a built-in synthetic corpus, 1 MB)")
     p.add_argument("--tokenizer", default=None, help="HuggingFace tokenizers JSON (default: bytes, vocabulary 256)")
@@ -159,5 +163,6 @@ def run(args: argparse.Namespace) -> int:
                       eval_batches=args.eval_batches, resume=args.resume, seed=args.seed, device=args.device,
                       dtype=args.dtype, out=args.out, checkpoint_all=args.checkpoint_all, node_size=args.node_size,
                       quiet=args.quiet, compile=args.compile,
-                      compile_mode=args.compile_mode, override=args.override)
+                      compile_mode=args.compile_mode, activation_memory_budget=args.activation_memory_budget,
+                      override=args.override)
     return train(cfg)

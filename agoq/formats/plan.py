@@ -1,4 +1,4 @@
-"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.2``, docs/formats.md).
+"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.3``, docs/formats.md).
 
 A plan says, for one model (by fingerprint), how each decoder layer keeps each tensor kind for
 backward (a bit width 2..8, 16, or "recompute"), which layers are checkpointed whole, how gradients are
@@ -46,7 +46,7 @@ from agoq.files import read_json_object
 from agoq.layout import GRADIENT_MODES
 from agoq.quant.quantize import check_arguments
 
-SCHEMA = "agoq.plan/1.2"
+SCHEMA = "agoq.plan/1.3"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
@@ -201,6 +201,15 @@ class TrainingSpec(_Part):
     seq_len: int = Field(default=1, ge=1)
     grad_accum: int = Field(default=1, ge=1)
     compile: Literal["eager", "compiled"] = "eager"  # compiled: each decoder layer torch.compile'd (agoq train --compile)
+    # torch.compile's partitioner budget (since 1.3, compiled only): it recomputes to keep about this share of the
+    # activations (torch._functorch.config.activation_memory_budget; None: 1, keep what it would)
+    activation_memory_budget: Optional[float] = Field(default=None, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _budget_needs_compile(self) -> "TrainingSpec":
+        if self.activation_memory_budget is not None and self.compile != "compiled":
+            raise ValueError("activation_memory_budget is torch.compile's: it needs compile 'compiled'")
+        return self
 
 
 class StageMemory(_Part):

@@ -196,6 +196,18 @@ def write_profile_files(out: Path, header: dict, rows: list[dict], collectives: 
     return header
 
 
+def add_measured_steps(out: Path, header: dict, rows: list[dict], failures: list[dict]) -> dict:
+    """Add the measured steps (agoq.formats.measured_steps) to a written profile, replacing any before, and their
+    failures; returns the header."""
+    from agoq.formats.measured_steps import section
+
+    header = dict(header)
+    header["measured_steps"] = section(rows)
+    header["failures"] = list(header.get("failures") or []) + list(failures)
+    write_json(Path(out) / "profile.json", json_safe(header))
+    return header
+
+
 def add_collectives(out: Path, header: dict, rows: list[dict], failures: list[dict]) -> dict:
     """Add collective timings measured elsewhere (under torchrun) to a written profile; returns the header."""
     out = Path(out)

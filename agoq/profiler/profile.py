@@ -73,7 +73,6 @@ class ProfileSettings:
     collective_sizes: list[int] | None = None
     timing_repeats: int | None = None  # None: 5 on CUDA, 1 on the CPU
     sensitivity_method: str = "replay"  # or "policy": a full forward + backward per option
-    compiled: bool = False  # also measure compiled steps (agoq.profiler.compiled): the "compiled" section
 
 
 def _short(e: BaseException) -> str:
@@ -236,18 +235,6 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
     pipeline = pipeline_summary(settings.pipeline_stages, settings.micro_batches, num_layers)
     lap("memory")
 
-    compiled = None
-    if settings.compiled:
-        from agoq.profiler.compiled import compiled_section
-
-        say("compiled: bf16, agoq-paper, checkpoint-all, compile's activation budgets, smaller micro-batches, "
-            "each decoder layer torch.compile'd")
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        compiled = compiled_section(model, batches[0], failures=failures)
-        lap("compiled")
-
     collectives = None
     if settings.world_size > 1:
         from agoq.profiler.collectives import spawn_collectives
@@ -267,7 +254,7 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
               "batches": settings.batches}
     return write_profile(out, settings, model, num_layers, rows, memory, pipeline, failures, collectives,
                          extra={"seconds": timings, "counts": counts, "sensitivity": sensitivity_notes,
-                                "timing": timing, **({"compiled": compiled} if compiled is not None else {})})
+                                "timing": timing})
 
 
 def write_profile(out: Path, settings: ProfileSettings, model, num_layers: int, rows: list[dict], memory: dict,

@@ -57,14 +57,15 @@ class AppliedPlan:
 
 
 def apply_plan(model: nn.Module, *, policy: ActivationPolicy | None = None, checkpoint: Sequence[int] = (),
-               compile_mode: str | None = None, parallel: ParallelSettings | None = None) -> AppliedPlan:
+               compile_mode: str | None = None, memory_budget: float | None = None,
+               parallel: ParallelSettings | None = None) -> AppliedPlan:
     """Transform `model` as a run's plan says, in the module docstring's order: `policy` (None: every kind kept),
     `checkpoint` (decoder layer indices), no offload, `compile_mode` (torch.compile's mode; None: eager), then
     `parallel` (None: no strategy, e.g. to measure what a layer keeps)."""
     apply_policy(model, policy=policy)
     apply_checkpointing(model, layers=checkpoint)
     apply_offload(model)
-    before_micro_batch = apply_compile(model, mode=compile_mode)
+    before_micro_batch = apply_compile(model, mode=compile_mode, memory_budget=memory_budget)
     strategy = None if parallel is None else apply_parallel(
         model, mode=parallel.layout.mode, world=parallel.world, device=parallel.device, gradients=parallel.gradients,
         dtype=parallel.dtype, micro_batch=parallel.shape.micro_batch, seq_len=parallel.shape.seq_len,
@@ -98,11 +99,16 @@ def _nothing() -> None:
     pass
 
 
-def apply_compile(model: nn.Module, *, mode: str | None) -> Callable[[], None]:
-    """Step 4: torch.compile each decoder layer on its own in `mode` (None: eager, nothing changes). Returns what
-    the loop calls before each training micro-batch: under CUDA graphs, that the last one's outputs are done with."""
+def apply_compile(model: nn.Module, *, mode: str | None, memory_budget: float | None = None) -> Callable[[], None]:
+    """Step 4: torch.compile each decoder layer on its own in `mode` (None: eager, nothing changes), its partitioner
+    keeping about `memory_budget` of the activations (torch._functorch.config.activation_memory_budget, a setting
+    of the process; None: 1, all it would keep). Returns what the loop calls before each training micro-batch:
+    under CUDA graphs, that the last one's outputs are done with."""
     if mode is None:
+        if memory_budget is not None:
+            raise ValueError("an activation memory budget is torch.compile's: it needs a compile mode")
         return _nothing
+    torch._functorch.config.activation_memory_budget = 1.0 if memory_budget is None else float(memory_budget)
     compile_decoder_layers(model, mode=mode)
     return lambda: mark_cudagraph_step(mode)
 

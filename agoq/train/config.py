@@ -37,6 +37,9 @@ class ModelConfig:
     compile: bool | None = None  # torch.compile each decoder layer on its own (None: the plan's, else eager)
     # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs (None: "default")
     compile_mode: str | None = None
+    # torch.compile's partitioner budget: the share of activations it keeps, recomputing the rest (None: the plan's,
+    # else 1)
+    activation_memory_budget: float | None = None
 
     def __post_init__(self) -> None:
         if self.device and not self.device.startswith("cuda") and self.device != "cpu":
@@ -45,6 +48,11 @@ class ModelConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.compile and self.compile_mode is None:
             object.__setattr__(self, "compile_mode", "default")
+        budget = self.activation_memory_budget
+        if budget is not None and not 0 < budget <= 1:
+            raise ValueError(f"--activation-memory-budget must be in (0, 1], got {budget}")
+        if budget is not None and self.compile is False:
+            raise ValueError("--activation-memory-budget is torch.compile's partitioner budget: it needs --compile")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ BATCH_DEFAULTS = {"seq_len": 256, "micro_batch": 8, "grad_accum": 1}
 # run setting -> the flag that sets it, for what a plan decides (see `plan_settings`)
 PLAN_FLAGS = {"gradients": "--gradients", "optimizer": "--optimizer", "master": "--master", "compile": "--compile",
               "compile_mode": "--compile-mode", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
+              "activation_memory_budget": "--activation-memory-budget",
               "checkpoint_all": "--checkpoint-all", "parallel": "--parallel"}
 PLAN_COMPILE_MODE = "default"  # torch.compile's mode a compiled plan was priced in (agoq.profiler.compiled)
 COMPILED_BY_DEFAULT = (NONE, DDP)  # parallel modes compiled by default on CUDA (measured faster compiled)
@@ -50,7 +51,8 @@ def plan_settings(plan, parallel: str) -> dict[str, Any]:
         decided.update(optimizer=plan.optimizer.name, master=plan.optimizer.master)
     if states["compile"]:
         compiled = plan.training.compile == "compiled"
-        decided.update(compile=compiled, compile_mode=PLAN_COMPILE_MODE if compiled else None)
+        decided.update(compile=compiled, compile_mode=PLAN_COMPILE_MODE if compiled else None,
+                       activation_memory_budget=plan.training.activation_memory_budget)
     return decided
 
 
@@ -58,6 +60,7 @@ def given_settings(cfg: JobConfig) -> dict[str, Any]:
     """The settings a plan decides that this run's flags set explicitly (None / off: not given)."""
     given = {"gradients": cfg.memory.gradients, "optimizer": cfg.optim.optimizer, "master": cfg.optim.master,
              "compile": cfg.model.compile, "micro_batch": cfg.data.micro_batch, "grad_accum": cfg.data.grad_accum,
+             "activation_memory_budget": cfg.model.activation_memory_budget,
              "checkpoint_all": True if cfg.memory.checkpoint_all else None, "parallel": cfg.parallelism.parallel}
     # ModelConfig fills "default" in for --compile without --compile-mode: a mode is given only beside a
     # compile setting, or on its own when it is not the default
@@ -88,7 +91,8 @@ def _plan_text(name: str, value, plan) -> str:
         launch = plan_launch(plan)
         return f"launch parallel {value} ({launch.get('processes', '?')} process(es))"
     where = {"gradients": "gradients.mode", "optimizer": "optimizer.name", "master": "optimizer.master",
-             "micro_batch": "training.micro_batch", "grad_accum": "training.grad_accum"}[name]
+             "micro_batch": "training.micro_batch", "grad_accum": "training.grad_accum",
+             "activation_memory_budget": "training.activation_memory_budget"}[name]
     return f"{where} {value}"
 
 
@@ -103,7 +107,7 @@ def check_flags_against_plan(given: dict[str, Any], decided: dict[str, Any], pla
         planned = decided.get(name)
         if name == "parallel" and (planned is None or state_kind(value) == state_kind(planned)):
             continue
-        recorded_as = "compile" if name == "compile_mode" else name
+        recorded_as = "compile" if name in ("compile_mode", "activation_memory_budget") else name
         if recorded_as in ("optimizer", "master", "compile") and decided.get(recorded_as) is None:
             continue  # the plan does not record it (1.0): the flag decides
         if name == "compile_mode" and given.get("compile", decided["compile"]) != decided["compile"]:
@@ -132,8 +136,12 @@ def resolve_settings(cfg: JobConfig, decided: dict[str, Any], parallelism, *, co
     compile_ = cfg.model.compile if cfg.model.compile is not None else \
         bool(decided["compile"]) if decided.get("compile") is not None else compile_default
     mode = cfg.model.compile_mode or decided.get("compile_mode") or "default"
+    budget = cfg.model.activation_memory_budget or decided.get("activation_memory_budget")
+    if budget is not None and not compile_:
+        raise ValueError("--activation-memory-budget is torch.compile's partitioner budget: it needs --compile")
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer=optimizer, master=master),
-                               model=dataclasses.replace(cfg.model, compile=compile_, compile_mode=mode),
+                               model=dataclasses.replace(cfg.model, compile=compile_, compile_mode=mode,
+                                                         activation_memory_budget=budget),
                                parallelism=parallelism)
 
 

@@ -161,7 +161,9 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
     parallel = ParallelSettings(layout, world, device, dtype, settled.gradients, shape, layer_stage,
                                 cfg.optim.optimizer, cfg.optim.master)
     applied = apply_plan(model, policy=policy, checkpoint=checkpoint,
-                         compile_mode=cfg.model.compile_mode if cfg.model.compile else None, parallel=parallel)
+                         compile_mode=cfg.model.compile_mode if cfg.model.compile else None,
+                         memory_budget=cfg.model.activation_memory_budget if cfg.model.compile else None,
+                         parallel=parallel)
 
     # one stacked batch per step for a pipeline, split by the schedule
     batches = Batches(corpus, shape.seq_len, shape.micro_batch, 1 if layout.pipelined else shape.grad_accum,

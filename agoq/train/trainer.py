@@ -107,6 +107,7 @@ class Trainer:
                 "layer_stage": p.layer_stage, "tokens_per_step": self.tokens_per_step,
                 "checkpoint_all": cfg.memory.checkpoint_all, "compile": model.compile,
                 "compile_mode": model.compile_mode if model.compile else None, "node_size": cfg.parallelism.node_size,
+                "activation_memory_budget": model.activation_memory_budget if model.compile else None,
                 **{k: v for k, v in p.corpus_info.items() if k != "data"}}
 
     @property

@@ -31,7 +31,7 @@ def profile_dir(tmp_path):
 
 # the knobs of build_problem's defaults for these profiles and no error cap: the per-layer MILP alone, as these
 # tests check it (the smallest budget and the front are those of one problem)
-PIN = ["--gradients", "bf16", "--optimizer", "adamw", "--micro-batch", "2", "--error-cap", "none"]
+PIN = ["--gradients", "bf16", "--optimizer", "adamw8bit", "--master", "fp32", "--micro-batch", "2", "--error-cap", "none"]
 
 
 def _bounds(folder):

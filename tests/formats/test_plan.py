@@ -264,7 +264,7 @@ def test_a_1_0_plan_loads_with_the_1_1_defaults():
         data.pop(key, None)
     data["training"].pop("compile", None)
     plan = plan_from_dict(data)
-    assert SCHEMA == "agoq.plan/1.2"
+    assert SCHEMA == "agoq.plan/1.3"
     assert plan.predicted.memory_per_stage == []
     assert (plan.optimizer.name, plan.optimizer.master, plan.training.compile) == ("adamw", "fp32", "eager")
     assert plan.decision is None and plan.alternative is None and plan.alternatives == []

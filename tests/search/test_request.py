@@ -121,7 +121,7 @@ def test_read_from_the_commands_words():
     defaults = {"budget": "3GiB", "method": None, "objective": "time", "time_cap": None, "error_cap": "recipe",
                 "gradients": "any", "layout": "any", "optimizer": "any", "master": "fp32", "compile": "any",
                 "global_batch": None, "micro_batch": None, "trials": None, "sampler": "nsga2", "seed": 0,
-                "front_budgets": 20, "validate": 0, "validate_steps": 4, "measure_trials": False}
+                "front_budgets": 8, "validate": 0, "validate_steps": 4, "measure_trials": False}
     assert SearchRequest.read(defaults) == SearchRequest(3 * 2**30)
     words = {**defaults, "gradients": "quangrad8", "layout": "fsdp", "optimizer": "adamw8bit", "master": "any",
              "compile": "compiled", "global_batch": "12", "micro_batch": "3", "trials": "9", "error_cap": "none"}

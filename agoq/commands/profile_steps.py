@@ -1,0 +1,110 @@
+"""The steps `agoq profile` measures for the search to price plans from (agoq.formats.measured_steps): whole
+training steps of the profiled model, each run by `agoq train`'s own code (agoq.train.measure.measure_steps, in
+this process, on the built-in corpus, writing nothing), at every kind of step a plan may be:
+
+  in each compile mode (eager; compiled with --compile, the default on a GPU), at every micro-batch m dividing the
+  profiled one, with one and with two micro-batches per step:
+    bf16 (every layer kept), agoq-paper (every layer under LAAQ), checkpoint-all; bf16 gradients, the fused 8-bit
+    AdamW over float32 masters (the search's base knobs)
+    bf16 with QuanGrad's 8-bit gradients (its accumulation path at two micro-batches)
+  at the profiled micro-batch: bf16 with float32 AdamW, and the 8-bit AdamW without masters
+  compiled: bf16 under torch.compile's activation_memory_budget 0.5 and 0.1 (compile's own memory saver)
+
+Each is `steps` optimizer steps: its step time the median after the first, its peak the largest of any step (the
+first, which compiles and allocates, included). A kind that fails (out of memory, a compiler error) is listed in
+the profile's failures and left out: the search does not offer plans of that kind.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+from agoq.formats.measured_steps import POLICIES
+
+MEMORY_BUDGETS = (0.5, 0.1)
+BASE = {"gradients": "bf16", "optimizer": "adamw8bit", "master": "fp32"}
+
+
+def step_kinds(micro_batch: int, compile_modes: list[str], memory_budgets=MEMORY_BUDGETS) -> list[dict]:
+    """The knob combinations of the module docstring, in the order they are measured."""
+    kinds = []
+    for compile_mode in compile_modes:
+        for m in [d for d in range(micro_batch, 0, -1) if micro_batch % d == 0]:
+            for accum in (1, 2):
+                for policy in POLICIES:
+                    kinds.append({"compile": compile_mode, "policy": policy, "micro_batch": m, "grad_accum": accum,
+                                  **BASE})
+                kinds.append({"compile": compile_mode, "policy": "bf16", "micro_batch": m, "grad_accum": accum,
+                              **BASE, "gradients": "quangrad8"})
+        for optimizer, master in (("adamw", "fp32"), ("adamw8bit", "none")):
+            kinds.append({"compile": compile_mode, "policy": "bf16", "micro_batch": micro_batch, "grad_accum": 1,
+                          **BASE, "optimizer": optimizer, "master": master})
+        if compile_mode == "compiled":
+            for budget in memory_budgets:
+                kinds.append({"compile": compile_mode, "policy": "bf16", "micro_batch": micro_batch, "grad_accum": 1,
+                              **BASE, "activation_memory_budget": budget})
+    for kind in kinds:
+        kind.setdefault("activation_memory_budget", None)
+    return kinds
+
+
+def _train_settings(kind: dict, model: str, seq_len: int, dtype: str, device: str, steps: int, seed: int) -> dict:
+    """`agoq train`'s settings (agoq.train.config.TrainConfig keywords) that run one kind of step."""
+    return dict(model=model, device=device, dtype=dtype, seq_len=seq_len, micro_batch=kind["micro_batch"],
+                grad_accum=kind["grad_accum"], gradients=kind["gradients"], optimizer=kind["optimizer"],
+                master=kind["master"], compile=kind["compile"] == "compiled",
+                policy="agoq-paper" if kind["policy"] == "agoq-paper" else None,
+                checkpoint_all=kind["policy"] == "checkpoint-all",
+                activation_memory_budget=kind["activation_memory_budget"], steps=steps, warmup=1, seed=seed,
+                checkpoint_every=0, quiet=True)
+
+
+def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, micro_batch: int, dtype: str,
+                          device: str, compile_modes: list[str], steps: int, seed: int = 0,
+                          progress: bool = True,
+                          measure: Optional[Callable] = None) -> tuple[list[dict], list[dict]]:
+    """Measure every kind of `step_kinds` on `model` (a preset or config.json; with `layers`, that many decoder
+    layers); returns (rows of agoq.formats.measured_steps, failures). `measure(TrainConfig) -> StepFigures` is
+    agoq.train.measure.measure_steps unless given."""
+    from agoq.progress import progress_bar
+    from agoq.train.config import TrainConfig
+
+    if measure is None:
+        from agoq.train.measure import measure_steps as measure
+    rows, failures = [], []
+    kinds = step_kinds(micro_batch, compile_modes)
+    with tempfile.TemporaryDirectory(prefix="agoq-profile-steps-") as tmp:
+        spec = model
+        if layers is not None:  # the profiled model: a config of that many layers (the same fingerprint)
+            from agoq.models import resolve_config
+
+            config = resolve_config(model).to_dict()
+            config["num_hidden_layers"] = layers
+            spec = str(Path(tmp) / "model.json")
+            Path(spec).write_text(json.dumps(config))
+        bar = progress_bar(total=len(kinds), desc="measured steps", unit="kind", enabled=progress)
+        for kind in kinds:
+            try:
+                figures = measure(TrainConfig(**_train_settings(kind, spec, seq_len, dtype, device, steps, seed)))
+            except Exception as e:  # noqa: BLE001 - one kind failing (out of memory, a compiler error) keeps the rest
+                failures.append({"what": f"measured step {_describe(kind)}", "error": f"{type(e).__name__}: {e}"[:500]})
+            else:
+                rows.append({**kind, "steps": steps, "step_seconds": figures.median_seconds,
+                             "peak_bytes": figures.max_peak_bytes, "first_step_peak_bytes": figures.first_peak_bytes,
+                             "first_step_seconds": figures.seconds[0], "source": "profile"})
+            bar.update(1)
+        bar.close()
+    return rows, failures
+
+
+def _describe(kind: dict) -> str:
+    budget = kind["activation_memory_budget"]
+    return (f"{kind['compile']} {kind['policy']}" + (f" activation_memory_budget {budget:g}" if budget else "")
+            + f", micro-batch {kind['micro_batch']} x {kind['grad_accum']}, gradients {kind['gradients']}, "
+              f"{kind['optimizer']}, masters {kind['master']}")
+
+
+__all__ = ["step_kinds", "measure_profile_steps", "MEMORY_BUDGETS"]

@@ -1,0 +1,101 @@
+"""`agoq profile`'s measured steps (agoq.commands.profile_steps): which kinds of step it measures, that each is run
+by agoq train's own code, and that the search plans only from what was measured."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from agoq.cli import main
+from agoq.commands.profile_steps import measure_profile_steps, step_kinds
+from agoq.formats.measured_steps import POLICIES, measured_rows
+from agoq.formats.profile import load_profile
+from agoq.search.costs import compile_modes
+
+ARGS = ["profile", "llama-tiny", "--device", "cpu", "--seq-len", "29", "--micro-batch", "2", "--bits", "4",
+        "--formats", "int", "--batches", "1", "--quiet", "--measured-steps", "2"]
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2, 6])
+def test_step_kinds_are_every_split_policy_and_knob(micro_batch):
+    kinds = step_kinds(micro_batch, ["eager", "compiled"])
+    keys = [tuple(sorted(k.items())) for k in kinds]
+    assert len(keys) == len(set(keys))
+    divisors = [m for m in range(1, micro_batch + 1) if micro_batch % m == 0]
+    for mode in ("eager", "compiled"):
+        mine = [k for k in kinds if k["compile"] == mode]
+        for m in divisors:
+            for accum in (1, 2):
+                at = [k for k in mine if (k["micro_batch"], k["grad_accum"]) == (m, accum)]
+                base = [k for k in at if (k["gradients"], k["optimizer"], k["master"]) == ("bf16", "adamw8bit", "fp32")
+                        and k["activation_memory_budget"] is None]
+                assert sorted(k["policy"] for k in base) == sorted(POLICIES)
+                assert [k["policy"] for k in at if k["gradients"] == "quangrad8"] == ["bf16"]
+        others = {(k["optimizer"], k["master"]) for k in mine if k["micro_batch"] == micro_batch}
+        assert others == {("adamw8bit", "fp32"), ("adamw", "fp32"), ("adamw8bit", "none")}
+        budgets = sorted(k["activation_memory_budget"] for k in mine if k["activation_memory_budget"])
+        assert budgets == ([0.1, 0.5] if mode == "compiled" else [])
+    assert len(kinds) == 2 * (len(divisors) * 2 * 4 + 2) + 2
+
+
+def test_a_failing_kind_is_a_failure_and_the_others_are_rows():
+    calls = []
+
+    def measure(cfg):
+        calls.append(cfg)
+        if cfg.memory.checkpoint_all and cfg.data.micro_batch == 1:
+            raise RuntimeError("CUDA out of memory (pretend)")
+        return SimpleNamespace(median_seconds=0.01 * cfg.data.grad_accum, max_peak_bytes=None, first_peak_bytes=None,
+                               seconds=[0.5, 0.01])
+
+    rows, failures = measure_profile_steps("llama-tiny", layers=None, seq_len=29, micro_batch=2, dtype="fp32",
+                                           device="cpu", compile_modes=["eager"], steps=2, progress=False,
+                                           measure=measure)
+    assert len(calls) == len(step_kinds(2, ["eager"]))
+    assert len(failures) == 2 and all("out of memory" in f["error"] for f in failures)
+    assert len(rows) == len(calls) - 2
+    assert all(r["source"] == "profile" and r["steps"] == 2 for r in rows)
+    paper = [c for c in calls if c.memory.policy == "agoq-paper"]
+    assert paper and all(not c.model.compile for c in calls)
+
+
+@pytest.fixture()
+def fast_compile(monkeypatch):
+    """Each decoder layer compiled with the aot_eager backend: the same graphs as Inductor's input, in seconds."""
+    from agoq.activations import compile as compile_module
+    from agoq.train import apply
+
+    real = compile_module.compile_decoder_layers
+    monkeypatch.setattr(apply, "compile_decoder_layers", lambda model, **kw: real(model, backend="aot_eager", **kw))
+
+
+def test_compile_measures_compiled_steps_and_the_search_plans_compiled(tmp_path, fast_compile):
+    from agoq.search.knobs import KnobSpace
+    from agoq.search.search import search
+
+    assert main([*ARGS, "--out", str(tmp_path / "p"), "--compile"]) == 0
+    header = json.loads((tmp_path / "p" / "profile.json").read_text())
+    assert not header["failures"], header["failures"]
+    rows = measured_rows(header)
+    assert len(rows) == len(step_kinds(2, ["eager", "compiled"]))
+    assert all(r["step_seconds"] > 0 and r["peak_bytes"] is None for r in rows)  # no allocator peaks on the CPU
+    profile = load_profile(tmp_path / "p")
+    assert compile_modes(profile) == ["eager", "compiled"]
+    budget = 10**9
+    plan = search(profile, budget, front_budgets=0, progress=False, space=KnobSpace(compile_modes=("compiled",))).plan
+    assert plan.training.compile == "compiled" and max(plan.predicted.peak_bytes_per_stage) <= budget
+
+
+def test_no_measured_steps_and_nothing_is_offered(tmp_path, capsys):
+    assert main([*ARGS[:-2], "--measured-steps", "0", "--out", str(tmp_path / "a")]) == 0
+    header = json.loads((tmp_path / "a" / "profile.json").read_text())
+    assert "measured_steps" not in header
+    # the profiler's own memory steps (eager, the profiled split) still price that one split
+    rows = measured_rows(header)
+    assert {(r["compile"], r["micro_batch"], r["grad_accum"]) for r in rows} == {("eager", 2, 1)}
+    capsys.readouterr()
+    assert main(["search", "--profile", str(tmp_path / "a"), "--budget", "1GB", "--out", str(tmp_path / "s.json"),
+                 "--micro-batch", "1", "--quiet"]) == 2
+    assert "measured no eager step at micro-batch 1" in capsys.readouterr().err
