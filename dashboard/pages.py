@@ -401,11 +401,41 @@ def runs(all_runs: list[dict[str, Any]], chosen: list[dict[str, Any]], selected:
     empty = [c["id"] for c in chosen if c not in with_points]
     if empty:
         page.add(message("no metrics yet: " + ", ".join(empty), "empty"))
+    page.add(plan_checks(chosen_summaries(all_runs, selected)))
     if not chosen and all_runs:
         page.add(message("Pick runs above to compare them.", "empty"))
     if any(r.get("status") == "running" for r in chosen_summaries(all_runs, selected)):
         page.refresh_seconds = 30
     return page.render()
+
+
+def plan_checks(summaries: list[dict[str, Any]]) -> str:
+    """Runs with a plan against its predictions (run.json's `plan_check`): peak and step, measured and predicted,
+    and what `agoq train` warned about."""
+    rows, warnings = [], []
+    for r in summaries:
+        c = r.get("plan_check")
+        if not c:
+            continue
+
+        def error(key: str) -> str:
+            return f"{c[key]:+.1%}" if isinstance(c.get(key), (int, float)) else "-"
+
+        over = c.get("measured_peak_bytes") is not None and c.get("budget_bytes") \
+            and c["measured_peak_bytes"] > c["budget_bytes"]
+        rows.append([esc(r["id"]), fmt_num(c.get("steps")), fmt_bytes(c.get("budget_bytes")),
+                     fmt_bytes(c.get("predicted_peak_bytes")),
+                     (f'<span class=bad>{fmt_bytes(c.get("measured_peak_bytes"))}</span>' if over
+                      else fmt_bytes(c.get("measured_peak_bytes"))), error("peak_error"),
+                     fmt_seconds(c.get("predicted_step_seconds")), fmt_seconds(c.get("measured_step_seconds")),
+                     error("step_error")])
+        warnings += [f"{r['id']}: {w}" for w in c.get("warnings") or []]
+    if not rows:
+        return ""
+    return ("<h2>Against the plan</h2>"
+            + table(["run", "steps", "budget", "predicted peak", "measured peak (any step)", "peak vs predicted",
+                     "predicted step", "measured step (median)", "step vs predicted"], rows)
+            + "".join(message(w, "error") for w in warnings))
 
 
 def chosen_summaries(all_runs: list[dict[str, Any]], selected: list[str]) -> list[dict[str, Any]]:

@@ -170,7 +170,8 @@ def run_label(plan: Any, settings: dict[str, Any]) -> str:
 
 def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
     """Key figures of a run: model, what it trained with (run_label), status, step reached, last loss and
-    validation loss, median tokens/s, highest peak memory of any rank, number of metric lines."""
+    validation loss, median tokens/s, highest peak memory of any rank, number of metric lines, and for a run with a
+    plan what it measured against the plan's predictions (run.json's `plan_check`, agoq.train.plan_check)."""
     meta = read_json(folder.file("run.json"), "run")
     m = store.read(folder.file("metrics.jsonl"))
     model = meta.get("model") or {}
@@ -198,6 +199,7 @@ def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
         "last_val_loss": val[-1] if val else None,
         "median_tokens_per_s": float(np.median(tps)) if tps else None,
         "max_peak_bytes": max(peaks) if peaks else None,
+        "plan_check": meta.get("plan_check") if isinstance(meta.get("plan_check"), dict) else None,
         "metric_lines": len(m.train["step"]) + len(m.val["step"]),
         "bad_lines": m.bad_lines,
     })

@@ -10,7 +10,9 @@ that shows the results in the dashboard:
      searches one replicated with QuanGrad's 8-bit gradients (-> OUT/search-one-process/) to train
   3. agoq train llama-tiny                -> OUT/runs/baseline/ (no plan: plain training, in float32 on the CPU)
      agoq train llama-tiny --plan ...     -> OUT/runs/plan/     (the same steps with the searched plan)
-  4. prints `agoq dashboard --root OUT`
+  4. copies the profiles of real models measured on real GPUs that agoq ships (agoq.examples) to OUT/examples/,
+     so that the dashboard's budget slider plans for them too, and `agoq search --profile OUT/examples/NAME`
+  5. prints `agoq dashboard --root OUT`
 
 Each step runs the same command a user would type (its module in agoq.commands, with its own parser).
 """
@@ -32,7 +34,7 @@ from agoq.layout import SHARDED_MODES
 HELP = "the whole loop on a tiny model on the CPU, then the dashboard command to see it"
 MODEL = "llama-tiny"
 STAGES = {"profile": profile, "search": search, "train": train}
-DEMO_PARTS = ("profile", "search", "runs")
+DEMO_PARTS = ("profile", "search", "runs", "examples")
 # measured widths and formats kept small so the CPU profile takes seconds, not minutes; collectives
 # timed over gloo between two local processes
 PROFILE_ARGS = ["--bits", "2,3,4,6,8", "--formats", "int", "--batches", "1", "--world-size", "2",
@@ -120,6 +122,17 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
     return paths
 
 
+def copy_examples(folder: Path) -> list[str]:
+    """Copy agoq's example profiles (agoq.examples) into `folder`; returns their names."""
+    from agoq.examples import profiles
+
+    names = []
+    for name, source in profiles().items():
+        shutil.copytree(source, folder / name, dirs_exist_ok=True)
+        names.append(name)
+    return names
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print the dashboard command."""
     out = check_output_folder(args.out, "--out")
@@ -135,7 +148,12 @@ def run(args: argparse.Namespace) -> int:
     except StageFailed as e:
         print(f"agoq demo: {e}", file=sys.stderr)
         return 1
+    examples = copy_examples(out / "examples")
     root = out.resolve()
+    if examples:
+        print(f"agoq demo: profiles of real models on real GPUs, to plan from: {', '.join(examples)} (in "
+              f"{root / 'examples'}; e.g. agoq search --profile {root / 'examples' / examples[0]} --budget 12GB "
+              f"--out plan.json)", file=sys.stderr)
     print(f"\nagoq demo: done in {time.monotonic() - start:.0f} s; everything is in {root}\n"
           f"see it with:\n\n  agoq dashboard --root {root}\n\nthen open http://127.0.0.1:8000/")
     return 0

@@ -113,6 +113,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
           help="Optuna trials the study should hold in total (default 40 with --method optuna/both)")
     field("sampler", choices=SAMPLERS, default="nsga2",
           help="Optuna sampler, both honour the budget as a constraint (default nsga2)")
+    parser.add_argument("--runs", nargs="+", default=[], metavar="RUN_DIR",
+                        help="run folders of `agoq train --plan` with plans from this profile: what really ran "
+                             "corrects the search's calibration (a peak above its prediction raises the margin; step "
+                             "times at a split are scaled by measured / predicted over its runs)")
     parser.add_argument("--storage", default=None,
                         help="Optuna storage: a database URL (sqlite:///file.db, postgresql://...) or a path "
                              "ending in .journal (several processes on one file system); default "
@@ -163,6 +167,14 @@ def run(args: argparse.Namespace) -> int:
     if storage is not None and storage_file(storage) is not None:
         check_output_file(storage_file(storage), "--storage")
     profile = load_profile(args.profile)
+    if args.runs:
+        from agoq.formats.run import measured_against_plan
+
+        profile.runs = [measured_against_plan(run) for run in args.runs]
+        other = [r["run"] for r in profile.runs if r["fingerprint"] != profile.fingerprint]
+        if other:
+            raise ValueError(f"--runs {' '.join(other)}: trained another model than the profile's "
+                             f"({profile.model_name}, fingerprint {profile.fingerprint})")
     measure = None
     if request.validate or request.measure_trials:  # the search runs plans with agoq train's own step
         from agoq.train.measure import measure_plan as measure
@@ -180,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"plan for {plan.model.name} under {format_bytes(request.budget)} per GPU ({plan.source.method}, "
           f"objective {request.objective}):")
     print(f"  predicted peak {', '.join(format_bytes(b) for b in pred.peak_bytes_per_stage)} per stage; "
-          f"activations {', '.join(format_bytes(b) for b in pred.activation_bytes_per_stage)}; "
+          f"activations {', '.join(format_bytes(b) for b in pred.activation_bytes_per_stage) or '-'}; "
           f"step {pred.step_seconds:.4f} s; gradient error {pred.grad_error:.4g}")
     counts: dict = {}
     for lp in plan.layers:

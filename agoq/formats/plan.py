@@ -184,6 +184,7 @@ class Decision(_Part):
     combinations: int = Field(default=1, ge=0)
     tokens_per_second: Optional[float] = Field(default=None, ge=0)
     reason: Optional[str] = None
+    agoq: bool = True  # False: the plan is what a user runs without agoq (its best alternative), said in `reason`
 
 
 class PipelineSpec(_Part):

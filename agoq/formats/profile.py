@@ -35,6 +35,9 @@ class ProfileData:
     collectives: Optional[pd.DataFrame] = None
     notes: list[str] = field(default_factory=list)
     cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # what readers derive once
+    # runs of plans made from this profile, as agoq.formats.run.measured_against_plan reads them: what really ran,
+    # which the search's calibration learns from (agoq.search.calibration); given by the caller, not stored
+    runs: list[dict] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:

@@ -87,6 +87,12 @@ class RunRecord:
             self.run.update(step=step, status=status, message=message, updated=now_iso())
         self._write()
 
+    def note(self, **fields: Any) -> None:
+        """Set top-level fields of run.json (e.g. `plan_check`) and rewrite it."""
+        with self._lock:
+            self.run.update(fields, updated=now_iso())
+        self._write()
+
     def beat(self) -> None:
         """Refresh `heartbeat` (and nothing else) in run.json."""
         self._write()
@@ -118,6 +124,35 @@ class RunRecord:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(json_safe(record)) + "\n")
             f.flush()
+
+
+def measured_against_plan(run_dir: str | Path) -> dict:
+    """What a run with a plan measured, for the search to learn from (agoq.search.calibration): its plan, its
+    largest peak of any step (the GPU allocator's; None off the GPU), its median step seconds after the first, its
+    steps and device. ValueError when the folder holds no run with a plan, or no step."""
+    run = read_run(run_dir)
+    if run is None:
+        raise ValueError(f"{run_dir}: no run.json (not a run folder of agoq train)")
+    plan = run.get("plan")
+    if not isinstance(plan, dict) or (plan.get("source") or {}).get("method") == "policy":
+        raise ValueError(f"{run_dir}: the run trained no searched plan (--plan): nothing to compare with")
+    steps = []
+    path = Path(run_dir) / "metrics.jsonl"
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if "step_seconds" in row:
+            steps.append(row)
+    if not steps:
+        raise ValueError(f"{run_dir}: the run has no finished step yet")
+    gpu = str((run.get("hardware") or {}).get("device", "")).startswith("cuda")
+    peaks = [max(p for p in s.get("peak_bytes") or [] if p is not None) for s in steps
+             if any(p is not None for p in s.get("peak_bytes") or [])] if gpu else []
+    timed = sorted(s["step_seconds"] for s in (steps[1:] or steps))
+    return {"run": str(run_dir), "plan": plan, "steps": len(steps), "peak_bytes": max(peaks) if peaks else None,
+            "step_seconds": timed[len(timed) // 2], "fingerprint": (plan.get("model") or {}).get("fingerprint")}
 
 
 def read_run(run_dir: str | Path) -> dict | None:

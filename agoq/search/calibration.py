@@ -18,6 +18,11 @@ Margin. Every other step the profile measured in mode c with a peak (other optim
 splits) is predicted with the calibrated model; the largest amount by which a measured peak exceeds its
 prediction is added to every plan's peak of that mode (0 when the model never under-predicts), and the plan's
 notes say so. Steps' peaks are the largest of any step, the first included (agoq.formats.measured_steps).
+
+Runs. Runs of plans made from the profile (`ProfileData.runs`: `agoq search --runs DIR...`, read by
+agoq.formats.run.measured_against_plan) are what really ran: each plan is priced again with the calibrated model;
+a measured peak above its prediction raises the margin as a measured step does, and at each compile mode and
+split the median of measured / predicted step seconds over its runs scales every step time priced there.
 """
 
 from __future__ import annotations
@@ -109,6 +114,84 @@ def _apply(problem: ChoiceProblem, k: dict[str, float]) -> None:
     problem.checkpoint_memory = problem.checkpoint_memory + laaq - k["checkpoint-all"]
 
 
+def choice_of_plan(problem: ChoiceProblem, plan: dict) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(chosen options, checkpointed layers) of a plan's layers (JSON data) in `problem`; None when the problem
+    lacks one of its options."""
+    layers = plan.get("layers") or []
+    if len(layers) != problem.num_layers:
+        return None
+    from agoq.activations.policy import KINDS
+
+    ckpt = np.array([bool(lp.get("checkpoint")) for lp in layers])
+    chosen = []
+    for (layer, kind), options in sorted(problem.groups().items()):
+        if ckpt[layer]:
+            continue
+        want = str((layers[layer].get("kinds") or {}).get(KINDS[kind], 16))
+        match = [i for i in options if problem.option[i] == want]
+        if not match:
+            return None
+        chosen.append(match[0])
+    return np.array(chosen, dtype=int), ckpt
+
+
+def _run_knobs(profile: ProfileData, plan: dict) -> ProblemSettings:
+    training, optimizer = plan.get("training") or {}, plan.get("optimizer") or {}
+    return ProblemSettings(micro_batch=training.get("micro_batch"), grad_accum=int(training.get("grad_accum", 1)),
+                           gradient_mode=(plan.get("gradients") or {}).get("mode", "bf16"),
+                           optimizer=optimizer.get("name"), master=optimizer.get("master"),
+                           compile_mode=training.get("compile", "eager"),
+                           block=(plan.get("activations") or {}).get("block"),
+                           format=(plan.get("activations") or {}).get("format", "int"),
+                           layer_stage=(0,) * profile.num_layers)
+
+
+def priced_runs(profile: ProfileData, compile_mode: str) -> list[dict]:
+    """The profile's runs of `compile_mode` priced again with the calibrated model (no margin, no run factor): each
+    with `predicted_peak_bytes` and `predicted_step_seconds` (cached on the profile)."""
+    from agoq.search.costs import build_problem
+
+    cache = profile.cache.setdefault("priced_runs", {})
+    if compile_mode in cache:
+        return cache[compile_mode]
+    out = []
+    for run in profile.runs:
+        plan = run["plan"]
+        if run.get("fingerprint") != profile.fingerprint or (plan.get("training") or {}).get("compile") != compile_mode:
+            continue
+        try:
+            knobs = _run_knobs(profile, plan)
+            problem = build_problem(profile, knobs, calibrate=False)
+        except ValueError:
+            continue
+        _apply(problem, corrections(profile, compile_mode, problem_micro_batch(profile, knobs), knobs.grad_accum))
+        choice = choice_of_plan(problem, plan)
+        if choice is None:
+            continue
+        figures = problem.evaluate(*choice)
+        out.append({**run, "predicted_peak_bytes": max(figures["peak_bytes_per_stage"]),
+                    "predicted_step_seconds": figures["step_seconds"],
+                    "split": (problem_micro_batch(profile, knobs), knobs.grad_accum)})
+    cache[compile_mode] = out
+    return out
+
+
+def problem_micro_batch(profile: ProfileData, knobs: ProblemSettings) -> int:
+    return int(knobs.micro_batch or profile.settings.get("micro_batch", 1) or 1)
+
+
+def time_factor(profile: ProfileData, compile_mode: str, micro_batch: int, grad_accum: int) -> tuple[float, int]:
+    """(median of measured / predicted step seconds of the profile's runs at this mode and split, how many runs);
+    (1, 0) without runs there."""
+    ratios = sorted(r["step_seconds"] / r["predicted_step_seconds"] for r in priced_runs(profile, compile_mode)
+                    if r["split"] == (micro_batch, grad_accum) and r.get("step_seconds")
+                    and r["predicted_step_seconds"] > 0)
+    if not ratios:
+        return 1.0, 0
+    mid = len(ratios) // 2
+    return (ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2), len(ratios)
+
+
 def margin(profile: ProfileData, compile_mode: str) -> tuple[float, Optional[dict]]:
     """(the margin of the module docstring in bytes, the measured step missed by most or None), cached."""
     from agoq.search.costs import build_problem
@@ -131,6 +214,14 @@ def margin(profile: ProfileData, compile_mode: str) -> tuple[float, Optional[dic
         missed = float(row["peak_bytes"]) - model[0]
         if missed > worst:
             worst, worst_row = missed, {**row, "predicted_peak_bytes": model[0]}
+    for run in priced_runs(profile, compile_mode):
+        if run.get("peak_bytes") is not None and run["peak_bytes"] - run["predicted_peak_bytes"] > worst:
+            worst = run["peak_bytes"] - run["predicted_peak_bytes"]
+            worst_row = {"policy": f"run {run['run']}", "micro_batch": run["split"][0], "grad_accum": run["split"][1],
+                         "gradients": (run["plan"].get("gradients") or {}).get("mode"),
+                         "optimizer": (run["plan"].get("optimizer") or {}).get("name"),
+                         "master": (run["plan"].get("optimizer") or {}).get("master"),
+                         "predicted_peak_bytes": run["predicted_peak_bytes"], "peak_bytes": run["peak_bytes"]}
     cache[compile_mode] = (worst, worst_row)
     return worst, worst_row
 
@@ -149,6 +240,15 @@ def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: Probl
                 f"{what} {v / 2**20:+.1f} MiB" for what, v in
                 (("unmodified", k["bf16"]), ("under LAAQ", k["agoq-paper"]), ("checkpointed", k["checkpoint-all"]))
                 if v) + " more than measured")
+    factor, runs = time_factor(profile, compile_mode, micro_batch, grad_accum)
+    if runs:
+        problem.base_seconds *= factor
+        problem.seconds = problem.seconds * factor
+        problem.checkpoint_seconds = problem.checkpoint_seconds * factor
+        problem.laaq_layer_seconds *= factor
+        problem.notes.append(f"{compile_mode} step times at micro-batch {micro_batch} x {grad_accum} scaled by "
+                             f"{factor:.3f}: the median of measured / predicted over {runs} run(s) of plans from this "
+                             "profile")
     extra, row = margin(profile, compile_mode)
     if extra > 0:
         problem.static_bytes = problem.static_bytes + extra

@@ -38,6 +38,41 @@ def launch_for(stages: int, gradient_mode: str, world_size: int, layout: Optiona
             "command": launch_line(parallel, processes, gradient_mode)}
 
 
+def plan_of_alternative(plan: Plan, why: str) -> Plan:
+    """`plan` rewritten as its best alternative (`plan.alternative`: what a user runs without agoq, as the search
+    priced it): every kind at 16, the alternative's checkpointed layers, optimizer and masters, batch split,
+    compile mode and torch.compile memory budget, bf16 gradients, its predicted figures; `why` goes into the
+    decision. The alternatives list stays, and `alternative` becomes the agoq plan it replaced."""
+    alt = plan.alternative
+    data = plan.to_dict()
+    replaced = {"name": "agoq: " + ", ".join(f"{k} {v}" for k, v in (data.get("decision") or {}).get("knobs", {}).items()),
+                "compile": data["training"]["compile"], "optimizer": data["optimizer"],
+                "gradients": data["gradients"]["mode"], "micro_batch": data["training"]["micro_batch"],
+                "grad_accum": data["training"]["grad_accum"], "checkpoint_layers": plan.checkpoint_layers(),
+                "predicted": {"step_seconds": plan.predicted.step_seconds,
+                              "peak_bytes": max(plan.predicted.peak_bytes_per_stage),
+                              "tokens_per_second": (data.get("decision") or {}).get("tokens_per_second")},
+                "fits": True, "speedup_predicted": 1.0 / alt.speedup_predicted if alt.speedup_predicted else None}
+    data.update(
+        layers=[{"layer": lp.layer, "stage": lp.stage, "checkpoint": lp.layer in alt.checkpoint_layers, "kinds": {}}
+                for lp in plan.layers],
+        gradients={**data["gradients"], "mode": "bf16"}, optimizer=alt.optimizer.model_dump(mode="json"),
+        training={**data["training"], "micro_batch": alt.micro_batch, "grad_accum": alt.grad_accum,
+                  "compile": alt.compile, "activation_memory_budget": alt.activation_memory_budget},
+        predicted={"peak_bytes_per_stage": [alt.predicted.peak_bytes], "activation_bytes_per_stage": [],
+                   "step_seconds": alt.predicted.step_seconds, "grad_error": 0.0},
+        alternative=replaced)
+    data["launch"] = launch_for(1, "bf16", int((data.get("launch") or {}).get("processes") or 1))
+    decision = dict(data.get("decision") or {})
+    decision.update(reason=why, agoq=False, tokens_per_second=alt.predicted.tokens_per_second,
+                    knobs={**decision.get("knobs", {}), "gradients": "bf16", "optimizer": alt.optimizer.name,
+                           "master": alt.optimizer.master, "micro_batch": alt.micro_batch,
+                           "grad_accum": alt.grad_accum, "compile": alt.compile})
+    data["decision"] = decision
+    data["source"] = {**data["source"], "method": "alternative"}
+    return Plan.model_validate(data)
+
+
 def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, knobs: ProblemSettings,
                budget_bytes: Optional[int], method: str, objective: str) -> Plan:
     """A validated Plan for `alloc` (the choice), `knobs` (block, format, micro-batch, gradient mode ...)."""

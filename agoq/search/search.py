@@ -26,7 +26,7 @@ from agoq.search.costs import ProblemSettings, build_problem
 from agoq.search.knobs import KnobSearch, knob_values, solve_knobs
 from agoq.search.milp import Solver, resolve_error_cap, resolve_time_cap
 from agoq.search.pareto import memory_error_front
-from agoq.search.plan_builder import build_plan
+from agoq.search.plan_builder import build_plan, plan_of_alternative
 from agoq.search.request import CHECKPOINT_CAP, RECIPE_CAP, KnobSpace, SearchRequest
 
 CSV_COLUMNS = ["source", "trial", "budget_bytes", "predicted_peak_bytes", "predicted_step_seconds",
@@ -91,7 +91,32 @@ def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, erro
     record_decision(plan, profile, found, objective, error_cap, cap_source)
     if alternatives:
         attach_alternatives(plan, profile, budget, found)
+        if objective == "time":
+            plan = unless_an_alternative_is_as_fast(plan)
     return plan, found
+
+
+# how much faster than its best alternative a plan must be predicted to be taken over it: the run-to-run spread of
+# measured steps (about 1 %) and the cost model's error on them (experiments/results/plan_accuracy_*.json)
+FASTER_BY = 0.02
+
+
+def unless_an_alternative_is_as_fast(plan: Plan) -> Plan:
+    """`plan`, or its best alternative as a plan with no agoq in it (plan_builder.plan_of_alternative) where the
+    search cannot show that `plan` is faster: predicted less than FASTER_BY faster than the alternative."""
+    alt = plan.alternative
+    plain = plan.gradients.mode == "bf16" and not plan.checkpoint_layers() and all(
+        s == 16 for lp in plan.layers for s in lp.kinds.values())
+    if plain:  # it keeps every tensor and stores bf16 gradients: no agoq in it already
+        plan.decision.agoq = False
+        plan.decision.reason += "; it keeps every tensor as it is (no agoq needed at this budget)"
+        return plan
+    if alt is None or not alt.speedup_predicted or alt.speedup_predicted >= 1.0 + FASTER_BY:
+        return plan
+    return plan_of_alternative(plan, f"no agoq: {alt.name} (what a user runs without agoq) is predicted at "
+                                     f"{alt.predicted.tokens_per_second:,.0f} tokens/s, the best plan with agoq at "
+                                     f"{plan.decision.tokens_per_second:,.0f} ({alt.speedup_predicted:.3f}x), less "
+                                     f"than {FASTER_BY:.0%} faster: the plan is that alternative")
 
 
 def record_decision(plan: Plan, profile: ProfileData, found: KnobSearch, objective: str,
@@ -251,6 +276,12 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
 
         _validate(profile, r, best, candidates, study, runner or Runner(ray_address), alternatives, progress,
                   measure)
+        alt = best.plan.alternative
+        if alt is not None and alt.speedup_measured is not None and alt.speedup_measured < 1.0:
+            outcome.plan = plan_of_alternative(
+                best.plan, f"no agoq: measured for {r.validate_steps} steps, {alt.name} ran "
+                           f"{alt.measured.tokens_per_second:,.0f} tokens/s and the plan with agoq "
+                           f"{alt.speedup_measured * alt.measured.tokens_per_second:,.0f}: the plan is that alternative")
     return outcome
 
 
@@ -292,13 +323,12 @@ def _validate(profile: ProfileData, r: SearchRequest, best: Candidate, candidate
 def measure_alternative(plan: Plan, model_config: dict, *, measure: Callable, dtype: str = "bf16", steps: int = 4,
                         seed: int = 0, runner=None, device: Optional[str] = None) -> Optional[dict]:
     """Run `plan.alternative` for real with `measure` (agoq.search.validation: bf16 or checkpointed layers, its
-    optimizer, bf16 gradients, its compile mode) and write its measured figures and the plan's measured speed-up
-    into the plan. torch.compile's activation_memory_budget points are measured by experiments, not here: None for
-    them."""
+    optimizer, bf16 gradients, its compile mode and torch.compile memory budget) and write its measured figures and
+    the plan's measured speed-up into the plan."""
     from agoq.search.validation import Runner
 
     alt = plan.alternative
-    if alt is None or alt.activation_memory_budget is not None:
+    if alt is None:
         return None
     layers = [{"layer": lp.layer, "stage": lp.stage, "checkpoint": lp.layer in alt.checkpoint_layers, "kinds": {}}
               for lp in plan.layers]
@@ -306,7 +336,7 @@ def measure_alternative(plan: Plan, model_config: dict, *, measure: Callable, dt
     data.update({"layers": layers, "gradients": {**data["gradients"], "mode": "bf16"},
                  "optimizer": alt.optimizer.model_dump(mode="json"),
                  "training": {**data["training"], "micro_batch": alt.micro_batch, "grad_accum": alt.grad_accum,
-                              "compile": alt.compile},
+                              "compile": alt.compile, "activation_memory_budget": alt.activation_memory_budget},
                  "alternative": None, "alternatives": [], "decision": None, "measured": None})
     runner = runner or Runner()
     r = runner.map(measure, [dict(plan=data, model_config=model_config, dtype=dtype, micro_batch=alt.micro_batch,

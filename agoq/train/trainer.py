@@ -36,6 +36,7 @@ from agoq.progress import progress_bar
 from agoq.train.checkpoint import clean_partial, find_checkpoint, load_checkpoint, save_checkpoint
 from agoq.train.config import OPTIMIZERS, PARALLEL_MODES, JobConfig, TrainConfig
 from agoq.train.optimizer import BETAS
+from agoq.train.plan_check import PlanCheck
 from agoq.train.parallel import World, join_world
 from agoq.train.preparation import PreparedRun, prepare
 from agoq.train.resume_settings import FIXED_SETTINGS, changed_settings, check_override, difference
@@ -319,6 +320,10 @@ class Trainer:
         bar = None
         if world.rank == 0 and not cfg.loop.quiet:
             bar = progress_bar(total=steps, initial=start, desc="train", unit="step")
+        check = None
+        if p.plan is not None and self.record is not None and start == 0:  # a resumed run's first step is no first
+            stage = world.rank if p.layer_stage is not None else None
+            check = PlanCheck(p.plan, stage, peaks=device.type == "cuda")
         last_saved = start
         step = start
         if start < steps and self._stop_requested():  # a signal while the run was being prepared
@@ -337,6 +342,10 @@ class Trainer:
                                         "lr": result.lr, "tokens_per_s": self.tokens_per_step / result.seconds,
                                         "step_seconds": result.seconds, "peak_bytes": result.peak_bytes,
                                         "time": time.time()})
+                if check is not None:
+                    check.add(result.seconds, result.peak_bytes)
+                    if check.due(done, steps):
+                        self._record_plan_check(check, bar)
                 if done % p.eval_every == 0 or done == steps:
                     val = self.evaluate()
                     if self.record is not None:
@@ -373,6 +382,19 @@ class Trainer:
         if self.record is not None:
             print(f"agoq train: finished {steps} steps; run in {out}", file=sys.stderr)
         return 0
+
+    def _record_plan_check(self, check: PlanCheck, bar) -> None:
+        """Write the run against its plan into run.json and say what is off (agoq.train.plan_check)."""
+        report = check.report()
+        self.record.note(plan_check=report)
+        if report["warnings"] and not check.warned:
+            check.warned = True
+            for warning in report["warnings"]:
+                text = f"agoq train: warning: {warning}"
+                if bar is not None:
+                    bar.write(text, file=sys.stderr)
+                else:
+                    print(text, file=sys.stderr)
 
     def _stopper(self) -> str:
         return self.stop.name if self.stop else "another rank"

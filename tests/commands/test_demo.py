@@ -25,6 +25,28 @@ def test_earlier_demo_needs_force(monkeypatch, tmp_path, capsys):
     assert f"agoq dashboard --root {tmp_path.resolve()}" in out
 
 
+def test_the_demo_root_holds_the_example_profiles_and_they_plan(monkeypatch, tmp_path, capsys):
+    """The shipped GPU profiles land beside the demo's own, load, and the search plans from them on this machine
+    (the dashboard lists and plans from them the same way)."""
+    from agoq.examples import profiles
+    from agoq.formats.profile import load_profile
+    from agoq.search.knobs import budget_bounds
+
+    monkeypatch.setattr(demo, "run_loop", lambda out, **kw: None)
+    assert main(["demo", "--out", str(tmp_path)]) == 0
+    shipped = profiles()
+    assert shipped and sorted(p.name for p in (tmp_path / "examples").iterdir()) == sorted(shipped)
+    assert "examples" in capsys.readouterr().err
+    for name in shipped:
+        profile = load_profile(tmp_path / "examples" / name)
+        assert profile.settings["device"].startswith("cuda")
+        least, _ = budget_bounds(profile)
+        plan = tmp_path / f"{name}.json"
+        assert main(["search", "--profile", str(tmp_path / "examples" / name), "--budget", str(int(least * 1.2)),
+                     "--out", str(plan), "--quiet", "--front-budgets", "0"]) == 0
+        assert json.loads(plan.read_text())["predicted"]["peak_bytes_per_stage"][0] <= int(least * 1.2)
+
+
 def test_budget_is_the_paper_recipes_peak(tmp_path):
     steps = [{"policy": "bf16", "predicted_peak_bytes": 5_000_123}, {"policy": "agoq-paper", "predicted_peak_bytes": 3_100_017}]
     (tmp_path / "profile.json").write_text(json.dumps({"schema": "agoq.profile/1", "memory": {"steps": steps}}))

@@ -99,11 +99,11 @@ def _post_huge(port: int, total: int, chunked: bool, timeout: float = 30.0) -> t
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's peak memory from /proc")
-def test_a_huge_body_is_413_unread(tmp_path):
-    """A body of ~50 MB to a real server: 413 at once, whether it declares its length or comes chunked, the
-    rest never read, and the server's peak memory does not grow with it (it grew by ~300 MB when it read the
+def test_a_huge_body_is_413_unread(tmp_path, seed):
+    """A body of ~50 MB to a real server: 413 before most of it is sent, whether it declares its length or comes
+    chunked, the rest never read, and the server's peak memory does not grow with it (it grew by ~300 MB when it read the
     body whole)."""
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    rng = random.Random(seed)
     total = 50 * 2**20 + rng.randrange(1, 2**20)
     server = subprocess.Popen([sys.executable, "-c", SERVE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -116,7 +116,7 @@ def test_a_huge_body_is_413_unread(tmp_path):
             head, _, body = answer.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 413"), (chunked, answer[:300])
             assert b"65536 bytes" in body and len(body) < 400
-            assert seconds < 5 and sent < total // 4, (chunked, seconds, sent)
+            assert sent < total // 4, (chunked, seconds, sent)  # answered before most of the body was sent
         grown = _peak_rss_kib(server.pid) - before
         assert grown < 16 * 1024, f"the server's peak memory grew by {grown} KiB for a {total}-byte body"
         assert _post_huge(port, 1000, chunked=False)[0].startswith(b"HTTP/1.1 4")  # and it still answers

@@ -60,7 +60,7 @@ def test_each_step_once_in_order(monkeypatch):
     assert [c[0] for c in calls] == STEPS and all(c[1] is model for c in calls)
     kwargs = {name: kw for name, _, kw in calls}
     assert kwargs["policy"] == {"policy": policy} and kwargs["checkpointing"] == {"layers": [1]}
-    assert kwargs["compile"] == {"mode": "default"} and kwargs["offload"] == {}
+    assert kwargs["compile"] == {"mode": "default", "memory_budget": None} and kwargs["offload"] == {}
     assert kwargs["parallel"]["mode"] == "none" and kwargs["parallel"]["micro_batch"] == 3
     assert applied.strategy is strategy and applied.before_micro_batch is hook
 
