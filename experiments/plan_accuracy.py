@@ -68,6 +68,13 @@ def budgets(profile_dir: Path, n: int) -> tuple[list[int], dict]:
     eager = [a for a in price_alternatives(prof, float("inf"), [(mb, 1)], ["eager"]) if a.name.startswith("eager bf16")]
     top = max(a.peak_bytes for a in eager) if eager else largest
     top = max(top, smallest + 1)
+    from agoq.search.request import InfeasibleBudget
+    from agoq.search.search import plan_from_profile
+
+    try:  # the default search's error cap may need more than the smallest any plan fits
+        plan_from_profile(prof, int(smallest * 1.002))
+    except InfeasibleBudget as e:
+        smallest = e.smallest_budget or smallest
     points = [int(smallest + (top - smallest) * i / max(1, n - 1)) for i in range(n)]
     points[0] = int(smallest * 1.002)  # the smallest is a fit to the byte: leave rounding room
     return points, {"smallest_feasible_bytes": smallest, "largest_useful_bytes": largest, "bf16_eager_peak_bytes": top}

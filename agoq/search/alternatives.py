@@ -49,6 +49,8 @@ class PricedAlternative:
     fits: bool
     checkpoint_layers: list = field(default_factory=list)
     activation_memory_budget: Optional[float] = None
+    activation_bytes_per_stage: Optional[list] = None  # what the layers keep (None: not modelled, compile's budget)
+    memory_per_stage: Optional[list] = None            # the peak's parts (agoq.search.memory_parts; None: measured)
 
     def as_plan_field(self, plan_tokens_per_second: Optional[float] = None) -> dict:
         """The plan's `alternative` / `alternatives` entry (agoq.formats.plan.Alternative)."""
@@ -58,7 +60,10 @@ class PricedAlternative:
                "checkpoint_layers": list(self.checkpoint_layers),
                "activation_memory_budget": self.activation_memory_budget,
                "predicted": {"step_seconds": self.step_seconds, "peak_bytes": self.peak_bytes,
-                             "tokens_per_second": self.tokens_per_second},
+                             "tokens_per_second": self.tokens_per_second,
+                             **({"activation_bytes_per_stage": self.activation_bytes_per_stage,
+                                 "memory_per_stage": self.memory_per_stage}
+                                if self.activation_bytes_per_stage is not None else {})},
                "measured": None, "fits": self.fits}
         if plan_tokens_per_second and self.tokens_per_second > 0:
             out["speedup_predicted"] = plan_tokens_per_second / self.tokens_per_second
@@ -90,11 +95,14 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                     continue
                 L = problem.num_layers
                 sixteen = np.nonzero(problem.keeps_16bit())[0]
-                bf16 = problem.evaluate(sixteen, np.zeros(L, dtype=bool))
+                none = np.zeros(L, dtype=bool)
+                bf16 = problem.evaluate(sixteen, none)
                 peak = max(bf16["peak_bytes_per_stage"])
                 out.append(PricedAlternative(_label(compile_mode, "bf16", optimizer, mb, accum), compile_mode,
                                              optimizer, master, mb, accum, bf16["step_seconds"], peak,
-                                             _tokens(profile, mb, accum, bf16["step_seconds"]), peak <= budget))
+                                             _tokens(profile, mb, accum, bf16["step_seconds"]), peak <= budget,
+                                             activation_bytes_per_stage=bf16["activation_bytes_per_stage"],
+                                             memory_per_stage=_parts(problem, sixteen, none)))
                 if problem.allow_checkpoint:
                     ckpt_problem = checkpointing_only(problem)
                     try:
@@ -107,15 +115,27 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                     n = int(ckpt.sum())
                     if n:  # none checkpointed is the bf16 entry
                         what = "full checkpointing" if n == L else f"selective checkpointing ({n}/{L} layers)"
+                        kept = np.array([i for i in sixteen if not ckpt[problem.layer[i]]], dtype=int)
+                        figures = problem.evaluate(kept, ckpt)
                         peak = max(figures["peak_bytes_per_stage"])
                         out.append(PricedAlternative(_label(compile_mode, what, optimizer, mb, accum), compile_mode,
                                                      optimizer, master, mb, accum, figures["step_seconds"], peak,
                                                      _tokens(profile, mb, accum, figures["step_seconds"]),
-                                                     peak <= budget, [int(i) for i in np.nonzero(ckpt)[0]]))
+                                                     peak <= budget, [int(i) for i in np.nonzero(ckpt)[0]],
+                                                     activation_bytes_per_stage=figures["activation_bytes_per_stage"],
+                                                     memory_per_stage=_parts(problem, kept, ckpt)))
     if "compiled" in compile_modes:
         for optimizer, master in OPTIMIZERS:
             out += _memory_budget_points(profile, budget, optimizer, master)
     return out
+
+
+def _parts(problem, chosen: np.ndarray, checkpoint: np.ndarray) -> Optional[list]:
+    """The peak's parts of a choice (agoq.search.memory_parts), None where the problem does not list them."""
+    try:
+        return problem.memory_parts(chosen, checkpoint)
+    except ValueError:
+        return None
 
 
 def _memory_budget_points(profile: ProfileData, budget: float, optimizer: str, master: str) -> list:

@@ -59,7 +59,10 @@ def plan_of_alternative(plan: Plan, why: str) -> Plan:
         gradients={**data["gradients"], "mode": "bf16"}, optimizer=alt.optimizer.model_dump(mode="json"),
         training={**data["training"], "micro_batch": alt.micro_batch, "grad_accum": alt.grad_accum,
                   "compile": alt.compile, "activation_memory_budget": alt.activation_memory_budget},
-        predicted={"peak_bytes_per_stage": [alt.predicted.peak_bytes], "activation_bytes_per_stage": [],
+        predicted={"peak_bytes_per_stage": [alt.predicted.peak_bytes],
+                   "activation_bytes_per_stage": getattr(alt.predicted, "activation_bytes_per_stage", None) or [],
+                   **({"memory_per_stage": alt.predicted.memory_per_stage}
+                      if getattr(alt.predicted, "memory_per_stage", None) else {}),
                    "step_seconds": alt.predicted.step_seconds, "grad_error": 0.0},
         alternative=replaced)
     data["launch"] = launch_for(1, "bf16", int((data.get("launch") or {}).get("processes") or 1))
