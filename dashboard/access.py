@@ -14,7 +14,6 @@ The settings of one app (`Access`) lie on its state as `app.state.access`."""
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 from urllib.parse import urlencode
@@ -22,22 +21,13 @@ from urllib.parse import urlencode
 from fastapi import HTTPException, Request, Response
 from fastapi.responses import PlainTextResponse, RedirectResponse
 
-LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+from dashboard.hosts import LOOPBACK_NAMES, is_loopback
+
 TOKEN_COOKIE = "agoq_dashboard_token"
 TOKEN_HEADER = "x-agoq-token"
 PAGE_SECURITY = {"content-security-policy": "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
                                             "img-src 'self' data: blob:; connect-src 'self'; frame-ancestors 'none'",
                  "x-content-type-options": "nosniff", "referrer-policy": "no-referrer"}
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or address to listen on) only accepts connections from this machine."""
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

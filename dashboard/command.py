@@ -24,7 +24,7 @@ import os
 import secrets
 import sys
 
-from dashboard.access import LOOPBACK_NAMES, is_loopback
+from dashboard.hosts import LOOPBACK_NAMES, is_loopback
 
 HELP = "serve a web page of profiles, plans, searches and runs"
 TOKEN_ENV = "AGOQ_DASHBOARD_TOKEN"

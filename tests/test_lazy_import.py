@@ -77,3 +77,23 @@ def test_every_public_name_resolves_to_its_home_modules_object(tmp_path):
     """, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "ok"
+
+
+def test_the_commands_read_their_arguments_without_the_web_stack(tmp_path):
+    """`agoq COMMAND --help` (and so every command) needs neither FastAPI nor uvicorn: only `agoq dashboard` serves
+    (GPU images, for one, lack them)."""
+    done = _run("""
+        import contextlib, io, sys
+        for name in ("fastapi", "uvicorn", "starlette"):
+            sys.modules[name] = None  # importing them raises ModuleNotFoundError
+        from agoq.cli import COMMANDS, main
+        for argv in [["--help"]] + [[name, "--help"] for name in COMMANDS]:
+            with contextlib.redirect_stdout(io.StringIO()):
+                try:
+                    main(argv)
+                except SystemExit as e:
+                    assert e.code == 0, (argv, e.code)
+        print("ok")
+    """, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
