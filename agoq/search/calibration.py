@@ -110,8 +110,8 @@ def _apply(problem: ChoiceProblem, k: dict[str, float]) -> None:
     laaq = min(k["agoq-paper"], 0.0)
     problem.static_bytes = problem.static_bytes - problem.num_layers * laaq
     problem.static_parts["calibration"] = np.full(problem.num_stages, -problem.num_layers * laaq)
-    problem.unmodified_extra = problem.unmodified_extra + laaq - k["bf16"]
-    problem.checkpoint_memory = problem.checkpoint_memory + laaq - k["checkpoint-all"]
+    problem.unmodified_calibration = np.full(problem.num_layers, laaq - k["bf16"])
+    problem.checkpoint_calibration = np.full(problem.num_layers, laaq - k["checkpoint-all"])
 
 
 def choice_of_plan(problem: ChoiceProblem, plan: dict) -> Optional[tuple[np.ndarray, np.ndarray]]:

@@ -63,6 +63,10 @@ class Solver:
                                     recompute_bytes=p.recomputed()[layers],
                                     laaq_transient_bytes=p.laaq_transient()[s:s + 1],
                                     laaq_layer_seconds=p.laaq_layer_seconds,
+                                    unmodified_calibration=None if p.unmodified_calibration is None
+                                    else p.unmodified_calibration[layers],
+                                    checkpoint_calibration=None if p.checkpoint_calibration is None
+                                    else p.checkpoint_calibration[layers],
                                     one_setting_per_stage=p.one_setting_per_stage)
                 model = Model(sub)
                 model.tie_break = self.tie_break

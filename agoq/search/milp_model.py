@@ -140,14 +140,15 @@ class Model:
             sixteen_by_layer.setdefault(int(p.layer[i]), []).append(int(i))
         for l in range(L):
             s16 = sixteen_by_layer.get(l, [])
-            if (p.unmodified_extra[l] > 0 or timed) and len(s16) == kinds_per_layer[l]:
+            unmodified = p.unmodified_extra[l] + (0.0 if p.unmodified_calibration is None else p.unmodified_calibration[l])
+            if (unmodified != 0 or timed) and len(s16) == kinds_per_layer[l]:
                 rows += [r] * (len(s16) + 1)
                 cols += s16 + [self.u0 + l]
                 vals += [1.0] * len(s16) + [-1.0]
                 lo.append(-np.inf)
                 hi.append(kinds_per_layer[l] - 1.0)
                 r += 1
-            if laaq[p.layer_stage[l]] > 0 or timed:
+            if laaq[p.layer_stage[l]] > 0 or timed or unmodified < 0:
                 # u_l = 1 only when every kind is at 16 (the layer runs unmodified), and z_s = 1 when any
                 # layer of the stage runs LAAQ's functions: 1 - u_l - c_l <= z_s
                 kinds16 = {int(p.kind[i]) for i in s16}
@@ -217,8 +218,10 @@ class Model:
         mem = np.zeros((S, self.nv))
         stage_of_opt = p.layer_stage[p.layer]
         np.add.at(mem, (stage_of_opt, np.arange(n)), p.memory)
-        mem[p.layer_stage, self.c0 + np.arange(L)] = p.checkpoint_memory
-        mem[p.layer_stage, self.u0 + np.arange(L)] = p.unmodified_extra
+        mem[p.layer_stage, self.c0 + np.arange(L)] = p.checkpoint_memory + (
+            0.0 if p.checkpoint_calibration is None else p.checkpoint_calibration)
+        mem[p.layer_stage, self.u0 + np.arange(L)] = p.unmodified_extra + (
+            0.0 if p.unmodified_calibration is None else p.unmodified_calibration)
         mem[p.layer_stage, self.w0 + np.arange(L)] = -p.shared_credit
         mem[np.arange(S), self.z0 + np.arange(S)] = laaq
         self.memory_rows = mem
@@ -234,7 +237,8 @@ class Model:
                 row = mem[s] * (flight[s] - 1) / flight[s]
                 earlier = (owner >= 0) & (owner < l) & (p.layer_stage[np.maximum(owner, 0)] == s)
                 row = row + np.where(earlier, mem[s] / flight[s], 0.0)
-                row[self.c0 + l] += p.checkpoint_memory[l] / flight[s] + extra[l]
+                own = p.checkpoint_memory[l] + (0.0 if p.checkpoint_calibration is None else p.checkpoint_calibration[l])
+                row[self.c0 + l] += own / flight[s] + extra[l]
                 row[self.z0 + s] = laaq[s]
                 rows_l.append(row)
                 stage_l.append(s)

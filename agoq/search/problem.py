@@ -67,6 +67,10 @@ class ChoiceProblem:
                                       # when agoq's fused layer is faster than the plain one
     static_parts: Optional[dict] = None  # {part: [S] bytes} adding up to static_bytes (agoq.search.memory_parts)
     floor_parts: Optional[dict] = None   # {part: [S] bytes} adding up to floor_bytes
+    # [L] bytes the calibration on measured peaks adds per unmodified / checkpointed layer (agoq.search.calibration;
+    # may be negative: a compiled layer keeps less than the model counts); apart from the layers' own bytes
+    unmodified_calibration: Optional[np.ndarray] = None
+    checkpoint_calibration: Optional[np.ndarray] = None
     one_setting_per_stage: bool = False  # every layer of a stage under LAAQ's functions has the same settings
                                          # (compiled: one graph for them, beside the unmodified and checkpointed)
 
@@ -113,6 +117,9 @@ class ChoiceProblem:
         per_layer = np.zeros(self.num_layers)  # bytes each layer adds to its stage (x in-flight)
         np.add.at(per_layer, self.layer[chosen], self.memory[chosen])
         per_layer[ckpt] += self.checkpoint_memory[ckpt]
+        calibration = np.zeros(self.num_layers)  # the calibration's bytes per layer (unmodified or checkpointed)
+        if self.checkpoint_calibration is not None:
+            calibration[ckpt] += self.checkpoint_calibration[ckpt]
         is16 = self.keeps_16bit()
         laaq = np.zeros(self.num_layers, dtype=bool)  # layers running LAAQ's functions
         for l in range(self.num_layers):
@@ -122,34 +129,41 @@ class ChoiceProblem:
             kinds16 = {int(self.kind[i]) for i in mine if is16[i]}
             if len(kinds16) == len({int(self.kind[i]) for i in mine}):
                 per_layer[l] += self.unmodified_extra[l]
+                if self.unmodified_calibration is not None:
+                    calibration[l] += self.unmodified_calibration[l]
             if {KINDS.index("attention"), KINDS.index("o_proj_input")} <= kinds16:
                 per_layer[l] -= self.shared_credit[l]
             laaq[l] = not all(self.option[i] == "16" for i in mine)
-        activations = np.zeros(self.num_stages)
+        activations, calibrated = np.zeros(self.num_stages), np.zeros(self.num_stages)
         np.add.at(activations, self.layer_stage, per_layer)
+        np.add.at(calibrated, self.layer_stage, calibration)
         laaq_stage = np.zeros(self.num_stages, dtype=bool)
         laaq_stage[self.layer_stage[laaq]] = True
         transient = np.where(laaq_stage, self.laaq_transient(), 0.0)
-        mem = self.static_bytes + activations + transient
+        mem = self.static_bytes + activations + calibrated + transient
         phase, at_layer = ["forward_backward"] * self.num_stages, [None] * self.num_stages
-        held, rerun = activations.copy(), np.zeros(self.num_stages)
+        held, rerun, held_calibration = activations.copy(), np.zeros(self.num_stages), calibrated.copy()
         # backward of a checkpointed layer l: the other in-flight micro-batches, this one's layers before l,
         # and l's input plus everything its rerun forward keeps
         flight, extra = self.in_flight_counts(), self.recomputed()
         for l in np.nonzero(ckpt)[0]:
             s = self.layer_stage[l]
-            before = per_layer[(self.layer_stage == s) & (np.arange(self.num_layers) < l)].sum()
-            kept = (flight[s] - 1) / flight[s] * activations[s] + before / flight[s] \
+            earlier = (self.layer_stage == s) & (np.arange(self.num_layers) < l)
+            kept = (flight[s] - 1) / flight[s] * activations[s] + per_layer[earlier].sum() / flight[s] \
                 + self.checkpoint_memory[l] / flight[s]
-            during = self.static_bytes[s] + kept + extra[l] + transient[s]
+            kept_calibration = (flight[s] - 1) / flight[s] * calibrated[s] + calibration[earlier].sum() / flight[s] \
+                + calibration[l] / flight[s]
+            during = self.static_bytes[s] + kept + kept_calibration + extra[l] + transient[s]
             if during > mem[s]:
                 mem[s], phase[s], at_layer[s], held[s], rerun[s] = during, "checkpoint_backward", int(l), kept, extra[l]
+                held_calibration[s] = kept_calibration
         floor = self.peak_floor()
         for s in np.nonzero(floor > mem)[0]:
             mem[s], phase[s], at_layer[s] = floor[s], "optimizer_step", None
         # whole bytes, rounded up (a fraction of a byte over a budget is over it; 1e-6 absorbs float noise)
         return {"peak": [int(np.ceil(m - 1e-6)) for m in mem], "phase": phase, "layer": at_layer, "held": held,
-                "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum())}
+                "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum()),
+                "held_calibration": held_calibration}
 
     def evaluate(self, chosen: np.ndarray, checkpoint: np.ndarray) -> dict:
         """Memory per stage, step seconds and error of a choice.
@@ -178,6 +192,7 @@ class ChoiceProblem:
                 parts = {name: float(v[s]) for name, v in self.floor_parts.items()}
             else:
                 parts = {name: float(v[s]) for name, v in self.static_parts.items()}
+                parts["calibration"] = parts.get("calibration", 0.0) + float(m["held_calibration"][s])
                 parts["activations"] = float(m["held"][s])
                 if m["phase"][s] == "checkpoint_backward":
                     parts["recomputed_layer"] = float(m["rerun"][s])

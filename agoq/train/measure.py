@@ -66,6 +66,7 @@ class StepFigures:
 
 def _release_memory() -> None:
     gc.collect()  # a model under checkpointing or LAAQ sits in reference cycles
+    torch._dynamo.reset()  # compiled layers' code caches hold their modules
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -75,14 +76,18 @@ def measure_steps(cfg: JobConfig) -> StepFigures:
     (one process: a plan or layout that needs several is refused as `agoq train` refuses it). ValueError for
     settings `agoq train` refuses; TrainingFailed when a step's loss or gradient norm is not finite."""
     _release_memory()  # what an earlier measurement left
+    # what was allocated before this run (another measurement's leftovers, the caller's tensors): not its peak
+    cuda = torch.cuda.is_available() and (cfg.model.device or "cuda").startswith("cuda")
+    before = torch.cuda.memory_allocated(torch.device(cfg.model.device or "cuda")) if cuda else 0
     trainer = Trainer(prepare(cfg, World()))
     device = trainer.device
     try:
         results = [trainer.step(step) for step in range(cfg.loop.steps)]
     finally:
+        trainer.parallel.release()
         del trainer
         _release_memory()
-    peaks = [r.peak_bytes[0] for r in results] if device.type == "cuda" else None
+    peaks = [r.peak_bytes[0] - before for r in results] if device.type == "cuda" else None
     return StepFigures([r.loss for r in results], [r.seconds for r in results], peaks, cfg.model.device or device.type)
 
 

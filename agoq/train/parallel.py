@@ -125,6 +125,13 @@ class ParallelStrategy:
     def build_optimizer(self, optim: OptimizerConfig, seed: int) -> OptimizerStep:
         return build_optimizer(self.params, optim, seed=seed, device=self.device)
 
+    def release(self) -> None:
+        """Remove the hooks this strategy put on the model's parameters (QuanGrad's capture), so that the model, its
+        gradient buffer and the optimizer can be freed when the run is dropped (a hook holding the parameter it
+        hangs on is a reference cycle through autograd that Python's collector cannot break)."""
+        if self.qgrads is not None:
+            self.qgrads.remove()
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None

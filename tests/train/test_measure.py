@@ -159,3 +159,19 @@ def test_peaks_on_a_gpu():
     assert all(p >= 14 * parameters for p in figures.peak_bytes[1:]), figures.peak_bytes
     assert figures.first_peak_bytes >= 2 * parameters
     assert figures.max_peak_bytes == max(figures.peak_bytes)
+
+
+def test_a_measurement_leaves_nothing_behind():
+    """Measuring one run after another keeps no tensor of the earlier ones alive: QuanGrad's capture hooks are a
+    reference cycle through autograd until removed, and a GPU measurement would count the leftovers in its peak."""
+    import gc
+
+    def alive() -> int:
+        return sum(o.numel() for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() > 1000)
+
+    start = alive()
+    for gradients in ("quangrad8", "bf16"):
+        measure_steps(TrainConfig(model="llama-tiny", device="cpu", steps=2, seq_len=32, micro_batch=2, quiet=True,
+                                  checkpoint_every=0, optimizer="adamw8bit", gradients=gradients))
+        gc.collect()
+        assert alive() == start, gradients
