@@ -119,6 +119,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "--micro-batch with one and two micro-batches per step, QuanGrad's gradients, float32 "
                              "AdamW and no masters (agoq.commands.profile_steps); plans of a kind not measured are "
                              "not offered; 0: none (default 6 on a GPU, 3 on the CPU)")
+    parser.add_argument("--measured-repeats", type=positive_int, default=None, metavar="R",
+                        help="measure each kind of step R times, each pass in the other order, and keep the least "
+                             "median: a step is slowed, never sped up, by what else runs, and one slowed kind "
+                             "misprices every plan priced from it (default 2 on a GPU, 1 on the CPU)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
 
@@ -218,11 +222,15 @@ def run(args: argparse.Namespace) -> int:
 
         compiled = args.compile if args.compile is not None else device.startswith("cuda")
         modes = ["eager"] + (["compiled"] if compiled else [])
-        say(f"measured steps: {steps} steps of each kind the search prices plans from ({', '.join(modes)})")
-        rows, failures = measure_profile_steps(args.model, layers=args.layers, seq_len=seq_len,
-                                               micro_batch=args.micro_batch, dtype=dtype, device=device,
-                                               compile_modes=modes, steps=steps, seed=args.seed,
-                                               progress=not args.quiet)
+        repeats = args.measured_repeats or (2 if device.startswith("cuda") else 1)
+        say(f"measured steps: {steps} steps of each kind the search prices plans from ({', '.join(modes)}), "
+            f"{repeats} pass{'es' if repeats > 1 else ''}")
+        rows, failures, notes = measure_profile_steps(args.model, layers=args.layers, seq_len=seq_len,
+                                                      micro_batch=args.micro_batch, dtype=dtype, device=device,
+                                                      compile_modes=modes, steps=steps, seed=args.seed,
+                                                      repeats=repeats, progress=not args.quiet)
+        for note in notes:
+            print(f"warning: measured step {note}", file=sys.stderr)
         header = add_measured_steps(out, header, rows, failures)
     files = header["files"]
     print(f"wrote {out / 'profile.json'} and {out / files['table']}"

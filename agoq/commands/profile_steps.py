@@ -11,8 +11,13 @@ this process, on the built-in corpus, writing nothing), at every kind of step a 
   compiled: bf16 under torch.compile's activation_memory_budget 0.5 and 0.1 (compile's own memory saver)
 
 Each is `steps` optimizer steps: its step time the median after the first, its peak the largest of any step (the
-first, which compiles and allocates, included). A kind that fails (out of memory, a compiler error) is listed in
-the profile's failures and left out: the search does not offer plans of that kind.
+first, which compiles and allocates, included). With `repeats` R > 1 every kind is measured R times, each pass in
+the other order (forward, reversed, ...), and the row keeps the least of its medians: a GPU step is slowed, never
+sped up, by what else the process or the machine does (a collection, a stalled host thread), and the search adds
+and subtracts these rows, so one slowed kind would misprice every plan priced from it. The medians of all passes
+are kept in the row (`repeat_step_seconds`); kinds whose passes differ by more than SPREAD_WARNING are returned as
+notes. A kind that fails (out of memory, a compiler error) is listed in the profile's failures and left out: the
+search does not offer plans of that kind.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Callable, Optional
 from agoq.formats.measured_steps import POLICIES
 
 MEMORY_BUDGETS = (0.5, 0.1)
+SPREAD_WARNING = 0.10  # passes of one kind whose medians differ by more than this fraction are reported
 BASE = {"gradients": "bf16", "optimizer": "adamw8bit", "master": "fp32"}
 
 
@@ -63,19 +69,23 @@ def _train_settings(kind: dict, model: str, seq_len: int, dtype: str, device: st
 
 
 def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, micro_batch: int, dtype: str,
-                          device: str, compile_modes: list[str], steps: int, seed: int = 0,
+                          device: str, compile_modes: list[str], steps: int, seed: int = 0, repeats: int = 1,
                           progress: bool = True,
-                          measure: Optional[Callable] = None) -> tuple[list[dict], list[dict]]:
+                          measure: Optional[Callable] = None) -> tuple[list[dict], list[dict], list[str]]:
     """Measure every kind of `step_kinds` on `model` (a preset or config.json; with `layers`, that many decoder
-    layers); returns (rows of agoq.formats.measured_steps, failures). `measure(TrainConfig) -> StepFigures` is
+    layers) `repeats` times (see the module docstring); returns (rows of agoq.formats.measured_steps, failures,
+    notes on kinds whose passes disagree). `measure(TrainConfig) -> StepFigures` is
     agoq.train.measure.measure_steps unless given."""
     from agoq.progress import progress_bar
     from agoq.train.config import TrainConfig
 
     if measure is None:
         from agoq.train.measure import measure_steps as measure
-    rows, failures = [], []
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     kinds = step_kinds(micro_batch, compile_modes)
+    passes: list[list[Optional[object]]] = [[None] * len(kinds) for _ in range(repeats)]
+    errors: dict[int, str] = {}
     with tempfile.TemporaryDirectory(prefix="agoq-profile-steps-") as tmp:
         spec = model
         if layers is not None:  # the profiled model: a config of that many layers (the same fingerprint)
@@ -85,19 +95,38 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
             config["num_hidden_layers"] = layers
             spec = str(Path(tmp) / "model.json")
             Path(spec).write_text(json.dumps(config))
-        bar = progress_bar(total=len(kinds), desc="measured steps", unit="kind", enabled=progress)
-        for kind in kinds:
-            try:
-                figures = measure(TrainConfig(**_train_settings(kind, spec, seq_len, dtype, device, steps, seed)))
-            except Exception as e:  # noqa: BLE001 - one kind failing (out of memory, a compiler error) keeps the rest
-                failures.append({"what": f"measured step {_describe(kind)}", "error": f"{type(e).__name__}: {e}"[:500]})
-            else:
-                rows.append({**kind, "steps": steps, "step_seconds": figures.median_seconds,
-                             "peak_bytes": figures.max_peak_bytes, "first_step_peak_bytes": figures.first_peak_bytes,
-                             "first_step_seconds": figures.seconds[0], "source": "profile"})
-            bar.update(1)
+        bar = progress_bar(total=len(kinds) * repeats, desc="measured steps", unit="kind", enabled=progress)
+        for r in range(repeats):
+            order = range(len(kinds)) if r % 2 == 0 else range(len(kinds) - 1, -1, -1)
+            for i in order:
+                if i not in errors:  # a kind that failed once is not tried again
+                    settings = _train_settings(kinds[i], spec, seq_len, dtype, device, steps, seed)
+                    try:
+                        passes[r][i] = measure(TrainConfig(**settings))
+                    except Exception as e:  # noqa: BLE001 - one kind failing (out of memory, ...) keeps the rest
+                        errors[i] = f"{type(e).__name__}: {e}"[:500]
+                bar.update(1)
         bar.close()
-    return rows, failures
+    rows, failures, notes = [], [], []
+    for i, kind in enumerate(kinds):
+        if i in errors:
+            failures.append({"what": f"measured step {_describe(kind)}", "error": errors[i]})
+            continue
+        measured = [p[i] for p in passes]
+        medians = [f.median_seconds for f in measured]
+        best = measured[medians.index(min(medians))]
+        peaks = [f.max_peak_bytes for f in measured if f.max_peak_bytes is not None]
+        firsts = [f.first_peak_bytes for f in measured if f.first_peak_bytes is not None]
+        row = {**kind, "steps": steps, "step_seconds": min(medians), "peak_bytes": max(peaks) if peaks else None,
+               "first_step_peak_bytes": max(firsts) if firsts else None, "first_step_seconds": measured[0].seconds[0],
+               "seconds_per_step": list(best.seconds), "source": "profile"}
+        if repeats > 1:
+            row["repeat_step_seconds"] = medians
+            if max(medians) > (1 + SPREAD_WARNING) * min(medians):
+                notes.append(f"{_describe(kind)}: passes measured "
+                             + ", ".join(f"{m * 1e3:.1f}" for m in medians) + " ms; the least is kept")
+        rows.append(row)
+    return rows, failures, notes
 
 
 def _describe(kind: dict) -> str:
@@ -107,4 +136,4 @@ def _describe(kind: dict) -> str:
               f"{kind['optimizer']}, masters {kind['master']}")
 
 
-__all__ = ["step_kinds", "measure_profile_steps", "MEMORY_BUDGETS"]
+__all__ = ["step_kinds", "measure_profile_steps", "MEMORY_BUDGETS", "SPREAD_WARNING"]

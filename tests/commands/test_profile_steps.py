@@ -50,15 +50,62 @@ def test_a_failing_kind_is_a_failure_and_the_others_are_rows():
         return SimpleNamespace(median_seconds=0.01 * cfg.data.grad_accum, max_peak_bytes=None, first_peak_bytes=None,
                                seconds=[0.5, 0.01])
 
-    rows, failures = measure_profile_steps("llama-tiny", layers=None, seq_len=29, micro_batch=2, dtype="fp32",
-                                           device="cpu", compile_modes=["eager"], steps=2, progress=False,
-                                           measure=measure)
-    assert len(calls) == len(step_kinds(2, ["eager"]))
+    rows, failures, notes = measure_profile_steps("llama-tiny", layers=None, seq_len=29, micro_batch=2,
+                                                  dtype="fp32", device="cpu", compile_modes=["eager"], steps=2,
+                                                  repeats=2, progress=False, measure=measure)
+    # the second pass does not try the failed kinds again
+    assert len(calls) == 2 * len(step_kinds(2, ["eager"])) - 2 and not notes
     assert len(failures) == 2 and all("out of memory" in f["error"] for f in failures)
-    assert len(rows) == len(calls) - 2
+    assert len(rows) == len(step_kinds(2, ["eager"])) - 2
     assert all(r["source"] == "profile" and r["steps"] == 2 for r in rows)
     paper = [c for c in calls if c.memory.policy == "agoq-paper"]
     assert paper and all(not c.model.compile for c in calls)
+
+
+def test_repeats_alternate_the_order_and_keep_the_least_median(seed):
+    """Each kind is measured once per pass, the passes in opposite orders; the row keeps the pass with the least
+    median (its per-step seconds too), the largest peak of any pass, and every pass's median; kinds whose passes
+    differ by more than SPREAD_WARNING come back as notes."""
+    import random
+    import statistics
+
+    from agoq.commands.profile_steps import SPREAD_WARNING
+
+    rng = random.Random(seed)
+    kinds = step_kinds(2, ["eager"])
+    order, figures = [], {}
+
+    def key(cfg):
+        return (cfg.memory.policy, cfg.memory.checkpoint_all, cfg.data.micro_batch, cfg.data.grad_accum,
+                cfg.memory.gradients, cfg.optim.optimizer, cfg.optim.master)
+
+    def measure(cfg):
+        k = key(cfg)
+        order.append(k)
+        seconds = [rng.uniform(0.5, 2.0)] + [rng.uniform(0.01, 0.2) for _ in range(4)]
+        peaks = [rng.randrange(10**6, 10**9) for _ in range(5)]
+        f = SimpleNamespace(seconds=seconds, median_seconds=statistics.median(seconds[1:]), max_peak_bytes=max(peaks),
+                            first_peak_bytes=peaks[0])
+        figures.setdefault(k, []).append(f)
+        return f
+
+    rows, failures, notes = measure_profile_steps("llama-tiny", layers=None, seq_len=29, micro_batch=2, dtype="fp32",
+                                                  device="cpu", compile_modes=["eager"], steps=5, repeats=3,
+                                                  progress=False, measure=measure)
+    n = len(kinds)
+    assert not failures and len(rows) == n and len(order) == 3 * n
+    assert order[n:2 * n] == order[:n][::-1] and order[2 * n:] == order[:n]
+    noted = 0
+    for row, first in zip(rows, order[:n]):
+        passes = figures[first]
+        medians = [f.median_seconds for f in passes]
+        assert row["repeat_step_seconds"] == medians
+        assert row["step_seconds"] == min(medians)
+        assert row["seconds_per_step"] == passes[medians.index(min(medians))].seconds
+        assert row["peak_bytes"] == max(f.max_peak_bytes for f in passes)
+        assert row["first_step_peak_bytes"] == max(f.first_peak_bytes for f in passes)
+        noted += max(medians) > (1 + SPREAD_WARNING) * min(medians)
+    assert len(notes) == noted
 
 
 @pytest.fixture()
