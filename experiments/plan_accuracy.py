@@ -13,7 +13,9 @@ For one model:
                 compile mode) and trained the same way; compile's activation_memory_budget alternatives are
                 trained when the plan schema carries `training.activation_memory_budget`, else listed as skipped
 From each run's metrics.jsonl: the first step's peak, the largest peak of any step (a run must survive every
-step), the median step seconds after the first max(3, S / 5) steps, and the run's wall seconds (compile included).
+step), the median step seconds of the second half of the steps (the steady state: a fresh process's first seconds
+after compiling run slower, experiments/step_warmup.py; every step's seconds are in the run's metrics.jsonl), the
+first half's median beside it, and the run's wall seconds (compile included).
 
 Checks per plan: measured peak (every step) <= budget, within 2 % of the predicted peak; median step within 5 % of
 the prediction; plan tokens/s >= 0.98 x the fastest alternative measured at the same budget.
@@ -88,12 +90,13 @@ def measured(run_dir: Path) -> dict:
         return {}
     peaks = [max(p for p in r["peak_bytes"] if p is not None) if r.get("peak_bytes") and any(
         p is not None for p in r["peak_bytes"]) else None for r in steps]
-    skip = max(3, len(steps) // 5) if len(steps) > 4 else 1
+    skip = len(steps) // 2 if len(steps) > 4 else 1  # the steady state: a fresh process runs its first seconds slower
     timed = [r["step_seconds"] for r in steps[skip:]] or [steps[-1]["step_seconds"]]
     known = [p for p in peaks if p is not None]
     return {"steps": len(steps), "first_step_peak_bytes": peaks[0], "peak_bytes": max(known) if known else None,
             "later_peak_bytes": max([p for p in peaks[1:] if p is not None], default=None),
             "step_seconds": statistics.median(timed), "first_step_seconds": steps[0]["step_seconds"],
+            "first_half_step_seconds": statistics.median([r["step_seconds"] for r in steps[1:skip]] or timed),
             "step_seconds_spread": (max(timed) - min(timed)) / statistics.median(timed) if len(timed) > 1 else 0.0}
 
 
@@ -179,7 +182,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated budget indices to run (default: all)")
     ap.add_argument("--modes", default="default,eager", help="search modes: default, eager (--compile eager)")
     ap.add_argument("--alternatives", type=int, default=2, help="fastest fitting alternatives trained per plan")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--data", default=None, help="text file to train on (default: the built-in synthetic corpus)")
     ap.add_argument("--work", default=None, help="folder for profile, plans and runs (default: a temporary one)")
     ap.add_argument("--name", default=None, help="results name (default plan_accuracy_MODEL)")

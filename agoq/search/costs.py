@@ -11,9 +11,12 @@ layer is checkpointed, in which case none is (the layer then keeps only its inpu
                         chunked LM head's tensors at this micro-batch and the calibrated workspace), and for QuanGrad
                         the bf16 gradients the calibration step had not made yet at its peak
   step time         = the measured bf16 step at these knobs + per layer under LAAQ's functions dQ + per
-                      checkpointed layer dC (+ eager: the chosen options' own extra seconds, the profile's kernel
-                      times scaled to the step's tokens), all from measured steps at the same compile mode and batch
-                      split (agoq.search.timing); knobs the profile measured no step for are not offered
+                      checkpointed layer dC, all from measured steps at the same compile mode and batch split
+                      (agoq.search.timing); knobs the profile measured no step for are not offered. The options
+                      of a layer under LAAQ have no seconds of their own: compiled, they run inside the layer's
+                      graph; eager, the layer's fused functions cost what the agoq-paper step measured whatever its
+                      bits (a plan quantizing one kind per layer measured 127.1 ms where the agoq-paper step
+                      measured 127.8 and the kernel times summed per option had priced it at 109.6)
   error             = sum of the chosen options' measured sensitivities (0 for 16, recompute, checkpoint)
 
 A stage's peak is the largest of the end of forward (above), the backward of each checkpointed layer and the
@@ -122,26 +125,6 @@ def gradient_modes(profile: ProfileData) -> list[str]:
     return modes
 
 
-def _recipe_extra_seconds(profile: ProfileData) -> Optional[float]:
-    """Sum of the profile's extra seconds (at the profiled micro-batch) over the options of the agoq-paper step
-    the profiler measured (every layer at the preset's settings); None when one is missing from the table."""
-    from agoq.activations.policy import as_policy
-
-    policy = as_policy("agoq-paper")
-    table = profile.table
-    rows = table[table["format"].isin(["bf16", "recompute", "int"])]
-    lookup = {(int(l), k, str(o)): float(e) for l, k, o, e in
-              zip(rows["layer"], rows["kind"], rows["option"], rows["extra_seconds"])}
-    total = 0.0
-    for layer in range(profile.num_layers):
-        for kind, setting in policy.settings(layer).items():
-            key = (layer, kind, "recompute" if setting == RECOMPUTE else str(setting))
-            if key not in lookup:
-                return None
-            total += lookup[key]
-    return total
-
-
 def _option_rows(profile: ProfileData, knobs: ProblemSettings, shape0, block0: int) -> pd.DataFrame:
     """The profile's rows a plan under `knobs` may choose from: its format (nf4 replaces the int 4-bit row where
     measured), no quantized option below the floors, one row per (layer, kind, option), full o_proj_input bytes."""
@@ -172,24 +155,15 @@ def _option_rows(profile: ProfileData, knobs: ProblemSettings, shape0, block0: i
 def _step_times(profile: ProfileData, knobs: ProblemSettings, compile_mode: str, mb: int, accum: int,
                 optimizer: str, master: str, notes: list) -> dict:
     """The measured-step prices of agoq.search.timing for these knobs: the bf16 step ("base"), seconds per layer
-    under LAAQ beyond its options ("laaq", None: not measured here) and per checkpointed layer ("checkpoint",
-    None: not measured here), and the factor that takes the profile's kernel times to this split ("extras")."""
+    under LAAQ's functions ("laaq", None: not measured here) and per checkpointed layer ("checkpoint", None: not
+    measured here)."""
     sp = prices(profile)
     row_gradients = "quangrad8" if knobs.gradient_mode == "quangrad8" else "bf16"
     why = sp.missing(compile_mode, mb, accum, row_gradients, optimizer, master)
     if why is not None:
         raise ValueError(f"{why}: a plan with these knobs is not offered (profile it, or ask for knobs it measured)")
-    profiled = int(profile.settings.get("micro_batch", 1) or 1)
-    extras = accum * mb / profiled  # kernel times (measured at the profiled micro-batch) scale with the tokens
     base = sp.seconds(compile_mode, mb, accum, row_gradients, optimizer, master)
-    paper = sp.per_layer(compile_mode, "agoq-paper", mb, accum)
-    laaq = None
-    if paper is not None:
-        if compile_mode == "compiled":  # the options run inside the compiled layer: no seconds of their own
-            laaq = paper
-        else:
-            recipe = _recipe_extra_seconds(profile)
-            laaq = None if recipe is None else paper - recipe * extras / profile.num_layers
+    laaq = sp.per_layer(compile_mode, "agoq-paper", mb, accum)
     if laaq is None:
         notes.append(f"no {compile_mode} agoq-paper step was measured at micro-batch {mb} x {accum}: no layer is "
                      "quantized or recomputed at these knobs")
@@ -197,7 +171,7 @@ def _step_times(profile: ProfileData, knobs: ProblemSettings, compile_mode: str,
     if checkpoint is None and knobs.allow_checkpoint:
         notes.append(f"no {compile_mode} checkpoint-all step was measured at micro-batch {mb} x {accum}: no layer is "
                      "checkpointed at these knobs")
-    return {"base": base, "laaq": laaq, "checkpoint": checkpoint, "extras": extras}
+    return {"base": base, "laaq": laaq, "checkpoint": checkpoint}
 
 
 def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings(), *,
@@ -266,10 +240,7 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     per_mb = np.array([b * scale(k, o) for b, k, o in zip(rows["bytes"], rows["kind"], option)], dtype=float)
     flight = np.array([in_flight[s] for s in stages], dtype=float)
     memory = per_mb * flight[layer]
-    if compile_mode == "compiled":  # the options run inside the compiled layer: no seconds of their own
-        seconds = np.zeros(len(rows))
-    else:
-        seconds = rows["extra_seconds"].to_numpy(float) * times["extras"]
+    seconds = np.zeros(len(rows))  # a layer's options are priced by its layer's dQ (the module docstring)
     error = rows["sensitivity"].to_numpy(float)
 
     unmodified = np.zeros(L)

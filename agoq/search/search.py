@@ -91,7 +91,8 @@ def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, erro
     record_decision(plan, profile, found, objective, error_cap, cap_source)
     if alternatives:
         attach_alternatives(plan, profile, budget, found)
-        if objective == "time":
+        # an alternative stores bf16 gradients: where the request rules them out, it cannot be the plan
+        if objective == "time" and (space.gradient_modes is None or "bf16" in space.gradient_modes):
             plan = unless_an_alternative_is_as_fast(plan)
     return plan, found
 

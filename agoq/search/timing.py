@@ -7,8 +7,8 @@ For a compile mode c and a batch split (micro-batch m, accumulation a), the anch
 ran with): bf16 (every layer unmodified), agoq-paper (every layer under LAAQ's functions) and checkpoint-all. Then
 
     T(plan) = T_bf16(c, m, a, gradients, optimizer, masters)
-              + (layers under LAAQ) x dQ + (checkpointed layers) x dC + (eager: the options' own extra seconds)
-    dQ = (T_paper - T_bf16 - the recipe's own extra seconds) / L      (compiled: no option has seconds of its own)
+              + (layers under LAAQ) x dQ + (checkpointed layers) x dC
+    dQ = (T_paper - T_bf16) / L      (a layer's options have no seconds of their own, agoq.search.costs)
     dC = (T_checkpoint-all - T_bf16) / L
 
 all at (c, m, a). T_bf16 at other knobs is the measured step of those knobs where there is one, else the anchor
@@ -125,7 +125,7 @@ class StepPrices:
         return anchor
 
     def per_layer(self, compile_mode: str, policy: str, micro_batch: int, grad_accum: int) -> Optional[float]:
-        """(T_policy - T_bf16) / L at the split with the base knobs: dQ before the recipe's extras, or dC."""
+        """(T_policy - T_bf16) / L at the split with the base knobs: dQ or dC."""
         mine = self.seconds(compile_mode, micro_batch, grad_accum, policy=policy)
         bf16 = self.seconds(compile_mode, micro_batch, grad_accum)
         if mine is None or bf16 is None:

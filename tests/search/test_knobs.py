@@ -26,7 +26,7 @@ def fresh_rng():
 
 def _profile(tmp_path, rng, paper_delta: float, micro_batch: int = 2):
     """A one-layer profile with 4-bit options only, the fused step's state table, a measured optimizer step and
-    an agoq-paper step `paper_delta` seconds per layer away from its options' sum."""
+    an agoq-paper step `paper_delta` seconds per layer away from the bf16 step."""
     folder = write_profile(tmp_path / "p", rng, num_layers=1, bits=(4,), micro_batch=micro_batch, seq_len=37,
                            layer_forward=True, step_seconds=rng.uniform(0.04, 0.06))
     header = json.loads((folder / "profile.json").read_text())
@@ -36,22 +36,13 @@ def _profile(tmp_path, rng, paper_delta: float, micro_batch: int = 2):
     bf16 = header["memory"]["steps"][0]
     bf16["optimizer_step_seconds"] = rng.uniform(0.002, 0.01)
     (folder / "profile.json").write_text(json.dumps(header))
-    profile = load_profile(folder)
-    table = profile.table
-    from agoq.activations.policy import RECOMPUTE, as_policy
-
-    extras = 0.0
-    for kind, setting in as_policy("agoq-paper").settings(0).items():
-        opt = "recompute" if setting == RECOMPUTE else str(setting)
-        extras += float(table[(table["kind"] == kind) & (table["option"] == opt)]["extra_seconds"].iloc[0])
-    # every measured agoq-paper step: the bf16 step of its knobs + the recipe's kernel times at its tokens + delta
+    # every measured agoq-paper step: the bf16 step of its knobs + delta (one layer: dQ = delta)
     rows = header["measured_steps"]["rows"]
     key = ("compile", "micro_batch", "grad_accum", "gradients", "optimizer", "master")
     for row in rows:
         if row["policy"] == "agoq-paper":
             bf16_row = next(r for r in rows if r["policy"] == "bf16" and all(r[k] == row[k] for k in key))
-            row["step_seconds"] = bf16_row["step_seconds"] + extras * row["grad_accum"] * row["micro_batch"] \
-                / micro_batch + paper_delta
+            row["step_seconds"] = bf16_row["step_seconds"] + paper_delta
     (folder / "profile.json").write_text(json.dumps(header))
     return load_profile(folder)
 
