@@ -2,7 +2,8 @@
 variant in a process of its own, with the host's load average sampled beside it.
 
 Variants (--variants, comma-separated):
-  compiled           compiled bf16 + 8-bit AdamW, as agoq train runs it
+  compiled           compiled bf16 + 8-bit AdamW, as agoq train runs it (named twice: the second run finds its graphs
+                     in Inductor's cache)
   compiled-1thread   the same with TORCHINDUCTOR_COMPILE_THREADS=1 (Inductor compiles in this process: no worker pool)
   compiled-warm      the same after Inductor's worker pool was started and answered (AsyncCompile.warm_pool,
                      wait_pool_ready) and WARM_SECONDS more seconds passed, before the model is built
@@ -85,11 +86,12 @@ def main() -> None:
                str(args.micro_batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
-            figures["variants"][variant] = {"error": done.stderr[-2000:]}
+            figures["variants"][f"{variant} {len(figures['variants'])}"] = {"error": done.stderr[-2000:]}
             print(variant, "failed:", done.stderr[-2000:], flush=True)
             continue
         got = json.loads(done.stdout.strip().splitlines()[-1])
-        figures["variants"][variant] = got
+        key = variant if variant not in figures["variants"] else f"{variant} (again: Inductor's cache warm)"
+        figures["variants"][key] = got
         ms = [round(s * 1e3) for s in got["seconds_per_step"]]
         print(f"{variant}: first {ms[0]} ms, then {ms[1:]}", flush=True)
         write_result(args.name, figures)
