@@ -25,13 +25,13 @@ require of the ops in a layer:
   * static shapes and stable input addresses: inputs are copied into the graph's buffers on replay, and outputs
     are overwritten by the next replay, so a training loop marks each step (`mark_cudagraph_step`).
 
-Inductor's compile workers: the first compilation in a process starts Inductor's pool of compile worker processes,
-which takes seconds of the host. When the layers' graphs come from Inductor's cache (a second run of the same
-model), compiling ends long before the pool is up, and the first steps run while it starts: on an H200 the probe's
-compiled bf16 step measured ~157 ms for ~30 steps (about 8 s after compiling began), then 110 ms, where a run with
-the pool started beforehand, or with no pool, measured 107-110 ms from its second step
-(experiments/step_warmup.py). `start_compile_workers` starts the pool early (before the model is built) and
-`wait_for_compile_workers` waits, before the first step, until every worker has answered.
+A process whose layers' graphs come from Inductor's cache (a second run of the same model) can run its first
+seconds of steps slower: on an H200 the probe's compiled bf16 step measured 155-184 ms for 40 steps after a 3 s
+compile, where the run that filled the cache measured 107-111 ms after a 14 s compile, and other runs returned to
+~110 ms after 13 to 31 steps (experiments/step_warmup.py, experiments/results/step_warmup.json). The host was idle
+(load average below 1 on 16 cores), and starting Inductor's compile workers before the model was built, waiting for
+every worker to answer before the first step, did not remove it. Step times are therefore judged on the steady
+state (agoq.train.plan_check, experiments/plan_accuracy.py), and the profile measures each kind of step twice.
 """
 
 from __future__ import annotations
@@ -67,55 +67,6 @@ def compile_decoder_layers(model: nn.Module, mode: str | None = None, **options)
     for layer in layers:
         layer.compile(**options)
     return len(layers)
-
-
-def _pool():
-    """Inductor's compile worker pool, or None where Inductor compiles in this process (one compile thread, a
-    daemonic process) or this torch has no such pool."""
-    try:
-        from torch._inductor.async_compile import AsyncCompile, _process_pool_allowed, get_compile_threads
-    except ImportError:
-        return None
-    if get_compile_threads() <= 1 or not _process_pool_allowed():
-        return None
-    return AsyncCompile
-
-
-def start_compile_workers() -> None:
-    """Start Inductor's compile worker pool now, so that it is up before the steps run (the module docstring)."""
-    pool = _pool()
-    if pool is not None:
-        pool.warm_pool()
-        pool.use_process_pool()  # its first job: the workers start
-
-
-def _pause(seconds: float) -> float:
-    import time
-
-    time.sleep(seconds)
-    return seconds
-
-
-def _pause_pid(seconds: float) -> int:
-    """`_pause`, returning the worker's process id (tests)."""
-    import os
-
-    _pause(seconds)
-    return os.getpid()
-
-
-def wait_for_compile_workers(timeout: float = 120.0, pause: float = 0.05) -> None:
-    """Wait until Inductor's compile workers have started: the pool's first job has run, then one job per worker
-    that holds its worker `pause` seconds, so that they spread over every worker (at most `timeout` seconds)."""
-    pool = _pool()
-    if pool is None:
-        return
-    pool.wait_pool_ready(timeout)
-    from torch._inductor.async_compile import get_compile_threads
-
-    jobs = [pool.process_pool().submit(_pause, pause) for _ in range(get_compile_threads())]
-    for job in jobs:
-        job.result(timeout=timeout)
 
 
 def mark_cudagraph_step(mode: str | None) -> None:

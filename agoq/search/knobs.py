@@ -254,11 +254,15 @@ def budget_bounds(profile: ProfileData, space: KnobSpace = KnobSpace(),
     return (min(smallest) if smallest else None), largest
 
 
+BINDING_SECONDS = 0.3  # a relaxed solve of binding_constraints stops here
+
+
 def binding_constraints(result: KnobResult, budget, objective: str, error_cap: Optional[float],
                         time_cap: Optional[float]) -> list[str]:
     """Which constraints bind the chosen plan: those whose removal (one at a time, same knobs) improves its
     objective by more than 1e-6 relative; ["none"] when none does. (Only the first objective's optimum is
-    compared, so its ties are not broken.)"""
+    compared, so its ties are not broken; each relaxed solve stops after BINDING_SECONDS with the best found, which
+    names a constraint binding only where an improvement was found.)"""
     solver = Solver(result.problem, tie_break=False)
     value = (lambda a: a.grad_error) if objective == "error" else (lambda a: a.step_seconds)
     mine = value(result.alloc)
@@ -271,7 +275,7 @@ def binding_constraints(result: KnobResult, budget, objective: str, error_cap: O
     for name, args in relaxed.items():
         try:
             other = solver.solve(np.full(result.problem.num_stages, float(args["budget"])), objective,
-                                 args["time_cap"], error_cap=args["error_cap"])
+                                 args["time_cap"], error_cap=args["error_cap"], time_limit=BINDING_SECONDS)
         except InfeasibleBudget:
             continue
         if value(other) < mine - 1e-6 * max(abs(mine), 1e-12):

@@ -77,14 +77,17 @@ class Solver:
         b = np.asarray(budget, dtype=float)
         return np.full(self.problem.num_stages, float(b)) if b.ndim == 0 else b
 
-    def least_memory(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None) -> Optional[Allocation]:
-        """The choice of least peak (the largest stage's), within the caps; None when the caps cannot be met."""
-        return self._model.least_peak(time_cap, error_cap, PRIMARY_SECONDS)
+    def least_memory(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None,
+                     time_limit: Optional[float] = None) -> Optional[Allocation]:
+        """The choice of least peak (the largest stage's), within the caps; None when the caps cannot be met.
+        `time_limit` (default PRIMARY_SECONDS) bounds the solve: then the least peak found by then."""
+        return self._model.least_peak(time_cap, error_cap, PRIMARY_SECONDS if time_limit is None else time_limit)
 
-    def smallest_budget(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None) -> Optional[int]:
+    def smallest_budget(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None,
+                        time_limit: Optional[float] = None) -> Optional[int]:
         """The least per-stage budget (bytes, same for every stage) that some choice fits; None when the
-        caps alone cannot be met."""
-        alloc = self.least_memory(time_cap, error_cap)
+        caps alone cannot be met (`time_limit` as least_memory's)."""
+        alloc = self.least_memory(time_cap, error_cap, time_limit)
         return None if alloc is None else int(max(alloc.peak_bytes_per_stage))  # floor included
 
     def relaxed_bound(self, budget, objective: str = "error", time_cap: Optional[float] = None,

@@ -41,7 +41,7 @@ def non_dominated(points: Sequence, keys) -> list:
 
 
 TimeCap = Union[None, float, Callable[[float], Optional[float]]]
-FRONT_SECONDS = 0.5  # a front point's solve stops here with the best choice found (a front shows the trade-off)
+FRONT_SECONDS = 0.25  # a front point's solve stops here with the best choice found (a front shows the trade-off)
 
 
 def _cap(time_cap: TimeCap, budget: float) -> Optional[float]:
@@ -49,14 +49,16 @@ def _cap(time_cap: TimeCap, budget: float) -> Optional[float]:
 
 
 def budget_range(solver: Solver, objective: str = "error", time_cap: TimeCap = None,
-                 error_cap: Optional[float] = None) -> tuple[int, int]:
+                 error_cap: Optional[float] = None, time_limit: Optional[float] = None) -> tuple[int, int]:
     """(smallest feasible budget, the peak of the best plan with no memory limit), bytes per stage.
 
-    `time_cap` is seconds, None, or a function of the budget (e.g. the best checkpointing's time there)."""
-    low = solver.smallest_budget(None if callable(time_cap) else time_cap, error_cap)
+    `time_cap` is seconds, None, or a function of the budget (e.g. the best checkpointing's time there).
+    `time_limit` bounds each solve (a front's ends: the best found by then)."""
+    low = solver.smallest_budget(None if callable(time_cap) else time_cap, error_cap, time_limit)
     if low is None:
         raise ValueError("no choice meets the time cap at any budget")
-    free = solver.solve(np.inf, objective, _cap(time_cap, np.inf), error_cap=error_cap)
+    free = solver.solve(np.inf, objective, _cap(time_cap, np.inf), error_cap=error_cap, time_limit=time_limit,
+                        tie_limit=time_limit)
     return low, max(low, int(max(free.peak_bytes_per_stage)))
 
 
@@ -66,7 +68,7 @@ def memory_error_front(problem: ChoiceProblem, count: int = 20, objective: str =
     """Solve at `count` budgets from the smallest feasible one to the unconstrained plan's peak; returns the
     non-dominated points (memory, error, time), smallest memory first."""
     solver = solver or Solver(problem)
-    low, high = budget_range(solver, objective, time_cap, error_cap)
+    low, high = budget_range(solver, objective, time_cap, error_cap, FRONT_SECONDS)
     budgets = np.unique(np.linspace(low, high, count).round()) if count > 1 else np.array([high])
     points = []
     iterator = budgets

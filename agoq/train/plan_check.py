@@ -1,7 +1,9 @@
 """What a run with a plan measured against what the plan predicted: `agoq train --plan` closes the loop.
 
 After each step the run knows its peak (the largest allocated bytes of any step so far, the first included: it
-compiles and allocates the optimizer state) and its step time (the median of the steps after the first). Once
+compiles and allocates the optimizer state) and its step time (`steady_seconds`: the median of the second half of
+the steps so far, the steady state; a process whose compiled graphs came from Inductor's cache can run its first
+seconds of steps slower, agoq.activations.compile). Once
 CHECK_STEPS steps have run (or the run ends sooner), and again at the end, it compares them with the plan's
 predictions and its budget:
 
@@ -19,8 +21,16 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
-CHECK_STEPS = 10      # steps after which the first comparison is made and said
+CHECK_STEPS = 40      # steps after which the first comparison is made and said
 STEP_TOLERANCE = 0.05  # a measured step further than this from the prediction is warned about
+
+
+def steady_seconds(seconds: list[float]) -> list[float]:
+    """The steps a run's step time is judged on: the second half (the first step excluded where there are fewer
+    than 5, unless it is the only one)."""
+    if len(seconds) > 4:
+        return seconds[len(seconds) // 2:]
+    return seconds[1:] or seconds
 
 
 class PlanCheck:
@@ -52,7 +62,7 @@ class PlanCheck:
         peaks = predicted.peak_bytes_per_stage or []
         predicted_peak = (peaks[self.stage] if self.stage is not None and self.stage < len(peaks)
                           else max(peaks) if peaks else None)
-        timed = self.seconds[1:] or self.seconds
+        timed = steady_seconds(self.seconds)
         out: dict[str, Any] = {
             "steps": len(self.seconds), "budget_bytes": self.plan.budget_bytes,
             "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": max(self.peaks) if self.peaks else None,
@@ -75,4 +85,4 @@ class PlanCheck:
         return out
 
 
-__all__ = ["PlanCheck", "CHECK_STEPS", "STEP_TOLERANCE"]
+__all__ = ["PlanCheck", "CHECK_STEPS", "STEP_TOLERANCE", "steady_seconds"]

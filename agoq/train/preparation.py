@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from agoq.activations.compile import start_compile_workers, wait_for_compile_workers
 from agoq.formats.plan import Plan, load_plan
 from agoq.layout import ParallelLayout
 from agoq.train.apply import ParallelSettings, apply_plan
@@ -136,9 +135,6 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
     settled = reconcile(cfg, plan, where, world, device)
     cfg, layout, shape = settled.cfg, settled.layout, settled.shape
 
-    compiling = cfg.model.compile and device.type == "cuda"
-    if compiling:  # Inductor's workers start while the data is read and the model built (agoq.activations.compile)
-        start_compile_workers()
     corpus = load_corpus(cfg.data.data, cfg.data.tokenizer)  # the data first: its vocabulary decides the model's
     model, spec = _build_model(cfg, corpus, dtype, device)
     layer_stage = _check_model(plan, where, model, spec, settled)
@@ -168,8 +164,6 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
                          compile_mode=cfg.model.compile_mode if cfg.model.compile else None,
                          memory_budget=cfg.model.activation_memory_budget if cfg.model.compile else None,
                          parallel=parallel)
-    if compiling:  # the steps start once the workers are up, not while they start
-        wait_for_compile_workers()
 
     # one stacked batch per step for a pipeline, split by the schedule
     batches = Batches(corpus, shape.seq_len, shape.micro_batch, 1 if layout.pipelined else shape.grad_accum,

@@ -234,28 +234,3 @@ def test_layers_with_different_bit_widths_compile_with_constant_widths():
     _, got = step(models[1], models[1], ids, labels)
     assert len(inputs_seen) == len(widths) and all(not extra for extra in inputs_seen), inputs_seen
     assert worst_rel_error(got, ref) < 0.02
-
-
-def test_compile_workers_are_up_after_waiting(monkeypatch):
-    """start_compile_workers starts Inductor's worker pool; after wait_for_compile_workers every worker has run a
-    job (each job holds its worker, so the jobs land on distinct processes); with one compile thread there is no
-    pool and both return at once."""
-    import os
-
-    from torch._inductor import config as inductor_config
-    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
-
-    from agoq.activations import compile as compile_module
-
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)
-    assert compile_module._pool() is None
-    compile_module.start_compile_workers()
-    compile_module.wait_for_compile_workers()
-    monkeypatch.setattr(inductor_config, "compile_threads", 2)
-    assert get_compile_threads() == 2
-    compile_module.start_compile_workers()
-    compile_module.wait_for_compile_workers(pause=0.2)
-    assert AsyncCompile._ready_future is not None and AsyncCompile._ready_future.done()
-    pids = [AsyncCompile.process_pool().submit(compile_module._pause_pid, 0.3) for _ in range(2)]
-    got = {job.result(timeout=60) for job in pids}
-    assert len(got) == 2 and os.getpid() not in got
