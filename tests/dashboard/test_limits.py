@@ -116,7 +116,8 @@ def test_a_huge_body_is_413_unread(tmp_path, seed):
             head, _, body = answer.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 413"), (chunked, answer[:300])
             assert b"65536 bytes" in body and len(body) < 400
-            assert sent < total // 4, (chunked, seconds, sent)  # answered before most of the body was sent
+            # answered before most of the body was sent (the kernel's socket buffers hold several MB of it)
+            assert sent < total // 2, (chunked, seconds, sent)
         grown = _peak_rss_kib(server.pid) - before
         assert grown < 16 * 1024, f"the server's peak memory grew by {grown} KiB for a {total}-byte body"
         assert _post_huge(port, 1000, chunked=False)[0].startswith(b"HTTP/1.1 4")  # and it still answers
