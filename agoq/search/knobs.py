@@ -164,7 +164,7 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
     first = (lambda r: r.alloc.grad_error) if objective == "error" else (lambda r: r.alloc.step_seconds)
     refused: list[InfeasibleBudget] = []  # why each combination that was solved does not fit
     bounded: list[tuple[float, int, KnobResult]] = []
-    hopeless: list[KnobResult] = []  # even the linear relaxation does not fit: solved only to say why, if need be
+    hopeless: list[KnobResult] = []  # does not fit (its relaxation, or its MILP): solved to say why only if none fits
     for i, (knobs, problem) in enumerate(built):
         same = [q for k, q in built if k is not knobs and (k.micro_batch, k.compile_mode) == (knobs.micro_batch,
                                                                                               knobs.compile_mode)]
@@ -193,13 +193,16 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             result.error = "slower" if objective == "time" else "less exact"
             tried.append(result)
             continue
+        result.solver.explain = False  # why it does not fit is asked below, only if nothing fits
         try:
             result.alloc = result.solver.solve(budget, objective, result.time_cap, error_cap=error_cap)
             result.tokens_per_second = tokens_per_second(profile, result.knobs, result.alloc.step_seconds)
             top = min(top, first(result))
-        except InfeasibleBudget as e:
-            result.error = str(e)
-            refused.append(e)
+        except InfeasibleBudget:
+            hopeless.append(result)
+            continue
+        finally:
+            result.solver.explain = True
         tried.append(result)
     solved = [r for r in tried if r.alloc is not None]
     for result in hopeless:

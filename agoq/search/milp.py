@@ -178,8 +178,12 @@ class Solver:
             raise self._infeasible(budgets, time_cap, res.message)
         return m.allocation(res.x, getattr(res, "second_gap", 0.0), getattr(res, "gap", 0.0))
 
+    explain = True  # False: an infeasible solve says so without solving for the smallest budget (seconds of work)
+
     def _infeasible(self, budgets: np.ndarray, time_cap: Optional[float], why: str,
                     error_cap: Optional[float] = None) -> InfeasibleBudget:
+        if not self.explain:
+            return InfeasibleBudget(f"no choice fits the budget ({why})", None)
         smallest = self.smallest_budget(time_cap, error_cap)
         if smallest is None:
             if error_cap is not None and self.smallest_budget(None, error_cap) is None:
