@@ -50,7 +50,7 @@ def link(path: str, **params: Any) -> str:
 
 
 def message(text: str, kind: str = "info") -> str:
-    """A message box (info, empty or error)."""
+    """A message box (info, empty, warn: a run that ran but missed its plan, or error)."""
     return f'<div class="msg {kind}">{esc(text)}</div>'
 
 
@@ -435,7 +435,7 @@ def plan_checks(summaries: list[dict[str, Any]]) -> str:
     return ("<h2>Against the plan</h2>"
             + table(["run", "steps", "budget", "predicted peak", "measured peak (any step)", "peak vs predicted",
                      "predicted step", "measured step (median)", "step vs predicted"], rows)
-            + "".join(message(w, "error") for w in warnings))
+            + "".join(message(w, "warn") for w in warnings))
 
 
 def chosen_summaries(all_runs: list[dict[str, Any]], selected: list[str]) -> list[dict[str, Any]]:
