@@ -115,7 +115,9 @@ def test_a_huge_body_is_413_unread(tmp_path, seed):
             answer, sent, seconds = _post_huge(port, total, chunked)
             head, _, body = answer.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 413"), (chunked, answer[:300])
-            assert b"65536 bytes" in body and len(body) < 400
+            # the server closes with the rest of the body unread, so a reset may cut its short answer off the
+            # socket here; what does arrive is that answer, never an echo of the body
+            assert len(body) < 400 and (not body or b"65536 bytes" in body), (chunked, body[:400])
             # answered before most of the body was sent (the kernel's socket buffers hold several MB of it)
             assert sent < total // 2, (chunked, seconds, sent)
         grown = _peak_rss_kib(server.pid) - before
@@ -138,6 +140,8 @@ def test_bodies_up_to_the_limit_are_read(tmp_path):
         chunks = (padded[i:i + 999].encode() for i in range(0, size, 999))  # no Content-Length: chunked
         r = client.post("/api/plan", content=chunks, headers={"content-type": "application/json"})
         assert r.status_code == status, (size, r.text[:200])
+        if status == 413:  # says the limit, and quotes nothing of the body
+            assert f"{MAX_BODY_BYTES} bytes" in r.text and len(r.text) < 400, r.text[:400]
 
 
 @pytest.mark.parametrize("what", ["budget text", "budget list", "cap", "objective", "profile", "extra field",
