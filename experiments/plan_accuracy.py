@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agoq.train.plan_check import steady_seconds  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
 AGOQ = [sys.executable, "-m", "agoq.cli"]
@@ -90,13 +91,14 @@ def measured(run_dir: Path) -> dict:
         return {}
     peaks = [max(p for p in r["peak_bytes"] if p is not None) if r.get("peak_bytes") and any(
         p is not None for p in r["peak_bytes"]) else None for r in steps]
-    skip = len(steps) // 2 if len(steps) > 4 else 1  # the steady state: a fresh process runs its first seconds slower
-    timed = [r["step_seconds"] for r in steps[skip:]] or [steps[-1]["step_seconds"]]
+    seconds = [r["step_seconds"] for r in steps]
+    timed = steady_seconds(seconds)  # agoq train's own judgement: a fresh process can run its first seconds slower
+    skip = len(seconds) - len(timed)
     known = [p for p in peaks if p is not None]
     return {"steps": len(steps), "first_step_peak_bytes": peaks[0], "peak_bytes": max(known) if known else None,
             "later_peak_bytes": max([p for p in peaks[1:] if p is not None], default=None),
             "step_seconds": statistics.median(timed), "first_step_seconds": steps[0]["step_seconds"],
-            "first_half_step_seconds": statistics.median([r["step_seconds"] for r in steps[1:skip]] or timed),
+            "first_half_step_seconds": statistics.median(seconds[1:skip] or timed),
             "step_seconds_spread": (max(timed) - min(timed)) / statistics.median(timed) if len(timed) > 1 else 0.0}
 
 
