@@ -218,7 +218,11 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     times = _step_times(profile, knobs, compile_mode, mb, accum, optimizer, master, notes)
     if block != block0:
         notes.append(f"sensitivities were measured at block {block0}; at block {block} the same values are used")
-    rows = _option_rows(profile, knobs, shape0, block0)
+    key = (id(profile.table), knobs.format, tuple(sorted(knobs.floors().items())), block0)
+    cached = profile.__dict__.setdefault("_option_rows", {})  # one profile's rows per format and floors
+    if key not in cached:
+        cached[key] = _option_rows(profile, knobs, shape0, block0)
+    rows = cached[key]
     if times["laaq"] is None:
         rows = rows[rows["option"] == "16"].copy()
 
@@ -247,9 +251,12 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     credit = np.zeros(L)
     if shape is not None:
         plain = sum(predict_layer_bytes(shape, None, block).values())
+        sixteen: dict[int, dict[str, float]] = {}  # per layer, its kinds' bytes at 16
+        for l, k, o, b in zip(layer, rows["kind"], option, rows["bytes"]):
+            if o == "16":
+                sixteen.setdefault(int(l), {})[k] = b * scale(k, "16")
         for l in range(L):
-            sel = rows[(rows["layer"] == l) & (rows["option"] == "16")]
-            by_kind = {k: b * scale(k, "16") for k, b in zip(sel["kind"], sel["bytes"])}
+            by_kind = sixteen.get(l, {})
             credit[l] = by_kind.get("o_proj_input", 0.0) * flight[l]
             if len(by_kind) == len(KINDS):
                 unmodified[l] = max(0.0, plain - (sum(by_kind.values()) - by_kind.get("o_proj_input", 0.0))) * flight[l]

@@ -19,7 +19,8 @@ transient). Constraints:
 
 With one setting per stage (ChoiceProblem.one_setting_per_stage: compiled plans, whose every distinct layer
 setting is a graph to compile), y_{s,k,o} picks each stage's setting of kind k, sum_o y_{s,k,o} = 1, and a layer
-under LAAQ's functions takes it: |x_{l,k,o} - y_{s,k,o}| <= u_l + c_l. A stage then compiles at most three graphs
+under LAAQ's functions takes it: |x_{l,k,o} - y_{s,k,o}| <= u_l + c_l (and x_{l,k,o} <= y_{s,k,o} for o other
+than 16: implied, but it tightens the linear relaxation). A stage then compiles at most three graphs
 (unmodified, checkpointed, its LAAQ setting).
 
 Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically: the
@@ -36,6 +37,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +48,7 @@ from scipy.sparse import coo_matrix
 
 from agoq.activations.policy import KINDS
 from agoq.search.costs import ChoiceProblem
+from agoq.search.milp_levels import Levels, count_priced
 
 OBJECTIVES = ("error", "time")
 CHANGE_WEIGHT = 1e-4  # the second solve's weight of one tensor not kept as it is
@@ -131,6 +134,7 @@ class Model:
         is16 = p.keeps_16bit()
         # u_l carries the LAAQ layer time, and frees a layer from its stage's one setting: it must be exact
         timed = p.laaq_layer_seconds != 0.0 or p.one_setting_per_stage
+        self.u_exact = timed
         att, oproj = KINDS.index("attention"), KINDS.index("o_proj_input")
         kinds_per_layer = np.zeros(L, dtype=int)
         for (l, _k) in groups:
@@ -196,6 +200,13 @@ class Model:
             for i in range(n):
                 l = int(p.layer[i])
                 y = self.y0 + self.settings_of[(int(p.layer_stage[l]), int(p.kind[i]), p.option[i])]
+                if not is16[i]:  # implied, but tightens the relaxation: an option not at 16 is its stage's setting
+                    rows += [r, r]
+                    cols += [i, y]
+                    vals += [1.0, -1.0]
+                    lo.append(-np.inf)
+                    hi.append(0.0)
+                    r += 1
                 for sign, low, high in ((1.0, 0.0, np.inf), (-1.0, -np.inf, 0.0)):
                     rows += [r] * 4
                     cols += [i, y, self.u0 + l, self.c0 + l]
@@ -252,6 +263,7 @@ class Model:
         t[self.u0:self.u0 + L] = -p.laaq_layer_seconds
         self.time_row = t
         self.time_constant = p.base_seconds + L * p.laaq_layer_seconds  # step seconds = time_constant + t @ x
+        self.levels = Levels(self) if count_priced(self) else None  # step time as a count (agoq.search.milp_levels)
         e = np.zeros(self.nv)
         e[:n] = p.error
         self.error_row = e
@@ -279,6 +291,13 @@ class Model:
         key = (np.asarray(budgets, float).tobytes(), objective, time_cap, time_limit, error_cap)
         if key in self._first:  # solved already (first objective alone, then again with its ties broken)
             return self._first[key]
+        if objective == "time" and time_cap is None and self.levels is not None:
+            start = time.perf_counter()
+            res = self.levels.fastest(budgets, error_cap, time_limit)
+            if res is None:  # the time limit came first: the whole MILP, for the time left, keeps its best found
+                time_limit = max(time_limit - (time.perf_counter() - start), 0.05) if time_limit else time_limit
+            else:
+                return self._keep_first(key, res)
         primary, _ = self.rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
         options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
@@ -287,6 +306,9 @@ class Model:
         res = milp(primary / scale, options=options, **args)
         if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
             res = milp(primary / scale, options={"mip_rel_gap": GAP}, **args)
+        return self._keep_first(key, res)
+
+    def _keep_first(self, key, res):
         if len(self._first) >= 16:
             self._first.pop(next(iter(self._first)))
         self._first[key] = res
@@ -385,6 +407,8 @@ class Model:
         the MILP's (see Solver.relaxed_bound); None when no choice fits, -inf when HiGHS gives no answer."""
         if (self.p.peak_floor() > budgets).any():
             return None
+        if objective == "time" and time_cap is None and self.levels is not None:
+            return self.levels.relaxed(budgets, error_cap)
         primary, _ = self.rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
         res = milp(primary / scale, constraints=self.constraints(budgets, time_cap, error_cap),

@@ -232,3 +232,56 @@ def test_ties_keep_tensors_as_they_are():
         alloc = Solver(p).solve(keep + rng.randint(0, 50), "time")
         assert all(p.option[i] == "16" for i in alloc.chosen) and not alloc.checkpoint.any(), \
             f"seed {seed} trial {trial}: {[p.option[i] for i in alloc.chosen]}"
+
+
+@pytest.mark.parametrize("one_setting", [True, False])
+def test_count_priced_levels_equal_brute_force(one_setting):
+    """Compiled pricing (every option 0 s, checkpointing the same seconds in every layer, one stage): the step time
+    is a count of unmodified and checkpointed layers, and the fastest choice is found by visiting those counts
+    fastest first (agoq.search.milp_levels). Same optimum as brute force, under memory and error caps, with its
+    ties broken by the least error; the relaxed bound is never above the optimum."""
+    seed, rng = fresh_rng()
+    for trial in range(4):
+        p = random_problem(rng, layers=3, kinds_per_layer=rng.choice([2, 3]))
+        p.seconds[:] = 0.0
+        p.checkpoint_seconds[:] = rng.uniform(0.5, 3.0)
+        p.laaq_layer_seconds = rng.choice([rng.uniform(-0.2, -0.01), rng.uniform(0.01, 0.5)])
+        p.one_setting_per_stage = one_setting
+        solver = Solver(p)
+        assert solver._model.levels is not None, "the problem is count-priced: its levels are used"
+        allowed = []
+        for _, f in brute_force(p):
+            allowed.append(f)
+        if one_setting:
+            allowed = []
+            groups = p.groups()
+            per_layer = []
+            for l in range(p.num_layers):
+                mine = [idx for (gl, _), idx in sorted(groups.items()) if gl == l]
+                per_layer.append([(tuple(c), False) for c in itertools.product(*mine)]
+                                 + ([((), True)] if p.allow_checkpoint else []))
+            for combo in itertools.product(*per_layer):
+                chosen = np.array([i for c, _ in combo for i in c], dtype=int)
+                ckpt = np.array([k for _, k in combo])
+                if _one_setting_per_stage(p, chosen, ckpt):
+                    allowed.append(p.evaluate(chosen, ckpt))
+        low = min(max(f["peak_bytes_per_stage"]) for f in allowed)
+        high = max(max(f["peak_bytes_per_stage"]) for f in allowed)
+        errors = [f["grad_error"] for f in allowed]
+        for budget in (low, rng.uniform(low, high), rng.uniform(low, high), high):
+            ecap = rng.uniform(min(errors), max(errors)) if rng.random() < 0.5 else None
+            fits = [f for f in allowed if max(f["peak_bytes_per_stage"]) <= budget
+                    and (ecap is None or f["grad_error"] <= ecap + 1e-12)]
+            if not fits:
+                with pytest.raises(InfeasibleBudget):
+                    solver.solve(budget, "time", error_cap=ecap)
+                continue
+            best = min(f["step_seconds"] for f in fits)
+            least_error = min(f["grad_error"] for f in fits if f["step_seconds"] <= best + 1e-9 * abs(best) + 1e-12)
+            bound = solver.relaxed_bound(budget, "time", None, ecap)
+            assert bound is not None and bound <= best + 1e-9, f"seed {seed} trial {trial}: bound {bound} > {best}"
+            alloc = solver.solve(budget, "time", error_cap=ecap)
+            where = f"seed {seed} trial {trial} budget {budget} cap {ecap}"
+            assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), where
+            assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
+            assert alloc.gap == 0.0 and max(alloc.peak_bytes_per_stage) <= budget, where

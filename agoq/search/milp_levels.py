@@ -1,0 +1,163 @@
+"""The fastest choice when step time is a count: exact, by visiting the possible step times fastest first.
+
+A problem is *count-priced* when its step seconds depend only on how many layers run unmodified (n_u) and how
+many are checkpointed (n_c): every option adds 0 s, every layer under LAAQ's functions adds the same
+`laaq_layer_seconds`, checkpointing adds the same seconds in every layer, and there is one pipeline stage.
+Compiled plans are priced this way (agoq.search.costs: a compiled layer under LAAQ is priced from the measured
+agoq step, whatever its bit widths). With L layers and n_a = L - n_u - n_c under LAAQ:
+
+    seconds(n_u, n_c) = time_constant - laaq_layer_seconds x n_u + (checkpoint_seconds - laaq_layer_seconds) x n_c
+
+so there are at most (L + 1)(L + 2) / 2 possible step times ("levels"). The MILP of the whole problem has a weak
+linear relaxation here (a fraction of a layer kept whole costs a fraction of a layer's time), and HiGHS can search
+for seconds without proving its optimum. Visiting the levels fastest first, with the counts fixed
+(sum_l u_l = n_u, sum_l c_l = n_c), the first level some choice meets (memory budget, error cap) is the optimum:
+
+  1. a bound, no solve: the static bytes plus the n_u, n_c and n_a least per-layer bytes of each state
+     (unmodified, checkpointed, under LAAQ at its smallest options); no choice with those counts keeps less (each
+     state's cheapest layers are taken, even where a layer would count twice). Likewise the n_a least per-layer
+     errors (a layer under LAAQ has at least one option not at 16) against the error cap;
+  2. the linear relaxation with the counts fixed (milliseconds);
+  3. the MILP with the counts fixed and no objective: the first choice that fits settles the level.
+
+Every level of the fastest feasible time is solved, so ties are left to the second objective (the error, then
+fewest changed tensors), as with the whole MILP. When laaq_layer_seconds is 0 and u_l is not needed exactly, the
+levels are the counts of checkpointed layers alone.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import numpy as np
+from scipy.optimize import LinearConstraint, OptimizeResult
+
+RELATIVE = 1e-9  # two levels whose seconds differ by less than this (relative) are the same time
+
+
+def count_priced(model) -> bool:
+    """Whether `model`'s problem (agoq.search.milp_model.Model) has step seconds that depend only on its counts."""
+    p = model.p
+    if p.num_stages != 1 or len(p.seconds) == 0 or np.any(p.seconds != 0.0):
+        return False
+    if p.allow_checkpoint and np.ptp(p.checkpoint_seconds) > 1e-12 * max(1.0, float(np.abs(p.checkpoint_seconds).max())):
+        return False
+    return model.u_exact or p.laaq_layer_seconds == 0.0
+
+
+def levels(model) -> list[tuple[float, Optional[int], int]]:
+    """(seconds, n_u or None when u is free, n_c), fastest first; ties in the order of fewer changed layers."""
+    p, L = model.p, model.L
+    ckpt = float(p.checkpoint_seconds[0]) if p.allow_checkpoint and L else 0.0
+    laaq = p.laaq_layer_seconds
+    counts_c = range(L + 1) if p.allow_checkpoint else range(1)
+    out = []
+    for n_c in counts_c:
+        if laaq == 0.0 and not model.u_exact:
+            out.append((model.time_constant + ckpt * n_c, None, n_c))
+            continue
+        for n_u in range(L - n_c + 1):
+            out.append((model.time_constant - laaq * n_u + (ckpt - laaq) * n_c, n_u, n_c))
+    return sorted(out, key=lambda t: (t[0], -(t[1] or 0), t[2]))
+
+
+class Levels:
+    """The level search for one count-priced Model (its per-state bounds built once)."""
+
+    def __init__(self, model):
+        self.m = model
+        p, L = model.p, model.L
+        self.levels = levels(model)
+        is16 = p.keeps_16bit()
+        unmod_cal = np.zeros(L) if p.unmodified_calibration is None else np.asarray(p.unmodified_calibration, float)
+        ckpt_cal = np.zeros(L) if p.checkpoint_calibration is None else np.asarray(p.checkpoint_calibration, float)
+        least_a = np.zeros(L)      # bytes of a layer under LAAQ at its smallest options (less the shared credit)
+        sixteen = np.zeros(L)      # bytes of the layer's options at 16
+        least_err = np.full(L, np.inf)  # the least error of a layer under LAAQ (one option not at 16)
+        for (l, _k), idx in model.groups.items():
+            least_a[l] += float(p.memory[idx].min())
+            sixteen[l] += float(p.memory[idx][is16[idx]].sum())
+            other = idx[~is16[idx]]
+            if len(other):
+                least_err[l] = min(least_err[l], float(p.error[other].min()))
+        least_a -= p.shared_credit
+        self.state_bytes = {  # per state, its per-layer bytes in ascending order, as prefix sums
+            "u": np.concatenate([[0.0], np.cumsum(np.sort(sixteen + p.unmodified_extra + unmod_cal - p.shared_credit))]),
+            "c": np.concatenate([[0.0], np.cumsum(np.sort(p.checkpoint_memory + ckpt_cal))]),
+            "a": np.concatenate([[0.0], np.cumsum(np.sort(least_a))]),
+        }
+        least_err[~np.isfinite(least_err)] = 0.0
+        self.least_error = np.concatenate([[0.0], np.cumsum(np.sort(least_err))])
+
+    def _bound_fails(self, budget: float, n_u: Optional[int], n_c: int, error_cap: Optional[float]) -> bool:
+        """True when no choice with these counts can meet the budget or the error cap (step 1 of the docstring)."""
+        if n_u is None:  # u free: only the checkpointed layers' count is known
+            return False
+        L = self.m.L
+        n_a = L - n_u - n_c
+        b = self.state_bytes
+        least = float(self.m.p.static_bytes[0]) + b["u"][n_u] + b["c"][n_c] + b["a"][n_a] \
+            + (float(self.m.p.laaq_transient()[0]) if n_a > 0 else 0.0)
+        if least > budget * (1 + RELATIVE) + 1.0:
+            return True
+        return error_cap is not None and self.least_error[n_a] > error_cap * (1 + RELATIVE) + 1e-15
+
+    def _count_rows(self, n_u: Optional[int], n_c: int) -> LinearConstraint:
+        m = self.m
+        rows = np.zeros((2, m.nv))
+        rows[0, m.c0:m.c0 + m.L] = 1.0
+        lo = [n_c, -np.inf]
+        hi = [n_c, np.inf]
+        if n_u is not None:
+            rows[1, m.u0:m.u0 + m.L] = 1.0
+            lo[1] = hi[1] = n_u
+        return LinearConstraint(rows, lo, hi)
+
+    def relaxed(self, budgets: np.ndarray, error_cap: Optional[float]) -> Optional[float]:
+        """A lower bound on the fastest step, with no solve: the first level that passes the bound of step 1 (None:
+        no level does, so no choice fits). Weaker than the levels' linear relaxations, and free."""
+        for seconds, n_u, n_c in self.levels:
+            if not self._bound_fails(float(budgets[0]), n_u, n_c, error_cap):
+                return seconds
+        return None
+
+    def fastest(self, budgets: np.ndarray, error_cap: Optional[float],
+                time_limit: Optional[float]) -> Optional[OptimizeResult]:
+        """The exact fastest choice (scipy's OptimizeResult, status 0; x None and status 2 when nothing fits), or
+        None when `time_limit` seconds ran out before a level was settled (the caller then solves the whole MILP)."""
+        from agoq.search.milp_model import milp
+
+        m = self.m
+        start = time.perf_counter()
+        cons = m.constraints(budgets, None, error_cap)
+        found, found_seconds = None, None
+        for seconds, n_u, n_c in self.levels:
+            if found is not None and seconds > found_seconds + abs(found_seconds) * RELATIVE:
+                break  # every level of the fastest time is checked, so the second objective sees all its ties
+            if self._bound_fails(float(budgets[0]), n_u, n_c, error_cap):
+                continue
+            counts = self._count_rows(n_u, n_c)
+            relaxed = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.zeros(m.nv), bounds=m.bounds)
+            if relaxed.status == 2:
+                continue
+            left = None if time_limit is None else time_limit - (time.perf_counter() - start)
+            if left is not None and left <= 0:
+                return None
+            res = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.ones(m.nv), bounds=m.bounds,
+                       options={} if left is None else {"time_limit": left})
+            if res.x is not None:
+                if found is None:
+                    found, found_seconds = res, seconds
+                continue
+            if res.status != 2:  # stopped by the time limit (or HiGHS gave up) before settling this level
+                return None
+        if found is None:
+            return OptimizeResult(x=None, status=2, success=False, fun=None, mip_gap=None,
+                                  message="no choice fits the budget and the caps (every step-time level checked)")
+        found.status, found.success, found.mip_gap = 0, True, 0.0
+        found.message = "optimal: the fastest step-time level that some choice meets"
+        return found
+
+
+__all__ = ["Levels", "count_priced", "levels"]
