@@ -37,7 +37,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -292,12 +291,10 @@ class Model:
         if key in self._first:  # solved already (first objective alone, then again with its ties broken)
             return self._first[key]
         if objective == "time" and time_cap is None and self.levels is not None:
-            start = time.perf_counter()
             res = self.levels.fastest(budgets, error_cap, time_limit)
-            if res is None:  # the time limit came first: the whole MILP, for the time left, keeps its best found
-                time_limit = max(time_limit - (time.perf_counter() - start), 0.05) if time_limit else time_limit
-            else:
+            if res is not None:
                 return self._keep_first(key, res)
+            # the time limit came before a level was settled: the whole MILP, for as long again, keeps its best found
         primary, _ = self.rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
         options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
