@@ -6,15 +6,26 @@ SwiGLU kernels beside their references) that save what the policy says; `checkpo
 layers; `saved_bytes` measures what autograd really keeps.
 """
 
-from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
-from agoq.activations.policy import (
-           KINDS,
-           ActivationPolicy,
-           preset,
-           stage_aware_policy,
-           stage_bits,
-)
-from agoq.activations.saved_bytes import track_saved_tensors
+import importlib
 
-__all__ = ["apply_activation_policy", "remove_activation_policy", "ActivationPolicy", "KINDS", "preset",
-           "stage_aware_policy", "stage_bits", "track_saved_tensors"]
+_HOMES = {  # public name -> the module that defines it
+    "apply_activation_policy": "agoq.activations.laaq", "remove_activation_policy": "agoq.activations.laaq",
+    "KINDS": "agoq.activations.policy", "ActivationPolicy": "agoq.activations.policy",
+    "preset": "agoq.activations.policy", "stage_aware_policy": "agoq.activations.policy",
+    "stage_bits": "agoq.activations.policy", "track_saved_tensors": "agoq.activations.saved_bytes",
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):  # PEP 562: a public name loads its home module on first use, so that importing a
+    home = _HOMES.get(name)  # light submodule (e.g. agoq.activations.policy) does not load the kernels
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -23,7 +23,7 @@ from agoq.activations.rmsnorm import rms_norm, rms_norm_backward
 from agoq.activations.saved_bytes import find_decoder_layers, label, scope
 from agoq.activations.swiglu import swiglu, swiglu_backward
 from agoq.quant.qtensor import QTensor
-from agoq.quant.quantize import dequantize, quantize_unchecked
+from agoq.quant.codec import dequantize, quantize_unchecked
 
 
 @dataclass(frozen=True)

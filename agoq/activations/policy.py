@@ -20,7 +20,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import Union
 
 from agoq.quant.layout import MAX_BITS, MIN_BITS
-from agoq.quant.quantize import check_arguments
+from agoq.quant.layout import check_arguments
 
 KINDS = ("norm_input", "qkv_input", "attention", "o_proj_input", "ffn1_input", "silu_input", "ffn2_input")
 RECOMPUTABLE = {"qkv_input": "norm_input", "ffn1_input": "norm_input", "ffn2_input": "silu_input"}

@@ -22,7 +22,7 @@ from agoq.comm.quantized_allreduce import (
 )
 from agoq.quant.layout import int_qmax, num_blocks
 from agoq.quant.qtensor import QTensor
-from agoq.quant.quantize import dequantize, quantize
+from agoq.quant.codec import dequantize, quantize
 
 _ZERO_CODE = int_qmax(8)
 

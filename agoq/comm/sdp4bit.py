@@ -25,7 +25,8 @@ import torch.distributed as dist
 from agoq.comm import lanes as _lanes
 from agoq.comm.hadamard import hadamard32, inverse_hadamard32
 from agoq.quant.qtensor import QTensor
-from agoq.quant.quantize import check_arguments, quantize
+from agoq.quant.layout import check_arguments
+from agoq.quant.codec import quantize
 
 GRAD_GROUP = 128  # values per gradient quantization group; shards are made of whole groups
 INTRA_BITS = 8  # gradient bits inside a node (levels -127..127)

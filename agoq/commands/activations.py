@@ -19,10 +19,7 @@ import torch
 from agoq.activations.policy import as_policy
 from agoq.commands.arguments import positive_int
 from agoq.files import check_output_file, read_json_object, write_atomic
-from agoq.models import build
-from agoq.profiler import compare_policies
 from agoq.progress import progress_bar
-from agoq.profiler.model_source import check_layers
 from agoq.units import dtype_from_name, format_bytes
 
 HELP = "compare activation policies on a model: bytes kept for backward, gradient error, step time"
@@ -49,6 +46,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from agoq.models import build  # the model and the profiler's kernels load when the command runs, not with --help
+    from agoq.profiler import compare_policies
+    from agoq.profiler.model_source import check_layers
+
     check_layers(args.model, args.layers)
     if args.out:
         check_output_file(args.out, "--out")

@@ -44,7 +44,7 @@ from agoq.activations.policy import (
 )
 from agoq.files import read_json_object
 from agoq.layout import GRADIENT_MODES
-from agoq.quant.quantize import check_arguments
+from agoq.quant.layout import check_arguments
 
 SCHEMA = "agoq.plan/1.3"
 SCHEMA_KIND = "agoq.plan"

@@ -15,7 +15,7 @@ import torch
 from agoq.activations.rmsnorm import rms_norm
 from agoq.activations.swiglu import swiglu
 from agoq.profiler.options import Option
-from agoq.quant.quantize import dequantize, quantize
+from agoq.quant.codec import dequantize, quantize
 
 
 def median_seconds(fn, device: torch.device, repeats: int = 5, warmup: int | None = None, before=None) -> float:

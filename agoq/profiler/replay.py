@@ -31,7 +31,7 @@ from agoq.activations.laaq import (
 from agoq.activations.policy import KEEP, ActivationPolicy
 from agoq.activations.saved_bytes import find_decoder_layers
 from agoq.profiler.model_source import next_token_loss
-from agoq.quant.quantize import dequantize, quantize
+from agoq.quant.codec import dequantize, quantize
 
 REPLAYABLE = ("norm_input", "qkv_input", "o_proj_input", "ffn1_input", "silu_input", "ffn2_input")
 

@@ -23,7 +23,7 @@ from agoq.activations.laaq import (
 from agoq.activations.saved_bytes import find_decoder_layers
 from agoq.profiler.model_source import next_token_loss
 from agoq.profiler.options import Option
-from agoq.quant.quantize import dequantize, quantize
+from agoq.quant.codec import dequantize, quantize
 
 
 def squared_error(x: torch.Tensor, option: Option, block: int, x64: torch.Tensor | None = None) -> float:

@@ -6,8 +6,24 @@ kernels (`quantize_kernel`, `dequantize_kernel`, launched by `block_triton`), CP
 torch reference they are tested against bit for bit (`reference`). A new bit format goes here.
 """
 
-from agoq.quant.layout import quantized_nbytes
-from agoq.quant.qtensor import QTensor
-from agoq.quant.quantize import dequantize, quantize
+import importlib
 
-__all__ = ["QTensor", "quantize", "dequantize", "quantized_nbytes"]
+_HOMES = {  # public name -> the module that defines it
+    "QTensor": "agoq.quant.qtensor", "quantize": "agoq.quant.codec", "dequantize": "agoq.quant.codec",
+    "quantized_nbytes": "agoq.quant.layout",
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):  # PEP 562: a public name loads its home module on first use, so that importing a
+    home = _HOMES.get(name)  # light submodule (e.g. agoq.quant.layout) does not load the kernels
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -64,7 +64,7 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
         """Restore a tensor of the original shape and strides in `dtype` (default: the source dtype).
 
-        `backend` as `agoq.quant.quantize`'s: "auto" (the torch operator), "triton" or "torch"."""
+        `backend` as `agoq.quant.codec`'s: "auto" (the torch operator), "triton" or "torch"."""
         dtype = self.dtype if dtype is None else dtype
         flat = operators.dequantize_flat(self.data, self.scales, self.bits, self.block, self.numel, self.format,
                                          dtype, backend)

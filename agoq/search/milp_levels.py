@@ -20,8 +20,10 @@ for seconds without proving its optimum. Visiting the levels fastest first, with
   2. the linear relaxation with the counts fixed (milliseconds);
   3. the MILP with the counts fixed and no objective: the first choice that fits settles the level.
 
-Every level of the fastest feasible time is solved, so ties are left to the second objective (the error, then
-fewest changed tensors), as with the whole MILP. When laaq_layer_seconds is 0 and u_l is not needed exactly, the
+Answers at other budgets (same cap) are kept: levels faster than the answer at a larger budget are skipped (a
+smaller budget never allows more), and the answer at a smaller budget fits, so no level as slow as it needs a solve.
+Ties, other levels of the fastest time, are left to the second objective (the error, then fewest changed
+tensors), which asks for the time and not the counts, as with the whole MILP. When laaq_layer_seconds is 0 and u_l is not needed exactly, the
 levels are the counts of checkpointed layers alone.
 """
 
@@ -89,6 +91,15 @@ class Levels:
         }
         least_err[~np.isfinite(least_err)] = 0.0
         self.least_error = np.concatenate([[0.0], np.cumsum(np.sort(least_err))])
+        self.settled: dict = {}  # error cap -> [(budget, fastest seconds, its choice)] answered so far
+
+    def _known(self, budget: float, error_cap: Optional[float]) -> tuple[float, Optional[tuple]]:
+        """From the answers at other budgets (same cap): the fastest seconds at a budget at least as large (no
+        faster level fits a smaller budget), and the fastest answer at a budget no larger (it fits this one too)."""
+        done = self.settled.get(error_cap, ())
+        floor = max((t for b, t, _ in done if b >= budget), default=-np.inf)
+        fits = min(((t, x) for b, t, x in done if b <= budget), key=lambda tx: tx[0], default=None)
+        return floor, fits
 
     def _bound_fails(self, budget: float, n_u: Optional[int], n_c: int, error_cap: Optional[float]) -> bool:
         """True when no choice with these counts can meet the budget or the error cap (step 1 of the docstring)."""
@@ -132,9 +143,13 @@ class Levels:
         start = time.perf_counter()
         cons = m.constraints(budgets, None, error_cap)
         found, found_seconds = None, None
+        floor, fits = self._known(float(budgets[0]), error_cap)
         for seconds, n_u, n_c in self.levels:
-            if found is not None and seconds > found_seconds + abs(found_seconds) * RELATIVE:
-                break  # every level of the fastest time is checked, so the second objective sees all its ties
+            if seconds < floor - abs(floor) * RELATIVE:
+                continue
+            if fits is not None and seconds >= fits[0] - abs(fits[0]) * RELATIVE:
+                found, found_seconds = OptimizeResult(x=fits[1].copy()), fits[0]  # no faster level fits: it is the answer
+                break
             if self._bound_fails(float(budgets[0]), n_u, n_c, error_cap):
                 continue
             counts = self._count_rows(n_u, n_c)
@@ -146,16 +161,16 @@ class Levels:
                 return None
             res = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.ones(m.nv), bounds=m.bounds,
                        options={} if left is None else {"time_limit": left})
-            if res.x is not None:
-                if found is None:
-                    found, found_seconds = res, seconds
-                continue
+            if res.x is not None:  # the fastest level; its ties, other levels of the same time, are the second
+                found, found_seconds = res, seconds  # objective's to weigh (it asks for the time, not the counts)
+                break
             if res.status != 2:  # stopped by the time limit (or HiGHS gave up) before settling this level
                 return None
         if found is None:
             return OptimizeResult(x=None, status=2, success=False, fun=None, mip_gap=None,
                                   message="no choice fits the budget and the caps (every step-time level checked)")
         found.status, found.success, found.mip_gap = 0, True, 0.0
+        self.settled.setdefault(error_cap, []).append((float(budgets[0]), found_seconds, np.round(found.x)))
         found.message = "optimal: the fastest step-time level that some choice meets"
         return found
 

@@ -69,7 +69,8 @@ def memory_error_front(problem: ChoiceProblem, count: int = 20, objective: str =
     non-dominated points (memory, error, time), smallest memory first."""
     solver = solver or Solver(problem)
     low, high = budget_range(solver, objective, time_cap, error_cap, FRONT_SECONDS)
-    budgets = np.unique(np.linspace(low, high, count).round()) if count > 1 else np.array([high])
+    # largest first: a solver that keeps its answers skips, at a smaller budget, what did not fit a larger one
+    budgets = np.unique(np.linspace(low, high, count).round())[::-1] if count > 1 else np.array([high])
     points = []
     iterator = budgets
     if progress:

@@ -313,7 +313,7 @@ def test_settings_are_checked_where_they_are_read_only(monkeypatch):
     from agoq.activations.laaq import apply_activation_policy, observe_kept_tensors
     from agoq.models import build, fingerprint
 
-    quantize_module = importlib.import_module("agoq.quant.quantize")  # agoq.quant.quantize is also the function
+    quantize_module = importlib.import_module("agoq.quant.codec")
     seed, rng = fresh_rng()
     calls = {}
 

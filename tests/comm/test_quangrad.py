@@ -152,7 +152,7 @@ def test_fused_accumulate_kernel_matches_reference(block):
     bytes: Gaussian, zero, subnormal-scale and non-finite blocks, a gradient ending mid-block."""
     from agoq.comm.quangrad import accumulate_reference
     from agoq.comm.quangrad_triton import accumulate_triton
-    from agoq.quant.quantize import quantize
+    from agoq.quant.codec import quantize
 
     nb = 13
     n = nb * block - block // 2 - 3

@@ -133,7 +133,7 @@ def test_wire_rows_round_trip_matches_reference(dtype):
         row_bytes,
         split_row,
     )
-    from agoq.quant.quantize import dequantize, quantize
+    from agoq.quant.codec import dequantize, quantize
 
     block, per = 32, 7
     n = per * block - 45  # the last two blocks are partly / wholly padding

@@ -78,11 +78,11 @@ def test_folder_outputs_are_checked_before_any_work(bad_folder, monkeypatch, cap
 
 @pytest.mark.parametrize("bad_folder", BAD_FOLDERS, indirect=True)
 def test_file_outputs_are_checked_before_any_work(bad_folder, monkeypatch, capsys, tmp_path):
-    from agoq.commands import activations
+    import agoq.models
 
     folder, said = bad_folder
     path = folder / "out.json"
-    monkeypatch.setattr(activations, "build", _no_work)
+    monkeypatch.setattr(agoq.models, "build", _no_work)  # `agoq activations` builds its model from there
     missing = tmp_path / "no-profile-here"  # read only after --out is checked
     for argv in (["search", "--profile", str(missing), "--budget", "1GiB"], ["activations", "--quiet"], ["policy"]):
         _refused(capsys, [*argv, "--out", str(path)], path, said)

@@ -8,7 +8,7 @@ import torch
 import agoq
 from agoq.quant.codebook import nf4_levels
 from agoq.quant.qtensor import int_qmax, packed_nbytes, quantized_nbytes
-from agoq.quant.quantize import dequantize, quantize
+from agoq.quant.codec import dequantize, quantize
 from tests.backends import BACKENDS, DEVICE, needs_triton
 
 ALL_BITS = list(range(2, 9))

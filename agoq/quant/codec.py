@@ -10,28 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from agoq.quant.layout import MAX_BITS, MAX_BLOCK, MIN_BITS, MIN_BLOCK
+from agoq.quant.layout import FORMATS, ROUNDINGS, check_arguments  # noqa: F401  (the settings quantize takes)
 from agoq.quant.operators import quantize_flat
 from agoq.quant.qtensor import QTensor
-
-FORMATS = ("int", "nf4")
-ROUNDINGS = ("nearest", "stochastic")
-
-
-def check_arguments(bits: int, block: int, rounding: str, fmt: str) -> None:
-    """Raise ValueError with a clear message if a quantization setting is outside what is supported."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
-        raise ValueError(f"bits must be an integer from {MIN_BITS} to {MAX_BITS}, got {bits!r} "
-                         "(use 16, i.e. no quantization, by not calling quantize)")
-    if isinstance(block, bool) or not isinstance(block, int) or not MIN_BLOCK <= block <= MAX_BLOCK \
-            or block & (block - 1):
-        raise ValueError(f"block must be a power of two from {MIN_BLOCK} to {MAX_BLOCK}, got {block!r}")
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    if fmt == "nf4" and bits != 4:
-        raise ValueError(f"format 'nf4' is a 4-bit codebook: bits must be 4, got {bits}")
 
 
 def _flatten_dense(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
