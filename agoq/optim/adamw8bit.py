@@ -28,7 +28,8 @@ from typing import Iterable
 import torch
 
 from agoq.comm.quangrad import QuantizedGradients
-from agoq.optim.fused_adamw import adamw8bit_step, dequantize_blocks, quantize_blocks, sr_seed, stochastic_round_bf16
+from agoq.optim.fused_adamw import (adamw8bit_step, dequantize_blocks, quantize_blocks, sr_seed, stochastic_round_bf16,
+                                    zero_blocks)
 
 __all__ = ["AdamW8bit", "FusedAdamW8bit", "quantize_blocks", "dequantize_blocks"]
 
@@ -59,9 +60,8 @@ class AdamW8bit(torch.optim.Optimizer):
         state = self.state[p]
         state["step"] = 0
         if p.numel() >= self.min_8bit_numel:
-            zeros = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-            state["exp_avg_codes"], state["exp_avg_scales"] = quantize_blocks(zeros, self.block)
-            state["exp_avg_sqrt_codes"], state["exp_avg_sqrt_scales"] = quantize_blocks(zeros, self.block)
+            state["exp_avg_codes"], state["exp_avg_scales"] = zero_blocks(p.numel(), self.block, p.device)
+            state["exp_avg_sqrt_codes"], state["exp_avg_sqrt_scales"] = zero_blocks(p.numel(), self.block, p.device)
         else:
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
@@ -198,7 +198,7 @@ class FusedAdamW8bit(AdamW8bit):
     def _init_state(self, p: torch.Tensor) -> dict:
         state = super()._init_state(p)
         if self.masters and p.dtype != torch.float32:
-            state["master"] = p.detach().float().clone()
+            state["master"] = p.detach().to(torch.float32, copy=True)  # one float32 copy, no second one in passing
         return state
 
     @torch.no_grad()

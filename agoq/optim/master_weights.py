@@ -24,7 +24,7 @@ class MasterWeights:
         if all(p.dtype == torch.float32 for p in self.params):
             self.masters = None
         else:
-            self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+            self.masters = [p.detach().to(torch.float32, copy=True).requires_grad_(True) for p in self.params]
 
     @property
     def targets(self) -> list[torch.Tensor]:

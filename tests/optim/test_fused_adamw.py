@@ -10,7 +10,7 @@ import torch
 
 from agoq.comm.quangrad import QuantizedGradients
 from agoq.optim.adamw8bit import FusedAdamW8bit
-from agoq.optim.fused_adamw import adamw8bit_step, dequantize_blocks, grad_norm_sq, quantize_blocks, sr_seed
+from agoq.optim.fused_adamw import adamw8bit_step, dequantize_blocks, grad_norm_sq, quantize_blocks, sr_seed, zero_blocks
 
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel compiled on a GPU, interpreted on the CPU
@@ -289,3 +289,17 @@ def test_fused_optimizer_follows_float64_adamw_over_steps():
     got = opt.state[p]["master"].double() - w0.float().double()
     rel = ((got - (ref.detach() - w0)).norm() / (ref.detach() - w0).norm()).item()
     assert rel < 0.07, f"seed {seed}: {rel:.4f}"
+
+
+def test_fresh_moments_are_what_quantizing_zeros_stores():
+    """zero_blocks builds a fresh 8-bit moment without a float32 temporary: the same bytes and scales as
+    quantize_blocks of float32 zeros (the reference), at sizes that are not multiples of the block."""
+    rng = random.Random(random.getrandbits(32))
+    for _ in range(6):
+        block = rng.choice([32, 128, 256])
+        n = rng.randint(1, 5000) * rng.choice([1, 7, 13]) + rng.randint(0, block - 1)
+        codes, scales = zero_blocks(n, block, "cpu")
+        ref_codes, ref_scales = quantize_blocks(torch.zeros(n), block)
+        assert codes.dtype == ref_codes.dtype and scales.dtype == ref_scales.dtype
+        assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales), (n, block)
+        assert torch.equal(dequantize_blocks(codes, scales, n), torch.zeros(n))
