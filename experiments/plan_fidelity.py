@@ -9,7 +9,8 @@ same steps on tinyshakespeare (bytes, 90/10 split), as a user runs them:
 
 The same seed, data order, learning-rate schedule and evaluation for all; runs at the same time on one GPU
 (--concurrent; their losses are unaffected, their step times not comparable). Goal: each plan's final validation
-loss within 1 % of bf16's.
+loss within 1 % of bf16's. Two references beside them (--no-references leaves them out): bf16 with the plans'
+8-bit AdamW (the optimizer's share of a difference) and bf16 with seed 1 (how far bf16 lands from itself).
 
 GPU (one H200, about 6 minutes): python experiments/plan_fidelity.py --data TEXT --concurrent
 CPU check: python experiments/plan_fidelity.py --tiny
@@ -65,9 +66,11 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=16)
-    ap.add_argument("--concurrent", action="store_true", help="train the three runs at the same time")
+    ap.add_argument("--concurrent", action="store_true", help="train the runs at the same time")
     ap.add_argument("--out", default="/tmp/agoq-plan-fidelity", help="folder for profile, plans and runs")
     ap.add_argument("--tiny", action="store_true", help="CPU check: llama-tiny, 30 steps, sequences of 64")
+    ap.add_argument("--references", action=argparse.BooleanOptionalAction, default=True,
+                    help="also train bf16 with the plans' 8-bit AdamW and bf16 with seed 1 (the baseline's spread)")
     args = ap.parse_args()
     model, device, name = str(BYTE_MODEL), [], "plan_fidelity"
     if args.tiny:
@@ -94,7 +97,11 @@ def main() -> None:
                                                      ("half of bf16's peak", max(int(least * 1.01), bf16_peak // 2)))}
     common = [model, "--data", data, "--steps", str(args.steps), "--eval-every", str(args.eval_every),
               "--eval-batches", str(args.eval_batches), "--checkpoint-every", "0", "--seed", "0", "--quiet", *device]
-    runs = {"bf16": common + ["--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch)]}
+    plain = common + ["--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch)]
+    runs = {"bf16": plain}
+    if args.references:  # what the 1 % is measured against: the baseline's own spread, and the optimizer's share
+        runs["bf16-adamw8bit"] = plain + ["--optimizer", "adamw8bit"]
+        runs["bf16-seed1"] = [a if i == 0 or plain[i - 1] != "--seed" else "1" for i, a in enumerate(plain)]
     plans = {}
     for label, budget in budgets.items():
         path = out / f"plan-{label.split()[0]}.json"
@@ -132,6 +139,11 @@ def main() -> None:
         figures["plans"][label]["val_loss_vs_bf16"] = final / base - 1
         figures["plans"][label]["met"] = abs(final / base - 1) <= GOAL
         print(f"{label}: val loss {final:.4f} vs bf16 {base:.4f} ({final / base - 1:+.2%})", flush=True)
+    for label in ("bf16-adamw8bit", "bf16-seed1"):
+        if label in results:
+            final = results[label]["final_val_loss"]
+            figures[f"{label}_val_loss_vs_bf16"] = final / base - 1
+            print(f"{label}: val loss {final:.4f} vs bf16 {base:.4f} ({final / base - 1:+.2%})", flush=True)
     print("wrote", write_result(name, figures))
 
 
