@@ -202,6 +202,11 @@ def run(args: argparse.Namespace) -> int:
         for setting in lp.kinds.values():
             counts[str(setting)] = counts.get(str(setting), 0) + 1
     print("  choices: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    if pred.compile_graphs:
+        cost = f", about {pred.compile_seconds:.0f} s before the first step in a fresh process" \
+            if pred.compile_seconds is not None else ""
+        print(f"  compiles {pred.compile_graphs} layer graph{'s' if pred.compile_graphs > 1 else ''}{cost} (the "
+              "profile's first compiled steps; less with Inductor's cache warm)")
     d = plan.decision
     if d is not None:
         k = d.knobs

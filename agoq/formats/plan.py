@@ -233,6 +233,8 @@ class Predicted(_Part):
     memory_per_stage: list[StageMemory] = Field(default_factory=list)
     step_seconds: Optional[float] = Field(default=None, ge=0)
     grad_error: Optional[float] = Field(default=None, ge=0)
+    compile_graphs: Optional[int] = Field(default=None, ge=0)      # layer graphs torch.compile builds (0: eager)
+    compile_seconds: Optional[float] = Field(default=None, ge=0)   # compiling them in a fresh process, once per run
 
     @field_validator("peak_bytes_per_stage", "activation_bytes_per_stage")
     @classmethod

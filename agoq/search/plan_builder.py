@@ -13,6 +13,7 @@ from agoq.layout import DDP, FSDP, NONE, PIPELINE, SHARDED, launch_line
 from agoq.search.costs import ChoiceProblem, ProblemSettings, profile_compile_mode, resolve_optimizer
 from agoq.search.layouts import resolve_layout
 from agoq.search.milp import Allocation
+from agoq.search.timing import prices
 
 
 def now() -> str:
@@ -38,11 +39,38 @@ def launch_for(stages: int, gradient_mode: str, world_size: int, layout: Optiona
             "command": launch_line(parallel, processes, gradient_mode)}
 
 
-def plan_of_alternative(plan: Plan, why: str) -> Plan:
+def compile_cost(profile: ProfileData, layers: list[dict], compile_mode: str) -> tuple[int, Optional[float]]:
+    """(layer graphs a compiled plan compiles, about the seconds a fresh process spends compiling them; None where
+    the profile measured no first step of a kind it needs). One graph per distinct layer setting: unmodified,
+    checkpointed, or each setting under LAAQ. Priced by agoq.search.timing.StepPrices.compile_seconds: the bf16
+    step's price once (the first graph of a process, which also starts Inductor), each setting under LAAQ at the
+    agoq-paper step's and the checkpointed graph at the checkpoint-all step's. On the probe (H200) the first step of
+    a fresh process took 1.15x to 1.7x this with a cold Inductor cache, 0.35x with a warm one. Eager plans compile
+    nothing."""
+    if compile_mode != "compiled":
+        return 0, 0.0
+    laaq, checkpointed, unmodified = set(), False, False
+    for lp in layers:
+        kinds = {k: v for k, v in (lp.get("kinds") or {}).items() if v != 16}
+        if lp.get("checkpoint"):
+            checkpointed = True
+        elif kinds:
+            laaq.add(tuple(sorted(kinds.items(), key=str)))
+        else:
+            unmodified = True
+    sp = prices(profile)
+    parts = [sp.compile_seconds("bf16")] + [sp.compile_seconds("agoq-paper")] * len(laaq) \
+        + ([sp.compile_seconds("checkpoint-all")] if checkpointed else [])
+    seconds = None if any(v is None for v in parts) else float(sum(parts))
+    return int(unmodified) + len(laaq) + int(checkpointed), seconds
+
+
+def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
     """`plan` rewritten as its best alternative (`plan.alternative`: what a user runs without agoq, as the search
     priced it): every kind at 16, the alternative's checkpointed layers, optimizer and masters, batch split,
-    compile mode and torch.compile memory budget, bf16 gradients, its predicted figures; `why` goes into the
-    decision. The alternatives list stays, and `alternative` becomes the agoq plan it replaced."""
+    compile mode and torch.compile memory budget, bf16 gradients, its predicted figures (its compile cost from
+    `profile`); `why` goes into the decision. The alternatives list stays, and `alternative` becomes the agoq plan
+    it replaced."""
     alt = plan.alternative
     data = plan.to_dict()
     replaced = {"name": "agoq: " + ", ".join(f"{k} {v}" for k, v in (data.get("decision") or {}).get("knobs", {}).items()),
@@ -65,6 +93,8 @@ def plan_of_alternative(plan: Plan, why: str) -> Plan:
                       if getattr(alt.predicted, "memory_per_stage", None) else {}),
                    "step_seconds": alt.predicted.step_seconds, "grad_error": 0.0},
         alternative=replaced)
+    data["predicted"]["compile_graphs"], data["predicted"]["compile_seconds"] = compile_cost(
+        profile, data["layers"], alt.compile)
     data["launch"] = launch_for(1, "bf16", int((data.get("launch") or {}).get("processes") or 1))
     decision = dict(data.get("decision") or {})
     decision.update(reason=why, agoq=False, tokens_per_second=alt.predicted.tokens_per_second,
@@ -111,6 +141,8 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
         "measured": None,
         "source": {"method": method, "objective": objective, "profile": str(profile.path), "date": now()},
     }
+    data["predicted"]["compile_graphs"], data["predicted"]["compile_seconds"] = compile_cost(
+        profile, layers, data["training"]["compile"])
     floors = {k: b for k, b in knobs.floor_bits if b > 2}
     if floors:
         data["source"]["floor_bits"] = floors

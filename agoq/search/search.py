@@ -93,7 +93,7 @@ def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, erro
         attach_alternatives(plan, profile, budget, found)
         # an alternative stores bf16 gradients: where the request rules them out, it cannot be the plan
         if objective == "time" and (space.gradient_modes is None or "bf16" in space.gradient_modes):
-            plan = unless_an_alternative_is_as_fast(plan)
+            plan = unless_an_alternative_is_as_fast(plan, profile)
     return plan, found
 
 
@@ -102,7 +102,7 @@ def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, erro
 FASTER_BY = 0.02
 
 
-def unless_an_alternative_is_as_fast(plan: Plan) -> Plan:
+def unless_an_alternative_is_as_fast(plan: Plan, profile: ProfileData) -> Plan:
     """`plan`, or its best alternative as a plan with no agoq in it (plan_builder.plan_of_alternative) where the
     search cannot show that `plan` is faster: predicted less than FASTER_BY faster than the alternative."""
     alt = plan.alternative
@@ -117,7 +117,7 @@ def unless_an_alternative_is_as_fast(plan: Plan) -> Plan:
     return plan_of_alternative(plan, f"no agoq: {alt.name} (what a user runs without agoq) is predicted at "
                                      f"{alt.predicted.tokens_per_second:,.0f} tokens/s, the best plan with agoq at "
                                      f"{plan.decision.tokens_per_second:,.0f} ({alt.speedup_predicted:.3f}x), less "
-                                     f"than {FASTER_BY:.0%} faster: the plan is that alternative")
+                                     f"than {FASTER_BY:.0%} faster: the plan is that alternative", profile)
 
 
 def record_decision(plan: Plan, profile: ProfileData, found: KnobSearch, objective: str,
@@ -282,7 +282,8 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
             outcome.plan = plan_of_alternative(
                 best.plan, f"no agoq: measured for {r.validate_steps} steps, {alt.name} ran "
                            f"{alt.measured.tokens_per_second:,.0f} tokens/s and the plan with agoq "
-                           f"{alt.speedup_measured * alt.measured.tokens_per_second:,.0f}: the plan is that alternative")
+                           f"{alt.speedup_measured * alt.measured.tokens_per_second:,.0f}: the plan is that alternative",
+                profile)
     return outcome
 
 

@@ -143,6 +143,17 @@ class StepPrices:
             return None
         return two - one, 2 * one - two
 
+    def compile_seconds(self, policy: str) -> Optional[float]:
+        """Seconds a fresh process spends compiling one layer graph of `policy` (bf16: unmodified layers,
+        agoq-paper: layers under LAAQ, checkpoint-all: checkpointed layers): the longest first compiled step the
+        profile measured of that policy, less that step's steady seconds. The profile measures its steps in one
+        process, so only the first of a kind compiles from nothing and the longest is that one; a process that finds
+        its graphs in Inductor's cache compiles faster. None when no such step was measured."""
+        spent = [float(r["first_step_seconds"]) - float(r["step_seconds"]) for r in self.rows
+                 if r["compile"] == "compiled" and r["policy"] == policy and r["activation_memory_budget"] is None
+                 and r.get("first_step_seconds") is not None]
+        return max(max(spent), 0.0) if spent else None
+
     def missing(self, compile_mode: str, micro_batch: int, grad_accum: int, gradients: str, optimizer: str,
                 master: str) -> Optional[str]:
         """Why these knobs cannot be priced (None: they can)."""
