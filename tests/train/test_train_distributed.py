@@ -18,8 +18,9 @@ EXACT_LOSS_RTOL = 1e-3
 # same weights, so it differs only by the communication; at step 1 the weights differ wherever quantization
 # flipped the sign of a small gradient (Adam's first update is ~ lr * sign). Relative differences from the
 # exact run's, measured over 8 seeds: exact modes <= 5e-6; 8-bit gradients 1.2e-4 to 2.5e-3; int4 gradients,
-# or 4-bit activations (the stage-aware policy's first stage) with 8-bit gradients, 5e-3 to 2e-2.
-QUANTIZED_NORM_DIFF = {8: (3e-5, 1e-2), 4: (1e-3, 5e-2)}
+# or 4-bit activations (the stage-aware policy's first stage) with 8-bit gradients, 5e-3 to 2e-2 (and 9.4e-4 for
+# the stage-aware run at one later seed, 685287141: its lower bound sits 60x above the exact modes', not at 1e-3).
+QUANTIZED_NORM_DIFF = {8: (3e-5, 1e-2), 4: (3e-4, 5e-2)}
 
 
 def _metrics(run_dir) -> list[dict]:
