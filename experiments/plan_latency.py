@@ -34,6 +34,22 @@ from experiments.record import write_result  # noqa: E402
 FRACTIONS = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0)  # of the way from the smallest to the largest budget
 
 
+def default_range(profile) -> tuple[int, int, float]:
+    """(the smallest budget the default search fits, under the recipe's error cap; the largest useful budget;
+    that error cap): the range the default objective plans over, bytes."""
+    from agoq.search import knobs as knob_search
+    from agoq.search.request import DEFAULT_ERROR_CAP, InfeasibleBudget
+    from agoq.search.search import _recipe_cap
+
+    least, largest = knob_search.budget_bounds(profile)  # the smallest with no caps
+    cap = _recipe_cap(profile, DEFAULT_ERROR_CAP, [])
+    try:  # the smallest under the recipe's error cap: where the range starts for the default objective
+        knob_search.solve_knobs(profile, least, error_cap=cap)
+    except InfeasibleBudget as e:
+        least = e.smallest_budget
+    return least, largest, cap
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="probe", help="model whose shapes the synthetic profile has (default probe)")
@@ -45,9 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     from agoq.formats.profile import load_profile
     from agoq.search import knobs as knob_search
-    from agoq.search.milp import InfeasibleBudget
-    from agoq.search.request import DEFAULT_ERROR_CAP
-    from agoq.search.search import _recipe_cap, search
+    from agoq.search.search import search
     from tests.search.synthetic_profile import write_profile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,12 +71,7 @@ def main() -> None:
             folder = write_profile(Path(tmp) / "profile", random.Random(7), model=args.model, micro_batch=2,
                                    seq_len=4096)
         profile = load_profile(folder)
-        least, largest = knob_search.budget_bounds(profile)  # the smallest with no caps
-        cap = _recipe_cap(profile, DEFAULT_ERROR_CAP, [])
-        try:  # the smallest under the recipe's error cap: where the range starts for the default objective
-            knob_search.solve_knobs(profile, least, error_cap=cap)
-        except InfeasibleBudget as e:
-            least = e.smallest_budget
+        least, largest, cap = default_range(profile)
         fixed = {"method": "milp", "front_budgets": 0, "validate": 0, "progress": False}
         rows = []
         for frac in FRACTIONS:

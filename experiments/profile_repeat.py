@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from experiments.plan_latency import default_range  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
 FRACTIONS = (0.0, 0.01, 0.03, 0.1, 0.3, 0.6, 1.0)  # of the way from the smallest to the largest budget
@@ -102,19 +103,12 @@ def main() -> None:
     ap.add_argument("--name", default="profile_repeat")
     args = ap.parse_args()
     from agoq.formats.profile import load_profile
-    from agoq.search import knobs as knob_search
-    from agoq.search.request import DEFAULT_ERROR_CAP, InfeasibleBudget
-    from agoq.search.search import _recipe_cap, search
+    from agoq.search.request import InfeasibleBudget
+    from agoq.search.search import search
 
     folders = {"a": Path(args.a), "b": Path(args.b)}
     profiles = {k: load_profile(f) for k, f in folders.items()}
-    first = profiles["a"]
-    least, largest = knob_search.budget_bounds(first)  # the smallest with no caps
-    cap = _recipe_cap(first, DEFAULT_ERROR_CAP, [])
-    try:  # the smallest under the recipe's error cap: where the range starts for the default objective
-        knob_search.solve_knobs(first, least, error_cap=cap)
-    except InfeasibleBudget as e:
-        least = e.smallest_budget
+    least, largest, cap = default_range(profiles["a"])  # the default search's range, as plan_latency plans over
     fixed = {"method": "milp", "front_budgets": 0, "validate": 0, "progress": False}
     rows = []
     for frac in FRACTIONS:
