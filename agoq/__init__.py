@@ -4,9 +4,8 @@ The names below load on first use (PEP 562), so `import agoq` and its light modu
 formats) do not import the kernels: `agoq.quantize` imports agoq.quant when it is first read.
 """
 
-import importlib
-
 from agoq.cpu_isa import avoid_amx
+from agoq.lazy import lazy_exports
 
 avoid_amx()  # before any bf16 CPU work: oneDNN's AMX kernels fault on some hosts (agoq.cpu_isa); reads no torch
 
@@ -26,15 +25,4 @@ _HOMES = {
 
 __all__ = [*_HOMES, "__version__"]
 
-
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'agoq' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # the next read finds it without this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

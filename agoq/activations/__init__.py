@@ -6,7 +6,7 @@ SwiGLU kernels beside their references) that save what the policy says; `checkpo
 layers; `saved_bytes` measures what autograd really keeps.
 """
 
-import importlib
+from agoq.lazy import lazy_exports
 
 _HOMES = {  # public name -> the module that defines it
     "apply_activation_policy": "agoq.activations.laaq", "remove_activation_policy": "agoq.activations.laaq",
@@ -17,15 +17,4 @@ _HOMES = {  # public name -> the module that defines it
 
 __all__ = list(_HOMES)
 
-
-def __getattr__(name: str):  # PEP 562: a public name loads its home module on first use, so that importing a
-    home = _HOMES.get(name)  # light submodule (e.g. agoq.activations.policy) does not load the kernels
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)  # each name loads its home on first use

@@ -7,7 +7,7 @@ all-gather; `fsdp_collectives` runs TLq-HS as PyTorch FSDP2's custom reduce-scat
 model with FSDP2 and it. A new collective goes here.
 """
 
-import importlib
+from agoq.lazy import lazy_exports
 
 _HOMES = {  # public name -> the module that defines it
     "QuantizedGradients": "agoq.comm.quangrad",
@@ -19,15 +19,4 @@ _HOMES = {  # public name -> the module that defines it
 
 __all__ = list(_HOMES)
 
-
-def __getattr__(name: str):  # PEP 562: a public name loads its home module on first use, so that importing a
-    home = _HOMES.get(name)  # light submodule (e.g. agoq.comm.lanes) does not load the kernels
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)  # each name loads its home on first use

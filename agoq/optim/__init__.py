@@ -1,7 +1,7 @@
 """Optimizer state: float32 master weights, AdamW with 8-bit moments, and SDP4Bit's sharded AdamW.
 A new optimizer goes here."""
 
-import importlib
+from agoq.lazy import lazy_exports
 
 _HOMES = {  # public name -> the module that defines it
     "AdamW8bit": "agoq.optim.adamw8bit",
@@ -13,15 +13,4 @@ _HOMES = {  # public name -> the module that defines it
 
 __all__ = list(_HOMES)
 
-
-def __getattr__(name: str):  # PEP 562: a public name loads its home module on first use, so that importing a
-    home = _HOMES.get(name)  # light submodule (e.g. agoq.optim.state_bytes) does not load the kernels
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)  # each name loads its home on first use

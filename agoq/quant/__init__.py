@@ -6,7 +6,7 @@ kernels (`quantize_kernel`, `dequantize_kernel`, launched by `block_triton`), CP
 torch reference they are tested against bit for bit (`reference`). A new bit format goes here.
 """
 
-import importlib
+from agoq.lazy import lazy_exports
 
 _HOMES = {  # public name -> the module that defines it
     "QTensor": "agoq.quant.qtensor", "quantize": "agoq.quant.codec", "dequantize": "agoq.quant.codec",
@@ -15,15 +15,4 @@ _HOMES = {  # public name -> the module that defines it
 
 __all__ = list(_HOMES)
 
-
-def __getattr__(name: str):  # PEP 562: a public name loads its home module on first use, so that importing a
-    home = _HOMES.get(name)  # light submodule (e.g. agoq.quant.layout) does not load the kernels
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)  # each name loads its home on first use

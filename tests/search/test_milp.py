@@ -183,6 +183,23 @@ def _one_setting_per_stage(p: ChoiceProblem, f_chosen, ckpt) -> bool:
     return all(len(settings) == 1 for settings in by_stage.values())
 
 
+def _one_setting_choices(p: ChoiceProblem) -> list[dict]:
+    """Brute force: the figures (ChoiceProblem.evaluate) of every choice that keeps one setting per stage."""
+    groups = p.groups()
+    per_layer = []
+    for l in range(p.num_layers):
+        mine = [idx for (gl, _), idx in sorted(groups.items()) if gl == l]
+        per_layer.append([(tuple(c), False) for c in itertools.product(*mine)]
+                         + ([((), True)] if p.allow_checkpoint else []))
+    allowed = []
+    for combo in itertools.product(*per_layer):
+        chosen = np.array([i for c, _ in combo for i in c], dtype=int)
+        ckpt = np.array([k for _, k in combo])
+        if _one_setting_per_stage(p, chosen, ckpt):
+            allowed.append(p.evaluate(chosen, ckpt))
+    return allowed
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_one_setting_per_stage_equals_brute_force(stages):
     """Compiled plans: the MILP under one LAAQ setting per stage finds brute force's optimum over the choices that
@@ -195,18 +212,7 @@ def test_one_setting_per_stage_equals_brute_force(stages):
         everything = []
         for _, f in brute_force(p):
             everything.append(f)
-        groups = p.groups()
-        per_layer = []
-        for l in range(p.num_layers):
-            mine = [idx for (gl, _), idx in sorted(groups.items()) if gl == l]
-            per_layer.append([(tuple(c), False) for c in itertools.product(*mine)]
-                             + ([((), True)] if p.allow_checkpoint else []))
-        allowed = []
-        for combo in itertools.product(*per_layer):
-            chosen = np.array([i for c, _ in combo for i in c], dtype=int)
-            ckpt = np.array([k for _, k in combo])
-            if _one_setting_per_stage(p, chosen, ckpt):
-                allowed.append(p.evaluate(chosen, ckpt))
+        allowed = _one_setting_choices(p)
         low = min(max(f["peak_bytes_per_stage"]) for f in allowed)
         high = max(max(f["peak_bytes_per_stage"]) for f in allowed)
         solver = Solver(p)
@@ -253,18 +259,7 @@ def test_count_priced_levels_equal_brute_force(one_setting):
         for _, f in brute_force(p):
             allowed.append(f)
         if one_setting:
-            allowed = []
-            groups = p.groups()
-            per_layer = []
-            for l in range(p.num_layers):
-                mine = [idx for (gl, _), idx in sorted(groups.items()) if gl == l]
-                per_layer.append([(tuple(c), False) for c in itertools.product(*mine)]
-                                 + ([((), True)] if p.allow_checkpoint else []))
-            for combo in itertools.product(*per_layer):
-                chosen = np.array([i for c, _ in combo for i in c], dtype=int)
-                ckpt = np.array([k for _, k in combo])
-                if _one_setting_per_stage(p, chosen, ckpt):
-                    allowed.append(p.evaluate(chosen, ckpt))
+            allowed = _one_setting_choices(p)
         low = min(max(f["peak_bytes_per_stage"]) for f in allowed)
         high = max(max(f["peak_bytes_per_stage"]) for f in allowed)
         errors = [f["grad_error"] for f in allowed]
