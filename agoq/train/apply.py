@@ -5,14 +5,15 @@ this order (each is a keyword-only `apply_*` function of its own):
 
   1. policy         what each decoder layer keeps for backward (LAAQ: bit widths, kept, recomputed kinds)
   2. checkpointing  the layers recomputed whole in backward; it wraps whatever forward step 1 left
-  3. offload        nothing yet: the place where keeping saved activations in host memory will go
-  4. compile        torch.compile each decoder layer on its own: it traces the forward steps 1-2 made
+  3. compile        torch.compile each decoder layer on its own: it traces the forward steps 1-2 made
+  4. offload        where the kept tensors live: chosen layers' saved tensors go to pinned host memory
+                    (agoq.activations.offload); it wraps each layer's call, compiled or not, from outside
   5. parallel       this rank's strategy (agoq.train.parallel): replicas, shards or a pipeline stage of the
                     model as transformed above, with the gradient storage
 
 The activation settings come from a plan (`Plan.activation_policy()`, `Plan.checkpoint_layers()`) or from the
 flags (--policy, --checkpoint-all); the rest from the run's settings (agoq.train.plan_settings). Steps 1-2 replace
-what was applied before (`remove_plan` undoes them); steps 4-5 are for a model that trains next.
+what was applied before (`remove_plan` undoes them); steps 3-5 are for a model that trains next.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from torch import nn
 from agoq.activations import checkpointing
 from agoq.activations.compile import compile_decoder_layers, mark_cudagraph_step
 from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
+from agoq.activations.offload import ActivationOffload, remove_offload
+from agoq.activations.offload import apply_offload as offload_layers
 from agoq.activations.policy import ActivationPolicy
 from agoq.layout import ParallelLayout
 from agoq.train.data import BatchShape
@@ -50,28 +53,36 @@ class ParallelSettings:
 @dataclass(frozen=True)
 class AppliedPlan:
     """What `apply_plan` made: the strategy that trains the model (None: no parallel step asked), and what the loop
-    calls before each training micro-batch (compile's; nothing when eager)."""
+    calls before each training micro-batch (compile's and offload's; nothing when neither applies), and the
+    offload (None: none)."""
 
     strategy: ParallelStrategy | None
     before_micro_batch: Callable[[], None]
+    offload: ActivationOffload | None = None
 
 
 def apply_plan(model: nn.Module, *, policy: ActivationPolicy | None = None, checkpoint: Sequence[int] = (),
-               compile_mode: str | None = None, memory_budget: float | None = None,
-               parallel: ParallelSettings | None = None) -> AppliedPlan:
+               compile_mode: str | None = None, memory_budget: float | None = None, offload: Sequence[int] = (),
+               host_budget_bytes: int | None = None, parallel: ParallelSettings | None = None) -> AppliedPlan:
     """Transform `model` as a run's plan says, in the module docstring's order: `policy` (None: every kind kept),
-    `checkpoint` (decoder layer indices), no offload, `compile_mode` (torch.compile's mode; None: eager), then
-    `parallel` (None: no strategy, e.g. to measure what a layer keeps)."""
+    `checkpoint` (decoder layer indices), `compile_mode` (torch.compile's mode; None: eager), `offload` (decoder
+    layer indices; `host_budget_bytes` caps their pinned memory), then `parallel` (None: no strategy, e.g. to
+    measure what a layer keeps)."""
     apply_policy(model, policy=policy)
     apply_checkpointing(model, layers=checkpoint)
-    apply_offload(model)
-    before_micro_batch = apply_compile(model, mode=compile_mode, memory_budget=memory_budget)
+    compiled_step = apply_compile(model, mode=compile_mode, memory_budget=memory_budget)
+    offloaded = apply_offload(model, layers=offload, host_budget_bytes=host_budget_bytes)
+    before_micro_batch = compiled_step
+    if offloaded is not None:
+        def before_micro_batch():
+            compiled_step()
+            offloaded.begin_micro_batch()
     strategy = None if parallel is None else apply_parallel(
         model, mode=parallel.layout.mode, world=parallel.world, device=parallel.device, gradients=parallel.gradients,
         dtype=parallel.dtype, micro_batch=parallel.shape.micro_batch, seq_len=parallel.shape.seq_len,
         grad_accum=parallel.shape.grad_accum, layer_stage=parallel.layer_stage, node_size=parallel.layout.node_size,
         optimizer=parallel.optimizer, master=parallel.master)
-    return AppliedPlan(strategy, before_micro_batch)
+    return AppliedPlan(strategy, before_micro_batch, offloaded)
 
 
 def apply_policy(model: nn.Module, *, policy: ActivationPolicy | None) -> None:
@@ -90,9 +101,12 @@ def apply_checkpointing(model: nn.Module, *, layers: Sequence[int]) -> None:
         checkpointing.apply_checkpointing(model, list(layers))
 
 
-def apply_offload(model: nn.Module) -> None:
-    """Step 3: host offload of the activations saved for backward goes here, between what a layer keeps (steps
-    1-2) and the compiled code that keeps it (step 4). No plan offloads yet: nothing changes."""
+def apply_offload(model: nn.Module, *, layers: Sequence[int],
+                  host_budget_bytes: int | None = None) -> ActivationOffload | None:
+    """Step 4: what decoder layers `layers` save for backward (what steps 1-2 chose to keep, as the code of step 3
+    keeps it) goes to pinned host memory, at most `host_budget_bytes` of it (None: no cap). Returns the offload
+    (None: no layer offloads; any offload applied before is undone)."""
+    return offload_layers(model, layers=layers, host_budget_bytes=host_budget_bytes)
 
 
 def _nothing() -> None:
@@ -100,7 +114,7 @@ def _nothing() -> None:
 
 
 def apply_compile(model: nn.Module, *, mode: str | None, memory_budget: float | None = None) -> Callable[[], None]:
-    """Step 4: torch.compile each decoder layer on its own in `mode` (None: eager, nothing changes), its partitioner
+    """Step 3: torch.compile each decoder layer on its own in `mode` (None: eager, nothing changes), its partitioner
     keeping about `memory_budget` of the activations (torch._functorch.config.activation_memory_budget, a setting
     of the process; None: 1, all it would keep). Returns what the loop calls before each training micro-batch:
     under CUDA graphs, that the last one's outputs are done with."""
@@ -114,7 +128,8 @@ def apply_compile(model: nn.Module, *, mode: str | None, memory_budget: float | 
 
 
 def remove_plan(model: nn.Module) -> None:
-    """Undo steps 1-2 of `apply_plan`: no activation policy, no checkpointing."""
+    """Undo steps 1-2 and 4 of `apply_plan`: no activation policy, no checkpointing, no offload."""
+    remove_offload(model)
     checkpointing.remove_checkpointing(model)
     remove_activation_policy(model)
 

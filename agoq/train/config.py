@@ -65,10 +65,16 @@ class MemoryConfig:
     policy: str | None = None
     gradients: str | None = None
     checkpoint_all: bool = False
+    offload: str | None = None  # decoder layers whose saved activations go to host memory (agoq.activations.offload)
+    host_budget: float | None = None  # GB of pinned host memory offload may use (None: no cap)
 
     def __post_init__(self) -> None:
         if self.plan and self.policy:
             raise ValueError("give either --plan or --policy, not both (a plan carries its own activation policy)")
+        if self.host_budget is not None and not self.host_budget > 0:
+            raise ValueError(f"--host-budget must be a positive number of GB, got {self.host_budget}")
+        if self.host_budget is not None and not self.offload:
+            raise ValueError("--host-budget bounds --offload's host memory: give --offload too")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import nn
 
 from agoq.formats.plan import Plan, load_plan
 from agoq.layout import ParallelLayout
+from agoq.activations.offload import ActivationOffload, parse_offload_layers
 from agoq.train.apply import ParallelSettings, apply_plan
 from agoq.train.config import JobConfig
 from agoq.train.data import Batches, BatchShape, Corpus, load_corpus
@@ -52,6 +53,8 @@ class PreparedRun:
     warmup: int
     eval_every: int
     before_micro_batch: Callable[[], None]  # see agoq.train.apply.apply_compile
+    offload_layers: list[int] = field(default_factory=list)  # decoder layers whose saved tensors go to the host
+    offload: ActivationOffload | None = None  # their hooks, pool and byte counts (None: nothing offloaded)
 
 
 def read_plan(plan) -> tuple[Plan | None, str]:
@@ -158,12 +161,17 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
     if memory.checkpoint_all and plan is None:  # a plan it agrees with checkpoints every layer already
         checkpoint = range(model.config.num_hidden_layers)
         policy_name = (policy_name + "+" if policy_name else "") + "checkpoint-all"
+    offload = parse_offload_layers(memory.offload, model.config.num_hidden_layers)
+    if offload and layout.mode in ("fsdp", "pipeline"):
+        raise ValueError(f"--offload runs in one process, or with --parallel ddp or sharded, not {layout.mode}: "
+                         "leave --offload out, or train without it")
     parallel = ParallelSettings(layout, world, device, dtype, settled.gradients, shape, layer_stage,
                                 cfg.optim.optimizer, cfg.optim.master)
+    host_budget = None if memory.host_budget is None else int(memory.host_budget * 1e9)
     applied = apply_plan(model, policy=policy, checkpoint=checkpoint,
                          compile_mode=cfg.model.compile_mode if cfg.model.compile else None,
                          memory_budget=cfg.model.activation_memory_budget if cfg.model.compile else None,
-                         parallel=parallel)
+                         offload=offload, host_budget_bytes=host_budget, parallel=parallel)
 
     # one stacked batch per step for a pipeline, split by the schedule
     batches = Batches(corpus, shape.seq_len, shape.micro_batch, 1 if layout.pipelined else shape.grad_accum,
@@ -178,7 +186,7 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
                    "vocab_size": model.config.vocab_size}
     return PreparedRun(cfg, world, device, dtype, layout, settled.gradients, model, applied.strategy, spec, plan,
                        policy_name, layer_stage, plan_record, batches, corpus_info, shape, warmup, eval_every,
-                       applied.before_micro_batch)
+                       applied.before_micro_batch, offload, applied.offload)
 
 
 __all__ = ["prepare", "PreparedRun", "read_plan"]

@@ -106,7 +106,8 @@ class Trainer:
                 "checkpoint_every": cfg.checkpoint.checkpoint_every, "eval_every": p.eval_every,
                 "eval_batches": cfg.loop.eval_batches, "pipeline_stages": self.parallel.pipeline_stages,
                 "layer_stage": p.layer_stage, "tokens_per_step": self.tokens_per_step,
-                "checkpoint_all": cfg.memory.checkpoint_all, "compile": model.compile,
+                "checkpoint_all": cfg.memory.checkpoint_all, "offload": p.offload_layers,
+                "host_budget_gb": cfg.memory.host_budget, "compile": model.compile,
                 "compile_mode": model.compile_mode if model.compile else None, "node_size": cfg.parallelism.node_size,
                 "activation_memory_budget": model.activation_memory_budget if model.compile else None,
                 **{k: v for k, v in p.corpus_info.items() if k != "data"}}
@@ -378,6 +379,8 @@ class Trainer:
         except KeyboardInterrupt:
             return self._end(bar, step, "stopped", f"interrupted at step {step}; --resume continues from step "
                                                    f"{last_saved}", 130, say=False)
+        if self.record is not None and p.offload is not None:
+            self.record.note(offload=p.offload.stats.to_dict())
         self._end(bar, steps, "finished", None, 0, say=False)
         if self.record is not None:
             print(f"agoq train: finished {steps} steps; run in {out}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""apply_plan: the policy, checkpointing, offload, compile and parallel steps, each once and in that order, and a
+"""apply_plan: the policy, checkpointing, compile, offload and parallel steps, each once and in that order, and a
 model that trains as the policy-applied, checkpointed model does, with its policy-applied layers compiled."""
 
 import os
@@ -17,7 +17,7 @@ from agoq.train.apply import ParallelSettings, apply_plan, remove_plan
 from agoq.train.data import BatchShape
 from agoq.train.parallel import World
 
-STEPS = ["policy", "checkpointing", "offload", "compile", "parallel"]
+STEPS = ["policy", "checkpointing", "compile", "offload", "parallel"]
 
 
 def _seed():
@@ -56,11 +56,13 @@ def test_each_step_once_in_order(monkeypatch):
     monkeypatch.setattr(apply, "apply_compile", record("compile", hook))
     monkeypatch.setattr(apply, "apply_parallel", record("parallel", strategy))
     model, policy, parallel = torch.nn.Linear(2, 2), ActivationPolicy(), _settings()
-    applied = apply_plan(model, policy=policy, checkpoint=[1], compile_mode="default", parallel=parallel)
+    applied = apply_plan(model, policy=policy, checkpoint=[1], compile_mode="default", offload=[0],
+                         host_budget_bytes=7, parallel=parallel)
     assert [c[0] for c in calls] == STEPS and all(c[1] is model for c in calls)
     kwargs = {name: kw for name, _, kw in calls}
     assert kwargs["policy"] == {"policy": policy} and kwargs["checkpointing"] == {"layers": [1]}
-    assert kwargs["compile"] == {"mode": "default", "memory_budget": None} and kwargs["offload"] == {}
+    assert kwargs["compile"] == {"mode": "default", "memory_budget": None}
+    assert kwargs["offload"] == {"layers": [0], "host_budget_bytes": 7}
     assert kwargs["parallel"]["mode"] == "none" and kwargs["parallel"]["micro_batch"] == 3
     assert applied.strategy is strategy and applied.before_micro_batch is hook
 
@@ -131,9 +133,36 @@ def test_apply_without_compile_or_parallel_and_remove():
 
 
 @pytest.mark.parametrize("checkpoint", [[], [1]])
-def test_offload_is_a_step_that_changes_nothing(checkpoint):
+def test_offload_no_layer_changes_nothing(checkpoint):
     model = build("llama-tiny")
     apply_plan(model, policy=ActivationPolicy(default={k: 4 for k in KINDS}), checkpoint=checkpoint)
     before = {i: dict(layer.__dict__) for i, layer in enumerate(model.model.layers)}
-    apply.apply_offload(model)
+    assert apply.apply_offload(model, layers=[]) is None
     assert {i: dict(layer.__dict__) for i, layer in enumerate(model.model.layers)} == before
+
+
+@pytest.mark.parametrize("checkpoint", [[], [1]])
+def test_offloaded_plan_trains_as_the_kept_one(checkpoint):
+    """Offload copies what the layers keep and brings it back: the same loss and gradients, micro-batch after
+    micro-batch (the loop's before_micro_batch empties the host pool between them)."""
+    gen = torch.Generator().manual_seed(_seed())
+    policy = _random_policy(gen, 2)
+    batches = [torch.randint(0, 256, (4, 131), generator=gen) for _ in range(3)]  # tensors past MIN_BYTES
+    results = []
+    for offload in ([], [0, 1]):
+        torch.manual_seed(5)
+        model = build("llama-tiny", num_layers=2)
+        applied = apply_plan(model, policy=policy, checkpoint=checkpoint, offload=offload)
+        assert (applied.offload is None) == (not offload)
+        got = []
+        for ids in batches:
+            applied.before_micro_batch()
+            model.zero_grad(set_to_none=True)
+            loss = model(ids, ids)
+            loss.backward()
+            got.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+        results.append(got)
+        if offload:
+            assert applied.offload.stats.micro_batches == 2 and applied.offload.stats.offloaded_tensors > 0
+    for a, b in zip(*results):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

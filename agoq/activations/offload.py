@@ -1,0 +1,362 @@
+"""Keeping what decoder layers save for backward in host memory instead of on the GPU.
+
+`apply_offload(model, layers=[...])` wraps the call of each chosen decoder layer (compiled or eager: the wrapper
+sits outside torch.compile's region) in `torch.autograd.graph.saved_tensors_hooks`. Every tensor the layer's
+autograd graph saves for backward (bf16 activations, or under LAAQ the packed 4-bit codes and their scales) is
+copied, as it is saved, to pinned host memory on a copy stream of its own, and its GPU memory returns to the
+allocator once the copy is done. In backward, the first tensor a layer asks for brings back that layer's tensors
+on a second copy stream and starts bringing back the next layer's (backward runs the layers in reverse), so the
+host-to-device copies run under the compute of the layer before. The compute stream waits only for a copy that
+has not ended by the time its tensor is used.
+
+What is not offloaded: parameters and buffers, tensors the layer was handed besides its hidden state (RoPE
+tables, masks, shared by every layer), and tensors under `min_bytes` (not worth a copy).
+
+Host memory is a pool of pinned chunks (`HostPool`): pinning is slow (milliseconds per call), so chunks are made
+during the first micro-batch and reused, front to back, by every later one: the pool is emptied when a
+micro-batch's forward begins after every tensor of the one before was brought back. `host_budget_bytes` caps the
+pool: a tensor that would pass it stays on the GPU (counted in `OffloadStats.kept_on_gpu_bytes`).
+
+Strides are kept: a tensor comes back with the size, strides and dtype it was saved with (compiled backward code
+checks them), dense tensors in one copy each way. On a CPU-only machine the "host" copy is an ordinary tensor and
+every copy is synchronous: the same bookkeeping, for tests.
+
+Byte counts: what a layer offloads per micro-batch is the sum of numel * element size of its saved tensors; each
+crosses the host link twice (out in forward, back in backward).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from agoq.activations.saved_bytes import find_decoder_layers
+
+ALIGN = 512  # bytes: every pooled tensor starts at a multiple (any dtype's element size divides it)
+CHUNK_BYTES = 256 << 20  # pinned chunks are made this large (a larger tensor gets a chunk of its own size)
+MIN_BYTES = 64 << 10  # smaller saved tensors stay on the GPU
+
+
+class HostPool:
+    """Host memory handed out front to back from chunks made once and taken back all at once (`reset`).
+
+    `pin`: page-locked chunks (needed for asynchronous copies with a GPU). `budget_bytes` (None: no cap) bounds the
+    chunks' total; `take` returns None when a tensor would pass it."""
+
+    def __init__(self, *, pin: bool, budget_bytes: int | None = None, chunk_bytes: int = CHUNK_BYTES):
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"the host budget must be >= 0 bytes, got {budget_bytes}")
+        self.pin, self.budget_bytes, self.chunk_bytes = pin, budget_bytes, chunk_bytes
+        self.chunks: list[torch.Tensor] = []
+        self._chunk, self._offset = 0, 0  # where the next tensor goes
+        self.used_bytes = 0  # handed out since the last reset (alignment included)
+        self.peak_used_bytes = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(c.numel() for c in self.chunks)
+
+    def reset(self) -> None:
+        """Take every tensor back (the caller ensures no copy still reads or writes them)."""
+        self._chunk, self._offset, self.used_bytes = 0, 0, 0
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """`nbytes` of host memory as a uint8 tensor (None: the budget would be passed)."""
+        need = -(-nbytes // ALIGN) * ALIGN
+        while self._chunk < len(self.chunks):
+            chunk = self.chunks[self._chunk]
+            if self._offset + need <= chunk.numel():
+                out = chunk[self._offset:self._offset + nbytes]
+                self._offset += need
+                self._used(need)
+                return out
+            self._chunk, self._offset = self._chunk + 1, 0  # the rest of this chunk stays unused this round
+        size = max(self.chunk_bytes, need)
+        if self.budget_bytes is not None and self.capacity_bytes + size > self.budget_bytes:
+            size = need  # a last, exact chunk, if even that fits
+            if self.capacity_bytes + size > self.budget_bytes:
+                return None
+        self.chunks.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+        self._chunk, self._offset = len(self.chunks) - 1, need
+        self._used(need)
+        return self.chunks[-1][:nbytes]
+
+    def _used(self, nbytes: int) -> None:
+        self.used_bytes += nbytes
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
+
+
+@dataclass
+class OffloadStats:
+    """Bytes moved, per micro-batch and in all: what left the GPU, what stayed for lack of host memory, and how
+    often backward found a tensor's copy not yet started (fetched on demand) rather than prefetched."""
+
+    offloaded_bytes: int = 0  # in all, each tensor counted once (it also comes back)
+    offloaded_tensors: int = 0
+    kept_on_gpu_bytes: int = 0  # eligible, but the host budget was reached
+    fetched_on_demand: int = 0  # layers whose tensors were not prefetched when backward first asked
+    micro_batches: int = 0
+    bytes_per_layer: dict[int, int] = field(default_factory=dict)  # the last micro-batch's, by layer index
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"offloaded_bytes": self.offloaded_bytes, "offloaded_tensors": self.offloaded_tensors,
+                "kept_on_gpu_bytes": self.kept_on_gpu_bytes, "fetched_on_demand": self.fetched_on_demand,
+                "micro_batches": self.micro_batches,
+                "bytes_per_layer": {str(k): v for k, v in sorted(self.bytes_per_layer.items())}}
+
+
+@dataclass
+class _Saved:
+    """One offloaded tensor: its host copy and what rebuilds it."""
+
+    host: torch.Tensor  # dtype view of pooled host memory, laid out as on the GPU (dense) or contiguous
+    size: torch.Size
+    stride: tuple[int, ...]
+    dense: bool  # non-overlapping and dense: host holds it with the same strides
+    device: torch.device
+    layer: int
+    copied: Any = None  # CUDA event: the device-to-host copy has ended
+    gpu: torch.Tensor | None = None  # brought back, waiting for backward
+    ready: Any = None  # CUDA event: the host-to-device copy has ended
+    unpacked: bool = False
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class ActivationOffload:
+    """The saved-tensor hooks of a model's offloaded layers, their host pool and their copy streams."""
+
+    def __init__(self, model: nn.Module, *, min_bytes: int = MIN_BYTES, host_budget_bytes: int | None = None,
+                 device: torch.device | None = None):
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+        params = list(model.parameters()) + list(model.buffers())
+        if device is None:
+            device = params[0].device if params else torch.device("cpu")
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.min_bytes = min_bytes
+        self.pool = HostPool(pin=self.cuda, budget_bytes=host_budget_bytes)
+        self._model_storages = {_storage_ptr(t) for t in params}
+        self.stats = OffloadStats()
+        self._entries: list[_Saved] = []
+        self._layer_order: list[int] = []  # layers in the order their first tensor was offloaded
+        self._live = 0  # offloaded tensors not yet brought back in backward
+        self._skip: set[int] = set()  # storages never offloaded: parameters, buffers, the current call's extras
+        self._d2h = self._h2d = None
+        if self.cuda:
+            self._d2h = torch.cuda.Stream(self.device)
+            self._h2d = torch.cuda.Stream(self.device)
+
+    # -------------------------------------------------------------- micro-batches
+
+    def begin_micro_batch(self) -> None:
+        """A training micro-batch begins: once the last one's tensors are all back, the pool is emptied."""
+        if self._live == 0 and self._entries:
+            self._restart()
+
+    def _restart(self) -> None:
+        if self.cuda:  # copies back from the pool must end before the next forward writes over it
+            self._d2h.wait_stream(self._h2d)
+        self.pool.reset()
+        self._entries, self._layer_order, self._live = [], [], 0
+        self.stats.micro_batches += 1
+        self.stats.bytes_per_layer = {}
+
+    # -------------------------------------------------------------- hooks
+
+    def _eligible(self, t: torch.Tensor) -> bool:
+        return (t.device == self.device and t.numel() * t.element_size() >= self.min_bytes
+                and not t.is_sparse and _storage_ptr(t) not in self._skip)
+
+    def pack(self, layer: int, t: torch.Tensor):
+        if not self._eligible(t):
+            return t
+        if self._live == 0 and self._entries:  # a forward after the last backward ended, without begin_micro_batch
+            self._restart()
+        nbytes = t.numel() * t.element_size()
+        raw = self.pool.take(nbytes)
+        if raw is None:
+            self.stats.kept_on_gpu_bytes += nbytes
+            return t
+        dense = _dense(t)
+        host = raw.view(t.dtype)
+        host = host.as_strided(t.size(), t.stride()) if dense else host.view(t.size())
+        entry = _Saved(host, t.size(), t.stride(), dense, t.device, layer)
+        if self.cuda:
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._d2h):
+                host.copy_(t, non_blocking=True)
+                entry.copied = torch.cuda.Event()
+                entry.copied.record(self._d2h)
+            t.record_stream(self._d2h)  # its memory is reused only after the copy
+        else:
+            host.copy_(t)
+        if not self._layer_order or self._layer_order[-1] != layer:
+            if layer not in self._layer_order:
+                self._layer_order.append(layer)
+        self._entries.append(entry)
+        self._live += 1
+        self.stats.offloaded_bytes += nbytes
+        self.stats.offloaded_tensors += 1
+        self.stats.bytes_per_layer[layer] = self.stats.bytes_per_layer.get(layer, 0) + nbytes
+        return len(self._entries) - 1
+
+    def unpack(self, handle):
+        if isinstance(handle, torch.Tensor):
+            return handle
+        entry = self._entries[handle]
+        if entry.unpacked:  # asked again (a graph kept for a second backward): from the host copy, now
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(entry.copied)
+            return self._rebuilt(entry)
+        if entry.gpu is None:
+            if not entry.unpacked:
+                self.stats.fetched_on_demand += 1
+            self._fetch(entry.layer)
+        position = self._layer_order.index(entry.layer)
+        if position > 0:
+            self._fetch(self._layer_order[position - 1])  # the layer backward runs next
+        out = entry.gpu
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(entry.ready)
+        entry.gpu = entry.ready = None  # autograd holds it now
+        entry.unpacked = True
+        self._live -= 1
+        return out
+
+    def _fetch(self, layer: int) -> None:
+        """Start bringing back every tensor of `layer` not already on its way."""
+        todo = [e for e in self._entries if e.layer == layer and e.gpu is None and not e.unpacked]
+        if not todo:
+            return
+        if not self.cuda:
+            for e in todo:
+                e.gpu = self._rebuilt(e)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        buffers = [torch.empty_strided(e.size, e.stride, dtype=e.host.dtype, device=e.device) for e in todo]
+        self._h2d.wait_stream(compute)  # their memory is free on the compute stream from here on
+        with torch.cuda.stream(self._h2d):
+            for e, gpu in zip(todo, buffers):
+                self._h2d.wait_event(e.copied)
+                gpu.copy_(e.host if e.dense else e.host.view(e.size), non_blocking=True)
+                gpu.record_stream(self._h2d)
+                e.gpu, e.ready = gpu, torch.cuda.Event()
+                e.ready.record(self._h2d)
+
+    @staticmethod
+    def _rebuilt(e: _Saved) -> torch.Tensor:
+        """`e` on its device again, copied on the current stream."""
+        out = torch.empty_strided(e.size, e.stride, dtype=e.host.dtype, device=e.device)
+        return out.copy_(e.host if e.dense else e.host.view(e.size))
+
+    # -------------------------------------------------------------- layers
+
+    def wrap(self, index: int, call):
+        """`call` (a layer's call) with its saved tensors offloaded under layer index `index`."""
+
+        @functools.wraps(call)
+        def offloaded(*args, **kwargs):
+            extras = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
+            self._skip = self._model_storages | {_storage_ptr(t) for t in _tensors(extras)}
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self.pack, index), self.unpack):
+                return call(*args, **kwargs)
+
+        offloaded._agoq_offload = self
+        return offloaded
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill their span exactly once (some order of its dimensions is contiguous): then a
+    buffer of numel elements holds it with its own strides."""
+    expected = 1
+    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _tensors(items) -> list[torch.Tensor]:
+    out = []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (tuple, list)):
+            out += _tensors(item)
+    return out
+
+
+def apply_offload(model: nn.Module, *, layers, min_bytes: int = MIN_BYTES, host_budget_bytes: int | None = None,
+                  device: torch.device | None = None) -> ActivationOffload | None:
+    """Offload the saved tensors of decoder layers `layers` (indices; empty: none, returns None). Apply it after
+    torch.compile (it wraps the compiled call). Replaces an offload applied before."""
+    remove_offload(model)
+    layers = sorted(set(int(i) for i in layers))
+    if not layers:
+        return None
+    decoder = find_decoder_layers(model)
+    bad = [i for i in layers if not 0 <= i < len(decoder)]
+    if bad:
+        raise ValueError(f"offload layers {bad} are out of range: the model has {len(decoder)} decoder layers "
+                         f"(0-{len(decoder) - 1})")
+    offload = ActivationOffload(model, min_bytes=min_bytes, host_budget_bytes=host_budget_bytes, device=device)
+    for i in layers:
+        layer = decoder[i]
+        call = layer._compiled_call_impl or layer._call_impl
+        layer._agoq_uncompiled_call = layer._compiled_call_impl
+        layer._compiled_call_impl = offload.wrap(i, call)
+    model._agoq_offload = offload
+    return offload
+
+
+def remove_offload(model: nn.Module) -> None:
+    """Undo `apply_offload` (the layers' calls as they were)."""
+    for layer in find_decoder_layers(model):
+        if hasattr(layer, "_agoq_uncompiled_call"):
+            layer._compiled_call_impl = layer._agoq_uncompiled_call
+            del layer._agoq_uncompiled_call
+    if hasattr(model, "_agoq_offload"):
+        del model._agoq_offload
+
+
+def parse_offload_layers(text: str | None, num_layers: int) -> list[int]:
+    """The layers `--offload` names: "none", "all", "all-but-last" (every layer but the last: backward needs the
+    last one's tensors at once, so its copy could not be hidden), or comma-separated indices and ranges ("0-5,8")."""
+    if text is None or text.strip() in ("", "none"):
+        return []
+    text = text.strip()
+    if text == "all":
+        return list(range(num_layers))
+    if text == "all-but-last":
+        return list(range(num_layers - 1))
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                a, b = (int(x) for x in part.split("-", 1))
+                if b < a:
+                    raise ValueError
+                out += range(a, b + 1)
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise ValueError(f"--offload {text!r}: {part!r} is no layer index or range; give none, all, "
+                             "all-but-last, or indices and ranges like 0-5,8") from None
+    bad = sorted({i for i in out if not 0 <= i < num_layers})
+    if bad:
+        raise ValueError(f"--offload {text!r}: layers {bad} are out of range (the model has {num_layers} decoder "
+                         f"layers, 0-{num_layers - 1})")
+    return sorted(set(out))
+
+
+__all__ = ["apply_offload", "remove_offload", "ActivationOffload", "HostPool", "OffloadStats",
+           "parse_offload_layers", "MIN_BYTES"]

@@ -1,0 +1,180 @@
+"""Host offload of saved activations: a step with offloaded layers gives the loss and gradients of the same step
+without offload, bit for bit (offload copies, it does not round), eager and compiled, bf16 and quantized; every
+offloaded tensor comes back with its size, strides and dtype; the pool reuses its memory; bad layer lists are
+refused."""
+
+import gc
+
+import pytest
+import torch
+
+import agoq
+from agoq.activations.compile import compile_decoder_layers
+from agoq.activations.offload import HostPool, apply_offload, parse_offload_layers, remove_offload
+from agoq.models import build
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BATCH, SEQ = 2, 37
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    gc.collect()
+
+
+def make_model(policy, layers=3):
+    torch.manual_seed(11)
+    model = build("llama-tiny", dtype=torch.bfloat16, num_layers=layers).to(DEVICE)
+    if policy != "bf16":
+        agoq.apply_activation_policy(model, policy)
+    return model
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+def train_steps(model, batches, offload=None):
+    out = []
+    for ids, labels in batches:
+        if offload is not None:
+            offload.begin_micro_batch()
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    return out
+
+
+def assert_same(got, ref):
+    for (loss, grads), (loss0, grads0) in zip(got, ref, strict=True):
+        assert torch.equal(loss, loss0)
+        for name in grads0:
+            assert torch.equal(grads[name], grads0[name]), name
+
+
+@pytest.mark.parametrize("policy", ["bf16", "agoq-paper", "int8"])
+def test_offloaded_steps_equal_kept_ones(policy):
+    batches = [batch(s) for s in (1, 2, 3)]
+    ref = train_steps(make_model(policy), batches)
+    model = make_model(policy)
+    offload = apply_offload(model, layers=[0, 2], min_bytes=0)
+    got = train_steps(model, batches, offload)
+    assert_same(got, ref)
+    stats = offload.stats
+    assert stats.offloaded_tensors > 0 and stats.fetched_on_demand >= 1
+    assert set(stats.bytes_per_layer) == {0, 2}
+    # every micro-batch offloads the same bytes, and the pool is reused: it holds one micro-batch's tensors
+    assert stats.offloaded_bytes == 3 * sum(stats.bytes_per_layer.values())
+    assert offload.pool.peak_used_bytes <= offload.pool.capacity_bytes
+    assert offload.pool.peak_used_bytes < 2 * sum(stats.bytes_per_layer.values()) + 512 * stats.offloaded_tensors
+
+
+def test_offload_keeps_what_compiled_backward_expects():
+    """Compiled layers check the strides of what they saved (torch's own save_on_cpu loses them)."""
+    batches = [batch(s) for s in (4, 5)]
+    ref_model = make_model("agoq-paper")
+    compile_decoder_layers(ref_model, backend="aot_eager")
+    ref = train_steps(ref_model, batches)
+    model = make_model("agoq-paper")
+    compile_decoder_layers(model, backend="aot_eager")
+    offload = apply_offload(model, layers=[0, 1, 2], min_bytes=0)
+    assert_same(train_steps(model, batches, offload), ref)
+    assert offload.stats.offloaded_tensors > 0
+
+
+def test_quantized_layers_offload_their_codes():
+    """Under a 4-bit policy a layer's saved activations are the packed codes: far fewer bytes than bf16's."""
+    sizes = {}
+    for policy in ("bf16", "int4"):
+        model = make_model(policy)
+        offload = apply_offload(model, layers=[1], min_bytes=0)
+        train_steps(model, [batch(6)], offload)
+        sizes[policy] = offload.stats.bytes_per_layer[1]
+    assert sizes["int4"] < 0.5 * sizes["bf16"]
+
+
+def test_parameters_and_shared_tables_stay():
+    model = make_model("bf16")
+    offload = apply_offload(model, layers=[0], min_bytes=0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = []
+    pack = offload.pack
+
+    def spy(layer, t):
+        seen.append(t.untyped_storage().data_ptr())
+        return pack(layer, t)
+
+    offload.pack = spy
+    train_steps(model, [batch(7)], offload)
+    kept = [p for p in seen if p in params]
+    assert kept, "the layer saves its weights for backward: the spy should see them"
+    assert offload.stats.offloaded_tensors < len(seen)
+    assert all(e.host.data_ptr() not in params for e in offload._entries)
+
+
+@pytest.mark.parametrize("shape,perm", [((5, 7, 3), (2, 0, 1)), ((6, 9), (1, 0))])
+def test_tensors_come_back_with_their_layout(shape, perm):
+    """Dense permuted tensors and strided slices, through the hooks and back."""
+    model = make_model("bf16", layers=1)
+    offload = apply_offload(model, layers=[0], min_bytes=0)
+    g = torch.Generator().manual_seed(sum(shape))
+    base = torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE)
+    for t in (base.permute(*perm), base[..., ::2], base.transpose(0, -1)[1:]):
+        handle = offload.pack(0, t)
+        back = offload.unpack(handle)
+        assert back.shape == t.shape and back.stride() == t.stride() and back.dtype == t.dtype
+        assert torch.equal(back, t)
+        assert torch.equal(offload.unpack(handle), t)  # asked again: from the host copy
+
+
+def test_host_pool_reuses_and_respects_its_budget():
+    pool = HostPool(pin=False, budget_bytes=3000, chunk_bytes=1024)
+    a = pool.take(700)
+    b = pool.take(300)  # 700 rounds up to 1024: a second chunk
+    assert a.numel() == 700 and b.numel() == 300 and len(pool.chunks) == 2
+    assert pool.take(2000) is None  # past the budget
+    pool.reset()
+    c = pool.take(1000)
+    assert c.data_ptr() == a.data_ptr() and len(pool.chunks) == 2  # the same memory again
+    with pytest.raises(ValueError, match="host budget"):
+        HostPool(pin=False, budget_bytes=-1)
+
+
+def test_budget_reached_keeps_tensors_on_the_device():
+    batches = [batch(8)]
+    ref = train_steps(make_model("bf16"), batches)
+    model = make_model("bf16")
+    offload = apply_offload(model, layers=[0, 1, 2], min_bytes=0, host_budget_bytes=4096)
+    assert_same(train_steps(model, batches, offload), ref)
+    assert offload.stats.kept_on_gpu_bytes > 0
+
+
+def test_remove_offload_restores_the_calls():
+    model = make_model("bf16")
+    calls = [layer._compiled_call_impl for layer in model.model.layers]
+    apply_offload(model, layers=[1])
+    assert model.model.layers[1]._compiled_call_impl is not calls[1]
+    remove_offload(model)
+    assert [layer._compiled_call_impl for layer in model.model.layers] == calls
+    assert apply_offload(model, layers=[]) is None
+
+
+@pytest.mark.parametrize("text,layers", [("all", [0, 1, 2, 3]), ("all-but-last", [0, 1, 2]), ("none", []),
+                                         ("0-1,3", [0, 1, 3]), (" 2 ", [2])])
+def test_parse_offload_layers(text, layers):
+    assert parse_offload_layers(text, 4) == layers
+
+
+@pytest.mark.parametrize("text,match", [("0-9", "out of range"), ("x", "no layer index"), ("3-1", "no layer index")])
+def test_parse_offload_layers_refuses(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_offload_layers(text, 4)
+    with pytest.raises(ValueError, match="out of range"):
+        apply_offload(make_model("bf16"), layers=[5])
