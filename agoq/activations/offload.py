@@ -4,10 +4,11 @@
 sits outside torch.compile's region) in `torch.autograd.graph.saved_tensors_hooks`. Every tensor the layer's
 autograd graph saves for backward (bf16 activations, or under LAAQ the packed 4-bit codes and their scales) is
 copied, as it is saved, to pinned host memory on a copy stream of its own, and its GPU memory returns to the
-allocator once the copy is done. In backward, the first tensor a layer asks for brings back that layer's tensors
-on a second copy stream and starts bringing back the next layer's (backward runs the layers in reverse), so the
-host-to-device copies run under the compute of the layer before. The compute stream waits only for a copy that
-has not ended by the time its tensor is used.
+allocator once the copy is done. In backward, when the gradient of a layer's output is complete (backward is about
+to run that layer), a hook starts bringing back the tensors of the nearest offloaded layer below it on a second
+copy stream, so the host-to-device copies run under the compute of the layer above; a layer whose tensors were
+not on their way when backward asked for them fetches them then (`OffloadStats.fetched_on_demand`). The compute
+stream waits only for a copy that has not ended by the time its tensor is used.
 
 What is not offloaded: parameters and buffers, tensors the layer was handed besides its hidden state (RoPE
 tables, masks, shared by every layer), and tensors under `min_bytes` (not worth a copy).
@@ -113,7 +114,7 @@ class OffloadStats:
 class _Saved:
     """One offloaded tensor: its host copy and what rebuilds it."""
 
-    host: torch.Tensor  # dtype view of pooled host memory, laid out as on the GPU (dense) or contiguous
+    host: torch.Tensor  # 1-D dtype view of pooled host memory: the storage span (dense) or the contiguous values
     size: torch.Size
     stride: tuple[int, ...]
     dense: bool  # non-overlapping and dense: host holds it with the same strides
@@ -186,18 +187,20 @@ class ActivationOffload:
             self.stats.kept_on_gpu_bytes += nbytes
             return t
         dense = _dense(t)
-        host = raw.view(t.dtype)
-        host = host.as_strided(t.size(), t.stride()) if dense else host.view(t.size())
+        host = raw.view(t.dtype)  # numel elements, contiguous
         entry = _Saved(host, t.size(), t.stride(), dense, t.device, layer)
+        # a dense tensor is copied as the numel elements its storage holds from its offset on (one memcpy whatever
+        # its strides); any other is made contiguous first, on the copy stream
+        flat = t.as_strided((t.numel(),), (1,), t.storage_offset()) if dense else None
         if self.cuda:
             self._d2h.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._d2h):
-                host.copy_(t, non_blocking=True)
+                host.copy_(flat if dense else t.contiguous().view(-1), non_blocking=True)
                 entry.copied = torch.cuda.Event()
                 entry.copied.record(self._d2h)
             t.record_stream(self._d2h)  # its memory is reused only after the copy
         else:
-            host.copy_(t)
+            host.copy_(flat if dense else t.reshape(-1))
         if not self._layer_order or self._layer_order[-1] != layer:
             if layer not in self._layer_order:
                 self._layer_order.append(layer)
@@ -246,7 +249,7 @@ class ActivationOffload:
         with torch.cuda.stream(self._h2d):
             for e, gpu in zip(todo, buffers):
                 self._h2d.wait_event(e.copied)
-                gpu.copy_(e.host if e.dense else e.host.view(e.size), non_blocking=True)
+                _fill(gpu, e, non_blocking=True)
                 gpu.record_stream(self._h2d)
                 e.gpu, e.ready = gpu, torch.cuda.Event()
                 e.ready.record(self._h2d)
@@ -254,23 +257,48 @@ class ActivationOffload:
     @staticmethod
     def _rebuilt(e: _Saved) -> torch.Tensor:
         """`e` on its device again, copied on the current stream."""
-        out = torch.empty_strided(e.size, e.stride, dtype=e.host.dtype, device=e.device)
-        return out.copy_(e.host if e.dense else e.host.view(e.size))
+        return _fill(torch.empty_strided(e.size, e.stride, dtype=e.host.dtype, device=e.device), e)
 
     # -------------------------------------------------------------- layers
 
-    def wrap(self, index: int, call):
-        """`call` (a layer's call) with its saved tensors offloaded under layer index `index`."""
+    def prefetch_below(self, index: int) -> None:
+        """Backward is about to run layer `index`: start bringing back the nearest offloaded layer below it, which
+        backward needs next (called by a hook on layer `index`'s output, whose gradient is complete just then)."""
+        below = [i for i in self._layer_order if i < index]
+        if below:
+            self._fetch(max(below))
+
+    def wrap(self, index: int, call, offloaded: bool = True):
+        """`call` (a layer's call) with its saved tensors offloaded under layer index `index` (`offloaded` False:
+        kept, the wrapper only starts bringing back the offloaded layer below when backward reaches this one)."""
+
+        def signal(output):
+            first = output if isinstance(output, torch.Tensor) else next(iter(_tensors(output)), None)
+            if first is not None and first.requires_grad:
+                first.register_hook(lambda grad: self.prefetch_below(index))
+            return output
 
         @functools.wraps(call)
-        def offloaded(*args, **kwargs):
+        def wrapped(*args, **kwargs):
+            if not offloaded:
+                return signal(call(*args, **kwargs))
             extras = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
             self._skip = self._model_storages | {_storage_ptr(t) for t in _tensors(extras)}
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self.pack, index), self.unpack):
-                return call(*args, **kwargs)
+                return signal(call(*args, **kwargs))
 
-        offloaded._agoq_offload = self
-        return offloaded
+        wrapped._agoq_offload = self
+        return wrapped
+
+
+def _fill(out: torch.Tensor, e: _Saved, non_blocking: bool = False) -> torch.Tensor:
+    """Copy `e`'s host values into `out` (made by empty_strided with e's size and strides): one memcpy into its
+    storage span when dense, else into a contiguous buffer first (on the device, the current stream)."""
+    if e.dense:
+        out.as_strided((out.numel(),), (1,), 0).copy_(e.host, non_blocking=non_blocking)
+    else:
+        out.copy_(e.host.to(out.device, non_blocking=non_blocking).view(e.size))
+    return out
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -308,11 +336,11 @@ def apply_offload(model: nn.Module, *, layers, min_bytes: int = MIN_BYTES, host_
         raise ValueError(f"offload layers {bad} are out of range: the model has {len(decoder)} decoder layers "
                          f"(0-{len(decoder) - 1})")
     offload = ActivationOffload(model, min_bytes=min_bytes, host_budget_bytes=host_budget_bytes, device=device)
-    for i in layers:
+    for i in range(layers[0], len(decoder)):  # the layers above the first offloaded one start its prefetches
         layer = decoder[i]
         call = layer._compiled_call_impl or layer._call_impl
         layer._agoq_uncompiled_call = layer._compiled_call_impl
-        layer._compiled_call_impl = offload.wrap(i, call)
+        layer._compiled_call_impl = offload.wrap(i, call, offloaded=i in layers)
     model._agoq_offload = offload
     return offload
 

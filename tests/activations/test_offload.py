@@ -178,3 +178,18 @@ def test_parse_offload_layers_refuses(text, match):
         parse_offload_layers(text, 4)
     with pytest.raises(ValueError, match="out of range"):
         apply_offload(make_model("bf16"), layers=[5])
+
+
+def test_layers_above_start_the_prefetch():
+    """Backward reaching layer 2 starts bringing back layer 0's tensors (the nearest offloaded below it), so none
+    is fetched on demand; with the top layer offloaded, its own tensors are (nothing runs before it in backward)."""
+    batches = [batch(9), batch(10)]
+    ref = train_steps(make_model("int4"), batches)
+    model = make_model("int4")
+    offload = apply_offload(model, layers=[0], min_bytes=0)
+    assert_same(train_steps(model, batches, offload), ref)
+    assert offload.stats.fetched_on_demand == 0 and offload.stats.offloaded_tensors > 0
+    model = make_model("int4")
+    offload = apply_offload(model, layers=[0, 2], min_bytes=0)
+    train_steps(model, batches, offload)
+    assert offload.stats.fetched_on_demand == 2  # layer 2, once per micro-batch
