@@ -14,8 +14,9 @@ What is not offloaded: parameters and buffers, tensors the layer was handed besi
 tables, masks, shared by every layer), and tensors under `min_bytes` (not worth a copy).
 
 Host memory is a pool of pinned chunks (`HostPool`): pinning is slow (milliseconds per call), so chunks are made
-during the first micro-batch and reused, front to back, by every later one: the pool is emptied when a
-micro-batch's forward begins after every tensor of the one before was brought back. `host_budget_bytes` caps the
+during the first micro-batch and reused, front to back, by every later one: the pool is emptied when the training
+loop starts a micro-batch (`begin_micro_batch`), or when a forward begins after every tensor of the one before was
+brought back. `host_budget_bytes` caps the
 pool: a tensor that would pass it stays on the GPU (counted in `OffloadStats.kept_on_gpu_bytes`).
 
 Strides are kept: a tensor comes back with the size, strides and dtype it was saved with (compiled backward code
@@ -100,12 +101,14 @@ class OffloadStats:
     offloaded_tensors: int = 0
     kept_on_gpu_bytes: int = 0  # eligible, but the host budget was reached
     fetched_on_demand: int = 0  # layers whose tensors were not prefetched when backward first asked
+    never_unpacked: int = 0  # offloaded tensors backward did not ask for (saved by autograd, not used)
     micro_batches: int = 0
     bytes_per_layer: dict[int, int] = field(default_factory=dict)  # the last micro-batch's, by layer index
 
     def to_dict(self) -> dict[str, Any]:
         return {"offloaded_bytes": self.offloaded_bytes, "offloaded_tensors": self.offloaded_tensors,
                 "kept_on_gpu_bytes": self.kept_on_gpu_bytes, "fetched_on_demand": self.fetched_on_demand,
+                "never_unpacked": self.never_unpacked,
                 "micro_batches": self.micro_batches,
                 "bytes_per_layer": {str(k): v for k, v in sorted(self.bytes_per_layer.items())}}
 
@@ -158,13 +161,16 @@ class ActivationOffload:
     # -------------------------------------------------------------- micro-batches
 
     def begin_micro_batch(self) -> None:
-        """A training micro-batch begins: once the last one's tensors are all back, the pool is emptied."""
-        if self._live == 0 and self._entries:
+        """A training micro-batch begins, so the last one's backward has ended: its offloaded tensors, those
+        backward never asked for included (autograd may save a tensor it does not use), are let go and the pool
+        is emptied. Not for a pipeline, whose micro-batches overlap."""
+        if self._entries:
             self._restart()
 
     def _restart(self) -> None:
         if self.cuda:  # copies back from the pool must end before the next forward writes over it
             self._d2h.wait_stream(self._h2d)
+        self.stats.never_unpacked += self._live
         self.pool.reset()
         self._entries, self._layer_order, self._live = [], [], 0
         self.stats.micro_batches += 1

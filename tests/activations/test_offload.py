@@ -193,3 +193,20 @@ def test_layers_above_start_the_prefetch():
     offload = apply_offload(model, layers=[0, 2], min_bytes=0)
     train_steps(model, batches, offload)
     assert offload.stats.fetched_on_demand == 2  # layer 2, once per micro-batch
+
+
+def test_a_new_micro_batch_lets_go_of_tensors_backward_never_asked_for():
+    """Autograd can save a tensor its backward never reads: the next micro-batch still empties the pool (else it
+    would grow every step) and counts it."""
+    model = make_model("bf16", layers=1)
+    offload = apply_offload(model, layers=[0], min_bytes=0)
+    g = torch.Generator().manual_seed(12)
+    a, b = (torch.randn(33, 17, generator=g).to(DEVICE) for _ in range(2))
+    used, kept = offload.pack(0, a), offload.pack(0, b)
+    assert torch.equal(offload.unpack(used), a)
+    first = offload.pool.used_bytes
+    offload.begin_micro_batch()
+    assert offload.stats.never_unpacked == 1 and offload.pool.used_bytes == 0 and not offload._entries
+    again = offload.pack(0, b)
+    assert offload.pool.used_bytes < first and torch.equal(offload.unpack(again), b)
+    assert len(offload.pool.chunks) == 1
