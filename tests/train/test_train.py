@@ -352,3 +352,28 @@ def test_a_sharded_plan_says_how_to_launch_it(tmp_path, capsys):
                  "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "torchrun --nproc-per-node 3" in err and "--parallel sharded" in err
+
+
+def test_offloaded_run_trains_as_the_kept_one_and_says_what_moved(tmp_path):
+    """--offload copies what the layers keep to host memory and back: the same losses as the run without it; run.json
+    records the layers and the bytes moved."""
+    common = dict(TINY, seq_len=131, micro_batch=4, grad_accum=2, steps=3, checkpoint_every=0)  # tensors past 64 KiB
+    assert train(TrainConfig(**common, out=str(tmp_path / "kept"))) == 0
+    assert train(TrainConfig(**common, offload="0-1", out=str(tmp_path / "off"))) == 0
+    kept, off = _metrics(tmp_path / "kept")[0], _metrics(tmp_path / "off")[0]
+    assert [m["loss"] for m in off] == [m["loss"] for m in kept]
+    run = _run_json(tmp_path / "off")
+    assert run["settings"]["offload"] == [0, 1] and run["settings"]["host_budget_gb"] is None
+    moved = run["offload"]
+    assert moved["offloaded_bytes"] > 0 and set(moved["bytes_per_layer"]) == {"0", "1"}
+    assert moved["micro_batches"] == 5  # 3 steps x 2 micro-batches, the pool emptied before each but the first
+
+
+@pytest.mark.parametrize("flags,match", [(dict(offload="0-7"), "out of range"),
+                                         (dict(offload="first"), "no layer index"),
+                                         (dict(host_budget=2.0), "give --offload too"),
+                                         (dict(offload="all", host_budget=0.0), "positive number")])
+def test_bad_offload_settings_are_refused(tmp_path, flags, match):
+    with pytest.raises(ValueError, match=match):
+        train(TrainConfig(**TINY, steps=1, out=str(tmp_path / "run"), **flags))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
