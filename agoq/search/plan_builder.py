@@ -68,11 +68,26 @@ def compile_cost(profile: ProfileData, layers: list[dict], compile_mode: str) ->
 def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
     """`plan` rewritten as its best alternative (`plan.alternative`: what a user runs without agoq, as the search
     priced it): every kind at 16, the alternative's checkpointed layers, optimizer and masters, batch split,
-    compile mode and torch.compile memory budget, bf16 gradients, its predicted figures (its compile cost from
+    compile mode and torch.compile memory budget, bf16 gradients, the plan's pipeline layout (the alternative was
+    priced in it; without a peak per stage, each stage is given the largest), its predicted figures (its compile cost from
     `profile`); `why` goes into the decision. The alternatives list stays, and `alternative` becomes the agoq plan
     it replaced."""
     alt = plan.alternative
     data = plan.to_dict()
+    stages = int(data["pipeline"]["stages"])  # the alternative keeps the plan's layout (it was priced in it)
+
+    def per_stage(name: str):
+        """The alternative's figure `name` per stage, when it has one value per stage (None otherwise)."""
+        values = getattr(alt.predicted, name, None)
+        return list(values) if values and len(values) == stages else None
+
+    def stage_peaks() -> list[int]:
+        """Each stage's peak: the sum of its memory parts where the alternative has them, else the largest stage's."""
+        memory = per_stage("memory_per_stage")
+        if memory:
+            return [int(sum((m["parts"] if isinstance(m, dict) else m.parts).values())) for m in memory]
+        return [alt.predicted.peak_bytes] * stages
+
     replaced = {"name": "agoq: " + ", ".join(f"{k} {v}" for k, v in (data.get("decision") or {}).get("knobs", {}).items()),
                 "compile": data["training"]["compile"], "optimizer": data["optimizer"],
                 "gradients": data["gradients"]["mode"], "micro_batch": data["training"]["micro_batch"],
@@ -87,15 +102,15 @@ def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
         gradients={**data["gradients"], "mode": "bf16"}, optimizer=alt.optimizer.model_dump(mode="json"),
         training={**data["training"], "micro_batch": alt.micro_batch, "grad_accum": alt.grad_accum,
                   "compile": alt.compile, "activation_memory_budget": alt.activation_memory_budget},
-        predicted={"peak_bytes_per_stage": [alt.predicted.peak_bytes],
-                   "activation_bytes_per_stage": getattr(alt.predicted, "activation_bytes_per_stage", None) or [],
+        predicted={"peak_bytes_per_stage": per_stage("peak_bytes_per_stage") or stage_peaks(),
+                   "activation_bytes_per_stage": per_stage("activation_bytes_per_stage") or [],
                    **({"memory_per_stage": alt.predicted.memory_per_stage}
                       if getattr(alt.predicted, "memory_per_stage", None) else {}),
                    "step_seconds": alt.predicted.step_seconds, "grad_error": 0.0},
         alternative=replaced)
     data["predicted"]["compile_graphs"], data["predicted"]["compile_seconds"] = compile_cost(
         profile, data["layers"], alt.compile)
-    data["launch"] = launch_for(1, "bf16", int((data.get("launch") or {}).get("processes") or 1))
+    data["launch"] = launch_for(stages, "bf16", int((data.get("launch") or {}).get("processes") or 1))
     decision = dict(data.get("decision") or {})
     decision.update(reason=why, agoq=False, tokens_per_second=alt.predicted.tokens_per_second,
                     knobs={**decision.get("knobs", {}), "gradients": "bf16", "optimizer": alt.optimizer.name,

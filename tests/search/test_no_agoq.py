@@ -85,3 +85,24 @@ def test_a_plan_budget_needs_a_compiled_plan(tmp_path, seed):
     plan["training"].update(compile="eager", activation_memory_budget=0.5)
     with pytest.raises(ValueError, match="activation_memory_budget"):
         plan_from_dict(plan)
+
+
+def test_an_alternative_replacing_a_pipeline_plan_keeps_its_stages(tmp_path, seed):
+    """A pipeline profile's plan replaced by its alternative (priced in the same layout, bf16) keeps the stages and
+    the layers' stage of each, with one predicted peak per stage: a valid plan (it once had one peak for three
+    stages, which the plan's own check refused)."""
+    from agoq.search.plan_builder import plan_of_alternative
+
+    folder = write_profile(tmp_path / "p", random.Random(seed), num_layers=3, micro_batch=2, seq_len=29, stages=3,
+                           in_flight=[3, 2, 1])
+    profile = load_profile(folder)
+    least, _ = budget_bounds(profile)
+    plan = plan_from_profile(profile, int(least * 1.5), error_cap=None)
+    assert plan.pipeline.stages == 3 and plan.alternative is not None
+    replaced = plan_of_alternative(plan, "test", profile)
+    assert replaced.pipeline.stages == 3 and [lp.stage for lp in replaced.layers] == [lp.stage for lp in plan.layers]
+    peaks = replaced.predicted.peak_bytes_per_stage
+    assert len(peaks) == 3 and max(peaks) == plan.alternative.predicted.peak_bytes
+    assert replaced.source.method == "alternative" and replaced.gradients.mode == "bf16"
+    assert all(s == 16 for lp in replaced.layers for s in lp.kinds.values())
+    assert plan_from_dict(json.loads(json.dumps(replaced.to_dict()))).pipeline.stages == 3
