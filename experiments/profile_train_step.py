@@ -36,6 +36,9 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--warmup-steps", type=int, default=5)
     ap.add_argument("--report", default=None, help="also write the tables to this file")
+    ap.add_argument("--stacks", default=None, metavar="NAMES",
+                    help="comma-separated operation names (e.g. cudaStreamSynchronize,aten::cat): also print the "
+                         "Python call stacks they were called from, by host time")
     ours, rest = ap.parse_known_args()
     parser = argparse.ArgumentParser(prog="profile_train_step")
     train_command.configure(parser)
@@ -54,7 +57,7 @@ def main() -> None:
     sync()
     plain = (time.perf_counter() - t0) / ours.profile_steps
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, with_stack=bool(ours.stacks)) as prof:
         for step in range(ours.profile_steps):
             trainer.step(step)
         sync()
@@ -64,6 +67,12 @@ def main() -> None:
             f"GPU idle per step: {plain * 1e3 - gpu_total:.2f} ms",
             events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
             events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70)]
+    if ours.stacks:
+        wanted = set(ours.stacks.split(","))
+        by_stack = [e for e in prof.key_averages(group_by_stack_n=12) if e.key in wanted]
+        for e in sorted(by_stack, key=lambda e: -e.self_cpu_time_total)[:12]:
+            text.append(f"{e.key}: {e.count} calls, {e.self_cpu_time_total / 1e3:.1f} ms host time, from:\n    "
+                        + "\n    ".join(e.stack or ["(no Python stack)"]))
     report = "\n".join(text)
     print(report)
     if ours.report:

@@ -21,6 +21,8 @@ casts truncate; on the GPU the same code runs, so both agree with torch's `.to()
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import triton
 import triton.language as tl
@@ -222,19 +224,26 @@ def _contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-_DEVICE_TABLES: dict = {}
+_DEVICE_TABLES: OrderedDict = OrderedDict()  # least recently used first
 _MAX_TABLES = 64
 
 
 def _on_device(key: tuple, make, device: torch.device) -> torch.Tensor:
-    """The device copy of a small host-made table, kept across steps: pointers and sizes of a bucket are the
-    same every step (QuanGrad's buffer, the state, the parameters), so a step launches its kernel without a
-    host-to-device copy. A table is keyed by its whole content, so a stale pointer can never be read."""
+    """The device copy of a small host-made table, kept across steps: pointers and sizes of a bucket are usually
+    the same every step (QuanGrad's buffer, the state, the parameters), so a step launches its kernel without a
+    host-to-device copy. A table is keyed by its whole content, so a stale pointer can never be read. When the
+    content changes (gradients the allocator placed elsewhere this step), the new table is copied from pinned
+    memory without waiting for the device: a copy from pageable memory would stall the host until the GPU had
+    finished all the work queued before it. The least recently used table goes when there are too many."""
     table = _DEVICE_TABLES.get(key)
-    if table is None:
-        if len(_DEVICE_TABLES) >= _MAX_TABLES:
-            _DEVICE_TABLES.pop(next(iter(_DEVICE_TABLES)))
-        table = _DEVICE_TABLES[key] = make().to(device)
+    if table is not None:
+        _DEVICE_TABLES.move_to_end(key)
+        return table
+    host = make()
+    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    _DEVICE_TABLES[key] = table
+    if len(_DEVICE_TABLES) > _MAX_TABLES:
+        _DEVICE_TABLES.popitem(last=False)
     return table
 
 
@@ -355,8 +364,11 @@ def dense_norm_sq_triton(grads: list[torch.Tensor]) -> torch.Tensor:
             raise ValueError(f"grad_norm_sq reads float32, bf16 or float64 gradients, got {g.dtype}")
         by_dtype.setdefault(g.dtype, []).append(_contiguous("grad", g))
     for dtype, group in by_dtype.items():
-        table = torch.tensor([[g.data_ptr(), g.numel()] for g in group], dtype=torch.int64).to(device)
-        tiles = _tile_map([g.numel() for g in group], NORM_TILE, device)
+        rows = tuple((g.data_ptr(), g.numel()) for g in group)
+        table = _on_device(("norm", device, rows), lambda: torch.tensor(rows, dtype=torch.int64), device)
+        numels = tuple(n for _, n in rows)
+        tiles = _on_device(("norm tiles", device, numels),
+                           lambda: _tile_map(list(numels), NORM_TILE, torch.device("cpu")), device)
         out = torch.empty(tiles.shape[0], dtype=torch.float64, device=device)
         if tiles.shape[0]:
             _dense_sq_kernel[(tiles.shape[0],)](table, tiles, out, TILE=NORM_TILE, KIND=GRAD_KINDS[dtype], num_warps=8)

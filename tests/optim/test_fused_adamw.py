@@ -303,3 +303,32 @@ def test_fresh_moments_are_what_quantizing_zeros_stores():
         assert codes.dtype == ref_codes.dtype and scales.dtype == ref_scales.dtype
         assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales), (n, block)
         assert torch.equal(dequantize_blocks(codes, scales, n), torch.zeros(n))
+
+
+def test_dense_norm_follows_gradients_that_moved():
+    """The norm's pointer table is kept across calls and keyed by its content: gradients in new memory (the
+    allocator may place them elsewhere each step) are read from there, never from the old addresses."""
+    g = torch.Generator().manual_seed(_seed())
+    for _ in range(3):
+        grads = [torch.randn(n, generator=g).bfloat16().to(DEVICE) for n in (513, 77, 2049)]
+        exact = sum((d.double() ** 2).sum() for d in grads).cpu()
+        torch.testing.assert_close(grad_norm_sq(grads, backend="triton").cpu(), exact, rtol=1e-6, atol=0)
+        del grads  # the next ones may land on the same addresses, or not
+
+
+def test_device_tables_keep_the_recently_used():
+    from agoq.optim import fused_adamw_triton as kernels
+
+    made = []
+
+    def maker(i):
+        return lambda: made.append(i) or torch.tensor([i])
+
+    kernels._DEVICE_TABLES.clear()
+    first = kernels._on_device(("test", 0), maker(0), torch.device("cpu"))
+    for i in range(1, kernels._MAX_TABLES + 5):
+        assert kernels._on_device(("test", 0), maker(0), torch.device("cpu")) is first  # used every time: kept
+        kernels._on_device(("test", i), maker(i), torch.device("cpu"))
+    assert made.count(0) == 1 and len(kernels._DEVICE_TABLES) == kernels._MAX_TABLES
+    assert ("test", 1) not in kernels._DEVICE_TABLES  # the least recently used went
+    kernels._DEVICE_TABLES.clear()
