@@ -3,7 +3,8 @@
 Every configuration is compiled (torch.compile per decoder layer) with 8-bit AdamW on float32 masters, the probe
 (1.1 B, 16 layers) at micro-batch 2 x 4096 tokens of tinyshakespeare by default, and trains `--steps` steps; the
 figures are the median step of the second half and the largest peak of any step (torch.cuda.max_memory_allocated:
-weights, masters, gradients, optimizer state and activations).
+weights, masters, gradients, optimizer state and activations), and the largest reserved peak (what the allocator
+held, blocks waiting for offload's copies included).
 
 Configurations (--configs, comma-separated; K is a number of layers, the first K are offloaded):
   bf16                compiled bf16, every activation kept: the floor
@@ -30,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from experiments.record import write_result  # noqa: E402
-from experiments.train_runs import common_args, run_train, summarize, tiny_shakespeare  # noqa: E402
+from experiments.train_runs import common_args, read_metrics, run_train, summarize, tiny_shakespeare  # noqa: E402
 
 FIXED = {"bf16": [], "budget-0.5": ["--activation-memory-budget", "0.5"],
          "budget-0.1": ["--activation-memory-budget", "0.1"], "checkpoint-all": ["--checkpoint-all"],
@@ -86,7 +87,9 @@ def main() -> None:
         run = json.loads((run_dir / "run.json").read_text())
         entry = {"flags": extra, "median_step_seconds": got["median_step_seconds"],
                  "tokens_per_s": got["median_tokens_per_s"], "peak_bytes": got["peak_bytes_per_rank"][0],
-                 "final_val_loss": got["final_val_loss"], "wall_seconds": wall, "offload": run.get("offload")}
+                 "final_val_loss": got["final_val_loss"], "wall_seconds": wall, "offload": run.get("offload"),
+                 "peak_reserved_bytes": max((m.get("peak_reserved_bytes") or 0) for m in read_metrics(run_dir)[0])
+                 or None}
         figures["configs"][name] = entry
         off = entry["offload"] or {}
         print(f"{name}: {entry['median_step_seconds'] * 1e3:.1f} ms, peak {entry['peak_bytes'] / 1e9:.3f} GB"

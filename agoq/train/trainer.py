@@ -68,13 +68,15 @@ def _peak_bytes(device: torch.device) -> int:
 @dataclass(frozen=True)
 class StepResult:
     """One optimizer step's figures: the mean loss and the gradient norm (over the ranks), the learning rate, its
-    seconds and each rank's peak bytes (`_peak_bytes`)."""
+    seconds, each rank's peak bytes (`_peak_bytes`) and this rank's peak of the allocator's reserved bytes (None off
+    the GPU): what it held from the device, freed blocks waiting for a side stream (offload's copies) included."""
 
     loss: float
     grad_norm: float
     lr: float
     seconds: float
     peak_bytes: list[int]
+    reserved_bytes: int | None = None
 
 
 class Trainer:
@@ -272,7 +274,8 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
-        return StepResult(loss, norm, lr, seconds, self.world.gather_ints(_peak_bytes(device), device))
+        reserved = int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+        return StepResult(loss, norm, lr, seconds, self.world.gather_ints(_peak_bytes(device), device), reserved)
 
     # ---------------------------------------------------------------- the run
 
@@ -342,6 +345,7 @@ class Trainer:
                     self.record.append({"step": done, "loss": result.loss, "grad_norm": result.grad_norm,
                                         "lr": result.lr, "tokens_per_s": self.tokens_per_step / result.seconds,
                                         "step_seconds": result.seconds, "peak_bytes": result.peak_bytes,
+                                        "peak_reserved_bytes": result.reserved_bytes,
                                         "time": time.time()})
                 if check is not None:
                     check.add(result.seconds, result.peak_bytes)

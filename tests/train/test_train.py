@@ -39,8 +39,10 @@ def test_run_folder_follows_the_run_format(tmp_path):
     assert [m["step"] for m in steps] == list(range(1, 8))
     assert [v["step"] for v in vals] == [3, 6, 7]
     for m in steps:
-        assert set(m) >= {"loss", "grad_norm", "lr", "tokens_per_s", "step_seconds", "peak_bytes", "time"}
+        assert set(m) >= {"loss", "grad_norm", "lr", "tokens_per_s", "step_seconds", "peak_bytes",
+                          "peak_reserved_bytes", "time"}
         assert len(m["peak_bytes"]) == 1 and m["tokens_per_s"] > 0
+        assert m["peak_reserved_bytes"] is None  # a CPU run: the allocator's reserved bytes are the GPU's
     assert steps[-1]["loss"] < steps[0]["loss"]  # it learns
     latest = json.loads((out / "checkpoints" / "latest.json").read_text())
     assert latest == {"schema": "agoq.checkpoint/2", "step": 7, "folder": "step-00000007"}
