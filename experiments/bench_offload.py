@@ -23,6 +23,7 @@ Writes experiments/results/NAME.json (--name, default bench_offload).
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import tempfile
@@ -83,7 +84,6 @@ def main() -> None:
             write_result(args.name, figures)
             continue
         got = summarize(run_dir, skip=args.steps // 2)
-        import json
         run = json.loads((run_dir / "run.json").read_text())
         entry = {"flags": extra, "median_step_seconds": got["median_step_seconds"],
                  "tokens_per_s": got["median_tokens_per_s"], "peak_bytes": got["peak_bytes_per_rank"][0],

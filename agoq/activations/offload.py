@@ -207,9 +207,8 @@ class ActivationOffload:
             t.record_stream(self._d2h)  # its memory is reused only after the copy
         else:
             host.copy_(flat if dense else t.reshape(-1))
-        if not self._layer_order or self._layer_order[-1] != layer:
-            if layer not in self._layer_order:
-                self._layer_order.append(layer)
+        if layer not in self._layer_order:
+            self._layer_order.append(layer)
         self._entries.append(entry)
         self._live += 1
         self.stats.offloaded_bytes += nbytes
@@ -225,13 +224,9 @@ class ActivationOffload:
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_event(entry.copied)
             return self._rebuilt(entry)
-        if entry.gpu is None:
-            if not entry.unpacked:
-                self.stats.fetched_on_demand += 1
+        if entry.gpu is None:  # not prefetched (the layer below is started by this layer's output hook)
+            self.stats.fetched_on_demand += 1
             self._fetch(entry.layer)
-        position = self._layer_order.index(entry.layer)
-        if position > 0:
-            self._fetch(self._layer_order[position - 1])  # the layer backward runs next
         out = entry.gpu
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(entry.ready)
