@@ -382,8 +382,9 @@ def parse_offload_layers(text: str | None, num_layers: int) -> list[int]:
                              "all-but-last, or indices and ranges like 0-5,8") from None
     bad = sorted({i for i in out if not 0 <= i < num_layers})
     if bad:
-        raise ValueError(f"--offload {text!r}: layers {bad} are out of range (the model has {num_layers} decoder "
-                         f"layers, 0-{num_layers - 1})")
+        named = f"{bad[0]}-{bad[-1]}" if len(bad) > 3 else ", ".join(map(str, bad))
+        raise ValueError(f"--offload {text!r}: layer(s) {named} are out of range (the model has {num_layers} "
+                         f"decoder layers, 0-{num_layers - 1})")
     return sorted(set(out))
 
 
