@@ -31,11 +31,85 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def _union(intervals: list) -> list:
+    out: list = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _overlap(a: list, b: list) -> float:
+    """Total length of the intersection of two sorted, disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def stream_timeline(trace: Path, steps: int) -> str:
+    """Per step: each CUDA stream's busy time (kernels and copies), the copies by direction (bytes, time, GB/s),
+    and the compute stream's idle time, with the part of it during which a device-to-host or host-to-device copy
+    was in flight (what the compute stream may have waited for). Times in ms per step."""
+    import json
+
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    busy: dict = {}
+    copies: dict = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        stream = e.get("args", {}).get("stream", e.get("tid"))
+        a, b = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        busy.setdefault(stream, []).append((a, b))
+        if e["cat"] == "gpu_memcpy":
+            kind = e.get("name", "")
+            direction = "DtoH" if "DtoH" in kind else "HtoD" if "HtoD" in kind else "DtoD"
+            got = copies.setdefault((stream, direction), [0, 0.0, []])
+            got[0] += int(e.get("args", {}).get("bytes", 0))
+            got[1] += b - a
+            got[2].append((a, b))
+    if not busy:
+        return "timeline: no device events in the trace"
+    compute = max(busy, key=lambda s: sum(b - a for a, b in busy[s]))
+    spans = {s: _union(v) for s, v in busy.items()}
+    start = min(iv[0][0] for iv in spans.values())
+    end = max(iv[-1][1] for iv in spans.values())
+    idle = _union([(a, b) for (a, b) in zip([start] + [iv[1] for iv in spans[compute]],
+                                            [iv[0] for iv in spans[compute]] + [end]) if b > a])
+    lines = [f"timeline ({steps} steps, per step): compute stream {compute}; span {(end - start) / 1e3 / steps:.2f} ms, "
+             f"compute busy {sum(b - a for a, b in spans[compute]) / 1e3 / steps:.2f} ms, "
+             f"idle {sum(b - a for a, b in idle) / 1e3 / steps:.2f} ms"]
+    for s in sorted(spans, key=str):
+        lines.append(f"  stream {s}: busy {sum(b - a for a, b in spans[s]) / 1e3 / steps:.2f} ms")
+    for direction in ("DtoH", "HtoD"):
+        flight = _union([iv for (s, d), got in copies.items() if d == direction and s != compute for iv in got[2]])
+        if flight:
+            lines.append(f"  compute idle while a side-stream {direction} copy was in flight: "
+                         f"{_overlap(idle, flight) / 1e3 / steps:.2f} ms")
+    for (s, d), (nbytes, dur, _) in sorted(copies.items(), key=str):
+        rate = nbytes / (dur * 1e-6) / 1e9 if dur > 0 else 0.0
+        lines.append(f"  copies {d} on stream {s}: {nbytes / 1e9 / steps:.3f} GB, {dur / 1e3 / steps:.2f} ms "
+                     f"({rate:.1f} GB/s)")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--warmup-steps", type=int, default=5)
     ap.add_argument("--report", default=None, help="also write the tables to this file")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also read the trace stream by stream: each stream's busy time, the copies' bytes and time "
+                         "each way, and how long the compute stream sat idle while a copy was in flight")
     ap.add_argument("--stacks", default=None, metavar="NAMES",
                     help="comma-separated operation names (e.g. cudaStreamSynchronize,aten::cat): also print the "
                          "Python call stacks they were called from, by host time")
@@ -73,6 +147,10 @@ def main() -> None:
         for e in sorted(by_stack, key=lambda e: -e.self_cpu_time_total)[:12]:
             text.append(f"{e.key}: {e.count} calls, {e.self_cpu_time_total / 1e3:.1f} ms host time, from:\n    "
                         + "\n    ".join(e.stack or ["(no Python stack)"]))
+    if ours.timeline:
+        trace = Path(tempfile.mkdtemp()) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        text.append(stream_timeline(trace, ours.profile_steps))
     report = "\n".join(text)
     print(report)
     if ours.report:
