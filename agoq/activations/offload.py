@@ -6,9 +6,17 @@ autograd graph saves for backward (bf16 activations, or under LAAQ the packed 4-
 copied, as it is saved, to pinned host memory on a copy stream of its own, and its GPU memory returns to the
 allocator once the copy is done. In backward, when the gradient of a layer's output is complete (backward is about
 to run that layer), a hook starts bringing back the tensors of the nearest offloaded layer below it on a second
-copy stream, so the host-to-device copies run under the compute of the layer above; a layer whose tensors were
-not on their way when backward asked for them fetches them then (`OffloadStats.fetched_on_demand`). The compute
-stream waits only for a copy that has not ended by the time its tensor is used.
+copy stream, so the host-to-device copies run under the compute of the layer above. On a GPU it also starts the
+offloaded layers below that, nearest first, as far as the memory backward has freed since it began allows
+(`torch.cuda.memory_allocated` then against now): a layer whose copy takes longer than one layer's backward is
+then on its way several layers early, and the device holds no more than at the end of forward plus the one layer
+always fetched. A layer whose tensors were not on their way when backward asked for them fetches them then
+(`OffloadStats.fetched_on_demand`). The compute stream waits only for a copy that has not ended by the time its
+tensor is used.
+
+The copies out start when the layer's call returns, all of the layer's tensors together (one wait on the compute
+stream, one event): a compiled layer saves its tensors at the end of its forward anyway, and the host work per
+tensor is what limits a forward whose kernels are short.
 
 What is not offloaded: parameters and buffers, tensors the layer was handed besides its hidden state (RoPE
 tables, masks, shared by every layer), and tensors under `min_bytes` (not worth a copy).
@@ -101,6 +109,7 @@ class OffloadStats:
     offloaded_tensors: int = 0
     kept_on_gpu_bytes: int = 0  # eligible, but the host budget was reached
     fetched_on_demand: int = 0  # layers whose tensors were not prefetched when backward first asked
+    fetched_ahead: int = 0  # layers started more than one layer early, into memory backward had freed
     never_unpacked: int = 0  # offloaded tensors backward did not ask for (saved by autograd, not used)
     micro_batches: int = 0
     bytes_per_layer: dict[int, int] = field(default_factory=dict)  # the last micro-batch's, by layer index
@@ -108,6 +117,7 @@ class OffloadStats:
     def to_dict(self) -> dict[str, Any]:
         return {"offloaded_bytes": self.offloaded_bytes, "offloaded_tensors": self.offloaded_tensors,
                 "kept_on_gpu_bytes": self.kept_on_gpu_bytes, "fetched_on_demand": self.fetched_on_demand,
+                "fetched_ahead": self.fetched_ahead,
                 "never_unpacked": self.never_unpacked,
                 "micro_batches": self.micro_batches,
                 "bytes_per_layer": {str(k): v for k, v in sorted(self.bytes_per_layer.items())}}
@@ -150,7 +160,12 @@ class ActivationOffload:
         self._model_storages = {_storage_ptr(t) for t in params}
         self.stats = OffloadStats()
         self._entries: list[_Saved] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, _Saved]] = []  # (tensor, source, entry) to copy out
         self._layer_order: list[int] = []  # layers in the order their first tensor was offloaded
+        self._layer_bytes: dict[int, int] = {}  # offloaded bytes per layer this micro-batch
+        self._by_layer: dict[int, list[_Saved]] = {}  # this micro-batch's entries per layer
+        self._fetched: set[int] = set()  # layers whose copies back have started
+        self._backward_base: int | None = None  # bytes allocated when this micro-batch's backward began
         self._live = 0  # offloaded tensors not yet brought back in backward
         self._skip: set[int] = set()  # storages never offloaded: parameters, buffers, the current call's extras
         self._d2h = self._h2d = None
@@ -170,9 +185,11 @@ class ActivationOffload:
     def _restart(self) -> None:
         if self.cuda:  # copies back from the pool must end before the next forward writes over it
             self._d2h.wait_stream(self._h2d)
+        self._flush()
         self.stats.never_unpacked += self._live
         self.pool.reset()
         self._entries, self._layer_order, self._live = [], [], 0
+        self._layer_bytes, self._backward_base, self._by_layer, self._fetched = {}, None, {}, set()
         self.stats.micro_batches += 1
         self.stats.bytes_per_layer = {}
 
@@ -198,17 +215,14 @@ class ActivationOffload:
         # a dense tensor is copied as the numel elements its storage holds from its offset on (one memcpy whatever
         # its strides); any other is made contiguous first, on the copy stream
         flat = t.as_strided((t.numel(),), (1,), t.storage_offset()) if dense else None
-        if self.cuda:
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h):
-                host.copy_(flat if dense else t.contiguous().view(-1), non_blocking=True)
-                entry.copied = torch.cuda.Event()
-                entry.copied.record(self._d2h)
-            t.record_stream(self._d2h)  # its memory is reused only after the copy
+        if self.cuda:  # copied out with the rest of the layer's tensors when its call returns (_flush)
+            self._pending.append((t, flat, entry))
         else:
             host.copy_(flat if dense else t.reshape(-1))
         if layer not in self._layer_order:
             self._layer_order.append(layer)
+        self._layer_bytes[layer] = self._layer_bytes.get(layer, 0) + nbytes
+        self._by_layer.setdefault(layer, []).append(entry)
         self._entries.append(entry)
         self._live += 1
         self.stats.offloaded_bytes += nbytes
@@ -216,9 +230,25 @@ class ActivationOffload:
         self.stats.bytes_per_layer[layer] = self.stats.bytes_per_layer.get(layer, 0) + nbytes
         return len(self._entries) - 1
 
+    def _flush(self) -> None:
+        """Start copying out the tensors packed since the last flush: one wait on the compute stream, one event."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        copied = torch.cuda.Event()
+        with torch.cuda.stream(self._d2h):
+            for t, flat, entry in pending:
+                entry.host.copy_(flat if flat is not None else t.contiguous().view(-1), non_blocking=True)
+            copied.record(self._d2h)
+        for t, _flat, entry in pending:
+            entry.copied = copied
+            t.record_stream(self._d2h)  # its memory is reused only after the copy
+
     def unpack(self, handle):
         if isinstance(handle, torch.Tensor):
             return handle
+        self._flush()  # asked for within the call that saved it
         entry = self._entries[handle]
         if entry.unpacked:  # asked again (a graph kept for a second backward): from the host copy, now
             if self.cuda:
@@ -237,7 +267,8 @@ class ActivationOffload:
 
     def _fetch(self, layer: int) -> None:
         """Start bringing back every tensor of `layer` not already on its way."""
-        todo = [e for e in self._entries if e.layer == layer and e.gpu is None and not e.unpacked]
+        self._fetched.add(layer)
+        todo = [e for e in self._by_layer.get(layer, ()) if e.gpu is None and not e.unpacked]
         if not todo:
             return
         if not self.cuda:
@@ -248,12 +279,17 @@ class ActivationOffload:
         buffers = [torch.empty_strided(e.size, e.stride, dtype=e.host.dtype, device=e.device) for e in todo]
         self._h2d.wait_stream(compute)  # their memory is free on the compute stream from here on
         with torch.cuda.stream(self._h2d):
+            waited = set()
             for e, gpu in zip(todo, buffers):
-                self._h2d.wait_event(e.copied)
+                if id(e.copied) not in waited:  # the layer's tensors share one event
+                    self._h2d.wait_event(e.copied)
+                    waited.add(id(e.copied))
                 _fill(gpu, e, non_blocking=True)
                 gpu.record_stream(self._h2d)
-                e.gpu, e.ready = gpu, torch.cuda.Event()
-                e.ready.record(self._h2d)
+            ready = torch.cuda.Event()  # one for the layer: backward uses its tensors together
+            ready.record(self._h2d)
+        for e, gpu in zip(todo, buffers):
+            e.gpu, e.ready = gpu, ready
 
     @staticmethod
     def _rebuilt(e: _Saved) -> torch.Tensor:
@@ -264,10 +300,28 @@ class ActivationOffload:
 
     def prefetch_below(self, index: int) -> None:
         """Backward is about to run layer `index`: start bringing back the nearest offloaded layer below it, which
-        backward needs next (called by a hook on layer `index`'s output, whose gradient is complete just then)."""
-        below = [i for i in self._layer_order if i < index]
-        if below:
-            self._fetch(max(below))
+        backward needs next (called by a hook on layer `index`'s output, whose gradient is complete just then), and
+        on a GPU the ones below that as far as the memory freed since backward began allows (module docstring)."""
+        below = sorted((i for i in self._layer_order if i < index), reverse=True)
+        if not below:
+            return
+        if below[0] not in self._fetched:
+            self._fetch(below[0])
+        if not self.cuda:
+            return
+        now = torch.cuda.memory_allocated(self.device)
+        if self._backward_base is None:
+            self._backward_base = now
+        room = self._backward_base - now  # what backward has freed; fetched buffers already count in `now`
+        for layer in below[1:]:
+            if layer in self._fetched:
+                continue  # on its way already
+            need = self._layer_bytes.get(layer, 0)
+            if need > room:
+                break
+            self._fetch(layer)
+            self.stats.fetched_ahead += 1
+            room -= need
 
     def wrap(self, index: int, call, offloaded: bool = True):
         """`call` (a layer's call) with its saved tensors offloaded under layer index `index` (`offloaded` False:
@@ -286,7 +340,10 @@ class ActivationOffload:
             extras = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
             self._skip = self._model_storages | {_storage_ptr(t) for t in _tensors(extras)}
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self.pack, index), self.unpack):
-                return signal(call(*args, **kwargs))
+                output = call(*args, **kwargs)
+            if self.cuda:
+                self._flush()
+            return signal(output)
 
         wrapped._agoq_offload = self
         return wrapped

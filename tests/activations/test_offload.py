@@ -195,6 +195,20 @@ def test_layers_above_start_the_prefetch():
     assert offload.stats.fetched_on_demand == 2  # layer 2, once per micro-batch
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="prefetch depth follows the GPU's allocated bytes")
+def test_backward_fetches_further_ahead_into_the_memory_it_freed():
+    """Layers 0-2 offloaded under seven kept ones: by the time backward reaches layer 3, the kept layers above
+    have freed more than layers 1 and 0 need, so they start early (fetched_ahead), nothing is fetched on demand,
+    and the gradients are the same bits as without offload."""
+    batches = [batch(12), batch(13)]
+    ref = train_steps(make_model("bf16", layers=10), batches)
+    model = make_model("bf16", layers=10)
+    offload = apply_offload(model, layers=[0, 1, 2], min_bytes=0)
+    assert_same(train_steps(model, batches, offload), ref)
+    assert offload.stats.fetched_on_demand == 0
+    assert offload.stats.fetched_ahead >= 2 * len(batches) - 1
+
+
 def test_a_new_micro_batch_lets_go_of_tensors_backward_never_asked_for():
     """Autograd can save a tensor its backward never reads: the next micro-batch still empties the pool (else it
     would grow every step) and counts it."""
