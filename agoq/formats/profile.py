@@ -94,6 +94,13 @@ class ProfileData:
     def model_config(self) -> Optional[dict]:
         return self.header["model"].get("config")
 
+    @property
+    def host_link(self) -> Optional[dict[str, Any]]:
+        """The pinned host link measured under compute (agoq.profiler.host_link; docs/formats.md), None when not
+        measured (CPU profiles, older profiles): `d2h_bytes_per_second`, `h2d_bytes_per_second` (bytes/s),
+        `bytes_per_copy` (bytes), `compute_slowdown` (ratio >= 0), `pinnable_bytes` (bytes). Checked by load_profile."""
+        return (self.header.get("timing") or {}).get("host_link")
+
 
 def _schema_check(header: dict, where: Path) -> None:
     schema = header.get("schema")
@@ -105,6 +112,43 @@ def _schema_check(header: dict, where: Path) -> None:
                          f"(expected '{PROFILE_SCHEMA_KIND}/{PROFILE_SCHEMA_MAJOR}')")
     if int(m.group(2)) > PROFILE_SCHEMA_MAJOR:
         raise ValueError(f"{where}: schema: {schema!r} is newer than this agoq reads: upgrade agoq")
+
+
+HOST_LINK_RATES = ("d2h_bytes_per_second", "h2d_bytes_per_second")
+
+
+def _check_host_link(header: dict, where: Path) -> None:
+    """timing.host_link, optional (absent or null: not measured): rates finite and > 0 bytes/s, bytes_per_copy an int
+    > 0, compute_slowdown finite and >= 0, pinnable_bytes an int >= 0."""
+    timing = header.get("timing")
+    if timing is None:
+        return
+    if not isinstance(timing, dict):
+        raise ValueError(f"{where}: timing: must be an object, got {type(timing).__name__}")
+    link = timing.get("host_link")
+    if link is None:
+        return
+    again = "re-run `agoq profile` on the GPU to measure the host link again"
+    if not isinstance(link, dict):
+        raise ValueError(f"{where}: timing.host_link: must be an object, got {type(link).__name__}; {again}")
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    def integer(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    checks = [(key, lambda v: number(v) and v > 0, "a finite number of bytes per second > 0")
+              for key in HOST_LINK_RATES]
+    checks += [("bytes_per_copy", lambda v: integer(v) and v > 0, "an integer number of bytes > 0"),
+               ("compute_slowdown", lambda v: number(v) and v >= 0, "a finite ratio >= 0"),
+               ("pinnable_bytes", lambda v: integer(v) and v >= 0, "an integer number of bytes >= 0")]
+    for key, ok, what in checks:
+        if key not in link or link[key] is None:
+            got = "missing" if key not in link else "null (not a finite number when written)"
+            raise ValueError(f"{where}: timing.host_link.{key}: {got}; must be {what}; {again}")
+        if not ok(link[key]):
+            raise ValueError(f"{where}: timing.host_link.{key}: must be {what}, got {link[key]!r}; {again}")
 
 
 def _check_table(table: pd.DataFrame, num_layers: int, where: Path) -> pd.DataFrame:
@@ -164,6 +208,7 @@ def load_profile(path: str | Path) -> ProfileData:
     for key in ("fingerprint", "num_layers"):
         if key not in model:
             raise ValueError(f"{header_path}: model.{key}: missing")
+    _check_host_link(header, header_path)
     try:
         table = pd.read_csv(table_path) if table_path.suffix == ".csv" else pd.read_parquet(table_path)
     except Exception as e:  # pyarrow raises several types for a damaged file

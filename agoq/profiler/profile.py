@@ -21,6 +21,7 @@ from agoq.activations.policy import KINDS, split_layers
 from agoq.activations.saved_bytes import find_decoder_layers
 from agoq.environment import hardware, software_versions
 from agoq.formats.profile import SCHEMA, write_profile_files
+from agoq.profiler.host_link import measure_host_link
 from agoq.profiler.kernel_time import (
     attention_rerun_time,
     layer_forward_seconds,
@@ -188,6 +189,12 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
     except Exception as e:  # noqa: BLE001
         failures.append({"what": "layer forward times", "error": _short(e)})
     lap("kernel_times")
+    if device.type == "cuda":  # pinned copies each way under compute, for pricing activation offload
+        try:
+            timing["host_link"] = measure_host_link(device)
+        except Exception as e:  # noqa: BLE001
+            failures.append({"what": "host link", "error": _short(e)})
+        lap("host_link")
 
     # sensitivities
     measurements = [Measurement(layer, k, o.option, o.format) for layer in range(num_layers) for k in KINDS
