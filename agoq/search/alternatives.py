@@ -6,6 +6,10 @@ micro-batch x accumulation split of the same global batch, in every compile mode
   bf16                         every layer unmodified, nothing recomputed (ChoiceProblem.evaluate of all-16)
   selective / full checkpointing  each layer kept whole or checkpointed, the fastest that fits
                                (costs.checkpointing_only solved for time by the MILP); full when every layer is
+  bf16 + offload K layers      where the profile measured the host link: every layer unmodified, the first K layers'
+                               bf16 activations kept in pinned host memory (side-stream copies, prefetched in
+                               backward: ordinary offload, as torchtune's or TransformerEngine's), the least K
+                               that fits, priced by the same offload model as plans (agoq.search.problem.OffloadPrices)
   torch.compile activation_memory_budget B   compiled only, measured: the profile's measured steps under a
                                budget (agoq.search.timing; step seconds and peak at their split and optimizer; the
                                peak is moved by the state's bytes, the step by what the optimizer was measured to
@@ -49,6 +53,7 @@ class PricedAlternative:
     fits: bool
     checkpoint_layers: list = field(default_factory=list)
     activation_memory_budget: Optional[float] = None
+    offload_layers: list = field(default_factory=list)  # layers whose activations are kept in host memory
     activation_bytes_per_stage: Optional[list] = None  # what the layers keep (None: not modelled, compile's budget)
     memory_per_stage: Optional[list] = None            # the peak's parts (agoq.search.memory_parts; None: measured)
 
@@ -57,7 +62,7 @@ class PricedAlternative:
         out = {"name": self.name, "compile": self.compile,
                "optimizer": {"name": self.optimizer, "master": self.master}, "gradients": "bf16",
                "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
-               "checkpoint_layers": list(self.checkpoint_layers),
+               "checkpoint_layers": list(self.checkpoint_layers), "offload_layers": list(self.offload_layers),
                "activation_memory_budget": self.activation_memory_budget,
                "predicted": {"step_seconds": self.step_seconds, "peak_bytes": self.peak_bytes,
                              "tokens_per_second": self.tokens_per_second,
@@ -103,6 +108,9 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                                              _tokens(profile, mb, accum, bf16["step_seconds"]), peak <= budget,
                                              activation_bytes_per_stage=bf16["activation_bytes_per_stage"],
                                              memory_per_stage=_parts(problem, sixteen, none)))
+                if problem.offload is not None and peak > budget:
+                    out += _offload_alternative(problem, profile, budget, compile_mode, optimizer, master, mb, accum,
+                                                sixteen)
                 if problem.allow_checkpoint:
                     ckpt_problem = checkpointing_only(problem)
                     try:
@@ -130,10 +138,32 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
     return out
 
 
-def _parts(problem, chosen: np.ndarray, checkpoint: np.ndarray) -> Optional[list]:
+def _offload_alternative(problem, profile: ProfileData, budget: float, compile_mode: str, optimizer: str,
+                         master: str, mb: int, accum: int, sixteen: np.ndarray) -> list:
+    """bf16 with its first K layers' activations in host memory, the least K that fits `budget` within the host
+    budget ([] when none does)."""
+    L = problem.num_layers
+    none = np.zeros(L, dtype=bool)
+    for k in range(1, L + 1):
+        offload = np.arange(L) < k
+        figures = problem.evaluate(sixteen, none, offload)
+        if figures["host_bytes"] > problem.offload.host_budget_bytes:
+            return []
+        peak = max(figures["peak_bytes_per_stage"])
+        if peak <= budget:
+            seconds = figures["step_seconds"]
+            return [PricedAlternative(_label(compile_mode, f"bf16 + offload {k}/{L} layers", optimizer, mb, accum),
+                                      compile_mode, optimizer, master, mb, accum, seconds, peak,
+                                      _tokens(profile, mb, accum, seconds), True, offload_layers=list(range(k)),
+                                      activation_bytes_per_stage=figures["activation_bytes_per_stage"],
+                                      memory_per_stage=_parts(problem, sixteen, none, offload))]
+    return []
+
+
+def _parts(problem, chosen: np.ndarray, checkpoint: np.ndarray, offload=None) -> Optional[list]:
     """The peak's parts of a choice (agoq.search.memory_parts), None where the problem does not list them."""
     try:
-        return problem.memory_parts(chosen, checkpoint)
+        return problem.memory_parts(chosen, checkpoint, offload)
     except ValueError:
         return None
 

@@ -62,7 +62,7 @@ from agoq.models.step_peak import head_and_workspace_bytes, head_shape_of
 from agoq.search.collective_times import collective_seconds, has_collective
 from agoq.search.calibration import calibrate_problem
 from agoq.search.layouts import fsdp_exposed_seconds, fsdp_in_flight_bytes, resolve_layout, unit_sizes
-from agoq.search.problem import ChoiceProblem, ProblemSettings
+from agoq.search.problem import ChoiceProblem, OffloadPrices, ProblemSettings
 from agoq.search.timing import compile_modes, prices, profile_compile_mode
 from agoq.search.state import (
     measured_with,
@@ -172,6 +172,43 @@ def _step_times(profile: ProfileData, knobs: ProblemSettings, compile_mode: str,
         notes.append(f"no {compile_mode} checkpoint-all step was measured at micro-batch {mb} x {accum}: no layer is "
                      "checkpointed at these knobs")
     return {"base": base, "laaq": laaq, "checkpoint": checkpoint}
+
+
+def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: float, accum: int, stages: int,
+                   layout: str, notes: list) -> Optional[OffloadPrices]:
+    """What offload costs under these knobs (agoq.search.problem.OffloadPrices), None where it is not offered: not
+    asked for, no host link in the profile (a CPU profile, or one made before agoq measured it), or a layout the
+    runtime cannot offload in (pipeline stages, fsdp).
+
+    The window per micro-batch is the share of the step the decoder layers' forward and backward take (3 x the
+    profile's summed layer forward times against its eager bf16 step at the profiled micro-batch, at most 0.95),
+    times this step per micro-batch, less the first layer (its own backward is the last, with nothing after it to
+    hide a copy under). The compute slowdown the profile measured while both copies ran is charged for as long as
+    the copies run."""
+    if not knobs.allow_offload:
+        return None
+    link = profile.host_link
+    if not link:
+        return None
+    if stages > 1 or layout == "fsdp":
+        notes.append("offload to host memory is not offered: the runtime offloads in one process or under DDP and "
+                     "agoq's sharded layout, not across pipeline stages or under fsdp")
+        return None
+    per_byte = 1.0 / float(link["d2h_bytes_per_second"]) + 1.0 / float(link["h2d_bytes_per_second"])
+    L = profile.num_layers
+    forward = (profile.header.get("timing") or {}).get("layer_forward_seconds") or []
+    sp = prices(profile)
+    eager = sp.seconds("eager", sp.m0, 1) if len(forward) == L else None
+    if eager:
+        share = min(0.95, 3.0 * float(sum(forward)) / float(eager))
+    else:
+        share = 0.6
+        notes.append("the profile has no layer forward times or eager bf16 step: offload's window is taken as 0.6 "
+                     "of the step")
+    window = share * base_seconds / max(accum, 1) * (L - 1) / max(L, 1)
+    host = knobs.host_budget if knobs.host_budget is not None else float(link.get("pinnable_bytes") or 0)
+    slowdown = max(0.0, float(link.get("compute_slowdown") or 0.0))
+    return OffloadPrices(per_byte, window, slowdown * per_byte * accum, host, accum)
 
 
 def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings(), *,
@@ -365,7 +402,8 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     problem = ChoiceProblem(layer, kind, option, memory, seconds, error, stages, checkpoint_memory,
                             checkpoint_seconds, allow_ckpt, unmodified, credit, static, base + comm, 1.0, notes,
                             floor, np.array(in_flight[:S], dtype=float), recompute, laaq, times["laaq"] or 0.0,
-                            static_parts, floor_parts, one_setting_per_stage=compile_mode == "compiled")
+                            static_parts, floor_parts, one_setting_per_stage=compile_mode == "compiled",
+                            offload=offload_prices(profile, knobs, base + comm, accum, S, layout, notes))
     if calibrate:
         calibrate_problem(problem, profile, knobs, compile_mode, mb, accum)
     return problem
@@ -373,12 +411,12 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
 
 def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:
     """The same problem where each layer either keeps everything (16) or is checkpointed whole: the
-    full-or-selective activation checkpointing that agoq competes with."""
+    full-or-selective activation checkpointing that agoq competes with (nothing offloaded)."""
     keep = np.array([o == "16" for o in problem.option])
     idx = np.nonzero(keep)[0]
     return replace(problem, layer=problem.layer[idx], kind=problem.kind[idx], option=[problem.option[i] for i in idx],
                    memory=problem.memory[idx], seconds=problem.seconds[idx], error=problem.error[idx],
-                   notes=list(problem.notes))
+                   notes=list(problem.notes), offload=None)
 
 
 def recipe_choice(problem: ChoiceProblem) -> Optional[np.ndarray]:

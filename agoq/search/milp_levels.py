@@ -41,6 +41,8 @@ RELATIVE = 1e-9  # two levels whose seconds differ by less than this (relative) 
 def count_priced(model) -> bool:
     """Whether `model`'s problem (agoq.search.milp_model.Model) has step seconds that depend only on its counts."""
     p = model.p
+    if getattr(model, "offload", False):  # offloaded bytes are priced by the byte, not by a count
+        return False
     if p.num_stages != 1 or len(p.seconds) == 0 or np.any(p.seconds != 0.0):
         return False
     if p.allow_checkpoint and np.ptp(p.checkpoint_seconds) > 1e-12 * max(1.0, float(np.abs(p.checkpoint_seconds).max())):

@@ -23,6 +23,16 @@ under LAAQ's functions takes it: |x_{l,k,o} - y_{s,k,o}| <= u_l + c_l (and x_{l,
 than 16: implied, but it tightens the linear relaxation). A stage then compiles at most three graphs
 (unmodified, checkpointed, its LAAQ setting).
 
+With offload offered (ChoiceProblem.offload: one stage, a measured host link), o_l (layer l's saved tensors kept in
+host memory), g_l (the bytes it offloads, in MiB: g_l = o_l x the layer's bytes, exact by the big-M rows below),
+h (the largest g_l: backward's first prefetch) and e (milliseconds of link time per micro-batch not hidden by the
+window; OffloadPrices):
+
+  o_l + c_l <= 1,   o_{l+1} <= o_l                   (a prefix of layers: first out, last needed back)
+  g_l <= bytes_l(x, u, w),   g_l <= M_l o_l,   g_l >= bytes_l(x, u, w) - M_l (1 - o_l)
+  h >= g_l,   link_seconds_per_byte x sum_l g_l - e <= window,   sum_l g_l <= host budget
+  memory rows: - g_l (layer l's bytes are on the host) + h;  time: + seconds_per_byte g_l + accum x e
+
 Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically: the
 first objective is solved exactly (relative MIP gap 1e-7) or, where HiGHS cannot prove that within the time
 limit it is given (agoq.search.milp.PRIMARY_SECONDS), the best choice found by then, with `Allocation.gap` the
@@ -92,10 +102,19 @@ class Allocation:
     activation_bytes_per_stage: Optional[list] = None  # what the layers keep (peak less the static part)
     second_gap: float = 0.0   # MIP gap left on the second objective (0: proven optimal)
     gap: float = 0.0          # MIP gap left on the first objective when its time limit stopped it (0: proven)
+    offload: Optional[np.ndarray] = None  # bool per layer: saved tensors kept in host memory (None: none)
+    host_bytes: int = 0       # what the offloaded layers keep on the host, per micro-batch
+    offload_link_seconds: float = 0.0  # the host link's time per micro-batch, out and back
+
+    def offloaded(self) -> np.ndarray:
+        return np.zeros(len(self.checkpoint), dtype=bool) if self.offload is None else np.asarray(self.offload, bool)
 
     def settings(self, problem: ChoiceProblem) -> list[dict]:
         """Per layer: {'checkpoint': bool, 'kinds': {kind: setting}} in Plan form."""
         out = [{"checkpoint": bool(c), "kinds": {k: 16 for k in KINDS}} for c in self.checkpoint]
+        for l, off in enumerate(self.offloaded()):
+            if off:
+                out[l]["offload"] = True
         for i in self.chosen:
             l, kind, opt = int(problem.layer[i]), KINDS[int(problem.kind[i])], problem.option[i]
             out[l]["kinds"][kind] = opt if opt == "recompute" else int(opt)
@@ -115,9 +134,15 @@ class Model:
             for i in range(n):
                 self.settings_of.setdefault((int(p.layer_stage[p.layer[i]]), int(p.kind[i]), p.option[i]),
                                             len(self.settings_of))
+        self.offload = p.offload is not None and S == 1 and L > 0
         self.nv = n + 3 * L + S + len(self.settings_of)   # x, c, u, w, z, y
         self.c0, self.u0, self.w0, self.z0 = n, n + L, n + 2 * L, n + 3 * L
         self.y0 = n + 3 * L + S
+        self.o0 = self.g0 = self.h = self.e = self.nv  # offload's o, g, h, e follow (when offered)
+        if self.offload:
+            self.o0, self.g0 = self.nv, self.nv + L
+            self.h, self.e = self.nv + 2 * L, self.nv + 2 * L + 1
+            self.nv += 2 * L + 2
         laaq = p.laaq_transient()
         rows, cols, vals, lo, hi = [], [], [], [], []
         r = 0
@@ -213,7 +238,7 @@ class Model:
                     lo.append(low)
                     hi.append(high)
                     r += 1
-        self.structure = LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(r, self.nv)).tocsr(), lo, hi)
+        self._rows = (rows, cols, vals, lo, hi, r)
         # which credit variables may be non-zero: only where both 16 options exist
         w_possible = np.zeros(L, dtype=bool)
         for l in range(L):
@@ -223,7 +248,7 @@ class Model:
         upper[self.c0:self.c0 + L] = 1.0 if p.allow_checkpoint else 0.0
         upper[self.w0:self.w0 + L] = w_possible.astype(float)
         upper[self.z0:self.z0 + S] = (laaq > 0).astype(float)
-        self.bounds = Bounds(np.zeros(self.nv), upper)
+        self.integrality = np.ones(self.nv)
         # per-stage memory rows and the time row
         mem = np.zeros((S, self.nv))
         stage_of_opt = p.layer_stage[p.layer]
@@ -234,6 +259,12 @@ class Model:
             0.0 if p.unmodified_calibration is None else p.unmodified_calibration)
         mem[p.layer_stage, self.w0 + np.arange(L)] = -p.shared_credit
         mem[np.arange(S), self.z0 + np.arange(S)] = laaq
+        if self.offload:
+            self._offload_rows(mem, upper)
+        rows, cols, vals, lo, hi, r = self._rows
+        self.structure = LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(r, self.nv)).tocsr(), lo, hi)
+        del self._rows
+        self.bounds = Bounds(np.zeros(self.nv), upper)
         self.memory_rows = mem
         # peaks during the backward of each layer that may be checkpointed (see ChoiceProblem.evaluate)
         flight, extra = p.in_flight_counts(), p.recomputed()
@@ -242,6 +273,8 @@ class Model:
             owner = np.full(self.nv, -1)
             owner[:n] = p.layer
             owner[self.c0:self.c0 + L] = owner[self.u0:self.u0 + L] = owner[self.w0:self.w0 + L] = np.arange(L)
+            if self.offload:
+                owner[self.g0:self.g0 + L] = np.arange(L)  # an earlier layer's bytes on the host are not held
             for l in range(L):
                 s = p.layer_stage[l]
                 row = mem[s] * (flight[s] - 1) / flight[s]
@@ -250,6 +283,8 @@ class Model:
                 own = p.checkpoint_memory[l] + (0.0 if p.checkpoint_calibration is None else p.checkpoint_calibration[l])
                 row[self.c0 + l] += own / flight[s] + extra[l]
                 row[self.z0 + s] = laaq[s]
+                if self.offload:
+                    row[self.h] = MIB
                 rows_l.append(row)
                 stage_l.append(s)
         self.peak_rows = np.vstack([mem] + rows_l) if rows_l else mem
@@ -260,12 +295,70 @@ class Model:
         t[:n] = p.seconds
         t[self.c0:self.c0 + L] = p.checkpoint_seconds - p.laaq_layer_seconds
         t[self.u0:self.u0 + L] = -p.laaq_layer_seconds
+        if self.offload:
+            t[self.g0:self.g0 + L] = MIB * p.offload.seconds_per_byte
+            t[self.e] = 1e-3 * p.offload.grad_accum  # e is in milliseconds
         self.time_row = t
         self.time_constant = p.base_seconds + L * p.laaq_layer_seconds  # step seconds = time_constant + t @ x
         self.levels = Levels(self) if count_priced(self) else None  # step time as a count (agoq.search.milp_levels)
         e = np.zeros(self.nv)
         e[:n] = p.error
         self.error_row = e
+
+    def _offload_rows(self, mem: np.ndarray, upper: np.ndarray) -> None:
+        """The offload variables' rows (module docstring), their bounds and their memory coefficients."""
+        p, L, n = self.p, self.L, self.n
+        rows, cols, vals, lo, hi, r = self._rows
+        o = p.offload
+        owner = np.full(self.nv, -1)
+        owner[:n] = p.layer
+        owner[self.u0:self.u0 + L] = owner[self.w0:self.w0 + L] = np.arange(L)
+        biggest = np.zeros(L)  # M_l: the most any choice of layer l keeps
+        for (l, _k), idx in self.groups.items():
+            biggest[l] += max(0.0, float(mem[0, idx].max()))
+        biggest += np.maximum(0.0, mem[0, self.u0:self.u0 + L])
+        big = np.maximum(biggest, 1.0)
+        scale = max(float(big.max()), 1.0)  # the big-M rows in units of the largest layer: coefficients near 1
+        for l in range(L):
+            mine = np.nonzero((owner == l) & (mem[0] != 0))[0]
+            coef = mem[0, mine] / scale
+            g, ol = self.g0 + l, self.o0 + l
+            # g_l - bytes_l <= 0
+            rows += [r] * (len(mine) + 1); cols += [g] + list(mine); vals += [MIB / scale] + list(-coef)  # noqa: E702
+            lo.append(-np.inf); hi.append(0.0); r += 1  # noqa: E702
+            # g_l - bytes_l - M_l o_l >= -M_l
+            rows += [r] * (len(mine) + 2); cols += [g, ol] + list(mine)  # noqa: E702
+            vals += [MIB / scale, -big[l] / scale] + list(-coef)
+            lo.append(-big[l] / scale); hi.append(np.inf); r += 1  # noqa: E702
+            # g_l - M_l o_l <= 0
+            rows += [r, r]; cols += [g, ol]; vals += [MIB / scale, -big[l] / scale]  # noqa: E702
+            lo.append(-np.inf); hi.append(0.0); r += 1  # noqa: E702
+            # o_l + c_l <= 1
+            rows += [r, r]; cols += [ol, self.c0 + l]; vals += [1.0, 1.0]  # noqa: E702
+            lo.append(-np.inf); hi.append(1.0); r += 1  # noqa: E702
+            # h >= g_l
+            rows += [r, r]; cols += [self.h, g]; vals += [1.0, -1.0]  # noqa: E702
+            lo.append(0.0); hi.append(np.inf); r += 1  # noqa: E702
+            if l + 1 < L:  # o_{l+1} <= o_l
+                rows += [r, r]; cols += [ol + 1, ol]; vals += [1.0, -1.0]  # noqa: E702
+                lo.append(-np.inf); hi.append(0.0); r += 1  # noqa: E702
+        g = list(range(self.g0, self.g0 + L))
+        # link milliseconds per micro-batch - e <= window milliseconds
+        rows += [r] * (L + 1); cols += g + [self.e]  # noqa: E702
+        vals += [MIB * o.link_seconds_per_byte * 1e3] * L + [-1.0]
+        lo.append(-np.inf); hi.append(o.window_seconds * 1e3); r += 1  # noqa: E702
+        # host bytes (MiB) <= budget
+        rows += [r] * L; cols += g; vals += [1.0] * L  # noqa: E702
+        lo.append(-np.inf); hi.append(max(0.0, o.host_budget_bytes) / MIB); r += 1  # noqa: E702
+        self._rows = (rows, cols, vals, lo, hi, r)
+        upper[self.o0:self.o0 + L] = 1.0
+        upper[self.g0:self.g0 + L] = biggest / MIB
+        upper[self.h] = float(biggest.max()) / MIB
+        upper[self.e] = np.inf
+        self.integrality[self.g0:self.g0 + L] = 0
+        self.integrality[self.h] = self.integrality[self.e] = 0
+        mem[0, self.g0:self.g0 + L] = -MIB
+        mem[0, self.h] = MIB
 
     def constraints(self, budgets: np.ndarray, time_cap: Optional[float], error_cap: Optional[float] = None) -> list:
         p = self.p
@@ -298,7 +391,7 @@ class Model:
         primary, _ = self.rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
         options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
-        args = dict(constraints=self.constraints(budgets, time_cap, error_cap), integrality=np.ones(self.nv),
+        args = dict(constraints=self.constraints(budgets, time_cap, error_cap), integrality=self.integrality,
                     bounds=self.bounds)
         res = milp(primary / scale, options=options, **args)
         if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
@@ -312,7 +405,7 @@ class Model:
         return res
 
     def value(self, x: np.ndarray, objective: str) -> float:
-        return float(self.rows(objective)[0] @ np.round(x))
+        return float(self.rows(objective)[0] @ np.where(self.integrality > 0, np.round(x), x))
 
     def solve_second_objective(self, first, budgets: np.ndarray, objective: str, time_cap: Optional[float],
                                tie_limit: Optional[float] = None, error_cap: Optional[float] = None):
@@ -323,6 +416,8 @@ class Model:
         changes = np.zeros(self.nv)  # tensors not kept as they are: quantized or recomputed options, checkpointed layers
         changes[:self.n] = ~self.p.keeps_16bit()
         changes[self.c0:self.c0 + self.L] = 1.0
+        if self.offload:
+            changes[self.o0:self.o0 + self.L] = 1.0  # a layer offloaded
         # HiGHS stops within an absolute gap of 1e-6: the second objective (its largest coefficient 1e3) and the
         # changed tensors (1e-4 each) are scaled so that one changed tensor is well above it
         c = 1e3 * secondary / sec_scale + CHANGE_WEIGHT * changes
@@ -336,7 +431,7 @@ class Model:
         else:  # ties among the optimum's equals
             scale = max(float(np.abs(primary).max()), 1e-30)
             extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + abs(best) * 1e-9 + 1e-12) / scale)]
-        second = milp(c, constraints=self.constraints(budgets, time_cap, error_cap) + extra, integrality=np.ones(self.nv),
+        second = milp(c, constraints=self.constraints(budgets, time_cap, error_cap) + extra, integrality=self.integrality,
                       bounds=bounds, options=options)
         if second.x is None:  # cannot happen (the first answer is feasible); kept as the answer if it does
             first.second_gap = 1.0
@@ -364,9 +459,13 @@ class Model:
         x = np.round(x).astype(int)
         chosen = np.nonzero(x[:self.n])[0]
         ckpt = x[self.c0:self.c0 + self.L].astype(bool)
-        figures = self.p.evaluate(chosen, ckpt)
+        off = x[self.o0:self.o0 + self.L].astype(bool) if self.offload else None
+        if off is not None and not off.any():
+            off = None
+        figures = self.p.evaluate(chosen, ckpt, off)
         return Allocation(chosen, ckpt, figures["peak_bytes_per_stage"], figures["step_seconds"],
-                          figures["grad_error"], figures["activation_bytes_per_stage"], float(second_gap), float(gap))
+                          figures["grad_error"], figures["activation_bytes_per_stage"], float(second_gap), float(gap),
+                          off, figures["host_bytes"], figures["offload_link_seconds"])
 
     def least_peak(self, time_cap: Optional[float], error_cap: Optional[float],
                    time_limit: Optional[float]) -> Optional[Allocation]:
@@ -389,7 +488,7 @@ class Model:
         c[-1] = 1.0
         lb = np.append(self.bounds.lb, 0.0)
         ub = np.append(self.bounds.ub, np.inf)
-        integrality = np.append(np.ones(self.nv), 0)
+        integrality = np.append(self.integrality, 0)
         res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub),
                    options={"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})})
         if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it

@@ -126,9 +126,10 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     """A validated Plan for `alloc` (the choice), `knobs` (block, format, micro-batch, gradient mode ...)."""
     settings = alloc.settings(problem)
     layers = [{"layer": l, "stage": int(problem.layer_stage[l]), **settings[l]} for l in range(problem.num_layers)]
+    offload = alloc.offloaded() if alloc.offloaded().any() else None
     activation = alloc.activation_bytes_per_stage
     if activation is None:
-        activation = problem.evaluate(alloc.chosen, alloc.checkpoint)["activation_bytes_per_stage"]
+        activation = problem.evaluate(alloc.chosen, alloc.checkpoint, offload)["activation_bytes_per_stage"]
     s = profile.settings
     optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     data = {
@@ -148,7 +149,7 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
         "optimizer": {"name": optimizer, "master": master},
         "predicted": {"peak_bytes_per_stage": [int(p) for p in alloc.peak_bytes_per_stage],
                       "activation_bytes_per_stage": activation,
-                      "memory_per_stage": problem.memory_parts(alloc.chosen, alloc.checkpoint),
+                      "memory_per_stage": problem.memory_parts(alloc.chosen, alloc.checkpoint, offload),
                       "step_seconds": float(alloc.step_seconds),
                       "grad_error": float(alloc.grad_error),
                       # errors of several choices add about in quadrature (docs/formats.md); the sum bounds it
@@ -158,6 +159,10 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     }
     data["predicted"]["compile_graphs"], data["predicted"]["compile_seconds"] = compile_cost(
         profile, layers, data["training"]["compile"])
+    if offload is not None:  # layers kept in host memory: what they hold there and the link's time
+        data["predicted"]["host_bytes"] = int(alloc.host_bytes)
+        data["predicted"]["offload_link_seconds"] = float(alloc.offload_link_seconds)
+        data["host_budget_bytes"] = int(problem.offload.host_budget_bytes)
     floors = {k: b for k, b in knobs.floor_bits if b > 2}
     if floors:
         data["source"]["floor_bits"] = floors

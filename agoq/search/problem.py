@@ -32,9 +32,37 @@ class ProblemSettings:
     compile_mode: Optional[str] = None    # "eager" or "compiled" (None: the profile's own mode)
     layout: Optional[str] = None          # replicated, sharded or fsdp (agoq.search.layouts; None: the gradient
                                           # mode's own, sharded for sdp4bit, else replicated)
+    allow_offload: bool = True            # offer keeping layers' saved tensors in pinned host memory (where the
+                                          # profile measured the host link and the layout can run it)
+    host_budget: Optional[float] = None   # bytes of pinned host memory offload may hold (None: the profile's
+                                          # pinnable bytes)
 
     def floors(self) -> dict[str, int]:
         return dict(self.floor_bits)
+
+
+@dataclass(frozen=True)
+class OffloadPrices:
+    """What keeping a layer's saved tensors in pinned host memory costs (agoq.activations.offload), per the profile's
+    measured host link (agoq.profiler.host_link). Offloaded layers are a prefix (layers 0..K-1 of the one stage):
+    their tensors leave first in forward and are needed last in backward.
+
+      link seconds per micro-batch = B x link_seconds_per_byte          (B: bytes offloaded, out then back)
+      exposed seconds per micro-batch = max(0, link seconds - window_seconds)
+      step seconds += grad_accum x exposed + B x seconds_per_byte
+      peak: offloaded layers keep nothing on the GPU at the end of forward; backward's first prefetch brings back
+            one layer before backward has freed anything: + the largest offloaded layer's bytes
+      host: B <= host_budget_bytes
+
+    A copy back waits for the same tensor's copy out, so the two directions form one chain per tensor; the window
+    is the decoder layers' forward and backward, under which the copies run (the profile's layer forward times x 3
+    as a share of its eager bf16 step, applied to this step)."""
+
+    link_seconds_per_byte: float   # 1 / d2h rate + 1 / h2d rate, s/B
+    window_seconds: float          # per micro-batch
+    seconds_per_byte: float        # per step (x accumulation): the compute slowdown while the copies run
+    host_budget_bytes: float
+    grad_accum: int = 1
 
 
 @dataclass
@@ -73,6 +101,7 @@ class ChoiceProblem:
     checkpoint_calibration: Optional[np.ndarray] = None
     one_setting_per_stage: bool = False  # every layer of a stage under LAAQ's functions has the same settings
                                          # (compiled: one graph for them, beside the unmodified and checkpointed)
+    offload: Optional[OffloadPrices] = None  # None: offload is not offered
 
     def laaq_transient(self) -> np.ndarray:
         """Per stage, what the backward of a layer under LAAQ's functions holds beyond the memory model
@@ -110,10 +139,20 @@ class ChoiceProblem:
         """Boolean mask of the '16' options."""
         return np.array([o == "16" for o in self.option])
 
-    def _memory(self, chosen: np.ndarray, ckpt: np.ndarray) -> dict:
+    def offload_mask(self, offload) -> np.ndarray:
+        """`offload` (None, or bool per layer) as a bool array [L]; refused where the problem offers no offload."""
+        if offload is None:
+            return np.zeros(self.num_layers, dtype=bool)
+        mask = np.asarray(offload, dtype=bool)
+        if mask.any() and self.offload is None:
+            raise ValueError("this problem offers no offload (no host link measured, or a layout that cannot run it)")
+        return mask
+
+    def _memory(self, chosen: np.ndarray, ckpt: np.ndarray, offload=None) -> dict:
         """Per stage: the peak (bytes), the phase that sets it (agoq.search.memory_parts) with its checkpointed
         layer, and what the decoder layers hold then ("held") and its rerun layer's bytes ("rerun"); also the
-        activations at the end of forward, the LAAQ transient and the number of layers running LAAQ."""
+        activations at the end of forward, the LAAQ transient, the number of layers running LAAQ, and with
+        `offload` (bool per layer) the bytes on the host and the prefetch reserve per stage."""
         per_layer = np.zeros(self.num_layers)  # bytes each layer adds to its stage (x in-flight)
         np.add.at(per_layer, self.layer[chosen], self.memory[chosen])
         per_layer[ckpt] += self.checkpoint_memory[ckpt]
@@ -134,13 +173,19 @@ class ChoiceProblem:
             if {KINDS.index("attention"), KINDS.index("o_proj_input")} <= kinds16:
                 per_layer[l] -= self.shared_credit[l]
             laaq[l] = not all(self.option[i] == "16" for i in mine)
+        off = self.offload_mask(offload)
+        on_host = np.where(off, np.maximum(per_layer + calibration, 0.0), 0.0)  # what an offloaded layer keeps
+        per_layer[off], calibration[off] = 0.0, 0.0
+        host, reserve = np.zeros(self.num_stages), np.zeros(self.num_stages)
+        np.add.at(host, self.layer_stage, on_host)
+        np.maximum.at(reserve, self.layer_stage, on_host)
         activations, calibrated = np.zeros(self.num_stages), np.zeros(self.num_stages)
         np.add.at(activations, self.layer_stage, per_layer)
         np.add.at(calibrated, self.layer_stage, calibration)
         laaq_stage = np.zeros(self.num_stages, dtype=bool)
         laaq_stage[self.layer_stage[laaq]] = True
         transient = np.where(laaq_stage, self.laaq_transient(), 0.0)
-        mem = self.static_bytes + activations + calibrated + transient
+        mem = self.static_bytes + activations + calibrated + transient + reserve
         phase, at_layer = ["forward_backward"] * self.num_stages, [None] * self.num_stages
         held, rerun, held_calibration = activations.copy(), np.zeros(self.num_stages), calibrated.copy()
         # backward of a checkpointed layer l: the other in-flight micro-batches, this one's layers before l,
@@ -153,7 +198,7 @@ class ChoiceProblem:
                 + self.checkpoint_memory[l] / flight[s]
             kept_calibration = (flight[s] - 1) / flight[s] * calibrated[s] + calibration[earlier].sum() / flight[s] \
                 + calibration[l] / flight[s]
-            during = self.static_bytes[s] + kept + kept_calibration + extra[l] + transient[s]
+            during = self.static_bytes[s] + kept + kept_calibration + extra[l] + transient[s] + reserve[s]
             if during > mem[s]:
                 mem[s], phase[s], at_layer[s], held[s], rerun[s] = during, "checkpoint_backward", int(l), kept, extra[l]
                 held_calibration[s] = kept_calibration
@@ -163,29 +208,43 @@ class ChoiceProblem:
         # whole bytes, rounded up (a fraction of a byte over a budget is over it; 1e-6 absorbs float noise)
         return {"peak": [int(np.ceil(m - 1e-6)) for m in mem], "phase": phase, "layer": at_layer, "held": held,
                 "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum()),
-                "held_calibration": held_calibration}
+                "held_calibration": held_calibration, "host": host, "reserve": reserve}
 
-    def evaluate(self, chosen: np.ndarray, checkpoint: np.ndarray) -> dict:
+    def offload_seconds(self, host_bytes: float) -> dict:
+        """The step seconds `host_bytes` offloaded per micro-batch add, and the link's seconds (OffloadPrices)."""
+        o = self.offload
+        if o is None or host_bytes <= 0:
+            return {"seconds": 0.0, "link_seconds": 0.0, "exposed_seconds": 0.0}
+        link = host_bytes * o.link_seconds_per_byte
+        exposed = max(0.0, link - o.window_seconds)
+        return {"seconds": o.grad_accum * exposed + host_bytes * o.seconds_per_byte, "link_seconds": link,
+                "exposed_seconds": exposed}
+
+    def evaluate(self, chosen: np.ndarray, checkpoint: np.ndarray, offload=None) -> dict:
         """Memory per stage, step seconds and error of a choice.
 
-        `chosen`: option indices (one per (layer, kind) of non-checkpointed layers); `checkpoint`: bool [L].
+        `chosen`: option indices (one per (layer, kind) of non-checkpointed layers); `checkpoint`: bool [L];
+        `offload`: bool [L], layers whose saved tensors are kept in host memory (None: none).
         """
         chosen = np.asarray(chosen, dtype=int)
         ckpt = np.asarray(checkpoint, dtype=bool)
-        m = self._memory(chosen, ckpt)
+        m = self._memory(chosen, ckpt, offload)
+        host = float(m["host"].sum())
+        link = self.offload_seconds(host)
         seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum()) \
-            + self.laaq_layer_seconds * m["laaq_layers"]
+            + self.laaq_layer_seconds * m["laaq_layers"] + link["seconds"]
         return {"peak_bytes_per_stage": m["peak"], "step_seconds": seconds,
                 "grad_error": float(self.error[chosen].sum()),
                 "activation_bytes_per_stage": [int(round(a)) for a in m["activations"]],
-                "peak_phase_per_stage": m["phase"]}
+                "peak_phase_per_stage": m["phase"], "host_bytes": int(np.ceil(host)),
+                "offload_link_seconds": link["link_seconds"], "offload_exposed_seconds": link["exposed_seconds"]}
 
-    def memory_parts(self, chosen: np.ndarray, checkpoint: np.ndarray) -> list[dict]:
+    def memory_parts(self, chosen: np.ndarray, checkpoint: np.ndarray, offload=None) -> list[dict]:
         """Per stage, the phase that sets its peak and the parts of the peak then, in whole bytes adding up to the
         stage's `evaluate` peak (agoq.search.memory_parts; a plan's `predicted.memory_per_stage`)."""
         if self.static_parts is None or (self.floor_bytes is not None and self.floor_parts is None):
             raise ValueError("this problem does not list the parts of its static bytes (build_problem's do)")
-        m = self._memory(np.asarray(chosen, dtype=int), np.asarray(checkpoint, dtype=bool))
+        m = self._memory(np.asarray(chosen, dtype=int), np.asarray(checkpoint, dtype=bool), offload)
         out = []
         for s in range(self.num_stages):
             if m["phase"][s] == "optimizer_step":
@@ -197,8 +256,10 @@ class ChoiceProblem:
                 if m["phase"][s] == "checkpoint_backward":
                     parts["recomputed_layer"] = float(m["rerun"][s])
                 parts["laaq_transient"] = float(m["transient"][s])
+                if m["reserve"][s] > 0:
+                    parts["offload_prefetch"] = float(m["reserve"][s])
             out.append(stage_entry(s, m["phase"][s], m["layer"][s], parts, m["peak"][s]))
         return out
 
 
-__all__ = ["ProblemSettings", "ChoiceProblem"]
+__all__ = ["ProblemSettings", "ChoiceProblem", "OffloadPrices"]
