@@ -109,6 +109,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                "(default: the profiled micro-batch)")
     field("micro_batch", default=None, metavar="SEQUENCES",
           help="fix the micro-batch (it must divide the global batch; default: try every divisor)")
+    field("offload", choices=(True, False), default=True, metavar="on|off",
+          help="whether whole layers' saved tensors (bf16, or agoq's codes) may be kept in pinned host memory, "
+               "priced by the host link the profile measured (GPU profiles since it measures it): on (default) "
+               "or off")
+    field("host_budget", default=None, metavar="SIZE",
+          help="pinned host memory offload may hold per process, e.g. 64GB (default: the profile's pinnable "
+               "bytes, half of the host memory available when it was made)")
     field("trials", default=None,
           help="Optuna trials the study should hold in total (default 40 with --method optuna/both)")
     field("sampler", choices=SAMPLERS, default="nsga2",

@@ -85,15 +85,18 @@ def _label(compile_mode: str, what: str, optimizer: str, mb: int, accum: int) ->
 
 
 def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[int, int]],
-                       compile_modes: list[str]) -> list[PricedAlternative]:
+                       compile_modes: list[str], *, offload: bool = True,
+                       host_budget: Optional[float] = None) -> list[PricedAlternative]:
     """Every alternative of the module docstring at `budget` bytes (largest stage), for each (micro_batch,
-    grad_accum) of `splits` and each compile mode; priced with bf16 gradients."""
+    grad_accum) of `splits` and each compile mode; priced with bf16 gradients (`offload` False: none offloads;
+    `host_budget`: bytes offload may pin, None the profile's pinnable bytes)."""
     out: list[PricedAlternative] = []
     for compile_mode in compile_modes:
         for mb, accum in splits:
             for optimizer, master in OPTIMIZERS:
                 knobs = ProblemSettings(gradient_mode="bf16", optimizer=optimizer, master=master,
-                                        compile_mode=compile_mode, micro_batch=mb, grad_accum=accum)
+                                        compile_mode=compile_mode, micro_batch=mb, grad_accum=accum,
+                                        allow_offload=offload, host_budget=host_budget)
                 try:
                     problem = build_problem(profile, knobs)
                 except ValueError:

@@ -24,7 +24,7 @@ than 16: implied, but it tightens the linear relaxation). A stage then compiles 
 (unmodified, checkpointed, its LAAQ setting).
 
 With offload offered (ChoiceProblem.offload: one stage, a measured host link), o_l (layer l's saved tensors kept in
-host memory), g_l (the bytes it offloads, in MiB: g_l = o_l x the layer's bytes, exact by the big-M rows below),
+host memory), g_l (the bytes it offloads, in the memory rows' unit: g_l = o_l x the layer's bytes, exact by the big-M rows below),
 h (the largest g_l: backward's first prefetch) and e (milliseconds of link time per micro-batch not hidden by the
 window; OffloadPrices):
 
@@ -259,7 +259,9 @@ class Model:
             0.0 if p.unmodified_calibration is None else p.unmodified_calibration)
         mem[p.layer_stage, self.w0 + np.arange(L)] = -p.shared_credit
         mem[np.arange(S), self.z0 + np.arange(S)] = laaq
-        if self.offload:
+        # memory rows in units that keep coefficients near 1 (HiGHS's numerics and speed), at most a MiB
+        self.unit = float(min(MIB, max(1.0, 2.0 ** np.floor(np.log2(max(float(np.abs(mem).max()), 1.0) / 1e3)))))
+        if self.offload:  # its bytes variables are in self.unit bytes
             self._offload_rows(mem, upper)
         rows, cols, vals, lo, hi, r = self._rows
         self.structure = LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(r, self.nv)).tocsr(), lo, hi)
@@ -284,19 +286,17 @@ class Model:
                 row[self.c0 + l] += own / flight[s] + extra[l]
                 row[self.z0 + s] = laaq[s]
                 if self.offload:
-                    row[self.h] = MIB
+                    row[self.h] = self.unit
                 rows_l.append(row)
                 stage_l.append(s)
         self.peak_rows = np.vstack([mem] + rows_l) if rows_l else mem
         self.peak_stage = np.array(list(range(S)) + stage_l)
-        # memory rows in units that keep coefficients near 1 (HiGHS's numerics and speed), at most a MiB
-        self.unit = float(min(MIB, max(1.0, 2.0 ** np.floor(np.log2(max(float(np.abs(mem).max()), 1.0) / 1e3)))))
         t = np.zeros(self.nv)
         t[:n] = p.seconds
         t[self.c0:self.c0 + L] = p.checkpoint_seconds - p.laaq_layer_seconds
         t[self.u0:self.u0 + L] = -p.laaq_layer_seconds
         if self.offload:
-            t[self.g0:self.g0 + L] = MIB * p.offload.seconds_per_byte
+            t[self.g0:self.g0 + L] = self.unit * p.offload.seconds_per_byte
             t[self.e] = 1e-3 * p.offload.grad_accum  # e is in milliseconds
         self.time_row = t
         self.time_constant = p.base_seconds + L * p.laaq_layer_seconds  # step seconds = time_constant + t @ x
@@ -307,7 +307,7 @@ class Model:
 
     def _offload_rows(self, mem: np.ndarray, upper: np.ndarray) -> None:
         """The offload variables' rows (module docstring), their bounds and their memory coefficients."""
-        p, L, n = self.p, self.L, self.n
+        p, L, n, gu = self.p, self.L, self.n, self.unit
         rows, cols, vals, lo, hi, r = self._rows
         o = p.offload
         owner = np.full(self.nv, -1)
@@ -324,14 +324,14 @@ class Model:
             coef = mem[0, mine] / scale
             g, ol = self.g0 + l, self.o0 + l
             # g_l - bytes_l <= 0
-            rows += [r] * (len(mine) + 1); cols += [g] + list(mine); vals += [MIB / scale] + list(-coef)  # noqa: E702
+            rows += [r] * (len(mine) + 1); cols += [g] + list(mine); vals += [gu / scale] + list(-coef)  # noqa: E702
             lo.append(-np.inf); hi.append(0.0); r += 1  # noqa: E702
             # g_l - bytes_l - M_l o_l >= -M_l
             rows += [r] * (len(mine) + 2); cols += [g, ol] + list(mine)  # noqa: E702
-            vals += [MIB / scale, -big[l] / scale] + list(-coef)
+            vals += [gu / scale, -big[l] / scale] + list(-coef)
             lo.append(-big[l] / scale); hi.append(np.inf); r += 1  # noqa: E702
             # g_l - M_l o_l <= 0
-            rows += [r, r]; cols += [g, ol]; vals += [MIB / scale, -big[l] / scale]  # noqa: E702
+            rows += [r, r]; cols += [g, ol]; vals += [gu / scale, -big[l] / scale]  # noqa: E702
             lo.append(-np.inf); hi.append(0.0); r += 1  # noqa: E702
             # o_l + c_l <= 1
             rows += [r, r]; cols += [ol, self.c0 + l]; vals += [1.0, 1.0]  # noqa: E702
@@ -345,20 +345,20 @@ class Model:
         g = list(range(self.g0, self.g0 + L))
         # link milliseconds per micro-batch - e <= window milliseconds
         rows += [r] * (L + 1); cols += g + [self.e]  # noqa: E702
-        vals += [MIB * o.link_seconds_per_byte * 1e3] * L + [-1.0]
+        vals += [gu * o.link_seconds_per_byte * 1e3] * L + [-1.0]
         lo.append(-np.inf); hi.append(o.window_seconds * 1e3); r += 1  # noqa: E702
         # host bytes (MiB) <= budget
         rows += [r] * L; cols += g; vals += [1.0] * L  # noqa: E702
-        lo.append(-np.inf); hi.append(max(0.0, o.host_budget_bytes) / MIB); r += 1  # noqa: E702
+        lo.append(-np.inf); hi.append(max(0.0, o.host_budget_bytes) / gu); r += 1  # noqa: E702
         self._rows = (rows, cols, vals, lo, hi, r)
         upper[self.o0:self.o0 + L] = 1.0
-        upper[self.g0:self.g0 + L] = biggest / MIB
-        upper[self.h] = float(biggest.max()) / MIB
+        upper[self.g0:self.g0 + L] = biggest / gu
+        upper[self.h] = float(biggest.max()) / gu
         upper[self.e] = np.inf
         self.integrality[self.g0:self.g0 + L] = 0
         self.integrality[self.h] = self.integrality[self.e] = 0
-        mem[0, self.g0:self.g0 + L] = -MIB
-        mem[0, self.h] = MIB
+        mem[0, self.g0:self.g0 + L] = -gu
+        mem[0, self.h] = gu
 
     def constraints(self, budgets: np.ndarray, time_cap: Optional[float], error_cap: Optional[float] = None) -> list:
         p = self.p

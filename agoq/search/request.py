@@ -56,6 +56,10 @@ class KnobSpace:
     compile_modes: Optional[tuple] = None       # subset of eager, compiled
     global_batch: Optional[int] = None          # sequences per optimizer step (None: the profile's micro-batch)
     micro_batches: Optional[tuple] = None       # micro-batch sizes to try (None: every divisor of global_batch)
+    offload: bool = True                        # layers' saved tensors may go to pinned host memory (where the
+                                                # profile measured the host link)
+    host_budget: Optional[int] = None           # bytes of pinned host memory offload may hold (None: the profile's
+                                                # pinnable bytes)
 
 
 class BadField(ValueError):
@@ -166,6 +170,21 @@ def _yes_no(value: Any) -> bool:
     return value
 
 
+def _on_off(value: Any) -> bool:
+    """true/false, or the words on/off (the command line's)."""
+    words = {"on": True, "off": False, "true": True, "false": False}
+    if isinstance(value, str) and value.lower() in words:
+        return words[value.lower()]
+    if not isinstance(value, bool):
+        raise ValueError(f"expected on or off (true or false), got {excerpt(value)}")
+    return value
+
+
+def read_host_budget(value: Any) -> Optional[int]:
+    """Bytes of pinned host memory, as a budget is written (None: the profile's pinnable bytes)."""
+    return None if value is None else read_budget(value)
+
+
 RULES: dict[str, Callable[[Any], Any]] = {
     "budget": read_budget,
     "objective": _one_of(OBJECTIVES),
@@ -187,9 +206,12 @@ RULES: dict[str, Callable[[Any], Any]] = {
     "compile": _one_of(COMPILE_MODES),
     "global_batch": _whole(1, optional=True),
     "micro_batch": _whole(1, optional=True),
+    "offload": _on_off,
+    "host_budget": read_host_budget,
 }
-KNOB_WORDS = ("gradients", "layout", "optimizer", "master", "compile", "global_batch", "micro_batch")
-NONE_IS_A_VALUE = ("time_cap", "error_cap", "global_batch", "micro_batch")  # the rules that take None
+KNOB_WORDS = ("gradients", "layout", "optimizer", "master", "compile", "global_batch", "micro_batch", "offload",
+              "host_budget")
+NONE_IS_A_VALUE = ("time_cap", "error_cap", "global_batch", "micro_batch", "host_budget")  # the rules that take None
 
 
 def read_field(field: str, value: Any) -> Any:
@@ -202,14 +224,17 @@ def read_field(field: str, value: Any) -> Any:
 
 def knob_space(gradients: str = "any", layout: str = "any", optimizer: str = "any", master: str = "fp32",
                compile: str = "any", global_batch: Optional[int] = None,
-               micro_batch: Optional[int] = None) -> KnobSpace:
+               micro_batch: Optional[int] = None, offload: bool = True,
+               host_budget: Optional[int] = None) -> KnobSpace:
     """The KnobSpace of the knob words: one value each, or "any" (every value the profile prices; masters 'any':
-    fp32 and none); `micro_batch` fixes the micro-batch, else every divisor of the global batch is tried."""
+    fp32 and none); `micro_batch` fixes the micro-batch, else every divisor of the global batch is tried;
+    `offload` False keeps every saved tensor on the GPU; `host_budget` bounds what offload pins."""
     def one(word: str) -> Optional[tuple]:
         return None if word == "any" else (word,)
     return KnobSpace(gradient_modes=one(gradients), layouts=one(layout), optimizers=one(optimizer),
                      masters=("fp32", "none") if master == "any" else (master,), compile_modes=one(compile),
-                     global_batch=global_batch, micro_batches=None if micro_batch is None else (micro_batch,))
+                     global_batch=global_batch, micro_batches=None if micro_batch is None else (micro_batch,),
+                     offload=offload, host_budget=host_budget)
 
 
 @dataclass(frozen=True)
@@ -276,5 +301,5 @@ def cap_defaults() -> dict[str, Any]:
 
 
 __all__ = ["SearchRequest", "KnobSpace", "BadField", "InfeasibleBudget", "read_field", "knob_space",
-           "cap_defaults", "RULES", "WORDS", "KNOB_WORDS", "CAP_FIELDS", "MAX_BUDGET_BYTES", "DEFAULT_OBJECTIVE",
+           "cap_defaults", "read_host_budget", "RULES", "WORDS", "KNOB_WORDS", "CAP_FIELDS", "MAX_BUDGET_BYTES", "DEFAULT_OBJECTIVE",
            "DEFAULT_ERROR_CAP", "DEFAULT_TIME_CAP", "CHECKPOINT_CAP", "RECIPE_CAP", "MASTER_CHOICES"]

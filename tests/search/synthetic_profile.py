@@ -70,12 +70,12 @@ def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_lay
                   bits=BITS, step_seconds: float | None = 0.05, layer_forward: bool = False,
                   optimizer_step_bytes: int | None = None, laaq_transient: int | None = None,
                   fsdp_collectives: bool = False, link_bytes_per_second: float = 1e10,
-                  compile_modes: tuple = ("eager",), step_peaks: bool = False) -> Path:
+                  compile_modes: tuple = ("eager",), step_peaks: bool = False, host_link: dict | None = None) -> Path:
     """A profile of `model` at micro-batch x seq_len tokens; returns the folder. `collectives`: all-reduce
     timings of nccl-bf16, quangrad8 and sdp4bit, factor x message bytes / `link_bytes_per_second` seconds;
     `fsdp_collectives` adds the all-gather (nccl-bf16) and reduce-scatter (nccl-bf16, sdp4bit) FSDP2 needs.
     With `step_seconds`, the measured steps the search prices from (`synthetic_steps`) in each of `compile_modes`,
-    with peaks when `step_peaks`."""
+    with peaks when `step_peaks`. `host_link`: the profile's timing.host_link (agoq.profiler.host_link)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     m = build(model, device="meta", num_layers=num_layers)
@@ -146,6 +146,8 @@ def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_lay
         header["memory"]["fixed_bytes_optimizer_step"] = optimizer_step_bytes
     if layer_forward:
         header["timing"] = {"layer_forward_seconds": [rng.uniform(1e-3, 2e-3) for _ in range(L)]}
+    if host_link is not None:
+        header.setdefault("timing", {})["host_link"] = host_link
     (folder / "profile.json").write_text(json.dumps(header, indent=2))
     if collectives:
         coll = []

@@ -3,14 +3,21 @@ options, checkpointed layers and offloaded prefix is evaluated by the cost model
 finds the same least step time at every budget, within the host budget; its plan's layers say which are offloaded."""
 
 import itertools
+import json
 import random
+import shutil
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from agoq.formats.profile import load_profile
+from agoq.search.knobs import budget_bounds
 from agoq.search.milp import InfeasibleBudget, Solver
 from agoq.search.problem import OffloadPrices
+from agoq.search.request import KnobSpace
+from agoq.search.search import plan_from_profile
+from tests.search.synthetic_profile import write_profile
 from tests.search.test_milp import random_problem
 
 
@@ -113,3 +120,33 @@ def test_exposed_link_time_is_priced():
     expected = o.grad_accum * max(0.0, host * o.link_seconds_per_byte - o.window_seconds) + host * o.seconds_per_byte
     assert f["step_seconds"] - base["step_seconds"] == pytest.approx(expected, rel=1e-9, abs=1e-12), f"seed {seed}"
     assert f["offload_link_seconds"] == pytest.approx(host * o.link_seconds_per_byte)
+
+
+def test_a_profile_with_a_host_link_plans_offload_below_what_fits_without(tmp_path):
+    """From a profile that measured the host link, a budget below the least that fits without offload gets a plan
+    that offloads a prefix of layers: valid, within its budget and host budget, its memory parts adding up to its
+    peak; with offload off the same budget is refused; a profile without a host link never offloads."""
+    seed, rng = fresh_rng()
+    link = {"d2h_bytes_per_second": rng.uniform(2e10, 6e10), "h2d_bytes_per_second": rng.uniform(2e10, 6e10),
+            "bytes_per_copy": 256 << 20, "compute_slowdown": rng.uniform(0.0, 0.05), "pinnable_bytes": 10**11}
+    folder = write_profile(tmp_path / "p", rng, num_layers=5, layer_forward=True, host_link=link)
+    profile = load_profile(folder)
+    without, _ = budget_bounds(profile, KnobSpace(offload=False))
+    least, _ = budget_bounds(profile)
+    assert least < without, f"seed {seed}"
+    budget = (least + without) // 2
+    plan = plan_from_profile(profile, budget, error_cap=None)
+    offloaded = plan.offload_layers()
+    assert offloaded and offloaded == list(range(len(offloaded))), f"seed {seed}"
+    assert max(plan.predicted.peak_bytes_per_stage) <= budget
+    assert 0 < plan.predicted.host_bytes <= plan.host_budget_bytes == link["pinnable_bytes"]
+    for stage in plan.predicted.memory_per_stage:
+        assert sum(stage.parts.values()) == plan.predicted.peak_bytes_per_stage[stage.stage]
+    with pytest.raises(InfeasibleBudget):
+        plan_from_profile(profile, budget, error_cap=None, space=KnobSpace(offload=False))
+    header = json.loads((folder / "profile.json").read_text())
+    del header["timing"]["host_link"]  # the same profile, made where the host link was not measured
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    (bare / "profile.json").write_text(json.dumps(header))
+    assert budget_bounds(load_profile(bare))[0] == without

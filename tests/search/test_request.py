@@ -136,6 +136,24 @@ def test_read_from_the_commands_words():
     assert e.value.field == "layout" and "ring" in e.value.problem
 
 
+def test_offload_and_host_budget_words():
+    """Offload on/off and the host budget are read alike from the command line's words and JSON's values; bad ones
+    are refused naming the field."""
+    rng = random.Random()
+    gb = rng.uniform(0.5, 500)
+    for offload, expected in (("off", False), ("on", True), (False, False), (True, True), ("OFF", False)):
+        request = SearchRequest.read({"budget": "3GiB", "offload": offload, "host_budget": f"{gb}GB"})
+        assert request.space.offload is expected
+        assert request.space.host_budget == parse_size(f"{gb}GB")
+    assert SearchRequest.read({"budget": "3GiB", "host_budget": None}).space.host_budget is None
+    assert SearchRequest.read({"budget": "3GiB"}).space == KnobSpace()  # offload on, the profile's pinnable bytes
+    for field, value in (("offload", "maybe"), ("offload", 1), ("host_budget", "-2GB"), ("host_budget", "lots"),
+                         ("host_budget", 0)):
+        with pytest.raises(BadField) as e:
+            SearchRequest.read({"budget": "3GiB", field: value})
+        assert e.value.field == field
+
+
 def test_infeasible_budget_words_and_pickles():
     e = InfeasibleBudget("no choice fits", 4096)
     assert e.advice() == "no choice fits: give budget 4096 or more"
