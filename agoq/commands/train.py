@@ -72,10 +72,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(copied out on a side stream in forward, brought back a layer ahead in backward): all, "
                         "all-but-last (backward needs the last layer's at once), or indices and ranges like 0-5,8; "
                         "under a quantized policy or plan the packed codes travel, 4x fewer bytes than bf16 "
-                        "(one GPU or DDP; default: none)")
+                        "(one GPU, DDP or sharded; default: the plan's offloaded layers, else none; with --plan "
+                        "only the plan's own)")
     p.add_argument("--host-budget", type=float, default=None, metavar="GB",
-                   help="with --offload: the most pinned host memory it may hold; what would pass it stays on the "
-                        "GPU (default: no cap, about one micro-batch of the offloaded layers' activations)")
+                   help="with --offload or a plan that offloads: the most pinned host memory it may hold; what "
+                        "would pass it stays on the GPU (default: the plan's host_budget_bytes, else no cap, about "
+                        "one micro-batch of the offloaded layers' activations)")
     # None: not given, so the plan's value (else eager) applies; given values are checked against a plan
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer on its own (any policy, plan or --checkpoint-all; on the "

@@ -1,4 +1,4 @@
-"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.3``, docs/formats.md).
+"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.4``, docs/formats.md).
 
 A plan says, for one model (by fingerprint), how each decoder layer keeps each tensor kind for
 backward (a bit width 2..8, 16, or "recompute"), which layers are checkpointed whole, how gradients are
@@ -8,7 +8,11 @@ stage, step time and gradient error. Since 1.1 a searched plan also says why it 
 objective, caps, the binding constraint, the knob values) and what it beats (`alternative`: the fastest
 of bf16, checkpointing and torch.compile's memory budget that fits the same budget). Since 1.2 it says what each
 stage's predicted peak is made of (`predicted.memory_per_stage`). 1.0 plans load unchanged (eager, AdamW with
-float32 masters, nothing about the decision); 1.0 and 1.1 plans have no memory parts.
+float32 masters, nothing about the decision); 1.0 and 1.1 plans have no memory parts. Since 1.3 a compiled plan
+may give torch.compile's partitioner budget (`training.activation_memory_budget`). Since 1.4 a layer may be offloaded
+(`layers[*].offload`: its saved tensors kept in pinned host memory during the step), the plan may say the host
+memory it was made for (`host_budget_bytes`), and the prediction what offload holds and moves
+(`predicted.host_bytes`, `predicted.offload_link_seconds`); plans before 1.4 offload nothing and load unchanged.
 
     plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
     plan.activation_policy()               # what the runtime applies: agoq.train.apply.apply_plan
@@ -46,12 +50,13 @@ from agoq.files import read_json_object
 from agoq.layout import GRADIENT_MODES
 from agoq.quant.layout import check_arguments
 
-SCHEMA = "agoq.plan/1.3"
+SCHEMA = "agoq.plan/1.4"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 MEMORY_PHASES = ("forward_backward", "checkpoint_backward", "optimizer_step")  # where a stage's peak is set
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+NO_OFFLOAD_PARALLEL = ("fsdp", "pipeline")  # launch.parallel modes offload cannot run in (agoq.train.preparation)
 
 
 class _Part(BaseModel):
@@ -88,15 +93,19 @@ class ActivationsSpec(_Part):
 
 
 class LayerPlan(_Part):
-    """One decoder layer: its pipeline stage, whether it is checkpointed whole, and each kind's setting.
+    """One decoder layer: its pipeline stage, whether it is checkpointed whole, whether it is offloaded, and each
+    kind's setting.
 
     Kinds left out are kept at 16 bits. A checkpointed layer keeps only its input and reruns its
-    forward in backward, so its kinds must all be 16 (nothing else would be stored).
+    forward in backward, so its kinds must all be 16 (nothing else would be stored). An offloaded layer (since 1.4)
+    keeps what it saves for backward (its quantized codes under LAAQ, else bf16; a checkpointed layer: its input) in
+    pinned host memory during the step: copied out in forward, back in backward (agoq.activations.offload).
     """
 
     layer: int = Field(ge=0)
     stage: int = Field(default=0, ge=0)
     checkpoint: bool = False
+    offload: bool = False
     kinds: dict[str, Union[int, str]] = Field(default_factory=dict, validate_default=True)
 
     @field_validator("kinds")
@@ -226,7 +235,8 @@ class StageMemory(_Part):
 
 class Predicted(_Part):
     """The search's predictions: peak and activation bytes per stage, what each stage's peak is made of, step
-    seconds, gradient error."""
+    seconds, gradient error, and (since 1.4, with offloaded layers) the pinned host bytes they hold per micro-batch
+    and the seconds per step their copies take on the host link."""
 
     peak_bytes_per_stage: list[int] = Field(default_factory=list)
     activation_bytes_per_stage: list[int] = Field(default_factory=list)
@@ -235,6 +245,9 @@ class Predicted(_Part):
     grad_error: Optional[float] = Field(default=None, ge=0)
     compile_graphs: Optional[int] = Field(default=None, ge=0)      # layer graphs torch.compile builds (0: eager)
     compile_seconds: Optional[float] = Field(default=None, ge=0)   # compiling them in a fresh process, once per run
+    host_bytes: Optional[int] = Field(default=None, ge=0)  # pinned host bytes the offloaded layers hold per micro-batch
+    # seconds per step the offload copies keep the host link busy, out (forward) and back (backward) together
+    offload_link_seconds: Optional[float] = Field(default=None, ge=0)
 
     @field_validator("peak_bytes_per_stage", "activation_bytes_per_stage")
     @classmethod
@@ -269,6 +282,7 @@ class Plan(_Part):
     schema_: str = Field(default=SCHEMA, alias="schema")
     model: ModelRef
     budget_bytes: Optional[int] = Field(default=None, ge=1)
+    host_budget_bytes: Optional[int] = Field(default=None, ge=1)  # pinned host memory the plan was made for (1.4)
     activations: ActivationsSpec = Field(default_factory=ActivationsSpec)
     layers: list[LayerPlan]
     gradients: GradientsSpec = Field(default_factory=GradientsSpec)
@@ -314,11 +328,31 @@ class Plan(_Part):
             if values and len(values) != n:
                 raise ValueError(f"predicted.{name}: {len(values)} value(s) for {n} pipeline stage(s)")
         self._memory_adds_up(n)
+        self._offload_runs(n)
         if self.measured is not None and self.measured.peak_bytes_per_stage \
                 and len(self.measured.peak_bytes_per_stage) != n:
             raise ValueError(f"measured.peak_bytes_per_stage: {len(self.measured.peak_bytes_per_stage)} value(s) "
                              f"for {n} pipeline stage(s)")
         return self
+
+    def _offload_runs(self, stages: int) -> None:
+        """Offloaded layers only where the runtime offloads (one process, ddp or sharded), within the host budget."""
+        offloaded = self.offload_layers()
+        if offloaded and stages > 1:
+            raise ValueError(f"layers[*].offload: layer(s) {offloaded} are offloaded in a pipeline of {stages} stages; "
+                             "the runtime offloads in one process, ddp or sharded only: offload no layer, or "
+                             "make the plan for one stage")
+        launch = (self.model_extra or {}).get("launch")
+        parallel = launch.get("parallel") if isinstance(launch, dict) else None
+        if offloaded and parallel in NO_OFFLOAD_PARALLEL:
+            raise ValueError(f"layers[*].offload: layer(s) {offloaded} are offloaded, but launch.parallel is "
+                             f"{parallel!r}; the runtime offloads in one process, ddp or sharded only: offload no "
+                             "layer, or launch the plan in one of those modes")
+        host, budget = self.predicted.host_bytes, self.host_budget_bytes
+        if host is not None and budget is not None and host > budget:
+            raise ValueError(f"predicted.host_bytes: the offloaded layers hold {host} bytes of pinned host memory, "
+                             f"more than the plan's host_budget_bytes ({budget}): offload fewer layers, or make the "
+                             "plan for a larger host budget")
 
     def _memory_adds_up(self, stages: int) -> None:
         memory, peaks = self.predicted.memory_per_stage, self.predicted.peak_bytes_per_stage
@@ -363,6 +397,10 @@ class Plan(_Part):
     def checkpoint_layers(self) -> list[int]:
         """Indices of the layers recomputed whole in backward (activation checkpointing)."""
         return [lp.layer for lp in self.layers if lp.checkpoint]
+
+    def offload_layers(self) -> list[int]:
+        """Indices of the layers whose saved tensors are kept in pinned host memory during the step (since 1.4)."""
+        return [lp.layer for lp in self.layers if lp.offload]
 
     def activation_policy(self) -> ActivationPolicy:
         """The runtime's ActivationPolicy: per-layer settings with the plan's block, format and rounding.
@@ -451,4 +489,5 @@ def load_plan(path: str | os.PathLike, model=None) -> Plan:
 
 __all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec",
            "TrainingSpec", "Predicted", "StageMemory", "Measured", "Source", "OptimizerSpec", "Decision", "Alternative",
-           "Figures", "load_plan", "plan_from_dict", "GRADIENT_MODES", "SCHEDULES", "MEMORY_PHASES"]
+           "Figures", "load_plan", "plan_from_dict", "GRADIENT_MODES", "SCHEDULES", "MEMORY_PHASES",
+           "NO_OFFLOAD_PARALLEL"]

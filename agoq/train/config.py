@@ -73,7 +73,7 @@ class MemoryConfig:
             raise ValueError("give either --plan or --policy, not both (a plan carries its own activation policy)")
         if self.host_budget is not None and not self.host_budget > 0:
             raise ValueError(f"--host-budget must be a positive number of GB, got {self.host_budget}")
-        if self.host_budget is not None and not self.offload:
+        if self.host_budget is not None and not self.offload and not self.plan:  # a plan may offload: see reconcile
             raise ValueError("--host-budget bounds --offload's host memory: give --offload too")
 
 

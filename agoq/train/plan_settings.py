@@ -1,10 +1,11 @@
 """Where a plan and the flags meet: the settings a run takes, its parallel layout, and what run.json records.
 
 A plan decides gradient storage, optimizer and masters, compile mode, micro-batch x accumulation, checkpointed
-layers and (through its `launch`) the parallel mode: unset settings take its values, and a setting given
-otherwise is refused, naming the flag and the plan's value (`check_flags_against_plan`). Without a plan the flags
-and their defaults decide. `reconcile` does it all before anything is built; `record_of_plan` and
-`plan_for_policy` say what run.json records as the plan.
+layers, offloaded layers and (through its `launch`) the parallel mode: unset settings take its values, and a setting
+given otherwise is refused, naming the flag and the plan's value (`check_flags_against_plan`). The plan's offloaded
+layers become the run's `--offload` and its `host_budget_bytes` the run's `--host-budget` unless that flag is given
+(`--host-budget` then bounds the plan's offload). Without a plan the flags and their defaults decide. `reconcile`
+does it all before anything is built; `record_of_plan` and `plan_for_policy` say what run.json records as the plan.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from agoq.activations.offload import parse_offload_layers
 from agoq.formats.plan import SCHEMA, OptimizerSpec
 from agoq.layout import DDP, NONE, PIPELINE, ParallelLayout, check_plan_world, plan_launch, plan_parallel_default, \
     state_kind
@@ -28,7 +30,7 @@ BATCH_DEFAULTS = {"seq_len": 256, "micro_batch": 8, "grad_accum": 1}
 PLAN_FLAGS = {"gradients": "--gradients", "optimizer": "--optimizer", "master": "--master", "compile": "--compile",
               "compile_mode": "--compile-mode", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
               "activation_memory_budget": "--activation-memory-budget",
-              "checkpoint_all": "--checkpoint-all", "parallel": "--parallel"}
+              "checkpoint_all": "--checkpoint-all", "offload": "--offload", "parallel": "--parallel"}
 PLAN_COMPILE_MODE = "default"  # torch.compile's mode a compiled plan was priced in (agoq.profiler.compiled)
 COMPILED_BY_DEFAULT = (NONE, DDP)  # parallel modes compiled by default on CUDA (measured faster compiled)
 
@@ -36,15 +38,19 @@ COMPILED_BY_DEFAULT = (NONE, DDP)  # parallel modes compiled by default on CUDA 
 def plan_settings(plan, parallel: str) -> dict[str, Any]:
     """What `plan` decides for a run in parallel mode `parallel`, named like the run settings: gradient storage,
     optimizer and masters, compile (on/off and torch.compile's mode), micro-batch and accumulation (a pipeline's
-    accumulation is at least its micro-batches), whether every layer is checkpointed, and the parallel mode of its
-    `launch`. What the plan does not record is None (decided by the flags and their defaults): a 1.0 plan has no
-    `optimizer` section, `training.compile` or `launch`."""
+    accumulation is at least its micro-batches), whether every layer is checkpointed, the offloaded layers (a
+    sorted list, [] for none: a plan before 1.4 offloads nothing) and its host budget in GB (`host_budget`), and
+    the parallel mode of its `launch`. What the plan does not record is None (decided by the flags and their
+    defaults): a 1.0 plan has no `optimizer` section, `training.compile` or `launch`."""
     grad_accum = plan.training.grad_accum
     if parallel == PIPELINE:
         grad_accum = max(grad_accum, plan.pipeline.micro_batches)
     decided = {"gradients": plan.gradients.mode, "optimizer": None, "master": None, "compile": None,
                "compile_mode": None, "micro_batch": plan.training.micro_batch, "grad_accum": grad_accum,
                "checkpoint_all": len(plan.checkpoint_layers()) == plan.num_layers,
+               "offload": plan.offload_layers(),
+               # not a flag the plan refuses (`--host-budget` bounds its offload), a default: GB as --host-budget
+               "host_budget": plan.host_budget_bytes / 1e9 if plan.host_budget_bytes else None,
                "parallel": plan_launch(plan).get("parallel")}
     states = plan.states_run_settings()
     if states["optimizer"]:
@@ -61,7 +67,8 @@ def given_settings(cfg: JobConfig) -> dict[str, Any]:
     given = {"gradients": cfg.memory.gradients, "optimizer": cfg.optim.optimizer, "master": cfg.optim.master,
              "compile": cfg.model.compile, "micro_batch": cfg.data.micro_batch, "grad_accum": cfg.data.grad_accum,
              "activation_memory_budget": cfg.model.activation_memory_budget,
-             "checkpoint_all": True if cfg.memory.checkpoint_all else None, "parallel": cfg.parallelism.parallel}
+             "checkpoint_all": True if cfg.memory.checkpoint_all else None, "offload": cfg.memory.offload,
+             "parallel": cfg.parallelism.parallel}
     # ModelConfig fills "default" in for --compile without --compile-mode: a mode is given only beside a
     # compile setting, or on its own when it is not the default
     if cfg.model.compile_mode is not None and (cfg.model.compile is not None or cfg.model.compile_mode != "default"):
@@ -74,6 +81,8 @@ def _flag_text(name: str, value) -> str:
         return "--compile" if value else "--no-compile"
     if name == "checkpoint_all":
         return "--checkpoint-all"
+    if name == "offload":
+        return f"--offload {value.strip()}"
     return f"{PLAN_FLAGS[name]} {value}"
 
 
@@ -87,6 +96,10 @@ def _plan_text(name: str, value, plan) -> str:
         layers = plan.checkpoint_layers()
         return (f"checkpointed layers {layers} of {plan.num_layers}" if layers
                 else f"no checkpointed layer of {plan.num_layers}")
+    if name == "offload":
+        return (f"offloaded layers {_layer_ranges(value)} of {plan.num_layers} (layers[*].offload)" if value
+                else f"no offloaded layer of {plan.num_layers} (it was priced with every layer's tensors on the "
+                     "device)")
     if name == "parallel":
         launch = plan_launch(plan)
         return f"launch parallel {value} ({launch.get('processes', '?')} process(es))"
@@ -96,12 +109,24 @@ def _plan_text(name: str, value, plan) -> str:
     return f"{where} {value}"
 
 
+def _layer_ranges(layers: list[int]) -> str:
+    """Sorted layer indices as `--offload` takes them: [0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
 def check_flags_against_plan(given: dict[str, Any], decided: dict[str, Any], plan, where: str) -> None:
     """Refuse flags that contradict what the plan decides (`plan_settings`), naming each flag and the plan's value.
 
     A flag equal to the plan's value is accepted; a plan without a `launch` decides no parallel mode, and modes of
     one state kind count as the same (`agoq.layout.state_kind`: one process and DDP replicate the state, sharded
-    and fsdp shard it and both run sdp4bit gradients)."""
+    and fsdp shard it and both run sdp4bit gradients). `--offload` counts as the layers it names: it must name the
+    plan's offloaded layers (`--offload none` those of a plan that offloads nothing)."""
     wrong = []
     for name, value in given.items():
         planned = decided.get(name)
@@ -112,6 +137,10 @@ def check_flags_against_plan(given: dict[str, Any], decided: dict[str, Any], pla
             continue  # the plan does not record it (1.0): the flag decides
         if name == "compile_mode" and given.get("compile", decided["compile"]) != decided["compile"]:
             continue  # the compile flag's own contradiction says it
+        if name == "offload":
+            if parse_offload_layers(value, plan.num_layers) != planned:
+                wrong.append(f"{_flag_text(name, value)} contradicts the plan's {_plan_text(name, planned, plan)}")
+            continue
         if value != planned:
             wrong.append(f"{_flag_text(name, value)} contradicts the plan's {_plan_text(name, planned, plan)}")
     if wrong:
@@ -129,8 +158,9 @@ def compile_by_default(device: torch.device, parallel: str) -> bool:
 
 def resolve_settings(cfg: JobConfig, decided: dict[str, Any], parallelism, *, compile_default: bool = False) -> JobConfig:
     """`cfg` with each unset optimizer, master and compile setting taken from `decided` (a plan's, {} without one),
-    else the defaults (adamw, fp32 masters, `compile_default`; torch.compile's mode "default"), and
-    `parallelism`."""
+    else the defaults (adamw, fp32 masters, `compile_default`; torch.compile's mode "default"), the offloaded layers
+    (`--offload`, a layer list like "0-5,8") and their host budget (`--host-budget`, GB) from the flags, else from
+    `decided` (the plan's host budget only where something is offloaded), and `parallelism`."""
     optimizer = cfg.optim.optimizer or decided.get("optimizer") or "adamw"
     master = cfg.optim.master or decided.get("master") or "fp32"
     compile_ = cfg.model.compile if cfg.model.compile is not None else \
@@ -139,7 +169,17 @@ def resolve_settings(cfg: JobConfig, decided: dict[str, Any], parallelism, *, co
     budget = cfg.model.activation_memory_budget or decided.get("activation_memory_budget")
     if budget is not None and not compile_:
         raise ValueError("--activation-memory-budget is torch.compile's partitioner budget: it needs --compile")
-    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer=optimizer, master=master),
+    offload = cfg.memory.offload if cfg.memory.offload is not None else \
+        _layer_ranges(decided["offload"]) if decided.get("offload") else None
+    host_budget = cfg.memory.host_budget
+    if host_budget is None and offload is not None and decided.get("offload"):
+        host_budget = decided.get("host_budget")
+    if cfg.memory.host_budget is not None and not decided.get("offload") and cfg.memory.offload is None:
+        raise ValueError("--host-budget bounds offload's host memory, and the plan offloads no layer: drop "
+                         "--host-budget, or re-run `agoq search` for a plan that offloads")
+    memory = dataclasses.replace(cfg.memory, offload=offload, host_budget=host_budget)
+    return dataclasses.replace(cfg, memory=memory,
+                               optim=dataclasses.replace(cfg.optim, optimizer=optimizer, master=master),
                                model=dataclasses.replace(cfg.model, compile=compile_, compile_mode=mode,
                                                          activation_memory_budget=budget),
                                parallelism=parallelism)

@@ -161,13 +161,19 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
     if memory.checkpoint_all and plan is None:  # a plan it agrees with checkpoints every layer already
         checkpoint = range(model.config.num_hidden_layers)
         policy_name = (policy_name + "+" if policy_name else "") + "checkpoint-all"
-    offload = parse_offload_layers(memory.offload, model.config.num_hidden_layers)
+    # the offload as run: --offload, else the plan's offloaded layers (agoq.train.plan_settings.resolve_settings)
+    offload = parse_offload_layers(cfg.memory.offload, model.config.num_hidden_layers)
     if offload and layout.mode in ("fsdp", "pipeline"):
+        if memory.offload is None:  # the plan's
+            raise ValueError(f"{where}: layers[*].offload: the plan offloads layer(s) {offload}, which runs in one "
+                             f"process or with --parallel ddp or sharded, not {layout.mode}: train it in one of "
+                             "those, or re-run `agoq search` for this layout")
         raise ValueError(f"--offload runs in one process, or with --parallel ddp or sharded, not {layout.mode}: "
                          "leave --offload out, or train without it")
     parallel = ParallelSettings(layout, world, device, dtype, settled.gradients, shape, layer_stage,
                                 cfg.optim.optimizer, cfg.optim.master)
-    host_budget = None if memory.host_budget is None else int(memory.host_budget * 1e9)
+    # GB to bytes, rounded: a plan's host_budget_bytes / 1e9 comes back to the same bytes
+    host_budget = None if cfg.memory.host_budget is None else round(cfg.memory.host_budget * 1e9)
     applied = apply_plan(model, policy=policy, checkpoint=checkpoint,
                          compile_mode=cfg.model.compile_mode if cfg.model.compile else None,
                          memory_budget=cfg.model.activation_memory_budget if cfg.model.compile else None,

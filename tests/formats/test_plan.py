@@ -123,6 +123,10 @@ def _set(d, path, value):
     (("predicted",), {"peak_bytes_per_stage": [1, 2]}, "predicted.peak_bytes_per_stage"),
     (("predicted",), {"step_seconds": -1.0}, "predicted.step_seconds"),
     (("measured",), {"peak_bytes_per_stage": [1, 2, 3]}, "measured.peak_bytes_per_stage"),
+    (("host_budget_bytes",), 0, "host_budget_bytes"),
+    (("layers", 0, "offload"), "sometimes", "layers[0].offload"),
+    (("predicted",), {"host_bytes": -1}, "predicted.host_bytes"),
+    (("predicted",), {"offload_link_seconds": -0.5}, "predicted.offload_link_seconds"),
 ])
 def test_invalid_plans_name_the_field(tmp_path, path, value, field):
     d = _set(_base(), path, value)
@@ -264,7 +268,7 @@ def test_a_1_0_plan_loads_with_the_1_1_defaults():
         data.pop(key, None)
     data["training"].pop("compile", None)
     plan = plan_from_dict(data)
-    assert SCHEMA == "agoq.plan/1.3"
+    assert SCHEMA == "agoq.plan/1.4"
     assert plan.predicted.memory_per_stage == []
     assert (plan.optimizer.name, plan.optimizer.master, plan.training.compile) == ("adamw", "fp32", "eager")
     assert plan.decision is None and plan.alternative is None and plan.alternatives == []
@@ -324,3 +328,85 @@ def test_memory_parts_must_add_up_to_each_stage_peak():
     bad["predicted"]["memory_per_stage"][0]["phase"] = "backward"
     with pytest.raises(ValueError, match=r"memory_per_stage\.0\.phase|memory_per_stage\[0\]\.phase"):
         plan_from_dict(bad)
+
+
+def _offloading_plan(rng, stages=1):
+    """A random 1.4 plan offloading a random non-empty set of layers (checkpointed ones included)."""
+    data = random_plan_dict(rng, 7, stages=stages)
+    offloaded = sorted(rng.sample(range(7), rng.randrange(1, 8)))
+    for lp in data["layers"]:
+        lp["offload"] = lp["layer"] in offloaded
+    data["host_budget_bytes"] = rng.randrange(1, 2**40)
+    data["predicted"].update(host_bytes=rng.randrange(data["host_budget_bytes"] + 1),
+                             offload_link_seconds=rng.random())
+    return data, offloaded
+
+
+def test_a_1_4_plan_with_offloaded_layers_round_trips(tmp_path):
+    """layers[*].offload, host_budget_bytes, predicted.host_bytes and offload_link_seconds are written and read back;
+    offload_layers() lists the offloaded layers in order, checkpointed ones too."""
+    seed, rng = fresh_rng()
+    data, offloaded = _offloading_plan(rng)
+    assert data["schema"] == SCHEMA == "agoq.plan/1.4"
+    plan = plan_from_dict(data)
+    assert plan.offload_layers() == offloaded, seed
+    path = plan.save(tmp_path / "plan.json")
+    again = load_plan(path)
+    assert again == plan and again.offload_layers() == offloaded, seed
+    on_disk = json.loads(path.read_text())
+    assert [lp["offload"] for lp in on_disk["layers"]] == [i in offloaded for i in range(7)]
+    assert on_disk["host_budget_bytes"] == data["host_budget_bytes"]
+    assert on_disk["predicted"]["host_bytes"] == data["predicted"]["host_bytes"]
+    assert on_disk["predicted"]["offload_link_seconds"] == data["predicted"]["offload_link_seconds"]
+    assert again.checkpoint_layers() == [lp["layer"] for lp in data["layers"] if lp["checkpoint"]]
+    # offload does not change the activation policy: a checkpointed offloaded layer is still all 16
+    for i, lp in enumerate(data["layers"]):
+        assert again.activation_policy().settings(i) == lp["kinds"], f"seed {seed} layer {i}"
+    # a replicated or sharded launch offloads
+    for parallel in ("none", "ddp", "sharded"):
+        plan_from_dict({**data, "launch": {"processes": 2, "parallel": parallel}})
+
+
+def test_a_1_3_plan_loads_unchanged_offloading_nothing(tmp_path):
+    rng = random.Random(13)
+    data = random_plan_dict(rng, 4)
+    data["schema"] = "agoq.plan/1.3"
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    plan = load_plan(path)
+    assert [lp.offload for lp in plan.layers] == [False] * 4 and plan.offload_layers() == []
+    assert plan.host_budget_bytes is None
+    assert (plan.predicted.host_bytes, plan.predicted.offload_link_seconds) == (None, None)
+    assert plan.to_dict()["schema"] == "agoq.plan/1.3"  # what it was written with is kept
+    assert plan_from_dict(plan.to_dict()) == plan
+
+
+@pytest.mark.parametrize("change,said", [
+    (dict(stages=2), r"layers\[\*\]\.offload: layer\(s\) \[.*\] are offloaded in a pipeline of 2 stages.*offload no "
+                     r"layer, or make the plan for one stage"),
+    (dict(launch="fsdp"), r"layers\[\*\]\.offload: .* launch\.parallel is 'fsdp'.*offload no layer, or launch"),
+    (dict(launch="pipeline"), r"layers\[\*\]\.offload: .* launch\.parallel is 'pipeline'"),
+    (dict(host="over"), r"predicted\.host_bytes: the offloaded layers hold \d+ bytes .* more than the plan's "
+                        r"host_budget_bytes \(\d+\): offload fewer layers"),
+])
+def test_offload_where_the_runtime_cannot_is_refused(tmp_path, change, said):
+    """Offloaded layers in a pipeline, under an fsdp or pipeline launch, or predicted to hold more host memory than
+    the plan's host budget: refused naming the field and what to do. Without offloaded layers the same plan loads."""
+    seed, rng = fresh_rng()
+    data, _ = _offloading_plan(rng, stages=change.get("stages", 1))
+    if "launch" in change:
+        data["launch"] = {"processes": 2, "parallel": change["launch"]}
+    if "host" in change:
+        data["predicted"]["host_bytes"] = data["host_budget_bytes"] + 1
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=said) as e:
+        load_plan(path)
+    assert "plan.json" in str(e.value), seed
+    if "host" not in change:
+        for lp in data["layers"]:
+            lp["offload"] = False
+        assert plan_from_dict(data).offload_layers() == []
+    # either figure alone holds nothing to compare
+    if "host" in change:
+        plan_from_dict({**data, "host_budget_bytes": None})

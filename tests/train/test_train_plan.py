@@ -1,7 +1,7 @@
 """`agoq train --plan` runs what the plan records: optimizer, masters, compile mode, micro-batch x accumulation,
-gradient storage, activation bits and checkpointed layers are the flags' defaults; a flag that contradicts the
-plan is refused (exit 2) naming both values; 1.0 plans train with today's defaults; policy runs record the
-optimizer and masters they used."""
+gradient storage, activation bits, checkpointed and offloaded layers (and the host budget) are the flags' defaults;
+a flag that contradicts the plan is refused (exit 2) naming both values; 1.0 plans train with today's defaults;
+policy runs record the optimizer and masters they used."""
 
 import json
 from pathlib import Path
@@ -255,3 +255,113 @@ def test_compile_defaults_to_the_device_and_mode_unless_a_flag_or_plan_says():
         assert resolve_settings(base, {"compile": not default}, base.parallelism,
                                 compile_default=default).model.compile is (not default)
         assert resolve_settings(flagged, {}, flagged.parallelism, compile_default=default).model.compile is False
+
+
+def _offloading_plan(tmp_path, offloaded=(0, 1), name="plan.json", **sections) -> Path:
+    """`_plan` (layer 1 checkpointed) with `offloaded` layers and a host budget, at a batch whose saved tensors pass
+    offload's 64 KiB floor (micro-batch 4 x 131 tokens: agoq.activations.offload.MIN_BYTES)."""
+    layers = [{"layer": i, "stage": 0, "checkpoint": i == 1, "offload": i in offloaded,
+               "kinds": {} if i == 1 else {"norm_input": 4, "qkv_input": "recompute", "silu_input": 5}}
+              for i in range(LAYERS)]
+    sections = {"schema": "agoq.plan/1.4", "layers": layers, "host_budget_bytes": 2_345_678_901,
+                "predicted": {"host_bytes": 1_000_000, "offload_link_seconds": 0.01},
+                "training": {"micro_batch": 4, "seq_len": 131, "grad_accum": 2}, **sections}
+    return _plan(tmp_path, name=name, **sections)
+
+
+@pytest.fixture
+def applied_offload(monkeypatch):
+    """What prepare hands apply_plan: the offloaded layers and their host budget in bytes, one entry per run."""
+    from agoq.train import preparation
+
+    seen = []
+    real = preparation.apply_plan
+
+    def spy(model, **kwargs):
+        seen.append((list(kwargs["offload"]), kwargs["host_budget_bytes"]))
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(preparation, "apply_plan", spy)
+    return seen
+
+
+def test_a_plan_offloading_layers_trains_with_them(tmp_path, applied_offload):
+    """A 1.4 plan's offloaded layers are the run's offload and its host_budget_bytes the run's host budget, to the
+    byte; run.json records both in its settings, what moved, and the plan's layers as offloaded."""
+    out = tmp_path / "run"
+    assert _train(_offloading_plan(tmp_path), out) == 0
+    assert applied_offload == [([0, 1], 2_345_678_901)]
+    run = _run_json(out)
+    assert run["status"] == "finished"
+    assert run["settings"]["offload"] == [0, 1] and run["settings"]["host_budget_gb"] == 2.345678901
+    assert [lp["offload"] for lp in run["plan"]["layers"]] == [True, True, False]
+    assert run["plan"]["host_budget_bytes"] == 2_345_678_901
+    moved = run["offload"]
+    assert moved["offloaded_bytes"] > 0 and set(moved["bytes_per_layer"]) == {"0", "1"}
+    # --host-budget bounds the plan's offload in its place; --offload naming the plan's layers is accepted
+    out = tmp_path / "budget"
+    assert _train(_offloading_plan(tmp_path), out, "--host-budget", "0.5", "--offload", "1,0") == 0
+    assert applied_offload[-1] == ([0, 1], 500_000_000)
+    s = _run_json(out)["settings"]
+    assert s["offload"] == [0, 1] and s["host_budget_gb"] == 0.5
+
+
+def test_a_plan_offloading_nothing_runs_no_offload(tmp_path, applied_offload):
+    out = tmp_path / "run"
+    assert _train(_plan(tmp_path, schema="agoq.plan/1.3"), out, "--offload", "none") == 0
+    assert applied_offload == [([], None)]
+    assert _run_json(out)["settings"]["offload"] == []
+
+
+@pytest.mark.parametrize("offloaded, flags, said", [
+    ((0, 1), ["--offload", "0"],
+     "--offload 0 contradicts the plan's offloaded layers 0-1 of 3 (layers[*].offload)"),
+    ((0, 1), ["--offload", "none"], "--offload none contradicts the plan's offloaded layers 0-1 of 3"),
+    ((), ["--offload", "all"],
+     "--offload all contradicts the plan's no offloaded layer of 3 (it was priced with every layer's tensors on the "
+     "device)"),
+])
+def test_offload_flags_that_contradict_the_plan_are_refused(tmp_path, capsys, offloaded, flags, said):
+    out = tmp_path / "never"
+    assert _train(_offloading_plan(tmp_path, offloaded=offloaded), out, *flags) == 2
+    err = capsys.readouterr().err
+    assert said in err, err
+    assert "drop that flag" in err and "re-run `agoq search`" in err and str(tmp_path / "plan.json") in err
+    assert not (out / "run.json").exists()
+
+
+def test_a_host_budget_for_a_plan_that_offloads_nothing_is_refused(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert _train(_offloading_plan(tmp_path, offloaded=()), out, "--host-budget", "2") == 2
+    err = capsys.readouterr().err
+    assert "--host-budget bounds offload's host memory, and the plan offloads no layer" in err, err
+    assert not (out / "run.json").exists()
+
+
+def test_offload_is_decided_as_layers():
+    """plan_settings gives the offloaded layers; --offload counts as the layers it names, however written; the run's
+    offload is the flag's, else the plan's as a layer list, and its host budget the flag's, else the plan's in GB."""
+    from agoq.train.config import TrainConfig
+    from agoq.train.plan_settings import check_flags_against_plan, plan_settings, resolve_settings
+
+    model = build("llama-tiny", num_layers=12)
+    layers = [{"layer": i, "offload": i in (0, 1, 2, 3, 4, 5, 8)} for i in range(12)]
+    plan = plan_from_dict({"schema": "agoq.plan/1.4", "host_budget_bytes": 123_456_789_012,
+                           "model": {"name": "m", "fingerprint": fingerprint(model)}, "layers": layers})
+    decided = plan_settings(plan, "none")
+    assert decided["offload"] == [0, 1, 2, 3, 4, 5, 8]
+    for same in ("0-5,8", "8,0-5", " 0,1,2,3,4,5,8 ", "0-3,2-5,8"):
+        check_flags_against_plan({"offload": same}, decided, plan, "p.json")
+    for other in ("0-5", "all", "all-but-last", "none"):
+        with pytest.raises(ValueError, match=f"--offload {other} contradicts"):
+            check_flags_against_plan({"offload": other}, decided, plan, "p.json")
+    with pytest.raises(ValueError, match="out of range"):
+        check_flags_against_plan({"offload": "0-12"}, decided, plan, "p.json")
+    base = TrainConfig(model="llama-tiny", plan=plan)
+    run = resolve_settings(base, decided, base.parallelism).memory
+    assert (run.offload, run.host_budget) == ("0-5,8", 123.456789012)
+    assert round(run.host_budget * 1e9) == 123_456_789_012
+    flagged = TrainConfig(model="llama-tiny", plan=plan, offload="8,0-5", host_budget=7.5)
+    run = resolve_settings(flagged, decided, flagged.parallelism).memory
+    assert (run.offload, run.host_budget) == ("8,0-5", 7.5)
+    assert resolve_settings(base, {}, base.parallelism).memory.offload is None  # no plan: the flags decide
