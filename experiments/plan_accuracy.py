@@ -109,7 +109,8 @@ def alternative_plan(plan: dict, alt: dict, schema_has_budget: bool) -> dict | N
         return None
     data = json.loads(json.dumps(plan))
     data["layers"] = [{"layer": lp["layer"], "stage": lp["stage"], "checkpoint": lp["layer"] in alt["checkpoint_layers"],
-                       "kinds": {}} for lp in plan["layers"]]
+                       "kinds": {}, "offload": lp["layer"] in (alt.get("offload_layers") or [])}
+                      for lp in plan["layers"]]
     data["gradients"] = {**data["gradients"], "mode": alt.get("gradients") or "bf16"}
     data["optimizer"] = alt["optimizer"]
     data["training"] = {**data["training"], "micro_batch": alt["micro_batch"], "grad_accum": alt["grad_accum"],
@@ -166,6 +167,8 @@ def describe(plan: dict) -> dict:
             "gradients": plan["gradients"]["mode"], "micro_batch": plan["training"]["micro_batch"],
             "grad_accum": plan["training"]["grad_accum"], "checkpointed_layers": sum(lp["checkpoint"] for lp in layers),
             "quantized_kinds": quantized,
+            "offloaded_layers": [lp["layer"] for lp in layers if lp.get("offload")],
+            "predicted_host_bytes": plan["predicted"].get("host_bytes"),
             "distinct_layer_settings": len({json.dumps([lp["checkpoint"], lp["kinds"]], sort_keys=True)
                                             for lp in layers}),
             "decision": (plan.get("decision") or {}).get("reason")}
@@ -181,6 +184,8 @@ def main() -> None:
     ap.add_argument("--profile-args", default="", help="more `agoq profile` flags, e.g. '--bits 4,8 --formats int'")
     ap.add_argument("--profile", default=None, help="reuse this profile folder instead of profiling")
     ap.add_argument("--budgets", type=int, default=8)
+    ap.add_argument("--budget-list", default=None, metavar="SIZES",
+                    help="comma-separated budgets to plan at instead (e.g. 10.4GB,12GB), after the profile")
     ap.add_argument("--only", default=None, help="comma-separated budget indices to run (default: all)")
     ap.add_argument("--modes", default="default,eager", help="search modes: default, eager (--compile eager)")
     ap.add_argument("--alternatives", type=int, default=2, help="fastest fitting alternatives trained per plan")
@@ -227,6 +232,10 @@ def main() -> None:
                 raise SystemExit("agoq profile failed")
         figures["profile"] = str(profile_dir)
         points, bounds = budgets(profile_dir, args.budgets)
+        if args.budget_list:
+            from agoq.units import parse_size
+
+            points = [parse_size(b) for b in args.budget_list.split(",")]
         figures.update(bounds)
         only = {int(i) for i in args.only.split(",")} if args.only else set(range(len(points)))
         for index, budget in enumerate(points):

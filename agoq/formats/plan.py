@@ -160,7 +160,7 @@ class Figures(_Part):
 
 class Alternative(_Part):
     """What the user would otherwise run at the plan's budget: `name` (e.g. "eager selective checkpointing
-    (9/16 layers)"), how it runs (compile mode, optimizer, masters, checkpointed layers, batch split), its
+    (9/16 layers)"), how it runs (compile mode, optimizer, masters, checkpointed and offloaded layers, batch split), its
     predicted figures, measured ones once validated, whether it fits the budget, and the plan's speed-up over
     it (its step seconds / the plan's, predicted and measured)."""
 
@@ -171,6 +171,7 @@ class Alternative(_Part):
     micro_batch: int = Field(default=1, ge=1)
     grad_accum: int = Field(default=1, ge=1)
     checkpoint_layers: list[int] = Field(default_factory=list)
+    offload_layers: list[int] = Field(default_factory=list)  # layers whose bf16 activations go to host memory (1.4)
     activation_memory_budget: Optional[float] = None
     predicted: Figures = Field(default_factory=Figures)
     measured: Optional[Figures] = None

@@ -67,7 +67,7 @@ def compile_cost(profile: ProfileData, layers: list[dict], compile_mode: str) ->
 
 def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
     """`plan` rewritten as its best alternative (`plan.alternative`: what a user runs without agoq, as the search
-    priced it): every kind at 16, the alternative's checkpointed layers, optimizer and masters, batch split,
+    priced it): every kind at 16, the alternative's checkpointed and offloaded layers, optimizer and masters, batch split,
     compile mode and torch.compile memory budget, bf16 gradients, the plan's pipeline layout (the alternative was
     priced in it; without a peak per stage, each stage is given the largest), its predicted figures (its compile cost from
     `profile`); `why` goes into the decision. The alternatives list stays, and `alternative` becomes the agoq plan
@@ -97,8 +97,8 @@ def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
                               "tokens_per_second": (data.get("decision") or {}).get("tokens_per_second")},
                 "fits": True, "speedup_predicted": 1.0 / alt.speedup_predicted if alt.speedup_predicted else None}
     data.update(
-        layers=[{"layer": lp.layer, "stage": lp.stage, "checkpoint": lp.layer in alt.checkpoint_layers, "kinds": {}}
-                for lp in plan.layers],
+        layers=[{"layer": lp.layer, "stage": lp.stage, "checkpoint": lp.layer in alt.checkpoint_layers, "kinds": {},
+                 "offload": lp.layer in (getattr(alt, "offload_layers", None) or [])} for lp in plan.layers],
         gradients={**data["gradients"], "mode": "bf16"}, optimizer=alt.optimizer.model_dump(mode="json"),
         training={**data["training"], "micro_batch": alt.micro_batch, "grad_accum": alt.grad_accum,
                   "compile": alt.compile, "activation_memory_budget": alt.activation_memory_budget},
@@ -110,6 +110,8 @@ def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
         alternative=replaced)
     data["predicted"]["compile_graphs"], data["predicted"]["compile_seconds"] = compile_cost(
         profile, data["layers"], alt.compile)
+    if not any(lp["offload"] for lp in data["layers"]):
+        data.pop("host_budget_bytes", None)
     data["launch"] = launch_for(stages, "bf16", int((data.get("launch") or {}).get("processes") or 1))
     decision = dict(data.get("decision") or {})
     decision.update(reason=why, agoq=False, tokens_per_second=alt.predicted.tokens_per_second,
@@ -161,7 +163,7 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
         profile, layers, data["training"]["compile"])
     if offload is not None:  # layers kept in host memory: what they hold there and the link's time
         data["predicted"]["host_bytes"] = int(alloc.host_bytes)
-        data["predicted"]["offload_link_seconds"] = float(alloc.offload_link_seconds)
+        data["predicted"]["offload_link_seconds"] = float(alloc.offload_link_seconds) * problem.offload.grad_accum
         data["host_budget_bytes"] = int(problem.offload.host_budget_bytes)
     floors = {k: b for k, b in knobs.floor_bits if b > 2}
     if floors:
