@@ -165,6 +165,7 @@ class ActivationOffload:
         self._layer_bytes: dict[int, int] = {}  # offloaded bytes per layer this micro-batch
         self._by_layer: dict[int, list[_Saved]] = {}  # this micro-batch's entries per layer
         self._fetched: set[int] = set()  # layers whose copies back have started
+        self._compiled_plain: set[int] = set()  # layers compiled once without the hooks (see wrap)
         self._backward_base: int | None = None  # bytes allocated when this micro-batch's backward began
         self._live = 0  # offloaded tensors not yet brought back in backward
         self._skip: set[int] = set()  # storages never offloaded: parameters, buffers, the current call's extras
@@ -323,9 +324,10 @@ class ActivationOffload:
             self.stats.fetched_ahead += 1
             room -= need
 
-    def wrap(self, index: int, call, offloaded: bool = True):
+    def wrap(self, index: int, call, offloaded: bool = True, compiled: bool = False):
         """`call` (a layer's call) with its saved tensors offloaded under layer index `index` (`offloaded` False:
-        kept, the wrapper only starts bringing back the offloaded layer below when backward reaches this one)."""
+        kept, the wrapper only starts bringing back the offloaded layer below when backward reaches this one;
+        `compiled`: `call` is torch.compile's, whose first call compiles)."""
 
         def signal(output):
             first = output if isinstance(output, torch.Tensor) else next(iter(_tensors(output)), None)
@@ -339,6 +341,13 @@ class ActivationOffload:
                 return signal(call(*args, **kwargs))
             extras = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
             self._skip = self._model_storages | {_storage_ptr(t) for t in _tensors(extras)}
+            if compiled and index not in self._compiled_plain and torch.is_grad_enabled():
+                # torch.compile traces a layer at its first call, and a torch.func transform in its backward
+                # (LAAQ's quantized attention reruns its forward by torch.func.vjp) refuses to be traced while a
+                # saved-tensor hook is registered: the first call compiles the layer without the hooks, its output
+                # let go at once (one layer's activations, for a moment), and the hooks apply from then on
+                self._compiled_plain.add(index)
+                call(*args, **kwargs)
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self.pack, index), self.unpack):
                 output = call(*args, **kwargs)
             if self.cuda:
@@ -398,7 +407,8 @@ def apply_offload(model: nn.Module, *, layers, min_bytes: int = MIN_BYTES, host_
         layer = decoder[i]
         call = layer._compiled_call_impl or layer._call_impl
         layer._agoq_uncompiled_call = layer._compiled_call_impl
-        layer._compiled_call_impl = offload.wrap(i, call, offloaded=i in layers)
+        layer._compiled_call_impl = offload.wrap(i, call, offloaded=i in layers,
+                                                 compiled=layer._agoq_uncompiled_call is not None)
     model._agoq_offload = offload
     return offload
 

@@ -89,6 +89,21 @@ def test_offload_keeps_what_compiled_backward_expects():
     assert offload.stats.offloaded_tensors > 0
 
 
+def test_offload_compiles_layers_whose_backward_uses_torch_func():
+    """A compiled layer with quantized attention reruns its forward in backward by torch.func.vjp, which refuses to be
+    traced while a saved-tensor hook is registered: its first call compiles without the hooks, and the steps still
+    give the bits of the same compiled steps without offload."""
+    batches = [batch(s) for s in (14, 15)]
+    ref_model = make_model("int4")
+    compile_decoder_layers(ref_model, backend="aot_eager")
+    ref = train_steps(ref_model, batches)
+    model = make_model("int4")
+    compile_decoder_layers(model, backend="aot_eager")
+    offload = apply_offload(model, layers=[0, 2], min_bytes=0)
+    assert_same(train_steps(model, batches, offload), ref)
+    assert offload.stats.offloaded_tensors > 0 and offload.stats.never_unpacked == 0
+
+
 def test_quantized_layers_offload_their_codes():
     """Under a 4-bit policy a layer's saved activations are the packed codes: far fewer bytes than bf16's."""
     sizes = {}
