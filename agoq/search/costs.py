@@ -184,7 +184,8 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
     profile's summed layer forward times against its eager bf16 step at the profiled micro-batch, at most 0.95),
     times this step per micro-batch, less the first layer (its own backward is the last, with nothing after it to
     hide a copy under). The compute slowdown the profile measured while both copies ran is charged for as long as
-    the copies run."""
+    the copies run. What the link copies out during forward (a third of the window, at the device-to-host rate)
+    bounds what leaves the GPU by the end of forward: the rest is still there at forward's peak."""
     if not knobs.allow_offload:
         return None
     link = profile.host_link
@@ -208,7 +209,8 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
     window = share * base_seconds / max(accum, 1) * (L - 1) / max(L, 1)
     host = knobs.host_budget if knobs.host_budget is not None else float(link.get("pinnable_bytes") or 0)
     slowdown = max(0.0, float(link.get("compute_slowdown") or 0.0))
-    return OffloadPrices(per_byte, window, slowdown * per_byte * accum, host, accum)
+    forward_bytes = window / 3.0 * float(link["d2h_bytes_per_second"])  # forward: about a third of fwd + bwd
+    return OffloadPrices(per_byte, window, slowdown * per_byte * accum, host, accum, forward_bytes)
 
 
 def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings(), *,

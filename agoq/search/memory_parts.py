@@ -28,6 +28,7 @@ Parts, bytes per rank of the stage (sharded layouts: this rank's shard; agoq.sea
   laaq_transient         what LAAQ's backward holds beyond the memory model (dequantized copies)
   offload_prefetch       with layers offloaded to host memory: the largest offloaded layer's tensors, which
                          backward's first prefetch brings back before backward has freed anything
+  offload_backlog        offloaded bytes the host link has not yet copied out when forward ends (still on the GPU)
   optimizer_step_workspace  the optimizer step's measured temporaries and its transient
 """
 
@@ -39,7 +40,8 @@ from agoq.formats.plan import MEMORY_PHASES as PHASES
 
 PARTS = ("weights", "gradients", "masters", "optimizer_state", "fsdp_unsharded", "backward_gradients",
          "accumulated_gradients", "head_and_workspace", "calibration", "margin", "compiled_margin", "activations",
-         "recomputed_layer", "laaq_transient", "offload_prefetch", "optimizer_step_workspace")
+         "recomputed_layer", "laaq_transient", "offload_prefetch", "offload_backlog",
+         "optimizer_step_workspace")
 
 
 def whole_bytes(parts: dict[str, float], total: int) -> dict[str, int]:

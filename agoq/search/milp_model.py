@@ -25,13 +25,15 @@ than 16: implied, but it tightens the linear relaxation). A stage then compiles 
 
 With offload offered (ChoiceProblem.offload: one stage, a measured host link), o_l (layer l's saved tensors kept in
 host memory), g_l (the bytes it offloads, in the memory rows' unit: g_l = o_l x the layer's bytes, exact by the big-M rows below),
-h (the largest g_l: backward's first prefetch) and e (milliseconds of link time per micro-batch not hidden by the
-window; OffloadPrices):
+h (the largest g_l: backward's first prefetch), e (milliseconds of link time per micro-batch not hidden by the
+window) and k (bytes not yet copied out when forward ends; OffloadPrices):
 
   o_l + c_l <= 1,   o_{l+1} <= o_l                   (a prefix of layers: first out, last needed back)
   g_l <= bytes_l(x, u, w),   g_l <= M_l o_l,   g_l >= bytes_l(x, u, w) - M_l (1 - o_l)
-  h >= g_l,   link_seconds_per_byte x sum_l g_l - e <= window,   sum_l g_l <= host budget
-  memory rows: - g_l (layer l's bytes are on the host) + h;  time: + seconds_per_byte g_l + accum x e
+  h >= g_l,   link_seconds_per_byte x sum_l g_l - e <= window,   sum_l g_l - k <= forward_link_bytes,
+  sum_l g_l <= host budget
+  memory rows: - g_l (layer l's bytes are on the host) + h (+ k at the end of forward);
+  time: + seconds_per_byte g_l + accum x e
 
 Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically: the
 first objective is solved exactly (relative MIP gap 1e-7) or, where HiGHS cannot prove that within the time
@@ -141,8 +143,8 @@ class Model:
         self.o0 = self.g0 = self.h = self.e = self.nv  # offload's o, g, h, e follow (when offered)
         if self.offload:
             self.o0, self.g0 = self.nv, self.nv + L
-            self.h, self.e = self.nv + 2 * L, self.nv + 2 * L + 1
-            self.nv += 2 * L + 2
+            self.h, self.e, self.k = self.nv + 2 * L, self.nv + 2 * L + 1, self.nv + 2 * L + 2
+            self.nv += 2 * L + 3
         laaq = p.laaq_transient()
         rows, cols, vals, lo, hi = [], [], [], [], []
         r = 0
@@ -347,18 +349,22 @@ class Model:
         rows += [r] * (L + 1); cols += g + [self.e]  # noqa: E702
         vals += [gu * o.link_seconds_per_byte * 1e3] * L + [-1.0]
         lo.append(-np.inf); hi.append(o.window_seconds * 1e3); r += 1  # noqa: E702
-        # host bytes (MiB) <= budget
+        # bytes not copied out by the end of forward: sum_l g_l - k <= forward_link_bytes
+        if np.isfinite(o.forward_link_bytes):
+            rows += [r] * (L + 1); cols += g + [self.k]; vals += [1.0] * L + [-1.0]  # noqa: E702
+            lo.append(-np.inf); hi.append(max(0.0, o.forward_link_bytes) / gu); r += 1  # noqa: E702
+        # host bytes <= budget
         rows += [r] * L; cols += g; vals += [1.0] * L  # noqa: E702
         lo.append(-np.inf); hi.append(max(0.0, o.host_budget_bytes) / gu); r += 1  # noqa: E702
         self._rows = (rows, cols, vals, lo, hi, r)
         upper[self.o0:self.o0 + L] = 1.0
         upper[self.g0:self.g0 + L] = biggest / gu
         upper[self.h] = float(biggest.max()) / gu
-        upper[self.e] = np.inf
+        upper[self.e] = upper[self.k] = np.inf
         self.integrality[self.g0:self.g0 + L] = 0
-        self.integrality[self.h] = self.integrality[self.e] = 0
+        self.integrality[self.h] = self.integrality[self.e] = self.integrality[self.k] = 0
         mem[0, self.g0:self.g0 + L] = -gu
-        mem[0, self.h] = gu
+        mem[0, self.h] = mem[0, self.k] = gu
 
     def constraints(self, budgets: np.ndarray, time_cap: Optional[float], error_cap: Optional[float] = None) -> list:
         p = self.p

@@ -51,7 +51,8 @@ class OffloadPrices:
       exposed seconds per micro-batch = max(0, link seconds - window_seconds)
       step seconds += grad_accum x exposed + B x seconds_per_byte
       peak: offloaded layers keep nothing on the GPU at the end of forward; backward's first prefetch brings back
-            one layer before backward has freed anything: + the largest offloaded layer's bytes
+            one layer before backward has freed anything: + the largest offloaded layer's bytes; and what the link
+            has not yet copied out when forward ends is still on the GPU: + max(0, B - forward_link_bytes)
       host: B <= host_budget_bytes
 
     A copy back waits for the same tensor's copy out, so the two directions form one chain per tensor; the window
@@ -63,6 +64,7 @@ class OffloadPrices:
     seconds_per_byte: float        # per step (x accumulation): the compute slowdown while the copies run
     host_budget_bytes: float
     grad_accum: int = 1
+    forward_link_bytes: float = float("inf")  # bytes the link copies out during one micro-batch's forward
 
 
 @dataclass
@@ -179,13 +181,16 @@ class ChoiceProblem:
         host, reserve = np.zeros(self.num_stages), np.zeros(self.num_stages)
         np.add.at(host, self.layer_stage, on_host)
         np.maximum.at(reserve, self.layer_stage, on_host)
+        backlog = np.zeros(self.num_stages)  # not yet copied out when forward ends
+        if self.offload is not None:
+            backlog = np.maximum(0.0, host - self.offload.forward_link_bytes)
         activations, calibrated = np.zeros(self.num_stages), np.zeros(self.num_stages)
         np.add.at(activations, self.layer_stage, per_layer)
         np.add.at(calibrated, self.layer_stage, calibration)
         laaq_stage = np.zeros(self.num_stages, dtype=bool)
         laaq_stage[self.layer_stage[laaq]] = True
         transient = np.where(laaq_stage, self.laaq_transient(), 0.0)
-        mem = self.static_bytes + activations + calibrated + transient + reserve
+        mem = self.static_bytes + activations + calibrated + transient + reserve + backlog
         phase, at_layer = ["forward_backward"] * self.num_stages, [None] * self.num_stages
         held, rerun, held_calibration = activations.copy(), np.zeros(self.num_stages), calibrated.copy()
         # backward of a checkpointed layer l: the other in-flight micro-batches, this one's layers before l,
@@ -208,7 +213,7 @@ class ChoiceProblem:
         # whole bytes, rounded up (a fraction of a byte over a budget is over it; 1e-6 absorbs float noise)
         return {"peak": [int(np.ceil(m - 1e-6)) for m in mem], "phase": phase, "layer": at_layer, "held": held,
                 "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum()),
-                "held_calibration": held_calibration, "host": host, "reserve": reserve}
+                "held_calibration": held_calibration, "host": host, "reserve": reserve, "backlog": backlog}
 
     def offload_seconds(self, host_bytes: float) -> dict:
         """The step seconds `host_bytes` offloaded per micro-batch add, and the link's seconds (OffloadPrices)."""
@@ -258,6 +263,8 @@ class ChoiceProblem:
                 parts["laaq_transient"] = float(m["transient"][s])
                 if m["reserve"][s] > 0:
                     parts["offload_prefetch"] = float(m["reserve"][s])
+                if m["phase"][s] == "forward_backward" and m["backlog"][s] > 0:
+                    parts["offload_backlog"] = float(m["backlog"][s])
             out.append(stage_entry(s, m["phase"][s], m["layer"][s], parts, m["peak"][s]))
         return out
 

@@ -34,7 +34,9 @@ def with_offload(rng, p):
     return replace(p, offload=OffloadPrices(link_seconds_per_byte=link, window_seconds=rng.uniform(0.0, 1.5),
                                             seconds_per_byte=rng.uniform(0.0, 0.3) * link,
                                             host_budget_bytes=rng.uniform(0.5, 3.0) * bytes_per_layer,
-                                            grad_accum=rng.choice([1, 2])))
+                                            grad_accum=rng.choice([1, 2]),
+                                            forward_link_bytes=rng.choice([float("inf"),
+                                                                           rng.uniform(0.1, 2.0) * bytes_per_layer])))
 
 
 def brute_force(p):
@@ -116,6 +118,7 @@ def test_exposed_link_time_is_priced():
     f = p.evaluate(sixteen, none, off)
     o = p.offload
     host = f["host_bytes"]
+    assert max(f["peak_bytes_per_stage"]) >= max(base["peak_bytes_per_stage"]) - host  # what left the GPU, at most
     assert host > 0
     expected = o.grad_accum * max(0.0, host * o.link_seconds_per_byte - o.window_seconds) + host * o.seconds_per_byte
     assert f["step_seconds"] - base["step_seconds"] == pytest.approx(expected, rel=1e-9, abs=1e-12), f"seed {seed}"
@@ -150,3 +153,23 @@ def test_a_profile_with_a_host_link_plans_offload_below_what_fits_without(tmp_pa
     shutil.copytree(folder, bare)
     (bare / "profile.json").write_text(json.dumps(header))
     assert budget_bounds(load_profile(bare))[0] == without
+
+
+def test_what_forward_cannot_copy_out_stays_on_the_gpu():
+    """Offloaded bytes beyond what the link copies out during forward are still on the GPU at forward's peak: the
+    peak rises by max(0, host bytes - forward_link_bytes) over the same offload with an unbounded link."""
+    seed, rng = fresh_rng()
+    p = with_offload(rng, random_problem(rng, layers=4, kinds_per_layer=2, stages=1))
+    p = replace(p, floor_bytes=None, allow_checkpoint=False)  # the end of forward sets the peak
+    sixteen = np.nonzero(p.keeps_16bit())[0]
+    none, off = np.zeros(4, dtype=bool), np.array([True, True, True, False])
+    fast = replace(p, offload=replace(p.offload, forward_link_bytes=float("inf")))
+    free = fast.evaluate(sixteen, none, off)
+    limit = rng.uniform(0.1, 0.9) * free["host_bytes"]
+    slow = replace(p, offload=replace(p.offload, forward_link_bytes=limit))
+    got = slow.evaluate(sixteen, none, off)
+    assert got["host_bytes"] == free["host_bytes"]
+    assert got["peak_bytes_per_stage"][0] - free["peak_bytes_per_stage"][0] == pytest.approx(
+        free["host_bytes"] - limit, abs=1.0), f"seed {seed}"
+    parts = slow.memory_parts(sixteen, none, off)[0]["parts"] if slow.static_parts is not None else None
+    assert parts is None or parts.get("offload_backlog", 0) > 0
