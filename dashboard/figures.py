@@ -235,11 +235,12 @@ def memory_breakdown(mem: dict[str, Any]) -> dict[str, Any]:
     """Stacked bars per stage: the parts of the predicted peak the plan records, at the phase of the step that sets
     it (named under the bar), beside each measured peak; a plan without recorded parts shows its predicted peak
     whole. Parts that are 0 on every stage are left out; a negative part (head and workspace, whose calibration
-    credits the gradients not made yet at the peak) is drawn below 0, and then the peak is marked on its bar."""
+    credits the gradients not made yet at the peak) is drawn below 0, and then the peak is marked on its bar. A plan
+    that offloads layers has a bar for the second place, pinned host memory, beside its stage's GPU bars."""
     parts = {name: values for name, values in mem["predicted_parts"].items() if any(v for v in values)}
     measured = mem["measured_peak"]
     largest = max([v or 0 for p in parts.values() for v in p] + [v or 0 for m in measured.values() for v in m]
-                  + [v or 0 for v in mem["predicted_peak"]] + [0])
+                  + [v or 0 for v in mem["predicted_peak"]] + [mem.get("host_bytes") or 0, 0])
     unit, size = byte_unit(largest)
     phases = mem.get("phases") or [None] * len(mem["stages"])
     labels = [f"stage {s}: predicted ({phase_label(p)})" for s, p in zip(mem["stages"], phases)]
@@ -254,11 +255,19 @@ def memory_breakdown(mem: dict[str, Any]) -> dict[str, Any]:
         data.append({"type": "scatter", "mode": "markers", "name": "predicted peak (the parts' sum)",
                      "marker": {"symbol": "line-ew-open", "size": 48, "color": "#000000", "line": {"width": 3}},
                      "x": labels[:len(mem["predicted_peak"])], "y": _scaled(mem["predicted_peak"], size)})
+    host = mem.get("host_bytes")
+    host_label = []
+    if host:  # a second place: what the offloaded layers keep in pinned host memory (one stage: offload's only layout)
+        layers = mem.get("offloaded_layers") or []
+        host_label = [f"stage 0: host memory ({len(layers)} offloaded layer{'s' if len(layers) != 1 else ''})"]
+        data.append({"type": "bar", "name": "host: offloaded layers' saved tensors, per micro-batch",
+                     "marker": {"color": "#999999"}, "x": host_label, "y": _scaled([host], size)})
     for j, (label, values) in enumerate(measured.items()):
         data.append({"type": "bar", "name": f"measured ({label})",
                      "marker": {"color": "#444444", "pattern": {"shape": "/x+-."[j % 5]}},
                      "x": [f"stage {s}: {label}" for s in mem["stages"][:len(values)]], "y": _scaled(values, size)})
     order = [x for s, predicted in zip(mem["stages"], labels) for x in [predicted, *(f"stage {s}: {m}" for m in measured)]]
+    order = order[:1] + host_label + order[1:]
     return _figure(data, "Memory per stage, one rank: the predicted peak's parts at the phase that sets it, beside "
                          "measured peaks", barmode="relative", yaxis={"title": {"text": unit}},
                    xaxis={"type": "category", "categoryorder": "array", "categoryarray": order})

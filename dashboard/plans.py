@@ -88,7 +88,9 @@ def memory_breakdown(plan: dict[str, Any], run_peaks: dict[str, list[float | Non
     (`predicted.memory_per_stage`, plan schema 1.2: bytes on one rank of the stage at the phase of the step that
     sets its peak, adding up to it; `phases` names that phase, with the checkpointed layer whose backward it is),
     nothing recomputed here; a plan written before 1.2 has no parts (`parts_recorded` false) and shows its peak
-    alone. Beside it the measured peak of each stage from the plan's validation and from each run that trained
+    alone; a plan that offloads layers (schema 1.4) also gives the pinned host bytes they hold (`host_bytes`, per
+    micro-batch) and which layers (`offloaded_layers`). Beside it the measured peak of each stage from the plan's
+    validation and from each run that trained
     with this plan (`run_peaks`: run id -> peak bytes per rank, None for a CPU run, which is listed in `cpu_runs`
     but not compared; rank s is taken as stage s when there are as many ranks as stages, else the largest rank's
     peak)."""
@@ -117,9 +119,11 @@ def memory_breakdown(plan: dict[str, Any], run_peaks: dict[str, list[float | Non
             measured[f"run {run_id}"] = ranks
         elif ranks and stages == 1:
             measured[f"run {run_id}"] = [max((r for r in ranks if r is not None), default=None)]
+    offloaded = [int(e.get("layer", i)) for i, e in enumerate(plan.get("layers") or []) if e.get("offload")]
     return json_safe({"stages": list(range(stages)), "predicted_parts": parts, "phases": phases,
                       "parts_recorded": bool(by_stage), "predicted_peak": peaks, "measured_peak": measured,
-                      "cpu_runs": cpu_runs, "gradient_mode": (plan.get("gradients") or {}).get("mode", "bf16")})
+                      "cpu_runs": cpu_runs, "gradient_mode": (plan.get("gradients") or {}).get("mode", "bf16"),
+                      "offloaded_layers": offloaded, "host_bytes": number(predicted.get("host_bytes"))})
 
 
 def _recorded_stages(entries: Any) -> dict[int, dict[str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -148,3 +149,30 @@ def test_a_negative_part_is_drawn_below_zero_with_the_peak_marked(root, tmp_path
     marks = [t for t in figure["data"] if t["type"] == "scatter"]
     assert len(marks) == 1 and marks[0]["y"] == pytest.approx([p / size for p in plan["predicted"]["peak_bytes_per_stage"]])
     assert figure["layout"]["barmode"] == "relative"
+
+
+def test_an_offloading_plan_shows_its_host_memory_beside_the_gpu(root, tmp_path):
+    """A plan that keeps layers' saved tensors in host memory (schema 1.4) draws that second place beside its GPU
+    bars, at its predicted host bytes; its GPU bars still add up to its peak; a plan that offloads nothing has no
+    host bar."""
+    plan = json.loads((root / "plans" / "ddp-adamw8bit.json").read_text())
+    rng = random.Random()
+    host = rng.randrange(10**6, 10**9)
+    k = rng.randrange(1, len(plan["layers"]) + 1)
+    for lp in plan["layers"][:k]:
+        lp["offload"] = True
+    plan["schema"], plan["predicted"]["host_bytes"] = "agoq.plan/1.4", host
+    (tmp_path / "offload.json").write_text(json.dumps(plan))
+    (tmp_path / "plain.json").write_text((root / "plans" / "ddp-adamw8bit.json").read_text())
+    client = TestClient(create_app(tmp_path))
+    memory = client.get("/api/plan", params={"id": "offload.json"}).json()["memory"]
+    assert memory["host_bytes"] == host and memory["offloaded_layers"] == list(range(k))
+    figure = memory_breakdown(memory)
+    _check(memory, figure, plan)
+    size = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[figure["layout"]["yaxis"]["title"]["text"]]
+    bars = [t for t in figure["data"] if t["name"].startswith("host")]
+    assert len(bars) == 1 and bars[0]["y"] == pytest.approx([host / size])
+    assert f"{k} offloaded layer" in bars[0]["x"][0]
+    assert client.get("/plan", params={"id": "offload.json"}).status_code == 200
+    plain = memory_breakdown(client.get("/api/plan", params={"id": "plain.json"}).json()["memory"])
+    assert not [t for t in plain["data"] if t["name"].startswith("host")]
