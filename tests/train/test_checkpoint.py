@@ -71,11 +71,13 @@ def _kill_at(monkeypatch, at_step):
     dict(dtype="bf16", optimizer="adamw8bit", master="none"),  # no masters: stochastic rounding
     dict(dtype="bf16", optimizer="adamw8bit", gradients="quangrad8"),  # QuanGrad's 8-bit gradients read in place
     dict(dtype="bf16", optimizer="adamw"),  # torch's AdamW on float32 masters kept beside it
+    # layers 0-1's saved tensors in host memory (tensors past offload's 64 KiB at 4 x 131 tokens)
+    dict(dtype="bf16", optimizer="adamw8bit", offload="0-1", seq_len=131, micro_batch=4),
 ])
 def test_resume_is_bitwise_the_uninterrupted_run(tmp_path, monkeypatch, variant):
     """Train 7 steps saving at 3 and 6, die in step 5, resume: the losses and the final checkpoint (weights,
     masters, 8-bit moment codes and scales, step counts) are the uninterrupted run's, byte for byte."""
-    common = dict(**TINY, steps=7, grad_accum=2, checkpoint_every=3, eval_every=3, warmup=2, **variant)
+    common = dict(**{**TINY, **variant}, steps=7, grad_accum=2, checkpoint_every=3, eval_every=3, warmup=2)
     assert train(TrainConfig(**common, out=str(tmp_path / "whole"))) == 0
     original = _kill_at(monkeypatch, 4)
     with pytest.raises(_Killed):
@@ -84,6 +86,9 @@ def test_resume_is_bitwise_the_uninterrupted_run(tmp_path, monkeypatch, variant)
     monkeypatch.setattr(trainer_module.Trainer, "_forward_backward", original)
     assert train(TrainConfig(**common, out=str(tmp_path / "cut"), resume=True)) == 0
     assert _losses(tmp_path / "cut") == _losses(tmp_path / "whole")
+    if "offload" in variant:  # the resumed run offloaded too
+        moved = json.loads((tmp_path / "cut" / "run.json").read_text())["offload"]
+        assert moved["offloaded_bytes"] > 0 and set(moved["bytes_per_layer"]) == {"0", "1"}
     whole = _saved(find_checkpoint(tmp_path / "whole")[0], tmp_path)
     cut = _saved(find_checkpoint(tmp_path / "cut")[0], tmp_path)
     assert set(whole) == set(cut)

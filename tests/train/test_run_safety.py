@@ -100,8 +100,11 @@ def _signal_at(monkeypatch, at_step, signum=signal.SIGINT, times=1):
     return original
 
 
-def test_sigint_finishes_the_step_then_stops_and_checkpoint_every_0_writes_none(tmp_path, monkeypatch):
-    common = dict(**TINY, steps=12, eval_every=5)
+@pytest.mark.parametrize("offload", [{}, dict(offload="0-1", seq_len=131, micro_batch=4)])  # tensors past 64 KiB
+def test_sigint_finishes_the_step_then_stops_and_checkpoint_every_0_writes_none(tmp_path, monkeypatch, offload):
+    """Ctrl-C finishes the step, checkpoints it and stops; resumed, the losses are the uninterrupted run's (also with
+    layers offloaded to host memory, whose pool the stop and the resume start afresh)."""
+    common = dict(**{**TINY, **offload}, steps=12, eval_every=5)
     handler = signal.getsignal(signal.SIGINT)
     original = _signal_at(monkeypatch, 2)  # Ctrl-C while step 3 runs: it is finished, then the run stops
     assert train(TrainConfig(**common, checkpoint_every=5, out=str(tmp_path / "cut"))) == 130
@@ -116,6 +119,8 @@ def test_sigint_finishes_the_step_then_stops_and_checkpoint_every_0_writes_none(
     assert train(TrainConfig(**common, checkpoint_every=5, out=str(tmp_path / "whole"))) == 0
     assert _losses(tmp_path / "cut") == _losses(tmp_path / "whole")
     assert signal.getsignal(signal.SIGINT) is handler  # the handlers are put back
+    if offload:
+        assert _run_json(tmp_path / "cut")["offload"]["offloaded_bytes"] > 0
 
 
 def test_a_second_signal_stops_at_once(tmp_path, monkeypatch):
