@@ -14,11 +14,9 @@ always fetched. A layer whose tensors were not on their way when backward asked 
 (`OffloadStats.fetched_on_demand`). The compute stream waits only for a copy that has not ended by the time its
 tensor is used.
 
-The copies out start when the layer's call returns, all of the layer's tensors together as one slab: gathered back
-to back on the device (one `cat` kernel, each tensor at a multiple of ALIGN bytes), then one copy to pinned host
-memory (one wait on the compute stream, one event). In backward the slab comes back in one copy into one device
-buffer, and its tensors are views of it. A compiled layer saves its tensors at the end of its forward anyway, and
-the host work per tensor (the CUDA calls of a copy each way) is what limits a forward whose kernels are short.
+The copies out start when the layer's call returns, all of the layer's tensors together (one wait on the compute
+stream, one event): a compiled layer saves its tensors at the end of its forward anyway, and the host work per
+tensor is what limits a forward whose kernels are short.
 
 What is not offloaded: parameters and buffers, tensors the layer was handed besides its hidden state (RoPE
 tables, masks, shared by every layer), and tensors under `min_bytes` (not worth a copy).
@@ -27,10 +25,10 @@ Host memory is a pool of pinned chunks (`HostPool`): pinning is slow (millisecon
 during the first micro-batch and reused, front to back, by every later one: the pool is emptied when the training
 loop starts a micro-batch (`begin_micro_batch`), or when a forward begins after every tensor of the one before was
 brought back. `host_budget_bytes` caps the
-pool: a layer's slab that would pass it stays on the GPU (counted in `OffloadStats.kept_on_gpu_bytes`).
+pool: a tensor that would pass it stays on the GPU (counted in `OffloadStats.kept_on_gpu_bytes`).
 
 Strides are kept: a tensor comes back with the size, strides and dtype it was saved with (compiled backward code
-checks them); a dense tensor travels as its storage span and comes back as a view with its own strides. On a CPU-only machine the "host" copy is an ordinary tensor and
+checks them), dense tensors in one copy each way. On a CPU-only machine the "host" copy is an ordinary tensor and
 every copy is synchronous: the same bookkeeping, for tests.
 
 Byte counts: what a layer offloads per micro-batch is the sum of numel * element size of its saved tensors; each
@@ -126,27 +124,16 @@ class OffloadStats:
 
 
 @dataclass
-class _Slab:
-    """One flush's tensors back to back in pinned host memory, each at a multiple of ALIGN bytes."""
-
-    host: torch.Tensor  # uint8
-    copied: Any = None  # CUDA event: the device-to-host copy has ended
-
-
-@dataclass
 class _Saved:
-    """One offloaded tensor: where its bytes are in its slab, and what rebuilds it."""
+    """One offloaded tensor: its host copy and what rebuilds it."""
 
+    host: torch.Tensor  # 1-D dtype view of pooled host memory: the storage span (dense) or the contiguous values
     size: torch.Size
     stride: tuple[int, ...]
-    dtype: torch.dtype
-    dense: bool  # its storage span holds it with its own strides (else its values are stored contiguous)
+    dense: bool  # non-overlapping and dense: host holds it with the same strides
     device: torch.device
     layer: int
-    nbytes: int
-    offset: int = 0  # bytes into its slab
-    slab: _Slab | None = None
-    kept: torch.Tensor | None = None  # the host budget was reached when it was flushed: kept on the device
+    copied: Any = None  # CUDA event: the device-to-host copy has ended
     gpu: torch.Tensor | None = None  # brought back, waiting for backward
     ready: Any = None  # CUDA event: the host-to-device copy has ended
     unpacked: bool = False
@@ -173,7 +160,7 @@ class ActivationOffload:
         self._model_storages = {_storage_ptr(t) for t in params}
         self.stats = OffloadStats()
         self._entries: list[_Saved] = []
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, _Saved]] = []  # (tensor, its bytes, entry) to copy out
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, _Saved]] = []  # (tensor, source, entry) to copy out
         self._layer_order: list[int] = []  # layers in the order their first tensor was offloaded
         self._layer_bytes: dict[int, int] = {}  # offloaded bytes per layer this micro-batch
         self._by_layer: dict[int, list[_Saved]] = {}  # this micro-batch's entries per layer
@@ -182,7 +169,6 @@ class ActivationOffload:
         self._backward_base: int | None = None  # bytes allocated when this micro-batch's backward began
         self._live = 0  # offloaded tensors not yet brought back in backward
         self._skip: set[int] = set()  # storages never offloaded: parameters, buffers, the current call's extras
-        self._pad: torch.Tensor | None = None  # zeros that align each tensor in a slab
         self._d2h = self._h2d = None
         if self.cuda:
             self._d2h = torch.cuda.Stream(self.device)
@@ -220,12 +206,20 @@ class ActivationOffload:
         if self._live == 0 and self._entries:  # a forward after the last backward ended, without begin_micro_batch
             self._restart()
         nbytes = t.numel() * t.element_size()
+        raw = self.pool.take(nbytes)
+        if raw is None:
+            self.stats.kept_on_gpu_bytes += nbytes
+            return t
         dense = _dense(t)
-        entry = _Saved(t.size(), t.stride(), t.dtype, dense, t.device, layer, nbytes)
-        # a dense tensor is copied as the numel elements its storage holds from its offset on (whatever its
-        # strides); any other's values are made contiguous
-        src = t.as_strided((t.numel(),), (1,), t.storage_offset()) if dense else t.contiguous().view(-1)
-        self._pending.append((t, src, entry))  # copied out with the call's other tensors when it returns (_flush)
+        host = raw.view(t.dtype)  # numel elements, contiguous
+        entry = _Saved(host, t.size(), t.stride(), dense, t.device, layer)
+        # a dense tensor is copied as the numel elements its storage holds from its offset on (one memcpy whatever
+        # its strides); any other is made contiguous first, on the copy stream
+        flat = t.as_strided((t.numel(),), (1,), t.storage_offset()) if dense else None
+        if self.cuda:  # copied out with the rest of the layer's tensors when its call returns (_flush)
+            self._pending.append((t, flat, entry))
+        else:
+            host.copy_(flat if dense else t.reshape(-1))
         if layer not in self._layer_order:
             self._layer_order.append(layer)
         self._layer_bytes[layer] = self._layer_bytes.get(layer, 0) + nbytes
@@ -237,63 +231,29 @@ class ActivationOffload:
         self.stats.bytes_per_layer[layer] = self.stats.bytes_per_layer.get(layer, 0) + nbytes
         return len(self._entries) - 1
 
-    def _padding(self, nbytes: int) -> torch.Tensor:
-        if self._pad is None:
-            self._pad = torch.zeros(ALIGN, dtype=torch.uint8, device=self.device)
-        return self._pad[:nbytes]
-
     def _flush(self) -> None:
-        """Copy out the tensors packed since the last flush as one slab: gathered back to back on the device (one
-        kernel), then one copy to pinned host memory on the copy stream (one wait on the compute stream, one event).
-        Where the host budget has no room for the slab, its tensors stay on the device."""
+        """Start copying out the tensors packed since the last flush: one wait on the compute stream, one event."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        parts, offset = [], 0
-        for _t, src, e in pending:
-            e.offset = offset
-            need = -(-e.nbytes // ALIGN) * ALIGN
-            parts.append(src.view(torch.uint8))
-            if need > e.nbytes:
-                parts.append(self._padding(need - e.nbytes))
-            offset += need
-        host = self.pool.take(offset)
-        if host is None:
-            for t, _src, e in pending:
-                e.kept = t
-                self.stats.kept_on_gpu_bytes += e.nbytes
-                self.stats.offloaded_bytes -= e.nbytes
-                self.stats.offloaded_tensors -= 1
-                self.stats.bytes_per_layer[e.layer] -= e.nbytes
-                self._layer_bytes[e.layer] -= e.nbytes
-            return
-        slab = _Slab(host)
-        staging = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if self.cuda:
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h):
-                host.copy_(staging, non_blocking=True)
-                slab.copied = torch.cuda.Event()
-                slab.copied.record(self._d2h)
-            staging.record_stream(self._d2h)  # its memory is reused only after the copy
-        else:
-            host.copy_(staging)
-        for _t, _src, e in pending:
-            e.slab = slab
+        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        copied = torch.cuda.Event()
+        with torch.cuda.stream(self._d2h):
+            for t, flat, entry in pending:
+                entry.host.copy_(flat if flat is not None else t.contiguous().view(-1), non_blocking=True)
+            copied.record(self._d2h)
+        for t, _flat, entry in pending:
+            entry.copied = copied
+            t.record_stream(self._d2h)  # its memory is reused only after the copy
 
     def unpack(self, handle):
         if isinstance(handle, torch.Tensor):
             return handle
         self._flush()  # asked for within the call that saved it
         entry = self._entries[handle]
-        if entry.kept is not None:
-            if not entry.unpacked:
-                entry.unpacked = True
-                self._live -= 1
-            return entry.kept
         if entry.unpacked:  # asked again (a graph kept for a second backward): from the host copy, now
             if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(entry.slab.copied)
+                torch.cuda.current_stream(self.device).wait_event(entry.copied)
             return self._rebuilt(entry)
         if entry.gpu is None:  # not prefetched (the layer below is started by this layer's output hook)
             self.stats.fetched_on_demand += 1
@@ -307,46 +267,35 @@ class ActivationOffload:
         return out
 
     def _fetch(self, layer: int) -> None:
-        """Start bringing back every tensor of `layer` not already on its way: each slab in one copy, on the second
-        copy stream, into a device buffer its tensors are views of."""
+        """Start bringing back every tensor of `layer` not already on its way."""
         self._fetched.add(layer)
-        todo = [e for e in self._by_layer.get(layer, ()) if e.gpu is None and not e.unpacked and e.kept is None]
+        todo = [e for e in self._by_layer.get(layer, ()) if e.gpu is None and not e.unpacked]
         if not todo:
             return
-        slabs: dict[int, tuple[_Slab, list[_Saved]]] = {}
-        for e in todo:
-            slabs.setdefault(id(e.slab), (e.slab, []))[1].append(e)
         if not self.cuda:
-            for slab, entries in slabs.values():
-                buf = slab.host.clone()  # the pool is written over by the next micro-batch
-                for e in entries:
-                    e.gpu = _rebuild(buf, e) if e.dense else self._rebuilt(e)
+            for e in todo:
+                e.gpu = self._rebuilt(e)
             return
         compute = torch.cuda.current_stream(self.device)
-        bufs = [torch.empty(slab.host.numel(), dtype=torch.uint8, device=self.device) for slab, _ in slabs.values()]
-        loose = [torch.empty_strided(e.size, e.stride, dtype=e.dtype, device=e.device) if not e.dense else None
-                 for e in todo]  # not dense: copied into a tensor of its own strides
+        buffers = [torch.empty_strided(e.size, e.stride, dtype=e.host.dtype, device=e.device) for e in todo]
         self._h2d.wait_stream(compute)  # their memory is free on the compute stream from here on
         with torch.cuda.stream(self._h2d):
-            for (slab, entries), buf in zip(slabs.values(), bufs):
-                self._h2d.wait_event(slab.copied)
-                buf.copy_(slab.host, non_blocking=True)
-                buf.record_stream(self._h2d)
-                for e in entries:
-                    e.gpu = _rebuild(buf, e)
-            for e, out in zip(todo, loose):
-                if out is not None:
-                    e.gpu = out.copy_(e.gpu)
-                    out.record_stream(self._h2d)
+            waited = set()
+            for e, gpu in zip(todo, buffers):
+                if id(e.copied) not in waited:  # the layer's tensors share one event
+                    self._h2d.wait_event(e.copied)
+                    waited.add(id(e.copied))
+                _fill(gpu, e, non_blocking=True)
+                gpu.record_stream(self._h2d)
             ready = torch.cuda.Event()  # one for the layer: backward uses its tensors together
             ready.record(self._h2d)
-        for e in todo:
-            e.ready = ready
+        for e, gpu in zip(todo, buffers):
+            e.gpu, e.ready = gpu, ready
 
-    def _rebuilt(self, e: _Saved) -> torch.Tensor:
-        """`e` on its device again from its host copy, copied on the current stream."""
-        out = torch.empty_strided(e.size, e.stride, dtype=e.dtype, device=e.device)
-        return out.copy_(_rebuild(e.slab.host, e))
+    @staticmethod
+    def _rebuilt(e: _Saved) -> torch.Tensor:
+        """`e` on its device again, copied on the current stream."""
+        return _fill(torch.empty_strided(e.size, e.stride, dtype=e.host.dtype, device=e.device), e)
 
     # -------------------------------------------------------------- layers
 
@@ -401,18 +350,22 @@ class ActivationOffload:
                 call(*args, **kwargs)
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self.pack, index), self.unpack):
                 output = call(*args, **kwargs)
-            self._flush()
+            if self.cuda:
+                self._flush()
             return signal(output)
 
         wrapped._agoq_offload = self
         return wrapped
 
 
-def _rebuild(buf: torch.Tensor, e: _Saved) -> torch.Tensor:
-    """`e` as a view of `buf` (its slab's bytes, on the host or the device): with its own strides when dense, else
-    its values in a contiguous tensor of its size."""
-    region = buf[e.offset:e.offset + e.nbytes].view(e.dtype)
-    return region.as_strided(e.size, e.stride) if e.dense else region.view(e.size)
+def _fill(out: torch.Tensor, e: _Saved, non_blocking: bool = False) -> torch.Tensor:
+    """Copy `e`'s host values into `out` (made by empty_strided with e's size and strides): one memcpy into its
+    storage span when dense, else into a contiguous buffer first (on the device, the current stream)."""
+    if e.dense:
+        out.as_strided((out.numel(),), (1,), 0).copy_(e.host, non_blocking=non_blocking)
+    else:
+        out.copy_(e.host.to(out.device, non_blocking=non_blocking).view(e.size))
+    return out
 
 
 def _dense(t: torch.Tensor) -> bool:
