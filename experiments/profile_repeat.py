@@ -13,7 +13,8 @@ per-layer settings) and, if not, the ratio of their predicted step times (profil
 
 It also compares the profiles' own measured training steps (profile.json 'measured_steps', rows matched on compile,
 policy, micro-batch, accumulation, gradients, optimizer, masters and compile memory budget): the relative difference
-of step seconds and of peak bytes, B against A, with the 5 largest of each. CPU only.
+of step seconds and of peak bytes, B against A, with the 5 largest of each, and of the seconds the search prices each
+row at (agoq.search.timing: the fastest steady step times the profile's median-to-fastest ratio). CPU only.
 
     python experiments/profile_repeat.py                 # about a minute
     python experiments/profile_repeat.py --a PROFILE_A --b PROFILE_B --name NAME
@@ -73,8 +74,11 @@ def measured_rows(folder: Path) -> dict:
     return {tuple(r.get(k) for k in MATCH): r for r in rows}
 
 
-def compare_steps(a: Path, b: Path) -> dict:
+def compare_steps(a: Path, b: Path, profiles: dict) -> dict:
+    from agoq.search.timing import prices
+
     ra, rb = measured_rows(a), measured_rows(b)
+    pa, pb = prices(profiles["a"]), prices(profiles["b"])
     both = [k for k in ra if k in rb]
     diffs = []
     for k in both:
@@ -82,13 +86,19 @@ def compare_steps(a: Path, b: Path) -> dict:
         d = dict(zip(MATCH, k))
         d.update({"step_seconds_a": x["step_seconds"], "step_seconds_b": y["step_seconds"],
                   "step_relative_difference": y["step_seconds"] / x["step_seconds"] - 1.0,
+                  "priced_seconds_a": pa.price(x), "priced_seconds_b": pb.price(y),
+                  "priced_relative_difference": pb.price(y) / pa.price(x) - 1.0,
                   "peak_bytes_a": x["peak_bytes"], "peak_bytes_b": y["peak_bytes"],
                   "peak_relative_difference": y["peak_bytes"] / x["peak_bytes"] - 1.0})
         diffs.append(d)
     step = sorted(diffs, key=lambda d: -abs(d["step_relative_difference"]))
     peak = sorted(diffs, key=lambda d: -abs(d["peak_relative_difference"]))
     steps = [abs(d["step_relative_difference"]) for d in diffs]
+    priced = sorted(abs(d["priced_relative_difference"]) for d in diffs)
     return {"rows_a": len(ra), "rows_b": len(rb), "rows_matched": len(both),
+            "median_to_fastest_a": pa.median_to_fastest, "median_to_fastest_b": pb.median_to_fastest,
+            "priced_abs_relative_difference_median": priced[len(priced) // 2] if priced else None,
+            "priced_abs_relative_difference_largest": priced[-1] if priced else None,
             "only_in_a": [dict(zip(MATCH, k)) for k in ra if k not in rb],
             "only_in_b": [dict(zip(MATCH, k)) for k in rb if k not in ra],
             "step_abs_relative_difference_median": sorted(steps)[len(steps) // 2] if steps else None,
@@ -149,12 +159,17 @@ def main() -> None:
                "error_cap": cap, "smallest_budget_bytes": least, "largest_budget_bytes": largest,
                "budgets": rows, "budgets_same_plan": len(same), "budgets_compared": len(rows),
                "largest_predicted_step_difference": max((abs(x - 1.0) for x in ratios), default=None),
-               "measured_steps": compare_steps(folders["a"], folders["b"]),
+               "budgets_same_knobs": sum(1 for r in rows if r.get("same_knobs")),
+               "measured_steps": compare_steps(folders["a"], folders["b"], profiles),
                "cpu_count": os.cpu_count()}
     ms = figures["measured_steps"]
-    print(f"same plan at {len(same)} of {len(rows)} budgets; measured steps: {ms['rows_matched']} rows matched, "
-          f"largest step difference {ms['largest_step_differences'][0]['step_relative_difference']:+.1%}, "
-          f"largest peak difference {ms['largest_peak_differences'][0]['peak_relative_difference']:+.1%}")
+    print(f"same plan at {len(same)} of {len(rows)} budgets, same knobs at {figures['budgets_same_knobs']}, "
+          f"predicted steps at most {figures['largest_predicted_step_difference']:.1%} apart; measured steps: "
+          f"{ms['rows_matched']} rows matched, largest step difference "
+          f"{ms['largest_step_differences'][0]['step_relative_difference']:+.1%} (priced as the search reads them: "
+          f"largest {ms['priced_abs_relative_difference_largest']:.1%}, median "
+          f"{ms['priced_abs_relative_difference_median']:.1%}), largest peak difference "
+          f"{ms['largest_peak_differences'][0]['peak_relative_difference']:+.1%}")
     print("wrote", write_result(args.name, figures))
 
 

@@ -181,7 +181,7 @@ def _memory_budget_points(profile: ProfileData, budget: float, optimizer: str, m
     for row in sp.memory_budget_rows():
         if row.get("peak_bytes") is None:
             continue
-        seconds = float(row["step_seconds"])
+        seconds = sp.price(row)
         if (optimizer, master) != (row["optimizer"], row["master"]):
             theirs = sp.seconds("compiled", sp.m0, 1, "bf16", optimizer, master)
             ours = sp.seconds("compiled", sp.m0, 1, "bf16", row["optimizer"], row["master"])

@@ -16,10 +16,23 @@ plus what the knob was measured to add: another optimizer or masters (the bf16 s
 micro-batch, their difference), QuanGrad's gradients (bf16 steps with quangrad8 and with bf16 gradients at the same
 split). Another accumulation a' of a micro-batch measured at two accumulations is the line through them (each
 further micro-batch costs what the measured ones did); nothing else is extrapolated.
+
+What a measured step costs is read robustly. A GPU step's noise is one-sided (another process, a clock, a slow
+phase of the allocator or of a freshly loaded graph only slows it down), and a profile measures each kind for few
+steps, so a row's median can sit in a slow phase: two profiles of the probe measured its compiled bf16 step at
+110.4 and 119.3 ms, and because the differences above subtract that anchor twice, they priced QuanGrad over float32
+AdamW 8.5 % apart. The price of a row is instead its fastest steady step (the first, warm-up step left out) times
+the profile's own ratio of median to fastest step for that compile mode (the median over its rows, about 1.01-1.02):
+
+    T_row = min(steady steps) x median over the mode's rows of (row median / row fastest step)
+
+so a price is a median-like figure (what a run's median measures) that no one slow phase moves. Rows without their
+per-step seconds (older profiles) are priced by their median.
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import Optional
 
 from agoq.formats.measured_steps import COMPILE_MODES, find, measured_rows
@@ -33,12 +46,30 @@ class StepPrices:
 
     def __init__(self, profile: ProfileData):
         self.rows = measured_rows(profile.header, str(profile.path / "profile.json"))
+        self.median_to_fastest = {  # per compile mode: the median over its rows of (row median / fastest step)
+            mode: statistics.median(ratios) for mode in COMPILE_MODES
+            if (ratios := [r["step_seconds"] / min(steady) for r in self.rows
+                           if r["compile"] == mode and len(steady := self.steady(r)) >= 2])}
         self.m0 = int(profile.settings.get("micro_batch", 1) or 1)
         self.num_layers = profile.num_layers
         own = str(profile.settings.get("compile_mode") or "eager")
         self.modes = [c for c in [own] + [m for m in COMPILE_MODES if m != own] if self.base(c) is not None]
 
     # ------------------------------------------------------------------ what was measured
+
+    @staticmethod
+    def steady(row: dict) -> list[float]:
+        """A row's measured seconds per step after the first (warm-up) step; [] where the row lacks them."""
+        steps = row.get("seconds_per_step") or []
+        return [float(t) for t in steps[1:] if t and t > 0]
+
+    def price(self, row: dict) -> float:
+        """The seconds a measured row prices its step at (module docstring): its fastest steady step times the
+        mode's median-to-fastest ratio; its median where it has fewer than two steady steps."""
+        steady = self.steady(row)
+        if len(steady) < 2 or row["compile"] not in self.median_to_fastest:
+            return float(row["step_seconds"])
+        return min(steady) * self.median_to_fastest[row["compile"]]
 
     def base(self, compile_mode: str) -> Optional[tuple[str, str]]:
         """(optimizer, masters) of the bf16 step at the profiled micro-batch in `compile_mode` (adamw8bit over fp32
@@ -66,7 +97,7 @@ class StepPrices:
         if base is None:
             return {}
         want = (compile_mode, policy, micro_batch, gradients, optimizer or base[0], master or base[1], None)
-        return {r["grad_accum"]: float(r["step_seconds"]) for r in self.rows
+        return {r["grad_accum"]: self.price(r) for r in self.rows
                 if (r["compile"], r["policy"], r["micro_batch"], r["gradients"], r["optimizer"], r["master"],
                     r["activation_memory_budget"]) == want}
 

@@ -1,0 +1,103 @@
+"""agoq.search.timing: what a measured step prices at, read robustly (its fastest steady step times the profile's
+median-to-fastest ratio of its compile mode), checked against a plain recomputation on random per-step times, and
+shown to hold a composed price still where one row's median sits in a slow phase."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+
+from agoq.formats.profile import load_profile
+from agoq.search.timing import StepPrices
+from tests.search.synthetic_profile import write_profile
+
+
+def _noisy_steps(rng: random.Random, seconds: float, count: int) -> list[float]:
+    """A warm-up step (faster than any steady one, so that taking it would show), then `count` steady steps a few
+    per cent above `seconds` (noise only slows a step)."""
+    return [seconds * 0.5] + [seconds * (1 + rng.uniform(0.0, 0.03)) for _ in range(count)]
+
+
+def _profile(tmp_path, seed: int, slow_row=None, slow_by: float = 0.0, per_step: bool = True):
+    """A synthetic profile whose measured rows carry per-step seconds around their true seconds (the same seed gives
+    the same true seconds and noise); in the row `slow_row` picks (a predicate), every steady step but its fastest
+    is `slow_by` slower. Returns (profile, rows as written)."""
+    folder = write_profile(tmp_path / f"p{seed}-{slow_by}-{per_step}", random.Random(seed), num_layers=5,
+                           micro_batch=2, compile_modes=("eager", "compiled"))
+    path = folder / "profile.json"
+    data = json.loads(path.read_text())
+    rng = random.Random(seed * 7919)
+    for row in data["measured_steps"]["rows"]:
+        if not per_step:
+            continue
+        steps = _noisy_steps(rng, row["step_seconds"], rng.randint(4, 9))
+        if slow_row is not None and slow_row(row):
+            fastest = steps.index(min(steps[1:]))
+            steps = [t if i in (0, fastest) else t * (1 + slow_by) for i, t in enumerate(steps)]
+        row["seconds_per_step"] = steps
+        row["steps"] = len(steps)
+        row["step_seconds"] = statistics.median(steps[1:])
+    path.write_text(json.dumps(data))
+    return load_profile(folder), data["measured_steps"]["rows"]
+
+
+@pytest.mark.parametrize("seed", [3, 11, 29])
+def test_a_row_prices_at_its_fastest_steady_step_times_its_modes_ratio(tmp_path, seed):
+    profile, rows = _profile(tmp_path, seed)
+    sp = StepPrices(profile)
+    for mode in ("eager", "compiled"):
+        mine = [r for r in rows if r["compile"] == mode]
+        ratios = sorted(r["step_seconds"] / min(r["seconds_per_step"][1:]) for r in mine)
+        n = len(ratios)
+        factor = ratios[n // 2] if n % 2 else (ratios[n // 2 - 1] + ratios[n // 2]) / 2
+        assert sp.median_to_fastest[mode] == pytest.approx(factor, rel=1e-12)
+        for r in mine:
+            fastest = min(r["seconds_per_step"][1:])  # the warm-up step, faster still, is not taken
+            assert sp.price(r) == pytest.approx(fastest * factor, rel=1e-12)
+            assert sp.price(r) > r["seconds_per_step"][0]
+
+
+def test_rows_without_their_steps_price_at_their_median(tmp_path):
+    profile, rows = _profile(tmp_path, 5, per_step=False)
+    sp = StepPrices(profile)
+    assert sp.median_to_fastest == {}
+    for r in rows:
+        assert sp.price(r) == r["step_seconds"]
+    assert sp.seconds("compiled", 2, 1) == next(r["step_seconds"] for r in rows if (
+        r["compile"], r["policy"], r["micro_batch"], r["grad_accum"], r["gradients"], r["optimizer"], r["master"])
+        == ("compiled", "bf16", 2, 1, "bf16", "adamw8bit", "fp32"))
+
+
+@pytest.mark.parametrize("seed", [2, 17])
+def test_a_slow_phase_in_the_anchor_does_not_move_a_composed_price(tmp_path, seed):
+    """The anchor row (compiled bf16 at the profiled split, base optimizer) with all its steady steps but one 9 %
+    slower moves its median by about 9 %; QuanGrad over float32 AdamW, priced as anchor + two measured differences, subtracts the
+    anchor twice, so the median would move that price by about 9 %. The robust price keeps it within 3 %."""
+    def anchor(row):
+        return (row["compile"], row["policy"], row["micro_batch"], row["grad_accum"], row["gradients"],
+                row["optimizer"], row["master"]) == ("compiled", "bf16", 2, 1, "bf16", "adamw8bit", "fp32")
+
+    calm, calm_rows = _profile(tmp_path, seed)
+    slowed, slowed_rows = _profile(tmp_path, seed, slow_row=anchor, slow_by=0.09)
+    a, b = StepPrices(calm), StepPrices(slowed)
+    medians = [next(r for r in rows if anchor(r))["step_seconds"] for rows in (calm_rows, slowed_rows)]
+    assert medians[1] > 1.05 * medians[0]  # the slow phase is in the median
+
+    def composed(sp):
+        return sp.seconds("compiled", 2, 1, "quangrad8", "adamw", "fp32")
+
+    assert composed(b) == pytest.approx(composed(a), rel=0.03)
+    # what the medians would have priced: anchor + (adamw - anchor) + (quangrad - anchor)
+    def by_median(rows, **key):
+        want = {"compile": "compiled", "policy": "bf16", "micro_batch": 2, "grad_accum": 1, "gradients": "bf16",
+                "optimizer": "adamw8bit", "master": "fp32", **key}
+        return next(r["step_seconds"] for r in rows if all(r[k] == v for k, v in want.items())
+                    and r["activation_memory_budget"] is None)
+
+    def median_price(rows):
+        return by_median(rows, optimizer="adamw") + by_median(rows, gradients="quangrad8") - by_median(rows)
+
+    assert abs(median_price(slowed_rows) / median_price(calm_rows) - 1) > 0.05
