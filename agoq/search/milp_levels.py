@@ -33,7 +33,7 @@ import time
 from typing import Optional
 
 import numpy as np
-from scipy.optimize import LinearConstraint, OptimizeResult
+from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
 
 RELATIVE = 1e-9  # two levels whose seconds differ by less than this (relative) are the same time
 
@@ -41,8 +41,6 @@ RELATIVE = 1e-9  # two levels whose seconds differ by less than this (relative) 
 def count_priced(model) -> bool:
     """Whether `model`'s problem (agoq.search.milp_model.Model) has step seconds that depend only on its counts."""
     p = model.p
-    if getattr(model, "offload", False):  # offloaded bytes are priced by the byte, not by a count
-        return False
     if p.num_stages != 1 or len(p.seconds) == 0 or np.any(p.seconds != 0.0):
         return False
     if p.allow_checkpoint and np.ptp(p.checkpoint_seconds) > 1e-12 * max(1.0, float(np.abs(p.checkpoint_seconds).max())):
@@ -94,26 +92,47 @@ class Levels:
         least_err[~np.isfinite(least_err)] = 0.0
         self.least_error = np.concatenate([[0.0], np.cumsum(np.sort(least_err))])
         self.settled: dict = {}  # error cap -> [(budget, fastest seconds, its choice)] answered so far
+        self.offload = p.offload if getattr(model, "offload", False) else None
+        if self.offload is not None:  # the least bytes layer 0 keeps (the first to leave when any layer does)
+            self.first_layer_bytes = max(0.0, float(min(least_a[0], sixteen[0] + p.unmodified_extra[0] + unmod_cal[0]
+                                                        - p.shared_credit[0])))
+            lb, ub = model.bounds.lb.copy(), model.bounds.ub.copy()
+            ub[model.o0:model.o0 + L] = ub[model.g0:model.g0 + L] = 0.0
+            ub[model.h] = ub[model.e] = ub[model.k] = 0.0
+            self.kept_bounds = Bounds(lb, ub)  # every layer's saved tensors kept on the GPU, no link time
 
-    def _known(self, budget: float, error_cap: Optional[float]) -> tuple[float, Optional[tuple]]:
+    def link_seconds(self, offloaded: float) -> float:
+        """The step seconds offloading `offloaded` bytes per micro-batch adds (agoq.search.problem.OffloadPrices):
+        0 at 0, non-decreasing."""
+        o = self.offload
+        if o is None or offloaded <= 0:
+            return 0.0
+        return offloaded * o.seconds_per_byte + o.grad_accum * max(0.0, offloaded * o.link_seconds_per_byte
+                                                                    - o.window_seconds)
+
+    def _least_bytes(self, n_u: int, n_c: int) -> float:
+        """The least bytes a choice with these counts keeps at the end of forward (static bytes included)."""
+        n_a = self.m.L - n_u - n_c
+        b = self.state_bytes
+        return float(self.m.p.static_bytes[0]) + b["u"][n_u] + b["c"][n_c] + b["a"][n_a] \
+            + (float(self.m.p.laaq_transient()[0]) if n_a > 0 else 0.0)
+
+    def _known(self, budget: float, error_cap: Optional[float], settled: dict) -> tuple[float, Optional[tuple]]:
         """From the answers at other budgets (same cap): the fastest seconds at a budget at least as large (no
         faster level fits a smaller budget), and the fastest answer at a budget no larger (it fits this one too)."""
-        done = self.settled.get(error_cap, ())
+        done = settled.get(error_cap, ())
         floor = max((t for b, t, _ in done if b >= budget), default=-np.inf)
         fits = min(((t, x) for b, t, x in done if b <= budget), key=lambda tx: tx[0], default=None)
         return floor, fits
 
-    def _bound_fails(self, budget: float, n_u: Optional[int], n_c: int, error_cap: Optional[float]) -> bool:
+    def _bound_fails(self, budget: float, n_u: Optional[int], n_c: int, error_cap: Optional[float],
+                     kept: bool = False) -> bool:
         """True when no choice with these counts can meet the budget or the error cap (step 1 of the docstring)."""
         if n_u is None:  # u free: only the checkpointed layers' count is known
             return False
-        L = self.m.L
-        n_a = L - n_u - n_c
-        b = self.state_bytes
-        least = float(self.m.p.static_bytes[0]) + b["u"][n_u] + b["c"][n_c] + b["a"][n_a] \
-            + (float(self.m.p.laaq_transient()[0]) if n_a > 0 else 0.0)
-        if least > budget * (1 + RELATIVE) + 1.0:
-            return True
+        n_a = self.m.L - n_u - n_c
+        if (self.offload is None or kept) and self._least_bytes(n_u, n_c) > budget * (1 + RELATIVE) + 1.0:
+            return True  # (where offload is offered, bytes may leave the GPU: `_fastest_offloading` prices them)
         return error_cap is not None and self.least_error[n_a] > error_cap * (1 + RELATIVE) + 1e-15
 
     def _count_rows(self, n_u: Optional[int], n_c: int) -> LinearConstraint:
@@ -139,29 +158,37 @@ class Levels:
                 time_limit: Optional[float]) -> Optional[OptimizeResult]:
         """The exact fastest choice (scipy's OptimizeResult, status 0; x None and status 2 when nothing fits), or
         None when `time_limit` seconds ran out before a level was settled (the caller then solves the whole MILP)."""
+        if self.offload is not None:
+            return self._fastest_offloading(budgets, error_cap, time_limit)
+        return self._fastest_kept(budgets, error_cap, time_limit, self.m.bounds, self.settled)
+
+    def _fastest_kept(self, budgets: np.ndarray, error_cap: Optional[float], time_limit: Optional[float], bounds,
+                      settled: dict, kept: bool = False) -> Optional[OptimizeResult]:
+        """`fastest` over the choices `bounds` allows (the model's, or with offload every layer kept on the GPU),
+        its answers at other budgets kept in `settled`."""
         from agoq.search.milp_model import milp
 
         m = self.m
         start = time.perf_counter()
         cons = m.constraints(budgets, None, error_cap)
         found, found_seconds = None, None
-        floor, fits = self._known(float(budgets[0]), error_cap)
+        floor, fits = self._known(float(budgets[0]), error_cap, settled)
         for seconds, n_u, n_c in self.levels:
             if seconds < floor - abs(floor) * RELATIVE:
                 continue
             if fits is not None and seconds >= fits[0] - abs(fits[0]) * RELATIVE:
                 found, found_seconds = OptimizeResult(x=fits[1].copy()), fits[0]  # no faster level fits: it is the answer
                 break
-            if self._bound_fails(float(budgets[0]), n_u, n_c, error_cap):
+            if self._bound_fails(float(budgets[0]), n_u, n_c, error_cap, kept):
                 continue
             counts = self._count_rows(n_u, n_c)
-            relaxed = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.zeros(m.nv), bounds=m.bounds)
+            relaxed = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.zeros(m.nv), bounds=bounds)
             if relaxed.status == 2:
                 continue
             left = None if time_limit is None else time_limit - (time.perf_counter() - start)
             if left is not None and left <= 0:
                 return None
-            res = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.ones(m.nv), bounds=m.bounds,
+            res = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=m.integrality, bounds=bounds,
                        options={} if left is None else {"time_limit": left})
             if res.x is not None:  # the fastest level; its ties, other levels of the same time, are the second
                 found, found_seconds = res, seconds  # objective's to weigh (it asks for the time, not the counts)
@@ -172,9 +199,59 @@ class Levels:
             return OptimizeResult(x=None, status=2, success=False, fun=None, mip_gap=None,
                                   message="no choice fits the budget and the caps (every step-time level checked)")
         found.status, found.success, found.mip_gap = 0, True, 0.0
-        self.settled.setdefault(error_cap, []).append((float(budgets[0]), found_seconds, np.round(found.x)))
+        settled.setdefault(error_cap, []).append((float(budgets[0]), found_seconds, np.round(found.x)))
         found.message = "optimal: the fastest step-time level that some choice meets"
+        found.seconds = found_seconds
         return found
+
+    def _fastest_offloading(self, budgets: np.ndarray, error_cap: Optional[float],
+                            time_limit: Optional[float]) -> Optional[OptimizeResult]:
+        """`fastest` where layers may be offloaded, when offloading cannot beat keeping (else None: the caller
+        solves the whole MILP). Step seconds are then a level's seconds plus the link's price of the bytes offloaded
+        (`link_seconds`, >= 0), so a level is no longer settled by its first choice that fits. The fastest choice
+        keeping every layer on the GPU (the levels, offload fixed off) takes T0 seconds; a choice that offloads is
+        faster only at a level faster than T0, with its link price under the difference. Each such level is ruled
+        out by a bound (its least bytes less the budget, or layer 0's least bytes, must leave the GPU, at the link's
+        price), or else by its counts fixed with the step capped below T0: the linear relaxation, then the MILP,
+        proving that no choice exists (milliseconds each, where minimising the offloaded bytes takes seconds). When
+        every faster level is ruled out, the T0 choice is the optimum, exactly; its ties, offloading or not, are
+        the second objective's (it bounds the whole time row)."""
+        from agoq.search.milp_model import milp
+
+        m = self.m
+        start = time.perf_counter()
+        kept = self._fastest_kept(budgets, error_cap, time_limit, self.kept_bounds, self.settled, kept=True)
+        if kept is None:
+            return None
+        if kept.x is None:
+            return None  # nothing fits with every layer kept: offloading decides, the whole MILP answers
+        best = float(kept.seconds)
+        budget = float(budgets[0])
+        cap = best - abs(best) * RELATIVE  # strictly faster than T0: within RELATIVE is a tie
+        cons = None
+        # slowest first: the level just faster than T0 needs the fewest bytes offloaded, so where offloading wins it
+        # is usually found there, at once
+        for t, n_u, n_c in reversed([level for level in self.levels if level[0] < cap]):
+            if n_u is None or self._bound_fails(budget, n_u, n_c, error_cap):
+                continue
+            must_leave = max(self.first_layer_bytes, self._least_bytes(n_u, n_c) - budget * (1 + RELATIVE) - 1.0)
+            if must_leave > self.offload.host_budget_bytes or t + self.link_seconds(must_leave) >= cap:
+                continue
+            if cons is None:
+                cons = m.constraints(budgets, cap, error_cap)
+            counts = self._count_rows(n_u, n_c)
+            relaxed = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.zeros(m.nv), bounds=m.bounds)
+            if relaxed.status == 2:
+                continue
+            left = None if time_limit is None else time_limit - (time.perf_counter() - start)
+            if left is not None and left <= 0:
+                return None
+            res = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=m.integrality, bounds=m.bounds,
+                       options={} if left is None else {"time_limit": left})
+            if res.status != 2:
+                return None  # offloading may beat keeping here (or the time ran out): the whole MILP decides
+        kept.message = "optimal: the fastest step-time level keeping every layer, and no offloading choice faster"
+        return kept
 
 
 __all__ = ["Levels", "count_priced", "levels"]

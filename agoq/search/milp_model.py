@@ -509,8 +509,8 @@ class Model:
         the MILP's (see Solver.relaxed_bound); None when no choice fits, -inf when HiGHS gives no answer."""
         if (self.p.peak_floor() > budgets).any():
             return None
-        if objective == "time" and time_cap is None and self.levels is not None:
-            return self.levels.relaxed(budgets, error_cap)
+        if objective == "time" and time_cap is None and self.levels is not None and not self.offload:
+            return self.levels.relaxed(budgets, error_cap)  # (with offload, the relaxation below bounds bytes too)
         primary, _ = self.rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
         res = milp(primary / scale, constraints=self.constraints(budgets, time_cap, error_cap),

@@ -173,3 +173,39 @@ def test_what_forward_cannot_copy_out_stays_on_the_gpu():
         free["host_bytes"] - limit, abs=1.0), f"seed {seed}"
     parts = slow.memory_parts(sixteen, none, off)[0]["parts"] if slow.static_parts is not None else None
     assert parts is None or parts.get("offload_backlog", 0) > 0
+
+
+def test_count_priced_offload_matches_brute_force():
+    """Compiled pricing with offload (every option 0 s, checkpointing the same seconds in every layer): step seconds
+    are a level's plus the link's price, and the fastest choice is found from the levels with every layer kept,
+    then every faster level ruled out (agoq.search.milp_levels), or by the whole MILP where offload may win. Same
+    optimum as brute force at budgets where offloading wins and where it does not, its ties broken by the least
+    error; the relaxed bound is never above the optimum."""
+    seed, rng = fresh_rng()
+    for trial in range(5):
+        p = with_offload(rng, random_problem(rng, layers=3, kinds_per_layer=2, stages=1))
+        p = replace(p, in_flight=np.ones(1))
+        p.seconds[:] = 0.0
+        p.checkpoint_seconds[:] = rng.uniform(0.5, 3.0)
+        p.laaq_layer_seconds = rng.choice([rng.uniform(-0.2, -0.01), rng.uniform(0.01, 0.5)])
+        solver = Solver(p)
+        assert solver._model.levels is not None, "the problem is count-priced: its levels are used"
+        everything = brute_force(p)
+        peaks = [max(f["peak_bytes_per_stage"]) for f, _ in everything]
+        low, high = min(peaks), max(peaks)
+        kept_low = min(max(f["peak_bytes_per_stage"]) for f, off in everything if not off.any())
+        for budget in (low, rng.uniform(low, kept_low), kept_low, rng.uniform(kept_low, high), high):
+            fits = [f for f, _ in everything if max(f["peak_bytes_per_stage"]) <= budget]
+            where = f"seed {seed} trial {trial} budget {budget}"
+            if not fits:
+                with pytest.raises(InfeasibleBudget):
+                    solver.solve(budget, "time")
+                continue
+            best = min(f["step_seconds"] for f in fits)
+            least_error = min(f["grad_error"] for f in fits if f["step_seconds"] <= best + 1e-9 * abs(best) + 1e-12)
+            bound = solver.relaxed_bound(budget, "time")
+            assert bound is not None and bound <= best + 1e-9, where
+            alloc = solver.solve(budget, "time")
+            assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), where
+            assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
+            assert max(alloc.peak_bytes_per_stage) <= budget + 1, where
