@@ -36,6 +36,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
 
 RELATIVE = 1e-9  # two levels whose seconds differ by less than this (relative) are the same time
+CHECK_SECONDS = 0.5  # with offload: levels not all ruled out by then are left to the whole MILP
 
 
 def count_priced(model) -> bool:
@@ -215,7 +216,8 @@ class Levels:
         price), or else by its counts fixed with the step capped below T0: the linear relaxation, then the MILP,
         proving that no choice exists (milliseconds each, where minimising the offloaded bytes takes seconds). When
         every faster level is ruled out, the T0 choice is the optimum, exactly; its ties, offloading or not, are
-        the second objective's (it bounds the whole time row)."""
+        the second objective's (it bounds the whole time row). Where nothing fits with every layer kept, the same
+        checks without the cap prove that nothing fits at all, or leave it to the whole MILP."""
         from agoq.search.milp_model import milp
 
         m = self.m
@@ -223,33 +225,41 @@ class Levels:
         kept = self._fastest_kept(budgets, error_cap, time_limit, self.kept_bounds, self.settled, kept=True)
         if kept is None:
             return None
-        if kept.x is None:
-            return None  # nothing fits with every layer kept: offloading decides, the whole MILP answers
-        best = float(kept.seconds)
+        best = float(kept.seconds) if kept.x is not None else np.inf  # nothing kept fits: every level may offload
         budget = float(budgets[0])
-        cap = best - abs(best) * RELATIVE  # strictly faster than T0: within RELATIVE is a tie
-        cons = None
-        # slowest first: the level just faster than T0 needs the fewest bytes offloaded, so where offloading wins it
-        # is usually found there, at once
-        for t, n_u, n_c in reversed([level for level in self.levels if level[0] < cap]):
-            if n_u is None or self._bound_fails(budget, n_u, n_c, error_cap):
+        cap = best - abs(best) * RELATIVE if np.isfinite(best) else None  # strictly faster than T0 (closer: a tie)
+        cons = m.constraints(budgets, cap, error_cap)
+        checks = time.perf_counter()
+        candidates = []
+        for t, n_u, n_c in self.levels:
+            if (cap is not None and t >= cap) or self._bound_fails(budget, n_u, n_c, error_cap):
                 continue
-            must_leave = max(self.first_layer_bytes, self._least_bytes(n_u, n_c) - budget * (1 + RELATIVE) - 1.0)
-            if must_leave > self.offload.host_budget_bytes or t + self.link_seconds(must_leave) >= cap:
+            # no choice of this level keeps every layer (T0 is the fastest that does): layer 0 at least leaves
+            must_leave = self.first_layer_bytes if n_u is None else max(
+                self.first_layer_bytes, self._least_bytes(n_u, n_c) - budget * (1 + RELATIVE) - 1.0)
+            if must_leave > self.offload.host_budget_bytes * (1 + RELATIVE) + 1.0:
                 continue
-            if cons is None:
-                cons = m.constraints(budgets, cap, error_cap)
+            if cap is not None and t + self.link_seconds(must_leave) >= cap:
+                continue
+            candidates.append((must_leave, -t, n_u, n_c))
+        # fewest bytes to move first: where offloading wins it is most likely found there, at once
+        for _, _, n_u, n_c in sorted(candidates, key=lambda c: (c[0], c[1])):
+            left = CHECK_SECONDS - (time.perf_counter() - checks)
+            if time_limit is not None:
+                left = min(left, time_limit - (time.perf_counter() - start))
+            if left <= 0:
+                return None  # not ruled out in CHECK_SECONDS: the whole MILP decides
             counts = self._count_rows(n_u, n_c)
             relaxed = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.zeros(m.nv), bounds=m.bounds)
             if relaxed.status == 2:
                 continue
-            left = None if time_limit is None else time_limit - (time.perf_counter() - start)
-            if left is not None and left <= 0:
-                return None
             res = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=m.integrality, bounds=m.bounds,
-                       options={} if left is None else {"time_limit": left})
+                       options={"time_limit": max(left, 1e-3)})
             if res.status != 2:
-                return None  # offloading may beat keeping here (or the time ran out): the whole MILP decides
+                return None  # offloading may win here (or it was not settled in time): the whole MILP decides
+        if kept.x is None:
+            kept.message = "no choice fits the budget and the caps (every step-time level checked, offload included)"
+            return kept
         kept.message = "optimal: the fastest step-time level keeping every layer, and no offloading choice faster"
         return kept
 
