@@ -13,6 +13,8 @@ bounded search must equal and beat. CPU only; the service solves on the CPU.
     python experiments/plan_latency.py                 # about 2 minutes on 2 cores
     python experiments/plan_latency.py --profile agoq/examples/profiles/probe-h200 --name plan_latency_probe_h200
                                                        # a real GPU profile instead of the synthetic one
+    python experiments/plan_latency.py --profile experiments/results/profiles/probe-h200-link --no-every --cli \
+        --name plan_latency_probe_h200_link            # with its host link (offload offered), and `agoq search` too
 Writes experiments/results/NAME.json (default plan_latency).
 """
 
@@ -22,6 +24,7 @@ import argparse
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +60,9 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="a profile folder to plan from (default: the synthetic one)")
     ap.add_argument("--every", action=argparse.BooleanOptionalAction, default=True,
                     help="also solve every combination at each budget (the reference; slow on real profiles)")
+    ap.add_argument("--cli", action=argparse.BooleanOptionalAction, default=False,
+                    help="also time `agoq search` with its defaults at each budget, as a whole process (imports, the "
+                         "front and the files included; the median of --repeats runs)")
     ap.add_argument("--name", default="plan_latency")
     args = ap.parse_args()
     from agoq.formats.profile import load_profile
@@ -84,6 +90,17 @@ def main() -> None:
             row = {"budget_fraction": frac, "budget_bytes": budget, "request_seconds_median": statistics.median(times),
                    "request_seconds_all": times, "tokens_per_second": plan.decision.tokens_per_second,
                    "plan_agoq": plan.decision.agoq}
+            if args.cli:
+                runs = []
+                for _ in range(args.repeats):
+                    cmd = [sys.executable, "-m", "agoq.cli", "search", "--profile", str(folder), "--budget",
+                           str(budget), "--out", str(Path(tmp) / "cli" / "plan.json"), "--quiet"]
+                    t = time.perf_counter()
+                    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   cwd=Path(__file__).resolve().parent.parent)
+                    runs.append(time.perf_counter() - t)
+                row["agoq_search_seconds_median"] = statistics.median(runs)
+                row["agoq_search_seconds_all"] = runs
             if args.every:
                 t = time.perf_counter()
                 every = knob_search.solve_knobs(profile, budget, error_cap=cap, prune=False)
@@ -91,6 +108,7 @@ def main() -> None:
                 row["every_combination_tokens_per_second"] = every.best.tokens_per_second
             rows.append(row)
             print(f"budget {budget / 2**30:7.2f} GiB ({frac:4.2f}): request {row['request_seconds_median']:6.2f} s"
+                  + (f", agoq search {row['agoq_search_seconds_median']:6.2f} s" if args.cli else "")
                   + (f", every combination solved {row['every_combination_seconds']:6.2f} s" if args.every else ""),
                   flush=True)
     figures = {"model": args.model,
@@ -98,7 +116,9 @@ def main() -> None:
                "error_cap": cap, "smallest_budget_bytes": least, "largest_budget_bytes": largest, "budgets": rows,
                "worst_request_seconds": max(r["request_seconds_median"] for r in rows),
                "cpu_count": os.cpu_count(), "load_average_1_5_15min_at_end": list(os.getloadavg()),
-               "target_request_seconds": 1.0}
+               "target_request_seconds": 1.0,
+               **({"worst_agoq_search_seconds": max(r["agoq_search_seconds_median"] for r in rows),
+                   "target_agoq_search_seconds": 10.0} if args.cli else {})}
     print("wrote", write_result(args.name, figures))
 
 
