@@ -147,6 +147,11 @@ class Levels:
             lo[1] = hi[1] = n_u
         return LinearConstraint(rows, lo, hi)
 
+    def tied_counts(self, seconds: float) -> list[tuple[Optional[int], int]]:
+        """(n_u, n_c) of every level whose step time is `seconds` (within RELATIVE): a choice without offload is as
+        fast as `seconds` exactly when its counts are one of them."""
+        return [(n_u, n_c) for t, n_u, n_c in self.levels if abs(t - seconds) <= abs(seconds) * RELATIVE + 1e-15]
+
     def relaxed(self, budgets: np.ndarray, error_cap: Optional[float]) -> Optional[float]:
         """A lower bound on the fastest step, with no solve: the first level that passes the bound of step 1 (None:
         no level does, so no choice fits). Weaker than the levels' linear relaxations, and free."""

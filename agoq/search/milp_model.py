@@ -60,6 +60,7 @@ from scipy.sparse import coo_matrix
 from agoq.activations.policy import KINDS
 from agoq.search.costs import ChoiceProblem
 from agoq.search.milp_levels import Levels, count_priced
+from agoq.search.milp_uniform import tie_break
 
 OBJECTIVES = ("error", "time")
 CHANGE_WEIGHT = 1e-4  # the second solve's weight of one tensor not kept as it is
@@ -435,6 +436,14 @@ class Model:
             if objective == "error":
                 time_cap = None  # minimising time among choices the cap allowed: the cap cannot bind
         else:  # ties among the optimum's equals
+            seconds = best + self.time_constant
+            if objective == "time" and self.levels is not None and self._ties_keep_every_layer(first.x, seconds):
+                # compiled, alike layers: enumerated, not searched (agoq.search.milp_uniform)
+                quick = tie_break(self, seconds, self.levels.tied_counts(seconds), budgets, error_cap,
+                                  1e3 / sec_scale, CHANGE_WEIGHT)
+                if quick is not None:
+                    quick.second_gap = 0.0
+                    return quick
             scale = max(float(np.abs(primary).max()), 1e-30)
             extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + abs(best) * 1e-9 + 1e-12) / scale)]
         second = milp(c, constraints=self.constraints(budgets, time_cap, error_cap) + extra, integrality=self.integrality,
@@ -444,6 +453,16 @@ class Model:
             return first
         second.second_gap = 0.0 if second.status == 0 else float(getattr(second, "mip_gap", 1.0) or 0.0)
         return second
+
+    def _ties_keep_every_layer(self, x: np.ndarray, seconds: float) -> bool:
+        """Whether every choice as fast as `x` (`seconds` a step) keeps every layer on the GPU: no offload is
+        offered, or `x` offloads nothing and the least offload (layer 0's least bytes) costs more than the tie
+        tolerance (faster levels that would have to offload were ruled out by the levels' search)."""
+        if not self.offload:
+            return True
+        if np.round(x[self.o0:self.o0 + self.L]).any():
+            return False
+        return self.levels.link_seconds(self.levels.first_layer_bytes) > abs(seconds) * 1e-9 + 1e-12
 
     tie_break = True  # False: the first objective only (its ties left unbroken, second_gap 1)
 

@@ -1,0 +1,105 @@
+"""agoq.search.milp_uniform against brute force: on compiled problems of alike layers (every (kind, option) keeps the
+same bytes in every layer, errors differ by layer), the plan's ties among the fastest choices are broken by
+enumerating the stage's LAAQ setting, and the answer is brute force's: the fastest step, then the least error, then
+the fewest changed tensors."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import agoq.search.milp_model as milp_model
+from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.search.costs import ChoiceProblem
+from agoq.search.milp import InfeasibleBudget, Solver
+from tests.search.test_milp import _one_setting_per_stage, fresh_rng
+
+
+def alike_problem(rng, layers: int, kinds: int) -> ChoiceProblem:
+    """A compiled problem (options cost no seconds, one setting per stage) whose layers keep alike bytes; each
+    layer's errors its own."""
+    names = rng.choice([["qkv_input", "ffn2_input", "attention"],  # two kinds to recompute: ties in error
+                        ["attention", "o_proj_input", "qkv_input"]])[:kinds]  # the shared-input credit
+    options = {k: ["16"] + rng.sample(["8", "5", "4", "3", "2"], rng.randint(1, 2)) for k in names}
+    bytes_of = {k: {"16": rng.uniform(50, 150)} for k in names}
+    for k in names:
+        for o in options[k][1:]:
+            bytes_of[k][o] = round(bytes_of[k]["16"] * int(o) / 16 + rng.uniform(0, 3))
+        bytes_of[k]["16"] = round(bytes_of[k]["16"])
+        if k in RECOMPUTABLE and rng.random() < 0.7:  # no bytes and no error: it ties with 16 in error
+            options[k].insert(0, "recompute")  # listed first: the change it makes must weigh, not the order
+            bytes_of[k]["recompute"] = 0.0
+    layer, kind, option, memory, error = [], [], [], [], []
+    for l in range(layers):
+        for k in names:
+            for o in options[k]:
+                layer.append(l), kind.append(KINDS.index(k)), option.append(o), memory.append(bytes_of[k][o])
+                error.append(0.0 if o in ("16", "recompute") else rng.uniform(0.01, 0.1) * 2.0 ** (4 - int(o)))
+    p = ChoiceProblem(
+        np.array(layer), np.array(kind), option, np.array(memory, float), np.zeros(len(option)),
+        np.array(error, float), np.zeros(layers, dtype=int), np.full(layers, float(rng.randint(10, 40))),
+        np.full(layers, rng.uniform(1, 4)), rng.random() < 0.5, np.full(layers, float(rng.randint(0, 30))),
+        np.full(layers, float(rng.randint(0, 20))), np.array([float(rng.randint(100, 200))]), 1.0,
+        in_flight=np.ones(1), recompute_bytes=np.full(layers, float(rng.randint(100, 400))),
+        laaq_transient_bytes=np.array([float(rng.randint(10, 120))]) if rng.random() < 0.6 else None)
+    p.laaq_layer_seconds = rng.uniform(0.01, 0.5)
+    p.one_setting_per_stage = True
+    return p
+
+
+def every_choice(p: ChoiceProblem) -> list[tuple[dict, int]]:
+    """Brute force: (figures, changed tensors) of every choice keeping one LAAQ setting per stage."""
+    groups = p.groups()
+    per_layer = []
+    for l in range(p.num_layers):
+        mine = [idx for (gl, _), idx in sorted(groups.items()) if gl == l]
+        per_layer.append([(tuple(c), False) for c in itertools.product(*mine)]
+                         + ([((), True)] if p.allow_checkpoint else []))
+    is16 = p.keeps_16bit()
+    out = []
+    for combo in itertools.product(*per_layer):
+        chosen = np.array([i for c, _ in combo for i in c], dtype=int)
+        ckpt = np.array([k for _, k in combo])
+        if _one_setting_per_stage(p, chosen, ckpt):
+            out.append((p.evaluate(chosen, ckpt), int((~is16[chosen]).sum() + ckpt.sum())))
+    return out
+
+
+def test_alike_layers_tie_break_equals_brute_force(monkeypatch):
+    used = []
+    enumerate_ties = milp_model.tie_break
+
+    def counting(*args, **kwargs):
+        out = enumerate_ties(*args, **kwargs)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(milp_model, "tie_break", counting)
+    seed, rng = fresh_rng()
+    for trial in range(8):
+        p = alike_problem(rng, layers=3, kinds=rng.choice([2, 3]))
+        everything = every_choice(p)
+        peaks = [max(f["peak_bytes_per_stage"]) for f, _ in everything]
+        errors = [f["grad_error"] for f, _ in everything]
+        solver = Solver(p)
+        for budget in (min(peaks), rng.uniform(min(peaks), max(peaks)), rng.uniform(min(peaks), max(peaks)),
+                       max(peaks)):
+            cap = rng.uniform(min(errors), max(errors)) if rng.random() < 0.4 else None
+            fits = [(f, n) for f, n in everything if max(f["peak_bytes_per_stage"]) <= budget
+                    and (cap is None or f["grad_error"] <= cap + 1e-12)]
+            where = f"seed {seed} trial {trial} budget {budget} cap {cap}"
+            if not fits:
+                with pytest.raises(InfeasibleBudget):
+                    solver.solve(budget, "time", error_cap=cap)
+                continue
+            best = min(f["step_seconds"] for f, _ in fits)
+            fastest = [(f, n) for f, n in fits if f["step_seconds"] <= best + 1e-9 * abs(best) + 1e-12]
+            least_error = min(f["grad_error"] for f, _ in fastest)
+            fewest = min(n for f, n in fastest if f["grad_error"] <= least_error * (1 + 1e-6) + 1e-9)
+            alloc = solver.solve(budget, "time", error_cap=cap)
+            assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), where
+            assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
+            changed = int((~p.keeps_16bit()[alloc.chosen]).sum() + alloc.checkpoint.sum())
+            assert changed == fewest, where
+            assert max(alloc.peak_bytes_per_stage) <= budget, where
+    assert any(used), f"seed {seed}: the enumeration never answered (every tie left to the MILP)"
