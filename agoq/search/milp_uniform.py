@@ -79,11 +79,13 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
         return None
     p, L = m.p, m.L
     n_a = L - n_u
+    if n_a == 0:
+        return None  # nothing to choose: the MILP's answer is immediate
     kinds, options = alike["kinds"], alike["options"]
-    mem = m.memory_rows[0]
-    sixteen = {k: options[k].index("16") if "16" in options[k] else None for k in kinds}
-    if any(s is None for s in sixteen.values()) and n_u > 0:
+    if any("16" not in options[k] for k in kinds):
         return None
+    mem = m.memory_rows[0]
+    sixteen = {k: options[k].index("16") for k in kinds}
     # the bytes of one unmodified layer, and of one layer under LAAQ at each setting
     att, oproj = KINDS.index("attention"), KINDS.index("o_proj_input")
     credit = float(mem[m.w0])  # the shared-input credit of layer 0 (negative bytes), alike in every layer
@@ -91,18 +93,13 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
         + (credit if att in kinds and oproj in kinds and m.bounds.ub[m.w0] > 0 else 0.0)
     room = float(np.asarray(budgets, float)[0]) - float(p.static_bytes[0]) - n_u * u_bytes \
         - (float(mem[m.z0]) if n_a > 0 else 0.0)
-    if n_a == 0:
-        return None  # nothing to choose: the MILP's answer is immediate
     grids = np.meshgrid(*[np.arange(len(options[k])) for k in kinds], indexing="ij")
     choice = np.stack([g.ravel() for g in grids], axis=1)  # [settings, kinds] option positions
     per_layer = np.zeros(len(choice))
     non16 = np.zeros(len(choice))
     for j, k in enumerate(kinds):
         per_layer += alike["bytes"][k][choice[:, j]]
-        if sixteen[k] is not None:
-            non16 += choice[:, j] != sixteen[k]
-        else:
-            non16 += 1
+        non16 += choice[:, j] != sixteen[k]
     if att in kinds and oproj in kinds and m.bounds.ub[m.w0] > 0:
         both = (choice[:, kinds.index(att)] == sixteen[att]) & (choice[:, kinds.index(oproj)] == sixteen[oproj])
         per_layer += np.where(both, credit, 0.0)
