@@ -446,8 +446,13 @@ class Model:
                     return quick
             scale = max(float(np.abs(primary).max()), 1e-30)
             extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + abs(best) * 1e-9 + 1e-12) / scale)]
-        second = milp(c, constraints=self.constraints(budgets, time_cap, error_cap) + extra, integrality=self.integrality,
-                      bounds=bounds, options=options)
+        cons = self.constraints(budgets, time_cap, error_cap) + extra
+        second = milp(c, constraints=cons, integrality=self.integrality, bounds=bounds, options=options)
+        if second.x is None and second.status == 2:
+            # the first answer meets these rows, so "infeasible" is HiGHS's presolve misjudging (seen with offload's
+            # big-M rows): solved again without it
+            second = milp(c, constraints=cons, integrality=self.integrality, bounds=bounds,
+                          options={**options, "presolve": False})
         if second.x is None:  # cannot happen (the first answer is feasible); kept as the answer if it does
             first.second_gap = 1.0
             return first

@@ -203,10 +203,12 @@ def test_count_priced_offload_matches_brute_force():
                     solver.solve(budget, "time")
                 continue
             best = min(f["step_seconds"] for f in fits)
-            least_error = min(f["grad_error"] for f in fits if f["step_seconds"] <= best + 1e-9 * abs(best) + 1e-12)
             bound = solver.relaxed_bound(budget, "time")
             assert bound is not None and bound <= best + 1e-9, where
             alloc = solver.solve(budget, "time")
-            assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), where
+            # exact where the levels answer; the whole MILP's answer is within its relative gap (1e-7)
+            assert alloc.step_seconds == pytest.approx(best, rel=1e-6, abs=1e-12), where
+            mine = alloc.step_seconds * (1 + 1e-9) + 1e-12  # the ties it broke: choices at least as fast as its own
+            least_error = min(f["grad_error"] for f in fits if f["step_seconds"] <= mine)
             assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
             assert max(alloc.peak_bytes_per_stage) <= budget + 1, where
