@@ -103,13 +103,9 @@ class Levels:
             self.kept_bounds = Bounds(lb, ub)  # every layer's saved tensors kept on the GPU, no link time
 
     def link_seconds(self, offloaded: float) -> float:
-        """The step seconds offloading `offloaded` bytes per micro-batch adds (agoq.search.problem.OffloadPrices):
-        0 at 0, non-decreasing."""
-        o = self.offload
-        if o is None or offloaded <= 0:
-            return 0.0
-        return offloaded * o.seconds_per_byte + o.grad_accum * max(0.0, offloaded * o.link_seconds_per_byte
-                                                                    - o.window_seconds)
+        """The step seconds offloading `offloaded` bytes per micro-batch adds (ChoiceProblem.offload_seconds): 0 at 0,
+        non-decreasing."""
+        return self.m.p.offload_seconds(offloaded)["seconds"]
 
     def _least_bytes(self, n_u: int, n_c: int) -> float:
         """The least bytes a choice with these counts keeps at the end of forward (static bytes included)."""

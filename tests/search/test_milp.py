@@ -183,21 +183,24 @@ def _one_setting_per_stage(p: ChoiceProblem, f_chosen, ckpt) -> bool:
     return all(len(settings) == 1 for settings in by_stage.values())
 
 
-def _one_setting_choices(p: ChoiceProblem) -> list[dict]:
-    """Brute force: the figures (ChoiceProblem.evaluate) of every choice that keeps one setting per stage."""
+def one_setting_combos(p: ChoiceProblem):
+    """Brute force: (chosen option indices, checkpointed layers) of every choice that keeps one setting per stage."""
     groups = p.groups()
     per_layer = []
     for l in range(p.num_layers):
         mine = [idx for (gl, _), idx in sorted(groups.items()) if gl == l]
         per_layer.append([(tuple(c), False) for c in itertools.product(*mine)]
                          + ([((), True)] if p.allow_checkpoint else []))
-    allowed = []
     for combo in itertools.product(*per_layer):
         chosen = np.array([i for c, _ in combo for i in c], dtype=int)
         ckpt = np.array([k for _, k in combo])
         if _one_setting_per_stage(p, chosen, ckpt):
-            allowed.append(p.evaluate(chosen, ckpt))
-    return allowed
+            yield chosen, ckpt
+
+
+def _one_setting_choices(p: ChoiceProblem) -> list[dict]:
+    """Brute force: the figures (ChoiceProblem.evaluate) of every choice that keeps one setting per stage."""
+    return [p.evaluate(chosen, ckpt) for chosen, ckpt in one_setting_combos(p)]
 
 
 @pytest.mark.parametrize("stages", [1, 2])

@@ -3,8 +3,6 @@ same bytes in every layer, errors differ by layer), the plan's ties among the fa
 enumerating the stage's LAAQ setting, and the answer is brute force's: the fastest step, then the least error, then
 the fewest changed tensors."""
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -12,7 +10,7 @@ import agoq.search.milp_model as milp_model
 from agoq.activations.policy import KINDS, RECOMPUTABLE
 from agoq.search.costs import ChoiceProblem
 from agoq.search.milp import InfeasibleBudget, Solver
-from tests.search.test_milp import _one_setting_per_stage, fresh_rng
+from tests.search.test_milp import fresh_rng, one_setting_combos
 
 
 def alike_problem(rng, layers: int, kinds: int) -> ChoiceProblem:
@@ -49,20 +47,9 @@ def alike_problem(rng, layers: int, kinds: int) -> ChoiceProblem:
 
 def every_choice(p: ChoiceProblem) -> list[tuple[dict, int]]:
     """Brute force: (figures, changed tensors) of every choice keeping one LAAQ setting per stage."""
-    groups = p.groups()
-    per_layer = []
-    for l in range(p.num_layers):
-        mine = [idx for (gl, _), idx in sorted(groups.items()) if gl == l]
-        per_layer.append([(tuple(c), False) for c in itertools.product(*mine)]
-                         + ([((), True)] if p.allow_checkpoint else []))
     is16 = p.keeps_16bit()
-    out = []
-    for combo in itertools.product(*per_layer):
-        chosen = np.array([i for c, _ in combo for i in c], dtype=int)
-        ckpt = np.array([k for _, k in combo])
-        if _one_setting_per_stage(p, chosen, ckpt):
-            out.append((p.evaluate(chosen, ckpt), int((~is16[chosen]).sum() + ckpt.sum())))
-    return out
+    return [(p.evaluate(chosen, ckpt), int((~is16[chosen]).sum() + ckpt.sum()))
+            for chosen, ckpt in one_setting_combos(p)]
 
 
 def test_alike_layers_tie_break_equals_brute_force(monkeypatch):
