@@ -14,6 +14,7 @@ Configurations (--configs, comma-separated; K is a number of layers, the first K
   bf16+offloadK       bf16 activations of layers 0..K-1 offloaded (ordinary offload: side stream, pinned pool)
   agoq                the agoq-paper policy (about 4-bit activations), kept on the GPU
   agoq+offloadK       the same, layers 0..K-1's packed codes offloaded
+--extra adds agoq train flags to every configuration (e.g. QuanGrad and accumulation).
 
     python experiments/bench_offload.py --configs bf16,checkpoint-all,agoq,agoq+offload6   # one H200, ~5 min
     python experiments/bench_offload.py --tiny --steps 4 --configs bf16,agoq+offload1     # CPU check
@@ -60,6 +61,8 @@ def main() -> None:
                                          "agoq+offload4,agoq+offload8")
     ap.add_argument("--optimizer", default="adamw8bit", choices=["adamw", "adamw8bit"])
     ap.add_argument("--data", default=None)
+    ap.add_argument("--extra", default="", help="agoq train flags added to every configuration, e.g. "
+                                                 "'--gradients quangrad8 --grad-accum 4'")
     ap.add_argument("--tiny", action="store_true", help="llama-tiny on the CPU, eager, seq 64 (a check of the script)")
     ap.add_argument("--name", default="bench_offload")
     args = ap.parse_args()
@@ -69,9 +72,9 @@ def main() -> None:
         model, seq_len, micro_batch, device = "llama-tiny", 64, 2, ["--device", "cpu", "--no-compile"]
     common = common_args(model, tiny_shakespeare(args.data), seq_len=seq_len, micro_batch=micro_batch,
                          steps=args.steps, lr=3e-4, eval_every=args.steps, eval_batches=1, device=device)
-    common += ["--optimizer", args.optimizer]
+    common += ["--optimizer", args.optimizer, *args.extra.split()]
     figures = {"model": model, "micro_batch": micro_batch, "seq_len": seq_len, "steps": args.steps,
-               "optimizer": args.optimizer, "configs": {}}
+               "optimizer": args.optimizer, "extra": args.extra.split(), "configs": {}}
     work = Path(tempfile.mkdtemp(prefix="bench_offload_"))
     for name in args.configs.split(","):
         run_dir = work / name.replace("+", "_")
