@@ -38,6 +38,15 @@ from agoq.units import format_bytes
 HELP = "measure a model on this hardware: bytes, error and sensitivity per layer and kind"
 
 
+def _offload_layers(header: dict):
+    """How many leading layers the offloading measured steps offload (agoq.commands.profile_steps): every layer but
+    the last (one of a one-layer model) where the profile measured the host link, else None (no such steps)."""
+    if not (header.get("timing") or {}).get("host_link"):
+        return None
+    layers = int(header["model"]["num_layers"])
+    return max(1, layers - 1) if layers >= 1 else None
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -228,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
         rows, failures, notes = measure_profile_steps(args.model, layers=args.layers, seq_len=seq_len,
                                                       micro_batch=args.micro_batch, dtype=dtype, device=device,
                                                       compile_modes=modes, steps=steps, seed=args.seed,
-                                                      repeats=repeats, progress=not args.quiet)
+                                                      repeats=repeats, progress=not args.quiet,
+                                                      offload_layers=_offload_layers(header))
         for note in notes:
             print(f"warning: measured step {note}", file=sys.stderr)
         header = add_measured_steps(out, header, rows, failures)

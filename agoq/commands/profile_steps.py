@@ -9,6 +9,11 @@ this process, on the built-in corpus, writing nothing), at every kind of step a 
     bf16 with QuanGrad's 8-bit gradients (its accumulation path at two micro-batches)
   at the profiled micro-batch: bf16 with float32 AdamW, and the 8-bit AdamW without masters
   compiled: bf16 under torch.compile's activation_memory_budget 0.5 and 0.1 (compile's own memory saver)
+  where the host link was measured (a GPU), in each compile mode at every micro-batch m, one micro-batch per step:
+    agoq-paper with the first K decoder layers' saved tensors offloaded to host memory (K: every layer but the last,
+    which backward needs first; one layer of a one-layer model), beside agoq-paper without: what offloading a layer
+    costs as the runtime does it (its hooks and copies per tensor, the link and the compute it overlaps), which the
+    search prices offload from (agoq.search.timing)
 
 Each is `steps` optimizer steps: its step time the median after the first, its peak the largest of any step (the
 first, which compiles and allocates, included). With `repeats` R > 1 every kind is measured R times, each pass in
@@ -34,8 +39,10 @@ SPREAD_WARNING = 0.10  # passes of one kind whose medians differ by more than th
 BASE = {"gradients": "bf16", "optimizer": "adamw8bit", "master": "fp32"}
 
 
-def step_kinds(micro_batch: int, compile_modes: list[str], memory_budgets=MEMORY_BUDGETS) -> list[dict]:
-    """The knob combinations of the module docstring, in the order they are measured."""
+def step_kinds(micro_batch: int, compile_modes: list[str], memory_budgets=MEMORY_BUDGETS,
+               offload_layers: Optional[int] = None) -> list[dict]:
+    """The knob combinations of the module docstring, in the order they are measured (`offload_layers` K: the
+    offloading kinds, the first K layers offloaded; None: none)."""
     kinds = []
     for compile_mode in compile_modes:
         for m in [d for d in range(micro_batch, 0, -1) if micro_batch % d == 0]:
@@ -52,6 +59,10 @@ def step_kinds(micro_batch: int, compile_modes: list[str], memory_budgets=MEMORY
             for budget in memory_budgets:
                 kinds.append({"compile": compile_mode, "policy": "bf16", "micro_batch": micro_batch, "grad_accum": 1,
                               **BASE, "activation_memory_budget": budget})
+        if offload_layers:
+            for m in [d for d in range(micro_batch, 0, -1) if micro_batch % d == 0]:
+                kinds.append({"compile": compile_mode, "policy": "agoq-paper", "micro_batch": m, "grad_accum": 1,
+                              **BASE, "offload_layers": int(offload_layers)})
     for kind in kinds:
         kind.setdefault("activation_memory_budget", None)
     return kinds
@@ -65,17 +76,18 @@ def _train_settings(kind: dict, model: str, seq_len: int, dtype: str, device: st
                 policy="agoq-paper" if kind["policy"] == "agoq-paper" else None,
                 checkpoint_all=kind["policy"] == "checkpoint-all",
                 activation_memory_budget=kind["activation_memory_budget"], steps=steps, warmup=1, seed=seed,
-                checkpoint_every=0, quiet=True)
+                checkpoint_every=0, quiet=True,
+                offload=f"0-{kind['offload_layers'] - 1}" if kind.get("offload_layers") else None)
 
 
 def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, micro_batch: int, dtype: str,
                           device: str, compile_modes: list[str], steps: int, seed: int = 0, repeats: int = 1,
-                          progress: bool = True,
+                          progress: bool = True, offload_layers: Optional[int] = None,
                           measure: Optional[Callable] = None) -> tuple[list[dict], list[dict], list[str]]:
     """Measure every kind of `step_kinds` on `model` (a preset or config.json; with `layers`, that many decoder
-    layers) `repeats` times (see the module docstring); returns (rows of agoq.formats.measured_steps, failures,
-    notes on kinds whose passes disagree). `measure(TrainConfig) -> StepFigures` is
-    agoq.train.measure.measure_steps unless given."""
+    layers) `repeats` times (see the module docstring; `offload_layers` K adds the offloading kinds); returns (rows
+    of agoq.formats.measured_steps, failures, notes on kinds whose passes disagree). `measure(TrainConfig) ->
+    StepFigures` is agoq.train.measure.measure_steps unless given."""
     from agoq.progress import progress_bar
     from agoq.train.config import TrainConfig
 
@@ -83,7 +95,7 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
         from agoq.train.measure import measure_steps as measure
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    kinds = step_kinds(micro_batch, compile_modes)
+    kinds = step_kinds(micro_batch, compile_modes, offload_layers=offload_layers)
     passes: list[list[Optional[object]]] = [[None] * len(kinds) for _ in range(repeats)]
     errors: dict[int, str] = {}
     with tempfile.TemporaryDirectory(prefix="agoq-profile-steps-") as tmp:
@@ -120,6 +132,10 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
         row = {**kind, "steps": steps, "step_seconds": min(medians), "peak_bytes": max(peaks) if peaks else None,
                "first_step_peak_bytes": max(firsts) if firsts else None, "first_step_seconds": measured[0].seconds[0],
                "seconds_per_step": list(best.seconds), "source": "profile"}
+        if kind.get("offload_layers"):
+            row["offloaded_bytes"] = int(getattr(best, "offloaded_bytes", None) or 0)
+        else:
+            row.pop("offload_layers", None)
         if repeats > 1:
             row["repeat_step_seconds"] = medians
             if max(medians) > (1 + SPREAD_WARNING) * min(medians):
@@ -130,8 +146,9 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
 
 
 def _describe(kind: dict) -> str:
-    budget = kind["activation_memory_budget"]
+    budget, offload = kind["activation_memory_budget"], kind.get("offload_layers")
     return (f"{kind['compile']} {kind['policy']}" + (f" activation_memory_budget {budget:g}" if budget else "")
+            + (f" with layers 0-{offload - 1} offloaded" if offload else "")
             + f", micro-batch {kind['micro_batch']} x {kind['grad_accum']}, gradients {kind['gradients']}, "
               f"{kind['optimizer']}, masters {kind['master']}")
 

@@ -13,7 +13,10 @@ A row:
      "step_seconds": s,                             median seconds of the steps after warm-up
      "peak_bytes": p,                               the largest torch.cuda.max_memory_allocated of any step, the
                                                     first included (null off the GPU)
-     "first_step_peak_bytes": p1, "source": "profile" | "run" | "older profile section"}
+     "first_step_peak_bytes": p1, "source": "profile" | "run" | "older profile section",
+     "offload_layers": K, "offloaded_bytes": B}     optional (section version 2): the first K decoder layers' saved
+                                                    tensors were kept in host memory (agoq.activations.offload), B
+                                                    bytes of them per micro-batch; absent: nothing offloaded
 
 `measured_rows(header)` returns the rows of a profile header: its `measured_steps`, and for profiles written before
 that section existed, the same facts read from the sections that held them (the eager memory steps, and the
@@ -33,7 +36,8 @@ OPTIMIZERS = ("adamw", "adamw8bit")
 MASTERS = ("fp32", "none")
 OLDER = "older profile section"
 KEY_FIELDS = ("compile", "policy", "activation_memory_budget", "micro_batch", "grad_accum", "gradients", "optimizer",
-              "master")
+              "master", "offload_layers")
+VERSIONS = (1, 2)  # 2: rows may offload (offload_layers, offloaded_bytes)
 
 
 def row_key(row: dict) -> tuple:
@@ -68,6 +72,14 @@ def check_row(row: Any, where: str) -> dict:
         raise ValueError(f"{where}.activation_memory_budget: must be in (0, 1] or null, got {budget!r}")
     if budget is not None and (out["compile"], out["policy"]) != ("compiled", "bf16"):
         raise ValueError(f"{where}.activation_memory_budget: only compiled bf16 steps have one")
+    layers = out.get("offload_layers")
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"{where}.offload_layers: must be an integer >= 1 or absent, got {layers!r}")
+        moved = out.get("offloaded_bytes")
+        if isinstance(moved, bool) or not isinstance(moved, (int, float)) or moved < 0:
+            raise ValueError(f"{where}.offloaded_bytes: a row that offloads gives the bytes it offloaded per "
+                             f"micro-batch (>= 0), got {moved!r}")
     return out
 
 
@@ -112,7 +124,10 @@ def measured_rows(header: dict, where: str = "profile.json") -> list[dict]:
         raw = _older_rows(header)
     else:
         if not isinstance(section, dict) or not isinstance(section.get("rows"), list):
-            raise ValueError(f"{where}: measured_steps: expected {{'version': 1, 'rows': [...]}}")
+            raise ValueError(f"{where}: measured_steps: expected {{'version': 2, 'rows': [...]}}")
+        if section.get("version", 1) not in VERSIONS:
+            raise ValueError(f"{where}: measured_steps.version {section.get('version')!r} is newer than this agoq "
+                             f"reads ({', '.join(map(str, VERSIONS))}): upgrade agoq, or profile again with this one")
         raw = section["rows"]
     rows: dict[tuple, dict] = {}
     for i, row in enumerate(raw):
@@ -123,12 +138,14 @@ def measured_rows(header: dict, where: str = "profile.json") -> list[dict]:
 
 def section(rows: list[dict]) -> dict:
     """The `measured_steps` section holding `rows` (each checked)."""
-    return {"version": 1, "rows": [check_row(r, f"measured_steps.rows[{i}]") for i, r in enumerate(rows)]}
+    return {"version": VERSIONS[-1], "rows": [check_row(r, f"measured_steps.rows[{i}]") for i, r in enumerate(rows)]}
 
 
 def find(rows: list[dict], **key: Optional[Any]) -> Optional[dict]:
-    """The row measuring exactly `key` (every KEY_FIELDS given; activation_memory_budget defaults to None)."""
+    """The row measuring exactly `key` (every KEY_FIELDS given; activation_memory_budget and offload_layers default
+    to None)."""
     key.setdefault("activation_memory_budget", None)
+    key.setdefault("offload_layers", None)
     want = tuple(key.get(k) for k in KEY_FIELDS)
     for row in rows:
         if row_key(row) == want:

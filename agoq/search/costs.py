@@ -175,7 +175,8 @@ def _step_times(profile: ProfileData, knobs: ProblemSettings, compile_mode: str,
 
 
 def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: float, accum: int, stages: int,
-                   layout: str, notes: list) -> Optional[OffloadPrices]:
+                   layout: str, notes: list, compile_mode: str = "compiled",
+                   micro_batch: Optional[int] = None) -> Optional[OffloadPrices]:
     """What offload costs under these knobs (agoq.search.problem.OffloadPrices), None where it is not offered: not
     asked for, no host link in the profile (a CPU profile, or one made before agoq measured it), or a layout the
     runtime cannot offload in (pipeline stages, fsdp).
@@ -185,7 +186,20 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
     times this step per micro-batch, less the first layer (its own backward is the last, with nothing after it to
     hide a copy under). The compute slowdown the profile measured while both copies ran is charged for as long as
     the copies run. What the link copies out during forward (a third of the window, at the device-to-host rate)
-    bounds what leaves the GPU by the end of forward: the rest is still there at forward's peak."""
+    bounds what leaves the GPU by the end of forward: the rest is still there at forward's peak.
+
+    What the link model leaves out is the runtime's own time per offloaded layer: its hooks and a copy per tensor,
+    each direction, which a step whose kernels are short cannot hide (the 129 M byte LLaMA at micro-batch 1 x 4,
+    10 layers offloaded: 165 ms against 80 ms kept, with 0.13 GB per micro-batch on a 50 GB/s link). The profile
+    measures agoq-paper with its first K layers offloaded beside the same step kept (agoq.search.timing
+    `offload_step`) in each compile mode at each micro-batch; what that step took beyond the kept one and beyond
+    what the link model prices for its bytes is charged per offloaded layer and micro-batch:
+
+      layer seconds = max(0, T_offloaded - T_kept - exposed(B) - slowdown x B / rate) / K
+
+    at the plan's compile mode and micro-batch (another micro-batch's, the largest, where this one failed). A profile
+    with offloading steps but none in this compile mode offers no offload in it; a profile made before agoq measured
+    them is priced by the link alone, with a note."""
     if not knobs.allow_offload:
         return None
     link = profile.host_link
@@ -210,7 +224,36 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
     host = knobs.host_budget if knobs.host_budget is not None else float(link.get("pinnable_bytes") or 0)
     slowdown = max(0.0, float(link.get("compute_slowdown") or 0.0))
     forward_bytes = window / 3.0 * float(link["d2h_bytes_per_second"])  # forward: about a third of fwd + bwd
-    return OffloadPrices(per_byte, window, slowdown * per_byte * accum, host, accum, forward_bytes)
+    layer = _offload_layer_seconds(sp, compile_mode, micro_batch or sp.m0, per_byte, share, slowdown, L, notes)
+    if layer is None:
+        return None
+    return OffloadPrices(per_byte, window, slowdown * per_byte * accum, host, accum, forward_bytes,
+                         layer_seconds=layer * accum)
+
+
+def _offload_layer_seconds(sp, compile_mode: str, micro_batch: int, per_byte: float, share: float, slowdown: float,
+                           layers: int, notes: list) -> Optional[float]:
+    """Seconds per offloaded layer and micro-batch beyond the link model (offload_prices), None: not offered."""
+    if not sp.offload_rows:
+        notes.append("the profile measured no offloading step (made before agoq measured them): offload is priced "
+                     "by the host link alone, without the runtime's time per offloaded layer; profile again to "
+                     "price it")
+        return 0.0
+
+    def charge(step: dict) -> float:
+        window = share * step["kept"] * (layers - 1) / max(layers, 1)
+        model = max(0.0, step["bytes"] * per_byte - window) + slowdown * per_byte * step["bytes"]
+        return max(0.0, step["offloaded"] - step["kept"] - model) / step["layers"]
+
+    step = sp.offload_step(compile_mode, micro_batch)
+    if step is not None:
+        return charge(step)
+    others = [s for m in range(1, sp.m0 + 1) if (s := sp.offload_step(compile_mode, m)) is not None]
+    if not others:
+        notes.append(f"offload to host memory is not offered {compile_mode}: the profile measured no {compile_mode} "
+                     "offloading step to price it from")
+        return None
+    return max(charge(s) for s in others)
 
 
 def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings(), *,
@@ -405,7 +448,8 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
                             checkpoint_seconds, allow_ckpt, unmodified, credit, static, base + comm, 1.0, notes,
                             floor, np.array(in_flight[:S], dtype=float), recompute, laaq, times["laaq"] or 0.0,
                             static_parts, floor_parts, one_setting_per_stage=compile_mode == "compiled",
-                            offload=offload_prices(profile, knobs, base + comm, accum, S, layout, notes))
+                            offload=offload_prices(profile, knobs, base + comm, accum, S, layout, notes,
+                                                   compile_mode, mb))
     if calibrate:
         calibrate_problem(problem, profile, knobs, compile_mode, mb, accum)
     return problem

@@ -103,9 +103,9 @@ class Levels:
             self.kept_bounds = Bounds(lb, ub)  # every layer's saved tensors kept on the GPU, no link time
 
     def link_seconds(self, offloaded: float) -> float:
-        """The step seconds offloading `offloaded` bytes per micro-batch adds (ChoiceProblem.offload_seconds): 0 at 0,
-        non-decreasing."""
-        return self.m.p.offload_seconds(offloaded)["seconds"]
+        """The least step seconds offloading `offloaded` bytes per micro-batch adds (ChoiceProblem.offload_seconds,
+        one layer's own time: at least one layer leaves): 0 at 0, non-decreasing."""
+        return self.m.p.offload_seconds(offloaded, 1)["seconds"]
 
     def _least_bytes(self, n_u: int, n_c: int) -> float:
         """The least bytes a choice with these counts keeps at the end of forward (static bytes included)."""

@@ -33,7 +33,7 @@ window) and k (bytes not yet copied out when forward ends; OffloadPrices):
   h >= g_l,   link_seconds_per_byte x sum_l g_l - e <= window,   sum_l g_l - k <= forward_link_bytes,
   sum_l g_l <= host budget
   memory rows: - g_l (layer l's bytes are on the host) + h (+ k at the end of forward);
-  time: + seconds_per_byte g_l + accum x e
+  time: + seconds_per_byte g_l + accum x e + layer_seconds o_l
 
 Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically: the
 first objective is solved exactly (relative MIP gap 1e-7) or, where HiGHS cannot prove that within the time
@@ -301,6 +301,7 @@ class Model:
         if self.offload:
             t[self.g0:self.g0 + L] = self.unit * p.offload.seconds_per_byte
             t[self.e] = 1e-3 * p.offload.grad_accum  # e is in milliseconds
+            t[self.o0:self.o0 + L] = p.offload.layer_seconds
         self.time_row = t
         self.time_constant = p.base_seconds + L * p.laaq_layer_seconds  # step seconds = time_constant + t @ x
         self.levels = Levels(self) if count_priced(self) else None  # step time as a count (agoq.search.milp_levels)

@@ -49,7 +49,7 @@ class OffloadPrices:
 
       link seconds per micro-batch = B x link_seconds_per_byte          (B: bytes offloaded, out then back)
       exposed seconds per micro-batch = max(0, link seconds - window_seconds)
-      step seconds += grad_accum x exposed + B x seconds_per_byte
+      step seconds += grad_accum x exposed + B x seconds_per_byte + K x layer_seconds   (K: layers offloaded)
       peak: offloaded layers keep nothing on the GPU at the end of forward; backward's first prefetch brings back
             one layer before backward has freed anything: + the largest offloaded layer's bytes; and what the link
             has not yet copied out when forward ends is still on the GPU: + max(0, B - forward_link_bytes)
@@ -65,6 +65,8 @@ class OffloadPrices:
     host_budget_bytes: float
     grad_accum: int = 1
     forward_link_bytes: float = float("inf")  # bytes the link copies out during one micro-batch's forward
+    layer_seconds: float = 0.0     # per step (x accumulation), per offloaded layer: the runtime's own time (its hooks
+                                   # and copies per tensor) beyond the link model, measured (agoq.search.costs)
 
 
 @dataclass
@@ -215,15 +217,17 @@ class ChoiceProblem:
                 "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum()),
                 "held_calibration": held_calibration, "host": host, "reserve": reserve, "backlog": backlog}
 
-    def offload_seconds(self, host_bytes: float) -> dict:
-        """The step seconds `host_bytes` offloaded per micro-batch add, and the link's seconds (OffloadPrices)."""
+    def offload_seconds(self, host_bytes: float, layers: int = 1) -> dict:
+        """The step seconds `host_bytes` offloaded per micro-batch by `layers` layers add, and the link's seconds
+        (OffloadPrices)."""
         o = self.offload
         if o is None or host_bytes <= 0:
-            return {"seconds": 0.0, "link_seconds": 0.0, "exposed_seconds": 0.0}
+            return {"seconds": 0.0, "link_seconds": 0.0, "exposed_seconds": 0.0, "layer_seconds": 0.0}
         link = host_bytes * o.link_seconds_per_byte
         exposed = max(0.0, link - o.window_seconds)
-        return {"seconds": o.grad_accum * exposed + host_bytes * o.seconds_per_byte, "link_seconds": link,
-                "exposed_seconds": exposed}
+        own = layers * o.layer_seconds
+        return {"seconds": o.grad_accum * exposed + host_bytes * o.seconds_per_byte + own, "link_seconds": link,
+                "exposed_seconds": exposed, "layer_seconds": own}
 
     def evaluate(self, chosen: np.ndarray, checkpoint: np.ndarray, offload=None) -> dict:
         """Memory per stage, step seconds and error of a choice.
@@ -235,7 +239,7 @@ class ChoiceProblem:
         ckpt = np.asarray(checkpoint, dtype=bool)
         m = self._memory(chosen, ckpt, offload)
         host = float(m["host"].sum())
-        link = self.offload_seconds(host)
+        link = self.offload_seconds(host, int(self.offload_mask(offload).sum()))
         seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum()) \
             + self.laaq_layer_seconds * m["laaq_layers"] + link["seconds"]
         return {"peak_bytes_per_stage": m["peak"], "step_seconds": seconds,

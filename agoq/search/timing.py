@@ -28,6 +28,10 @@ the profile's own ratio of median to fastest step for that compile mode (the med
 
 so a price is a median-like figure (what a run's median measures) that no one slow phase moves. Rows without their
 per-step seconds (older profiles) are priced by their median.
+
+Rows that offloaded (agoq-paper with its first K layers' saved tensors in host memory) price no plan by themselves:
+they are kept apart (`offload_rows`), and `offload_step` pairs one with the agoq-paper step of the same knobs kept
+on the GPU, from which agoq.search.costs prices offloading a layer.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ class StepPrices:
     """The measured steps of one profile, and the step times they price (see the module docstring)."""
 
     def __init__(self, profile: ProfileData):
-        self.rows = measured_rows(profile.header, str(profile.path / "profile.json"))
+        every = measured_rows(profile.header, str(profile.path / "profile.json"))
+        self.rows = [r for r in every if not r.get("offload_layers")]
+        self.offload_rows = [r for r in every if r.get("offload_layers")]
         self.median_to_fastest = {  # per compile mode: the median over its rows of (row median / fastest step)
             mode: statistics.median(ratios) for mode in COMPILE_MODES
             if (ratios := [r["step_seconds"] / min(steady) for r in self.rows
@@ -173,6 +179,22 @@ class StepPrices:
         if one is None or two is None:
             return None
         return two - one, 2 * one - two
+
+    def offload_step(self, compile_mode: str, micro_batch: int) -> Optional[dict]:
+        """The offloading step measured in `compile_mode` at `micro_batch` x 1 with the base knobs, and the same step
+        kept on the GPU: {"offloaded": its seconds, "kept": the kept step's seconds, "layers": K, "bytes": bytes
+        offloaded per micro-batch}; None where either was not measured."""
+        base = self.base(compile_mode)
+        kept = self.row(compile_mode, "agoq-paper", micro_batch, 1)
+        if base is None or kept is None:
+            return None
+        for r in self.offload_rows:
+            if (r["compile"], r["policy"], r["micro_batch"], r["grad_accum"], r["gradients"], r["optimizer"],
+                    r["master"], r["activation_memory_budget"]) == (compile_mode, "agoq-paper", micro_batch, 1,
+                                                                    BASE_GRADIENTS, *base, None):
+                return {"offloaded": self.price(r), "kept": self.price(kept), "layers": int(r["offload_layers"]),
+                        "bytes": float(r.get("offloaded_bytes") or 0.0)}
+        return None
 
     def compile_seconds(self, policy: str) -> Optional[float]:
         """Seconds a fresh process spends compiling one layer graph of `policy` (bf16: unmodified layers,

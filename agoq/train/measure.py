@@ -40,6 +40,8 @@ class StepFigures:
     seconds: list[float]
     peak_bytes: Optional[list[int]]  # None: not measured (a CPU)
     device: str  # as asked (e.g. "cuda:1"), else "cuda" or "cpu"
+    offloaded_bytes: Optional[int] = None  # bytes the offloaded layers kept in host memory per micro-batch (None:
+                                           # nothing offloaded)
 
     @property
     def first_peak_bytes(self) -> Optional[int]:
@@ -58,10 +60,12 @@ class StepFigures:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: `peak_bytes` (the largest step's), `first_step_peak_bytes`, `step_seconds` (the median after
-        warm-up), each step's `peak_bytes_per_step` and `seconds_per_step`, the `losses` and the `device`."""
+        warm-up), each step's `peak_bytes_per_step` and `seconds_per_step`, the `losses`, the `device` and the
+        `offloaded_bytes` per micro-batch (null: nothing offloaded)."""
         return {"peak_bytes": self.max_peak_bytes, "first_step_peak_bytes": self.first_peak_bytes,
                 "step_seconds": self.median_seconds, "peak_bytes_per_step": self.peak_bytes,
-                "seconds_per_step": list(self.seconds), "losses": list(self.losses), "device": self.device}
+                "seconds_per_step": list(self.seconds), "losses": list(self.losses), "device": self.device,
+                "offloaded_bytes": self.offloaded_bytes}
 
 
 def _release_memory() -> None:
@@ -81,14 +85,18 @@ def measure_steps(cfg: JobConfig) -> StepFigures:
     before = torch.cuda.memory_allocated(torch.device(cfg.model.device or "cuda")) if cuda else 0
     trainer = Trainer(prepare(cfg, World()))
     device = trainer.device
+    offloaded = None
     try:
         results = [trainer.step(step) for step in range(cfg.loop.steps)]
+        if trainer.prepared.offload is not None:
+            offloaded = sum(trainer.prepared.offload.stats.bytes_per_layer.values())
     finally:
         trainer.parallel.release()
         del trainer
         _release_memory()
     peaks = [r.peak_bytes[0] - before for r in results] if device.type == "cuda" else None
-    return StepFigures([r.loss for r in results], [r.seconds for r in results], peaks, cfg.model.device or device.type)
+    return StepFigures([r.loss for r in results], [r.seconds for r in results], peaks, cfg.model.device or device.type,
+                       offloaded)
 
 
 def one_process_plan(plan: dict, *, micro_batch: int, seq_len: int, grad_accum: int, optimizer: Optional[str] = None,

@@ -146,3 +146,45 @@ def test_no_measured_steps_and_nothing_is_offered(tmp_path, capsys):
     assert main(["search", "--profile", str(tmp_path / "a"), "--budget", "1GB", "--out", str(tmp_path / "s.json"),
                  "--micro-batch", "1", "--quiet"]) == 2
     assert "measured no eager step at micro-batch 1" in capsys.readouterr().err
+
+@pytest.mark.parametrize("micro_batch,layers", [(1, 1), (2, 3), (6, 7)])
+def test_offloading_kinds_run_the_runtime_offload_and_keep_their_bytes(micro_batch, layers):
+    """With the host link measured, each compile mode adds agoq-paper with the first K layers offloaded at every
+    micro-batch (one per step), run by agoq train's own --offload; their rows carry K and the bytes the run
+    offloaded per micro-batch, and read back beside the kept rows of the same knobs (a key of their own)."""
+    import random
+
+    rng = random.Random(micro_batch * 100 + layers)
+    k = max(1, layers - 1)
+    plain = step_kinds(micro_batch, ["eager", "compiled"])
+    kinds = step_kinds(micro_batch, ["eager", "compiled"], offload_layers=k)
+    extra = [x for x in kinds if x.get("offload_layers")]
+    divisors = sorted(m for m in range(1, micro_batch + 1) if micro_batch % m == 0)
+    assert len(kinds) == len(plain) + len(extra)
+    for mode in ("eager", "compiled"):
+        mine = [x for x in extra if x["compile"] == mode]
+        assert sorted(x["micro_batch"] for x in mine) == divisors
+        assert all((x["policy"], x["grad_accum"], x["offload_layers"]) == ("agoq-paper", 1, k) for x in mine)
+    moved = {}
+
+    def measure(cfg):
+        b = rng.randrange(1, 10**9) if cfg.memory.offload else None
+        moved[(cfg.model.compile, cfg.data.micro_batch, cfg.memory.offload)] = b
+        return SimpleNamespace(median_seconds=rng.uniform(0.01, 0.1), max_peak_bytes=None, first_peak_bytes=None,
+                               seconds=[0.5, 0.01, 0.02], offloaded_bytes=b)
+
+    rows, failures, _ = measure_profile_steps("llama-tiny", layers=None, seq_len=29, micro_batch=micro_batch,
+                                              dtype="fp32", device="cpu", compile_modes=["eager"], steps=3,
+                                              progress=False, offload_layers=k, measure=measure)
+    assert not failures
+    offloading = [r for r in rows if r.get("offload_layers")]
+    assert sorted(r["micro_batch"] for r in offloading) == divisors
+    for r in offloading:
+        assert r["offloaded_bytes"] == moved[(False, r["micro_batch"], f"0-{k - 1}")]
+    assert all("offload_layers" not in r and "offloaded_bytes" not in r for r in rows if r not in offloading)
+    back = measured_rows({"measured_steps": {"version": 2, "rows": rows}})
+    assert len(back) == len(rows)  # an offloading row does not replace the kept row of the same knobs
+    with pytest.raises(ValueError, match="offloaded_bytes"):
+        measured_rows({"measured_steps": {"version": 2, "rows": [{**offloading[0], "offloaded_bytes": None}]}})
+    with pytest.raises(ValueError, match="newer than this agoq reads"):
+        measured_rows({"measured_steps": {"version": 3, "rows": rows}})

@@ -27,8 +27,8 @@ def fresh_rng():
 
 
 def with_offload(rng, p):
-    """`p` with random offload prices: a link whose time per byte makes some offloads exposed, a window, a slowdown
-    and a host budget that sometimes binds."""
+    """`p` with random offload prices: a link whose time per byte makes some offloads exposed, a window, a slowdown,
+    a host budget that sometimes binds and a time per offloaded layer."""
     bytes_per_layer = float(np.max(p.memory)) * 4
     link = rng.uniform(0.2, 2.0) / bytes_per_layer  # seconds per byte, out and back
     return replace(p, offload=OffloadPrices(link_seconds_per_byte=link, window_seconds=rng.uniform(0.0, 1.5),
@@ -37,7 +37,9 @@ def with_offload(rng, p):
                                             host_budget_bytes=float(round(rng.uniform(0.5, 3.0) * bytes_per_layer)),
                                             grad_accum=rng.choice([1, 2]),
                                             forward_link_bytes=rng.choice([float("inf"),
-                                                                           rng.uniform(0.1, 2.0) * bytes_per_layer])))
+                                                                           rng.uniform(0.1, 2.0) * bytes_per_layer]),
+                                            # the runtime's own time per offloaded layer, sometimes none
+                                            layer_seconds=rng.choice([0.0, rng.uniform(0.0, 0.5)])))
 
 
 def brute_force(p):
@@ -108,8 +110,8 @@ def test_offload_is_not_chosen_where_it_buys_nothing():
 
 
 def test_exposed_link_time_is_priced():
-    """The step time of an offload is the exposed link time (x accumulation) plus the slowdown per byte: a closed
-    form checked on the cost model."""
+    """The step time of an offload is the exposed link time (x accumulation) plus the slowdown per byte plus the
+    runtime's time per offloaded layer: a closed form checked on the cost model."""
     seed, rng = fresh_rng()
     p = with_offload(rng, random_problem(rng, layers=4, kinds_per_layer=2, stages=1))
     sixteen = np.nonzero(p.keeps_16bit())[0]
@@ -121,7 +123,8 @@ def test_exposed_link_time_is_priced():
     host = f["host_bytes"]
     assert max(f["peak_bytes_per_stage"]) >= max(base["peak_bytes_per_stage"]) - host  # what left the GPU, at most
     assert host > 0
-    expected = o.grad_accum * max(0.0, host * o.link_seconds_per_byte - o.window_seconds) + host * o.seconds_per_byte
+    expected = o.grad_accum * max(0.0, host * o.link_seconds_per_byte - o.window_seconds) + host * o.seconds_per_byte \
+        + 2 * o.layer_seconds
     assert f["step_seconds"] - base["step_seconds"] == pytest.approx(expected, rel=1e-9, abs=1e-12), f"seed {seed}"
     assert f["offload_link_seconds"] == pytest.approx(host * o.link_seconds_per_byte)
 

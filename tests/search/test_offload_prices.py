@@ -1,0 +1,107 @@
+"""Offload's price per layer from the profile's offloading steps (agoq.search.costs.offload_prices): what the step
+with K layers offloaded took beyond the same step kept on the GPU, less what the link model already prices for its
+bytes, charged per offloaded layer and micro-batch; checked against closed forms on synthetic profiles."""
+
+import json
+import random
+
+import pytest
+
+from agoq.formats.profile import load_profile
+from agoq.search.costs import build_problem
+from agoq.search.problem import ProblemSettings
+from agoq.search.timing import prices
+from tests.search.synthetic_profile import write_profile
+
+
+def fresh_rng():
+    seed = random.getrandbits(32)
+    return seed, random.Random(seed)
+
+
+def profile_with_offload_rows(tmp_path, rng, *, layers: int, micro_batch: int, modes=("eager", "compiled"),
+                              offload_modes=("eager", "compiled"), delta=None, offloaded_bytes=0):
+    """A synthetic profile with a host link, and an offloading row (agoq-paper, layers 0..layers-2 offloaded, one
+    micro-batch) beside each kept agoq-paper row of `offload_modes`: its step `delta(row)` seconds longer."""
+    link = {"d2h_bytes_per_second": rng.uniform(2e10, 6e10), "h2d_bytes_per_second": rng.uniform(2e10, 6e10),
+            "bytes_per_copy": 256 << 20, "compute_slowdown": rng.uniform(0.0, 0.05), "pinnable_bytes": 10**11}
+    folder = write_profile(tmp_path / "p", rng, num_layers=layers, micro_batch=micro_batch, layer_forward=True,
+                           host_link=link, compile_modes=tuple(modes))
+    header = json.loads((folder / "profile.json").read_text())
+    rows = header["measured_steps"]["rows"]
+    added = []
+    for r in rows:
+        if r["policy"] == "agoq-paper" and r["grad_accum"] == 1 and r["compile"] in offload_modes:
+            added.append({**r, "offload_layers": layers - 1, "offloaded_bytes": offloaded_bytes,
+                          "step_seconds": r["step_seconds"] + delta(r)})
+    header["measured_steps"] = {"version": 2, "rows": rows + added}
+    (folder / "profile.json").write_text(json.dumps(header))
+    return load_profile(folder)
+
+
+def test_a_layer_costs_what_the_measured_offload_took_beyond_the_kept_step(tmp_path):
+    """With nothing for the link to price (no bytes), a layer's price is the measured difference over the K layers
+    offloaded, x accumulation, at the plan's compile mode and micro-batch; a plan offloading k layers pays k of it."""
+    seed, rng = fresh_rng()
+    layers, micro_batch = rng.choice([3, 5, 7]), rng.choice([2, 4, 6])
+    deltas = {}
+
+    def delta(row):
+        deltas[(row["compile"], row["micro_batch"])] = d = rng.uniform(0.001, 0.05)
+        return d
+
+    profile = profile_with_offload_rows(tmp_path, rng, layers=layers, micro_batch=micro_batch, delta=delta)
+    for (mode, m), d in deltas.items():
+        accum = rng.choice([1, 2, 3])
+        p = build_problem(profile, ProblemSettings(compile_mode=mode, micro_batch=m, grad_accum=accum))
+        assert p.offload is not None, f"seed {seed}"
+        assert p.offload.layer_seconds == pytest.approx(accum * d / (layers - 1), rel=1e-9), f"seed {seed} {mode} {m}"
+        assert p.offload_seconds(1.0, 3)["layer_seconds"] == pytest.approx(3 * accum * d / (layers - 1), rel=1e-9)
+
+
+def test_what_the_link_model_prices_is_not_charged_twice(tmp_path):
+    """An offloading step no slower than the link model prices its bytes leaves nothing per layer; one slower by x
+    beyond it charges x / K."""
+    seed, rng = fresh_rng()
+    layers, micro_batch = 4, 2
+    moved = int(rng.uniform(1e9, 3e9))
+    extra = rng.uniform(0.001, 0.02)
+    same = rng.getrandbits(32)  # the three profiles below: the same steps and link, offloading rows apart
+    probe = profile_with_offload_rows(tmp_path / "a", random.Random(same), layers=layers, micro_batch=micro_batch,
+                                      delta=lambda r: 0.0, offloaded_bytes=moved)
+    link = probe.host_link
+    per_byte = 1 / link["d2h_bytes_per_second"] + 1 / link["h2d_bytes_per_second"]
+    sp = prices(probe)
+    forward = probe.header["timing"]["layer_forward_seconds"]
+    share = min(0.95, 3.0 * sum(forward) / sp.seconds("eager", sp.m0, 1))
+    slowdown = link["compute_slowdown"]
+
+    def model(row):  # the link model's price of the measured step's bytes (OffloadPrices at one micro-batch)
+        window = share * row["step_seconds"] * (layers - 1) / layers
+        return max(0.0, moved * per_byte - window) + slowdown * per_byte * moved
+
+    exact = profile_with_offload_rows(tmp_path / "b", random.Random(same), layers=layers, micro_batch=micro_batch,
+                                      delta=model, offloaded_bytes=moved)
+    p = build_problem(exact, ProblemSettings(compile_mode="eager", micro_batch=2))
+    assert p.offload.layer_seconds == pytest.approx(0.0, abs=1e-12), f"seed {seed}"
+    slower = profile_with_offload_rows(tmp_path / "c", random.Random(same), layers=layers, micro_batch=micro_batch,
+                                       delta=lambda r: model(r) + extra, offloaded_bytes=moved)
+    p = build_problem(slower, ProblemSettings(compile_mode="eager", micro_batch=2))
+    assert p.offload.layer_seconds == pytest.approx(extra / (layers - 1), rel=1e-6), f"seed {seed}"
+
+
+def test_offload_is_offered_only_where_it_was_measured(tmp_path):
+    """Offloading steps measured eager only: a compiled problem offers no offload and says why; a profile with no
+    offloading step at all (made before agoq measured them) prices offload by the link alone, with a note."""
+    seed, rng = fresh_rng()
+    profile = profile_with_offload_rows(tmp_path / "a", rng, layers=4, micro_batch=2, offload_modes=("eager",),
+                                        delta=lambda r: 0.01)
+    assert build_problem(profile, ProblemSettings(compile_mode="eager")).offload is not None, f"seed {seed}"
+    compiled = build_problem(profile, ProblemSettings(compile_mode="compiled"))
+    assert compiled.offload is None
+    assert any("no compiled offloading step" in n for n in compiled.notes), compiled.notes
+    older = profile_with_offload_rows(tmp_path / "b", rng, layers=4, micro_batch=2, offload_modes=(),
+                                      delta=lambda r: 0.01)
+    p = build_problem(older, ProblemSettings(compile_mode="compiled"))
+    assert p.offload is not None and p.offload.layer_seconds == 0.0
+    assert any("measured no offloading step" in n for n in p.notes), p.notes
