@@ -9,11 +9,13 @@ this process, on the built-in corpus, writing nothing), at every kind of step a 
     bf16 with QuanGrad's 8-bit gradients (its accumulation path at two micro-batches)
   at the profiled micro-batch: bf16 with float32 AdamW, and the 8-bit AdamW without masters
   compiled: bf16 under torch.compile's activation_memory_budget 0.5 and 0.1 (compile's own memory saver)
-  where the host link was measured (a GPU), in each compile mode at every micro-batch m, one micro-batch per step:
-    agoq-paper with the first K decoder layers' saved tensors offloaded to host memory (K: every layer but the last,
-    which backward needs first; one layer of a one-layer model), beside agoq-paper without: what offloading a layer
-    costs as the runtime does it (its hooks and copies per tensor, the link and the compute it overlaps), which the
-    search prices offload from (agoq.search.timing)
+  where the host link was measured (a GPU), in each compile mode at every micro-batch m, with one and with two
+    micro-batches per step: agoq-paper with the first K decoder layers' saved tensors offloaded to host memory (K:
+    every layer but the last, which backward needs first; one layer of a one-layer model), beside agoq-paper
+    without: what offloading a layer costs as the runtime does it (its hooks and copies per tensor, the link and
+    the compute it overlaps), which the search prices offload from (agoq.search.costs). Both accumulations, as a
+    step of several micro-batches offloads at a cost one micro-batch does not show (the 129 M byte LLaMA at
+    micro-batch 1, 10 layers offloaded: +24 % at one micro-batch per step, +72-96 % at four)
 
 Each is `steps` optimizer steps: its step time the median after the first, its peak the largest of any step (the
 first, which compiles and allocates, included). With `repeats` R > 1 every kind is measured R times, each pass in
@@ -61,8 +63,9 @@ def step_kinds(micro_batch: int, compile_modes: list[str], memory_budgets=MEMORY
                               **BASE, "activation_memory_budget": budget})
         if offload_layers:
             for m in [d for d in range(micro_batch, 0, -1) if micro_batch % d == 0]:
-                kinds.append({"compile": compile_mode, "policy": "agoq-paper", "micro_batch": m, "grad_accum": 1,
-                              **BASE, "offload_layers": int(offload_layers)})
+                for accum in (1, 2):
+                    kinds.append({"compile": compile_mode, "policy": "agoq-paper", "micro_batch": m,
+                                  "grad_accum": accum, **BASE, "offload_layers": int(offload_layers)})
     for kind in kinds:
         kind.setdefault("activation_memory_budget", None)
     return kinds

@@ -192,14 +192,16 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
     each direction, which a step whose kernels are short cannot hide (the 129 M byte LLaMA at micro-batch 1 x 4,
     10 layers offloaded: 165 ms against 80 ms kept, with 0.13 GB per micro-batch on a 50 GB/s link). The profile
     measures agoq-paper with its first K layers offloaded beside the same step kept (agoq.search.timing
-    `offload_step`) in each compile mode at each micro-batch; what that step took beyond the kept one and beyond
-    what the link model prices for its bytes is charged per offloaded layer and micro-batch:
+    `offload_step`) in each compile mode at each micro-batch, with one and two micro-batches per step; what that
+    step took beyond the kept one and beyond what the link model prices for its bytes is charged per offloaded layer:
 
-      layer seconds = max(0, T_offloaded - T_kept - exposed(B) - slowdown x B / rate) / K
+      layer seconds (a micro-batches) = max(0, T_offloaded - T_kept - a x (exposed(B) + slowdown x B / rate)) / K
 
-    at the plan's compile mode and micro-batch (another micro-batch's, the largest, where this one failed). A profile
-    with offloading steps but none in this compile mode offers no offload in it; a profile made before agoq measured
-    them is priced by the link alone, with a note."""
+    at the plan's compile mode and micro-batch (another micro-batch's, the largest, where this one failed), and at
+    other accumulations on the line through one and two micro-batches (as agoq.search.timing prices steps: a step
+    of several micro-batches offloads at a cost that one micro-batch does not show). A profile with offloading
+    steps but none of this compile mode (or of two micro-batches, for an accumulating plan) offers no offload there;
+    a profile made before agoq measured them is priced by the link alone, with a note."""
     if not knobs.allow_offload:
         return None
     link = profile.host_link
@@ -224,36 +226,47 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
     host = knobs.host_budget if knobs.host_budget is not None else float(link.get("pinnable_bytes") or 0)
     slowdown = max(0.0, float(link.get("compute_slowdown") or 0.0))
     forward_bytes = window / 3.0 * float(link["d2h_bytes_per_second"])  # forward: about a third of fwd + bwd
-    layer = _offload_layer_seconds(sp, compile_mode, micro_batch or sp.m0, per_byte, share, slowdown, L, notes)
+    layer = _offload_layer_seconds(sp, compile_mode, micro_batch or sp.m0, accum, per_byte, share, slowdown, L, notes)
     if layer is None:
         return None
     return OffloadPrices(per_byte, window, slowdown * per_byte * accum, host, accum, forward_bytes,
-                         layer_seconds=layer * accum)
+                         layer_seconds=layer)
 
 
-def _offload_layer_seconds(sp, compile_mode: str, micro_batch: int, per_byte: float, share: float, slowdown: float,
-                           layers: int, notes: list) -> Optional[float]:
-    """Seconds per offloaded layer and micro-batch beyond the link model (offload_prices), None: not offered."""
+def _offload_layer_seconds(sp, compile_mode: str, micro_batch: int, accum: int, per_byte: float, share: float,
+                           slowdown: float, layers: int, notes: list) -> Optional[float]:
+    """Seconds per offloaded layer and step (at `accum` micro-batches) beyond the link model (offload_prices), None:
+    not offered."""
     if not sp.offload_rows:
         notes.append("the profile measured no offloading step (made before agoq measured them): offload is priced "
                      "by the host link alone, without the runtime's time per offloaded layer; profile again to "
                      "price it")
         return 0.0
 
-    def charge(step: dict) -> float:
-        window = share * step["kept"] * (layers - 1) / max(layers, 1)
-        model = max(0.0, step["bytes"] * per_byte - window) + slowdown * per_byte * step["bytes"]
+    def charge(m: int, a: int) -> Optional[float]:
+        step = sp.offload_step(compile_mode, m, a)
+        if step is None:
+            return None
+        window = share * step["kept"] / a * (layers - 1) / max(layers, 1)
+        model = a * (max(0.0, step["bytes"] * per_byte - window) + slowdown * per_byte * step["bytes"])
         return max(0.0, step["offloaded"] - step["kept"] - model) / step["layers"]
 
-    step = sp.offload_step(compile_mode, micro_batch)
-    if step is not None:
-        return charge(step)
-    others = [s for m in range(1, sp.m0 + 1) if (s := sp.offload_step(compile_mode, m)) is not None]
+    def at(m: int) -> Optional[float]:
+        one = charge(m, 1)
+        if one is None or accum == 1:
+            return one
+        two = charge(m, 2)
+        return None if two is None else max(0.0, one + (two - one) * (accum - 1))
+
+    mine = at(micro_batch)
+    if mine is not None:
+        return mine
+    others = [c for m in range(1, sp.m0 + 1) if (c := at(m)) is not None]
     if not others:
-        notes.append(f"offload to host memory is not offered {compile_mode}: the profile measured no {compile_mode} "
-                     "offloading step to price it from")
+        notes.append(f"offload to host memory is not offered {compile_mode} at {accum} micro-batch(es) per step: "
+                     f"the profile measured no {compile_mode} offloading step to price it from")
         return None
-    return max(charge(s) for s in others)
+    return max(others)
 
 
 def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings(), *,

@@ -65,8 +65,8 @@ class OffloadPrices:
     host_budget_bytes: float
     grad_accum: int = 1
     forward_link_bytes: float = float("inf")  # bytes the link copies out during one micro-batch's forward
-    layer_seconds: float = 0.0     # per step (x accumulation), per offloaded layer: the runtime's own time (its hooks
-                                   # and copies per tensor) beyond the link model, measured (agoq.search.costs)
+    layer_seconds: float = 0.0     # per step, per offloaded layer: the runtime's own time (its hooks and copies per
+                                   # tensor, every micro-batch) beyond the link model, measured (agoq.search.costs)
 
 
 @dataclass

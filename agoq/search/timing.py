@@ -180,18 +180,18 @@ class StepPrices:
             return None
         return two - one, 2 * one - two
 
-    def offload_step(self, compile_mode: str, micro_batch: int) -> Optional[dict]:
-        """The offloading step measured in `compile_mode` at `micro_batch` x 1 with the base knobs, and the same step
-        kept on the GPU: {"offloaded": its seconds, "kept": the kept step's seconds, "layers": K, "bytes": bytes
-        offloaded per micro-batch}; None where either was not measured."""
+    def offload_step(self, compile_mode: str, micro_batch: int, grad_accum: int = 1) -> Optional[dict]:
+        """The offloading step measured in `compile_mode` at `micro_batch` x `grad_accum` with the base knobs, and the
+        same step kept on the GPU: {"offloaded": its seconds, "kept": the kept step's seconds, "layers": K, "bytes":
+        bytes offloaded per micro-batch}; None where either was not measured."""
         base = self.base(compile_mode)
-        kept = self.row(compile_mode, "agoq-paper", micro_batch, 1)
+        kept = self.row(compile_mode, "agoq-paper", micro_batch, grad_accum)
         if base is None or kept is None:
             return None
         for r in self.offload_rows:
             if (r["compile"], r["policy"], r["micro_batch"], r["grad_accum"], r["gradients"], r["optimizer"],
-                    r["master"], r["activation_memory_budget"]) == (compile_mode, "agoq-paper", micro_batch, 1,
-                                                                    BASE_GRADIENTS, *base, None):
+                    r["master"], r["activation_memory_budget"]) == (compile_mode, "agoq-paper", micro_batch,
+                                                                    grad_accum, BASE_GRADIENTS, *base, None):
                 return {"offloaded": self.price(r), "kept": self.price(kept), "layers": int(r["offload_layers"]),
                         "bytes": float(r.get("offloaded_bytes") or 0.0)}
         return None

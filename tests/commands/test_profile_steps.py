@@ -150,7 +150,7 @@ def test_no_measured_steps_and_nothing_is_offered(tmp_path, capsys):
 @pytest.mark.parametrize("micro_batch,layers", [(1, 1), (2, 3), (6, 7)])
 def test_offloading_kinds_run_the_runtime_offload_and_keep_their_bytes(micro_batch, layers):
     """With the host link measured, each compile mode adds agoq-paper with the first K layers offloaded at every
-    micro-batch (one per step), run by agoq train's own --offload; their rows carry K and the bytes the run
+    micro-batch, with one and two per step, run by agoq train's own --offload; their rows carry K and the bytes the run
     offloaded per micro-batch, and read back beside the kept rows of the same knobs (a key of their own)."""
     import random
 
@@ -163,13 +163,13 @@ def test_offloading_kinds_run_the_runtime_offload_and_keep_their_bytes(micro_bat
     assert len(kinds) == len(plain) + len(extra)
     for mode in ("eager", "compiled"):
         mine = [x for x in extra if x["compile"] == mode]
-        assert sorted(x["micro_batch"] for x in mine) == divisors
-        assert all((x["policy"], x["grad_accum"], x["offload_layers"]) == ("agoq-paper", 1, k) for x in mine)
+        assert sorted((x["micro_batch"], x["grad_accum"]) for x in mine) == [(m, a) for m in divisors for a in (1, 2)]
+        assert all((x["policy"], x["offload_layers"]) == ("agoq-paper", k) for x in mine)
     moved = {}
 
     def measure(cfg):
         b = rng.randrange(1, 10**9) if cfg.memory.offload else None
-        moved[(cfg.model.compile, cfg.data.micro_batch, cfg.memory.offload)] = b
+        moved[(cfg.model.compile, cfg.data.micro_batch, cfg.data.grad_accum, cfg.memory.offload)] = b
         return SimpleNamespace(median_seconds=rng.uniform(0.01, 0.1), max_peak_bytes=None, first_peak_bytes=None,
                                seconds=[0.5, 0.01, 0.02], offloaded_bytes=b)
 
@@ -178,9 +178,9 @@ def test_offloading_kinds_run_the_runtime_offload_and_keep_their_bytes(micro_bat
                                               progress=False, offload_layers=k, measure=measure)
     assert not failures
     offloading = [r for r in rows if r.get("offload_layers")]
-    assert sorted(r["micro_batch"] for r in offloading) == divisors
+    assert sorted((r["micro_batch"], r["grad_accum"]) for r in offloading) == [(m, a) for m in divisors for a in (1, 2)]
     for r in offloading:
-        assert r["offloaded_bytes"] == moved[(False, r["micro_batch"], f"0-{k - 1}")]
+        assert r["offloaded_bytes"] == moved[(False, r["micro_batch"], r["grad_accum"], f"0-{k - 1}")]
     assert all("offload_layers" not in r and "offloaded_bytes" not in r for r in rows if r not in offloading)
     back = measured_rows({"measured_steps": {"version": 2, "rows": rows}})
     assert len(back) == len(rows)  # an offloading row does not replace the kept row of the same knobs

@@ -1,6 +1,7 @@
 """Offload's price per layer from the profile's offloading steps (agoq.search.costs.offload_prices): what the step
 with K layers offloaded took beyond the same step kept on the GPU, less what the link model already prices for its
-bytes, charged per offloaded layer and micro-batch; checked against closed forms on synthetic profiles."""
+bytes, charged per offloaded layer, at other accumulations on the line through one and two micro-batches; checked
+against closed forms on synthetic profiles."""
 
 import json
 import random
@@ -20,9 +21,9 @@ def fresh_rng():
 
 
 def profile_with_offload_rows(tmp_path, rng, *, layers: int, micro_batch: int, modes=("eager", "compiled"),
-                              offload_modes=("eager", "compiled"), delta=None, offloaded_bytes=0):
-    """A synthetic profile with a host link, and an offloading row (agoq-paper, layers 0..layers-2 offloaded, one
-    micro-batch) beside each kept agoq-paper row of `offload_modes`: its step `delta(row)` seconds longer."""
+                              offload_modes=("eager", "compiled"), accums=(1, 2), delta=None, offloaded_bytes=0):
+    """A synthetic profile with a host link, and an offloading row (agoq-paper, layers 0..layers-2 offloaded) beside
+    each kept agoq-paper row of `offload_modes` and `accums`: its step `delta(row)` seconds longer."""
     link = {"d2h_bytes_per_second": rng.uniform(2e10, 6e10), "h2d_bytes_per_second": rng.uniform(2e10, 6e10),
             "bytes_per_copy": 256 << 20, "compute_slowdown": rng.uniform(0.0, 0.05), "pinnable_bytes": 10**11}
     folder = write_profile(tmp_path / "p", rng, num_layers=layers, micro_batch=micro_batch, layer_forward=True,
@@ -31,7 +32,7 @@ def profile_with_offload_rows(tmp_path, rng, *, layers: int, micro_batch: int, m
     rows = header["measured_steps"]["rows"]
     added = []
     for r in rows:
-        if r["policy"] == "agoq-paper" and r["grad_accum"] == 1 and r["compile"] in offload_modes:
+        if r["policy"] == "agoq-paper" and r["grad_accum"] in accums and r["compile"] in offload_modes:
             added.append({**r, "offload_layers": layers - 1, "offloaded_bytes": offloaded_bytes,
                           "step_seconds": r["step_seconds"] + delta(r)})
     header["measured_steps"] = {"version": 2, "rows": rows + added}
@@ -40,23 +41,29 @@ def profile_with_offload_rows(tmp_path, rng, *, layers: int, micro_batch: int, m
 
 
 def test_a_layer_costs_what_the_measured_offload_took_beyond_the_kept_step(tmp_path):
-    """With nothing for the link to price (no bytes), a layer's price is the measured difference over the K layers
-    offloaded, x accumulation, at the plan's compile mode and micro-batch; a plan offloading k layers pays k of it."""
+    """With nothing for the link to price (no bytes), a layer's price per step is the measured difference over the
+    K layers offloaded at the plan's compile mode and micro-batch: at one and two micro-batches what was measured,
+    at more the line through them; a plan offloading k layers pays k of it."""
     seed, rng = fresh_rng()
     layers, micro_batch = rng.choice([3, 5, 7]), rng.choice([2, 4, 6])
     deltas = {}
 
     def delta(row):
-        deltas[(row["compile"], row["micro_batch"])] = d = rng.uniform(0.001, 0.05)
+        deltas[(row["compile"], row["micro_batch"], row["grad_accum"])] = d = rng.uniform(0.001, 0.05)
         return d
 
     profile = profile_with_offload_rows(tmp_path, rng, layers=layers, micro_batch=micro_batch, delta=delta)
-    for (mode, m), d in deltas.items():
-        accum = rng.choice([1, 2, 3])
-        p = build_problem(profile, ProblemSettings(compile_mode=mode, micro_batch=m, grad_accum=accum))
-        assert p.offload is not None, f"seed {seed}"
-        assert p.offload.layer_seconds == pytest.approx(accum * d / (layers - 1), rel=1e-9), f"seed {seed} {mode} {m}"
-        assert p.offload_seconds(1.0, 3)["layer_seconds"] == pytest.approx(3 * accum * d / (layers - 1), rel=1e-9)
+    for (mode, m, a), d in deltas.items():
+        if a != 1:
+            continue
+        one, two = d / (layers - 1), deltas[(mode, m, 2)] / (layers - 1)
+        for accum in (1, 2, rng.choice([3, 4, 5])):
+            p = build_problem(profile, ProblemSettings(compile_mode=mode, micro_batch=m, grad_accum=accum))
+            expected = max(0.0, one + (two - one) * (accum - 1))
+            assert p.offload is not None, f"seed {seed}"
+            assert p.offload.layer_seconds == pytest.approx(expected, rel=1e-9, abs=1e-15), \
+                f"seed {seed} {mode} {m} x {accum}"
+            assert p.offload_seconds(1.0, 3)["layer_seconds"] == pytest.approx(3 * expected, rel=1e-9, abs=1e-15)
 
 
 def test_what_the_link_model_prices_is_not_charged_twice(tmp_path):
@@ -76,23 +83,27 @@ def test_what_the_link_model_prices_is_not_charged_twice(tmp_path):
     share = min(0.95, 3.0 * sum(forward) / sp.seconds("eager", sp.m0, 1))
     slowdown = link["compute_slowdown"]
 
-    def model(row):  # the link model's price of the measured step's bytes (OffloadPrices at one micro-batch)
-        window = share * row["step_seconds"] * (layers - 1) / layers
-        return max(0.0, moved * per_byte - window) + slowdown * per_byte * moved
+    def model(row):  # the link model's price of the measured step's bytes (OffloadPrices), each micro-batch
+        a = row["grad_accum"]
+        window = share * row["step_seconds"] / a * (layers - 1) / layers
+        return a * (max(0.0, moved * per_byte - window) + slowdown * per_byte * moved)
 
     exact = profile_with_offload_rows(tmp_path / "b", random.Random(same), layers=layers, micro_batch=micro_batch,
                                       delta=model, offloaded_bytes=moved)
-    p = build_problem(exact, ProblemSettings(compile_mode="eager", micro_batch=2))
-    assert p.offload.layer_seconds == pytest.approx(0.0, abs=1e-12), f"seed {seed}"
+    for accum in (1, 2):
+        p = build_problem(exact, ProblemSettings(compile_mode="eager", micro_batch=2, grad_accum=accum))
+        assert p.offload.layer_seconds == pytest.approx(0.0, abs=1e-12), f"seed {seed}"
     slower = profile_with_offload_rows(tmp_path / "c", random.Random(same), layers=layers, micro_batch=micro_batch,
                                        delta=lambda r: model(r) + extra, offloaded_bytes=moved)
-    p = build_problem(slower, ProblemSettings(compile_mode="eager", micro_batch=2))
-    assert p.offload.layer_seconds == pytest.approx(extra / (layers - 1), rel=1e-6), f"seed {seed}"
+    for accum in (1, 2):
+        p = build_problem(slower, ProblemSettings(compile_mode="eager", micro_batch=2, grad_accum=accum))
+        assert p.offload.layer_seconds == pytest.approx(extra / (layers - 1), rel=1e-6), f"seed {seed}"
 
 
 def test_offload_is_offered_only_where_it_was_measured(tmp_path):
-    """Offloading steps measured eager only: a compiled problem offers no offload and says why; a profile with no
-    offloading step at all (made before agoq measured them) prices offload by the link alone, with a note."""
+    """Offloading steps measured eager only: a compiled problem offers no offload and says why; measured at one
+    micro-batch per step only: an accumulating plan is offered none; a profile with no offloading step at all (made
+    before agoq measured them) prices offload by the link alone, with a note."""
     seed, rng = fresh_rng()
     profile = profile_with_offload_rows(tmp_path / "a", rng, layers=4, micro_batch=2, offload_modes=("eager",),
                                         delta=lambda r: 0.01)
@@ -100,6 +111,12 @@ def test_offload_is_offered_only_where_it_was_measured(tmp_path):
     compiled = build_problem(profile, ProblemSettings(compile_mode="compiled"))
     assert compiled.offload is None
     assert any("no compiled offloading step" in n for n in compiled.notes), compiled.notes
+    single = profile_with_offload_rows(tmp_path / "c", rng, layers=4, micro_batch=2, accums=(1,),
+                                       delta=lambda r: 0.01)
+    assert build_problem(single, ProblemSettings(compile_mode="eager", grad_accum=1)).offload is not None
+    accumulating = build_problem(single, ProblemSettings(compile_mode="eager", grad_accum=3))
+    assert accumulating.offload is None
+    assert any("at 3 micro-batch(es) per step" in n for n in accumulating.notes), accumulating.notes
     older = profile_with_offload_rows(tmp_path / "b", rng, layers=4, micro_batch=2, offload_modes=(),
                                       delta=lambda r: 0.01)
     p = build_problem(older, ProblemSettings(compile_mode="compiled"))
