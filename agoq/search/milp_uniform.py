@@ -3,14 +3,23 @@
 A compiled plan of one pipeline stage keeps one LAAQ setting per stage (ChoiceProblem.one_setting_per_stage): every
 layer under LAAQ's functions uses the same option y_k for each kind k. Where the layers are alike (each (kind,
 option) keeps the same bytes in every layer, and so do an unmodified layer's surcharge and the shared-input credit:
-a decoder of one shape), and the fastest step's level has no checkpointed layer, a choice of that level is the
-setting y and the set A of its n_a layers under LAAQ (the other n_u = L - n_a run unmodified), and
+a decoder of one shape), a choice of the fastest step's level without checkpointed layers is the setting y and the
+set A of its n_a layers under LAAQ (the other n_u = L - n_a run unmodified), and
 
     bytes  = static + n_u x B_16 + n_a x B(y) + the LAAQ transient        (the same for every A)
     error  = sum over l in A of e_l(y),   e_l(y) = sum_k error(l, k, y_k)
     changed tensors = n_a x (kinds of y not at 16)
 
-so for each y the least error is that of the n_a layers with the least e_l(y). The second objective of
+so for each y the least error is that of the n_a layers with the least e_l(y).
+
+Where the level checkpoints n_c > 0 layers (no error, no options: a checkpointed layer keeps only its input, C
+bytes), the bytes at the end of forward add n_c x C whatever their places, but each checkpointed layer's backward
+holds what the layers below it keep, its own input and its rerun forward (agoq.search.problem). Given A, placing
+the checkpointed layers at the lowest places A leaves free keeps every such phase lowest (when C is no more than an
+unmodified layer's bytes: a swap never helps), and its highest checkpointed layer sets its peak: it fits when at
+most K(y) layers under LAAQ sit below it, that is at most K(y) of A among the lowest n_c + K(y) layers. The least
+error under that cap is the least errors taken greedily from the two groups (exact: a capacity on one group is a
+partition matroid). The second objective of
 agoq.search.milp_model (its error, then the fewest changed tensors, among the choices as fast as the optimum) is
 then the least over every y that fits the budget and the error cap: a product of a few options per kind
 (7 kinds x 7-8 options is about 1.2 million settings), evaluated in numpy in blocks, where HiGHS took 5-7 s to close
@@ -63,6 +72,42 @@ def _alike(m) -> Optional[dict]:
     return {"kinds": kinds, "options": options, "index": index, "bytes": bytes_of, "errors": errors}
 
 
+def _cap_below(per_layer: np.ndarray, room: float, L: int) -> np.ndarray:
+    """Per setting, the most layers under LAAQ (`per_layer` bytes each) the highest checkpointed layer's backward
+    has room for below it (-1: not even none)."""
+    safe = np.where(per_layer > 0, per_layer, 1.0)
+    cap = np.where(per_layer > 0, np.floor(room / safe), np.where(room >= 0, L, -1))
+    return np.clip(cap, -1, L).astype(int)
+
+
+def _capped_least(e: np.ndarray, cap: np.ndarray, n_a: int, n_c: int, height: np.ndarray):
+    """Per column of `e` ([L, settings] errors): the least total error of n_a layers under LAAQ with at most cap of
+    them among the lowest n_c + cap layers (so that n_c checkpointed layers fit below them: module docstring), inf
+    where none; and for a single column, the layers of that optimum. Greedy over the two groups is exact (a
+    capacity on one group is a partition matroid)."""
+    L = e.shape[0]
+    window = np.clip(n_c + cap, 0, L)
+    inside = height < window[None, :]
+    low = np.sort(np.where(inside, e, np.inf), axis=0)
+    high = np.sort(np.where(inside, np.inf, e), axis=0)
+    zero = np.zeros((1, e.shape[1]))
+    low_sum = np.concatenate([zero, np.cumsum(low, axis=0)])
+    high_sum = np.concatenate([zero, np.cumsum(high, axis=0)])
+    total = np.full(e.shape[1], np.inf)
+    best_j = np.zeros(e.shape[1], dtype=int)
+    for j in range(0, n_a + 1):
+        t = np.where((j <= cap) & (cap >= 0), low_sum[j] + high_sum[n_a - j], np.inf)
+        better = t < total
+        total, best_j = np.where(better, t, total), np.where(better, j, best_j)
+    layers = None
+    if e.shape[1] == 1 and np.isfinite(total[0]):
+        j, col, w = int(best_j[0]), e[:, 0], int(window[0])
+        lows = np.argsort(np.where(np.arange(L) < w, col, np.inf), kind="stable")[:j]
+        highs = np.argsort(np.where(np.arange(L) < w, np.inf, col), kind="stable")[:n_a - j]
+        layers = np.concatenate([lows, highs]).astype(int)
+    return total, layers
+
+
 def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_cap: Optional[float],
               error_weight: float, change_weight: float) -> Optional[OptimizeResult]:
     """The second objective's optimum over the choices of the one tied level in `counts` ((n_u, n_c) pairs) of the
@@ -72,15 +117,18 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     if len(counts) != 1:
         return None
     n_u, n_c = counts[0]
-    if n_u is None or n_c != 0:
+    if n_u is None or n_c < 0:
         return None
     alike = _alike(m)
     if alike is None:
         return None
     p, L = m.p, m.L
-    n_a = L - n_u
-    if n_a == 0:
+    n_a = L - n_u - n_c
+    if n_a <= 0:
         return None  # nothing to choose: the MILP's answer is immediate
+    if n_c > 0 and (not p.allow_checkpoint or np.ptp(p.recomputed()) > 0 or np.ptp(p.checkpoint_seconds) > 0
+                    or np.asarray(p.in_flight_counts(), float).max() != 1):
+        return None
     kinds, options = alike["kinds"], alike["options"]
     if any("16" not in options[k] for k in kinds):
         return None
@@ -91,8 +139,15 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     credit = float(mem[m.w0])  # the shared-input credit of layer 0 (negative bytes), alike in every layer
     u_bytes = float(sum(alike["bytes"][k][sixteen[k]] for k in kinds)) + float(mem[m.u0]) \
         + (credit if att in kinds and oproj in kinds and m.bounds.ub[m.w0] > 0 else 0.0)
-    room = float(np.asarray(budgets, float)[0]) - float(p.static_bytes[0]) - n_u * u_bytes \
-        - (float(mem[m.z0]) if n_a > 0 else 0.0)
+    c_bytes = float(mem[m.c0])  # a checkpointed layer's input (and its calibration), alike in every layer
+    if n_c > 0 and c_bytes > u_bytes:
+        return None  # the placement below assumes a checkpointed layer keeps no more than an unmodified one
+    rerun = float(p.recomputed()[0]) if n_c > 0 else 0.0
+    budget = float(np.asarray(budgets, float)[0])
+    transient = float(mem[m.z0]) if n_a > 0 else 0.0
+    room = budget - float(p.static_bytes[0]) - n_u * u_bytes - n_c * c_bytes - transient
+    # the highest checkpointed layer's backward: the layers under LAAQ below it, the n_c inputs, its rerun
+    ckpt_room = budget - float(p.static_bytes[0]) - n_c * c_bytes - rerun - transient
     grids = np.meshgrid(*[np.arange(len(options[k])) for k in kinds], indexing="ij")
     choice = np.stack([g.ravel() for g in grids], axis=1)  # [settings, kinds] option positions
     per_layer = np.zeros(len(choice))
@@ -109,31 +164,44 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     if len(candidates) == 0:
         return None
     best_value, best_y, best_layers = np.inf, None, None
+    height = np.arange(L)[:, None]
     for start in range(0, len(candidates), BLOCK):
         ys = candidates[start:start + BLOCK]
         e = np.zeros((L, len(ys)))
         for j, k in enumerate(kinds):
             e += alike["errors"][k][:, choice[ys, j]]
-        least = np.partition(e, n_a - 1, axis=0)[:n_a] if n_a < L else e
-        total = least.sum(axis=0)
-        value = error_weight * total + change_weight * n_a * non16[ys]
+        if n_c == 0:
+            least = np.partition(e, n_a - 1, axis=0)[:n_a] if n_a < L else e
+            total = least.sum(axis=0)
+        else:
+            total, _ = _capped_least(e, _cap_below(per_layer[ys], ckpt_room + 1e-7 * m.unit, L), n_a, n_c, height)
+        value = error_weight * total + change_weight * (n_a * non16[ys] + n_c)
         if error_cap is not None:
             value = np.where(total <= error_cap * (1 + 1e-9) + 1e-15, value, np.inf)
         i = int(np.argmin(value))
         if value[i] < best_value:
             best_value, best_y = float(value[i]), int(ys[i])
-            best_layers = np.argsort(e[:, i], kind="stable")[:n_a]
+            if n_c == 0:
+                best_layers = np.argsort(e[:, i], kind="stable")[:n_a]
+            else:
+                cap = _cap_below(per_layer[ys[i:i + 1]], ckpt_room + 1e-7 * m.unit, L)
+                best_layers = _capped_least(e[:, i:i + 1], cap, n_a, n_c, height)[1]
     if best_y is None or not np.isfinite(best_value):
         return None
     x = np.zeros(m.nv)
     laaq = np.zeros(L, dtype=bool)
     laaq[best_layers] = True
+    ckpt = np.zeros(L, dtype=bool)
+    ckpt[np.nonzero(~laaq)[0][:n_c]] = True  # the lowest places A leaves free
     for l in range(L):
+        if ckpt[l]:
+            continue
         for j, k in enumerate(kinds):
             pos = choice[best_y, j] if laaq[l] else sixteen[k]
             x[int(alike["index"][(l, k)][pos])] = 1.0
-    x[m.u0:m.u0 + L] = ~laaq
-    figures = p.evaluate(np.nonzero(x[:m.n])[0], np.zeros(L, dtype=bool))
+    x[m.u0:m.u0 + L] = ~laaq & ~ckpt
+    x[m.c0:m.c0 + L] = ckpt
+    figures = p.evaluate(np.nonzero(x[:m.n])[0], ckpt)
     if max(figures["peak_bytes_per_stage"]) > float(np.asarray(budgets, float)[0]) or \
             abs(figures["step_seconds"] - best_seconds) > abs(best_seconds) * 1e-9 + 1e-12:
         return None  # not what the model prices it at: leave it to the MILP

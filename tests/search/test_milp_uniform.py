@@ -10,6 +10,7 @@ import agoq.search.milp_model as milp_model
 from agoq.activations.policy import KINDS, RECOMPUTABLE
 from agoq.search.costs import ChoiceProblem
 from agoq.search.milp import InfeasibleBudget, Solver
+from agoq.search.milp_uniform import tie_break as ENUMERATED
 from tests.search.test_milp import fresh_rng, one_setting_combos
 
 
@@ -52,25 +53,28 @@ def every_choice(p: ChoiceProblem) -> list[tuple[dict, int]]:
             for chosen, ckpt in one_setting_combos(p)]
 
 
-def test_alike_layers_tie_break_equals_brute_force(monkeypatch):
+def _check_against_brute_force(monkeypatch, make, trials: int) -> list:
+    """Solve `trials` problems from `make(rng)` at budgets across their range against brute force (the fastest step,
+    then the least error, then the fewest changed tensors); returns, per enumeration, ((n_u, n_c), answered)."""
     used = []
-    enumerate_ties = milp_model.tie_break
+    enumerate_ties = ENUMERATED
 
-    def counting(*args, **kwargs):
-        out = enumerate_ties(*args, **kwargs)
-        used.append(out is not None)
+    def counting(m, seconds, counts, *args, **kwargs):
+        out = enumerate_ties(m, seconds, counts, *args, **kwargs)
+        used.append((tuple(counts[0]) if len(counts) == 1 else None, out is not None))
         return out
 
     monkeypatch.setattr(milp_model, "tie_break", counting)
     seed, rng = fresh_rng()
-    for trial in range(8):
-        p = alike_problem(rng, layers=3, kinds=rng.choice([2, 3]))
+    for trial in range(trials):
+        p = make(rng)
         everything = every_choice(p)
         peaks = [max(f["peak_bytes_per_stage"]) for f, _ in everything]
         errors = [f["grad_error"] for f, _ in everything]
         solver = Solver(p)
-        for budget in (min(peaks), rng.uniform(min(peaks), max(peaks)), rng.uniform(min(peaks), max(peaks)),
-                       max(peaks)):
+        low, high = min(peaks), max(peaks)
+        for budget in (low, rng.uniform(low, high), rng.uniform(low, high), rng.uniform(low, (low + high) / 2),
+                       rng.uniform(low, (low + high) / 2), high):
             cap = rng.uniform(min(errors), max(errors)) if rng.random() < 0.4 else None
             fits = [(f, n) for f, n in everything if max(f["peak_bytes_per_stage"]) <= budget
                     and (cap is None or f["grad_error"] <= cap + 1e-12)]
@@ -89,4 +93,32 @@ def test_alike_layers_tie_break_equals_brute_force(monkeypatch):
             changed = int((~p.keeps_16bit()[alloc.chosen]).sum() + alloc.checkpoint.sum())
             assert changed == fewest, where
             assert max(alloc.peak_bytes_per_stage) <= budget, where
-    assert any(used), f"seed {seed}: the enumeration never answered (every tie left to the MILP)"
+    return [(counts, answered, seed) for counts, answered in used]
+
+
+def test_alike_layers_tie_break_equals_brute_force(monkeypatch):
+    used = _check_against_brute_force(monkeypatch, lambda rng: alike_problem(rng, layers=3, kinds=rng.choice([2, 3])),
+                                      trials=8)
+    assert any(answered for _, answered, _ in used), \
+        f"seed {used[0][2] if used else '?'}: the enumeration never answered (every tie left to the MILP)"
+
+
+def test_alike_layers_with_checkpointed_layers_tie_break_equals_brute_force(monkeypatch):
+    """Levels that checkpoint some layers and run others under LAAQ: the checkpointed layers' backward phases depend
+    on where they sit, and the enumeration must still equal brute force."""
+
+    def make(rng):
+        p = alike_problem(rng, layers=4, kinds=2)
+        p.allow_checkpoint = True
+        p.laaq_layer_seconds = rng.uniform(0.5, 6.0)  # at times dearer than a checkpointed layer
+        return p
+
+    mixed, seeds = [], []
+    for _ in range(10):  # until such levels came up (each round: fresh problems, every answer checked)
+        used = _check_against_brute_force(monkeypatch, make, trials=5)
+        seeds += sorted({seed for _, _, seed in used})
+        mixed += [answered for counts, answered, _ in used if counts and counts[1] > 0 and 4 - sum(counts) > 0]
+        if sum(mixed) >= 2:
+            break
+    assert sum(mixed) >= 2, f"seeds {seeds}: levels mixing checkpointed and LAAQ layers were enumerated {sum(mixed)} " \
+                            f"times of {len(mixed)}"
