@@ -37,6 +37,7 @@ from scipy.optimize import OptimizeResult
 from agoq.activations.policy import KINDS
 
 BLOCK = 1 << 17  # settings evaluated at once (the per-layer errors of a block: 16 layers x 8 bytes x BLOCK)
+CHUNK = 1 << 12  # with checkpointed layers: settings given their capped least error at once, best bound first
 
 
 def _alike(m) -> Optional[dict]:
@@ -163,28 +164,45 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     candidates = np.nonzero(fits)[0]
     if len(candidates) == 0:
         return None
-    best_value, best_y, best_layers = np.inf, None, None
     height = np.arange(L)[:, None]
-    for start in range(0, len(candidates), BLOCK):
-        ys = candidates[start:start + BLOCK]
+
+    def errors(ys: np.ndarray) -> np.ndarray:  # [L, settings]: each layer's error at each setting
         e = np.zeros((L, len(ys)))
         for j, k in enumerate(kinds):
             e += alike["errors"][k][:, choice[ys, j]]
-        if n_c == 0:
-            least = np.partition(e, n_a - 1, axis=0)[:n_a] if n_a < L else e
-            total = least.sum(axis=0)
-        else:
-            total, _ = _capped_least(e, _cap_below(per_layer[ys], ckpt_room + 1e-7 * m.unit, L), n_a, n_c, height)
+        return e
+
+    def valued(total: np.ndarray, ys: np.ndarray) -> np.ndarray:
         value = error_weight * total + change_weight * (n_a * non16[ys] + n_c)
         if error_cap is not None:
             value = np.where(total <= error_cap * (1 + 1e-9) + 1e-15, value, np.inf)
-        i = int(np.argmin(value))
-        if value[i] < best_value:
-            best_value, best_y = float(value[i]), int(ys[i])
-            if n_c == 0:
-                best_layers = np.argsort(e[:, i], kind="stable")[:n_a]
-            else:
-                cap = _cap_below(per_layer[ys[i:i + 1]], ckpt_room + 1e-7 * m.unit, L)
+        return value
+
+    # every setting's value with its n_a least-error layers: exact without checkpointed layers, else a lower bound
+    bound = np.empty(len(candidates))
+    for start in range(0, len(candidates), BLOCK):
+        ys = candidates[start:start + BLOCK]
+        e = errors(ys)
+        least = np.partition(e, n_a - 1, axis=0)[:n_a] if n_a < L else e
+        bound[start:start + BLOCK] = valued(least.sum(axis=0), ys)
+    if n_c == 0:
+        i = int(np.argmin(bound))
+        best_value, best_y = float(bound[i]), int(candidates[i])
+        best_layers = np.argsort(errors(candidates[i:i + 1])[:, 0], kind="stable")[:n_a]
+    else:  # the capped least error (module docstring), settings in order of their bound until none can do better
+        best_value, best_y, best_layers = np.inf, None, None
+        order = np.argsort(bound, kind="stable")
+        room = ckpt_room + 1e-7 * m.unit
+        for start in range(0, len(order), CHUNK):
+            if not bound[order[start]] < best_value:
+                break
+            ys = candidates[order[start:start + CHUNK]]
+            e = errors(ys)
+            value = valued(_capped_least(e, _cap_below(per_layer[ys], room, L), n_a, n_c, height)[0], ys)
+            i = int(np.argmin(value))
+            if value[i] < best_value:
+                best_value, best_y = float(value[i]), int(ys[i])
+                cap = _cap_below(per_layer[ys[i:i + 1]], room, L)
                 best_layers = _capped_least(e[:, i:i + 1], cap, n_a, n_c, height)[1]
     if best_y is None or not np.isfinite(best_value):
         return None
