@@ -22,8 +22,10 @@ error under that cap is the least errors taken greedily from the two groups (exa
 partition matroid). The second objective of
 agoq.search.milp_model (its error, then the fewest changed tensors, among the choices as fast as the optimum) is
 then the least over every y that fits the budget and the error cap: a product of a few options per kind
-(7 kinds x 7-8 options is about 1.2 million settings), evaluated in numpy in blocks, where HiGHS took 5-7 s to close
-the same program's bound on the probe. `tie_break` returns None wherever the structure does not hold, and the MILP
+(7 kinds x 7-8 options is about 1.2 million settings), where HiGHS took 5-7 s to close the same program's bound on
+the probe. Each setting is first bounded kind by kind (the n_a least errors of each kind's option, summed: no more
+than the least n_a of the layers' sums), and its exact least error is computed, in numpy, only for settings whose
+bound could still win, best bound first. `tie_break` returns None wherever the structure does not hold, and the MILP
 answers as before.
 """
 
@@ -36,8 +38,7 @@ from scipy.optimize import OptimizeResult
 
 from agoq.activations.policy import KINDS
 
-BLOCK = 1 << 17  # settings evaluated at once (the per-layer errors of a block: 16 layers x 8 bytes x BLOCK)
-CHUNK = 1 << 12  # with checkpointed layers: settings given their capped least error at once, best bound first
+CHUNK = 1 << 12  # settings given their exact least error at once, best bound first
 
 
 def _alike(m) -> Optional[dict]:
@@ -178,32 +179,41 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
             value = np.where(total <= error_cap * (1 + 1e-9) + 1e-15, value, np.inf)
         return value
 
-    # every setting's value with its n_a least-error layers: exact without checkpointed layers, else a lower bound
-    bound = np.empty(len(candidates))
-    for start in range(0, len(candidates), BLOCK):
-        ys = candidates[start:start + BLOCK]
+    # a lower bound on every setting's value, kind by kind: the n_a least errors of each kind's option, summed over
+    # the kinds (no more than the n_a least of the layers' sums); exact values only where the bound could win
+    least_of = {k: np.sort(alike["errors"][k], axis=0)[:n_a].sum(axis=0) for k in kinds}  # [options] per kind
+    bound_total = np.zeros(len(candidates))
+    for j, k in enumerate(kinds):
+        bound_total += least_of[k][choice[candidates, j]]
+    bound = valued(bound_total, candidates)
+    room = ckpt_room + 1e-7 * m.unit
+    best_value, best_y, best_layers = np.inf, None, None
+
+    def settle(ys: np.ndarray) -> None:
+        nonlocal best_value, best_y, best_layers
         e = errors(ys)
-        least = np.partition(e, n_a - 1, axis=0)[:n_a] if n_a < L else e
-        bound[start:start + BLOCK] = valued(least.sum(axis=0), ys)
-    if n_c == 0:
-        i = int(np.argmin(bound))
-        best_value, best_y = float(bound[i]), int(candidates[i])
-        best_layers = np.argsort(errors(candidates[i:i + 1])[:, 0], kind="stable")[:n_a]
-    else:  # the capped least error (module docstring), settings in order of their bound until none can do better
-        best_value, best_y, best_layers = np.inf, None, None
-        order = np.argsort(bound, kind="stable")
-        room = ckpt_room + 1e-7 * m.unit
-        for start in range(0, len(order), CHUNK):
-            if not bound[order[start]] < best_value:
-                break
-            ys = candidates[order[start:start + CHUNK]]
-            e = errors(ys)
+        if n_c == 0:
+            least = np.partition(e, n_a - 1, axis=0)[:n_a] if n_a < L else e
+            value = valued(least.sum(axis=0), ys)
+        else:
             value = valued(_capped_least(e, _cap_below(per_layer[ys], room, L), n_a, n_c, height)[0], ys)
-            i = int(np.argmin(value))
-            if value[i] < best_value:
-                best_value, best_y = float(value[i]), int(ys[i])
+        i = int(np.argmin(value))
+        if value[i] < best_value:
+            best_value, best_y = float(value[i]), int(ys[i])
+            if n_c == 0:
+                best_layers = np.argsort(e[:, i], kind="stable")[:n_a]
+            else:
                 cap = _cap_below(per_layer[ys[i:i + 1]], room, L)
                 best_layers = _capped_least(e[:, i:i + 1], cap, n_a, n_c, height)[1]
+
+    first = np.argpartition(bound, CHUNK)[:CHUNK] if len(bound) > CHUNK else np.arange(len(bound))
+    settle(candidates[first])
+    rest = np.setdiff1d(np.nonzero(bound < best_value)[0], first, assume_unique=True)
+    rest = rest[np.argsort(bound[rest], kind="stable")]
+    for start in range(0, len(rest), CHUNK):
+        if not bound[rest[start]] < best_value:
+            break
+        settle(candidates[rest[start:start + CHUNK]])
     if best_y is None or not np.isfinite(best_value):
         return None
     x = np.zeros(m.nv)
