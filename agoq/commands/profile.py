@@ -126,8 +126,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="training steps per kind of step measured with agoq train's own code, for the search "
                              "to price plans from: bf16, agoq-paper and checkpoint-all at every micro-batch dividing "
                              "--micro-batch with one and two micro-batches per step, QuanGrad's gradients, float32 "
-                             "AdamW and no masters (agoq.commands.profile_steps); plans of a kind not measured are "
-                             "not offered; 0: none (default 6 on a GPU, 3 on the CPU)")
+                             "AdamW and no masters, and on a GPU agoq-paper with every layer but the last offloaded "
+                             "to host memory (what offload is priced from) (agoq.commands.profile_steps); plans of a "
+                             "kind not measured are not offered; 0: none (default 6 on a GPU, 3 on the CPU)")
     parser.add_argument("--measured-repeats", type=positive_int, default=None, metavar="R",
                         help="measure each kind of step R times, each pass in the other order, and keep the least "
                              "median: a step is slowed, never sped up, by what else runs, and one slowed kind "

@@ -137,8 +137,6 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
                "seconds_per_step": list(best.seconds), "source": "profile"}
         if kind.get("offload_layers"):
             row["offloaded_bytes"] = int(getattr(best, "offloaded_bytes", None) or 0)
-        else:
-            row.pop("offload_layers", None)
         if repeats > 1:
             row["repeat_step_seconds"] = medians
             if max(medians) > (1 + SPREAD_WARNING) * min(medians):

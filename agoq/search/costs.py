@@ -175,8 +175,7 @@ def _step_times(profile: ProfileData, knobs: ProblemSettings, compile_mode: str,
 
 
 def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: float, accum: int, stages: int,
-                   layout: str, notes: list, compile_mode: str = "compiled",
-                   micro_batch: Optional[int] = None) -> Optional[OffloadPrices]:
+                   layout: str, notes: list, compile_mode: str, micro_batch: int) -> Optional[OffloadPrices]:
     """What offload costs under these knobs (agoq.search.problem.OffloadPrices), None where it is not offered: not
     asked for, no host link in the profile (a CPU profile, or one made before agoq measured it), or a layout the
     runtime cannot offload in (pipeline stages, fsdp).
@@ -226,7 +225,7 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
     host = knobs.host_budget if knobs.host_budget is not None else float(link.get("pinnable_bytes") or 0)
     slowdown = max(0.0, float(link.get("compute_slowdown") or 0.0))
     forward_bytes = window / 3.0 * float(link["d2h_bytes_per_second"])  # forward: about a third of fwd + bwd
-    layer = _offload_layer_seconds(sp, compile_mode, micro_batch or sp.m0, accum, per_byte, share, slowdown, L, notes)
+    layer = _offload_layer_seconds(sp, compile_mode, micro_batch, accum, per_byte, share, slowdown, L, notes)
     if layer is None:
         return None
     return OffloadPrices(per_byte, window, slowdown * per_byte * accum, host, accum, forward_bytes,

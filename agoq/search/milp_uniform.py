@@ -147,9 +147,11 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     rerun = float(p.recomputed()[0]) if n_c > 0 else 0.0
     budget = float(np.asarray(budgets, float)[0])
     transient = float(mem[m.z0]) if n_a > 0 else 0.0
-    room = budget - float(p.static_bytes[0]) - n_u * u_bytes - n_c * c_bytes - transient
+    # the model's rows are in its own unit: the same tolerance as its constraint (HiGHS's 1e-7 feasibility)
+    tolerance = 1e-7 * m.unit
+    room = budget - float(p.static_bytes[0]) - n_u * u_bytes - n_c * c_bytes - transient + tolerance
     # the highest checkpointed layer's backward: the layers under LAAQ below it, the n_c inputs, its rerun
-    ckpt_room = budget - float(p.static_bytes[0]) - n_c * c_bytes - rerun - transient
+    ckpt_room = budget - float(p.static_bytes[0]) - n_c * c_bytes - rerun - transient + tolerance
     grids = np.meshgrid(*[np.arange(len(options[k])) for k in kinds], indexing="ij")
     choice = np.stack([g.ravel() for g in grids], axis=1)  # [settings, kinds] option positions
     per_layer = np.zeros(len(choice))
@@ -160,8 +162,7 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     if att in kinds and oproj in kinds and m.bounds.ub[m.w0] > 0:
         both = (choice[:, kinds.index(att)] == sixteen[att]) & (choice[:, kinds.index(oproj)] == sixteen[oproj])
         per_layer += np.where(both, credit, 0.0)
-    # the model's rows are in its own unit: the same tolerance as its constraint (HiGHS's 1e-7 feasibility)
-    fits = (n_a * per_layer <= room + 1e-7 * m.unit) & (non16 > 0)  # a layer under LAAQ changes some kind
+    fits = (n_a * per_layer <= room) & (non16 > 0)  # a layer under LAAQ changes some kind
     candidates = np.nonzero(fits)[0]
     if len(candidates) == 0:
         return None
@@ -186,7 +187,6 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     for j, k in enumerate(kinds):
         bound_total += least_of[k][choice[candidates, j]]
     bound = valued(bound_total, candidates)
-    room = ckpt_room + 1e-7 * m.unit
     best_value, best_y, best_layers = np.inf, None, None
 
     def settle(ys: np.ndarray) -> None:
@@ -196,14 +196,14 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
             least = np.partition(e, n_a - 1, axis=0)[:n_a] if n_a < L else e
             value = valued(least.sum(axis=0), ys)
         else:
-            value = valued(_capped_least(e, _cap_below(per_layer[ys], room, L), n_a, n_c, height)[0], ys)
+            value = valued(_capped_least(e, _cap_below(per_layer[ys], ckpt_room, L), n_a, n_c, height)[0], ys)
         i = int(np.argmin(value))
         if value[i] < best_value:
             best_value, best_y = float(value[i]), int(ys[i])
             if n_c == 0:
                 best_layers = np.argsort(e[:, i], kind="stable")[:n_a]
             else:
-                cap = _cap_below(per_layer[ys[i:i + 1]], room, L)
+                cap = _cap_below(per_layer[ys[i:i + 1]], ckpt_room, L)
                 best_layers = _capped_least(e[:, i:i + 1], cap, n_a, n_c, height)[1]
 
     first = np.argpartition(bound, CHUNK)[:CHUNK] if len(bound) > CHUNK else np.arange(len(bound))
@@ -230,7 +230,7 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     x[m.u0:m.u0 + L] = ~laaq & ~ckpt
     x[m.c0:m.c0 + L] = ckpt
     figures = p.evaluate(np.nonzero(x[:m.n])[0], ckpt)
-    if max(figures["peak_bytes_per_stage"]) > float(np.asarray(budgets, float)[0]) or \
+    if max(figures["peak_bytes_per_stage"]) > budget or \
             abs(figures["step_seconds"] - best_seconds) > abs(best_seconds) * 1e-9 + 1e-12:
         return None  # not what the model prices it at: leave it to the MILP
     return OptimizeResult(x=x, status=0, success=True, fun=best_value, mip_gap=0.0,

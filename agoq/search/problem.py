@@ -217,7 +217,7 @@ class ChoiceProblem:
                 "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum()),
                 "held_calibration": held_calibration, "host": host, "reserve": reserve, "backlog": backlog}
 
-    def offload_seconds(self, host_bytes: float, layers: int = 1) -> dict:
+    def offload_seconds(self, host_bytes: float, layers: int) -> dict:
         """The step seconds `host_bytes` offloaded per micro-batch by `layers` layers add, and the link's seconds
         (OffloadPrices)."""
         o = self.offload
