@@ -102,6 +102,25 @@ def stream_timeline(trace: Path, steps: int) -> str:
     return "\n".join(lines)
 
 
+def python_host_time(trainer, steps: int, rows: int) -> str:
+    """`steps` more steps under cProfile: the `rows` functions with the most host time of their own, per step."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for step in range(steps):
+        trainer.step(step)
+    sync()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    total = sum(v[2] for v in stats.stats.values())  # tottime over every function
+    return f"Python host time under cProfile: {total / steps * 1e3:.1f} ms per step\n" + out.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--profile-steps", type=int, default=3)
@@ -113,6 +132,9 @@ def main() -> None:
     ap.add_argument("--stacks", default=None, metavar="NAMES",
                     help="comma-separated operation names (e.g. cudaStreamSynchronize,aten::cat): also print the "
                          "Python call stacks they were called from, by host time")
+    ap.add_argument("--python", type=int, default=0, metavar="N",
+                    help="also time the profiled steps under cProfile and print the N Python functions with the "
+                         "most host time of their own (where host-bound steps spend it)")
     ours, rest = ap.parse_known_args()
     parser = argparse.ArgumentParser(prog="profile_train_step")
     train_command.configure(parser)
@@ -135,6 +157,7 @@ def main() -> None:
         for step in range(ours.profile_steps):
             trainer.step(step)
         sync()
+    python_table = python_host_time(trainer, ours.profile_steps, ours.python) if ours.python else None
     events = prof.key_averages()
     gpu_total = sum(e.self_device_time_total for e in events) / ours.profile_steps / 1e3
     text = [f"step (unprofiled): {plain * 1e3:.2f} ms; kernels' GPU time per step: {gpu_total:.2f} ms; "
@@ -147,6 +170,8 @@ def main() -> None:
         for e in sorted(by_stack, key=lambda e: -e.self_cpu_time_total)[:12]:
             text.append(f"{e.key}: {e.count} calls, {e.self_cpu_time_total / 1e3:.1f} ms host time, from:\n    "
                         + "\n    ".join(e.stack or ["(no Python stack)"]))
+    if python_table:
+        text.append(python_table)
     if ours.timeline:
         trace = Path(tempfile.mkdtemp()) / "trace.json"
         prof.export_chrome_trace(str(trace))
