@@ -11,6 +11,7 @@ the host time per step, so a step slower than predicted can be read kernel by ke
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -102,6 +103,23 @@ def stream_timeline(trace: Path, steps: int) -> str:
     return "\n".join(lines)
 
 
+def collector_time():
+    """A gc callback that adds up the time of Python's garbage collections, by generation."""
+    seconds, count, started = [0.0, 0.0, 0.0], [0, 0, 0], [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            seconds[info["generation"]] += time.perf_counter() - started[0]
+            count[info["generation"]] += 1
+
+    callback.report = lambda steps: ", ".join(
+        f"generation {g}: {count[g] / steps:.1f} collections, {seconds[g] / steps * 1e3:.2f} ms" for g in range(3))
+    gc.callbacks.append(callback)
+    return callback
+
+
 def python_host_time(trainer, steps: int, rows: int) -> str:
     """`steps` more steps under cProfile: the `rows` functions with the most host time of their own, per step."""
     import cProfile
@@ -135,6 +153,9 @@ def main() -> None:
     ap.add_argument("--python", type=int, default=0, metavar="N",
                     help="also time the profiled steps under cProfile and print the N Python functions with the "
                          "most host time of their own (where host-bound steps spend it)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="after the warm-up steps, collect once and freeze what is left (gc.freeze): later "
+                         "collections no longer walk the compiled graphs' objects")
     ours, rest = ap.parse_known_args()
     parser = argparse.ArgumentParser(prog="profile_train_step")
     train_command.configure(parser)
@@ -147,11 +168,16 @@ def main() -> None:
     for step in range(ours.warmup_steps):
         trainer.step(step)
     sync()
+    if ours.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    collections = collector_time()
     t0 = time.perf_counter()
     for step in range(ours.profile_steps):
         trainer.step(step)
     sync()
     plain = (time.perf_counter() - t0) / ours.profile_steps
+    gc.callbacks.remove(collections)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts, with_stack=bool(ours.stacks)) as prof:
         for step in range(ours.profile_steps):
@@ -162,6 +188,7 @@ def main() -> None:
     gpu_total = sum(e.self_device_time_total for e in events) / ours.profile_steps / 1e3
     text = [f"step (unprofiled): {plain * 1e3:.2f} ms; kernels' GPU time per step: {gpu_total:.2f} ms; "
             f"GPU idle per step: {plain * 1e3 - gpu_total:.2f} ms",
+            f"garbage collection (unprofiled steps, per step): {collections.report(ours.profile_steps)}",
             events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
             events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70)]
     if ours.stacks:
