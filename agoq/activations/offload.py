@@ -155,6 +155,8 @@ class ActivationOffload:
             device = params[0].device if params else torch.device("cpu")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self._index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if self.cuda else None
         self.min_bytes = min_bytes
         self.pool = HostPool(pin=self.cuda, budget_bytes=host_budget_bytes)
         self._model_storages = {_storage_ptr(t) for t in params}
@@ -165,6 +167,8 @@ class ActivationOffload:
         self._layer_bytes: dict[int, int] = {}  # offloaded bytes per layer this micro-batch
         self._by_layer: dict[int, list[_Saved]] = {}  # this micro-batch's entries per layer
         self._fetched: set[int] = set()  # layers whose copies back have started
+        self._waited: set[int] = set()  # ids of the copy-back events the compute stream waits for already
+        self._waited_events: list = []
         self._compiled_plain: set[int] = set()  # layers compiled once without the hooks (see wrap)
         self._backward_base: int | None = None  # bytes allocated when this micro-batch's backward began
         self._live = 0  # offloaded tensors not yet brought back in backward
@@ -191,6 +195,7 @@ class ActivationOffload:
         self.pool.reset()
         self._entries, self._layer_order, self._live = [], [], 0
         self._layer_bytes, self._backward_base, self._by_layer, self._fetched = {}, None, {}, set()
+        self._waited, self._waited_events = set(), []
         self.stats.micro_batches += 1
         self.stats.bytes_per_layer = {}
 
@@ -232,15 +237,17 @@ class ActivationOffload:
         return len(self._entries) - 1
 
     def _flush(self) -> None:
-        """Start copying out the tensors packed since the last flush: one wait on the compute stream, one event."""
+        """Start copying out the tensors packed since the last flush: one wait on the compute stream, one call that
+        issues every copy (`torch._foreach_copy_`: the per-tensor work in C++, not Python), one event."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        self._d2h.wait_stream(torch.cuda.current_stream(self._index))
         copied = torch.cuda.Event()
         with torch.cuda.stream(self._d2h):
-            for t, flat, entry in pending:
-                entry.host.copy_(flat if flat is not None else t.contiguous().view(-1), non_blocking=True)
+            torch._foreach_copy_([e.host for _t, _f, e in pending],
+                                 [f if f is not None else t.contiguous().view(-1) for t, f, _e in pending],
+                                 non_blocking=True)
             copied.record(self._d2h)
         for t, _flat, entry in pending:
             entry.copied = copied
@@ -253,21 +260,23 @@ class ActivationOffload:
         entry = self._entries[handle]
         if entry.unpacked:  # asked again (a graph kept for a second backward): from the host copy, now
             if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(entry.copied)
+                torch.cuda.current_stream(self._index).wait_event(entry.copied)
             return self._rebuilt(entry)
         if entry.gpu is None:  # not prefetched (the layer below is started by this layer's output hook)
             self.stats.fetched_on_demand += 1
             self._fetch(entry.layer)
         out = entry.gpu
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(entry.ready)
+        if self.cuda and id(entry.ready) not in self._waited:  # once per layer: its tensors share the event
+            torch.cuda.current_stream(self._index).wait_event(entry.ready)
+            self._waited.add(id(entry.ready))
+            self._waited_events.append(entry.ready)  # kept alive, so that its id is not reused this micro-batch
         entry.gpu = entry.ready = None  # autograd holds it now
         entry.unpacked = True
         self._live -= 1
         return out
 
     def _fetch(self, layer: int) -> None:
-        """Start bringing back every tensor of `layer` not already on its way."""
+        """Start bringing back every tensor of `layer` not already on its way: one call issues the copies."""
         self._fetched.add(layer)
         todo = [e for e in self._by_layer.get(layer, ()) if e.gpu is None and not e.unpacked]
         if not todo:
@@ -276,16 +285,19 @@ class ActivationOffload:
             for e in todo:
                 e.gpu = self._rebuilt(e)
             return
-        compute = torch.cuda.current_stream(self.device)
+        compute = torch.cuda.current_stream(self._index)
         buffers = [torch.empty_strided(e.size, e.stride, dtype=e.host.dtype, device=e.device) for e in todo]
         self._h2d.wait_stream(compute)  # their memory is free on the compute stream from here on
         with torch.cuda.stream(self._h2d):
-            waited = set()
+            for event in {id(e.copied): e.copied for e in todo}.values():  # the layer's tensors share one event
+                self._h2d.wait_event(event)
+            dense = [(e, gpu) for e, gpu in zip(todo, buffers) if e.dense]
+            if dense:
+                torch._foreach_copy_([gpu.as_strided((gpu.numel(),), (1,), 0) for _e, gpu in dense],
+                                     [e.host for e, _gpu in dense], non_blocking=True)
             for e, gpu in zip(todo, buffers):
-                if id(e.copied) not in waited:  # the layer's tensors share one event
-                    self._h2d.wait_event(e.copied)
-                    waited.add(id(e.copied))
-                _fill(gpu, e, non_blocking=True)
+                if not e.dense:
+                    _fill(gpu, e, non_blocking=True)
                 gpu.record_stream(self._h2d)
             ready = torch.cuda.Event()  # one for the layer: backward uses its tensors together
             ready.record(self._h2d)
@@ -310,7 +322,8 @@ class ActivationOffload:
             self._fetch(below[0])
         if not self.cuda:
             return
-        now = torch.cuda.memory_allocated(self.device)
+        # the allocator's counters as they are (memory_allocated flattens every statistic into a new dict first)
+        now = torch.cuda.memory_stats_as_nested_dict(self._index)["allocated_bytes"]["all"]["current"]
         if self._backward_base is None:
             self._backward_base = now
         room = self._backward_base - now  # what backward has freed; fetched buffers already count in `now`
