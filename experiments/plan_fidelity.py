@@ -68,6 +68,10 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--concurrent", action="store_true", help="train the runs at the same time")
     ap.add_argument("--out", default="/tmp/agoq-plan-fidelity", help="folder for profile, plans and runs")
+    ap.add_argument("--profile", default=None, help="reuse this profile folder instead of profiling")
+    ap.add_argument("--budget-list", default=None, metavar="SIZES",
+                    help="comma-separated budgets in bytes instead of the tightest and half of bf16's peak")
+    ap.add_argument("--name", default=None, help="results name (default plan_fidelity)")
     ap.add_argument("--tiny", action="store_true", help="CPU check: llama-tiny, 30 steps, sequences of 64")
     ap.add_argument("--references", action=argparse.BooleanOptionalAction, default=True,
                     help="also train bf16 with the plans' 8-bit AdamW and bf16 with seed 1 (the baseline's spread)")
@@ -80,21 +84,26 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     data = tiny_shakespeare(args.data)
     started = time.perf_counter()
-    sh(AGOQ + ["profile", model, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-               "--bits", "2,3,4,5,6,8", "--formats", "int", "--batches", "1", "--out", str(out / "profile"),
-               "--quiet", *device], out / "profile.log")
+    profile = Path(args.profile) if args.profile else out / "profile"
+    if not args.profile:
+        sh(AGOQ + ["profile", model, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+                   "--bits", "2,3,4,5,6,8", "--formats", "int", "--batches", "1", "--out", str(profile),
+                   "--quiet", *device], out / "profile.log")
 
     from agoq.formats.profile import load_profile
     from agoq.search.alternatives import price_alternatives
     from agoq.search.knobs import budget_bounds
 
-    prof = load_profile(out / "profile")
+    prof = load_profile(profile)
     least, _ = budget_bounds(prof)
     eager = [a for a in price_alternatives(prof, float("inf"), [(args.micro_batch, 1)], ["eager"])
              if a.name.startswith("eager bf16")]
     bf16_peak = max(a.peak_bytes for a in eager)
-    budgets = {label: fits(prof, b) for label, b in (("tightest", int(least * 1.01)),
-                                                     ("half of bf16's peak", max(int(least * 1.01), bf16_peak // 2)))}
+    if args.budget_list:
+        budgets = {f"{int(b) / 1e9:.3f}GB": fits(prof, int(b)) for b in args.budget_list.split(",")}
+    else:
+        budgets = {label: fits(prof, b) for label, b in (("tightest", int(least * 1.01)),
+                                                         ("half of bf16's peak", max(int(least * 1.01), bf16_peak // 2)))}
     common = [model, "--data", data, "--steps", str(args.steps), "--eval-every", str(args.eval_every),
               "--eval-batches", str(args.eval_batches), "--checkpoint-every", "0", "--seed", "0", "--quiet", *device]
     plain = common + ["--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch)]
@@ -105,13 +114,14 @@ def main() -> None:
     plans = {}
     for label, budget in budgets.items():
         path = out / f"plan-{label.split()[0]}.json"
-        sh(AGOQ + ["search", "--profile", str(out / "profile"), "--budget", str(budget), "--out", str(path),
+        sh(AGOQ + ["search", "--profile", str(profile), "--budget", str(budget), "--out", str(path),
                    "--quiet", "--front-budgets", "0"], out / f"search-{label.split()[0]}.log")
         plan = json.loads(path.read_text())
         plans[label] = {"budget_bytes": budget, "agoq": (plan.get("decision") or {}).get("agoq", True),
                         "reason": (plan.get("decision") or {}).get("reason"),
                         "quantized_kinds": sum(1 for lp in plan["layers"] for s in lp["kinds"].values() if s != 16),
                         "checkpointed_layers": sum(lp["checkpoint"] for lp in plan["layers"]),
+                        "offloaded_layers": [i for i, lp in enumerate(plan["layers"]) if lp.get("offload")],
                         "gradients": plan["gradients"]["mode"], "optimizer": plan["optimizer"],
                         "training": plan["training"], "predicted": plan["predicted"].get("step_seconds")}
         runs[label] = common + ["--plan", str(path)]
@@ -144,7 +154,7 @@ def main() -> None:
             final = results[label]["final_val_loss"]
             figures[f"{label}_val_loss_vs_bf16"] = final / base - 1
             print(f"{label}: val loss {final:.4f} vs bf16 {base:.4f} ({final / base - 1:+.2%})", flush=True)
-    print("wrote", write_result(name, figures))
+    print("wrote", write_result(args.name or name, figures))
 
 
 if __name__ == "__main__":
