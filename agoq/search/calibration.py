@@ -19,6 +19,14 @@ splits) is predicted with the calibrated model; the largest amount by which a me
 prediction is added to every plan's peak of that mode (0 when the model never under-predicts), and the plan's
 notes say so. Steps' peaks are the largest of any step, the first included (agoq.formats.measured_steps).
 
+Offload. With activations in host memory a step's peak comes at the end of backward, every gradient made, which
+offload does not lower (the 129 M byte LLaMA at micro-batch 4: agoq-paper with 9 of 10 layers offloaded peaked at
+1.531 GB, full checkpointing at 1.532). The model, which takes an offloaded layer's bytes off the end of forward,
+does not see that; the profile's offloading step (agoq-paper, every layer but the last offloaded, at this compile
+mode and micro-batch, with one micro-batch per step or two for an accumulating plan) measured it. Its peak, moved
+by the model's state bytes between its knobs and the plan's (gradient storage, optimizer, masters, accumulated
+gradients), is the least peak of any choice that offloads (`OffloadPrices.floor_bytes`).
+
 Runs. Runs of plans made from the profile (`ProfileData.runs`: `agoq search --runs DIR...`, read by
 agoq.formats.run.measured_against_plan) are what really ran: each plan is priced again with the calibrated model;
 a measured peak above its prediction raises the margin as a measured step does, and at each compile mode and
@@ -27,6 +35,7 @@ split the median of measured / predicted step seconds over its runs scales every
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -226,11 +235,43 @@ def margin(profile: ProfileData, compile_mode: str) -> tuple[float, Optional[dic
     return worst, worst_row
 
 
+def offload_floor(profile: ProfileData, static_bytes: float, compile_mode: str, micro_batch: int,
+                  grad_accum: int) -> Optional[tuple[float, dict]]:
+    """(the least peak of a choice that offloads, the measured offloading step it comes from) for a problem whose
+    uncalibrated static bytes are `static_bytes` (module docstring), None where no such step was measured."""
+    from agoq.search.costs import build_problem
+
+    sp = prices(profile)
+    for a in ((1,) if grad_accum == 1 else (2, 1)):
+        row = sp.offload_row(compile_mode, micro_batch, a)
+        if row is not None and row.get("peak_bytes") is not None:
+            break
+    else:
+        return None
+    cache = profile.cache.setdefault("offload_floor_static", {})
+    key = (compile_mode, micro_batch, row["grad_accum"])
+    if key not in cache:
+        knobs = replace(_row_knobs(profile, row), allow_offload=False)
+        cache[key] = float(build_problem(profile, knobs, calibrate=False).static_bytes[0])
+    return float(row["peak_bytes"]) + static_bytes - cache[key], row
+
+
 def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: ProblemSettings, compile_mode: str,
                       micro_batch: int, grad_accum: int) -> None:
-    """Calibrate `problem` (built for `knobs`) in place: the corrections at its split and the mode's margin."""
+    """Calibrate `problem` (built for `knobs`) in place: the corrections at its split, the mode's margin and the
+    floor of choices that offload."""
     if problem.num_stages != 1:
         return  # the anchors are one-process steps of the whole model
+    if problem.offload is not None:
+        found = offload_floor(profile, float(problem.static_bytes[0]), compile_mode, micro_batch, grad_accum)
+        if found is not None:
+            floor, row = found
+            problem.offload = replace(problem.offload, floor_bytes=floor)
+            problem.notes.append(
+                f"a plan that offloads peaks at no less than {int(floor)} bytes: the profile's {compile_mode} "
+                f"agoq-paper step with {row['offload_layers']} layers offloaded (micro-batch {row['micro_batch']} x "
+                f"{row['grad_accum']}) peaked at {int(row['peak_bytes'])} bytes, at the end of backward, which "
+                "offload does not lower")
     k = corrections(profile, compile_mode, micro_batch, grad_accum)
     if any(k.values()):
         _apply(problem, k)
@@ -263,4 +304,4 @@ def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: Probl
                              "above its measured peak")
 
 
-__all__ = ["calibrate_problem", "corrections", "margin"]
+__all__ = ["calibrate_problem", "corrections", "margin", "offload_floor"]

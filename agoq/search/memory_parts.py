@@ -29,6 +29,8 @@ Parts, bytes per rank of the stage (sharded layouts: this rank's shard; agoq.sea
   offload_prefetch       with layers offloaded to host memory: the largest offloaded layer's tensors, which
                          backward's first prefetch brings back before backward has freed anything
   offload_backlog        offloaded bytes the host link has not yet copied out when forward ends (still on the GPU)
+  offload_floor          with layers offloaded: what lifts the peak to the profile's measured offloading step's
+                         (the end of backward, every gradient made; agoq.search.calibration)
   optimizer_step_workspace  the optimizer step's measured temporaries and its transient
 """
 
@@ -40,7 +42,7 @@ from agoq.formats.plan import MEMORY_PHASES as PHASES
 
 PARTS = ("weights", "gradients", "masters", "optimizer_state", "fsdp_unsharded", "backward_gradients",
          "accumulated_gradients", "head_and_workspace", "calibration", "margin", "compiled_margin", "activations",
-         "recomputed_layer", "laaq_transient", "offload_prefetch", "offload_backlog",
+         "recomputed_layer", "laaq_transient", "offload_prefetch", "offload_backlog", "offload_floor",
          "optimizer_step_workspace")
 
 

@@ -33,6 +33,8 @@ window) and k (bytes not yet copied out when forward ends; OffloadPrices):
   h >= g_l,   link_seconds_per_byte x sum_l g_l - e <= window,   sum_l g_l - k <= forward_link_bytes,
   sum_l g_l <= host budget
   memory rows: - g_l (layer l's bytes are on the host) + h (+ k at the end of forward);
+  floor:       (floor_bytes - static) o_0 <= budget - static  (a choice that offloads peaks at no less than the
+               profile's measured offloading step, OffloadPrices.floor_bytes)
   time: + seconds_per_byte g_l + accum x e + layer_seconds o_l
 
 Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically: the
@@ -373,6 +375,10 @@ class Model:
         # memory in self.unit bytes, time in milliseconds: coefficients near 1 keep HiGHS healthy
         room = (np.asarray(budgets, float) - p.static_bytes)[self.peak_stage]
         constraints = [self.structure, LinearConstraint(self.peak_rows / self.unit, -np.inf, room / self.unit)]
+        if self.offload and p.offload.floor_bytes > 0:  # offloading any layer (o_0) peaks at no less than the floor
+            row = np.zeros((1, self.nv))
+            row[0, self.o0] = (p.offload.floor_bytes - float(p.static_bytes[0])) / self.unit
+            constraints.append(LinearConstraint(row, -np.inf, room[:1] / self.unit))
         if time_cap is not None:
             constraints.append(LinearConstraint(self.time_row[None, :] * 1e3, -np.inf, (time_cap - self.time_constant) * 1e3))
         if error_cap is not None:

@@ -54,6 +54,10 @@ class OffloadPrices:
             one layer before backward has freed anything: + the largest offloaded layer's bytes; and what the link
             has not yet copied out when forward ends is still on the GPU: + max(0, B - forward_link_bytes)
       host: B <= host_budget_bytes
+      floor: a choice that offloads any layer peaks at no less than floor_bytes (0: none known), the peak the
+            profile measured for its offloading step, moved by the model's state bytes (agoq.search.calibration):
+            with activations on the host the peak comes at the end of backward, every gradient made, which
+            offload does not lower
 
     A copy back waits for the same tensor's copy out, so the two directions form one chain per tensor; the window
     is the decoder layers' forward and backward, under which the copies run (the profile's layer forward times x 3
@@ -67,6 +71,7 @@ class OffloadPrices:
     forward_link_bytes: float = float("inf")  # bytes the link copies out during one micro-batch's forward
     layer_seconds: float = 0.0     # per step, per offloaded layer: the runtime's own time (its hooks and copies per
                                    # tensor, every micro-batch) beyond the link model, measured (agoq.search.costs)
+    floor_bytes: float = 0.0       # the least peak of a choice offloading any layer (measured; 0: none known)
 
 
 @dataclass
@@ -209,13 +214,18 @@ class ChoiceProblem:
             if during > mem[s]:
                 mem[s], phase[s], at_layer[s], held[s], rerun[s] = during, "checkpoint_backward", int(l), kept, extra[l]
                 held_calibration[s] = kept_calibration
+        offload_floor = np.zeros(self.num_stages)  # what the measured offloading peak adds (OffloadPrices)
+        if self.offload is not None and off.any():
+            offload_floor = np.maximum(0.0, self.offload.floor_bytes - mem)
+            mem = mem + offload_floor
         floor = self.peak_floor()
         for s in np.nonzero(floor > mem)[0]:
             mem[s], phase[s], at_layer[s] = floor[s], "optimizer_step", None
         # whole bytes, rounded up (a fraction of a byte over a budget is over it; 1e-6 absorbs float noise)
         return {"peak": [int(np.ceil(m - 1e-6)) for m in mem], "phase": phase, "layer": at_layer, "held": held,
                 "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum()),
-                "held_calibration": held_calibration, "host": host, "reserve": reserve, "backlog": backlog}
+                "held_calibration": held_calibration, "host": host, "reserve": reserve, "backlog": backlog,
+                "offload_floor": offload_floor}
 
     def offload_seconds(self, host_bytes: float, layers: int) -> dict:
         """The step seconds `host_bytes` offloaded per micro-batch by `layers` layers add, and the link's seconds
@@ -269,6 +279,8 @@ class ChoiceProblem:
                     parts["offload_prefetch"] = float(m["reserve"][s])
                 if m["phase"][s] == "forward_backward" and m["backlog"][s] > 0:
                     parts["offload_backlog"] = float(m["backlog"][s])
+                if m["offload_floor"][s] > 0:
+                    parts["offload_floor"] = float(m["offload_floor"][s])
             out.append(stage_entry(s, m["phase"][s], m["layer"][s], parts, m["peak"][s]))
         return out
 

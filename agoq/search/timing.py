@@ -180,21 +180,29 @@ class StepPrices:
             return None
         return two - one, 2 * one - two
 
-    def offload_step(self, compile_mode: str, micro_batch: int, grad_accum: int = 1) -> Optional[dict]:
-        """The offloading step measured in `compile_mode` at `micro_batch` x `grad_accum` with the base knobs, and the
-        same step kept on the GPU: {"offloaded": its seconds, "kept": the kept step's seconds, "layers": K, "bytes":
-        bytes offloaded per micro-batch}; None where either was not measured."""
+    def offload_row(self, compile_mode: str, micro_batch: int, grad_accum: int = 1) -> Optional[dict]:
+        """The offloading step (agoq-paper, its first layers offloaded) measured in `compile_mode` at `micro_batch` x
+        `grad_accum` with the base knobs, None where not measured."""
         base = self.base(compile_mode)
-        kept = self.row(compile_mode, "agoq-paper", micro_batch, grad_accum)
-        if base is None or kept is None:
+        if base is None:
             return None
         for r in self.offload_rows:
             if (r["compile"], r["policy"], r["micro_batch"], r["grad_accum"], r["gradients"], r["optimizer"],
                     r["master"], r["activation_memory_budget"]) == (compile_mode, "agoq-paper", micro_batch,
                                                                     grad_accum, BASE_GRADIENTS, *base, None):
-                return {"offloaded": self.price(r), "kept": self.price(kept), "layers": int(r["offload_layers"]),
-                        "bytes": float(r.get("offloaded_bytes") or 0.0)}
+                return r
         return None
+
+    def offload_step(self, compile_mode: str, micro_batch: int, grad_accum: int = 1) -> Optional[dict]:
+        """The offloading step measured in `compile_mode` at `micro_batch` x `grad_accum` with the base knobs, and the
+        same step kept on the GPU: {"offloaded": its seconds, "kept": the kept step's seconds, "layers": K, "bytes":
+        bytes offloaded per micro-batch}; None where either was not measured."""
+        r = self.offload_row(compile_mode, micro_batch, grad_accum)
+        kept = self.row(compile_mode, "agoq-paper", micro_batch, grad_accum)
+        if r is None or kept is None:
+            return None
+        return {"offloaded": self.price(r), "kept": self.price(kept), "layers": int(r["offload_layers"]),
+                "bytes": float(r.get("offloaded_bytes") or 0.0)}
 
     def compile_seconds(self, policy: str) -> Optional[float]:
         """Seconds a fresh process spends compiling one layer graph of `policy` (bf16: unmodified layers,

@@ -28,7 +28,7 @@ def fresh_rng():
 
 def with_offload(rng, p):
     """`p` with random offload prices: a link whose time per byte makes some offloads exposed, a window, a slowdown,
-    a host budget that sometimes binds and a time per offloaded layer."""
+    a host budget that sometimes binds, a time per offloaded layer and a floor under an offloading choice's peak."""
     bytes_per_layer = float(np.max(p.memory)) * 4
     link = rng.uniform(0.2, 2.0) / bytes_per_layer  # seconds per byte, out and back
     return replace(p, offload=OffloadPrices(link_seconds_per_byte=link, window_seconds=rng.uniform(0.0, 1.5),
@@ -39,7 +39,10 @@ def with_offload(rng, p):
                                             forward_link_bytes=rng.choice([float("inf"),
                                                                            rng.uniform(0.1, 2.0) * bytes_per_layer]),
                                             # the runtime's own time per offloaded layer, sometimes none
-                                            layer_seconds=rng.choice([0.0, rng.uniform(0.0, 0.5)])))
+                                            layer_seconds=rng.choice([0.0, rng.uniform(0.0, 0.5)]),
+                                            # the measured least peak of an offloading choice, sometimes binding
+                                            floor_bytes=rng.choice([0.0, float(p.static_bytes[0])
+                                                                    + rng.uniform(0.0, 3.0) * bytes_per_layer])))
 
 
 def brute_force(p):
@@ -164,7 +167,8 @@ def test_what_forward_cannot_copy_out_stays_on_the_gpu():
     peak rises by max(0, host bytes - forward_link_bytes) over the same offload with an unbounded link."""
     seed, rng = fresh_rng()
     p = with_offload(rng, random_problem(rng, layers=4, kinds_per_layer=2, stages=1))
-    p = replace(p, floor_bytes=None, allow_checkpoint=False)  # the end of forward sets the peak
+    p = replace(p, floor_bytes=None, allow_checkpoint=False,  # the end of forward sets the peak
+                offload=replace(p.offload, floor_bytes=0.0))
     sixteen = np.nonzero(p.keeps_16bit())[0]
     none, off = np.zeros(4, dtype=bool), np.array([True, True, True, False])
     fast = replace(p, offload=replace(p.offload, forward_link_bytes=float("inf")))

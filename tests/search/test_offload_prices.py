@@ -122,3 +122,55 @@ def test_offload_is_offered_only_where_it_was_measured(tmp_path):
     p = build_problem(older, ProblemSettings(compile_mode="compiled"))
     assert p.offload is not None and p.offload.layer_seconds == 0.0
     assert any("measured no offloading step" in n for n in p.notes), p.notes
+
+
+def test_an_offloading_choice_peaks_at_no_less_than_the_measured_offloading_step(tmp_path):
+    """The offloading step's measured peak, moved by the state bytes between its knobs and the plan's, is a floor
+    under every choice that offloads (OffloadPrices.floor_bytes): from the step of the plan's accumulation (one
+    micro-batch, or two for an accumulating plan), evaluate's peak never below it, and the MILP offloads nothing
+    where the floor passes the budget."""
+    import numpy as np
+
+    from agoq.search.milp import InfeasibleBudget, Solver
+
+    seed, rng = fresh_rng()
+    layers, micro_batch = rng.choice([3, 5, 7]), rng.choice([2, 4, 6])
+    lift = {}
+
+    def delta(row):
+        return rng.uniform(0.001, 0.01)
+
+    profile = profile_with_offload_rows(tmp_path, rng, layers=layers, micro_batch=micro_batch, delta=delta,
+                                        offloaded_bytes=10**6)
+    for r in prices(profile).offload_rows:  # each offloading step peaks somewhat above its state bytes
+        state = build_problem(profile, ProblemSettings(compile_mode=r["compile"], micro_batch=r["micro_batch"],
+                                                       grad_accum=r["grad_accum"], allow_offload=False),
+                              calibrate=False).static_bytes[0]
+        lift[(r["compile"], r["micro_batch"], r["grad_accum"])] = r["peak_bytes"] = \
+            int(state * rng.uniform(1.0, 1.3))
+    for accum in (1, 2, rng.choice([3, 4])):
+        knobs = ProblemSettings(compile_mode="compiled", micro_batch=micro_batch, grad_accum=accum,
+                                gradient_mode=rng.choice(["bf16", "quangrad8"]))
+        row_knobs = ProblemSettings(compile_mode="compiled", micro_batch=micro_batch, grad_accum=min(accum, 2),
+                                    allow_offload=False)
+        mine = float(build_problem(profile, knobs, calibrate=False).static_bytes[0])
+        theirs = float(build_problem(profile, row_knobs, calibrate=False).static_bytes[0])
+        expected = lift[("compiled", micro_batch, min(accum, 2))] + mine - theirs
+        p = build_problem(profile, knobs)
+        where = f"seed {seed} accum {accum}"
+        assert p.offload is not None and p.offload.floor_bytes == pytest.approx(expected, rel=1e-12), where
+        assert any("offload" in n and "peaks at no less than" in n for n in p.notes), where
+        groups = p.groups()
+        sixteen = np.array([next(i for i in idx if p.option[i] == "16") for _, idx in sorted(groups.items())])
+        none = np.zeros(layers, dtype=bool)
+        kept = p.evaluate(sixteen, none)
+        off = p.evaluate(sixteen, none, np.arange(layers) == 0)
+        assert max(off["peak_bytes_per_stage"]) >= expected - 1, where
+        assert max(kept["peak_bytes_per_stage"]) == max(p.evaluate(sixteen, none, none)["peak_bytes_per_stage"])
+        # a budget under the floor: whatever the solver returns keeps every layer on the GPU
+        budget = expected * rng.uniform(0.9, 0.999)
+        try:
+            alloc = Solver(p).solve(budget, "time")
+        except InfeasibleBudget:
+            continue
+        assert not alloc.offloaded().any() and max(alloc.peak_bytes_per_stage) <= budget + 1, where
