@@ -18,7 +18,9 @@ for seconds without proving its optimum. Visiting the levels fastest first, with
      state's cheapest layers are taken, even where a layer would count twice). Likewise the n_a least per-layer
      errors (a layer under LAAQ has at least one option not at 16) against the error cap;
   2. the linear relaxation with the counts fixed (milliseconds);
-  3. the MILP with the counts fixed and no objective: the first choice that fits settles the level.
+  3. the MILP with the counts fixed and no objective: the first choice that fits settles the level (where the
+     layers are alike, agoq.search.milp_uniform's enumeration of the level's LAAQ settings is tried first: a
+     choice it finds fits, and settles the level without the solve).
 
 Answers at other budgets (same cap) are kept: levels faster than the answer at a larger budget are skipped (a
 smaller budget never allows more), and the answer at a smaller budget fits, so no level as slow as it needs a solve.
@@ -169,6 +171,7 @@ class Levels:
         """`fastest` over the choices `bounds` allows (the model's, or with offload every layer kept on the GPU),
         its answers at other budgets kept in `settled`."""
         from agoq.search.milp_model import milp
+        from agoq.search.milp_uniform import tie_break
 
         m = self.m
         start = time.perf_counter()
@@ -190,8 +193,12 @@ class Levels:
             left = None if time_limit is None else time_limit - (time.perf_counter() - start)
             if left is not None and left <= 0:
                 return None
-            res = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=m.integrality, bounds=bounds,
-                       options={} if left is None else {"time_limit": left})
+            # alike layers: a choice of this level found by enumerating its LAAQ settings (agoq.search.milp_uniform,
+            # a tenth of a second) settles it as a feasibility solve would (which took half a second on the probe)
+            res = tie_break(m, seconds, [(n_u, n_c)], budgets, error_cap, 1.0, 0.0) if n_u is not None else None
+            if res is None:
+                res = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=m.integrality, bounds=bounds,
+                           options={} if left is None else {"time_limit": left})
             if res.x is not None:  # the fastest level; its ties, other levels of the same time, are the second
                 found, found_seconds = res, seconds  # objective's to weigh (it asks for the time, not the counts)
                 break

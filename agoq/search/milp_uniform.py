@@ -229,6 +229,11 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
             x[int(alike["index"][(l, k)][pos])] = 1.0
     x[m.u0:m.u0 + L] = ~laaq & ~ckpt
     x[m.c0:m.c0 + L] = ckpt
+    x[m.z0] = float(laaq.any())  # some layer runs LAAQ's functions (one stage)
+    if att in kinds and oproj in kinds:  # attention and o_proj_input both at 16: o_proj's input is shared
+        both16 = ~ckpt & (~laaq | bool(choice[best_y, kinds.index(att)] == sixteen[att]
+                                       and choice[best_y, kinds.index(oproj)] == sixteen[oproj]))
+        x[m.w0:m.w0 + L] = both16 & (m.bounds.ub[m.w0:m.w0 + L] > 0)
     figures = p.evaluate(np.nonzero(x[:m.n])[0], ckpt)
     if max(figures["peak_bytes_per_stage"]) > budget or \
             abs(figures["step_seconds"] - best_seconds) > abs(best_seconds) * 1e-9 + 1e-12:
