@@ -116,6 +116,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     field("host_budget", default=None, metavar="SIZE",
           help="pinned host memory offload may hold per process, e.g. 64GB (default: the profile's pinnable "
                "bytes, half of the host memory available when it was made)")
+    field("quantize_attention", choices=(True, False), default=False, metavar="on|off",
+          help="whether attention's q, k and v may be kept at a bit width (attention then runs again in "
+               "backward): off (default, as agoq-paper) or on. The profile measures sensitivities on fresh "
+               "weights, where attention's are 30-80x lower than after training (docs/search.md, Attention)")
     field("trials", default=None,
           help="Optuna trials the study should hold in total (default 40 with --method optuna/both)")
     field("sampler", choices=SAMPLERS, default="nsga2",

@@ -127,7 +127,8 @@ def gradient_modes(profile: ProfileData) -> list[str]:
 
 def _option_rows(profile: ProfileData, knobs: ProblemSettings, shape0, block0: int) -> pd.DataFrame:
     """The profile's rows a plan under `knobs` may choose from: its format (nf4 replaces the int 4-bit row where
-    measured), no quantized option below the floors, one row per (layer, kind, option), full o_proj_input bytes."""
+    measured), no quantized option below the floors (nor of attention unless `knobs.quantize_attention`), one row
+    per (layer, kind, option), full o_proj_input bytes."""
     floors = knobs.floors()
     table = profile.table
     fmt_ok = table["format"].isin(["bf16", "recompute", "int"] + (["nf4"] if knobs.format == "nf4" else []))
@@ -137,7 +138,8 @@ def _option_rows(profile: ProfileData, knobs: ProblemSettings, shape0, block0: i
         fmt_ok &= ~((table["format"] == "int") & (table["bits"] == 4)
                     & np.array([w in has_nf4 for w in where], dtype=bool))
     rows = table[fmt_ok]
-    rows = rows[np.array([(o in ("16", "recompute")) or int(o) >= floors.get(k, 0)
+    rows = rows[np.array([(o in ("16", "recompute")) or (int(o) >= floors.get(k, 0)
+                                                          and (knobs.quantize_attention or k != "attention"))
                           for o, k in zip(rows["option"], rows["kind"])], dtype=bool)]
     rows = rows.drop_duplicates(["layer", "kind", "option"]).sort_values(["layer", "kind", "option"]).copy()
     # o_proj_input at 16 shares attention's output while attention is 16: profiles give that shared size
@@ -312,8 +314,12 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     times = _step_times(profile, knobs, compile_mode, mb, accum, optimizer, master, notes)
     if block != block0:
         notes.append(f"sensitivities were measured at block {block0}; at block {block} the same values are used")
-    key = (id(profile.table), knobs.format, tuple(sorted(knobs.floors().items())), block0)
-    cached = profile.__dict__.setdefault("_option_rows", {})  # one profile's rows per format and floors
+    if not knobs.quantize_attention:
+        notes.append("attention is kept at 16 bits, as in agoq-paper: the profile measures sensitivities on fresh "
+                     "weights, where attention's are far lower than after training (--quantize-attention on offers "
+                     "its bit widths)")
+    key = (id(profile.table), knobs.format, tuple(sorted(knobs.floors().items())), block0, knobs.quantize_attention)
+    cached = profile.__dict__.setdefault("_option_rows", {})  # one profile's rows per format, floors, attention
     if key not in cached:
         cached[key] = _option_rows(profile, knobs, shape0, block0)
     rows = cached[key]

@@ -123,7 +123,8 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
                         out.append(replace(base, gradient_mode=mode, layout=layout, optimizer=optimizer,
                                            master=master, compile_mode=compile_mode, micro_batch=mb,
                                            grad_accum=batch // mb, allow_offload=space.offload,
-                                           host_budget=space.host_budget))
+                                           host_budget=space.host_budget,
+                                           quantize_attention=space.quantize_attention))
     if not out and space.layouts is not None:
         offered = sorted({lay for mode in modes for lay in layouts(world, profile.collectives, mode, stages)})
         raise ValueError(f"no layout of {', '.join(space.layouts)} is possible with this profile (it offers "

@@ -36,6 +36,8 @@ class ProblemSettings:
                                           # profile measured the host link and the layout can run it)
     host_budget: Optional[float] = None   # bytes of pinned host memory offload may hold (None: the profile's
                                           # pinnable bytes)
+    quantize_attention: bool = True       # offer attention's quantized options (the search's requests default to
+                                          # False: agoq.search.request.KnobSpace)
 
     def floors(self) -> dict[str, int]:
         return dict(self.floor_bits)

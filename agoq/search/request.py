@@ -60,6 +60,8 @@ class KnobSpace:
                                                 # profile measured the host link)
     host_budget: Optional[int] = None           # bytes of pinned host memory offload may hold (None: the profile's
                                                 # pinnable bytes)
+    quantize_attention: bool = False            # offer attention (q, k, v) at a bit width: off by default, as in
+                                                # agoq-paper (docs/search.md, "Attention")
 
 
 class BadField(ValueError):
@@ -208,9 +210,10 @@ RULES: dict[str, Callable[[Any], Any]] = {
     "micro_batch": _whole(1, optional=True),
     "offload": _on_off,
     "host_budget": read_host_budget,
+    "quantize_attention": _on_off,
 }
 KNOB_WORDS = ("gradients", "layout", "optimizer", "master", "compile", "global_batch", "micro_batch", "offload",
-              "host_budget")
+              "host_budget", "quantize_attention")
 NONE_IS_A_VALUE = ("time_cap", "error_cap", "global_batch", "micro_batch", "host_budget")  # the rules that take None
 
 
@@ -225,16 +228,17 @@ def read_field(field: str, value: Any) -> Any:
 def knob_space(gradients: str = "any", layout: str = "any", optimizer: str = "any", master: str = "fp32",
                compile: str = "any", global_batch: Optional[int] = None,
                micro_batch: Optional[int] = None, offload: bool = True,
-               host_budget: Optional[int] = None) -> KnobSpace:
+               host_budget: Optional[int] = None, quantize_attention: bool = False) -> KnobSpace:
     """The KnobSpace of the knob words: one value each, or "any" (every value the profile prices; masters 'any':
     fp32 and none); `micro_batch` fixes the micro-batch, else every divisor of the global batch is tried;
-    `offload` False keeps every saved tensor on the GPU; `host_budget` bounds what offload pins."""
+    `offload` False keeps every saved tensor on the GPU; `host_budget` bounds what offload pins;
+    `quantize_attention` offers attention's quantized options."""
     def one(word: str) -> Optional[tuple]:
         return None if word == "any" else (word,)
     return KnobSpace(gradient_modes=one(gradients), layouts=one(layout), optimizers=one(optimizer),
                      masters=("fp32", "none") if master == "any" else (master,), compile_modes=one(compile),
                      global_batch=global_batch, micro_batches=None if micro_batch is None else (micro_batch,),
-                     offload=offload, host_budget=host_budget)
+                     offload=offload, host_budget=host_budget, quantize_attention=quantize_attention)
 
 
 @dataclass(frozen=True)

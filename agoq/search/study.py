@@ -168,7 +168,8 @@ class KnobSpace:
                              in choices else choices[0])
         return ProblemSettings(block=block, format=fmt, floor_bits=floors, micro_batch=mb, grad_accum=self.sequences // mb,
                                gradient_mode=mode, layer_stage=layer_stage, layout=layout, optimizer=optimizer,
-                               master=master, compile_mode=self.base.compile_mode)
+                               master=master, compile_mode=self.base.compile_mode,
+                               quantize_attention=self.base.quantize_attention)
 
 
 def knobs_dict(knobs: ProblemSettings) -> dict:

@@ -154,6 +154,39 @@ def test_offload_and_host_budget_words():
         assert e.value.field == field
 
 
+def test_attention_is_kept_unless_asked_for(tmp_path):
+    """Attention's quantized options are offered only with quantize_attention on (off by default, read from words
+    and JSON alike): off, the search's problems have no attention option but 16 and its plans keep attention at 16
+    bits at every budget; on, every measured option is back."""
+    from agoq.activations.policy import KINDS
+    from agoq.search.costs import build_problem
+    from agoq.search.knobs import budget_bounds, combinations
+
+    for value, expected in (("on", True), ("off", False), (True, True), (False, False)):
+        assert SearchRequest.read({"budget": "3GiB", "quantize_attention": value}).space.quantize_attention is expected
+    assert SearchRequest.read({"budget": "3GiB"}).space.quantize_attention is False
+    with pytest.raises(BadField) as e:
+        SearchRequest.read({"budget": "3GiB", "quantize_attention": "sometimes"})
+    assert e.value.field == "quantize_attention"
+    rng = random.Random()
+    profile = load_profile(write_profile(tmp_path / "p", rng, num_layers=rng.choice([3, 5])))
+    table = profile.table
+    measured = set(table.loc[table["kind"] == "attention", "option"])
+    assert measured - {"16"}, "the synthetic profile measures attention at some bit width"
+    for on in (False, True):
+        for knobs in combinations(profile, KnobSpace(quantize_attention=on)):
+            p = build_problem(profile, knobs)
+            att = {p.option[i] for i in range(len(p.option)) if p.kind[i] == KINDS.index("attention")}
+            assert att == (measured if on else {"16"}), (on, att)
+    least, largest = budget_bounds(profile)
+    for budget in (least * 1.05, (least + largest) / 2):
+        try:
+            plan = plan_from_profile(profile, int(budget))
+        except InfeasibleBudget:
+            continue
+        assert all(lp.kinds.get("attention", 16) == 16 for lp in plan.layers)
+
+
 def test_infeasible_budget_words_and_pickles():
     e = InfeasibleBudget("no choice fits", 4096)
     assert e.advice() == "no choice fits: give budget 4096 or more"
