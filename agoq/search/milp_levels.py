@@ -18,9 +18,9 @@ for seconds without proving its optimum. Visiting the levels fastest first, with
      state's cheapest layers are taken, even where a layer would count twice). Likewise the n_a least per-layer
      errors (a layer under LAAQ has at least one option not at 16) against the error cap;
   2. the linear relaxation with the counts fixed (milliseconds);
-  3. the MILP with the counts fixed and no objective: the first choice that fits settles the level (where the
-     layers are alike, agoq.search.milp_uniform's enumeration of the level's LAAQ settings is tried first: a
-     choice it finds fits, and settles the level without the solve).
+  3. the MILP with the counts fixed and no objective: the first choice that fits settles the level.
+  Where the layers are alike, agoq.search.milp_uniform's enumeration of the level's LAAQ settings replaces 2 and 3:
+  a choice it finds fits and settles the level; where no setting fits, the level is ruled out.
 
 Answers at other budgets (same cap) are kept: levels faster than the answer at a larger budget are skipped (a
 smaller budget never allows more), and the answer at a smaller budget fits, so no level as slow as it needs a solve.
@@ -186,17 +186,20 @@ class Levels:
                 break
             if self._bound_fails(float(budgets[0]), n_u, n_c, error_cap, kept):
                 continue
-            counts = self._count_rows(n_u, n_c)
-            relaxed = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.zeros(m.nv), bounds=bounds)
-            if relaxed.status == 2:
-                continue
-            left = None if time_limit is None else time_limit - (time.perf_counter() - start)
-            if left is not None and left <= 0:
-                return None
-            # alike layers: a choice of this level found by enumerating its LAAQ settings (agoq.search.milp_uniform,
-            # a tenth of a second) settles it as a feasibility solve would (which took half a second on the probe)
-            res = tie_break(m, seconds, [(n_u, n_c)], budgets, error_cap, 1.0, 0.0) if n_u is not None else None
+            # alike layers: the level's LAAQ settings enumerated (agoq.search.milp_uniform) find a choice that fits,
+            # or show that none does, without the relaxation or a feasibility solve (half a second on the probe)
+            res = tie_break(m, seconds, [(n_u, n_c)], budgets, error_cap, 1.0, 0.0, prove_none=True) \
+                if n_u is not None else None
+            if res is not None and res.x is None:
+                continue  # no choice of the level fits: every LAAQ setting was enumerated
             if res is None:
+                counts = self._count_rows(n_u, n_c)
+                relaxed = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.zeros(m.nv), bounds=bounds)
+                if relaxed.status == 2:
+                    continue
+                left = None if time_limit is None else time_limit - (time.perf_counter() - start)
+                if left is not None and left <= 0:
+                    return None
                 res = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=m.integrality, bounds=bounds,
                            options={} if left is None else {"time_limit": left})
             if res.x is not None:  # the fastest level; its ties, other levels of the same time, are the second

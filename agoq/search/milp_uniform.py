@@ -111,11 +111,15 @@ def _capped_least(e: np.ndarray, cap: np.ndarray, n_a: int, n_c: int, height: np
 
 
 def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_cap: Optional[float],
-              error_weight: float, change_weight: float) -> Optional[OptimizeResult]:
+              error_weight: float, change_weight: float, prove_none: bool = False) -> Optional[OptimizeResult]:
     """The second objective's optimum over the choices of the one tied level in `counts` ((n_u, n_c) pairs) of the
     model `m` (agoq.search.milp_model.Model), weighed as it weighs them: error x `error_weight` + changed tensors x
     `change_weight`; None where the enumeration does not apply (then the MILP answers). The choice is checked with
-    the problem's own `evaluate` (it fits the budget, at `best_seconds`) before it is returned."""
+    the problem's own `evaluate` (it fits the budget, at `best_seconds`) before it is returned. `prove_none`: where
+    the enumeration applies and no setting fits the budget and the error cap, say so (x None, status 2) rather
+    than None."""
+    none = OptimizeResult(x=None, status=2, success=False, fun=None, mip_gap=None,
+                          message="no choice of the level fits (every LAAQ setting enumerated)") if prove_none else None
     if len(counts) != 1:
         return None
     n_u, n_c = counts[0]
@@ -165,7 +169,7 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     fits = (n_a * per_layer <= room) & (non16 > 0)  # a layer under LAAQ changes some kind
     candidates = np.nonzero(fits)[0]
     if len(candidates) == 0:
-        return None
+        return none
     height = np.arange(L)[:, None]
 
     def errors(ys: np.ndarray) -> np.ndarray:  # [L, settings]: each layer's error at each setting
@@ -215,7 +219,7 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
             break
         settle(candidates[rest[start:start + CHUNK]])
     if best_y is None or not np.isfinite(best_value):
-        return None
+        return none
     x = np.zeros(m.nv)
     laaq = np.zeros(L, dtype=bool)
     laaq[best_layers] = True
