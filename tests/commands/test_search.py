@@ -11,7 +11,7 @@ from agoq.cli import main
 from agoq.formats.plan import load_plan
 from agoq.formats.profile import load_profile
 from agoq.models import build, fingerprint
-from agoq.search.costs import build_problem
+from agoq.search.costs import ProblemSettings, build_problem
 from agoq.search.milp import Solver
 from agoq.search.search import search
 from agoq.train.measure import measure_plan
@@ -35,7 +35,8 @@ PIN = ["--gradients", "bf16", "--optimizer", "adamw8bit", "--master", "fp32", "-
 
 
 def _bounds(folder):
-    solver = Solver(build_problem(load_profile(folder)))
+    # as `agoq search` plans by default: attention kept at 16 bits (KnobSpace.quantize_attention)
+    solver = Solver(build_problem(load_profile(folder), ProblemSettings(quantize_attention=False)))
     return solver.smallest_budget(), max(solver.solve(math.inf).peak_bytes_per_stage)
 
 
