@@ -147,7 +147,8 @@ def test_offloaded_plan_trains_as_the_kept_one(checkpoint):
     micro-batch (the loop's before_micro_batch empties the host pool between them)."""
     gen = torch.Generator().manual_seed(_seed())
     policy = _random_policy(gen, 2)
-    batches = [torch.randint(0, 256, (4, 131), generator=gen) for _ in range(3)]  # tensors past MIN_BYTES
+    # 8 x 600 tokens: a hidden-size tensor at 2 bits (8 x 599 x 64 / 4 bytes) is past MIN_BYTES, whatever the policy
+    batches = [torch.randint(0, 256, (8, 600), generator=gen) for _ in range(3)]
     results = []
     for offload in ([], [0, 1]):
         torch.manual_seed(5)
