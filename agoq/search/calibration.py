@@ -14,6 +14,18 @@ LAAQ. kQ is applied only where it adds bytes (kQ < 0): a per-LAAQ-layer correcti
 that the peak during a checkpointed layer's backward would also receive for layers not yet run, so a saving there
 is not counted (the model's own LAAQ bytes are then an upper bound). An anchor not measured gives k = 0.
 
+The checkpoint-all anchor usually peaks in the backward of a checkpointed layer (checkpoint_backward), where the
+step holds the checkpointed inputs, one layer's rerun forward and every gradient made so far, not L layers of
+anything: its miss there is not a per-layer amount (spread over L layers it would move the end of forward of a plan
+with many checkpointed layers by L times what it moves that anchor). It is then a constant of that phase,
+
+    r = measured peak - calibrated model's checkpoint_backward peak (k16, kQ applied, kC = 0)
+
+added to the backward of every checkpointed layer (`ChoiceProblem.rerun_calibration`), so that the calibrated
+model reproduces the anchor; kC is 0. (On the 129 M byte LLaMA at micro-batch 1 x 2 the model counted the
+anchor's end of backward 99 MB high; spread as 9.9 MB per layer it had taken 69 MB off the end of forward of a plan
+with 7 checkpointed layers, which then peaked 24 MB above its prediction.)
+
 Margin. Every other step the profile measured in mode c with a peak (other optimizers, masters, gradient storage,
 splits) is predicted with the calibrated model; the largest amount by which a measured peak exceeds its
 prediction is added to every plan's peak of that mode (0 when the model never under-predicts), and the plan's
@@ -45,7 +57,7 @@ from agoq.formats.profile import ProfileData
 from agoq.search.problem import ChoiceProblem, ProblemSettings
 from agoq.search.timing import prices
 
-NOT_MEASURED = {policy: 0.0 for policy in POLICIES}
+NOT_MEASURED = {**{policy: 0.0 for policy in POLICIES}, "checkpoint_phase": 0.0}
 
 
 def _anchor_row(profile: ProfileData, compile_mode: str, policy: str, micro_batch: int,
@@ -100,16 +112,29 @@ def corrections(profile: ProfileData, compile_mode: str, micro_batch: int, grad_
     if key in cache:
         return cache[key]
     out = dict(NOT_MEASURED)
+    phase_anchor = None  # (problem, row) of a checkpoint-all anchor that peaks in checkpoint_backward
     for policy in POLICIES:
         row = _anchor_row(profile, compile_mode, policy, micro_batch, grad_accum)
         if row is None:
             continue
         try:
-            model = _model_peak(build_problem(profile, _row_knobs(profile, row), calibrate=False), policy)
+            problem = build_problem(profile, _row_knobs(profile, row), calibrate=False)
+            model = _model_peak(problem, policy)
         except ValueError:
             continue
-        if model is not None and model[1] != "optimizer_step":
+        if model is None or model[1] == "optimizer_step":
+            continue
+        if policy == "checkpoint-all" and model[1] == "checkpoint_backward":
+            phase_anchor = (problem, row)
+        else:
             out[policy] = (model[0] - float(row["peak_bytes"])) / profile.num_layers
+    if phase_anchor is not None:
+        problem, row = phase_anchor
+        _apply(problem, out)
+        chosen, ckpt = _choice(problem, "checkpoint-all")
+        during = float(problem._memory(chosen, ckpt)["checkpoint_peak"][0])
+        if np.isfinite(during):
+            out["checkpoint_phase"] = float(row["peak_bytes"]) - during
     cache[key] = out
     return out
 
@@ -121,6 +146,7 @@ def _apply(problem: ChoiceProblem, k: dict[str, float]) -> None:
     problem.static_parts["calibration"] = np.full(problem.num_stages, -problem.num_layers * laaq)
     problem.unmodified_calibration = np.full(problem.num_layers, laaq - k["bf16"])
     problem.checkpoint_calibration = np.full(problem.num_layers, laaq - k["checkpoint-all"])
+    problem.rerun_calibration = np.full(problem.num_layers, k.get("checkpoint_phase", 0.0))
 
 
 def choice_of_plan(problem: ChoiceProblem, plan: dict) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -275,12 +301,17 @@ def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: Probl
     k = corrections(profile, compile_mode, micro_batch, grad_accum)
     if any(k.values()):
         _apply(problem, k)
-        problem.notes.append(
-            f"{compile_mode} peaks calibrated on the profile's measured steps at micro-batch {micro_batch} x "
-            f"{grad_accum}: per layer the model counted " + ", ".join(
-                f"{what} {v / 2**20:+.1f} MiB" for what, v in
-                (("unmodified", k["bf16"]), ("under LAAQ", k["agoq-paper"]), ("checkpointed", k["checkpoint-all"]))
-                if v) + " more than measured")
+        said = []
+        per_layer = [f"{what} {v / 2**20:+.1f} MiB" for what, v in
+                     (("unmodified", k["bf16"]), ("under LAAQ", k["agoq-paper"]), ("checkpointed", k["checkpoint-all"]))
+                     if v]
+        if per_layer:
+            said.append("per layer the model counted " + ", ".join(per_layer) + " more than measured")
+        if k["checkpoint_phase"]:
+            said.append(f"the backward of a checkpointed layer adds {k['checkpoint_phase'] / 2**20:+.1f} MiB (the "
+                        "measured checkpoint-all step's peak less the model's)")
+        problem.notes.append(f"{compile_mode} peaks calibrated on the profile's measured steps at micro-batch "
+                             f"{micro_batch} x {grad_accum}: " + "; ".join(said))
     factor, runs = time_factor(profile, compile_mode, micro_batch, grad_accum)
     if runs:
         problem.base_seconds *= factor

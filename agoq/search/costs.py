@@ -58,7 +58,7 @@ from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
 from agoq.formats.measured_steps import COMPILE_MODES
 from agoq.formats.profile import ProfileData
-from agoq.models.step_peak import head_and_workspace_bytes, head_shape_of
+from agoq.models.step_peak import head_and_workspace_bytes, head_peak_bytes, head_shape_of
 from agoq.search.collective_times import collective_seconds, has_collective
 from agoq.search.calibration import calibrate_problem
 from agoq.search.layouts import fsdp_exposed_seconds, fsdp_in_flight_bytes, resolve_layout, unit_sizes
@@ -270,6 +270,38 @@ def _offload_layer_seconds(sp, compile_mode: str, micro_batch: int, accum: int, 
     return max(others)
 
 
+def _end_of_backward(profile: ProfileData, gradient_mode: str, accum: int, layout: str, gradient_bytes: float,
+                     stages: np.ndarray, head_bytes: float) -> np.ndarray:
+    """[L] what the backward of checkpointed layer l holds beyond the end of forward's static bytes, in bytes.
+
+    By then the LM head's tensors (`head_bytes`, counted at the end of forward) are freed, and with bf16 gradients
+    and one micro-batch per step the gradients backward has made exist: the head's and final norm's, and those of
+    layers l..L-1 (the end of forward's static bytes count the gradients as the calibration step found them, not
+    made yet). QuanGrad's 8-bit buffer and accumulated bf16 gradients are in the static bytes already. The layers'
+    share of `gradient_bytes` (the stage's) follows the model config's parameter counts; without a usable config
+    every gradient is counted as made (an upper bound)."""
+    L = len(stages)
+    made = np.zeros(L)
+    if gradient_mode == "bf16" and accum == 1 and layout != "fsdp":
+        made[:] = 1.0
+        config = profile.model_config() or {}
+        try:
+            units = unit_sizes(config, int(profile.header["model"].get("parameters") or 0), L)
+        except ValueError:
+            units = None
+        if units is not None and units.layer > 0:
+            embedding = 0 if config.get("tie_word_embeddings") else \
+                int(config.get("vocab_size") or 0) * int(config.get("hidden_size") or 0)
+            head = max(0, units.root - embedding)
+            for l in range(L):
+                same = stages == stages[l]
+                later = int((same & (np.arange(L) >= l)).sum())
+                total = units.layer * int(same.sum()) + (units.root if stages[l] == stages.max() else 0)
+                made[l] = (units.layer * later + (head if stages[l] == stages.max() else 0)) / max(total, 1)
+    share = np.bincount(stages, minlength=int(stages.max()) + 1) / L
+    return made * gradient_bytes * share[stages] - head_bytes
+
+
 def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings(), *,
                   calibrate: bool = True) -> ChoiceProblem:
     """The ChoiceProblem of a profile under `knobs` (see the module docstring for the cost models). Raises
@@ -424,6 +456,8 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     static_parts["head_and_workspace"] = np.full(S, head_and_workspace_bytes(profile.memory, head, mb,
                                                                           profiled_micro_batch))
     static = sum(static_parts.values())
+    end_of_backward = _end_of_backward(profile, knobs.gradient_mode, accum, layout, state["gradients"], stages,
+                                       float(head_peak_bytes(head.with_micro_batch(mb))) if head is not None else 0.0)
     # LAAQ's backward holds dequantized copies the memory model does not list: the agoq-paper step's
     # measured fwd + bwd peak beyond its prediction (both from the profile) is taken as that transient
     laaq = None
@@ -466,6 +500,7 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
                             checkpoint_seconds, allow_ckpt, unmodified, credit, static, base + comm, 1.0, notes,
                             floor, np.array(in_flight[:S], dtype=float), recompute, laaq, times["laaq"] or 0.0,
                             static_parts, floor_parts, one_setting_per_stage=compile_mode == "compiled",
+                            end_of_backward=end_of_backward,
                             offload=offload_prices(profile, knobs, base + comm, accum, S, layout, notes,
                                                    compile_mode, mb))
     if calibrate:

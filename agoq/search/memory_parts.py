@@ -25,6 +25,9 @@ Parts, bytes per rank of the stage (sharded layouts: this rank's shard; agoq.sea
   compiled_margin        (plans of earlier versions) their compiled peak margin
   activations            what the decoder layers keep for backward at that moment
   recomputed_layer       a checkpointed layer's rerun forward
+  end_of_backward        in checkpoint_backward: what the step holds then beyond what the end of forward's parts
+                         count: the bf16 gradients made by then (without accumulation; with it, or with QuanGrad, they
+                         are counted already), less the LM head's tensors, freed by then
   laaq_transient         what LAAQ's backward holds beyond the memory model (dequantized copies)
   offload_prefetch       with layers offloaded to host memory: the largest offloaded layer's tensors, which
                          backward's first prefetch brings back before backward has freed anything
@@ -42,7 +45,7 @@ from agoq.formats.plan import MEMORY_PHASES as PHASES
 
 PARTS = ("weights", "gradients", "masters", "optimizer_state", "fsdp_unsharded", "backward_gradients",
          "accumulated_gradients", "head_and_workspace", "calibration", "margin", "compiled_margin", "activations",
-         "recomputed_layer", "laaq_transient", "offload_prefetch", "offload_backlog", "offload_floor",
+         "recomputed_layer", "end_of_backward", "laaq_transient", "offload_prefetch", "offload_backlog", "offload_floor",
          "optimizer_step_workspace")
 
 

@@ -110,6 +110,13 @@ class ChoiceProblem:
     # may be negative: a compiled layer keeps less than the model counts); apart from the layers' own bytes
     unmodified_calibration: Optional[np.ndarray] = None
     checkpoint_calibration: Optional[np.ndarray] = None
+    # [L] bytes the calibration adds to the backward of checkpointed layer l (its checkpoint_backward phase): the
+    # measured checkpoint-all step's miss there, which is not a per-layer amount (its peak holds one rerun layer)
+    rerun_calibration: Optional[np.ndarray] = None
+    # [L] what the backward of checkpointed layer l holds beyond `static_bytes`, which count the end of forward: the
+    # bf16 gradients made by then where they are not in static_bytes (no accumulation), less the LM head's tensors,
+    # freed by then (agoq.search.costs)
+    end_of_backward: Optional[np.ndarray] = None
     one_setting_per_stage: bool = False  # every layer of a stage under LAAQ's functions has the same settings
                                          # (compiled: one graph for them, beside the unmodified and checkpointed)
     offload: Optional[OffloadPrices] = None  # None: offload is not offered
@@ -125,7 +132,17 @@ class ChoiceProblem:
         return np.ones(self.num_stages) if self.in_flight is None else np.asarray(self.in_flight, float)
 
     def recomputed(self) -> np.ndarray:
-        return np.zeros(self.num_layers) if self.recompute_bytes is None else np.asarray(self.recompute_bytes, float)
+        """[L] what the backward of checkpointed layer l adds to its stage's peak beyond the held activations: its
+        rerun forward's bytes, the phase's own bytes (`end_of_backward`) and its calibration (`rerun_calibration`)."""
+        out = np.zeros(self.num_layers) if self.recompute_bytes is None else np.asarray(self.recompute_bytes, float)
+        return out + self.rerun_calibrated() + self.end_of_backward_bytes()
+
+    def end_of_backward_bytes(self) -> np.ndarray:
+        return np.zeros(self.num_layers) if self.end_of_backward is None else np.asarray(self.end_of_backward, float)
+
+    def rerun_calibrated(self) -> np.ndarray:
+        return np.zeros(self.num_layers) if self.rerun_calibration is None else np.asarray(self.rerun_calibration,
+                                                                                         float)
 
     def peak_floor(self) -> np.ndarray:
         """Per stage, the least peak whatever is chosen (the optimizer step's), bytes."""
@@ -202,6 +219,7 @@ class ChoiceProblem:
         mem = self.static_bytes + activations + calibrated + transient + reserve + backlog
         phase, at_layer = ["forward_backward"] * self.num_stages, [None] * self.num_stages
         held, rerun, held_calibration = activations.copy(), np.zeros(self.num_stages), calibrated.copy()
+        checkpoint_peak = np.full(self.num_stages, -np.inf)  # the largest checkpoint_backward value per stage
         # backward of a checkpointed layer l: the other in-flight micro-batches, this one's layers before l,
         # and l's input plus everything its rerun forward keeps
         flight, extra = self.in_flight_counts(), self.recomputed()
@@ -213,6 +231,7 @@ class ChoiceProblem:
             kept_calibration = (flight[s] - 1) / flight[s] * calibrated[s] + calibration[earlier].sum() / flight[s] \
                 + calibration[l] / flight[s]
             during = self.static_bytes[s] + kept + kept_calibration + extra[l] + transient[s] + reserve[s]
+            checkpoint_peak[s] = max(checkpoint_peak[s], during)
             if during > mem[s]:
                 mem[s], phase[s], at_layer[s], held[s], rerun[s] = during, "checkpoint_backward", int(l), kept, extra[l]
                 held_calibration[s] = kept_calibration
@@ -227,7 +246,7 @@ class ChoiceProblem:
         return {"peak": [int(np.ceil(m - 1e-6)) for m in mem], "phase": phase, "layer": at_layer, "held": held,
                 "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum()),
                 "held_calibration": held_calibration, "host": host, "reserve": reserve, "backlog": backlog,
-                "offload_floor": offload_floor}
+                "offload_floor": offload_floor, "checkpoint_peak": checkpoint_peak}
 
     def offload_seconds(self, host_bytes: float, layers: int) -> dict:
         """The step seconds `host_bytes` offloaded per micro-batch by `layers` layers add, and the link's seconds
@@ -275,7 +294,12 @@ class ChoiceProblem:
                 parts["calibration"] = parts.get("calibration", 0.0) + float(m["held_calibration"][s])
                 parts["activations"] = float(m["held"][s])
                 if m["phase"][s] == "checkpoint_backward":
-                    parts["recomputed_layer"] = float(m["rerun"][s])
+                    own = float(self.rerun_calibrated()[m["layer"][s]])
+                    phase_bytes = float(self.end_of_backward_bytes()[m["layer"][s]])
+                    parts["recomputed_layer"] = float(m["rerun"][s]) - own - phase_bytes
+                    parts["calibration"] += own
+                    if phase_bytes:
+                        parts["end_of_backward"] = phase_bytes
                 parts["laaq_transient"] = float(m["transient"][s])
                 if m["reserve"][s] > 0:
                     parts["offload_prefetch"] = float(m["reserve"][s])
