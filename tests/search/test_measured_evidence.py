@@ -91,6 +91,7 @@ def test_the_profiles_own_steps_are_reproduced(probe):
         figures = problem.evaluate(chosen, ckpt)
         peak = max(figures["peak_bytes_per_stage"])
         assert peak >= rows[policy]["peak_bytes"], policy
-        if policy != "agoq-paper":
-            assert peak == pytest.approx(rows[policy]["peak_bytes"], abs=2), policy
+        if policy != "agoq-paper":  # less the margin the search keeps on top (agoq.search.calibration)
+            kept = float(problem.static_parts.get("margin", [0.0])[0])
+            assert peak - kept == pytest.approx(rows[policy]["peak_bytes"], abs=2), policy
         assert figures["step_seconds"] == pytest.approx(rows[policy]["step_seconds"], rel=1e-9), policy

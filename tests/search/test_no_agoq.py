@@ -42,7 +42,8 @@ def test_a_faster_alternative_is_the_plan(tmp_path, seed):
     least, _ = budget_bounds(load_profile(folder))
     folder = _compiled_profile(tmp_path, random.Random(seed), point_peak=least)
     profile = load_profile(folder)
-    plan = plan_from_profile(profile, least + 1, error_cap=None)
+    from agoq.search.calibration import margin
+    plan = plan_from_profile(profile, int(least + margin(profile, "compiled")[0]) + 1, error_cap=None)
     assert plan.decision.agoq is False, plan.decision.reason
     assert "no agoq" in plan.decision.reason
     assert all(s == 16 for lp in plan.layers for s in lp.kinds.values()) and not plan.checkpoint_layers()
