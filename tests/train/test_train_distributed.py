@@ -19,8 +19,9 @@ EXACT_LOSS_RTOL = 1e-3
 # flipped the sign of a small gradient (Adam's first update is ~ lr * sign). Relative differences from the
 # exact run's, measured over 8 seeds: exact modes <= 5e-6; 8-bit gradients 1.2e-4 to 2.5e-3; int4 gradients,
 # or 4-bit activations (the stage-aware policy's first stage) with 8-bit gradients, 5e-3 to 2e-2 (and 9.4e-4 for
-# the stage-aware run at one later seed, 685287141: its lower bound sits 60x above the exact modes', not at 1e-3).
-QUANTIZED_NORM_DIFF = {8: (3e-5, 1e-2), 4: (3e-4, 5e-2)}
+# the stage-aware run at one later seed, 685287141, and 8.8e-5 at another, 189315466: its lower bound is the 8-bit
+# band's, 6x above the exact modes').
+QUANTIZED_NORM_DIFF = {8: (3e-5, 1e-2), 4: (3e-5, 5e-2)}
 
 
 def _metrics(run_dir) -> list[dict]:
