@@ -27,6 +27,17 @@ the probe. Each setting is first bounded kind by kind (the n_a least errors of e
 than the least n_a of the layers' sums), and its exact least error is computed, in numpy, only for settings whose
 bound could still win, best bound first. `tie_break` returns None wherever the structure does not hold, and the MILP
 answers as before.
+
+Where the backward of a checkpointed layer also holds the gradients made by then (bf16 gradients, one micro-batch
+per step: agoq.search.costs._end_of_backward), layer h's rerun bytes fall by g per layer of height, r(h) = r(0) -
+h g. The i-th checkpointed layer (from the bottom, i = 0..n_c-1) with a_i layers under LAAQ below it then fits when
+
+    a_i (B(y) - g) + (i + 1) C - i g + r(0) <= budget - static - transient
+
+so a_i <= cap_i(y) for every i: at most cap_i of A among the lowest i + cap_i + 1 layers. Those prefixes are nested
+(a laminar matroid), where greedy by error is still exact. The lowest places stay the best for the checkpointed
+layers when a layer's bytes below a checkpointed layer never fall short of what its height saves: B(y) >= g (a
+setting below it is left to the MILP) and an unmodified layer's bytes >= g.
 """
 
 from __future__ import annotations
@@ -110,6 +121,41 @@ def _capped_least(e: np.ndarray, cap: np.ndarray, n_a: int, n_c: int, height: np
     return total, layers
 
 
+def _nested_caps(per_layer: np.ndarray, room: float, n_c: int, c_bytes: float, g: float, L: int) -> np.ndarray:
+    """[n_c, settings]: cap_i of the module docstring (-1: the i-th checkpointed layer does not fit even with none
+    below), for `room` = budget - static - transient - r(0) and per-setting bytes `per_layer` (all > g)."""
+    i = np.arange(n_c, dtype=float)[:, None]
+    free = room - (i + 1) * c_bytes + i * g  # [n_c, 1]
+    cap = np.floor(free / (per_layer[None, :] - g))
+    return np.clip(cap, -1, L).astype(int)
+
+
+def _nested_least(e: np.ndarray, caps: np.ndarray, n_a: int):
+    """Per column of `e` ([L, settings] errors): the least total error of n_a layers under LAAQ with at most caps[i]
+    of them among the lowest i + caps[i] + 1 layers for every i, inf where none (greedy by error: exact on a laminar
+    matroid); for a single column also the layers."""
+    L, S = e.shape
+    n_c = caps.shape[0]
+    ends = np.arange(n_c)[:, None] + caps  # [n_c, S] the highest layer of each window
+    order = np.argsort(e, axis=0, kind="stable")  # [L, S]
+    counts = np.zeros((n_c, S), dtype=int)
+    taken = np.zeros(S, dtype=int)
+    total = np.zeros(S)
+    picked = np.zeros((L, S), dtype=bool)
+    columns = np.arange(S)
+    for t in range(L):
+        x = order[t]
+        inside = x[None, :] <= ends
+        ok = np.all(~inside | (counts + 1 <= caps), axis=0) & (taken < n_a)
+        counts += inside & ok[None, :]
+        taken += ok
+        total += np.where(ok, e[x, columns], 0.0)
+        picked[x[ok], columns[ok]] = True
+    total = np.where((taken == n_a) & np.all(caps >= 0, axis=0), total, np.inf)
+    layers = np.nonzero(picked[:, 0])[0] if S == 1 and np.isfinite(total[0]) else None
+    return total, layers
+
+
 def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_cap: Optional[float],
               error_weight: float, change_weight: float, prove_none: bool = False) -> Optional[OptimizeResult]:
     """The second objective's optimum over the choices of the one tied level in `counts` ((n_u, n_c) pairs) of the
@@ -132,8 +178,11 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     n_a = L - n_u - n_c
     if n_a <= 0:
         return None  # nothing to choose: the MILP's answer is immediate
-    if n_c > 0 and (not p.allow_checkpoint or np.ptp(p.recomputed()) > 0 or np.ptp(p.checkpoint_seconds) > 0
-                    or np.asarray(p.in_flight_counts(), float).max() != 1):
+    reruns = p.recomputed()
+    g = float(reruns[0] - reruns[1]) if L > 1 else 0.0  # what each layer of height saves a checkpointed layer
+    if n_c > 0 and (not p.allow_checkpoint or np.ptp(p.checkpoint_seconds) > 0
+                    or np.asarray(p.in_flight_counts(), float).max() != 1 or g < 0
+                    or np.abs(reruns - (reruns[0] - g * np.arange(L))).max() > 1e-6 * max(1.0, abs(reruns[0]))):
         return None
     kinds, options = alike["kinds"], alike["options"]
     if any("16" not in options[k] for k in kinds):
@@ -146,7 +195,7 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     u_bytes = float(sum(alike["bytes"][k][sixteen[k]] for k in kinds)) + float(mem[m.u0]) \
         + (credit if att in kinds and oproj in kinds and m.bounds.ub[m.w0] > 0 else 0.0)
     c_bytes = float(mem[m.c0])  # a checkpointed layer's input (and its calibration), alike in every layer
-    if n_c > 0 and c_bytes > u_bytes:
+    if n_c > 0 and (c_bytes > u_bytes or (g > 0 and u_bytes < g)):
         return None  # the placement below assumes a checkpointed layer keeps no more than an unmodified one
     rerun = float(p.recomputed()[0]) if n_c > 0 else 0.0
     budget = float(np.asarray(budgets, float)[0])
@@ -170,6 +219,10 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     candidates = np.nonzero(fits)[0]
     if len(candidates) == 0:
         return none
+    nested = n_c > 0 and g > 0
+    if nested and per_layer[candidates].min() <= g:
+        return None  # a setting whose layers keep less than a layer of height saves: the MILP decides
+    nested_room = budget - float(p.static_bytes[0]) - transient - float(reruns[0]) + tolerance
     height = np.arange(L)[:, None]
 
     def errors(ys: np.ndarray) -> np.ndarray:  # [L, settings]: each layer's error at each setting
@@ -199,6 +252,9 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
         if n_c == 0:
             least = np.partition(e, n_a - 1, axis=0)[:n_a] if n_a < L else e
             value = valued(least.sum(axis=0), ys)
+        elif nested:
+            caps = _nested_caps(per_layer[ys], nested_room, n_c, c_bytes, g, L)
+            value = valued(_nested_least(e, caps, n_a)[0], ys)
         else:
             value = valued(_capped_least(e, _cap_below(per_layer[ys], ckpt_room, L), n_a, n_c, height)[0], ys)
         i = int(np.argmin(value))
@@ -206,6 +262,9 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
             best_value, best_y = float(value[i]), int(ys[i])
             if n_c == 0:
                 best_layers = np.argsort(e[:, i], kind="stable")[:n_a]
+            elif nested:
+                caps = _nested_caps(per_layer[ys[i:i + 1]], nested_room, n_c, c_bytes, g, L)
+                best_layers = _nested_least(e[:, i:i + 1], caps, n_a)[1]
             else:
                 cap = _cap_below(per_layer[ys[i:i + 1]], ckpt_room, L)
                 best_layers = _capped_least(e[:, i:i + 1], cap, n_a, n_c, height)[1]

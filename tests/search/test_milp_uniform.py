@@ -125,3 +125,28 @@ def test_alike_layers_with_checkpointed_layers_tie_break_equals_brute_force(monk
             break
     assert sum(mixed) >= 2, f"seeds {seeds}: levels mixing checkpointed and LAAQ layers were enumerated {sum(mixed)} " \
                             f"times of {len(mixed)}"
+
+
+def test_alike_layers_whose_checkpointed_backward_falls_with_height_equal_brute_force(monkeypatch):
+    """With bf16 gradients and one micro-batch per step, a checkpointed layer's backward holds the gradients made by
+    then, g bytes more per layer below the top (agoq.search.costs._end_of_backward): its rerun bytes fall with its
+    height, every checkpointed layer's phase may set the peak, and the enumeration (nested capacities) must still
+    equal brute force."""
+
+    def make(rng):
+        p = alike_problem(rng, layers=4, kinds=2)
+        p.allow_checkpoint = True
+        p.laaq_layer_seconds = rng.uniform(0.5, 6.0)
+        g = rng.uniform(1.0, 60.0)  # below and above a checkpointed layer's input (10-40 bytes)
+        p.end_of_backward = (4 - np.arange(4)) * g - rng.uniform(0, 50)
+        return p
+
+    nested, seeds = [], []
+    for _ in range(20):
+        used = _check_against_brute_force(monkeypatch, make, trials=5)
+        seeds += sorted({seed for _, _, seed in used})
+        nested += [answered for counts, answered, _ in used if counts and counts[1] > 0 and 4 - sum(counts) > 0]
+        if sum(nested) >= 6:
+            break
+    assert sum(nested) >= 6, f"seeds {seeds}: levels mixing checkpointed and LAAQ layers were enumerated " \
+                             f"{sum(nested)} times of {len(nested)}"
