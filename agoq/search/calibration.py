@@ -32,7 +32,8 @@ prediction is added to every plan's peak of that mode (0 when the model never un
 notes say so. Combinations the profile did not measure miss by more: the margin is at least MARGIN_FLOOR of the
 mode's smallest measured peak (the tight end, where a margin decides a plan). On the probe (one H200) a plan of
 QuanGrad, full checkpointing and micro-batch 1 x 2, none of which the profile measured together, peaked 0.55 %
-above its prediction while every measured step was predicted within 2 MB (`plan_accuracy_probe_phase.json`). Steps' peaks are the largest of any step, the first included (agoq.formats.measured_steps).
+above its prediction while every measured step was predicted within 2 MB (`plan_accuracy_probe_phase.json`).
+Steps' peaks are the largest of any step, the first included (agoq.formats.measured_steps).
 
 Offload. With activations in host memory a step's peak comes at the end of backward, every gradient made, which
 offload does not lower (the 129 M byte LLaMA at micro-batch 4: agoq-paper with 9 of 10 layers offloaded peaked at

@@ -197,7 +197,7 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     c_bytes = float(mem[m.c0])  # a checkpointed layer's input (and its calibration), alike in every layer
     if n_c > 0 and (c_bytes > u_bytes or (g > 0 and u_bytes < g)):
         return None  # the placement below assumes a checkpointed layer keeps no more than an unmodified one
-    rerun = float(p.recomputed()[0]) if n_c > 0 else 0.0
+    rerun = float(reruns[0]) if n_c > 0 else 0.0
     budget = float(np.asarray(budgets, float)[0])
     transient = float(mem[m.z0]) if n_a > 0 else 0.0
     # the model's rows are in its own unit: the same tolerance as its constraint (HiGHS's 1e-7 feasibility)
@@ -222,7 +222,7 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     nested = n_c > 0 and g > 0
     if nested and per_layer[candidates].min() <= g:
         return None  # a setting whose layers keep less than a layer of height saves: the MILP decides
-    nested_room = budget - float(p.static_bytes[0]) - transient - float(reruns[0]) + tolerance
+    nested_room = ckpt_room + n_c * c_bytes  # the same room before the checkpointed inputs (cap_i counts them)
     height = np.arange(L)[:, None]
 
     def errors(ys: np.ndarray) -> np.ndarray:  # [L, settings]: each layer's error at each setting

@@ -134,15 +134,16 @@ class ChoiceProblem:
     def recomputed(self) -> np.ndarray:
         """[L] what the backward of checkpointed layer l adds to its stage's peak beyond the held activations: its
         rerun forward's bytes, the phase's own bytes (`end_of_backward`) and its calibration (`rerun_calibration`)."""
-        out = np.zeros(self.num_layers) if self.recompute_bytes is None else np.asarray(self.recompute_bytes, float)
-        return out + self.rerun_calibrated() + self.end_of_backward_bytes()
+        return self._per_layer(self.recompute_bytes) + self.rerun_calibrated() + self.end_of_backward_bytes()
 
     def end_of_backward_bytes(self) -> np.ndarray:
-        return np.zeros(self.num_layers) if self.end_of_backward is None else np.asarray(self.end_of_backward, float)
+        return self._per_layer(self.end_of_backward)
 
     def rerun_calibrated(self) -> np.ndarray:
-        return np.zeros(self.num_layers) if self.rerun_calibration is None else np.asarray(self.rerun_calibration,
-                                                                                         float)
+        return self._per_layer(self.rerun_calibration)
+
+    def _per_layer(self, values: Optional[np.ndarray]) -> np.ndarray:
+        return np.zeros(self.num_layers) if values is None else np.asarray(values, float)
 
     def peak_floor(self) -> np.ndarray:
         """Per stage, the least peak whatever is chosen (the optimizer step's), bytes."""

@@ -99,6 +99,20 @@ def _check_against_brute_force(monkeypatch, make, trials: int) -> list:
     return [(counts, answered, seed) for counts, answered in used]
 
 
+def _mixed_levels_enumerated(monkeypatch, make, rounds: int, at_least: int) -> None:
+    """Rounds of 5 fresh 4-layer problems from `make` against brute force, until levels mixing checkpointed and LAAQ
+    layers were answered by the enumeration `at_least` times (every answer checked on the way)."""
+    mixed, seeds = [], []
+    for _ in range(rounds):
+        used = _check_against_brute_force(monkeypatch, make, trials=5)
+        seeds += sorted({seed for _, _, seed in used})
+        mixed += [answered for counts, answered, _ in used if counts and counts[1] > 0 and 4 - sum(counts) > 0]
+        if sum(mixed) >= at_least:
+            break
+    assert sum(mixed) >= at_least, f"seeds {seeds}: levels mixing checkpointed and LAAQ layers were enumerated " \
+                                   f"{sum(mixed)} times of {len(mixed)}"
+
+
 def test_alike_layers_tie_break_equals_brute_force(monkeypatch):
     used = _check_against_brute_force(monkeypatch, lambda rng: alike_problem(rng, layers=3, kinds=rng.choice([2, 3])),
                                       trials=8)
@@ -116,15 +130,7 @@ def test_alike_layers_with_checkpointed_layers_tie_break_equals_brute_force(monk
         p.laaq_layer_seconds = rng.uniform(0.5, 6.0)  # at times dearer than a checkpointed layer
         return p
 
-    mixed, seeds = [], []
-    for _ in range(10):  # until such levels came up (each round: fresh problems, every answer checked)
-        used = _check_against_brute_force(monkeypatch, make, trials=5)
-        seeds += sorted({seed for _, _, seed in used})
-        mixed += [answered for counts, answered, _ in used if counts and counts[1] > 0 and 4 - sum(counts) > 0]
-        if sum(mixed) >= 2:
-            break
-    assert sum(mixed) >= 2, f"seeds {seeds}: levels mixing checkpointed and LAAQ layers were enumerated {sum(mixed)} " \
-                            f"times of {len(mixed)}"
+    _mixed_levels_enumerated(monkeypatch, make, rounds=10, at_least=2)
 
 
 def test_alike_layers_whose_checkpointed_backward_falls_with_height_equal_brute_force(monkeypatch):
@@ -141,12 +147,4 @@ def test_alike_layers_whose_checkpointed_backward_falls_with_height_equal_brute_
         p.end_of_backward = (4 - np.arange(4)) * g - rng.uniform(0, 50)
         return p
 
-    nested, seeds = [], []
-    for _ in range(20):
-        used = _check_against_brute_force(monkeypatch, make, trials=5)
-        seeds += sorted({seed for _, _, seed in used})
-        nested += [answered for counts, answered, _ in used if counts and counts[1] > 0 and 4 - sum(counts) > 0]
-        if sum(nested) >= 6:
-            break
-    assert sum(nested) >= 6, f"seeds {seeds}: levels mixing checkpointed and LAAQ layers were enumerated " \
-                             f"{sum(nested)} times of {len(nested)}"
+    _mixed_levels_enumerated(monkeypatch, make, rounds=20, at_least=6)
