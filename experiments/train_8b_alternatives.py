@@ -13,11 +13,17 @@ and reports its peak (torch.cuda.max_memory_allocated over the steps) and median
                    AdamW8bit) or bnb (bitsandbytes' AdamW8bit) or torch (fused AdamW, float32 state), clip 1.0;
                    bf16 parameters updated in place (no masters)
 
+A suffix +offK offloads the saved tensors of decoder layers 0..K-1 to pinned host memory (agoq.activations.offload:
+a side stream out in forward, fetched back ahead of use in backward, a pinned pool made once): on an agoq
+configuration that is `agoq train --offload 0-(K-1)` (the packed 4-bit codes and their scales), on a budget
+configuration it is the ordinary offload of what compile's partitioner saves (bf16: mostly each layer's input).
+
 N is the micro-batch (sequences of 4096 tokens per step). Byte-level data (tinyshakespeare) on the model's own
 vocabulary of 128256 (agoq train never shrinks a model's vocabulary, so every configuration has the same
 8.03 B parameters); random initial weights; AdamW betas 0.9/0.95, weight decay 0.1, lr 1e-4 everywhere.
 
     python experiments/train_8b_alternatives.py [--configs agoq@1,agoq@4,budget0.1-torchao@1,...] [--steps 4]
+    python experiments/train_8b_alternatives.py --configs agoq-nomaster-compiled+off24@4,budget0.1-torchao+off32@8
 Writes experiments/results/train_8b_alternatives.json; a configuration that fails says why in its row.
 """
 
@@ -65,17 +71,20 @@ def _optimizer(name: str, params):
     raise SystemExit(f"unknown optimizer {name!r}: give torchao, bnb or torch")
 
 
-def alternative(budget: float, optimizer: str, micro_batch: int, steps: int, data: str) -> dict:
-    """Train the compiled reference model `steps` steps in this process; returns its figures."""
+def alternative(budget: float, optimizer: str, micro_batch: int, steps: int, data: str, offload: int = 0) -> dict:
+    """Train the compiled reference model `steps` steps in this process, decoder layers 0..offload-1's saved
+    tensors offloaded; returns its figures."""
     import torch
 
     from agoq.activations.compile import compile_decoder_layers
+    from agoq.activations.offload import apply_offload
     from agoq.models import build
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch._functorch.config.activation_memory_budget = budget
     model = build("llama-3-8b", dtype=torch.bfloat16, device="cuda")
     compile_decoder_layers(model)
+    offloaded = apply_offload(model, layers=range(offload))
     opt = _optimizer(optimizer, model.parameters())
     text = torch.frombuffer(bytearray(Path(data).read_bytes()), dtype=torch.uint8).to("cuda", torch.long)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -83,6 +92,8 @@ def alternative(budget: float, optimizer: str, micro_batch: int, steps: int, dat
     times = []
     torch.cuda.reset_peak_memory_stats()
     for step in range(steps):
+        if offloaded is not None:
+            offloaded.begin_micro_batch()
         starts = torch.randint(0, text.numel() - seq - 1, (micro_batch,), device="cuda", generator=g)
         idx = starts[:, None] + torch.arange(seq + 1, device="cuda")
         window = text[idx]
@@ -98,29 +109,49 @@ def alternative(budget: float, optimizer: str, micro_batch: int, steps: int, dat
         print(f"step {step}: loss {loss.item():.4f}, {times[-1]:.3f} s", flush=True)
     timed = times[2:] if len(times) > 2 else times
     step_s = statistics.median(timed)
-    return {"peak_bytes": torch.cuda.max_memory_allocated(), "median_step_seconds": step_s,
-            "median_tokens_per_s": micro_batch * seq / step_s, "first_step_seconds": times[0]}
+    out = {"peak_bytes": torch.cuda.max_memory_allocated(), "median_step_seconds": step_s,
+           "median_tokens_per_s": micro_batch * seq / step_s, "first_step_seconds": times[0],
+           "step_seconds": times}
+    if offloaded is not None:
+        out["offload"] = offloaded.stats.to_dict()
+    return out
+
+
+def _split_offload(name: str) -> tuple[str, int]:
+    """NAME+offK -> (NAME, K); NAME -> (NAME, 0)."""
+    base, plus, tail = name.partition("+off")
+    if not plus:
+        return name, 0
+    if not tail.isdigit() or not 1 <= int(tail) <= 32:
+        raise SystemExit(f"bad offload suffix in {name!r}: +offK with K in 1..32 (the first K layers offload)")
+    return base, int(tail)
 
 
 def run_config(config: str, steps: int, data: str, tmp: Path) -> dict:
     """One configuration in its own process; its figures, or {"error": ...}."""
     name, _, mb = config.partition("@")
     micro_batch = int(mb or 1)
+    name, offload = _split_offload(name)
     if name in AGOQ:
+        args = AGOQ[name] + (["--offload", f"0-{offload - 1}"] if offload else [])
         out = tmp / config.replace("@", "_")
         try:
             run_train(["llama-3-8b", "--data", data, "--seq-len", "4096", "--micro-batch", str(micro_batch),
                        "--steps", str(steps), "--eval-every", str(steps), "--eval-batches", "1",
-                       "--checkpoint-every", "0", "--lr", "1e-4", "--quiet", *AGOQ[name], "--out", str(out)])
+                       "--checkpoint-every", "0", "--lr", "1e-4", "--quiet", *args, "--out", str(out)])
         except SystemExit as exc:
-            return {"error": str(exc)[-600:], "args": AGOQ[name]}
+            return {"error": str(exc)[-600:], "args": args}
         s = summarize(out, skip=2)
-        return {"peak_bytes": s["peak_bytes_per_rank"][0], "median_step_seconds": s["median_step_seconds"],
-                "median_tokens_per_s": s["median_tokens_per_s"], "args": AGOQ[name]}
+        row = {"peak_bytes": s["peak_bytes_per_rank"][0], "median_step_seconds": s["median_step_seconds"],
+               "median_tokens_per_s": s["median_tokens_per_s"], "args": args}
+        run = json.loads((out / "run.json").read_text())
+        if run.get("offload"):
+            row["offload"] = run["offload"]
+        return row
     if not name.startswith("budget") or "-" not in name:
         raise SystemExit(f"unknown configuration {config!r}: see --help")
     budget, optimizer = name[len("budget"):].split("-", 1)
-    cmd = [sys.executable, __file__, "--child", json.dumps([float(budget), optimizer, micro_batch, steps, data])]
+    cmd = [sys.executable, __file__, "--child", json.dumps([float(budget), optimizer, micro_batch, steps, data, offload])]
     print("$ " + " ".join(cmd), flush=True)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep
            + os.environ.get("PYTHONPATH", "")}
@@ -135,11 +166,12 @@ def main() -> None:
     ap.add_argument("--data", default=None, help="tinyshakespeare.txt (default: ../shared/data/)")
     ap.add_argument("--steps", type=int, default=4, help="steps per configuration; the first two are not timed")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated NAME@MICRO_BATCH (see above)")
+    ap.add_argument("--name", default="train_8b_alternatives", help="results file name (experiments/results/NAME.json)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        budget, optimizer, micro_batch, steps, data = json.loads(args.child)
-        print(json.dumps(alternative(budget, optimizer, micro_batch, steps, data)), flush=True)
+        budget, optimizer, micro_batch, steps, data, offload = json.loads(args.child)
+        print(json.dumps(alternative(budget, optimizer, micro_batch, steps, data, offload)), flush=True)
         return
     data = tiny_shakespeare(args.data)
     rows = {}
@@ -155,7 +187,7 @@ def main() -> None:
                 print(f"{config:>22s}: peak {row['peak_bytes'] / 1e9:6.1f} GB, {row['median_tokens_per_s']:7.0f} tokens/s",
                       flush=True)
             # rewritten after every configuration: a run cut short keeps what it measured
-            path = write_result("train_8b_alternatives", {"model": "llama-3-8b (vocab 128256)", "seq_len": 4096,
+            path = write_result(args.name, {"model": "llama-3-8b (vocab 128256)", "seq_len": 4096,
                                                           "steps": args.steps, "configs": rows})
     print("wrote", path)
 
