@@ -8,6 +8,9 @@ and reports its peak (torch.cuda.max_memory_allocated over the steps) and median
   agoq-compiled@N  agoq with --compile (each decoder layer compiled)
   agoq-nomaster-compiled@N  both
   ckpt-8bit@N      agoq train --checkpoint-all --optimizer adamw8bit (the same fused 8-bit step, bf16 gradients)
+  bf16-nomaster-compiled@N       agoq train --compile --optimizer adamw8bit --master none (bf16 activations and
+                                 gradients: compiled bf16 with agoq's fused 8-bit AdamW)
+  budget0.1-nomaster-compiled@N  the same with --activation-memory-budget 0.1
   budgetB-OPT@N    the model alone (agoq.models reference, bf16), each decoder layer torch.compile'd with
                    torch._functorch.config.activation_memory_budget = B, optimizer OPT = torchao (torchao.optim's
                    AdamW8bit) or bnb (bitsandbytes' AdamW8bit) or torch (fused AdamW, float32 state), clip 1.0;
@@ -51,6 +54,9 @@ AGOQ = {
     "agoq-compiled": EVERYTHING + ["--compile"],
     "agoq-nomaster-compiled": EVERYTHING + ["--master", "none", "--compile"],
     "ckpt-8bit": ["--checkpoint-all", "--optimizer", "adamw8bit"],
+    "bf16-nomaster-compiled": ["--optimizer", "adamw8bit", "--master", "none", "--compile"],
+    "budget0.1-nomaster-compiled": ["--activation-memory-budget", "0.1", "--optimizer", "adamw8bit", "--master", "none",
+                                    "--compile"],
 }
 DEFAULT_CONFIGS = ("agoq@1,agoq@4,agoq-compiled@4,agoq-nomaster@8,ckpt-8bit@4,"
                    "budget0.1-torchao@1,budget0.1-torchao@4,budget0.3-torchao@1")
@@ -75,6 +81,7 @@ def alternative(budget: float, optimizer: str, micro_batch: int, steps: int, dat
     """Train the compiled reference model `steps` steps in this process, decoder layers 0..offload-1's saved
     tensors offloaded; returns its figures."""
     import torch
+    import torch._functorch.config  # not imported by `import torch` on every version
 
     from agoq.activations.compile import compile_decoder_layers
     from agoq.activations.offload import apply_offload
