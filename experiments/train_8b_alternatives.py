@@ -21,7 +21,8 @@ a side stream out in forward, fetched back ahead of use in backward, a pinned po
 configuration that is `agoq train --offload 0-(K-1)` (the packed 4-bit codes and their scales), on a budget
 configuration it is the ordinary offload of what compile's partitioner saves (bf16: mostly each layer's input).
 
-N is the micro-batch (sequences of 4096 tokens per step). Byte-level data (tinyshakespeare) on the model's own
+N is the micro-batch (sequences of 4096 tokens per step); @NxA accumulates A micro-batches per optimizer step
+(agoq train configurations only). Byte-level data (tinyshakespeare) on the model's own
 vocabulary of 128256 (agoq train never shrinks a model's vocabulary, so every configuration has the same
 8.03 B parameters); random initial weights; AdamW betas 0.9/0.95, weight decay 0.1, lr 1e-4 everywhere.
 
@@ -136,11 +137,14 @@ def _split_offload(name: str) -> tuple[str, int]:
 
 def run_config(config: str, steps: int, data: str, tmp: Path) -> dict:
     """One configuration in its own process; its figures, or {"error": ...}."""
-    name, _, mb = config.partition("@")
-    micro_batch = int(mb or 1)
+    name, _, split = config.partition("@")
+    mb, _, accum = (split or "1").partition("x")
+    micro_batch, grad_accum = int(mb), int(accum or 1)
     name, offload = _split_offload(name)
     if name in AGOQ:
         args = AGOQ[name] + (["--offload", f"0-{offload - 1}"] if offload else [])
+        if grad_accum > 1:
+            args += ["--grad-accum", str(grad_accum)]
         out = tmp / config.replace("@", "_")
         try:
             run_train(["llama-3-8b", "--data", data, "--seq-len", "4096", "--micro-batch", str(micro_batch),
@@ -155,6 +159,8 @@ def run_config(config: str, steps: int, data: str, tmp: Path) -> dict:
         if run.get("offload"):
             row["offload"] = run["offload"]
         return row
+    if grad_accum > 1:
+        raise SystemExit(f"{config!r}: accumulation (@NxA) is for the agoq train configurations only")
     if not name.startswith("budget") or "-" not in name:
         raise SystemExit(f"unknown configuration {config!r}: see --help")
     budget, optimizer = name[len("budget"):].split("-", 1)
