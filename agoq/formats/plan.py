@@ -171,7 +171,8 @@ class Alternative(_Part):
     micro_batch: int = Field(default=1, ge=1)
     grad_accum: int = Field(default=1, ge=1)
     checkpoint_layers: list[int] = Field(default_factory=list)
-    offload_layers: list[int] = Field(default_factory=list)  # layers whose bf16 activations go to host memory (1.4)
+    offload_layers: list[int] = Field(default_factory=list)  # layers whose saved tensors go to host memory (1.4): bf16
+                                                             # activations, or a checkpointed layer's input
     activation_memory_budget: Optional[float] = None
     predicted: Figures = Field(default_factory=Figures)
     measured: Optional[Figures] = None

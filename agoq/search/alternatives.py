@@ -10,6 +10,10 @@ micro-batch x accumulation split of the same global batch, in every compile mode
                                bf16 activations kept in pinned host memory (side-stream copies, prefetched in
                                backward: ordinary offload, as torchtune's or TransformerEngine's), the least K
                                that fits, priced by the same offload model as plans (agoq.search.problem.OffloadPrices)
+  full checkpointing + inputs offloaded K layers   where full checkpointing does not fit: the first K checkpointed
+                               layers' inputs (all a checkpointed layer keeps) in host memory the same way, the least
+                               K that fits (the ordinary offload of checkpointed inputs; compile's
+                               activation_memory_budget with offload keeps about as little)
   torch.compile activation_memory_budget B   compiled only, measured: the profile's measured steps under a
                                budget (agoq.search.timing; step seconds and peak at their split and optimizer; the
                                peak is moved by the state's bytes, the step by what the optimizer was measured to
@@ -113,7 +117,7 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                                              memory_per_stage=_parts(problem, sixteen, none)))
                 if problem.offload is not None and peak > budget:
                     out += _offload_alternative(problem, profile, budget, compile_mode, optimizer, master, mb, accum,
-                                                sixteen)
+                                                sixteen, none, "bf16")
                 if problem.allow_checkpoint:
                     ckpt_problem = checkpointing_only(problem)
                     try:
@@ -135,6 +139,10 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                                                      peak <= budget, [int(i) for i in np.nonzero(ckpt)[0]],
                                                      activation_bytes_per_stage=figures["activation_bytes_per_stage"],
                                                      memory_per_stage=_parts(problem, kept, ckpt)))
+                        if n == L and peak > budget and problem.offload is not None:
+                            out += _offload_alternative(problem, profile, budget, compile_mode, optimizer, master,
+                                                        mb, accum, kept, ckpt, "full checkpointing",
+                                                        offloaded="inputs offloaded")
     if "compiled" in compile_modes:
         for optimizer, master in OPTIMIZERS:
             out += _memory_budget_points(profile, budget, optimizer, master)
@@ -142,24 +150,26 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
 
 
 def _offload_alternative(problem, profile: ProfileData, budget: float, compile_mode: str, optimizer: str,
-                         master: str, mb: int, accum: int, sixteen: np.ndarray) -> list:
-    """bf16 with its first K layers' activations in host memory, the least K that fits `budget` within the host
-    budget ([] when none does)."""
+                         master: str, mb: int, accum: int, kept: np.ndarray, checkpoint: np.ndarray, what: str, *,
+                         offloaded: str = "offload") -> list:
+    """`what` (options `kept`, layers `checkpoint` checkpointed) with the first K layers' saved tensors in host
+    memory, the least K that fits `budget` within the host budget ([] when none does)."""
     L = problem.num_layers
-    none = np.zeros(L, dtype=bool)
     for k in range(1, L + 1):
         offload = np.arange(L) < k
-        figures = problem.evaluate(sixteen, none, offload)
+        figures = problem.evaluate(kept, checkpoint, offload)
         if figures["host_bytes"] > problem.offload.host_budget_bytes:
             return []
         peak = max(figures["peak_bytes_per_stage"])
         if peak <= budget:
             seconds = figures["step_seconds"]
-            return [PricedAlternative(_label(compile_mode, f"bf16 + offload {k}/{L} layers", optimizer, mb, accum),
+            return [PricedAlternative(_label(compile_mode, f"{what} + {offloaded} {k}/{L} layers", optimizer, mb,
+                                             accum),
                                       compile_mode, optimizer, master, mb, accum, seconds, peak,
-                                      _tokens(profile, mb, accum, seconds), True, offload_layers=list(range(k)),
+                                      _tokens(profile, mb, accum, seconds), True,
+                                      [int(i) for i in np.nonzero(checkpoint)[0]], offload_layers=list(range(k)),
                                       activation_bytes_per_stage=figures["activation_bytes_per_stage"],
-                                      memory_per_stage=_parts(problem, sixteen, none, offload))]
+                                      memory_per_stage=_parts(problem, kept, checkpoint, offload))]
     return []
 
 

@@ -326,15 +326,15 @@ def _validate(profile: ProfileData, r: SearchRequest, best: Candidate, candidate
 def measure_alternative(plan: Plan, model_config: dict, *, measure: Callable, dtype: str = "bf16", steps: int = 4,
                         seed: int = 0, runner=None, device: Optional[str] = None) -> Optional[dict]:
     """Run `plan.alternative` for real with `measure` (agoq.search.validation: bf16 or checkpointed layers, its
-    optimizer, bf16 gradients, its compile mode and torch.compile memory budget) and write its measured figures and
+    offloaded layers, its optimizer, bf16 gradients, its compile mode and torch.compile memory budget) and write its measured figures and
     the plan's measured speed-up into the plan."""
     from agoq.search.validation import Runner
 
     alt = plan.alternative
     if alt is None:
         return None
-    layers = [{"layer": lp.layer, "stage": lp.stage, "checkpoint": lp.layer in alt.checkpoint_layers, "kinds": {}}
-              for lp in plan.layers]
+    layers = [{"layer": lp.layer, "stage": lp.stage, "checkpoint": lp.layer in alt.checkpoint_layers, "kinds": {},
+               "offload": lp.layer in (alt.offload_layers or [])} for lp in plan.layers]
     data = plan.to_dict()
     data.update({"layers": layers, "gradients": {**data["gradients"], "mode": "bf16"},
                  "optimizer": alt.optimizer.model_dump(mode="json"),

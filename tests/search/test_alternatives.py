@@ -125,3 +125,68 @@ def test_plan_carries_the_best_alternative(tmp_path):
         plan.decision.knobs["grad_accum"] == 2
     again = plan_from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again.alternative == plan.alternative and again.decision == plan.decision
+
+
+def test_checkpointed_inputs_offloaded_is_the_least_prefix_that_fits(tmp_path):
+    """Where full checkpointing does not fit and the profile measured the host link, the alternatives offer full
+    checkpointing with the first K layers' inputs in host memory: K the least that fits (against every K, priced by
+    the problem itself), its figures those of that choice, and none offered at a budget no K reaches."""
+    seed, rng = fresh_rng()
+    link = {"d2h_bytes_per_second": rng.uniform(2e10, 6e10), "h2d_bytes_per_second": rng.uniform(2e10, 6e10),
+            "bytes_per_copy": 256 << 20, "compute_slowdown": rng.uniform(0.0, 0.05), "pinnable_bytes": 10**11}
+    # long sequences: the checkpointed inputs outweigh one layer's gradients, so offloading them lowers the peak
+    folder = write_profile(tmp_path / "p", rng, num_layers=5, micro_batch=2, seq_len=1501, layer_forward=True,
+                           host_link=link)
+    profile = load_profile(folder)
+    knobs = ProblemSettings(gradient_mode="bf16", optimizer="adamw8bit", master="fp32", micro_batch=2)
+    problem = build_problem(profile, knobs)
+    assert problem.offload is not None, seed
+    L = problem.num_layers
+    ckpt = np.ones(L, dtype=bool)
+    kept = np.array([i for i in np.nonzero(problem.keeps_16bit())[0] if not ckpt[problem.layer[i]]], dtype=int)
+    by_k = [problem.evaluate(kept, ckpt, np.arange(L) < k) for k in range(L + 1)]
+    peaks = [max(f["peak_bytes_per_stage"]) for f in by_k]
+    least = min(peaks[1:])
+    assert least < peaks[0], (seed, peaks)
+    budget = rng.randint(least, peaks[0] - 1)
+    want = next(k for k in range(1, L + 1) if peaks[k] <= budget)
+    priced = price_alternatives(profile, budget, [(2, 1)], ["eager"])
+    mine = [a for a in priced if a.optimizer == "adamw8bit" and "inputs offloaded" in a.name]
+    assert len(mine) == 1, (seed, [a.name for a in priced])
+    a = mine[0]
+    assert a.fits and a.offload_layers == list(range(want)) and a.checkpoint_layers == list(range(L)), seed
+    assert a.peak_bytes == peaks[want] and a.step_seconds == pytest.approx(by_k[want]["step_seconds"], rel=1e-12)
+    assert f"{want}/{L} layers" in a.name
+    field = a.as_plan_field()
+    assert field["offload_layers"] == list(range(want)) and field["checkpoint_layers"] == list(range(L))
+    unreachable = [x for x in price_alternatives(profile, least - 1, [(2, 1)], ["eager"]) if "inputs offloaded" in x.name]
+    assert unreachable == [], seed
+
+
+def test_validating_an_alternative_runs_its_checkpointed_and_offloaded_layers(tmp_path):
+    """`agoq search --validate` runs the plan's alternative as priced: the plan handed to `measure` checkpoints and
+    offloads exactly the alternative's layers, with its split, optimizer and bf16 gradients."""
+    from agoq.search.search import measure_alternative
+
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng, compiled=False)
+    problem = build_problem(profile)
+    sixteen = np.nonzero(problem.keeps_16bit())[0]
+    roomy = max(problem.evaluate(sixteen, np.zeros(3, dtype=bool))["peak_bytes_per_stage"])
+    data = plan_from_profile(profile, roomy, error_cap=None).to_dict()
+    ckpt, off = sorted(rng.sample(range(3), rng.randint(1, 3))), sorted(rng.sample(range(3), rng.randint(1, 3)))
+    data["alternative"].update(checkpoint_layers=ckpt, offload_layers=off, micro_batch=1, grad_accum=2)
+    plan = plan_from_dict(data)
+    seen = []
+
+    def measure(**kw):
+        seen.append(kw)
+        return {"step_seconds": 0.25, "peak_bytes": 1234, "first_step_peak_bytes": 1234, "losses": [1.0]}
+
+    measure_alternative(plan, profile.model_config(), measure=measure, steps=2)
+    (got,) = seen
+    layers = got["plan"]["layers"]
+    assert [lp["layer"] for lp in layers if lp["checkpoint"]] == ckpt, seed
+    assert [lp["layer"] for lp in layers if lp["offload"]] == off, seed
+    assert (got["micro_batch"], got["grad_accum"]) == (1, 2) and got["plan"]["gradients"]["mode"] == "bf16"
+    assert plan.alternative.measured.peak_bytes == 1234
