@@ -1,7 +1,9 @@
 """What a user would run at a memory budget without agoq, priced with the same cost model as the plans.
 
-Alternatives, each with float32 AdamW or an 8-bit AdamW (both with float32 masters) and bf16 gradients, at every
-micro-batch x accumulation split of the same global batch, in every compile mode the profile has step times for:
+Alternatives, each with float32 AdamW or an 8-bit AdamW (both with float32 masters; where the search may drop masters,
+also the 8-bit AdamW updating bf16 parameters in place, as torchao's and bitsandbytes' 8-bit optimizers are most
+often run) and bf16 gradients, at every micro-batch x accumulation split of the same global batch, in every compile
+mode the profile has step times for:
 
   bf16                         every layer unmodified, nothing recomputed (ChoiceProblem.evaluate of all-16)
   selective / full checkpointing  each layer kept whole or checkpointed, the fastest that fits
@@ -38,6 +40,7 @@ from agoq.search.milp import InfeasibleBudget, Solver
 from agoq.search.timing import prices
 
 OPTIMIZERS = (("adamw", "fp32"), ("adamw8bit", "fp32"))
+WITHOUT_MASTERS = ("adamw8bit", "none")  # offered where the search's knob space has masters "none"
 OPTIMIZER_NAMES = {"adamw": "AdamW", "adamw8bit": "8-bit AdamW"}
 
 
@@ -83,21 +86,24 @@ def _tokens(profile: ProfileData, mb: int, accum: int, seconds: float) -> float:
     return mb * accum * int(profile.settings.get("seq_len", 1) or 1) / seconds if seconds > 0 else 0.0
 
 
-def _label(compile_mode: str, what: str, optimizer: str, mb: int, accum: int) -> str:
+def _label(compile_mode: str, what: str, optimizer: str, mb: int, accum: int, master: str = "fp32") -> str:
     split = f", micro-batch {mb} x {accum}" if accum > 1 else ""
-    return f"{compile_mode} {what}, {OPTIMIZER_NAMES[optimizer]}{split}"
+    masters = " without masters" if master == "none" else ""
+    return f"{compile_mode} {what}, {OPTIMIZER_NAMES[optimizer]}{masters}{split}"
 
 
 def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[int, int]],
                        compile_modes: list[str], *, offload: bool = True,
-                       host_budget: Optional[float] = None) -> list[PricedAlternative]:
+                       host_budget: Optional[float] = None, masters=("fp32",)) -> list[PricedAlternative]:
     """Every alternative of the module docstring at `budget` bytes (largest stage), for each (micro_batch,
     grad_accum) of `splits` and each compile mode; priced with bf16 gradients (`offload` False: none offloads;
-    `host_budget`: bytes offload may pin, None the profile's pinnable bytes)."""
+    `host_budget`: bytes offload may pin, None the profile's pinnable bytes; `masters`: those the search may
+    choose, "none" adding the 8-bit AdamW without masters)."""
+    optimizers = OPTIMIZERS + ((WITHOUT_MASTERS,) if "none" in masters else ())
     out: list[PricedAlternative] = []
     for compile_mode in compile_modes:
         for mb, accum in splits:
-            for optimizer, master in OPTIMIZERS:
+            for optimizer, master in optimizers:
                 knobs = ProblemSettings(gradient_mode="bf16", optimizer=optimizer, master=master,
                                         compile_mode=compile_mode, micro_batch=mb, grad_accum=accum,
                                         allow_offload=offload, host_budget=host_budget)
@@ -110,7 +116,7 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                 none = np.zeros(L, dtype=bool)
                 bf16 = problem.evaluate(sixteen, none)
                 peak = max(bf16["peak_bytes_per_stage"])
-                out.append(PricedAlternative(_label(compile_mode, "bf16", optimizer, mb, accum), compile_mode,
+                out.append(PricedAlternative(_label(compile_mode, "bf16", optimizer, mb, accum, master), compile_mode,
                                              optimizer, master, mb, accum, bf16["step_seconds"], peak,
                                              _tokens(profile, mb, accum, bf16["step_seconds"]), peak <= budget,
                                              activation_bytes_per_stage=bf16["activation_bytes_per_stage"],
@@ -133,7 +139,8 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                         kept = np.array([i for i in sixteen if not ckpt[problem.layer[i]]], dtype=int)
                         figures = problem.evaluate(kept, ckpt)
                         peak = max(figures["peak_bytes_per_stage"])
-                        out.append(PricedAlternative(_label(compile_mode, what, optimizer, mb, accum), compile_mode,
+                        out.append(PricedAlternative(_label(compile_mode, what, optimizer, mb, accum, master),
+                                                     compile_mode,
                                                      optimizer, master, mb, accum, figures["step_seconds"], peak,
                                                      _tokens(profile, mb, accum, figures["step_seconds"]),
                                                      peak <= budget, [int(i) for i in np.nonzero(ckpt)[0]],
@@ -144,7 +151,7 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                                                         mb, accum, kept, ckpt, "full checkpointing",
                                                         offloaded="inputs offloaded")
     if "compiled" in compile_modes:
-        for optimizer, master in OPTIMIZERS:
+        for optimizer, master in optimizers:
             out += _memory_budget_points(profile, budget, optimizer, master)
     return out
 
@@ -164,7 +171,7 @@ def _offload_alternative(problem, profile: ProfileData, budget: float, compile_m
         if peak <= budget:
             seconds = figures["step_seconds"]
             return [PricedAlternative(_label(compile_mode, f"{what} + {offloaded} {k}/{L} layers", optimizer, mb,
-                                             accum),
+                                             accum, master),
                                       compile_mode, optimizer, master, mb, accum, seconds, peak,
                                       _tokens(profile, mb, accum, seconds), True,
                                       [int(i) for i in np.nonzero(checkpoint)[0]], offload_layers=list(range(k)),
@@ -205,7 +212,8 @@ def _memory_budget_points(profile: ProfileData, budget: float, optimizer: str, m
         peak = int(float(row["peak_bytes"]) + static + max(0.0, transient) + margin(profile, "compiled")[0])
         b = float(row["activation_memory_budget"])
         mb, accum = row["micro_batch"], row["grad_accum"]
-        out.append(PricedAlternative(_label("compiled", f"activation_memory_budget {b:g}", optimizer, mb, accum),
+        out.append(PricedAlternative(_label("compiled", f"activation_memory_budget {b:g}", optimizer, mb, accum,
+                                            master),
                                      "compiled", optimizer, master, mb, accum, seconds, peak,
                                      _tokens(profile, mb, accum, seconds), peak <= budget,
                                      activation_memory_budget=b))

@@ -152,7 +152,9 @@ def attach_alternatives(plan: Plan, profile: ProfileData, budget: int, found: Op
     modes = sorted({plan.training.compile} | ({r.knobs.compile_mode for r in tried if r.knobs.compile_mode}
                                               & set(compile_modes(profile))))
     offload = [(r.knobs.allow_offload, r.knobs.host_budget) for r in tried] or [(True, None)]
-    priced = price_alternatives(profile, budget, splits, modes, offload=offload[0][0], host_budget=offload[0][1])
+    masters = {r.knobs.master for r in tried if r.knobs.master} or {plan.optimizer.master}
+    priced = price_alternatives(profile, budget, splits, modes, offload=offload[0][0], host_budget=offload[0][1],
+                                masters=masters)
     seq = plan.training.seq_len
     mine = plan.training.micro_batch * plan.training.grad_accum * seq / plan.predicted.step_seconds \
         if plan.predicted.step_seconds else None

@@ -159,7 +159,8 @@ def test_checkpointed_inputs_offloaded_is_the_least_prefix_that_fits(tmp_path):
     assert f"{want}/{L} layers" in a.name
     field = a.as_plan_field()
     assert field["offload_layers"] == list(range(want)) and field["checkpoint_layers"] == list(range(L))
-    unreachable = [x for x in price_alternatives(profile, least - 1, [(2, 1)], ["eager"]) if "inputs offloaded" in x.name]
+    unreachable = [x for x in price_alternatives(profile, least - 1, [(2, 1)], ["eager"])
+                   if "inputs offloaded" in x.name]
     assert unreachable == [], seed
 
 
@@ -190,3 +191,27 @@ def test_validating_an_alternative_runs_its_checkpointed_and_offloaded_layers(tm
     assert [lp["layer"] for lp in layers if lp["offload"]] == off, seed
     assert (got["micro_batch"], got["grad_accum"]) == (1, 2) and got["plan"]["gradients"]["mode"] == "bf16"
     assert plan.alternative.measured.peak_bytes == 1234
+
+
+def test_without_masters_is_offered_where_the_search_may_drop_them(tmp_path):
+    """Masters "none" in the search's space adds the 8-bit AdamW on bf16 parameters (no masters) to the
+    alternatives, priced by the problem of those knobs; without it no alternative drops its masters."""
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng, compiled=True)
+    roomy = 10**12
+    plain = price_alternatives(profile, roomy, [(2, 1)], ["eager", "compiled"])
+    assert all(a.master == "fp32" for a in plain), seed
+    both = price_alternatives(profile, roomy, [(2, 1)], ["eager", "compiled"], masters={"fp32", "none"})
+    bare = [a for a in both if a.master == "none"]
+    assert bare and all(a.optimizer == "adamw8bit" and "without masters" in a.name for a in bare), seed
+    assert len(both) - len(plain) == len(bare)
+    for mode in ("eager", "compiled"):
+        problem = build_problem(profile, ProblemSettings(gradient_mode="bf16", optimizer="adamw8bit", master="none",
+                                                         compile_mode=mode, micro_batch=2))
+        want = problem.evaluate(np.nonzero(problem.keeps_16bit())[0], np.zeros(problem.num_layers, dtype=bool))
+        got = next(a for a in bare if a.compile == mode and " bf16," in a.name)
+        assert got.step_seconds == pytest.approx(want["step_seconds"], rel=1e-12), seed
+        assert got.peak_bytes == max(want["peak_bytes_per_stage"]), seed
+        with_masters = next(a for a in plain if a.compile == mode and " bf16," in a.name and a.optimizer == "adamw8bit")
+        masters = state_parts(profile, "bf16", "adamw8bit", "fp32")["masters"]  # the masters are all they differ by
+        assert with_masters.peak_bytes - got.peak_bytes == pytest.approx(masters, abs=2), seed
