@@ -6,7 +6,7 @@ For one model:
   2. budgets    --budgets N budgets spread evenly from the smallest any plan fits (agoq.search.knobs.budget_bounds)
                 to bf16's eager peak at the profiled micro-batch (the eager bf16 alternative's predicted peak)
   3. search     `agoq search --profile P --budget B` for each budget, once per --modes entry: "default" (the
-                search's defaults) and "eager" (--compile eager)
+                search's defaults) and "eager" (--compile eager); --search-args adds flags to each
   4. train      `agoq train MODEL --plan plan.json --data TEXT --steps S`, and the --alternatives fastest fitting
                 alternatives of that plan (its `alternatives` list), each written as a plan with no agoq in it
                 (every kind at 16, the alternative's checkpointed layers, optimizer, masters, batch split and
@@ -188,6 +188,7 @@ def main() -> None:
                     help="comma-separated budgets to plan at instead (e.g. 10.4GB,12GB), after the profile")
     ap.add_argument("--only", default=None, help="comma-separated budget indices to run (default: all)")
     ap.add_argument("--modes", default="default,eager", help="search modes: default, eager (--compile eager)")
+    ap.add_argument("--search-args", default="", help="more `agoq search` flags for every budget, e.g. '--master any'")
     ap.add_argument("--alternatives", type=int, default=2, help="fastest fitting alternatives trained per plan")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--data", default=None, help="text file to train on (default: the built-in synthetic corpus)")
@@ -245,7 +246,8 @@ def main() -> None:
                 tag = f"b{index}-{mode}"
                 plan_path = work / f"{tag}.json"
                 cmd = AGOQ + ["search", "--profile", str(profile_dir), "--budget", str(budget), "--out",
-                              str(plan_path), "--quiet"] + (["--compile", "eager"] if mode == "eager" else [])
+                              str(plan_path), "--quiet"] + (["--compile", "eager"] if mode == "eager" else []) \
+                    + args.search_args.split()
                 searched = run(cmd, work / f"{tag}.search.log")
                 entry = {"index": index, "mode": mode, "budget_bytes": budget, "search": searched}
                 figures["budgets"].append(entry)
