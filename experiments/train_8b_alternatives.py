@@ -21,7 +21,7 @@ a side stream out in forward, fetched back ahead of use in backward, a pinned po
 configuration that is `agoq train --offload 0-(K-1)` (the packed 4-bit codes and their scales), on a budget
 configuration it is the ordinary offload of what compile's partitioner saves (bf16: mostly each layer's input).
 
-N is the micro-batch (sequences of 4096 tokens per step); @NxA accumulates A micro-batches per optimizer step
+N is the micro-batch (sequences of --seq-len tokens, 4096 unless given, per step); @NxA accumulates A micro-batches per optimizer step
 (agoq train configurations only). Byte-level data (tinyshakespeare) on the model's own
 vocabulary of 128256 (agoq train never shrinks a model's vocabulary, so every configuration has the same
 8.03 B parameters); random initial weights; AdamW betas 0.9/0.95, weight decay 0.1, lr 1e-4 everywhere.
@@ -78,7 +78,8 @@ def _optimizer(name: str, params):
     raise SystemExit(f"unknown optimizer {name!r}: give torchao, bnb or torch")
 
 
-def alternative(budget: float, optimizer: str, micro_batch: int, steps: int, data: str, offload: int = 0) -> dict:
+def alternative(budget: float, optimizer: str, micro_batch: int, steps: int, data: str, offload: int = 0,
+                model_spec: str = "llama-3-8b", seq: int = 4096) -> dict:
     """Train the compiled reference model `steps` steps in this process, decoder layers 0..offload-1's saved
     tensors offloaded; returns its figures."""
     import torch
@@ -90,13 +91,12 @@ def alternative(budget: float, optimizer: str, micro_batch: int, steps: int, dat
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch._functorch.config.activation_memory_budget = budget
-    model = build("llama-3-8b", dtype=torch.bfloat16, device="cuda")
+    model = build(model_spec, dtype=torch.bfloat16, device="cuda")
     compile_decoder_layers(model)
     offloaded = apply_offload(model, layers=range(offload))
     opt = _optimizer(optimizer, model.parameters())
     text = torch.frombuffer(bytearray(Path(data).read_bytes()), dtype=torch.uint8).to("cuda", torch.long)
     g = torch.Generator(device="cuda").manual_seed(0)
-    seq = 4096
     times = []
     torch.cuda.reset_peak_memory_stats()
     for step in range(steps):
@@ -135,7 +135,7 @@ def _split_offload(name: str) -> tuple[str, int]:
     return base, int(tail)
 
 
-def run_config(config: str, steps: int, data: str, tmp: Path) -> dict:
+def run_config(config: str, steps: int, data: str, tmp: Path, model: str = "llama-3-8b", seq: int = 4096) -> dict:
     """One configuration in its own process; its figures, or {"error": ...}."""
     name, _, split = config.partition("@")
     mb, _, accum = (split or "1").partition("x")
@@ -147,7 +147,7 @@ def run_config(config: str, steps: int, data: str, tmp: Path) -> dict:
             args += ["--grad-accum", str(grad_accum)]
         out = tmp / config.replace("@", "_")
         try:
-            run_train(["llama-3-8b", "--data", data, "--seq-len", "4096", "--micro-batch", str(micro_batch),
+            run_train([model, "--data", data, "--seq-len", str(seq), "--micro-batch", str(micro_batch),
                        "--steps", str(steps), "--eval-every", str(steps), "--eval-batches", "1",
                        "--checkpoint-every", "0", "--lr", "1e-4", "--quiet", *args, "--out", str(out)])
         except SystemExit as exc:
@@ -164,7 +164,7 @@ def run_config(config: str, steps: int, data: str, tmp: Path) -> dict:
     if not name.startswith("budget") or "-" not in name:
         raise SystemExit(f"unknown configuration {config!r}: see --help")
     budget, optimizer = name[len("budget"):].split("-", 1)
-    cmd = [sys.executable, __file__, "--child", json.dumps([float(budget), optimizer, micro_batch, steps, data, offload])]
+    cmd = [sys.executable, __file__, "--child", json.dumps([float(budget), optimizer, micro_batch, steps, data, offload, model, seq])]
     print("$ " + " ".join(cmd), flush=True)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep
            + os.environ.get("PYTHONPATH", "")}
@@ -179,19 +179,21 @@ def main() -> None:
     ap.add_argument("--data", default=None, help="tinyshakespeare.txt (default: ../shared/data/)")
     ap.add_argument("--steps", type=int, default=4, help="steps per configuration; the first two are not timed")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated NAME@MICRO_BATCH (see above)")
+    ap.add_argument("--model", default="llama-3-8b", help="preset or config.json (e.g. experiments/llama_3_1_8b.json, "
+                    "whose RoPE scaling allows 131072 positions)")
+    ap.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     ap.add_argument("--name", default="train_8b_alternatives", help="results file name (experiments/results/NAME.json)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        budget, optimizer, micro_batch, steps, data, offload = json.loads(args.child)
-        print(json.dumps(alternative(budget, optimizer, micro_batch, steps, data, offload)), flush=True)
+        print(json.dumps(alternative(*json.loads(args.child))), flush=True)
         return
     data = tiny_shakespeare(args.data)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for config in args.configs.split(","):
             t0 = time.perf_counter()
-            row = run_config(config, args.steps, data, Path(tmp))
+            row = run_config(config, args.steps, data, Path(tmp), args.model, args.seq_len)
             row["wall_seconds"] = time.perf_counter() - t0
             rows[config] = row
             if "error" in row:
@@ -200,7 +202,7 @@ def main() -> None:
                 print(f"{config:>22s}: peak {row['peak_bytes'] / 1e9:6.1f} GB, {row['median_tokens_per_s']:7.0f} tokens/s",
                       flush=True)
             # rewritten after every configuration: a run cut short keeps what it measured
-            path = write_result(args.name, {"model": "llama-3-8b (vocab 128256)", "seq_len": 4096,
+            path = write_result(args.name, {"model": f"{args.model} (vocab 128256)", "seq_len": args.seq_len,
                                                           "steps": args.steps, "configs": rows})
     print("wrote", path)
 
