@@ -8,6 +8,8 @@ and reports its peak (torch.cuda.max_memory_allocated over the steps) and median
   agoq-compiled@N  agoq with --compile (each decoder layer compiled)
   agoq-nomaster-compiled@N  both
   ckpt-8bit@N      agoq train --checkpoint-all --optimizer adamw8bit (the same fused 8-bit step, bf16 gradients)
+  ckpt-quangrad-nomaster-compiled@N  agoq train --checkpoint-all --gradients quangrad8 --optimizer adamw8bit
+                                 --master none --compile (every layer recomputed, 8-bit gradients)
   bf16-nomaster-compiled@N       agoq train --compile --optimizer adamw8bit --master none (bf16 activations and
                                  gradients: compiled bf16 with agoq's fused 8-bit AdamW)
   budget0.1-nomaster-compiled@N  the same with --activation-memory-budget 0.1
@@ -55,6 +57,8 @@ AGOQ = {
     "agoq-compiled": EVERYTHING + ["--compile"],
     "agoq-nomaster-compiled": EVERYTHING + ["--master", "none", "--compile"],
     "ckpt-8bit": ["--checkpoint-all", "--optimizer", "adamw8bit"],
+    "ckpt-quangrad-nomaster-compiled": ["--checkpoint-all", "--gradients", "quangrad8", "--optimizer", "adamw8bit",
+                                        "--master", "none", "--compile"],
     "bf16-nomaster-compiled": ["--optimizer", "adamw8bit", "--master", "none", "--compile"],
     "budget0.1-nomaster-compiled": ["--activation-memory-budget", "0.1", "--optimizer", "adamw8bit", "--master", "none",
                                     "--compile"],
