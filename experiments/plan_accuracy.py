@@ -107,16 +107,11 @@ def alternative_plan(plan: dict, alt: dict, schema_has_budget: bool) -> dict | N
     budget = alt.get("activation_memory_budget")
     if budget is not None and not schema_has_budget:
         return None
+    from agoq.formats.plan import Alternative, plan_from_dict
+    from agoq.search.plan_builder import alternative_knobs
+
     data = json.loads(json.dumps(plan))
-    data["layers"] = [{"layer": lp["layer"], "stage": lp["stage"], "checkpoint": lp["layer"] in alt["checkpoint_layers"],
-                       "kinds": {}, "offload": lp["layer"] in (alt.get("offload_layers") or [])}
-                      for lp in plan["layers"]]
-    data["gradients"] = {**data["gradients"], "mode": alt.get("gradients") or "bf16"}
-    data["optimizer"] = alt["optimizer"]
-    data["training"] = {**data["training"], "micro_batch": alt["micro_batch"], "grad_accum": alt["grad_accum"],
-                        "compile": alt["compile"]}
-    if budget is not None:
-        data["training"]["activation_memory_budget"] = budget
+    data.update(alternative_knobs(plan_from_dict(plan), Alternative.model_validate(alt)))
     predicted = alt.get("predicted") or {}
     data["predicted"] = {"peak_bytes_per_stage": [predicted.get("peak_bytes")] if predicted.get("peak_bytes") else [],
                          "activation_bytes_per_stage": [], "step_seconds": predicted.get("step_seconds"),

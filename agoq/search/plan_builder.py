@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from agoq.formats.plan import SCHEMA, Plan
+from agoq.formats.plan import SCHEMA, Alternative, Plan
 from agoq.formats.profile import ProfileData
 from agoq.layout import DDP, FSDP, NONE, PIPELINE, SHARDED, launch_line
 from agoq.search.costs import ChoiceProblem, ProblemSettings, profile_compile_mode, resolve_optimizer
@@ -65,6 +65,18 @@ def compile_cost(profile: ProfileData, layers: list[dict], compile_mode: str) ->
     return int(unmodified) + len(laaq) + int(checkpointed), seconds
 
 
+def alternative_knobs(plan: Plan, alt: Optional[Alternative] = None) -> dict:
+    """What alternative `alt` of `plan` (None: `plan.alternative`) runs, as plan data to update the plan's with: its
+    layers (every kind at 16, its checkpointed and offloaded layers, the plan's stages), bf16 gradients, its optimizer
+    and masters, and its training (batch split, compile mode, torch.compile memory budget)."""
+    alt, data = alt or plan.alternative, plan.to_dict()
+    return {"layers": [{"layer": lp.layer, "stage": lp.stage, "checkpoint": lp.layer in alt.checkpoint_layers,
+                        "kinds": {}, "offload": lp.layer in (alt.offload_layers or [])} for lp in plan.layers],
+            "gradients": {**data["gradients"], "mode": "bf16"}, "optimizer": alt.optimizer.model_dump(mode="json"),
+            "training": {**data["training"], "micro_batch": alt.micro_batch, "grad_accum": alt.grad_accum,
+                         "compile": alt.compile, "activation_memory_budget": alt.activation_memory_budget}}
+
+
 def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
     """`plan` rewritten as its best alternative (`plan.alternative`: what a user runs without agoq, as the search
     priced it): every kind at 16, the alternative's checkpointed and offloaded layers, optimizer and masters, batch split,
@@ -96,12 +108,8 @@ def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
                               "peak_bytes": max(plan.predicted.peak_bytes_per_stage),
                               "tokens_per_second": (data.get("decision") or {}).get("tokens_per_second")},
                 "fits": True, "speedup_predicted": 1.0 / alt.speedup_predicted if alt.speedup_predicted else None}
+    data.update(alternative_knobs(plan))
     data.update(
-        layers=[{"layer": lp.layer, "stage": lp.stage, "checkpoint": lp.layer in alt.checkpoint_layers, "kinds": {},
-                 "offload": lp.layer in (getattr(alt, "offload_layers", None) or [])} for lp in plan.layers],
-        gradients={**data["gradients"], "mode": "bf16"}, optimizer=alt.optimizer.model_dump(mode="json"),
-        training={**data["training"], "micro_batch": alt.micro_batch, "grad_accum": alt.grad_accum,
-                  "compile": alt.compile, "activation_memory_budget": alt.activation_memory_budget},
         predicted={"peak_bytes_per_stage": per_stage("peak_bytes_per_stage") or stage_peaks(),
                    "activation_bytes_per_stage": per_stage("activation_bytes_per_stage") or [],
                    **({"memory_per_stage": alt.predicted.memory_per_stage}

@@ -26,7 +26,7 @@ from agoq.search.costs import ProblemSettings, build_problem
 from agoq.search.knobs import KnobSearch, knob_values, solve_knobs
 from agoq.search.milp import Solver, resolve_error_cap, resolve_time_cap
 from agoq.search.pareto import memory_error_front
-from agoq.search.plan_builder import build_plan, plan_of_alternative
+from agoq.search.plan_builder import alternative_knobs, build_plan, plan_of_alternative
 from agoq.search.request import CHECKPOINT_CAP, RECIPE_CAP, KnobSpace, SearchRequest
 
 CSV_COLUMNS = ["source", "trial", "budget_bytes", "predicted_peak_bytes", "predicted_step_seconds",
@@ -327,22 +327,17 @@ def _validate(profile: ProfileData, r: SearchRequest, best: Candidate, candidate
 
 def measure_alternative(plan: Plan, model_config: dict, *, measure: Callable, dtype: str = "bf16", steps: int = 4,
                         seed: int = 0, runner=None, device: Optional[str] = None) -> Optional[dict]:
-    """Run `plan.alternative` for real with `measure` (agoq.search.validation: bf16 or checkpointed layers, its
-    offloaded layers, its optimizer, bf16 gradients, its compile mode and torch.compile memory budget) and write its measured figures and
-    the plan's measured speed-up into the plan."""
+    """Run `plan.alternative` for real with `measure` (agoq.search.validation; what it runs:
+    agoq.search.plan_builder.alternative_knobs) and write its measured figures and the plan's measured speed-up into
+    the plan."""
     from agoq.search.validation import Runner
 
     alt = plan.alternative
     if alt is None:
         return None
-    layers = [{"layer": lp.layer, "stage": lp.stage, "checkpoint": lp.layer in alt.checkpoint_layers, "kinds": {},
-               "offload": lp.layer in (alt.offload_layers or [])} for lp in plan.layers]
     data = plan.to_dict()
-    data.update({"layers": layers, "gradients": {**data["gradients"], "mode": "bf16"},
-                 "optimizer": alt.optimizer.model_dump(mode="json"),
-                 "training": {**data["training"], "micro_batch": alt.micro_batch, "grad_accum": alt.grad_accum,
-                              "compile": alt.compile, "activation_memory_budget": alt.activation_memory_budget},
-                 "alternative": None, "alternatives": [], "decision": None, "measured": None})
+    data.update(alternative_knobs(plan))
+    data.update({"alternative": None, "alternatives": [], "decision": None, "measured": None})
     runner = runner or Runner()
     r = runner.map(measure, [dict(plan=data, model_config=model_config, dtype=dtype, micro_batch=alt.micro_batch,
                                   seq_len=plan.training.seq_len, grad_accum=alt.grad_accum, steps=steps, seed=seed,
