@@ -26,8 +26,14 @@ the profile's own ratio of median to fastest step for that compile mode (the med
 
     T_row = min(steady steps) x median over the mode's rows of (row median / row fastest step)
 
-so a price is a median-like figure (what a run's median measures) that no one slow phase moves. Rows without their
-per-step seconds (older profiles) are priced by their median.
+so a price is a median-like figure (what a run's median measures) that no one slow phase moves. That holds for
+compiled steps, whose kernels keep the GPU busy and whose slow phases pass. An eager step is set by the host, which
+launches every kernel from Python, and its jitter is the step itself: the probe's eager checkpoint-all step at
+micro-batch 1 x 2 measured 208.7-255.0 ms over five steady steps (both passes' medians 230.1 and 247.2 ms), so
+its fastest step priced a plan of that kind at 211.2 ms, and `agoq train` ran it at 237.3 ms (-11 %); its median
+prices it at 228.1 ms (-3.9 %). Eager rows are priced by their median (the least of their passes' medians, as the
+profile keeps it), and only compiled rows enter the ratio. Rows without their per-step seconds (older profiles) are
+priced by their median too.
 
 Rows that offloaded (agoq-paper with its first K layers' saved tensors in host memory) price no plan by themselves:
 they are kept apart (`offload_rows`), and `offload_step` pairs one with the agoq-paper step of the same knobs kept
@@ -43,6 +49,7 @@ from agoq.formats.measured_steps import COMPILE_MODES, find, measured_rows
 from agoq.formats.profile import ProfileData
 
 BASE_GRADIENTS = "bf16"
+ROBUST_MODES = ("compiled",)  # priced by fastest step x ratio; the others by their median (module docstring)
 
 
 class StepPrices:
@@ -53,7 +60,7 @@ class StepPrices:
         self.rows = [r for r in every if not r.get("offload_layers")]
         self.offload_rows = [r for r in every if r.get("offload_layers")]
         self.median_to_fastest = {  # per compile mode: the median over its rows of (row median / fastest step)
-            mode: statistics.median(ratios) for mode in COMPILE_MODES
+            mode: statistics.median(ratios) for mode in ROBUST_MODES
             if (ratios := [r["step_seconds"] / min(steady) for r in self.rows
                            if r["compile"] == mode and len(steady := self.steady(r)) >= 2])}
         self.m0 = int(profile.settings.get("micro_batch", 1) or 1)
@@ -70,8 +77,9 @@ class StepPrices:
         return [float(t) for t in steps[1:] if t and t > 0]
 
     def price(self, row: dict) -> float:
-        """The seconds a measured row prices its step at (module docstring): its fastest steady step times the
-        mode's median-to-fastest ratio; its median where it has fewer than two steady steps."""
+        """The seconds a measured row prices its step at (module docstring): a compiled row its fastest steady step
+        times the mode's median-to-fastest ratio; an eager row, or one with fewer than two steady steps, its
+        median."""
         steady = self.steady(row)
         if len(steady) < 2 or row["compile"] not in self.median_to_fastest:
             return float(row["step_seconds"])
