@@ -80,6 +80,8 @@ COMM_PATHS = {"bf16": "nccl-bf16", "quangrad8": "quangrad8", "sdp4bit": "sdp4bit
 # ------------------------------------------------------------------------------------------------
 
 
+EAGER_SPREAD_NOTE = 0.05  # an eager split whose anchors' steady steps ranged more is noted (the 5 % target)
+
 def _layer_shape(profile: ProfileData, micro_batch: int) -> Optional[LayerShape]:
     config = profile.model_config()
     if not config:
@@ -173,6 +175,13 @@ def _step_times(profile: ProfileData, knobs: ProblemSettings, compile_mode: str,
     if checkpoint is None and knobs.allow_checkpoint:
         notes.append(f"no {compile_mode} checkpoint-all step was measured at micro-batch {mb} x {accum}: no layer is "
                      "checkpointed at these knobs")
+    spread = sp.spread(compile_mode, mb, accum) if compile_mode == "eager" else None
+    if spread is not None and spread[0] > EAGER_SPREAD_NOTE:
+        wide, row = spread
+        steady = sp.steady(row)
+        notes.append(f"eager steps at micro-batch {mb} x {accum} ranged {wide:.0%} within their measured runs (the "
+                     f"{row['policy']} step: {min(steady) * 1e3:.1f}-{max(steady) * 1e3:.1f} ms): an eager step is "
+                     "set by the host, and a run may miss its predicted step by as much")
     return {"base": base, "laaq": laaq, "checkpoint": checkpoint}
 
 

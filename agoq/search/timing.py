@@ -169,6 +169,20 @@ class StepPrices:
             anchor += theirs - ours
         return anchor
 
+    def spread(self, compile_mode: str, micro_batch: int, grad_accum: int) -> Optional[tuple[float, dict]]:
+        """How far the steady steps of the anchors at this split (bf16, agoq-paper and checkpoint-all, the base
+        knobs) ranged: (the largest of slowest / fastest - 1, that row), None where none has two steady steps."""
+        base = self.base(compile_mode)
+        if base is None:
+            return None
+        found = []
+        for policy in ("bf16", "agoq-paper", "checkpoint-all"):
+            row = self.row(compile_mode, policy, micro_batch, grad_accum)
+            steady = self.steady(row) if row is not None else []
+            if len(steady) >= 2:
+                found.append((max(steady) / min(steady) - 1.0, row))
+        return max(found, key=lambda f: f[0]) if found else None
+
     def per_layer(self, compile_mode: str, policy: str, micro_batch: int, grad_accum: int) -> Optional[float]:
         """(T_policy - T_bf16) / L at the split with the base knobs: dQ or dC."""
         mine = self.seconds(compile_mode, micro_batch, grad_accum, policy=policy)

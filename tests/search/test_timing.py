@@ -114,3 +114,34 @@ def test_a_slow_phase_in_the_anchor_does_not_move_a_composed_price(tmp_path, see
         return by_median(rows, optimizer="adamw") + by_median(rows, gradients="quangrad8") - by_median(rows)
 
     assert abs(median_price(slowed_rows) / median_price(calm_rows) - 1) > 0.05
+
+
+@pytest.mark.parametrize("seed", [6, 31])
+def test_an_eager_split_whose_steps_ranged_wide_is_noted_in_the_plan(tmp_path, seed):
+    """`spread` is the widest slowest/fastest - 1 of the split's anchors' steady steps (checked against a plain
+    recomputation); a problem at an eager split whose anchors ranged more than 5 % says so in its notes, with that
+    row's range, and a quiet one (steps within 3 %) and a compiled one do not."""
+    from agoq.search.costs import EAGER_SPREAD_NOTE, ProblemSettings, build_problem
+
+    slow_by = random.Random(seed).uniform(0.12, 0.3)
+    profile, rows = _profile(tmp_path, seed, slow_row=lambda r: r["compile"] == "eager" and r["policy"] == "bf16",
+                             slow_by=slow_by)
+    sp = StepPrices(profile)
+    anchors = [r for r in rows if (r["compile"], r["micro_batch"], r["grad_accum"], r["gradients"], r["optimizer"],
+                                   r["master"]) == ("eager", 2, 1, "bf16", "adamw8bit", "fp32")
+               and r["policy"] in ("bf16", "agoq-paper", "checkpoint-all") and r["activation_memory_budget"] is None]
+    want = max(max(r["seconds_per_step"][1:]) / min(r["seconds_per_step"][1:]) - 1 for r in anchors)
+    wide, row = sp.spread("eager", 2, 1)
+    assert wide == pytest.approx(want, rel=1e-12) and wide > EAGER_SPREAD_NOTE
+    assert row["policy"] == "bf16"
+    noisy = build_problem(profile, ProblemSettings(compile_mode="eager", micro_batch=2, optimizer="adamw8bit",
+                                                   master="fp32"))
+    said = [n for n in noisy.notes if n.startswith("eager steps at micro-batch 2 x 1 ranged")]
+    assert len(said) == 1 and f"{min(row['seconds_per_step'][1:]) * 1e3:.1f}-" in said[0], noisy.notes
+    compiled = build_problem(profile, ProblemSettings(compile_mode="compiled", micro_batch=2, optimizer="adamw8bit",
+                                                      master="fp32"))
+    assert not [n for n in compiled.notes if "ranged" in n]
+    quiet_profile, _ = _profile(tmp_path, seed + 1000)
+    quiet = build_problem(quiet_profile, ProblemSettings(compile_mode="eager", micro_batch=2, optimizer="adamw8bit",
+                                                         master="fp32"))
+    assert not [n for n in quiet.notes if "ranged" in n]
