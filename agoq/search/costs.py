@@ -75,12 +75,11 @@ from agoq.search.state import (
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 COMM_PATHS = {"bf16": "nccl-bf16", "quangrad8": "quangrad8", "sdp4bit": "sdp4bit"}
+EAGER_SPREAD_NOTE = 0.05  # an eager split whose anchors' steady steps ranged more is noted (the 5 % target)
 
 
 # ------------------------------------------------------------------------------------------------
 
-
-EAGER_SPREAD_NOTE = 0.05  # an eager split whose anchors' steady steps ranged more is noted (the 5 % target)
 
 def _layer_shape(profile: ProfileData, micro_batch: int) -> Optional[LayerShape]:
     config = profile.model_config()

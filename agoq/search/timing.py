@@ -172,9 +172,6 @@ class StepPrices:
     def spread(self, compile_mode: str, micro_batch: int, grad_accum: int) -> Optional[tuple[float, dict]]:
         """How far the steady steps of the anchors at this split (bf16, agoq-paper and checkpoint-all, the base
         knobs) ranged: (the largest of slowest / fastest - 1, that row), None where none has two steady steps."""
-        base = self.base(compile_mode)
-        if base is None:
-            return None
         found = []
         for policy in ("bf16", "agoq-paper", "checkpoint-all"):
             row = self.row(compile_mode, policy, micro_batch, grad_accum)
