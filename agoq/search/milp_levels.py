@@ -236,6 +236,13 @@ class Levels:
         kept = self._fastest_kept(budgets, error_cap, time_limit, self.kept_bounds, self.settled, kept=True)
         if kept is None:
             return None
+        from agoq.search.milp_offload import Enumeration
+
+        enumeration = Enumeration.build(m)  # alike layers of a compiled plan: every offloaded prefix enumerated
+        if enumeration is not None:
+            found = enumeration.fastest(budgets, error_cap, kept)
+            if found is not None:
+                return found
         best = float(kept.seconds) if kept.x is not None else np.inf  # nothing kept fits: every level may offload
         budget = float(budgets[0])
         cap = best - abs(best) * RELATIVE if np.isfinite(best) else None  # strictly faster than T0 (closer: a tie)

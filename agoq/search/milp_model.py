@@ -451,6 +451,15 @@ class Model:
                 if quick is not None:
                     quick.second_gap = 0.0
                     return quick
+            elif objective == "time" and time_cap is None and self.levels is not None:
+                from agoq.search.milp_offload import Enumeration
+
+                enumeration = Enumeration.build(self)  # alike layers with an offloaded prefix: enumerated too
+                quick = None if enumeration is None else enumeration.tie_break(
+                    best, budgets, error_cap, 1e3 / sec_scale, CHANGE_WEIGHT)
+                if quick is not None:
+                    quick.second_gap = 0.0
+                    return quick
             scale = max(float(np.abs(primary).max()), 1e-30)
             extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + abs(best) * 1e-9 + 1e-12) / scale)]
         cons = self.constraints(budgets, time_cap, error_cap) + extra

@@ -54,7 +54,13 @@ CHUNK = 1 << 12  # settings given their exact least error at once, best bound fi
 
 def _alike(m) -> Optional[dict]:
     """The per-kind options, bytes and errors of `m`'s problem when its layers are alike (module docstring), else
-    None."""
+    None (found once per model)."""
+    if not hasattr(m, "_alike"):
+        m._alike = _find_alike(m)
+    return m._alike
+
+
+def _find_alike(m) -> Optional[dict]:
     p = m.p
     if p.num_stages != 1 or not p.one_setting_per_stage or m.L == 0:
         return None
@@ -83,6 +89,46 @@ def _alike(m) -> Optional[dict]:
             return None
     errors = {k: np.stack([p.error[index[(l, k)]] for l in range(m.L)]) for k in kinds}  # [L, options]
     return {"kinds": kinds, "options": options, "index": index, "bytes": bytes_of, "errors": errors}
+
+
+def dominated(alike: dict, k: int, o: int, sixteen: int) -> bool:
+    """Whether option `o` of kind `k` (not at 16) keeps no fewer bytes and no less error in any layer than another
+    option not at 16, and strictly more somewhere or is listed after it: in any setting, swapping it for that one
+    keeps no more bytes, no more error in any layer and as many changed tensors, so it is never needed."""
+    if o == sixteen:
+        return False
+    b, e = alike["bytes"][k], alike["errors"][k]
+    for j in range(len(b)):
+        if j in (o, sixteen) or b[j] > b[o] or np.any(e[:, j] > e[:, o]):
+            continue
+        if b[j] < b[o] or np.any(e[:, j] < e[:, o]) or j < o:
+            return True
+    return False
+
+
+def settings(m, alike: dict):
+    """The settings worth enumerating (every kind's options not `dominated`), built once per model: [settings,
+    kinds] option positions, each setting's bytes per layer under LAAQ (the shared-input credit included where
+    attention and o_proj_input are both at 16) and its kinds not at 16."""
+    cached = getattr(m, "_uniform_settings", None)
+    if cached is not None:
+        return cached
+    kinds, options = alike["kinds"], alike["options"]
+    sixteen = {k: options[k].index("16") for k in kinds}
+    useful = [np.array([o for o in range(len(options[k])) if not dominated(alike, k, o, sixteen[k])]) for k in kinds]
+    grids = np.meshgrid(*useful, indexing="ij")
+    choice = np.stack([g.ravel() for g in grids], axis=1)  # [settings, kinds] option positions
+    per_layer = np.zeros(len(choice))
+    non16 = np.zeros(len(choice))
+    for j, k in enumerate(kinds):
+        per_layer += alike["bytes"][k][choice[:, j]]
+        non16 += choice[:, j] != sixteen[k]
+    att, oproj = KINDS.index("attention"), KINDS.index("o_proj_input")
+    if att in kinds and oproj in kinds and m.bounds.ub[m.w0] > 0:
+        both = (choice[:, kinds.index(att)] == sixteen[att]) & (choice[:, kinds.index(oproj)] == sixteen[oproj])
+        per_layer += np.where(both, float(m.memory_rows[0][m.w0]), 0.0)
+    m._uniform_settings = (choice, per_layer, non16)
+    return m._uniform_settings
 
 
 def _cap_below(per_layer: np.ndarray, room: float, L: int) -> np.ndarray:
@@ -205,16 +251,7 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     room = budget - float(p.static_bytes[0]) - n_u * u_bytes - n_c * c_bytes - transient + tolerance
     # the highest checkpointed layer's backward: the layers under LAAQ below it, the n_c inputs, its rerun
     ckpt_room = budget - float(p.static_bytes[0]) - n_c * c_bytes - rerun - transient + tolerance
-    grids = np.meshgrid(*[np.arange(len(options[k])) for k in kinds], indexing="ij")
-    choice = np.stack([g.ravel() for g in grids], axis=1)  # [settings, kinds] option positions
-    per_layer = np.zeros(len(choice))
-    non16 = np.zeros(len(choice))
-    for j, k in enumerate(kinds):
-        per_layer += alike["bytes"][k][choice[:, j]]
-        non16 += choice[:, j] != sixteen[k]
-    if att in kinds and oproj in kinds and m.bounds.ub[m.w0] > 0:
-        both = (choice[:, kinds.index(att)] == sixteen[att]) & (choice[:, kinds.index(oproj)] == sixteen[oproj])
-        per_layer += np.where(both, credit, 0.0)
+    choice, per_layer, non16 = settings(m, alike)
     fits = (n_a * per_layer <= room) & (non16 > 0)  # a layer under LAAQ changes some kind
     candidates = np.nonzero(fits)[0]
     if len(candidates) == 0:

@@ -1,0 +1,447 @@
+"""The fastest choice and its tie-break where a prefix of alike layers may be offloaded: by enumeration, not a MILP.
+
+The structure of agoq.search.milp_uniform (a compiled plan of one stage: one LAAQ setting y for every layer under
+LAAQ's functions; alike layers: each (kind, option) keeps the same bytes in every layer, errors differ by layer;
+step seconds a count, agoq.search.milp_levels), with offload offered (ChoiceProblem.offload): layers 0..K-1 keep
+their saved tensors in host memory, none of them checkpointed. A choice is then the counts n_u (unmodified), n_c
+(checkpointed), n_a = L - n_u - n_c (under LAAQ), the offloaded prefix's length K and its unmodified layers K_u
+(K_a = K - K_u under LAAQ), the setting y, and where the layers of each state sit. With U, B(y), C the bytes of an
+unmodified layer, of a layer under LAAQ at y and of a checkpointed one, T the LAAQ transient (when n_a > 0):
+
+  host bytes  G = K_u U + K_a B(y) <= host budget
+  step        = level(n_u, n_c) + accum x max(0, G x link - window) + G x seconds_per_byte + K x layer_seconds
+  end of forward:  static + (n_u - K_u) U + (n_a - K_a) B(y) + n_c C + T + h + max(0, G - forward_link_bytes)
+                   <= budget,   h = the largest offloaded layer's bytes (U where K_u > 0, B(y) where K_a > 0)
+  floor:           K > 0 needs the measured offloading peak (OffloadPrices.floor_bytes) <= budget
+  changed tensors  = n_a x (kinds of y not at 16) + n_c + K
+
+The offloaded prefix keeps nothing on the GPU in backward, and the i-th checkpointed layer (i = 0..n_c-1, from the
+bottom, at height K + i + a_i with a_i layers under LAAQ between the prefix and it, checkpointed layers at the lowest
+places the layers under LAAQ leave free above the prefix: agoq.search.milp_uniform) holds in its backward
+
+  static + a_i B(y) + (i + 1) C + r(0) - (K + i + a_i) g + T + h  <=  budget
+
+(r(h) = r(0) - h g its rerun bytes, agoq.search.milp_uniform), so a_i <= cap_i(y) with the prefix's K layers of
+height added to the room: the nested capacities of agoq.search.milp_uniform over the layers above the prefix. Which
+of the prefix's layers run under LAAQ changes neither bytes nor time: the K_a of least error e_l(y). The least error
+of a configuration (n_u, n_c, K, K_u, y) is therefore the K_a least errors within the prefix plus the nested-capacity
+greedy above it, both exact.
+
+The fastest step is the least, over the configurations, of the step of those that fit the budget and the error
+cap. Every configuration's step is bounded below by its counts' level plus the link's price of its least bytes
+(K_u U + K_a min_y B(y)), and the fastest choice keeping every layer (agoq.search.milp_levels, K = 0) is an answer
+to beat: configurations are visited best bound first until the bound reaches the best found. Within one, the step
+rises with B(y) and the memory rows only loosen as B(y) falls, so the settings are taken by ascending B(y); the
+first whose least error meets the cap (a kind-by-kind bound first, as in agoq.search.milp_uniform) is its fastest.
+The tie-break (the least error, then fewest changed tensors, among the choices as fast as the optimum, within the
+tolerance of agoq.search.milp_model's second solve) takes every configuration whose bound is within that tolerance,
+and in it every setting whose step is: the least value over them. Both return None wherever the structure does not
+hold (then the MILP answers), and check their choice with the problem's own `evaluate` first.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+from scipy.optimize import OptimizeResult
+
+from agoq.activations.policy import KINDS
+from agoq.search.milp_uniform import _alike, _nested_caps, _nested_least, settings
+
+CHUNK = 1 << 12  # settings given their exact least error at once
+BLOCK = 1 << 13  # settings whose per-layer errors are computed together
+
+
+class Enumeration:
+    """The per-model constants of the enumeration; `build` returns None where the structure does not hold."""
+
+    @classmethod
+    def build(cls, m) -> Optional["Enumeration"]:
+        cached = getattr(m, "_offload_enumeration", False)
+        if cached is not False:
+            return cached
+        out = cls._build(m)
+        m._offload_enumeration = out
+        return out
+
+    @classmethod
+    def _build(cls, m) -> Optional["Enumeration"]:
+        p = m.p
+        if not getattr(m, "offload", False) or m.levels is None or not p.one_setting_per_stage:
+            return None
+        alike = _alike(m)
+        if alike is None:
+            return None
+        L = m.L
+        kinds, options = alike["kinds"], alike["options"]
+        if any("16" not in options[k] for k in kinds):
+            return None
+        if np.asarray(p.in_flight_counts(), float).max() != 1:
+            return None
+        reruns = p.recomputed()
+        g = float(reruns[0] - reruns[1]) if L > 1 else 0.0
+        if p.allow_checkpoint and (g < 0 or np.ptp(p.checkpoint_seconds) > 0
+                                   or np.abs(reruns - (reruns[0] - g * np.arange(L))).max()
+                                   > 1e-6 * max(1.0, abs(reruns[0]))):
+            return None
+        self = cls()
+        self.m, self.p, self.L, self.g = m, p, L, g
+        self.kinds, self.options, self.alike = kinds, options, alike
+        mem = m.memory_rows[0]
+        self.sixteen = {k: options[k].index("16") for k in kinds}
+        att, oproj = KINDS.index("attention"), KINDS.index("o_proj_input")
+        self.att, self.oproj = att, oproj
+        self.credit_on = att in kinds and oproj in kinds and m.bounds.ub[m.w0] > 0
+        credit = float(mem[m.w0])
+        self.credit = credit
+        self.U = float(sum(alike["bytes"][k][self.sixteen[k]] for k in kinds)) + float(mem[m.u0]) \
+            + (credit if self.credit_on else 0.0)
+        self.C = float(mem[m.c0])
+        self.r0 = float(reruns[0])
+        self.T = float(mem[m.z0])
+        choice, per_layer, non16 = settings(m, alike)  # every kind's options that are not dominated
+        keep = non16 > 0  # a layer under LAAQ changes some kind
+        choice, per_layer, non16 = choice[keep], per_layer[keep], non16[keep]
+        if len(choice) == 0 or self.U <= 0 or per_layer.min() <= 0:
+            return None  # an offloaded layer of no bytes: left to the MILP
+        if p.allow_checkpoint and (self.C > self.U or (g > 0 and self.U < g) or per_layer.min() <= g):
+            return None  # the placement of checkpointed layers assumes these (agoq.search.milp_uniform)
+        order = np.argsort(per_layer, kind="stable")  # ascending bytes: within a configuration, fastest first
+        self.choice, self.B, self.non16 = choice[order], per_layer[order], non16[order]
+        self.distinct, self.rank = np.unique(self.B, return_inverse=True)  # ascending distinct bytes, each one's
+        self.ends = np.searchsorted(self.B, self.distinct, side="right")   # rank; where each one's settings end
+        # each setting's per-layer errors, computed a block of settings at a time as they are first needed
+        self.E = np.zeros((L, len(self.B))) if L * len(self.B) <= 1 << 24 else None
+        self._have = np.zeros((len(self.B) + BLOCK - 1) // BLOCK, dtype=bool)
+        self._bounds: dict = {}
+        self._configs = None
+        o = p.offload
+        self.o = o
+        self.ckpt_seconds = float(p.checkpoint_seconds[0]) if p.allow_checkpoint and L else 0.0
+        self.tolerance = 1e-7 * m.unit  # HiGHS's feasibility tolerance on the model's rows (agoq.search.milp_uniform)
+        return self
+
+    # -- pieces -------------------------------------------------------------------------------------------------
+
+    def link(self, G: np.ndarray, K: int) -> np.ndarray:
+        """The step seconds G bytes offloaded by K layers add (ChoiceProblem.offload_seconds), vectorised."""
+        o = self.o
+        G = np.asarray(G, float)
+        s = o.grad_accum * np.maximum(0.0, G * o.link_seconds_per_byte - o.window_seconds) \
+            + G * o.seconds_per_byte + np.asarray(K, float) * o.layer_seconds
+        return np.where(G > 0, s, 0.0)
+
+    def configurations(self):
+        """(n_u, n_c, K, K_u, level row seconds): every configuration with an offloaded layer (K > 0)."""
+        p, L = self.p, self.L
+        laaq = p.laaq_layer_seconds
+        for n_c in (range(L + 1) if p.allow_checkpoint else range(1)):
+            for n_u in range(L - n_c + 1):
+                n_a = L - n_u - n_c
+                row = -laaq * n_u + (self.ckpt_seconds - laaq) * n_c
+                for K in range(1, L - n_c + 1):
+                    for K_u in range(max(0, K - n_a), min(K, n_u) + 1):
+                        yield n_u, n_c, K, K_u, row
+
+    def bounded(self) -> list:
+        """(the least step row seconds, n_u, n_c, K, K_u, level row seconds) of every configuration with an
+        offloaded layer, best bound first: its level plus the link's price of its least bytes (K_u U + K_a min B)."""
+        if self._configs is None:
+            configs = list(self.configurations())
+            if not configs:
+                self._configs = []
+                return self._configs
+            n_u, n_c, K, K_u, row = (np.array(c, float) for c in zip(*configs))
+            K_a = K - K_u
+            least = row + self.link(K_u * self.U + K_a * self.B[0], K) if len(configs) else np.zeros(0)
+            order = np.lexsort((K_u, K, n_c, n_u, least))
+            self._configs = [(float(least[i]), int(n_u[i]), int(n_c[i]), int(K[i]), int(K_u[i]), float(row[i]))
+                             for i in order]
+            self._position = {c[:4]: i for i, c in enumerate(configs)}
+        return self._configs
+
+    def _fits(self, budget: float, n_u: int, n_c: int, K: int, K_u: int, B: np.ndarray) -> np.ndarray:
+        """Per setting (bytes B): the end of forward, the host budget and the floor; and cap_i >= 0 for every
+        checkpointed layer (a_i = 0) — what the memory allows before the layers under LAAQ are placed."""
+        n_a = self.L - n_u - n_c
+        K_a = K - K_u
+        G = K_u * self.U + K_a * B
+        h = np.maximum(self.U if K_u > 0 else 0.0, B if K_a > 0 else 0.0)
+        T = self.T if n_a > 0 else 0.0
+        static = float(self.p.static_bytes[0])
+        end = static + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T + h \
+            + np.maximum(0.0, G - self.o.forward_link_bytes)
+        ok = (end <= budget + self.tolerance) & (G <= self.o.host_budget_bytes * (1 + 1e-9) + 1e-6)
+        if K > 0 and self.o.floor_bytes > 0 and self.o.floor_bytes > budget + self.tolerance:
+            ok &= False
+        return ok
+
+    def _room(self, budget: float, n_a: int, K: int, K_u: int, B: np.ndarray) -> np.ndarray:
+        """The nested capacities' room (agoq.search.milp_uniform._nested_caps) with the prefix's K layers of height
+        and backward's first prefetch h."""
+        K_a = K - K_u
+        h = np.maximum(self.U if K_u > 0 else 0.0, B if K_a > 0 else 0.0)
+        T = self.T if n_a > 0 else 0.0
+        return budget - float(self.p.static_bytes[0]) - self.r0 - T - h + K * self.g + self.tolerance
+
+    def errors(self, ys: np.ndarray) -> np.ndarray:
+        """[L, settings]: each layer's error at each setting."""
+        if self.E is None:
+            return self._errors(ys)
+        for b in np.unique(np.asarray(ys) // BLOCK):
+            if not self._have[b]:
+                block = np.arange(b * BLOCK, min((b + 1) * BLOCK, len(self.B)))
+                self.E[:, block] = self._errors(block)
+                self._have[b] = True
+        return self.E[:, ys]
+
+    def _errors(self, ys: np.ndarray) -> np.ndarray:
+        e = np.zeros((self.L, len(ys)))
+        for j, k in enumerate(self.kinds):
+            e += self.alike["errors"][k][:, self.choice[ys, j]]
+        return e
+
+    def least_error(self, budget: float, n_u: int, n_c: int, K: int, K_u: int, ys: np.ndarray,
+                    layers: bool = False):
+        """Per setting in `ys`: the least error of the configuration (inf where the checkpointed layers cannot be
+        placed), and with `layers` (one setting) the layers under LAAQ of that optimum."""
+        L, n_a, K_a = self.L, self.L - n_u - n_c, K - K_u
+        e = self.errors(ys)
+        if K_a > 0:
+            pre = np.sort(e[:K], axis=0)[:K_a]
+            total = pre.sum(axis=0)
+        else:
+            total = np.zeros(len(ys))
+        rest, above = e[K:], n_a - K_a
+        if n_c > 0:
+            caps = _nested_caps(self.B[ys], self._room(budget, n_a, K, K_u, self.B[ys]), n_c, self.C, self.g, L - K)
+            more, picked = _nested_least(rest, caps, above)
+        else:
+            more = np.partition(rest, above - 1, axis=0)[:above].sum(axis=0) if 0 < above < L - K else \
+                (rest.sum(axis=0) if above == L - K else np.zeros(len(ys)))
+            picked = np.argsort(rest[:, 0], kind="stable")[:above] if layers else None
+        total = total + more
+        if not layers:
+            return total
+        chosen = list(np.argsort(e[:K, 0], kind="stable")[:K_a]) + [K + int(i) for i in (picked if picked is not None
+                                                                                           else [])]
+        return total, np.array(sorted(chosen), dtype=int)
+
+    def error_bound(self, n_u: int, n_c: int, K: int, K_u: int, ys: np.ndarray) -> np.ndarray:
+        """A lower bound on each setting's least error, kind by kind: the K_a least of each kind's option within the
+        prefix plus the n_a - K_a least above it (no more than the least of the layers' sums)."""
+        n_a, K_a = self.L - n_u - n_c, K - K_u
+        key = (K, K_a, n_a)
+        if key not in self._bounds:
+            out = np.zeros(len(self.B))
+            for j, k in enumerate(self.kinds):
+                err = self.alike["errors"][k]
+                pre = np.sort(err[:K], axis=0)[:K_a].sum(axis=0)
+                post = np.sort(err[K:], axis=0)[:n_a - K_a].sum(axis=0)
+                out += (pre + post)[self.choice[:, j]]
+            self._bounds[key] = out
+        return self._bounds[key][ys]
+
+    # -- the whole choice -----------------------------------------------------------------------------------------
+
+    def x(self, n_u: int, n_c: int, K: int, K_u: int, y: Optional[int], laaq_layers: np.ndarray) -> np.ndarray:
+        """The model's variable vector of a configuration, its layers under LAAQ given."""
+        m, L = self.m, self.L
+        x = np.zeros(m.nv)
+        laaq = np.zeros(L, dtype=bool)
+        laaq[laaq_layers] = True
+        ckpt = np.zeros(L, dtype=bool)
+        free = [l for l in range(K, L) if not laaq[l]]
+        ckpt[free[:n_c]] = True  # the lowest places above the prefix the layers under LAAQ leave free
+        for l in range(L):
+            if ckpt[l]:
+                continue
+            for j, k in enumerate(self.kinds):
+                pos = self.choice[y, j] if laaq[l] else self.sixteen[k]
+                x[int(self.alike["index"][(l, k)][pos])] = 1.0
+        x[m.u0:m.u0 + L] = ~laaq & ~ckpt
+        x[m.c0:m.c0 + L] = ckpt
+        x[m.z0] = float(laaq.any())
+        both16 = ~ckpt & ~laaq
+        if y is not None and self.credit_on:
+            both16 |= ~ckpt & laaq & bool(self.choice[y, self.kinds.index(self.att)] == self.sixteen[self.att]
+                                          and self.choice[y, self.kinds.index(self.oproj)] == self.sixteen[self.oproj])
+        if self.credit_on:
+            x[m.w0:m.w0 + L] = both16 & (m.bounds.ub[m.w0:m.w0 + L] > 0)
+        for j, k in enumerate(self.kinds):  # the stage's one setting (any, where no layer runs LAAQ)
+            opt = self.options[k][self.choice[y, j]] if y is not None else "16"
+            x[m.y0 + m.settings_of[(0, k, opt)]] = 1.0
+        off = np.arange(L) < K
+        bytes_l = np.where(laaq, self.B[y] if y is not None else 0.0, self.U)
+        G = float(bytes_l[off].sum())
+        gu = m.unit
+        x[m.o0:m.o0 + L] = off
+        x[m.g0:m.g0 + L] = np.where(off, bytes_l, 0.0) / gu
+        x[m.h] = float(bytes_l[off].max()) / gu if K > 0 else 0.0
+        x[m.e] = max(0.0, G * self.o.link_seconds_per_byte - self.o.window_seconds) * 1e3
+        x[m.k] = max(0.0, G - self.o.forward_link_bytes) / gu if np.isfinite(self.o.forward_link_bytes) else 0.0
+        return x
+
+    def checked(self, x: np.ndarray, budget: float, row_seconds: float) -> bool:
+        """Whether the problem's own `evaluate` agrees: the choice fits and takes the seconds it was priced at."""
+        m = self.m
+        ckpt = np.round(x[m.c0:m.c0 + m.L]).astype(bool)
+        off = np.round(x[m.o0:m.o0 + m.L]).astype(bool)
+        f = self.p.evaluate(np.nonzero(np.round(x[:m.n]))[0], ckpt, off if off.any() else None)
+        seconds = m.time_constant + row_seconds
+        return max(f["peak_bytes_per_stage"]) <= budget and \
+            abs(f["step_seconds"] - seconds) <= abs(seconds) * 1e-9 + 1e-12 and \
+            f["host_bytes"] <= self.o.host_budget_bytes
+
+    def _settings_of(self, n_u: int, n_c: int, K: int, K_u: int, budget: float, row: float, limit: float,
+                     strict: bool):
+        """Settings of the configuration that fit its memory rows, with their step row seconds, those below `limit`
+        (or at most `limit` when not `strict`) in ascending bytes."""
+        K_a = K - K_u
+        # the rows and the step only rise with B(y), and the settings are in ascending B: a prefix of them, found on
+        # the distinct byte counts
+        ok = self._fits(budget, n_u, n_c, K, K_u, self.distinct)
+        t = row + self.link(K_u * self.U + K_a * self.distinct, K)
+        ok &= t < limit if strict else t <= limit
+        count = int(np.argmin(ok)) if not ok.all() else len(ok)
+        end = int(self.ends[count - 1]) if count else 0
+        ys = np.arange(end)
+        return ys, t[self.rank[:end]]
+
+    def fastest(self, budgets: np.ndarray, error_cap: Optional[float], kept) -> Optional[OptimizeResult]:
+        """The exact fastest choice, offload included, given `kept` (agoq.search.milp_levels' fastest choice keeping
+        every layer: an OptimizeResult with .seconds, or x None where nothing kept fits); None where a choice the
+        enumeration finds does not check out (the MILP then answers)."""
+        m = self.m
+        budget = float(np.asarray(budgets, float)[0])
+        best_row = float(kept.seconds) - m.time_constant if kept.x is not None else np.inf
+        best = None  # (row seconds, configuration, setting)
+        for least, n_u, n_c, K, K_u, row in self.bounded():
+            if not least < best_row:
+                break
+            n_a = self.L - n_u - n_c
+            if n_a == 0:  # no setting: one choice (unmodified, checkpointed, the prefix), no error
+                if self._fits(budget, n_u, n_c, K, K_u, np.zeros(1))[0] and self._no_laaq_fits(budget, n_c, K, K_u):
+                    best_row, best = least, (least, (n_u, n_c, K, K_u), None)
+                continue
+            found = self._settings_of(n_u, n_c, K, K_u, budget, row, best_row, strict=True)
+            ys, ts = found
+            for start in range(0, len(ys), CHUNK):
+                chunk, tchunk = ys[start:start + CHUNK], ts[start:start + CHUNK]
+                if not tchunk[0] < best_row:
+                    break
+                if error_cap is not None:
+                    fine = self.error_bound(n_u, n_c, K, K_u, chunk) <= error_cap * (1 + 1e-9) + 1e-15
+                    chunk, tchunk = chunk[fine], tchunk[fine]
+                    if len(chunk) == 0:
+                        continue
+                err = self.least_error(budget, n_u, n_c, K, K_u, chunk)
+                fine = np.isfinite(err) if error_cap is None else err <= error_cap * (1 + 1e-9) + 1e-15
+                if fine.any():
+                    i = int(np.argmax(fine))  # ascending bytes: the first that meets the cap is the fastest
+                    if tchunk[i] < best_row:
+                        best_row, best = float(tchunk[i]), (float(tchunk[i]), (n_u, n_c, K, K_u), int(chunk[i]))
+                    break
+        if best is None:
+            return kept  # no configuration that offloads is faster than the best kept one (or nothing fits at all)
+        row, (n_u, n_c, K, K_u), y = best
+        if y is None:
+            layers = np.zeros(0, dtype=int)
+        else:
+            _, layers = self.least_error(budget, n_u, n_c, K, K_u, np.array([y]), layers=True)
+        x = self.x(n_u, n_c, K, K_u, y, layers)
+        if not self.checked(x, budget, row):
+            return None
+        return OptimizeResult(x=x, status=0, success=True, fun=row, mip_gap=0.0, seconds=m.time_constant + row,
+                              message="optimal: the fastest of every configuration (offloaded prefix, counts, "
+                                      "setting) enumerated")
+
+    def _no_laaq_fits(self, budget: float, n_c: int, K: int, K_u: int) -> bool:
+        """With no layer under LAAQ: whether every checkpointed layer's backward fits (a_i = 0)."""
+        room = float(np.atleast_1d(self._room(budget, 0, K, K_u, np.zeros(1)))[0])
+        i = np.arange(n_c)
+        return bool(np.all(room - (i + 1) * self.C + i * self.g >= 0))
+
+    def tie_break(self, best_row: float, budgets: np.ndarray, error_cap: Optional[float], error_weight: float,
+                  change_weight: float) -> Optional[OptimizeResult]:
+        """agoq.search.milp_model's second objective (error x `error_weight` + changed tensors x `change_weight`)
+        over every choice whose step row seconds are within the tie tolerance of `best_row`, offload included;
+        None where the choice found does not check out."""
+        budget = float(np.asarray(budgets, float)[0])
+        limit = best_row + abs(best_row) * 1e-9 + 1e-12
+        best_value, best = np.inf, None
+        levels = []
+        for n_c in (range(self.L + 1) if self.p.allow_checkpoint else range(1)):
+            for n_u in range(self.L - n_c + 1):
+                row = -self.p.laaq_layer_seconds * n_u + (self.ckpt_seconds - self.p.laaq_layer_seconds) * n_c
+                levels.append((n_u, n_c, row))
+        # the choices keeping every layer, then those offloading, each in the order of `configurations`
+        configs = [(row, n_u, n_c, 0, 0, row) for n_u, n_c, row in levels] + \
+            sorted(self.bounded(), key=lambda c: self._position[c[1:5]])
+        for least, n_u, n_c, K, K_u, row in configs:
+            K_a = K - K_u
+            n_a = self.L - n_u - n_c
+            if least > limit:
+                continue
+            if n_a == 0:
+                if K > 0 and not self._fits(budget, n_u, n_c, K, K_u, np.zeros(1))[0]:
+                    continue
+                if K == 0 and not self._kept_fits(budget, n_u, n_c):
+                    continue
+                if not self._no_laaq_fits(budget, n_c, K, K_u):
+                    continue
+                value = change_weight * (n_c + K)
+                if value < best_value:
+                    best_value, best = value, (row + float(self.link(K_u * self.U, K)), (n_u, n_c, K, K_u), None)
+                continue
+            if K == 0:
+                ok = self._fits_kept(budget, n_u, n_c, self.distinct)  # rises with B(y): a prefix
+                count = int(np.argmin(ok)) if not ok.all() else len(ok)
+                ys = np.arange(int(self.ends[count - 1]) if count else 0)
+                ts = np.full(len(ys), row)
+            else:
+                ys, ts = self._settings_of(n_u, n_c, K, K_u, budget, row, limit, strict=False)
+            if len(ys) == 0:
+                continue
+            changes = n_a * self.non16[ys] + n_c + K
+            bound = error_weight * self.error_bound(n_u, n_c, K, K_u, ys) + change_weight * changes
+            order = np.argsort(bound, kind="stable")
+            for start in range(0, len(order), CHUNK):
+                part = order[start:start + CHUNK]
+                if not bound[part[0]] < best_value:
+                    break
+                part = part[bound[part] < best_value]
+                err = self.least_error(budget, n_u, n_c, K, K_u, ys[part])
+                value = error_weight * err + change_weight * changes[part]
+                if error_cap is not None:
+                    value = np.where(err <= error_cap * (1 + 1e-9) + 1e-15, value, np.inf)
+                i = int(np.argmin(value))
+                if value[i] < best_value:
+                    best_value, best = float(value[i]), (float(ts[part[i]]), (n_u, n_c, K, K_u), int(ys[part[i]]))
+        if best is None:
+            return None
+        row, (n_u, n_c, K, K_u), y = best
+        if y is None:
+            layers = np.zeros(0, dtype=int)
+        else:
+            _, layers = self.least_error(budget, n_u, n_c, K, K_u, np.array([y]), layers=True)
+        x = self.x(n_u, n_c, K, K_u, y, layers)
+        if not self.checked(x, budget, row):
+            return None
+        return OptimizeResult(x=x, status=0, success=True, fun=best_value, mip_gap=0.0,
+                              message="optimal: the least error, then fewest changes, of every configuration "
+                                      "(offloaded prefix, counts, setting) as fast as the optimum")
+
+    def _fits_kept(self, budget: float, n_u: int, n_c: int, B: np.ndarray) -> np.ndarray:
+        """The end-of-forward row with nothing offloaded, per setting."""
+        n_a = self.L - n_u - n_c
+        T = self.T if n_a > 0 else 0.0
+        end = float(self.p.static_bytes[0]) + n_u * self.U + n_a * B + n_c * self.C + T
+        return end <= budget + self.tolerance
+
+    def _kept_fits(self, budget: float, n_u: int, n_c: int) -> bool:
+        return bool(self._fits_kept(budget, n_u, n_c, np.zeros(1))[0])
+
+
+__all__ = ["Enumeration"]
