@@ -161,6 +161,30 @@ class Enumeration:
             self._position = {c[:4]: i for i, c in enumerate(configs)}
         return self._configs
 
+    def _possible(self, budget: float) -> np.ndarray:
+        """Per configuration of `bounded`, False where it cannot fit whatever its setting: its rows at the least
+        bytes a setting keeps (they only rise with B), every checkpointed layer with no layer under LAAQ below it.
+        A necessary condition, with a little slack: the exact rows decide the rest."""
+        configs = self.bounded()
+        if not configs:
+            return np.zeros(0, dtype=bool)
+        _, n_u, n_c, K, K_u, _ = (np.array(c, float) for c in zip(*configs))
+        n_a, K_a = self.L - n_u - n_c, K - K_u
+        B = np.where(n_a > 0, self.B[0], 0.0)
+        G = K_u * self.U + K_a * B
+        h = np.maximum(np.where(K_u > 0, self.U, 0.0), np.where(K_a > 0, B, 0.0))
+        T = np.where(n_a > 0, self.T, 0.0)
+        static = float(self.p.static_bytes[0])
+        slack = self.tolerance + 1e-9 * abs(budget) + 1.0
+        end = static + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T + h \
+            + np.maximum(0.0, G - self.o.forward_link_bytes)
+        ok = (end <= budget + slack) & (G <= self.o.host_budget_bytes * (1 + 1e-9) + 1.0)
+        if self.o.floor_bytes > budget + slack:
+            ok &= False
+        room = budget - static - self.r0 - T - h + K * self.g
+        ckpt = room - self.C + np.minimum(0.0, (n_c - 1) * (self.g - self.C))  # the least room of the n_c phases
+        return ok & ((n_c == 0) | (ckpt >= -slack))
+
     def _fits(self, budget: float, n_u: int, n_c: int, K: int, K_u: int, B: np.ndarray) -> np.ndarray:
         """Per setting (bytes B): the end of forward, the host budget and the floor; and cap_i >= 0 for every
         checkpointed layer (a_i = 0) — what the memory allows before the layers under LAAQ are placed."""
@@ -317,9 +341,12 @@ class Enumeration:
         budget = float(np.asarray(budgets, float)[0])
         best_row = float(kept.seconds) - m.time_constant if kept.x is not None else np.inf
         best = None  # (row seconds, configuration, setting)
-        for least, n_u, n_c, K, K_u, row in self.bounded():
+        possible = self._possible(budget)
+        for at, (least, n_u, n_c, K, K_u, row) in enumerate(self.bounded()):
             if not least < best_row:
                 break
+            if not possible[at]:
+                continue
             n_a = self.L - n_u - n_c
             if n_a == 0:  # no setting: one choice (unmodified, checkpointed, the prefix), no error
                 if self._fits(budget, n_u, n_c, K, K_u, np.zeros(1))[0] and self._no_laaq_fits(budget, n_c, K, K_u):

@@ -154,6 +154,8 @@ def test_each_configuration_least_error_equals_brute_force():
             budget = static + rng.uniform(0.3, 1.2) * L * e.U + 0.37
             configs = [(n_u, n_c, 0, 0, row) for n_c in range(L + 1) for n_u in range(L - n_c + 1)
                        for row in [-p.laaq_layer_seconds * n_u + (e.ckpt_seconds - p.laaq_layer_seconds) * n_c]]
+            possible = e._possible(budget)
+            at = {c[1:5]: i for i, c in enumerate(e.bounded())}
             for n_u, n_c, K, K_u, row in configs + list(e.configurations()):
                 n_a = L - n_u - n_c
                 if n_a == 0:
@@ -183,6 +185,8 @@ def test_each_configuration_least_error_equals_brute_force():
                     e._fits_kept(budget, n_u, n_c, e.B[y:y + 1])[0]
                 got = float(e.least_error(budget, n_u, n_c, K, K_u, np.array([y]))[0]) if fits else np.inf
                 where = f"seed {seed} trial {trial} budget {budget} config {(n_u, n_c, K, K_u, y)}"
+                if K and np.isfinite(least):  # the cheap necessary condition never rules out one that fits
+                    assert possible[at[(n_u, n_c, K, K_u)]], where
                 assert got == pytest.approx(least, rel=1e-9, abs=1e-12) or got == least == np.inf, where
                 checked += np.isfinite(least)
     assert checked >= 20, f"seed {seed}: only {checked} configurations that fit were compared"
