@@ -228,7 +228,8 @@ class Levels:
         proving that no choice exists (milliseconds each, where minimising the offloaded bytes takes seconds). When
         every faster level is ruled out, the T0 choice is the optimum, exactly; its ties, offloading or not, are
         the second objective's (it bounds the whole time row). Where nothing fits with every layer kept, the same
-        checks without the cap prove that nothing fits at all, or leave it to the whole MILP."""
+        checks without the cap prove that nothing fits at all, or leave it to the whole MILP. Where the layers are
+        alike (agoq.search.milp_offload), every configuration that offloads is enumerated instead, exactly."""
         from agoq.search.milp_model import milp
 
         m = self.m
@@ -241,6 +242,10 @@ class Levels:
         enumeration = Enumeration.build(m)  # alike layers of a compiled plan: every offloaded prefix enumerated
         if enumeration is not None:
             found = enumeration.fastest(budgets, error_cap, kept)
+            if found is kept:  # no choice that offloads is faster
+                kept.message = "no choice fits the budget and the caps (every step-time level checked, offload " \
+                               "included)" if kept.x is None else "optimal: the fastest step-time level keeping " \
+                                                                  "every layer, and no offloading choice faster"
             if found is not None:
                 return found
         best = float(kept.seconds) if kept.x is not None else np.inf  # nothing kept fits: every level may offload

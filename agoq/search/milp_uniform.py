@@ -26,7 +26,10 @@ then the least over every y that fits the budget and the error cap: a product of
 the probe. Each setting is first bounded kind by kind (the n_a least errors of each kind's option, summed: no more
 than the least n_a of the layers' sums), and its exact least error is computed, in numpy, only for settings whose
 bound could still win, best bound first. `tie_break` returns None wherever the structure does not hold, and the MILP
-answers as before.
+answers as before. A setting with a dominated option (one not at 16 keeping no fewer bytes and no less error in any
+layer than another option not at 16 of its kind, strictly more somewhere or listed after it) is never enumerated: the
+setting with that other option keeps no more bytes, no more error in any layer and as many changed tensors, so it
+fits wherever the first does, and its least error is no larger.
 
 Where the backward of a checkpointed layer also holds the gradients made by then (bf16 gradients, one micro-batch
 per step: agoq.search.costs._end_of_backward), layer h's rerun bytes fall by g per layer of height, r(h) = r(0) -
