@@ -33,6 +33,9 @@ cap. Every configuration's step is bounded below by its counts' level plus the l
 to beat: configurations are visited best bound first until the bound reaches the best found. Within one, the step
 rises with B(y) and the memory rows only loosen as B(y) falls, so the settings are taken by ascending B(y); the
 first whose least error meets the cap (a kind-by-kind bound first, as in agoq.search.milp_uniform) is its fastest.
+A configuration whose rows fail at the least bytes any setting keeps (every checkpointed layer with no layer under
+LAAQ below it) cannot fit at all: those are ruled out together, before the visit. The settings are those of
+agoq.search.milp_uniform.settings (none with a dominated option).
 The tie-break (the least error, then fewest changed tensors, among the choices as fast as the optimum, within the
 tolerance of agoq.search.milp_model's second solve) takes every configuration whose bound is within that tolerance,
 and in it every setting whose step is: the least value over them. Both return None wherever the structure does not
@@ -156,9 +159,9 @@ class Enumeration:
             K_a = K - K_u
             least = row + self.link(K_u * self.U + K_a * self.B[0], K) if len(configs) else np.zeros(0)
             order = np.lexsort((K_u, K, n_c, n_u, least))
+            self._position = {c[:4]: i for i, c in enumerate(configs)}  # (set first: `_configs` says both are)
             self._configs = [(float(least[i]), int(n_u[i]), int(n_c[i]), int(K[i]), int(K_u[i]), float(row[i]))
                              for i in order]
-            self._position = {c[:4]: i for i, c in enumerate(configs)}
         return self._configs
 
     def _possible(self, budget: float) -> np.ndarray:
