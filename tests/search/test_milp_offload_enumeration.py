@@ -47,6 +47,8 @@ def _problem(rng, checkpoint: bool, falls: bool):
         for k in set(p.kind[np.array([o == "recompute" for o in p.option], bool)]):
             p.memory[(p.kind == k) & np.array([o == "recompute" for o in p.option])] = float(rng.randint(1, 9))
     p = with_offload(rng, p)
+    if np.isfinite(p.offload.forward_link_bytes):  # whole bytes, as every other amount (a peak is rounded up)
+        p = replace(p, offload=replace(p.offload, forward_link_bytes=float(round(p.offload.forward_link_bytes))))
     if rng.random() < 0.5:  # a cheaper link and no floor: offloading wins more often
         p = replace(p, offload=replace(p.offload, link_seconds_per_byte=p.offload.link_seconds_per_byte / 10,
                                        seconds_per_byte=p.offload.seconds_per_byte / 10, floor_bytes=0.0))
