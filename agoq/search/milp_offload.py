@@ -115,7 +115,7 @@ class Enumeration:
         self.distinct, self.rank = np.unique(self.B, return_inverse=True)  # ascending distinct bytes, each one's
         self.ends = np.searchsorted(self.B, self.distinct, side="right")   # rank; where each one's settings end
         # each setting's per-layer errors, computed a block of settings at a time as they are first needed
-        self.E = np.zeros((L, len(self.B))) if L * len(self.B) <= 1 << 24 else None
+        self.E = np.zeros((L, len(self.B))) if L * len(self.B) <= 1 << 22 else None
         self._have = np.zeros((len(self.B) + BLOCK - 1) // BLOCK, dtype=bool)
         self._bounds: dict = {}
         self._configs = None
