@@ -219,7 +219,8 @@ def plan_bits(bits: dict[str, Any]) -> dict[str, Any]:
 
 
 PART_COLORS = PALETTE + ("#aec7e8", "#ffbb78")  # one per part a plan may record (agoq.search.memory_parts)
-PHASE_LABELS = {"forward_backward": "end of forward", "optimizer_step": "optimizer step"}
+PHASE_LABELS = {"forward_backward": "end of forward", "backward_start": "start of backward (first prefetch)",
+                "optimizer_step": "optimizer step"}
 
 
 def phase_label(phase: dict[str, Any] | None) -> str:

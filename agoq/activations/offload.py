@@ -9,8 +9,9 @@ to run that layer), a hook starts bringing back the tensors of the nearest offlo
 copy stream, so the host-to-device copies run under the compute of the layer above. On a GPU it also starts the
 offloaded layers below that, nearest first, as far as the memory backward has freed since it began allows
 (`torch.cuda.memory_allocated` then against now): a layer whose copy takes longer than one layer's backward is
-then on its way several layers early, and the device holds no more than at the end of forward plus the one layer
-always fetched. A layer whose tensors were not on their way when backward asked for them fetches them then
+then on its way several layers early, and the device holds no more than at the start of backward plus the one layer
+always fetched. Not while a checkpointed layer between is still to run its backward: its rerun forward needs the
+memory freed above it, so until then only the nearest offloaded layer comes back. A layer whose tensors were not on their way when backward asked for them fetches them then
 (`OffloadStats.fetched_on_demand`). The compute stream waits only for a copy that has not ended by the time its
 tensor is used.
 
@@ -171,6 +172,7 @@ class ActivationOffload:
         self._waited_events: list = []
         self._compiled_plain: set[int] = set()  # layers compiled once without the hooks (see wrap)
         self._backward_base: int | None = None  # bytes allocated when this micro-batch's backward began
+        self.checkpointed: set[int] = set()  # decoder layers that rerun their forward in backward (apply_offload)
         self._live = 0  # offloaded tensors not yet brought back in backward
         self._skip: set[int] = set()  # storages never offloaded: parameters, buffers, the current call's extras
         self._d2h = self._h2d = None
@@ -326,16 +328,29 @@ class ActivationOffload:
         now = torch.cuda.memory_stats_as_nested_dict(self._index)["allocated_bytes"]["all"]["current"]
         if self._backward_base is None:
             self._backward_base = now
-        room = self._backward_base - now  # what backward has freed; fetched buffers already count in `now`
+        for layer in self.ahead(index, self._backward_base - now):  # what backward has freed (fetched buffers
+            self._fetch(layer)                                         # already count in `now`)
+            self.stats.fetched_ahead += 1
+
+    def ahead(self, index: int, room: int) -> list[int]:
+        """The offloaded layers below the nearest one under layer `index` to start bringing back now, nearest first,
+        within `room` bytes (what backward has freed since it began). None while a checkpointed layer from `index`
+        down to the nearest offloaded one is still to run its backward: its rerun forward allocates on top of what
+        the step holds, so the memory freed above it is not free for copies (the search prices a checkpointed
+        layer's backward with one offloaded layer fetched, agoq.search.problem)."""
+        below = sorted((i for i in self._layer_order if i < index), reverse=True)
+        if len(below) < 2 or any(below[0] <= j <= index for j in self.checkpointed):
+            return []
+        out = []
         for layer in below[1:]:
             if layer in self._fetched:
                 continue  # on its way already
             need = self._layer_bytes.get(layer, 0)
             if need > room:
                 break
-            self._fetch(layer)
-            self.stats.fetched_ahead += 1
+            out.append(layer)
             room -= need
+        return out
 
     def wrap(self, index: int, call, offloaded: bool = True, compiled: bool = False):
         """`call` (a layer's call) with its saved tensors offloaded under layer index `index` (`offloaded` False:
@@ -405,7 +420,8 @@ def _tensors(items) -> list[torch.Tensor]:
 def apply_offload(model: nn.Module, *, layers, min_bytes: int = MIN_BYTES, host_budget_bytes: int | None = None,
                   device: torch.device | None = None) -> ActivationOffload | None:
     """Offload the saved tensors of decoder layers `layers` (indices; empty: none, returns None). Apply it after
-    torch.compile (it wraps the compiled call). Replaces an offload applied before."""
+    torch.compile (it wraps the compiled call) and after checkpointing (it reads which layers rerun their forward).
+    Replaces an offload applied before."""
     remove_offload(model)
     layers = sorted(set(int(i) for i in layers))
     if not layers:
@@ -416,6 +432,7 @@ def apply_offload(model: nn.Module, *, layers, min_bytes: int = MIN_BYTES, host_
         raise ValueError(f"offload layers {bad} are out of range: the model has {len(decoder)} decoder layers "
                          f"(0-{len(decoder) - 1})")
     offload = ActivationOffload(model, min_bytes=min_bytes, host_budget_bytes=host_budget_bytes, device=device)
+    offload.checkpointed = {i for i, layer in enumerate(decoder) if getattr(layer, "_agoq_checkpointed", False)}
     for i in range(layers[0], len(decoder)):  # the layers above the first offloaded one start its prefetches
         layer = decoder[i]
         call = layer._compiled_call_impl or layer._call_impl

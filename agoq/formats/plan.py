@@ -1,4 +1,4 @@
-"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.4``, docs/formats.md).
+"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.5``, docs/formats.md).
 
 A plan says, for one model (by fingerprint), how each decoder layer keeps each tensor kind for
 backward (a bit width 2..8, 16, or "recompute"), which layers are checkpointed whole, how gradients are
@@ -13,6 +13,8 @@ may give torch.compile's partitioner budget (`training.activation_memory_budget`
 (`layers[*].offload`: its saved tensors kept in pinned host memory during the step), the plan may say the host
 memory it was made for (`host_budget_bytes`), and the prediction what offload holds and moves
 (`predicted.host_bytes`, `predicted.offload_link_seconds`); plans before 1.4 offload nothing and load unchanged.
+Since 1.5 a stage's peak may be set at the start of backward (memory phase `backward_start`: with offloaded
+layers, backward's first prefetch in flight).
 
     plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
     plan.activation_policy()               # what the runtime applies: agoq.train.apply.apply_plan
@@ -50,11 +52,11 @@ from agoq.files import read_json_object
 from agoq.layout import GRADIENT_MODES
 from agoq.quant.layout import check_arguments
 
-SCHEMA = "agoq.plan/1.4"
+SCHEMA = "agoq.plan/1.5"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
-MEMORY_PHASES = ("forward_backward", "checkpoint_backward", "optimizer_step")  # where a stage's peak is set
+MEMORY_PHASES = ("forward_backward", "backward_start", "checkpoint_backward", "optimizer_step")  # where a stage's peak is set
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
 NO_OFFLOAD_PARALLEL = ("fsdp", "pipeline")  # launch.parallel modes offload cannot run in (agoq.train.preparation)
 

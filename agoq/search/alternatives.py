@@ -63,6 +63,8 @@ class PricedAlternative:
     offload_layers: list = field(default_factory=list)  # layers whose activations are kept in host memory
     activation_bytes_per_stage: Optional[list] = None  # what the layers keep (None: not modelled, compile's budget)
     memory_per_stage: Optional[list] = None            # the peak's parts (agoq.search.memory_parts; None: measured)
+    host_bytes: Optional[int] = None                   # with offloaded layers: what they keep on the host per micro-batch
+    offload_link_seconds: Optional[float] = None       # and the host link's seconds per step, out and back
 
     def as_plan_field(self, plan_tokens_per_second: Optional[float] = None) -> dict:
         """The plan's `alternative` / `alternatives` entry (agoq.formats.plan.Alternative)."""
@@ -75,7 +77,9 @@ class PricedAlternative:
                              "tokens_per_second": self.tokens_per_second,
                              **({"activation_bytes_per_stage": self.activation_bytes_per_stage,
                                  "memory_per_stage": self.memory_per_stage}
-                                if self.activation_bytes_per_stage is not None else {})},
+                                if self.activation_bytes_per_stage is not None else {}),
+                             **({"host_bytes": self.host_bytes, "offload_link_seconds": self.offload_link_seconds}
+                                if self.host_bytes is not None else {})},
                "measured": None, "fits": self.fits}
         if plan_tokens_per_second and self.tokens_per_second > 0:
             out["speedup_predicted"] = plan_tokens_per_second / self.tokens_per_second
@@ -176,7 +180,10 @@ def _offload_alternative(problem, profile: ProfileData, budget: float, compile_m
                                       _tokens(profile, mb, accum, seconds), True,
                                       [int(i) for i in np.nonzero(checkpoint)[0]], offload_layers=list(range(k)),
                                       activation_bytes_per_stage=figures["activation_bytes_per_stage"],
-                                      memory_per_stage=_parts(problem, kept, checkpoint, offload))]
+                                      memory_per_stage=_parts(problem, kept, checkpoint, offload),
+                                      host_bytes=int(figures["host_bytes"]),
+                                      offload_link_seconds=float(figures["offload_link_seconds"])
+                                      * problem.offload.grad_accum)]
     return []
 
 

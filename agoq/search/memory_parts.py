@@ -6,6 +6,9 @@ Phases (agoq.search.costs.ChoiceProblem.evaluate; the peak is the largest):
 
   forward_backward     the end of forward: the state, the rest of the step and every in-flight micro-batch's
                        activations, plus LAAQ's backward transient
+  backward_start       with layers offloaded: the start of backward, when the first prefetch brings one offloaded
+                       layer back: the end of forward's parts, less the LM head's tensors (freed by then) and plus
+                       the gradients made by then (both in end_of_backward), plus the prefetched layer
   checkpoint_backward  the backward of a checkpointed layer (`layer`): the state, the rest of the step, what the
                        micro-batches hold then and the layer's rerun forward
   optimizer_step       the optimizer step: the state and the step's own workspace, no activations
@@ -25,12 +28,14 @@ Parts, bytes per rank of the stage (sharded layouts: this rank's shard; agoq.sea
   compiled_margin        (plans of earlier versions) their compiled peak margin
   activations            what the decoder layers keep for backward at that moment
   recomputed_layer       a checkpointed layer's rerun forward
-  end_of_backward        in checkpoint_backward: what the step holds then beyond what the end of forward's parts
+  end_of_backward        in checkpoint_backward (and backward_start, at the top layer): what the step holds then
+                         beyond what the end of forward's parts
                          count: the bf16 gradients made by then (without accumulation; with it, or with QuanGrad, they
                          are counted already), less the LM head's tensors, freed by then
   laaq_transient         what LAAQ's backward holds beyond the memory model (dequantized copies)
-  offload_prefetch       with layers offloaded to host memory: the largest offloaded layer's tensors, which
-                         backward's first prefetch brings back before backward has freed anything
+  offload_prefetch       with layers offloaded to host memory (backward_start, checkpoint_backward): the largest
+                         offloaded layer's tensors, which backward's first prefetch brings back before backward has
+                         freed anything
   offload_backlog        offloaded bytes the host link has not yet copied out when forward ends (still on the GPU)
   offload_floor          with layers offloaded: what lifts the peak to the profile's measured offloading step's
                          (the end of backward, every gradient made; agoq.search.calibration)

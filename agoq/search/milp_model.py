@@ -32,7 +32,10 @@ window) and k (bytes not yet copied out when forward ends; OffloadPrices):
   g_l <= bytes_l(x, u, w),   g_l <= M_l o_l,   g_l >= bytes_l(x, u, w) - M_l (1 - o_l)
   h >= g_l,   link_seconds_per_byte x sum_l g_l - e <= window,   sum_l g_l - k <= forward_link_bytes,
   sum_l g_l <= host budget
-  memory rows: - g_l (layer l's bytes are on the host) + h (+ k at the end of forward);
+  memory rows: - g_l (layer l's bytes are on the host), + k at the end of forward; + h at the start of backward
+               (one more row: + k, + the top layer's end_of_backward bytes x o_0) and in the backward of each
+               checkpointed layer (its row: + h + M c_l <= room + M, M the largest layer's bytes: binding only
+               where c_l = 1);
   floor:       (floor_bytes - static) o_0 <= budget - static  (a choice that offloads peaks at no less than the
                profile's measured offloading step, OffloadPrices.floor_bytes)
   time: + seconds_per_byte g_l + accum x e + layer_seconds o_l
@@ -276,6 +279,8 @@ class Model:
         # peaks during the backward of each layer that may be checkpointed (see ChoiceProblem.evaluate)
         flight, extra = p.in_flight_counts(), p.recomputed()
         rows_l, stage_l = [], []
+        offsets = np.zeros(S + (L if p.allow_checkpoint else 0) + (1 if self.offload else 0))  # bytes per peak row
+        reserve_m = float(self.bounds_upper_h) * self.unit if self.offload else 0.0       # beyond static bytes
         if p.allow_checkpoint:
             owner = np.full(self.nv, -1)
             owner[:n] = p.layer
@@ -290,12 +295,21 @@ class Model:
                 own = p.checkpoint_memory[l] + (0.0 if p.checkpoint_calibration is None else p.checkpoint_calibration[l])
                 row[self.c0 + l] += own / flight[s] + extra[l]
                 row[self.z0 + s] = laaq[s]
-                if self.offload:
+                if self.offload:  # + h where l is checkpointed: h + M c_l <= room + M (M: h's upper bound)
                     row[self.h] = self.unit
+                    row[self.c0 + l] += reserve_m
+                    offsets[len(rows_l) + S] = -reserve_m
                 rows_l.append(row)
                 stage_l.append(s)
+        if self.offload:  # the start of backward, where any layer is offloaded (o_0): + h and the top layer's
+            start = mem[0].copy()  # end_of_backward bytes (ChoiceProblem)
+            start[self.h] = self.unit
+            start[self.o0] += float(p.end_of_backward_bytes()[p.top_layers()[0]])
+            rows_l.append(start)
+            stage_l.append(0)
         self.peak_rows = np.vstack([mem] + rows_l) if rows_l else mem
         self.peak_stage = np.array(list(range(S)) + stage_l)
+        self.peak_offset = offsets
         t = np.zeros(self.nv)
         t[:n] = p.seconds
         t[self.c0:self.c0 + L] = p.checkpoint_seconds - p.laaq_layer_seconds
@@ -363,17 +377,17 @@ class Model:
         self._rows = (rows, cols, vals, lo, hi, r)
         upper[self.o0:self.o0 + L] = 1.0
         upper[self.g0:self.g0 + L] = biggest / gu
-        upper[self.h] = float(biggest.max()) / gu
+        upper[self.h] = self.bounds_upper_h = float(biggest.max()) / gu
         upper[self.e] = upper[self.k] = np.inf
         self.integrality[self.g0:self.g0 + L] = 0
         self.integrality[self.h] = self.integrality[self.e] = self.integrality[self.k] = 0
         mem[0, self.g0:self.g0 + L] = -gu
-        mem[0, self.h] = mem[0, self.k] = gu
+        mem[0, self.k] = gu  # h counts at the start of backward (the peak rows), not at the end of forward
 
     def constraints(self, budgets: np.ndarray, time_cap: Optional[float], error_cap: Optional[float] = None) -> list:
         p = self.p
         # memory in self.unit bytes, time in milliseconds: coefficients near 1 keep HiGHS healthy
-        room = (np.asarray(budgets, float) - p.static_bytes)[self.peak_stage]
+        room = (np.asarray(budgets, float) - p.static_bytes)[self.peak_stage] - self.peak_offset
         constraints = [self.structure, LinearConstraint(self.peak_rows / self.unit, -np.inf, room / self.unit)]
         if self.offload and p.offload.floor_bytes > 0:  # offloading any layer (o_0) peaks at no less than the floor
             row = np.zeros((1, self.nv))
@@ -410,6 +424,10 @@ class Model:
         res = milp(primary / scale, options=options, **args)
         if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
             res = milp(primary / scale, options={"mip_rel_gap": GAP}, **args)
+        if res.x is None and res.status == 2 and self.offload:
+            # HiGHS's presolve can misjudge offload's big-M rows as infeasible where a choice meets them exactly
+            # (a budget equal to its peak): asked again without it
+            res = milp(primary / scale, options={**options, "presolve": False}, **args)
         return self._keep_first(key, res)
 
     def _keep_first(self, key, res):
@@ -523,7 +541,12 @@ class Model:
         rows = self.structure.A.toarray()
         structure = LinearConstraint(np.hstack([rows, np.zeros((rows.shape[0], 1))]), self.structure.lb,
                                      self.structure.ub)
-        cons = [structure, LinearConstraint(mem, -np.inf, -self.p.static_bytes[self.peak_stage] / self.unit)]
+        cons = [structure, LinearConstraint(mem, -np.inf,
+                                            -(self.p.static_bytes[self.peak_stage] + self.peak_offset) / self.unit)]
+        if self.offload and self.p.offload.floor_bytes > 0:  # offloading any layer: t >= the floor (constraints)
+            row = np.zeros((1, nv))
+            row[0, self.o0], row[0, -1] = (self.p.offload.floor_bytes - float(self.p.static_bytes[0])) / self.unit, -1.0
+            cons.append(LinearConstraint(row, -np.inf, -float(self.p.static_bytes[0]) / self.unit))
         if time_cap is not None:
             cons.append(LinearConstraint(np.append(self.time_row, 0.0)[None, :] * 1e3, -np.inf,
                                          (time_cap - self.time_constant) * 1e3))

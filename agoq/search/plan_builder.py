@@ -118,7 +118,11 @@ def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
         alternative=replaced)
     data["predicted"]["compile_graphs"], data["predicted"]["compile_seconds"] = compile_cost(
         profile, data["layers"], alt.compile)
-    if not any(lp["offload"] for lp in data["layers"]):
+    if any(lp["offload"] for lp in data["layers"]):  # what its offloaded layers hold on the host and move
+        for name in ("host_bytes", "offload_link_seconds"):
+            if getattr(alt.predicted, name, None) is not None:
+                data["predicted"][name] = getattr(alt.predicted, name)
+    else:
         data.pop("host_budget_bytes", None)
     data["launch"] = launch_for(stages, "bf16", int((data.get("launch") or {}).get("processes") or 1))
     decision = dict(data.get("decision") or {})

@@ -52,9 +52,13 @@ class OffloadPrices:
       link seconds per micro-batch = B x link_seconds_per_byte          (B: bytes offloaded, out then back)
       exposed seconds per micro-batch = max(0, link seconds - window_seconds)
       step seconds += grad_accum x exposed + B x seconds_per_byte + K x layer_seconds   (K: layers offloaded)
-      peak: offloaded layers keep nothing on the GPU at the end of forward; backward's first prefetch brings back
-            one layer before backward has freed anything: + the largest offloaded layer's bytes; and what the link
-            has not yet copied out when forward ends is still on the GPU: + max(0, B - forward_link_bytes)
+      peak: offloaded layers keep nothing on the GPU at the end of forward, where what the link has not yet
+            copied out is still on the GPU: + max(0, B - forward_link_bytes); backward's first prefetch starts when
+            the top layer's backward does (agoq.activations.offload), the LM head's tensors freed and its gradients
+            made, and brings back one layer before backward has freed anything: the start of backward (phase
+            backward_start) adds the largest offloaded layer's bytes and the top layer's end_of_backward bytes
+            (negative where the head's tensors outweigh its gradients) to the end of forward's peak, and so does
+            the backward of a checkpointed layer
       host: B <= host_budget_bytes
       floor: a choice that offloads any layer peaks at no less than floor_bytes (0: none known), the peak the
             profile measured for its offloading step, moved by the model's state bytes (agoq.search.calibration):
@@ -142,6 +146,12 @@ class ChoiceProblem:
     def rerun_calibrated(self) -> np.ndarray:
         return self._per_layer(self.rerun_calibration)
 
+    def top_layers(self) -> np.ndarray:
+        """Per stage, its last decoder layer (the first that backward runs)."""
+        top = np.zeros(self.num_stages, dtype=int)
+        np.maximum.at(top, self.layer_stage, np.arange(self.num_layers))
+        return top
+
     def _per_layer(self, values: Optional[np.ndarray]) -> np.ndarray:
         return np.zeros(self.num_layers) if values is None else np.asarray(values, float)
 
@@ -217,8 +227,15 @@ class ChoiceProblem:
         laaq_stage = np.zeros(self.num_stages, dtype=bool)
         laaq_stage[self.layer_stage[laaq]] = True
         transient = np.where(laaq_stage, self.laaq_transient(), 0.0)
-        mem = self.static_bytes + activations + calibrated + transient + reserve + backlog
+        mem = self.static_bytes + activations + calibrated + transient + backlog
         phase, at_layer = ["forward_backward"] * self.num_stages, [None] * self.num_stages
+        # the start of backward, where offloading: backward's first prefetch in flight, the LM head's tensors freed
+        # and its gradients made (the top layer's end_of_backward bytes, which count that layer's too)
+        start = np.full(self.num_stages, -np.inf)
+        if off.any():
+            start = mem + reserve + self.end_of_backward_bytes()[self.top_layers()]
+            for s in np.nonzero(start > mem)[0]:
+                mem[s], phase[s] = start[s], "backward_start"
         held, rerun, held_calibration = activations.copy(), np.zeros(self.num_stages), calibrated.copy()
         checkpoint_peak = np.full(self.num_stages, -np.inf)  # the largest checkpoint_backward value per stage
         # backward of a checkpointed layer l: the other in-flight micro-batches, this one's layers before l,
@@ -301,10 +318,14 @@ class ChoiceProblem:
                     parts["calibration"] += own
                     if phase_bytes:
                         parts["end_of_backward"] = phase_bytes
+                if m["phase"][s] == "backward_start":
+                    top = int(self.top_layers()[s])
+                    if self.end_of_backward_bytes()[top]:
+                        parts["end_of_backward"] = float(self.end_of_backward_bytes()[top])
                 parts["laaq_transient"] = float(m["transient"][s])
-                if m["reserve"][s] > 0:
+                if m["reserve"][s] > 0 and m["phase"][s] != "forward_backward":
                     parts["offload_prefetch"] = float(m["reserve"][s])
-                if m["phase"][s] == "forward_backward" and m["backlog"][s] > 0:
+                if m["phase"][s] in ("forward_backward", "backward_start") and m["backlog"][s] > 0:
                     parts["offload_backlog"] = float(m["backlog"][s])
                 if m["offload_floor"][s] > 0:
                     parts["offload_floor"] = float(m["offload_floor"][s])

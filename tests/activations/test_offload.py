@@ -226,6 +226,60 @@ def test_backward_fetches_further_ahead_into_the_memory_it_freed():
     assert offload.stats.fetched_ahead >= 2 * len(batches) - 1
 
 
+def test_no_fetch_ahead_while_a_checkpointed_layer_is_still_to_rerun():
+    """Which offloaded layers backward brings back early at each layer, on random layouts (offloaded prefix,
+    checkpointed layers anywhere, some offloaded too, as full checkpointing with its inputs offloaded), against a
+    walk written out here: none while a checkpointed layer from the current one down to the nearest offloaded one is
+    still to run; else the ones below the nearest, nearest first, each not yet on its way and within the room left."""
+    import random
+
+    from agoq.activations.offload import ActivationOffload
+
+    rng = random.Random()
+    seed = rng.getrandbits(32)
+    rng.seed(seed)
+    offload = ActivationOffload(torch.nn.Linear(3, 5), device="cpu")
+    for trial in range(300):
+        L = rng.randint(2, 13)
+        k = rng.randint(1, L)
+        offload._layer_order = list(range(k))
+        offload._layer_bytes = {i: rng.randint(1, 9) * 1000 + rng.randint(0, 999) for i in range(k)}
+        offload._fetched = {i for i in range(k) if rng.random() < 0.2}
+        offload.checkpointed = {i for i in range(L) if rng.random() < 0.3}
+        index, room = rng.randint(1, L - 1), rng.randint(0, 40000)
+        below = [i for i in range(k - 1, -1, -1) if i < index]
+        blocked = any(below and below[0] <= j <= index for j in offload.checkpointed)
+        expected, left = [], room
+        if not blocked:
+            for layer in below[1:]:
+                if layer in offload._fetched:
+                    continue
+                if offload._layer_bytes[layer] > left:
+                    break
+                expected.append(layer)
+                left -= offload._layer_bytes[layer]
+        assert offload.ahead(index, room) == expected, f"seed {seed} trial {trial}"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="prefetch depth follows the GPU's allocated bytes")
+def test_checkpointed_layers_between_hold_back_the_fetch_ahead():
+    """Layers 0-2 offloaded, 3-4 checkpointed, five kept above: backward brings back only the nearest offloaded
+    layer until it has rerun layers 4 and 3, so at most one layer per micro-batch is fetched ahead (at layer 2);
+    the gradients are the same bits as the same checkpointing without offload."""
+    from agoq.activations.checkpointing import apply_checkpointing
+
+    batches = [batch(14), batch(15)]
+    model = make_model("bf16", layers=10)
+    apply_checkpointing(model, layers=[3, 4])
+    ref = train_steps(model, batches)
+    model = make_model("bf16", layers=10)
+    apply_checkpointing(model, layers=[3, 4])
+    offload = apply_offload(model, layers=[0, 1, 2], min_bytes=0)
+    assert offload.checkpointed == {3, 4}
+    assert_same(train_steps(model, batches, offload), ref)
+    assert offload.stats.fetched_ahead <= len(batches)
+
+
 def test_a_new_micro_batch_lets_go_of_tensors_backward_never_asked_for():
     """Autograd can save a tensor its backward never reads: the next micro-batch still empties the pool (else it
     would grow every step) and counts it."""

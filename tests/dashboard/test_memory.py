@@ -161,7 +161,7 @@ def test_an_offloading_plan_shows_its_host_memory_beside_the_gpu(root, tmp_path)
     k = rng.randrange(1, len(plan["layers"]) + 1)
     for lp in plan["layers"][:k]:
         lp["offload"] = True
-    plan["schema"], plan["predicted"]["host_bytes"] = "agoq.plan/1.4", host
+    plan["schema"], plan["predicted"]["host_bytes"] = "agoq.plan/1.5", host
     (tmp_path / "offload.json").write_text(json.dumps(plan))
     (tmp_path / "plain.json").write_text((root / "plans" / "ddp-adamw8bit.json").read_text())
     client = TestClient(create_app(tmp_path))

@@ -28,9 +28,14 @@ def fresh_rng():
 
 def with_offload(rng, p):
     """`p` with random offload prices: a link whose time per byte makes some offloads exposed, a window, a slowdown,
-    a host budget that sometimes binds, a time per offloaded layer and a floor under an offloading choice's peak."""
+    a host budget that sometimes binds, a time per offloaded layer, a floor under an offloading choice's peak, and
+    sometimes what the step holds at a layer's backward beyond the end of forward (end_of_backward: the head's
+    tensors freed, gradients made), which moves the start of backward, where the first prefetch lands."""
     bytes_per_layer = float(np.max(p.memory)) * 4
     link = rng.uniform(0.2, 2.0) / bytes_per_layer  # seconds per byte, out and back
+    if rng.random() < 0.6:
+        p = replace(p, end_of_backward=np.round([rng.uniform(-1.5, 0.5) * bytes_per_layer
+                                                 for _ in range(p.num_layers)]))
     return replace(p, offload=OffloadPrices(link_seconds_per_byte=link, window_seconds=rng.uniform(0.0, 1.5),
                                             seconds_per_byte=rng.uniform(0.0, 0.3) * link,
                                             # whole bytes, as a layer's are: ceil(host bytes) compares exactly
@@ -219,3 +224,36 @@ def test_count_priced_offload_matches_brute_force():
             least_error = min(f["grad_error"] for f in fits if f["step_seconds"] <= mine)
             assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
             assert max(alloc.peak_bytes_per_stage) <= budget + 1, where
+
+
+def test_the_first_prefetch_counts_at_the_start_of_backward():
+    """An offloaded choice's peak is the larger of the end of forward (the peak without offload less the bytes on the
+    host) and the start of backward (that, plus the largest offloaded layer's bytes and the top layer's
+    end_of_backward bytes), where each offloaded layer's bytes are told apart from the host bytes of growing
+    prefixes; the phase and the memory parts say which, and the parts add up to the peak."""
+    seed, rng = fresh_rng()
+    for trial in range(20):
+        L = rng.randint(3, 7)
+        p = random_problem(rng, layers=L, kinds_per_layer=rng.randint(1, 4), stages=1)
+        p = replace(with_offload(rng, p), in_flight=np.ones(1), floor_bytes=None, laaq_transient_bytes=None)
+        p = replace(p, offload=replace(p.offload, forward_link_bytes=float("inf"), floor_bytes=0.0,
+                                       host_budget_bytes=float("inf")))
+        groups = p.groups()
+        chosen = np.array([rng.choice(list(idx)) for _, idx in sorted(groups.items())], dtype=int)
+        none = np.zeros(L, dtype=bool)
+        k = rng.randint(1, L)
+        host = [p.evaluate(chosen, none, np.arange(L) < j)["host_bytes"] for j in range(k + 1)]
+        largest = max(host[j + 1] - host[j] for j in range(k))
+        kept = p.evaluate(chosen, none)["peak_bytes_per_stage"][0]
+        for top in (-(largest + rng.randint(1, 50)), rng.randint(-largest + 1, 100)):
+            q = replace(p, end_of_backward=np.where(np.arange(L) == L - 1, float(top), 0.0))
+            f = q.evaluate(chosen, none, np.arange(L) < k)
+            end_of_forward = kept - host[k]
+            start = end_of_forward + largest + top
+            where = f"seed {seed} trial {trial} top {top}"
+            assert f["peak_bytes_per_stage"][0] == pytest.approx(max(end_of_forward, start), abs=1.0), where
+            phase = q.memory_parts(chosen, none, np.arange(L) < k)[0] if q.static_parts is not None else None
+            assert f["peak_phase_per_stage"][0] == ("backward_start" if start > end_of_forward + 1
+                                                   else "forward_backward") or abs(start - end_of_forward) <= 1, where
+            if phase is not None:
+                assert sum(phase["parts"].values()) == f["peak_bytes_per_stage"][0], where

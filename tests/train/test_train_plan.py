@@ -263,7 +263,7 @@ def _offloading_plan(tmp_path, offloaded=(0, 1), name="plan.json", **sections) -
     layers = [{"layer": i, "stage": 0, "checkpoint": i == 1, "offload": i in offloaded,
                "kinds": {} if i == 1 else {"norm_input": 4, "qkv_input": "recompute", "silu_input": 5}}
               for i in range(LAYERS)]
-    sections = {"schema": "agoq.plan/1.4", "layers": layers, "host_budget_bytes": 2_345_678_901,
+    sections = {"schema": "agoq.plan/1.5", "layers": layers, "host_budget_bytes": 2_345_678_901,
                 "predicted": {"host_bytes": 1_000_000, "offload_link_seconds": 0.01},
                 "training": {"micro_batch": 4, "seq_len": 131, "grad_accum": 2}, **sections}
     return _plan(tmp_path, name=name, **sections)
@@ -346,7 +346,7 @@ def test_offload_is_decided_as_layers():
 
     model = build("llama-tiny", num_layers=12)
     layers = [{"layer": i, "offload": i in (0, 1, 2, 3, 4, 5, 8)} for i in range(12)]
-    plan = plan_from_dict({"schema": "agoq.plan/1.4", "host_budget_bytes": 123_456_789_012,
+    plan = plan_from_dict({"schema": "agoq.plan/1.5", "host_budget_bytes": 123_456_789_012,
                            "model": {"name": "m", "fingerprint": fingerprint(model)}, "layers": layers})
     decided = plan_settings(plan, "none")
     assert decided["offload"] == [0, 1, 2, 3, 4, 5, 8]
