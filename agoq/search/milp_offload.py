@@ -10,8 +10,11 @@ unmodified layer, of a layer under LAAQ at y and of a checkpointed one, T the LA
 
   host bytes  G = K_u U + K_a B(y) <= host budget
   step        = level(n_u, n_c) + accum x max(0, G x link - window) + G x seconds_per_byte + K x layer_seconds
-  end of forward:  static + (n_u - K_u) U + (n_a - K_a) B(y) + n_c C + T + h + max(0, G - forward_link_bytes)
-                   <= budget,   h = the largest offloaded layer's bytes (U where K_u > 0, B(y) where K_a > 0)
+  end of forward:  E = static + (n_u - K_u) U + (n_a - K_a) B(y) + n_c C + T + max(0, G - forward_link_bytes)
+                   <= budget
+  start of backward:  E + h + e_top <= budget,   h = the largest offloaded layer's bytes (U where K_u > 0, B(y)
+                   where K_a > 0), e_top the top layer's end_of_backward bytes (backward's first prefetch:
+                   agoq.search.problem.OffloadPrices)
   floor:           K > 0 needs the measured offloading peak (OffloadPrices.floor_bytes) <= budget
   changed tensors  = n_a x (kinds of y not at 16) + n_c + K
 
@@ -103,6 +106,7 @@ class Enumeration:
         self.C = float(mem[m.c0])
         self.r0 = float(reruns[0])
         self.T = float(mem[m.z0])
+        self.e_top = float(p.end_of_backward_bytes()[p.top_layers()[0]])  # at the start of backward, with h
         choice, per_layer, non16 = settings(m, alike)  # every kind's options that are not dominated
         keep = non16 > 0  # a layer under LAAQ changes some kind
         choice, per_layer, non16 = choice[keep], per_layer[keep], non16[keep]
@@ -179,9 +183,10 @@ class Enumeration:
         T = np.where(n_a > 0, self.T, 0.0)
         static = float(self.p.static_bytes[0])
         slack = self.tolerance + 1e-9 * abs(budget) + 1.0
-        end = static + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T + h \
+        end = static + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T \
             + np.maximum(0.0, G - self.o.forward_link_bytes)
-        ok = (end <= budget + slack) & (G <= self.o.host_budget_bytes * (1 + 1e-9) + 1.0)
+        ok = (end <= budget + slack) & (end + h + self.e_top <= budget + slack) \
+            & (G <= self.o.host_budget_bytes * (1 + 1e-9) + 1.0)
         if self.o.floor_bytes > budget + slack:
             ok &= False
         room = budget - static - self.r0 - T - h + K * self.g
@@ -197,9 +202,11 @@ class Enumeration:
         h = np.maximum(self.U if K_u > 0 else 0.0, B if K_a > 0 else 0.0)
         T = self.T if n_a > 0 else 0.0
         static = float(self.p.static_bytes[0])
-        end = static + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T + h \
+        end = static + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T \
             + np.maximum(0.0, G - self.o.forward_link_bytes)
         ok = (end <= budget + self.tolerance) & (G <= self.o.host_budget_bytes * (1 + 1e-9) + 1e-6)
+        if K > 0:  # the start of backward
+            ok &= end + h + self.e_top <= budget + self.tolerance
         if K > 0 and self.o.floor_bytes > 0 and self.o.floor_bytes > budget + self.tolerance:
             ok &= False
         return ok

@@ -26,14 +26,15 @@ def fresh_rng():
     return seed, random.Random(seed)
 
 
-def with_offload(rng, p):
+def with_offload(rng, p, phases: bool = True):
     """`p` with random offload prices: a link whose time per byte makes some offloads exposed, a window, a slowdown,
     a host budget that sometimes binds, a time per offloaded layer, a floor under an offloading choice's peak, and
     sometimes what the step holds at a layer's backward beyond the end of forward (end_of_backward: the head's
-    tensors freed, gradients made), which moves the start of backward, where the first prefetch lands."""
+    tensors freed, gradients made), which moves the start of backward, where the first prefetch lands (`phases`
+    False: `p`'s own)."""
     bytes_per_layer = float(np.max(p.memory)) * 4
     link = rng.uniform(0.2, 2.0) / bytes_per_layer  # seconds per byte, out and back
-    if rng.random() < 0.6:
+    if phases and rng.random() < 0.6:
         p = replace(p, end_of_backward=np.round([rng.uniform(-1.5, 0.5) * bytes_per_layer
                                                  for _ in range(p.num_layers)]))
     return replace(p, offload=OffloadPrices(link_seconds_per_byte=link, window_seconds=rng.uniform(0.0, 1.5),

@@ -46,7 +46,10 @@ def _problem(rng, checkpoint: bool, falls: bool):
     if rng.random() < 0.8:  # recomputed kinds keep a few bytes: no setting keeps nothing (else the MILP answers)
         for k in set(p.kind[np.array([o == "recompute" for o in p.option], bool)]):
             p.memory[(p.kind == k) & np.array([o == "recompute" for o in p.option])] = float(rng.randint(1, 9))
-    p = with_offload(rng, p)
+    elif rng.random() < 0.6:  # the same in every layer: the head's tensors freed, less the gradients made, moves
+        # the start of backward (where the first prefetch lands) against the end of forward
+        p.end_of_backward = np.full(layers, float(round(rng.uniform(-1.5, 0.5) * float(np.max(p.memory)) * 4)))
+    p = with_offload(rng, p, phases=False)
     if np.isfinite(p.offload.forward_link_bytes):  # whole bytes, as every other amount (a peak is rounded up)
         p = replace(p, offload=replace(p.offload, forward_link_bytes=float(round(p.offload.forward_link_bytes))))
     if rng.random() < 0.5:  # a cheaper link and no floor: offloading wins more often
