@@ -179,11 +179,30 @@ def _nested_caps(per_layer: np.ndarray, room: float, n_c: int, c_bytes: float, g
     return np.clip(cap, -1, L).astype(int)
 
 
+def _nested_most(caps: np.ndarray, L: int) -> np.ndarray:
+    """Per column of `caps` ([n_c, settings], as `_nested_caps` gives them): the most layers of L that can be taken
+    with at most caps[i] of them among the lowest w_i = min(L, i + caps[i] + 1) for every i, -1 where some cap is
+    negative. A set A meeting the caps has |A| = |A in window i| + |A above it| <= caps[i] + L - w_i for every i,
+    and at most L; on prefixes (a chain) that least bound is met, taking the layers highest first."""
+    if caps.shape[0] == 0:
+        return np.full(caps.shape[1], L, dtype=int)
+    w = np.minimum(L, np.arange(caps.shape[0])[:, None] + caps + 1)
+    most = np.minimum(L, (caps + L - w).min(axis=0))
+    return np.where((caps >= 0).all(axis=0), most, -1)
+
+
 def _nested_least(e: np.ndarray, caps: np.ndarray, n_a: int):
     """Per column of `e` ([L, settings] errors): the least total error of n_a layers under LAAQ with at most caps[i]
     of them among the lowest i + caps[i] + 1 layers for every i, inf where none (greedy by error: exact on a laminar
-    matroid); for a single column also the layers."""
+    matroid); for a single column also the layers. Columns where fewer than n_a layers meet the caps at all
+    (`_nested_most`) are inf without the greedy."""
     L, S = e.shape
+    possible = _nested_most(caps, L) >= n_a
+    if S > 1 and not possible.all():
+        total = np.full(S, np.inf)
+        if possible.any():
+            total[possible] = _nested_least(e[:, possible], caps[:, possible], n_a)[0]
+        return total, None
     n_c = caps.shape[0]
     ends = np.arange(n_c)[:, None] + caps  # [n_c, S] the highest layer of each window
     order = np.argsort(e, axis=0, kind="stable")  # [L, S]
@@ -288,13 +307,22 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
 
     def settle(ys: np.ndarray) -> None:
         nonlocal best_value, best_y, best_layers
+        if nested:  # the settings whose capacities leave room for n_a layers at all: their errors only
+            caps = _nested_caps(per_layer[ys], nested_room, n_c, c_bytes, g, L)
+            possible = np.nonzero(_nested_most(caps, L) >= n_a)[0]
+            value = np.full(len(ys), np.inf)
+            if len(possible):
+                total = _nested_least(errors(ys[possible]), caps[:, possible], n_a)[0]
+                value[possible] = valued(total, ys[possible])
+            i = int(np.argmin(value))
+            if value[i] < best_value:
+                best_value, best_y = float(value[i]), int(ys[i])
+                best_layers = _nested_least(errors(ys[i:i + 1]), caps[:, i:i + 1], n_a)[1]
+            return
         e = errors(ys)
         if n_c == 0:
             least = np.partition(e, n_a - 1, axis=0)[:n_a] if n_a < L else e
             value = valued(least.sum(axis=0), ys)
-        elif nested:
-            caps = _nested_caps(per_layer[ys], nested_room, n_c, c_bytes, g, L)
-            value = valued(_nested_least(e, caps, n_a)[0], ys)
         else:
             value = valued(_capped_least(e, _cap_below(per_layer[ys], ckpt_room, L), n_a, n_c, height)[0], ys)
         i = int(np.argmin(value))
@@ -302,9 +330,6 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
             best_value, best_y = float(value[i]), int(ys[i])
             if n_c == 0:
                 best_layers = np.argsort(e[:, i], kind="stable")[:n_a]
-            elif nested:
-                caps = _nested_caps(per_layer[ys[i:i + 1]], nested_room, n_c, c_bytes, g, L)
-                best_layers = _nested_least(e[:, i:i + 1], caps, n_a)[1]
             else:
                 cap = _cap_below(per_layer[ys[i:i + 1]], ckpt_room, L)
                 best_layers = _capped_least(e[:, i:i + 1], cap, n_a, n_c, height)[1]

@@ -150,3 +150,38 @@ def test_alike_layers_whose_checkpointed_backward_falls_with_height_equal_brute_
     # one 4-layer problem in ten to twenty has such a level answered by the enumeration (a run that failed: 5 in 100),
     # so 4 within 150 is all but certain; every answer on the way is checked against brute force
     _mixed_levels_enumerated(monkeypatch, make, rounds=30, at_least=4)
+
+
+def test_nested_most_equals_brute_force():
+    """_nested_most against every subset of the layers, on random capacities (some negative, some past L)."""
+    import itertools
+
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        L = int(rng.integers(1, 8))
+        n_c = int(rng.integers(0, 5))
+        caps = rng.integers(-1, L + 2, size=(n_c, 3))
+        most = milp_uniform._nested_most(caps, L)
+        for s in range(caps.shape[1]):
+            if (caps[:, s] < 0).any():
+                assert most[s] == -1
+                continue
+            best = max(len(a) for r in range(L + 1) for a in itertools.combinations(range(L), r)
+                       if all(sum(x <= i + caps[i, s] for x in a) <= caps[i, s] for i in range(n_c)))
+            assert most[s] == best, (L, caps[:, s])
+
+
+def test_nested_least_unchanged_by_its_filter():
+    """_nested_least over many columns (the filter by _nested_most) equals it column by column (the greedy alone)."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        L = int(rng.integers(1, 11))
+        n_c = int(rng.integers(0, 5))
+        S = 7
+        e = rng.random((L, S)) * rng.integers(1, 4, size=(L, S))
+        caps = rng.integers(-1, L + 1, size=(n_c, S))
+        n_a = int(rng.integers(1, L + 1))
+        total = milp_uniform._nested_least(e, caps, n_a)[0]
+        for s in range(S):
+            one = milp_uniform._nested_least(e[:, s:s + 1], caps[:, s:s + 1], n_a)[0][0]
+            assert total[s] == one or (np.isinf(total[s]) and np.isinf(one))
