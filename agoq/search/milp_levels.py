@@ -37,6 +37,8 @@ from typing import Optional
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
 
+from agoq.search.milp_offload import Enumeration
+
 RELATIVE = 1e-9  # two levels whose seconds differ by less than this (relative) are the same time
 CHECK_SECONDS = 0.5  # with offload: levels not all ruled out by then are left to the whole MILP
 
@@ -237,8 +239,6 @@ class Levels:
         kept = self._fastest_kept(budgets, error_cap, time_limit, self.kept_bounds, self.settled, kept=True)
         if kept is None:
             return None
-        from agoq.search.milp_offload import Enumeration
-
         enumeration = Enumeration.build(m)  # alike layers of a compiled plan: every offloaded prefix enumerated
         if enumeration is not None:
             found = enumeration.fastest(budgets, error_cap, kept)

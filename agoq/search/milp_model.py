@@ -65,6 +65,7 @@ from scipy.sparse import coo_matrix
 from agoq.activations.policy import KINDS
 from agoq.search.costs import ChoiceProblem
 from agoq.search.milp_levels import Levels, count_priced
+from agoq.search.milp_offload import Enumeration
 from agoq.search.milp_uniform import tie_break
 
 OBJECTIVES = ("error", "time")
@@ -470,8 +471,6 @@ class Model:
                     quick.second_gap = 0.0
                     return quick
             elif objective == "time" and time_cap is None and self.levels is not None:
-                from agoq.search.milp_offload import Enumeration
-
                 enumeration = Enumeration.build(self)  # alike layers with an offloaded prefix: enumerated too
                 quick = None if enumeration is None else enumeration.tie_break(
                     best, budgets, error_cap, 1e3 / sec_scale, CHANGE_WEIGHT)

@@ -382,17 +382,23 @@ class Enumeration:
                     break
         if best is None:
             return kept  # no configuration that offloads is faster than the best kept one (or nothing fits at all)
+        row, x = best[0], self._choice(budget, best)
+        if x is None:
+            return None
+        return OptimizeResult(x=x, status=0, success=True, fun=row, mip_gap=0.0, seconds=m.time_constant + row,
+                              message="optimal: the fastest of every configuration (offloaded prefix, counts, "
+                                      "setting) enumerated")
+
+    def _choice(self, budget: float, best: tuple) -> Optional[np.ndarray]:
+        """The model's variables of `best` ((row seconds, (n_u, n_c, K, K_u), setting or None)), with the layers of
+        least error under LAAQ; None where the problem's own `evaluate` does not agree."""
         row, (n_u, n_c, K, K_u), y = best
         if y is None:
             layers = np.zeros(0, dtype=int)
         else:
             _, layers = self.least_error(budget, n_u, n_c, K, K_u, np.array([y]), layers=True)
         x = self.x(n_u, n_c, K, K_u, y, layers)
-        if not self.checked(x, budget, row):
-            return None
-        return OptimizeResult(x=x, status=0, success=True, fun=row, mip_gap=0.0, seconds=m.time_constant + row,
-                              message="optimal: the fastest of every configuration (offloaded prefix, counts, "
-                                      "setting) enumerated")
+        return x if self.checked(x, budget, row) else None
 
     def _no_laaq_fits(self, budget: float, n_c: int, K: int, K_u: int) -> bool:
         """With no layer under LAAQ: whether every checkpointed layer's backward fits (a_i = 0)."""
@@ -456,15 +462,8 @@ class Enumeration:
                 i = int(np.argmin(value))
                 if value[i] < best_value:
                     best_value, best = float(value[i]), (float(ts[part[i]]), (n_u, n_c, K, K_u), int(ys[part[i]]))
-        if best is None:
-            return None
-        row, (n_u, n_c, K, K_u), y = best
-        if y is None:
-            layers = np.zeros(0, dtype=int)
-        else:
-            _, layers = self.least_error(budget, n_u, n_c, K, K_u, np.array([y]), layers=True)
-        x = self.x(n_u, n_c, K, K_u, y, layers)
-        if not self.checked(x, budget, row):
+        x = None if best is None else self._choice(budget, best)
+        if x is None:
             return None
         return OptimizeResult(x=x, status=0, success=True, fun=best_value, mip_gap=0.0,
                               message="optimal: the least error, then fewest changes, of every configuration "
