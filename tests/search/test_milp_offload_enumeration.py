@@ -14,7 +14,7 @@ import agoq.search.milp_offload as milp_offload
 from agoq.search.milp import InfeasibleBudget, Solver
 from tests.search.test_milp import fresh_rng, one_setting_combos
 from tests.search.test_milp_offload import with_offload
-from tests.search.test_milp_uniform import alike_problem
+from tests.search.test_milp_uniform import alike_problem, lexicographic_best
 
 
 def every_choice(p):
@@ -102,10 +102,7 @@ def _check(monkeypatch, checkpoint: bool, falls: bool, trials: int, at_least: in
                 with pytest.raises(InfeasibleBudget):
                     solver.solve(budget, "time", error_cap=cap)
                 continue
-            best = min(f["step_seconds"] for f, _, _ in fits)
-            fastest_fits = [(f, n) for f, n, _ in fits if f["step_seconds"] <= best + 1e-9 * abs(best) + 1e-12]
-            least_error = min(f["grad_error"] for f, _ in fastest_fits)
-            fewest = min(n for f, n in fastest_fits if f["grad_error"] <= least_error * (1 + 1e-6) + 1e-9)
+            best, least_error, fewest = lexicographic_best([(f, n) for f, n, _ in fits])
             alloc = solver.solve(budget, "time", error_cap=cap)
             off = alloc.offloaded()
             assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), where

@@ -15,6 +15,16 @@ from agoq.search.milp_uniform import tie_break as ENUMERATED
 from tests.search.test_milp import fresh_rng, one_setting_combos
 
 
+
+def lexicographic_best(fits):
+    """Of `fits` ((figures, changed tensors) of every choice that fits): the fastest step, the least error among the
+    choices as fast (within the solver's tolerance), and the fewest changed tensors among those."""
+    best = min(f["step_seconds"] for f, _ in fits)
+    fastest = [(f, n) for f, n in fits if f["step_seconds"] <= best + 1e-9 * abs(best) + 1e-12]
+    least_error = min(f["grad_error"] for f, _ in fastest)
+    fewest = min(n for f, n in fastest if f["grad_error"] <= least_error * (1 + 1e-6) + 1e-9)
+    return best, least_error, fewest
+
 def alike_problem(rng, layers: int, kinds: int) -> ChoiceProblem:
     """A compiled problem (options cost no seconds, one setting per stage) whose layers keep alike bytes; each
     layer's errors its own."""
@@ -86,10 +96,7 @@ def _check_against_brute_force(monkeypatch, make, trials: int) -> list:
                 with pytest.raises(InfeasibleBudget):
                     solver.solve(budget, "time", error_cap=cap)
                 continue
-            best = min(f["step_seconds"] for f, _ in fits)
-            fastest = [(f, n) for f, n in fits if f["step_seconds"] <= best + 1e-9 * abs(best) + 1e-12]
-            least_error = min(f["grad_error"] for f, _ in fastest)
-            fewest = min(n for f, n in fastest if f["grad_error"] <= least_error * (1 + 1e-6) + 1e-9)
+            best, least_error, fewest = lexicographic_best(fits)
             alloc = solver.solve(budget, "time", error_cap=cap)
             assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), where
             assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
