@@ -176,3 +176,19 @@ def test_an_offloading_plan_shows_its_host_memory_beside_the_gpu(root, tmp_path)
     assert client.get("/plan", params={"id": "offload.json"}).status_code == 200
     plain = memory_breakdown(client.get("/api/plan", params={"id": "plain.json"}).json()["memory"])
     assert not [t for t in plain["data"] if t["name"].startswith("host")]
+
+
+def test_a_peak_at_the_start_of_backward_is_named_so(root, tmp_path):
+    """A stage whose predicted peak is set at the start of backward (schema 1.5: with offloaded layers, backward's
+    first prefetch in flight) is labelled so under its bar, and its parts still add up to its peak."""
+    plan = json.loads((root / "plans" / "ddp-adamw8bit.json").read_text())
+    stage = random.randrange(len(plan["predicted"]["memory_per_stage"]))
+    plan["schema"] = "agoq.plan/1.5"
+    plan["predicted"]["memory_per_stage"][stage]["phase"] = "backward_start"
+    (tmp_path / "start.json").write_text(json.dumps(plan))
+    client = TestClient(create_app(tmp_path))
+    memory = client.get("/api/plan", params={"id": "start.json"}).json()["memory"]
+    figure = memory_breakdown(memory)
+    _check(memory, figure, plan)
+    labels = {x for t in figure["data"] for x in t.get("x", [])}
+    assert f"stage {stage}: predicted (start of backward (first prefetch))" in labels
