@@ -61,6 +61,18 @@ from agoq.units import format_bytes
 HELP = "turn a profile and a memory budget into a plan (MILP, Optuna)"
 
 
+def _ranges(layers: list[int]) -> str:
+    """Sorted layer indices as ranges: [0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            out.append(f"{start}-{layer}" if layer > start else f"{layer}")
+            start = None
+    return ", ".join(out)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq search`'s arguments. Those of the search request (agoq.search.request.WORDS) are read by the
     request's own rules, as the dashboard's plan service reads its JSON fields."""
@@ -163,6 +175,7 @@ def read_request(args: argparse.Namespace) -> SearchRequest:
 def run(args: argparse.Namespace) -> int:
     """Run `agoq search`; returns the exit code."""
     from agoq.formats.profile import load_profile
+    from agoq.search.memory_parts import phase_name
     from agoq.search.request import InfeasibleBudget
     from agoq.search.search import search, write_outputs
     from agoq.search.study import storage_file
@@ -213,6 +226,17 @@ def run(args: argparse.Namespace) -> int:
         for setting in lp.kinds.values():
             counts[str(setting)] = counts.get(str(setting), 0) + 1
     print("  choices: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    offloaded = plan.offload_layers()
+    if offloaded:
+        link = f"; the copies out and back take {pred.offload_link_seconds * 1e3:.1f} ms of link time per step" \
+            if getattr(pred, "offload_link_seconds", None) is not None else ""
+        host = f" ({format_bytes(pred.host_bytes)} pinned per micro-batch{link})" \
+            if getattr(pred, "host_bytes", None) is not None else ""
+        print(f"  offload: layers {_ranges(offloaded)} keep their saved tensors in host memory{host}")
+    phases = [phase_name(m.phase, m.layer) for m in pred.memory_per_stage or []]
+    if phases:
+        print("  peak set at: " + ", ".join(f"stage {i}: {ph}" if len(phases) > 1 else ph
+                                            for i, ph in enumerate(phases)))
     if pred.compile_graphs:
         cost = f", about {pred.compile_seconds:.0f} s before the first step in a fresh process" \
             if pred.compile_seconds is not None else ""

@@ -54,6 +54,18 @@ PARTS = ("weights", "gradients", "masters", "optimizer_state", "fsdp_unsharded",
          "optimizer_step_workspace")
 
 
+PHASE_NAMES = {"forward_backward": "end of forward", "backward_start": "start of backward (first prefetch)",
+               "optimizer_step": "optimizer step"}
+
+
+def phase_name(phase: str, layer=None) -> str:
+    """A phase in words: 'end of forward', 'start of backward (first prefetch)', 'optimizer step', 'backward of
+    checkpointed layer N'."""
+    if phase == "checkpoint_backward":
+        return f"backward of checkpointed layer {layer}"
+    return PHASE_NAMES.get(phase, phase)
+
+
 def whole_bytes(parts: dict[str, float], total: int) -> dict[str, int]:
     """`parts` in whole bytes adding up to `total` exactly: each rounded down, and the bytes left over (the
     rounding, and the peak's rounding up to a whole byte) one each to the parts with the largest fractions."""
@@ -83,4 +95,4 @@ def stage_entry(stage: int, phase: str, layer, parts: dict[str, float], peak: in
     return entry
 
 
-__all__ = ["PHASES", "PARTS", "whole_bytes", "stage_entry"]
+__all__ = ["PHASES", "PARTS", "PHASE_NAMES", "phase_name", "whole_bytes", "stage_entry"]

@@ -430,3 +430,45 @@ def test_search_into_an_earlier_out_says_so_and_drops_the_old_front(profile_dir,
     assert "replacing" in capsys.readouterr().err
     assert not stale.exists() and mine.read_text() == "kept"
     assert load_plan(out).budget_bytes == (low + high) // 2
+
+
+def test_ranges_of_layers():
+    """Sorted layer indices written as ranges read back as the same indices, on random sets."""
+    from agoq.commands.search import _ranges
+
+    seed, rng = fresh_rng()
+    for trial in range(200):
+        layers = sorted(rng.sample(range(37), rng.randint(1, 20)))
+        back = []
+        for part in _ranges(layers).split(", "):
+            lo, _, hi = part.partition("-")
+            back += list(range(int(lo), int(hi or lo) + 1))
+        assert back == layers, f"seed {seed} trial {trial}"
+        assert len(_ranges(layers).split(", ")) == 1 + sum(b != a + 1 for a, b in zip(layers, layers[1:]))
+
+
+def test_an_offloading_plan_says_what_it_offloads(tmp_path, capsys):
+    """From a profile that measured the host link, at a budget only offload fits, `agoq search` says which layers
+    keep their saved tensors in host memory and how many bytes, and where the peak is set."""
+    from agoq.search.knobs import budget_bounds
+    from agoq.search.request import KnobSpace
+    from agoq.units import format_bytes
+
+    seed, rng = fresh_rng()
+    link = {"d2h_bytes_per_second": rng.uniform(2e10, 6e10), "h2d_bytes_per_second": rng.uniform(2e10, 6e10),
+            "bytes_per_copy": 256 << 20, "compute_slowdown": rng.uniform(0.0, 0.05), "pinnable_bytes": 10**11}
+    folder = write_profile(tmp_path / "p", rng, num_layers=5, layer_forward=True, host_link=link)
+    profile = load_profile(folder)
+    without, _ = budget_bounds(profile, KnobSpace(offload=False))
+    least, _ = budget_bounds(profile)
+    out = tmp_path / "plan.json"
+    assert main(["search", "--profile", str(folder), "--budget", str((least + without) // 2), "--out", str(out),
+                 "--quiet", "--front-budgets", "0", "--error-cap", "none"]) == 0
+    plan = load_plan(out, build("llama-tiny", device="meta", num_layers=5))
+    offloaded = plan.offload_layers()
+    text = capsys.readouterr().out
+    assert offloaded, f"seed {seed}"
+    line = next(li for li in text.splitlines() if li.strip().startswith("offload:"))
+    assert f"layers 0-{offloaded[-1]}" in line or (offloaded == [0] and "layers 0 " in line), f"seed {seed}: {line}"
+    assert format_bytes(plan.predicted.host_bytes) in line
+    assert "peak set at: " in text
