@@ -6,8 +6,6 @@ import json
 import math
 from typing import Any
 
-from agoq.search.memory_parts import phase_name
-
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
            "#7f7f7f", "#bcbd22")
 BASE_LAYOUT = {"margin": {"l": 70, "r": 30, "t": 50, "b": 60}, "template": "plotly_white", "height": 420,
@@ -221,12 +219,18 @@ def plan_bits(bits: dict[str, Any]) -> dict[str, Any]:
 
 
 PART_COLORS = PALETTE + ("#aec7e8", "#ffbb78")  # one per part a plan may record (agoq.search.memory_parts)
+# the words of agoq.search.memory_parts.PHASE_NAMES (the dashboard imports nothing that loads agoq's kernels)
+PHASE_LABELS = {"forward_backward": "end of forward", "backward_start": "start of backward (first prefetch)",
+                "optimizer_step": "optimizer step"}
+
+
 def phase_label(phase: dict[str, Any] | None) -> str:
-    """What a stage's predicted peak is (agoq.search.memory_parts.phase_name): 'end of forward', 'optimizer step',
-    'backward of checkpointed layer N', ..."""
+    """What a stage's predicted peak is: 'end of forward', 'optimizer step', 'backward of checkpointed layer N'."""
     if not phase:
         return "peak"
-    return phase_name(str(phase.get("phase")), phase.get("layer"))
+    if phase.get("phase") == "checkpoint_backward":
+        return f"backward of checkpointed layer {phase.get('layer')}"
+    return PHASE_LABELS.get(str(phase.get("phase")), str(phase.get("phase")))
 
 
 def memory_breakdown(mem: dict[str, Any]) -> dict[str, Any]:

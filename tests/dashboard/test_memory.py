@@ -18,7 +18,7 @@ from agoq.search.costs import ProblemSettings, build_problem
 from agoq.search.milp import Solver
 from agoq.search.plan_builder import build_plan
 from dashboard.app import create_app
-from dashboard.figures import memory_breakdown
+from dashboard.figures import PHASE_LABELS, memory_breakdown
 from tests.dashboard.test_api import snapshot
 from tests.search.test_memory_parts import _profile, expected_state
 
@@ -192,3 +192,6 @@ def test_a_peak_at_the_start_of_backward_is_named_so(root, tmp_path):
     _check(memory, figure, plan)
     labels = {x for t in figure["data"] for x in t.get("x", [])}
     assert f"stage {stage}: predicted (start of backward (first prefetch))" in labels
+    from agoq.search.memory_parts import PHASE_NAMES  # the dashboard's words are the search's
+
+    assert PHASE_LABELS == PHASE_NAMES
