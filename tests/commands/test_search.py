@@ -450,17 +450,11 @@ def test_ranges_of_layers():
 def test_an_offloading_plan_says_what_it_offloads(tmp_path, capsys):
     """From a profile that measured the host link, at a budget only offload fits, `agoq search` says which layers
     keep their saved tensors in host memory and how many bytes, and where the peak is set."""
-    from agoq.search.knobs import budget_bounds
-    from agoq.search.request import KnobSpace
     from agoq.units import format_bytes
+    from tests.search.test_milp_offload import link_profile
 
     seed, rng = fresh_rng()
-    link = {"d2h_bytes_per_second": rng.uniform(2e10, 6e10), "h2d_bytes_per_second": rng.uniform(2e10, 6e10),
-            "bytes_per_copy": 256 << 20, "compute_slowdown": rng.uniform(0.0, 0.05), "pinnable_bytes": 10**11}
-    folder = write_profile(tmp_path / "p", rng, num_layers=5, layer_forward=True, host_link=link)
-    profile = load_profile(folder)
-    without, _ = budget_bounds(profile, KnobSpace(offload=False))
-    least, _ = budget_bounds(profile)
+    folder, _, least, without = link_profile(tmp_path / "p", rng)
     out = tmp_path / "plan.json"
     assert main(["search", "--profile", str(folder), "--budget", str((least + without) // 2), "--out", str(out),
                  "--quiet", "--front-budgets", "0", "--error-cap", "none"]) == 0

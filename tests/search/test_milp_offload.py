@@ -138,17 +138,25 @@ def test_exposed_link_time_is_priced():
     assert f["offload_link_seconds"] == pytest.approx(host * o.link_seconds_per_byte)
 
 
+def link_profile(folder, rng):
+    """A 5-layer synthetic profile that measured a random host link: (folder, its host link, the least budget that
+    fits, the least that fits without offload)."""
+    link = {"d2h_bytes_per_second": rng.uniform(2e10, 6e10), "h2d_bytes_per_second": rng.uniform(2e10, 6e10),
+            "bytes_per_copy": 256 << 20, "compute_slowdown": rng.uniform(0.0, 0.05), "pinnable_bytes": 10**11}
+    folder = write_profile(folder, rng, num_layers=5, layer_forward=True, host_link=link)
+    profile = load_profile(folder)
+    without, _ = budget_bounds(profile, KnobSpace(offload=False))
+    least, _ = budget_bounds(profile)
+    return folder, link, least, without
+
+
 def test_a_profile_with_a_host_link_plans_offload_below_what_fits_without(tmp_path):
     """From a profile that measured the host link, a budget below the least that fits without offload gets a plan
     that offloads a prefix of layers: valid, within its budget and host budget, its memory parts adding up to its
     peak; with offload off the same budget is refused; a profile without a host link never offloads."""
     seed, rng = fresh_rng()
-    link = {"d2h_bytes_per_second": rng.uniform(2e10, 6e10), "h2d_bytes_per_second": rng.uniform(2e10, 6e10),
-            "bytes_per_copy": 256 << 20, "compute_slowdown": rng.uniform(0.0, 0.05), "pinnable_bytes": 10**11}
-    folder = write_profile(tmp_path / "p", rng, num_layers=5, layer_forward=True, host_link=link)
+    folder, link, least, without = link_profile(tmp_path / "p", rng)
     profile = load_profile(folder)
-    without, _ = budget_bounds(profile, KnobSpace(offload=False))
-    least, _ = budget_bounds(profile)
     assert least < without, f"seed {seed}"
     budget = (least + without) // 2
     plan = plan_from_profile(profile, budget, error_cap=None)
