@@ -9,10 +9,10 @@ to run that layer), a hook starts bringing back the tensors of the nearest offlo
 copy stream, so the host-to-device copies run under the compute of the layer above. On a GPU it also starts the
 offloaded layers below that, nearest first, as far as the memory backward has freed since it began allows
 (`torch.cuda.memory_allocated` then against now): a layer whose copy takes longer than one layer's backward is
-then on its way several layers early, and the device holds no more than at the start of backward plus the one layer
-always fetched. Not while a checkpointed layer between is still to run its backward: its rerun forward needs the
-memory freed above it, so until then only the nearest offloaded layer comes back. A layer whose tensors were not on their way when backward asked for them fetches them then
-(`OffloadStats.fetched_on_demand`). The compute stream waits only for a copy that has not ended by the time its
+then on its way several layers early, and the device holds no more than at the start of backward plus the one
+layer always fetched. Not while a checkpointed layer between is still to run its backward: its rerun forward needs
+the memory freed above it, so until then only the nearest offloaded layer comes back. A layer whose tensors were
+not on their way when backward asked for them fetches them then (`OffloadStats.fetched_on_demand`). The compute stream waits only for a copy that has not ended by the time its
 tensor is used.
 
 The copies out start when the layer's call returns, all of the layer's tensors together (one wait on the compute

@@ -168,6 +168,18 @@ class Enumeration:
                              for i in order]
         return self._configs
 
+    def _rows(self, n_u, n_c, K, K_u, B):
+        """The module docstring's amounts for counts and bytes B (scalars or arrays, broadcast): the host bytes G,
+        the prefetched layer h, the LAAQ transient T, the end of forward E and the start of backward E + h + e_top
+        (-inf where nothing is offloaded)."""
+        n_a, K_a = self.L - n_u - n_c, K - K_u
+        G = K_u * self.U + K_a * B
+        h = np.maximum(np.where(K_u > 0, self.U, 0.0), np.where(K_a > 0, B, 0.0))
+        T = np.where(n_a > 0, self.T, 0.0)
+        end = float(self.p.static_bytes[0]) + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T \
+            + np.maximum(0.0, G - self.o.forward_link_bytes)
+        return G, h, T, end, np.where(K > 0, end + h + self.e_top, -np.inf)
+
     def _possible(self, budget: float) -> np.ndarray:
         """Per configuration of `bounded`, False where it cannot fit whatever its setting: its rows at the least
         bytes a setting keeps (they only rise with B), every checkpointed layer with no layer under LAAQ below it.
@@ -176,37 +188,21 @@ class Enumeration:
         if not configs:
             return np.zeros(0, dtype=bool)
         _, n_u, n_c, K, K_u, _ = (np.array(c, float) for c in zip(*configs))
-        n_a, K_a = self.L - n_u - n_c, K - K_u
-        B = np.where(n_a > 0, self.B[0], 0.0)
-        G = K_u * self.U + K_a * B
-        h = np.maximum(np.where(K_u > 0, self.U, 0.0), np.where(K_a > 0, B, 0.0))
-        T = np.where(n_a > 0, self.T, 0.0)
-        static = float(self.p.static_bytes[0])
+        G, h, T, end, start = self._rows(n_u, n_c, K, K_u, np.where(self.L - n_u - n_c > 0, self.B[0], 0.0))
         slack = self.tolerance + 1e-9 * abs(budget) + 1.0
-        end = static + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T \
-            + np.maximum(0.0, G - self.o.forward_link_bytes)
-        ok = (end <= budget + slack) & (end + h + self.e_top <= budget + slack) \
-            & (G <= self.o.host_budget_bytes * (1 + 1e-9) + 1.0)
+        ok = (end <= budget + slack) & (start <= budget + slack) & (G <= self.o.host_budget_bytes * (1 + 1e-9) + 1.0)
         if self.o.floor_bytes > budget + slack:
             ok &= False
-        room = budget - static - self.r0 - T - h + K * self.g
+        room = budget - float(self.p.static_bytes[0]) - self.r0 - T - h + K * self.g
         ckpt = room - self.C + np.minimum(0.0, (n_c - 1) * (self.g - self.C))  # the least room of the n_c phases
         return ok & ((n_c == 0) | (ckpt >= -slack))
 
     def _fits(self, budget: float, n_u: int, n_c: int, K: int, K_u: int, B: np.ndarray) -> np.ndarray:
         """Per setting (bytes B): the end of forward, the host budget and the floor; and cap_i >= 0 for every
         checkpointed layer (a_i = 0) — what the memory allows before the layers under LAAQ are placed."""
-        n_a = self.L - n_u - n_c
-        K_a = K - K_u
-        G = K_u * self.U + K_a * B
-        h = np.maximum(self.U if K_u > 0 else 0.0, B if K_a > 0 else 0.0)
-        T = self.T if n_a > 0 else 0.0
-        static = float(self.p.static_bytes[0])
-        end = static + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T \
-            + np.maximum(0.0, G - self.o.forward_link_bytes)
-        ok = (end <= budget + self.tolerance) & (G <= self.o.host_budget_bytes * (1 + 1e-9) + 1e-6)
-        if K > 0:  # the start of backward
-            ok &= end + h + self.e_top <= budget + self.tolerance
+        G, _, _, end, start = self._rows(n_u, n_c, K, K_u, B)
+        ok = (end <= budget + self.tolerance) & (start <= budget + self.tolerance) \
+            & (G <= self.o.host_budget_bytes * (1 + 1e-9) + 1e-6)
         if K > 0 and self.o.floor_bytes > 0 and self.o.floor_bytes > budget + self.tolerance:
             ok &= False
         return ok
@@ -214,9 +210,7 @@ class Enumeration:
     def _room(self, budget: float, n_a: int, K: int, K_u: int, B: np.ndarray) -> np.ndarray:
         """The nested capacities' room (agoq.search.milp_uniform._nested_caps) with the prefix's K layers of height
         and backward's first prefetch h."""
-        K_a = K - K_u
-        h = np.maximum(self.U if K_u > 0 else 0.0, B if K_a > 0 else 0.0)
-        T = self.T if n_a > 0 else 0.0
+        _, h, T, _, _ = self._rows(self.L - n_a, 0, K, K_u, B)  # (n_u + n_c: only n_a = L - n_u - n_c counts)
         return budget - float(self.p.static_bytes[0]) - self.r0 - T - h + K * self.g + self.tolerance
 
     def errors(self, ys: np.ndarray) -> np.ndarray:
