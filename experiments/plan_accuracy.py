@@ -190,6 +190,9 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="folder for profile, plans and runs (default: a temporary one)")
     ap.add_argument("--name", default=None, help="results name (default plan_accuracy_MODEL)")
     ap.add_argument("--smoke", action="store_true", help="llama-tiny on the CPU, 2 budgets, 3 steps")
+    ap.add_argument("--search-only", action="store_true",
+                    help="search every budget and list each plan with its fitting alternatives, train nothing (runs "
+                         "on the CPU with --profile: which budgets' plans a GPU run would measure)")
     args = ap.parse_args()
     import torch
 
@@ -199,8 +202,10 @@ def main() -> None:
     if args.smoke:
         args.model, args.micro_batch, args.seq_len, args.budgets, args.steps = "llama-tiny", 2, 32, 2, 3
         args.profile_args = args.profile_args or "--bits 4,8 --formats int --batches 1"
-    elif not torch.cuda.is_available():
-        raise SystemExit("no GPU: run with --smoke on the CPU")
+    elif args.search_only and not args.profile:
+        raise SystemExit("--search-only needs --profile (profiling a model for real needs its GPU)")
+    elif not torch.cuda.is_available() and not args.search_only:
+        raise SystemExit("no GPU: run with --smoke or --search-only on the CPU")
     name = args.name or f"plan_accuracy_{Path(args.model).stem}" + ("_smoke" if args.smoke else "")
     schema_has_budget = "activation_memory_budget" in TrainingSpec.model_fields
     started = time.perf_counter()
@@ -251,6 +256,21 @@ def main() -> None:
                     continue
                 plan = json.loads(plan_path.read_text())
                 entry["plan"] = describe(plan)
+                if args.search_only:
+                    entry["plan"].update({k: v for k, v in summarise(plan, {}, budget).items()
+                                          if k not in ("measured", "failed")})
+                    entry["alternatives"] = [
+                        {"name": a["name"], "fits": a.get("fits"), **{k: (a.get("predicted") or {}).get(k) for k in (
+                            "tokens_per_second", "peak_bytes", "step_seconds")}}
+                        for a in plan.get("alternatives") or []]
+                    p = entry["plan"]
+                    print(f"[{tag}] budget {budget / 1e9:.3f} GB: {p['compile']} {p['gradients']} "
+                          f"{p['micro_batch']}x{p['grad_accum']} {p['optimizer']}, {p['checkpointed_layers']} "
+                          f"checkpointed, {p['quantized_kinds']} quantized, offloaded {p['offloaded_layers']}: "
+                          f"{(p.get('predicted_step_seconds') or 0) * 1e3:.1f} ms, "
+                          f"{(p.get('predicted_peak_bytes') or 0) / 1e9:.3f} GB", flush=True)
+                    path = write_result(name, figures)
+                    continue
                 entry["plan"].update(summarise(plan, train(model, plan_path, work / tag, args.data, args.steps, device,
                                                            work / f"{tag}.train.log"), budget))
                 fitting = sorted((a for a in plan.get("alternatives") or [] if a.get("fits")),

@@ -62,7 +62,8 @@ def _covering_trials(space: KnobSpace) -> list[dict]:
 
 
 def _offered(profile, fmt: str, floors: dict) -> dict:
-    """(layer, kind) -> {option: sensitivity} the profile table offers at `fmt` and `floors`: 16, recompute, every
+    """(layer, kind) -> {option: error} the profile table offers at `fmt` and `floors` (its sensitivity; 0 for
+    recompute, which is exact): 16, recompute, every
     int width at or above the kind's floor, and at 4 bits the nf4 row instead of the int one under nf4."""
     out: dict = {}
     rows = profile.table.to_dict("records")
@@ -75,7 +76,7 @@ def _offered(profile, fmt: str, floors: dict) -> dict:
             continue
         if option not in ("16", "recompute") and int(option) < floors[r["kind"]]:
             continue
-        out.setdefault(key, {})[option] = float(r["sensitivity"])
+        out.setdefault(key, {})[option] = 0.0 if option == "recompute" else float(r["sensitivity"])  # exact
     return out
 
 
