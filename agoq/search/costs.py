@@ -269,6 +269,8 @@ def _offload_layer_seconds(sp, compile_mode: str, micro_batch: int, accum: int, 
 
     mine = at(micro_batch)
     if mine is not None:
+        if compile_mode == "eager":
+            _note_offload_spread(sp, micro_batch, (1, 2) if accum > 1 else (1,), notes)
         return mine
     others = [c for m in range(1, sp.m0 + 1) if (c := at(m)) is not None]
     if not others:
@@ -276,6 +278,24 @@ def _offload_layer_seconds(sp, compile_mode: str, micro_batch: int, accum: int, 
                      f"the profile measured no {compile_mode} offloading step to price it from")
         return None
     return max(others)
+
+
+def _note_offload_spread(sp, micro_batch: int, accums: tuple, notes: list) -> None:
+    """Note the eager offloading steps an offload price at `micro_batch` is read from whose times ranged more than
+    EAGER_SPREAD_NOTE, within a run or between the profile's passes (the least of which the row keeps): offload's
+    hooks and copies add host work to a step the host already sets (the probe on an H100, 1 x 2, 15 layers
+    offloaded: passes of 234.9 and 283.9 ms, and a plan priced from the first ran 345.2)."""
+    for a in accums:
+        row = sp.offload_row("eager", micro_batch, a)
+        if row is None:
+            continue
+        times = [float(t) for t in sp.steady(row) + list(row.get("repeat_step_seconds") or []) if t and t > 0]
+        if len(times) < 2 or max(times) <= (1 + EAGER_SPREAD_NOTE) * min(times):
+            continue
+        notes.append(f"the eager offloading step at micro-batch {micro_batch} x {a} ({row['offload_layers']} layers "
+                     f"offloaded) measured {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms across its steps and "
+                     f"passes ({max(times) / min(times) - 1:.0%} apart) and is priced from the fastest pass: an eager "
+                     "plan that offloads is set by the host, and a run may miss its predicted step by as much or more")
 
 
 def _end_of_backward(profile: ProfileData, gradient_mode: str, accum: int, layout: str, gradient_bytes: float,

@@ -174,3 +174,33 @@ def test_an_offloading_choice_peaks_at_no_less_than_the_measured_offloading_step
         except InfeasibleBudget:
             continue
         assert not alloc.offloaded().any() and max(alloc.peak_bytes_per_stage) <= budget + 1, where
+
+
+def test_an_eager_offloading_step_that_ranged_is_noted(tmp_path):
+    """An eager offloading row whose passes (or steps) ranged more than 5 % is named in the problem's notes with its
+    range; one that did not, and a compiled one, are not."""
+    from agoq.search.costs import EAGER_SPREAD_NOTE
+
+    seed, rng = fresh_rng()
+    layers, micro_batch = rng.choice([3, 5]), rng.choice([2, 4])
+    profile = profile_with_offload_rows(tmp_path, rng, layers=layers, micro_batch=micro_batch,
+                                        delta=lambda r: rng.uniform(0.001, 0.01))
+    header = json.loads((profile.path / "profile.json").read_text())
+    wide = 1 + EAGER_SPREAD_NOTE + rng.uniform(0.01, 0.3)
+    for r in header["measured_steps"]["rows"]:
+        if r.get("offload_layers"):
+            r.pop("seconds_per_step", None)
+            slow = r["step_seconds"] * (wide if (r["compile"], r["grad_accum"]) == ("eager", 1) else 1.02)
+            r["repeat_step_seconds"] = [r["step_seconds"], slow]
+    (profile.path / "profile.json").write_text(json.dumps(header))
+    profile = load_profile(profile.path)
+    for mode in ("eager", "compiled"):
+        for accum in (1, 2):
+            notes = build_problem(profile, ProblemSettings(compile_mode=mode, micro_batch=micro_batch,
+                                                           grad_accum=accum)).notes
+            found = [n for n in notes if "offloading step" in n and "apart" in n]
+            if mode == "compiled":
+                assert not found, (seed, mode, accum, found)
+                continue
+            assert len(found) == 1 and f"micro-batch {micro_batch} x 1 " in found[0], (seed, accum, found)
+            assert f"({wide - 1:.0%} apart)" in found[0], (seed, found)
