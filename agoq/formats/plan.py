@@ -1,4 +1,4 @@
-"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.5``, docs/formats.md).
+"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.6``, docs/formats.md).
 
 A plan says, for one model (by fingerprint), how each decoder layer keeps each tensor kind for
 backward (a bit width 2..8, 16, or "recompute"), which layers are checkpointed whole, how gradients are
@@ -14,7 +14,8 @@ may give torch.compile's partitioner budget (`training.activation_memory_budget`
 memory it was made for (`host_budget_bytes`), and the prediction what offload holds and moves
 (`predicted.host_bytes`, `predicted.offload_link_seconds`); plans before 1.4 offload nothing and load unchanged.
 Since 1.5 a stage's peak may be set at the start of backward (memory phase `backward_start`: with offloaded
-layers, backward's first prefetch in flight).
+layers, backward's first prefetch in flight). Since 1.6 a searched plan names the device its profile was measured on
+(`source.device`, e.g. "NVIDIA H200"), which `agoq train --plan` compares with its own.
 
     plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
     plan.activation_policy()               # what the runtime applies: agoq.train.apply.apply_plan
@@ -52,7 +53,7 @@ from agoq.files import read_json_object
 from agoq.layout import GRADIENT_MODES
 from agoq.quant.layout import check_arguments
 
-SCHEMA = "agoq.plan/1.5"
+SCHEMA = "agoq.plan/1.6"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
@@ -272,12 +273,14 @@ class Measured(_Part):
 
 
 class Source(_Part):
-    """Where a plan came from: the method (milp, optuna, ...), its objective, the profile folder and date."""
+    """Where a plan came from: the method (milp, optuna, ...), its objective, the profile folder and date, and the
+    device the profile was measured on (1.6: its GPU's name, or "cpu"; None: not said)."""
 
     method: str = "manual"
     objective: Optional[str] = None
     profile: Optional[str] = None
     date: Optional[str] = None
+    device: Optional[str] = None
 
 
 class Plan(_Part):

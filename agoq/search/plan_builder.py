@@ -39,6 +39,15 @@ def launch_for(stages: int, gradient_mode: str, world_size: int, layout: Optiona
             "command": launch_line(parallel, processes, gradient_mode)}
 
 
+def profiled_device(profile) -> Optional[str]:
+    """The device a profile was measured on, as a plan's `source.device` names it: the GPU's name, "cpu", or None
+    where the profile does not say."""
+    hw = profile.header.get("hardware") or {}
+    if hw.get("device") == "cpu":
+        return "cpu"
+    return hw.get("name") or None
+
+
 def compile_cost(profile: ProfileData, layers: list[dict], compile_mode: str) -> tuple[int, Optional[float]]:
     """(layer graphs a compiled plan compiles, about the seconds a fresh process spends compiling them; None where
     the profile measured no first step of a kind it needs). One graph per distinct layer setting: unmodified,
@@ -169,7 +178,8 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
                       # errors of several choices add about in quadrature (docs/formats.md); the sum bounds it
                       "grad_error_quadrature": float(np.sqrt(np.sum(problem.error[alloc.chosen] ** 2)))},
         "measured": None,
-        "source": {"method": method, "objective": objective, "profile": str(profile.path), "date": now()},
+        "source": {"method": method, "objective": objective, "profile": str(profile.path), "date": now(),
+                   "device": profiled_device(profile)},
     }
     data["predicted"]["compile_graphs"], data["predicted"]["compile_seconds"] = compile_cost(
         profile, layers, data["training"]["compile"])

@@ -12,7 +12,9 @@ predictions and its budget:
 
 and writes the comparison into run.json (`plan_check`, docs/formats.md), which the dashboard's run page shows. It
 warns on stderr when the measured peak passes the budget (a later step could run out of memory where the plan
-said it fits) or the step is more than STEP_TOLERANCE off the prediction. `agoq profile --add-runs RUN...` (or
+said it fits) or the step is more than STEP_TOLERANCE off the prediction, and, from the start, when the plan was
+searched from a profile measured on another device (`source.device`, plan schema 1.6) than the run's: the probe's
+plan at 9.70 GB from an H200 profile, offloading 9 layers, peaked at 10.31 GB on an H100, whose host link differs. `agoq profile --add-runs RUN...` (or
 `agoq search --runs`) takes these measurements back into the search's calibration.
 """
 
@@ -36,13 +38,25 @@ def steady_seconds(seconds: list[float]) -> list[float]:
 class PlanCheck:
     """Measured peaks and step times of a run with a plan, compared with the plan (see the module docstring)."""
 
-    def __init__(self, plan, stage: Optional[int] = None, peaks: bool = True):
+    def __init__(self, plan, stage: Optional[int] = None, peaks: bool = True, device: Optional[str] = None):
         self.plan = plan
         self.stage = stage  # a pipeline's stage of this rank (None: the largest stage's prediction)
         self.measures_peaks = peaks  # False: the step's peak is no allocator figure (a CPU), not compared
+        self.device = device  # the run's device: its GPU's name, or "cpu" (None: not known)
         self.peaks: list[int] = []
         self.seconds: list[float] = []
-        self.warned = False
+        self.said: set[str] = set()  # warnings already said on stderr
+        self.warned = False  # a comparison's warnings were said (later comparisons only record theirs)
+
+    def device_warning(self) -> Optional[str]:
+        """A sentence when the plan's profile was measured on another device than this run's, else None."""
+        theirs = getattr(self.plan.source, "device", None)
+        if not theirs or not self.device or theirs.strip().lower() == self.device.strip().lower():
+            return None
+        offloads = any(getattr(lp, "offload", False) for lp in self.plan.layers)
+        return (f"the plan was searched from a profile measured on {theirs}, and this run is on {self.device}: its "
+                "step times" + (", and its peak (what the host link has not copied out when forward ends)" if offloads
+                                else "") + " hold for that device; profile this one (agoq profile) and search again")
 
     def add(self, seconds: float, peak_bytes: list) -> None:
         """One step: its seconds and its peak per rank (None where not measured, e.g. a CPU)."""
@@ -68,7 +82,10 @@ class PlanCheck:
             "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": max(self.peaks) if self.peaks else None,
             "first_step_peak_bytes": self.peaks[0] if self.peaks else None,
             "predicted_step_seconds": predicted.step_seconds,
-            "measured_step_seconds": statistics.median(timed) if timed else None, "warnings": []}
+            "measured_step_seconds": statistics.median(timed) if timed else None, "warnings": [],
+            "plan_device": getattr(self.plan.source, "device", None), "device": self.device}
+        if self.device_warning():
+            out["warnings"].append(self.device_warning())
         measured_peak, budget = out["measured_peak_bytes"], out["budget_bytes"]
         if measured_peak is not None and predicted_peak:
             out["peak_error"] = measured_peak / predicted_peak - 1

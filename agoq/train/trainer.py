@@ -327,7 +327,10 @@ class Trainer:
         check = None
         if p.plan is not None and self.record is not None and start == 0:  # a resumed run's first step is no first
             stage = world.rank if p.layer_stage is not None else None
-            check = PlanCheck(p.plan, stage, peaks=device.type == "cuda")
+            check = PlanCheck(p.plan, stage, peaks=device.type == "cuda", device=hardware(device, 1)["name"]
+                              if device.type == "cuda" else "cpu")
+            if world.rank == 0 and check.device_warning():  # said now: the run may not be worth its time
+                self._say_plan_warnings(check, [check.device_warning()], bar)
         last_saved = start
         step = start
         if start < steps and self._stop_requested():  # a signal while the run was being prepared
@@ -394,14 +397,23 @@ class Trainer:
         """Write the run against its plan into run.json and say what is off (agoq.train.plan_check)."""
         report = check.report()
         self.record.note(plan_check=report)
-        if report["warnings"] and not check.warned:
+        fresh = [w for w in report["warnings"] if w not in check.said]
+        if fresh and not check.warned:  # the first comparison that finds something says it; later ones record it
             check.warned = True
-            for warning in report["warnings"]:
-                text = f"agoq train: warning: {warning}"
-                if bar is not None:
-                    bar.write(text, file=sys.stderr)
-                else:
-                    print(text, file=sys.stderr)
+            self._say_plan_warnings(check, fresh, bar)
+
+    @staticmethod
+    def _say_plan_warnings(check: PlanCheck, warnings: list[str], bar) -> None:
+        """Say each of `warnings` on stderr once per run."""
+        for warning in warnings:
+            if warning in check.said:
+                continue
+            check.said.add(warning)
+            text = f"agoq train: warning: {warning}"
+            if bar is not None:
+                bar.write(text, file=sys.stderr)
+            else:
+                print(text, file=sys.stderr)
 
     def _stopper(self) -> str:
         return self.stop.name if self.stop else "another rank"

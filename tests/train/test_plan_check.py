@@ -26,9 +26,10 @@ def _steady(seconds):
 from tests.search.synthetic_profile import write_profile
 
 
-def _plan(peaks, step, budget):
+def _plan(peaks, step, budget, device=None, offload=()):
     return SimpleNamespace(predicted=SimpleNamespace(peak_bytes_per_stage=peaks, step_seconds=step),
-                           budget_bytes=budget)
+                           budget_bytes=budget, source=SimpleNamespace(device=device),
+                           layers=[SimpleNamespace(offload=o) for o in offload])
 
 
 @pytest.mark.parametrize("over_budget", [False, True])
@@ -54,6 +55,28 @@ def test_report_against_an_independent_count(seed, over_budget):
     assert peak_warning == over_budget
     step_warning = any("off the plan" in w for w in r["warnings"])
     assert step_warning == (abs(r["step_error"]) > STEP_TOLERANCE)
+
+
+def test_a_plan_from_another_devices_profile_is_warned_about(seed):
+    """A plan whose profile was measured on another device than the run's gets a warning (naming both, and the peak
+    too where the plan offloads) in every report; the same device (any case and spacing), or either side unknown,
+    gets none."""
+    rng = random.Random(seed)
+    names = ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "cpu"]
+    theirs, mine = rng.sample(names, 2)
+    offload = [rng.random() < 0.5 for _ in range(rng.randrange(2, 9))]
+    check = PlanCheck(_plan([100], 1.0, 200, device=theirs, offload=offload), device=mine)
+    warning = check.device_warning()
+    assert warning is not None and theirs in warning and mine in warning
+    assert ("peak" in warning) == any(offload)
+    check.add(1.0, [150])
+    r = check.report()
+    assert r["plan_device"] == theirs and r["device"] == mine and r["warnings"] == [warning]
+    same = "  " + theirs.upper() + " "
+    for plan_device, run_device in ((theirs, same), (None, mine), (theirs, None)):
+        check = PlanCheck(_plan([100], 1.0, 200, device=plan_device, offload=offload), device=run_device)
+        check.add(1.0, [150])
+        assert check.device_warning() is None and check.report()["warnings"] == [], (plan_device, run_device)
 
 
 def test_peaks_that_are_no_allocator_figures_are_not_compared():
@@ -89,6 +112,8 @@ def test_a_run_records_itself_against_its_plan(trained):
     assert record["steps"] == steps == len(seconds)
     assert record["measured_step_seconds"] == pytest.approx(statistics.median(_steady(seconds)), rel=1e-12)
     assert record["predicted_step_seconds"] == plan["predicted"]["step_seconds"]
+    assert plan["source"]["device"] == "cpu" == record["plan_device"] == record["device"]  # a CPU profile, run
+    assert not any("profile measured on" in w for w in record["warnings"])
     assert record["measured_peak_bytes"] is None  # the CPU's peak is no allocator figure
 
 
