@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     from agoq.formats.profile import load_profile
     from agoq.search.memory_parts import phase_name
     from agoq.search.request import InfeasibleBudget
-    from agoq.search.search import search, write_outputs
+    from agoq.search.search import roomier_plan_note, search, write_outputs
     from agoq.search.study import storage_file
 
     request = read_request(args)
@@ -210,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
     if out.exists():
         print(f"agoq search: replacing {out} and the front beside it (pareto.csv, {out.stem}-pareto/) with this "
               "search's", file=sys.stderr)
+    roomier = None if request.budget is None else roomier_plan_note(profile, request, outcome.plan)
+    if roomier is not None:  # said with the other notes, and kept in the plan's
+        outcome.notes.append(roomier)
+        outcome.plan.source.notes = list(getattr(outcome.plan.source, "notes", None) or []) + [roomier]
     written = write_outputs(outcome, out)
     plan = outcome.plan
     pred = plan.predicted

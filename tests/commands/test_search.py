@@ -4,6 +4,7 @@ resume, validation runs (here and as Ray tasks)."""
 import csv
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -466,3 +467,39 @@ def test_an_offloading_plan_says_what_it_offloads(tmp_path, capsys):
     assert f"layers 0-{offloaded[-1]}" in line or (offloaded == [0] and "layers 0 " in line), f"seed {seed}: {line}"
     assert format_bytes(plan.predicted.host_bytes) in line
     assert "peak set at: " in text
+
+
+H100_PROFILE = Path(__file__).resolve().parents[2] / "experiments" / "results" / "profiles" / "probe-h100-link"
+
+
+@pytest.mark.skipif(not H100_PROFILE.exists(), reason="the committed H100 profile of the probe is not here")
+def test_a_budget_just_under_a_much_faster_plan_says_so(tmp_path, capsys):
+    """On the probe's H100 profile 9.83 GB fits only an eager plan; 2 % more fits a compiled one. `agoq search` names
+    it, and searched at that budget on its own it is the plan the note describes; a budget with no such cliff above it
+    (checked by searching 2 % above) gets no note."""
+    from agoq.search.search import HEADROOM, MUCH_FASTER
+
+    def searched(budget: int, name: str):
+        out = tmp_path / name / "plan.json"
+        assert main(["search", "--profile", str(H100_PROFILE), "--budget", str(budget), "--out", str(out), "--quiet",
+                     "--front-budgets", "0"]) == 0
+        plan = load_plan(out)
+        speed = plan.training.micro_batch * plan.training.grad_accum * plan.training.seq_len / plan.predicted.step_seconds
+        return plan, speed, capsys.readouterr().err
+
+    budget = 9_830_000_000 + random.randrange(0, 10**7)
+    tight, tight_speed, said = searched(budget, "tight")
+    above, above_speed, _ = searched(int(budget * (1 + HEADROOM)), "above")
+    assert tight.training.compile == "eager" and above.training.compile == "compiled"
+    ratio = above_speed / tight_speed
+    assert ratio >= MUCH_FASTER
+    notes = [n for n in tight.source.notes if "larger" in n]
+    assert len(notes) == 1 and notes[0] in said, said
+    assert f"{ratio:.2f}x faster" in notes[0] and "compiled" in notes[0]
+    assert f"{above.predicted.step_seconds * 1e3:.1f} ms a step against {tight.predicted.step_seconds * 1e3:.1f}" \
+        in notes[0]
+    roomy = 12_000_000_000 + random.randrange(0, 10**8)
+    plan, speed, said = searched(roomy, "roomy")
+    _, speed_above, _ = searched(int(roomy * (1 + HEADROOM)), "roomy-above")
+    assert speed_above / speed < MUCH_FASTER
+    assert not any("larger" in n for n in plan.source.notes) and "larger" not in said
