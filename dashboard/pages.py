@@ -299,11 +299,11 @@ def _plan_sections(page: Page, data: dict[str, Any]) -> None:
     versus = (f" ({s['predicted_peak_bytes'] / bf16:.0%} of bf16's {fmt_bytes(bf16)})"
               if bf16 and s.get("predicted_peak_bytes") else "")
     page.add(table(["model", "budget", "gradients", "stages", "predicted peak", "measured peak",
-                    "predicted step", "measured step", "grad error", "method"],
+                    "predicted step", "measured step", "grad error", "method", "profiled on"],
                    [[esc(s["model"]), fmt_bytes(s["budget_bytes"]), esc(s["gradients"]), fmt_num(s["stages"]),
                      fmt_bytes(s["predicted_peak_bytes"]) + esc(versus), fmt_bytes(s["measured_peak_bytes"]),
                      fmt_seconds(s["predicted_step_seconds"]), fmt_seconds(s["measured_step_seconds"]),
-                     fmt_num(s["predicted_grad_error"]), esc(s["method"])]]))
+                     fmt_num(s["predicted_grad_error"]), esc(s["method"]), esc(s.get("profiled_on") or "-")]]))
     for note in s.get("notes") or []:
         page.add(message(note, "info"))
     if page.error_or(data["bits"], "plan layers"):

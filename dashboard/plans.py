@@ -48,6 +48,7 @@ def summary(plan: dict[str, Any]) -> dict[str, Any]:
         "method": source.get("method"),
         "objective": source.get("objective"),
         "date": source.get("date"),
+        "profiled_on": source.get("device"),  # the device the plan's profile was measured on (plan schema 1.6)
     })
 
 

@@ -145,6 +145,7 @@ def test_real_outputs_every_endpoint_and_values(stage_root):
     bf16_peak = next(s["predicted_peak_bytes"] for s in profile_steps if s["policy"] == "bf16")
     assert chosen["summary"]["bf16_predicted_peak_bytes"] == bf16_peak
     assert chosen["summary"]["predicted_peak_bytes"] == max(plan["predicted"]["peak_bytes_per_stage"])
+    assert chosen["summary"]["profiled_on"] == plan["source"]["device"] == "cpu"  # the demo profiles on the CPU
     assert chosen["memory"]["cpu_runs"] == ["demo/runs/plan"]  # a CPU run's process memory is not compared
     assert len(search["pareto"]["rows"]) >= 1
 
