@@ -209,8 +209,10 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
     at the plan's compile mode and micro-batch (another micro-batch's, the largest, where this one failed), and at
     other accumulations on the line through one and two micro-batches (as agoq.search.timing prices steps: a step
     of several micro-batches offloads at a cost that one micro-batch does not show). A profile with offloading
-    steps but none of this compile mode (or of two micro-batches, for an accumulating plan) offers no offload there;
-    a profile made before agoq measured them is priced by the link alone, with a note."""
+    steps but none of this compile mode (or of two micro-batches, for an accumulating plan) offers no offload there,
+    and a profile made before agoq measured them none at all, with a note: without them the least peak of an
+    offloading step is not known either (OffloadPrices.floor_bytes; the probe's plan at 9.70 GB from such a profile
+    peaked at 10.31 GB, where a profile with them predicts 10.25)."""
     if not knobs.allow_offload:
         return None
     link = profile.host_link
@@ -246,11 +248,12 @@ def _offload_layer_seconds(sp, compile_mode: str, micro_batch: int, accum: int, 
                            slowdown: float, layers: int, notes: list) -> Optional[float]:
     """Seconds per offloaded layer and step (at `accum` micro-batches) beyond the link model (offload_prices), None:
     not offered."""
-    if not sp.offload_rows:
-        notes.append("the profile measured no offloading step (made before agoq measured them): offload is priced "
-                     "by the host link alone, without the runtime's time per offloaded layer; profile again to "
-                     "price it")
-        return 0.0
+    if not sp.offload_rows:  # measured or not offered: neither its time per layer nor its peak is known
+        notes.append("offload to host memory is not offered: the profile measured no offloading step (it was made "
+                     "before agoq measured them), so neither the runtime's time per offloaded layer nor the least "
+                     "peak of an offloading step is known (a plan of the probe priced without them peaked 0.61 GB "
+                     "over its budget); profile again to offer it")
+        return None
 
     def charge(m: int, a: int) -> Optional[float]:
         step = sp.offload_step(compile_mode, m, a)

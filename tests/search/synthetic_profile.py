@@ -163,3 +163,17 @@ def write_profile(folder, rng: random.Random, model: str = "llama-tiny", num_lay
                                  "seconds": factor * size / link_bytes_per_second + 2e-5})
         pd.DataFrame(coll).to_parquet(folder / "collectives.parquet")
     return folder
+
+
+def add_offload_rows(folder, layers: int, delta, offload_modes=("eager", "compiled"), accums=(1, 2),
+                     offloaded_bytes: int = 0) -> None:
+    """Add to a written profile what `agoq profile` measures where it measured a host link: beside each kept
+    agoq-paper step of `offload_modes` and `accums`, the same step with layers 0..layers-2 offloaded, `delta(row)`
+    seconds longer."""
+    header = json.loads((Path(folder) / "profile.json").read_text())
+    rows = header["measured_steps"]["rows"]
+    added = [{**r, "offload_layers": layers - 1, "offloaded_bytes": offloaded_bytes,
+              "step_seconds": r["step_seconds"] + delta(r)}
+             for r in rows if r["policy"] == "agoq-paper" and r["grad_accum"] in accums and r["compile"] in offload_modes]
+    header["measured_steps"] = {"version": 2, "rows": rows + added}
+    (Path(folder) / "profile.json").write_text(json.dumps(header))

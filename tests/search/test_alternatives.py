@@ -23,7 +23,7 @@ from agoq.search.costs import (
     static_bytes_total,
 )
 from agoq.search.search import plan_from_profile
-from tests.search.synthetic_profile import write_profile
+from tests.search.synthetic_profile import add_offload_rows, write_profile
 
 
 def fresh_rng():
@@ -137,6 +137,7 @@ def test_checkpointed_inputs_offloaded_is_the_least_prefix_that_fits(tmp_path):
     # long sequences: the checkpointed inputs outweigh one layer's gradients, so offloading them lowers the peak
     folder = write_profile(tmp_path / "p", rng, num_layers=5, micro_batch=2, seq_len=1501, layer_forward=True,
                            host_link=link)
+    add_offload_rows(folder, 5, lambda r: rng.uniform(0.0, 0.002))  # what a profile with a host link measures
     profile = load_profile(folder)
     knobs = ProblemSettings(gradient_mode="bf16", optimizer="adamw8bit", master="fp32", micro_batch=2)
     problem = build_problem(profile, knobs)

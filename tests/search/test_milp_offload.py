@@ -17,7 +17,7 @@ from agoq.search.milp import InfeasibleBudget, Solver
 from agoq.search.problem import OffloadPrices
 from agoq.search.request import KnobSpace
 from agoq.search.search import plan_from_profile
-from tests.search.synthetic_profile import write_profile
+from tests.search.synthetic_profile import add_offload_rows, write_profile
 from tests.search.test_milp import random_problem
 
 
@@ -144,6 +144,7 @@ def link_profile(folder, rng):
     link = {"d2h_bytes_per_second": rng.uniform(2e10, 6e10), "h2d_bytes_per_second": rng.uniform(2e10, 6e10),
             "bytes_per_copy": 256 << 20, "compute_slowdown": rng.uniform(0.0, 0.05), "pinnable_bytes": 10**11}
     folder = write_profile(folder, rng, num_layers=5, layer_forward=True, host_link=link)
+    add_offload_rows(folder, 5, lambda r: rng.uniform(0.0, 0.002))  # what a profile with a host link measures
     profile = load_profile(folder)
     without, _ = budget_bounds(profile, KnobSpace(offload=False))
     least, _ = budget_bounds(profile)
