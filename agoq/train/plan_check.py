@@ -14,7 +14,7 @@ and writes the comparison into run.json (`plan_check`, docs/formats.md), which t
 warns on stderr when the measured peak passes the budget (a later step could run out of memory where the plan
 said it fits) or the step is more than STEP_TOLERANCE off the prediction, and, from the start, when the plan was
 searched from a profile measured on another device (`source.device`, plan schema 1.6) than the run's: the probe's
-plan at 9.70 GB from an H200 profile, offloading 9 layers, peaked at 10.31 GB on an H100, whose host link differs. `agoq profile --add-runs RUN...` (or
+plans from an H200 profile ran 2-6 % slower than predicted on an H100. `agoq profile --add-runs RUN...` (or
 `agoq search --runs`) takes these measurements back into the search's calibration.
 """
 
@@ -55,8 +55,8 @@ class PlanCheck:
             return None
         offloads = any(getattr(lp, "offload", False) for lp in self.plan.layers)
         return (f"the plan was searched from a profile measured on {theirs}, and this run is on {self.device}: its "
-                "step times" + (", and its peak (what the host link has not copied out when forward ends)" if offloads
-                                else "") + " hold for that device; profile this one (agoq profile) and search again")
+                "step times" + (" and the host link its offload was priced with" if offloads else "")
+                + " hold for that device; profile this one (agoq profile) and search again")
 
     def add(self, seconds: float, peak_bytes: list) -> None:
         """One step: its seconds and its peak per rank (None where not measured, e.g. a CPU)."""

@@ -58,8 +58,8 @@ def test_report_against_an_independent_count(seed, over_budget):
 
 
 def test_a_plan_from_another_devices_profile_is_warned_about(seed):
-    """A plan whose profile was measured on another device than the run's gets a warning (naming both, and the peak
-    too where the plan offloads) in every report; the same device (any case and spacing), or either side unknown,
+    """A plan whose profile was measured on another device than the run's gets a warning (naming both, and the host
+    link too where the plan offloads) in every report; the same device (any case and spacing), or either side unknown,
     gets none."""
     rng = random.Random(seed)
     names = ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "cpu"]
@@ -68,7 +68,7 @@ def test_a_plan_from_another_devices_profile_is_warned_about(seed):
     check = PlanCheck(_plan([100], 1.0, 200, device=theirs, offload=offload), device=mine)
     warning = check.device_warning()
     assert warning is not None and theirs in warning and mine in warning
-    assert ("peak" in warning) == any(offload)
+    assert ("host link" in warning) == any(offload)
     check.add(1.0, [150])
     r = check.report()
     assert r["plan_device"] == theirs and r["device"] == mine and r["warnings"] == [warning]
