@@ -217,8 +217,9 @@ def run(args: argparse.Namespace) -> int:
     written = write_outputs(outcome, out)
     plan = outcome.plan
     pred = plan.predicted
+    device = getattr(plan.source, "device", None)
     print(f"plan for {plan.model.name} under {format_bytes(request.budget)} per GPU ({plan.source.method}, "
-          f"objective {request.objective}):")
+          f"objective {request.objective}{', profiled on ' + device if device else ''}):")
     print(f"  predicted peak {', '.join(format_bytes(b) for b in pred.peak_bytes_per_stage)} per stage; "
           f"activations {', '.join(format_bytes(b) for b in pred.activation_bytes_per_stage) or '-'}; "
           f"step {pred.step_seconds:.4f} s; gradient error {pred.grad_error:.4g}")
