@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     written = write_outputs(outcome, out)
     plan = outcome.plan
     pred = plan.predicted
-    device = getattr(plan.source, "device", None)
+    device = plan.source.device
     print(f"plan for {plan.model.name} under {format_bytes(request.budget)} per GPU ({plan.source.method}, "
           f"objective {request.objective}{', profiled on ' + device if device else ''}):")
     print(f"  predicted peak {', '.join(format_bytes(b) for b in pred.peak_bytes_per_stage)} per stage; "

@@ -218,11 +218,7 @@ def roomier_plan_note(profile: ProfileData, request: Union[SearchRequest, int], 
         return None
     if not other.predicted.step_seconds:
         return None
-
-    def speed(p: Plan) -> float:
-        return p.training.micro_batch * p.training.grad_accum * p.training.seq_len / p.predicted.step_seconds
-
-    ratio = speed(other) / speed(plan)
+    ratio = plan.predicted.step_seconds / other.predicted.step_seconds  # both train the request's tokens per step
     if ratio < MUCH_FASTER:
         return None
     t = other.training

@@ -45,15 +45,14 @@ class PlanCheck:
         self.device = device  # the run's device: its GPU's name, or "cpu" (None: not known)
         self.peaks: list[int] = []
         self.seconds: list[float] = []
-        self.said: set[str] = set()  # warnings already said on stderr
         self.warned = False  # a comparison's warnings were said (later comparisons only record theirs)
 
     def device_warning(self) -> Optional[str]:
         """A sentence when the plan's profile was measured on another device than this run's, else None."""
-        theirs = getattr(self.plan.source, "device", None)
+        theirs = self.plan.source.device
         if not theirs or not self.device or theirs.strip().lower() == self.device.strip().lower():
             return None
-        offloads = any(getattr(lp, "offload", False) for lp in self.plan.layers)
+        offloads = any(lp.offload for lp in self.plan.layers)
         return (f"the plan was searched from a profile measured on {theirs}, and this run is on {self.device}: its "
                 "step times" + (" and the host link its offload was priced with" if offloads else "")
                 + " hold for that device; profile this one (agoq profile) and search again")
@@ -83,9 +82,9 @@ class PlanCheck:
             "first_step_peak_bytes": self.peaks[0] if self.peaks else None,
             "predicted_step_seconds": predicted.step_seconds,
             "measured_step_seconds": statistics.median(timed) if timed else None, "warnings": [],
-            "plan_device": getattr(self.plan.source, "device", None), "device": self.device}
-        if self.device_warning():
-            out["warnings"].append(self.device_warning())
+            "plan_device": self.plan.source.device, "device": self.device}
+        if (elsewhere := self.device_warning()) is not None:
+            out["warnings"].append(elsewhere)
         measured_peak, budget = out["measured_peak_bytes"], out["budget_bytes"]
         if measured_peak is not None and predicted_peak:
             out["peak_error"] = measured_peak / predicted_peak - 1

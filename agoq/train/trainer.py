@@ -330,7 +330,7 @@ class Trainer:
             check = PlanCheck(p.plan, stage, peaks=device.type == "cuda", device=hardware(device, 1)["name"]
                               if device.type == "cuda" else "cpu")
             if world.rank == 0 and check.device_warning():  # said now: the run may not be worth its time
-                self._say_plan_warnings(check, [check.device_warning()], bar)
+                self._say_plan_warnings([check.device_warning()], bar)
         last_saved = start
         step = start
         if start < steps and self._stop_requested():  # a signal while the run was being prepared
@@ -397,18 +397,15 @@ class Trainer:
         """Write the run against its plan into run.json and say what is off (agoq.train.plan_check)."""
         report = check.report()
         self.record.note(plan_check=report)
-        fresh = [w for w in report["warnings"] if w not in check.said]
+        fresh = [w for w in report["warnings"] if w != check.device_warning()]  # that one was said at the start
         if fresh and not check.warned:  # the first comparison that finds something says it; later ones record it
             check.warned = True
-            self._say_plan_warnings(check, fresh, bar)
+            self._say_plan_warnings(fresh, bar)
 
     @staticmethod
-    def _say_plan_warnings(check: PlanCheck, warnings: list[str], bar) -> None:
-        """Say each of `warnings` on stderr once per run."""
+    def _say_plan_warnings(warnings: list[str], bar) -> None:
+        """Say `warnings` on stderr (above the progress bar, where there is one)."""
         for warning in warnings:
-            if warning in check.said:
-                continue
-            check.said.add(warning)
             text = f"agoq train: warning: {warning}"
             if bar is not None:
                 bar.write(text, file=sys.stderr)
