@@ -40,7 +40,6 @@ from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
 from agoq.search.milp_offload import Enumeration
 
 RELATIVE = 1e-9  # two levels whose seconds differ by less than this (relative) are the same time
-CHECK_SECONDS = 0.5  # with offload: levels not all ruled out by then are left to the whole MILP
 
 
 def count_priced(model) -> bool:
@@ -220,71 +219,23 @@ class Levels:
 
     def _fastest_offloading(self, budgets: np.ndarray, error_cap: Optional[float],
                             time_limit: Optional[float]) -> Optional[OptimizeResult]:
-        """`fastest` where layers may be offloaded, when offloading cannot beat keeping (else None: the caller
-        solves the whole MILP). Step seconds are then a level's seconds plus the link's price of the bytes offloaded
-        (`link_seconds`, >= 0), so a level is no longer settled by its first choice that fits. The fastest choice
-        keeping every layer on the GPU (the levels, offload fixed off) takes T0 seconds; a choice that offloads is
-        faster only at a level faster than T0, with its link price under the difference. Each such level is ruled
-        out by a bound (its least bytes less the budget, or layer 0's least bytes, must leave the GPU, at the link's
-        price), or else by its counts fixed with the step capped below T0: the linear relaxation, then the MILP,
-        proving that no choice exists (milliseconds each, where minimising the offloaded bytes takes seconds). When
-        every faster level is ruled out, the T0 choice is the optimum, exactly; its ties, offloading or not, are
-        the second objective's (it bounds the whole time row). Where nothing fits with every layer kept, the same
-        checks without the cap prove that nothing fits at all, or leave it to the whole MILP. Where the layers are
-        alike (agoq.search.milp_offload), every configuration that offloads is enumerated instead, exactly."""
-        from agoq.search.milp_model import milp
-
-        m = self.m
-        start = time.perf_counter()
+        """`fastest` where layers may be offloaded and are alike in a compiled plan (agoq.search.milp_offload):
+        the fastest choice keeping every layer on the GPU (the levels, offload fixed off) is the answer to beat,
+        and every configuration that offloads is enumerated against it, exactly. None where that structure does
+        not hold, or the kept choice was not settled within `time_limit`: the caller then solves one MILP per
+        offloaded prefix (agoq.search.milp_model.Model.over_prefixes)."""
+        enumeration = Enumeration.build(self.m)
+        if enumeration is None:
+            return None
         kept = self._fastest_kept(budgets, error_cap, time_limit, self.kept_bounds, self.settled, kept=True)
         if kept is None:
             return None
-        enumeration = Enumeration.build(m)  # alike layers of a compiled plan: every offloaded prefix enumerated
-        if enumeration is not None:
-            found = enumeration.fastest(budgets, error_cap, kept)
-            if found is kept:  # no choice that offloads is faster
-                kept.message = "no choice fits the budget and the caps (every step-time level checked, offload " \
-                               "included)" if kept.x is None else "optimal: the fastest step-time level keeping " \
-                                                                  "every layer, and no offloading choice faster"
-            if found is not None:
-                return found
-        best = float(kept.seconds) if kept.x is not None else np.inf  # nothing kept fits: every level may offload
-        budget = float(budgets[0])
-        cap = best - abs(best) * RELATIVE if np.isfinite(best) else None  # strictly faster than T0 (closer: a tie)
-        cons = m.constraints(budgets, cap, error_cap)
-        checks = time.perf_counter()
-        candidates = []
-        for t, n_u, n_c in self.levels:
-            if (cap is not None and t >= cap) or self._bound_fails(budget, n_u, n_c, error_cap):
-                continue
-            # no choice of this level keeps every layer (T0 is the fastest that does): layer 0 at least leaves
-            must_leave = self.first_layer_bytes if n_u is None else max(
-                self.first_layer_bytes, self._least_bytes(n_u, n_c) - budget * (1 + RELATIVE) - 1.0)
-            if must_leave > self.offload.host_budget_bytes * (1 + RELATIVE) + 1.0:
-                continue
-            if cap is not None and t + self.link_seconds(must_leave) >= cap:
-                continue
-            candidates.append((must_leave, -t, n_u, n_c))
-        # fewest bytes to move first: where offloading wins it is most likely found there, at once
-        for _, _, n_u, n_c in sorted(candidates, key=lambda c: (c[0], c[1])):
-            left = CHECK_SECONDS - (time.perf_counter() - checks)
-            if time_limit is not None:
-                left = min(left, time_limit - (time.perf_counter() - start))
-            if left <= 0:
-                return None  # not ruled out in CHECK_SECONDS: the whole MILP decides
-            counts = self._count_rows(n_u, n_c)
-            relaxed = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.zeros(m.nv), bounds=m.bounds)
-            if relaxed.status == 2:
-                continue
-            res = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=m.integrality, bounds=m.bounds,
-                       options={"time_limit": max(left, 1e-3)})
-            if res.status != 2:
-                return None  # offloading may win here (or it was not settled in time): the whole MILP decides
-        if kept.x is None:
-            kept.message = "no choice fits the budget and the caps (every step-time level checked, offload included)"
-            return kept
-        kept.message = "optimal: the fastest step-time level keeping every layer, and no offloading choice faster"
-        return kept
+        found = enumeration.fastest(budgets, error_cap, kept)
+        if found is kept:  # no choice that offloads is faster
+            kept.message = "no choice fits the budget and the caps (every step-time level checked, offload " \
+                           "included)" if kept.x is None else "optimal: the fastest step-time level keeping " \
+                                                              "every layer, and no offloading choice faster"
+        return found
 
 
 __all__ = ["Levels", "count_priced", "levels"]

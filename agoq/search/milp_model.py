@@ -54,11 +54,12 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint
+from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
 from scipy.optimize import milp as _scipy_milp
 from scipy.sparse import coo_matrix
 
@@ -422,6 +423,10 @@ class Model:
         options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
         args = dict(constraints=self.constraints(budgets, time_cap, error_cap), integrality=self.integrality,
                     bounds=self.bounds)
+        if self.offload:  # one MILP per offloaded prefix: each far smaller than the whole (seconds on the probe)
+            res = self.over_prefixes(primary / scale, args["constraints"], self.bounds, options, time_limit)
+            if res is not None:
+                return self._keep_first(key, res)
         res = milp(primary / scale, options=options, **args)
         if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
             res = milp(primary / scale, options={"mip_rel_gap": GAP}, **args)
@@ -430,6 +435,63 @@ class Model:
             # (a budget equal to its peak): asked again without it
             res = milp(primary / scale, options={**options, "presolve": False}, **args)
         return self._keep_first(key, res)
+
+    def over_prefixes(self, c: np.ndarray, constraints: list, bounds: Bounds, options: dict,
+                      time_limit: Optional[float], prefixes=None) -> Optional[OptimizeResult]:
+        """min c x over the MILP's choices (`constraints`, `bounds`), one offloaded prefix at a time.
+
+        Offload is a prefix (o_{l+1} <= o_l): every choice offloads layers 0..K-1 for one K in 0..L, so the
+        optimum is the least of the L + 1 MILPs with the o_l fixed, in which offload's big-M rows are plain
+        bounds. Each K's linear relaxation bounds its MILP from below: the prefixes are solved best bound first,
+        and one whose bound cannot beat the best found (within the MIP gap) is not solved. Exact, as the whole
+        MILP is; seconds faster where layers may each take their own setting (eager plans). None where a solve
+        stopped at `time_limit` (seconds for them all) or HiGHS gave no relaxation: the caller then solves the
+        whole MILP. An OptimizeResult with x None and status 2 when no prefix has a choice. `prefixes` (None: all)
+        limits the K visited to those known to hold every choice that can meet the constraints; the result's
+        `bounds_by_prefix` gives each K's relaxed optimum (K without a relaxed choice left out)."""
+        start = time.perf_counter()
+        ranked = []
+        for k in range(self.L + 1) if prefixes is None else sorted(prefixes):
+            lb, ub = bounds.lb.copy(), bounds.ub.copy()
+            on, off = slice(self.o0, self.o0 + k), slice(self.o0 + k, self.o0 + self.L)
+            if (ub[on] < 1).any() or (lb[off] > 0).any():
+                continue  # a layer that cannot be offloaded in the prefix, or one that must be above it
+            lb[on], ub[on], lb[off], ub[off] = 1.0, 1.0, 0.0, 0.0
+            fixed = Bounds(lb, ub)
+            relaxed = milp(c, constraints=constraints, integrality=np.zeros(self.nv), bounds=fixed)
+            if relaxed.status == 2:
+                continue  # not even the relaxation fits: no choice offloads exactly these layers
+            if relaxed.x is None:
+                return None
+            ranked.append((float(c @ relaxed.x), k, fixed))
+        best, best_value = None, np.inf
+        for bound, _k, fixed in sorted(ranked, key=lambda t: (t[0], t[1])):
+            if bound >= best_value - GAP * abs(best_value):
+                break  # neither this prefix nor any after it (their bounds are no lower) can do better
+            left = None if time_limit is None else time_limit - (time.perf_counter() - start)
+            if left is not None and left <= 0:
+                return None
+            opts = {**options, **({"time_limit": left} if left is not None else {})}
+            res = milp(c, constraints=constraints, integrality=self.integrality, bounds=fixed, options=opts)
+            if res.x is None and res.status == 2:  # as in the whole MILP: presolve can misjudge, asked again
+                res = milp(c, constraints=constraints, integrality=self.integrality, bounds=fixed,
+                           options={**opts, "presolve": False})
+            if res.x is None:
+                if res.status == 2:
+                    continue
+                return None  # stopped by the time limit before any choice (or HiGHS gave up)
+            if res.status != 0:
+                return None  # a choice, not proven optimal in time: the whole MILP decides
+            value = float(c @ np.where(self.integrality > 0, np.round(res.x), res.x))
+            if value < best_value:
+                best, best_value = res, value
+        if best is None:
+            best = OptimizeResult(x=None, status=2, success=False, fun=None, mip_gap=None,
+                                  message="no choice fits the budget and the caps (every offloaded prefix checked)")
+        else:
+            best.status, best.success, best.mip_gap = 0, True, 0.0
+        best.bounds_by_prefix = {k: bound for bound, k, _ in ranked}
+        return best
 
     def _keep_first(self, key, res):
         if len(self._first) >= 16:
@@ -480,7 +542,15 @@ class Model:
             scale = max(float(np.abs(primary).max()), 1e-30)
             extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + abs(best) * 1e-9 + 1e-12) / scale)]
         cons = self.constraints(budgets, time_cap, error_cap) + extra
-        second = milp(c, constraints=cons, integrality=self.integrality, bounds=bounds, options=options)
+        second = None
+        if self.offload:  # the prefixes whose relaxed first objective reaches the optimum hold every tie
+            known = getattr(first, "bounds_by_prefix", None)
+            if known is not None and extra:
+                top = best + abs(best) * 1e-9 + 1e-12
+                known = {k for k, bound in known.items() if bound * scale <= top + abs(top) * 1e-6}
+            second = self.over_prefixes(c, cons, bounds, options, tie_limit, known if extra else None)
+        if second is None:
+            second = milp(c, constraints=cons, integrality=self.integrality, bounds=bounds, options=options)
         if second.x is None and second.status == 2:
             # the first answer meets these rows, so "infeasible" is HiGHS's presolve misjudging (seen with offload's
             # big-M rows): solved again without it

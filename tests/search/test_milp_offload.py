@@ -105,6 +105,16 @@ def test_offload_prefix_matches_brute_force():
             # the figures the allocation carries are the cost model's own for its choice
             f = p.evaluate(alloc.chosen, alloc.checkpoint, off)
             assert f["host_bytes"] == alloc.host_bytes and f["step_seconds"] == pytest.approx(alloc.step_seconds)
+            # its ties broken by the least error, whichever offloaded prefix they take
+            mine = alloc.step_seconds * (1 + 1e-9) + 1e-12
+            least_error = min(f["grad_error"] for f, _ in fits if f["step_seconds"] <= mine)
+            assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
+            # the other objective: the least error that fits, its ties broken by the least time
+            exact = solver.solve(budget, "error")
+            least = min(f["grad_error"] for f, _ in fits)
+            assert exact.grad_error == pytest.approx(least, rel=1e-6, abs=1e-9), where
+            fastest = min(f["step_seconds"] for f, _ in fits if f["grad_error"] <= exact.grad_error + 1e-9)
+            assert exact.step_seconds == pytest.approx(fastest, rel=1e-6, abs=1e-9), where
 
 
 def test_offload_is_not_chosen_where_it_buys_nothing():
