@@ -136,6 +136,7 @@ class Model:
 
     def __init__(self, p: ChoiceProblem):
         self._first: dict = {}  # first-objective results by (budgets, objective, caps, time limit)
+        self._no_prefix: dict = {}  # (time cap, error cap) -> [(budget, offloaded prefixes with no relaxed choice)]
         n, L, S = len(p.option), p.num_layers, p.num_stages
         self.p, self.n, self.L, self.S = p, n, L, S
         # y: each stage's one setting of every kind for its layers under LAAQ (p.one_setting_per_stage)
@@ -424,8 +425,15 @@ class Model:
         args = dict(constraints=self.constraints(budgets, time_cap, error_cap), integrality=self.integrality,
                     bounds=self.bounds)
         if self.offload:  # one MILP per offloaded prefix: each far smaller than the whole (seconds on the probe)
-            res = self.over_prefixes(primary / scale, args["constraints"], self.bounds, options, time_limit)
+            # a prefix with no relaxed choice at a budget has none at a smaller one (only the memory rows' right-hand
+            # sides move with the budget): a front, solved largest budget first, skips them
+            budget, known = float(budgets[0]), self._no_prefix.setdefault((time_cap, error_cap), [])
+            ruled_out = set().union(*[ks for b, ks in known if b >= budget])
+            visit = [k for k in range(self.L + 1) if k not in ruled_out]
+            res = self.over_prefixes(primary / scale, args["constraints"], self.bounds, options, time_limit, visit)
             if res is not None:
+                known.append((budget, frozenset(visit) - set(res.bounds_by_prefix)))
+                del known[:-64]  # a long-lived solver (the dashboard's service) keeps its last answers only
                 return self._keep_first(key, res)
         res = milp(primary / scale, options=options, **args)
         if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
@@ -444,9 +452,10 @@ class Model:
         optimum is the least of the L + 1 MILPs with the o_l fixed, in which offload's big-M rows are plain
         bounds. Each K's linear relaxation bounds its MILP from below: the prefixes are solved best bound first,
         and one whose bound cannot beat the best found (within the MIP gap) is not solved. Exact, as the whole
-        MILP is; seconds faster where layers may each take their own setting (eager plans). None where a solve
-        stopped at `time_limit` (seconds for them all) or HiGHS gave no relaxation: the caller then solves the
-        whole MILP. An OptimizeResult with x None and status 2 when no prefix has a choice. `prefixes` (None: all)
+        MILP is; seconds faster where layers may each take their own setting (eager plans). Where `time_limit`
+        (seconds for them all) stops it, the best choice found by then (status 1, `mip_gap` from the least bound
+        not settled); None where it stopped before any choice or HiGHS gave no relaxation: the caller then solves
+        the whole MILP. An OptimizeResult with x None and status 2 when no prefix has a choice. `prefixes` (None: all)
         limits the K visited to those known to hold every choice that can meet the constraints; the result's
         `bounds_by_prefix` gives each K's relaxed optimum (K without a relaxed choice left out)."""
         start = time.perf_counter()
@@ -465,12 +474,14 @@ class Model:
                 return None
             ranked.append((float(c @ relaxed.x), k, fixed))
         best, best_value = None, np.inf
+        unsettled = np.inf  # the least bound of a prefix the time limit left unsolved or unproven
         for bound, _k, fixed in sorted(ranked, key=lambda t: (t[0], t[1])):
             if bound >= best_value - GAP * abs(best_value):
                 break  # neither this prefix nor any after it (their bounds are no lower) can do better
             left = None if time_limit is None else time_limit - (time.perf_counter() - start)
             if left is not None and left <= 0:
-                return None
+                unsettled = min(unsettled, bound)
+                break
             opts = {**options, **({"time_limit": left} if left is not None else {})}
             res = milp(c, constraints=constraints, integrality=self.integrality, bounds=fixed, options=opts)
             if res.x is None and res.status == 2:  # as in the whole MILP: presolve can misjudge, asked again
@@ -479,15 +490,21 @@ class Model:
             if res.x is None:
                 if res.status == 2:
                     continue
-                return None  # stopped by the time limit before any choice (or HiGHS gave up)
-            if res.status != 0:
-                return None  # a choice, not proven optimal in time: the whole MILP decides
+                unsettled = min(unsettled, bound)  # stopped by the time limit before any choice
+                break
+            if res.status != 0:  # a choice, not proven optimal in time
+                unsettled = min(unsettled, bound)
             value = float(c @ np.where(self.integrality > 0, np.round(res.x), res.x))
             if value < best_value:
                 best, best_value = res, value
         if best is None:
+            if np.isfinite(unsettled):
+                return None  # the time limit came before any choice: the caller's whole MILP searches on
             best = OptimizeResult(x=None, status=2, success=False, fun=None, mip_gap=None,
                                   message="no choice fits the budget and the caps (every offloaded prefix checked)")
+        elif unsettled < best_value - GAP * abs(best_value):  # the best found by the time limit, and its gap
+            best.status, best.success = 1, False
+            best.mip_gap = float((best_value - unsettled) / max(abs(best_value), 1e-30))
         else:
             best.status, best.success, best.mip_gap = 0, True, 0.0
         best.bounds_by_prefix = {k: bound for bound, k, _ in ranked}
