@@ -467,7 +467,9 @@ class Model:
                 continue  # a layer that cannot be offloaded in the prefix, or one that must be above it
             lb[on], ub[on], lb[off], ub[off] = 1.0, 1.0, 0.0, 0.0
             fixed = Bounds(lb, ub)
-            relaxed = milp(c, constraints=constraints, integrality=np.zeros(self.nv), bounds=fixed)
+            # without presolve: half the time of these small LPs (and nothing for it to misjudge)
+            relaxed = milp(c, constraints=constraints, integrality=np.zeros(self.nv), bounds=fixed,
+                           options={"presolve": False})
             if relaxed.status == 2:
                 continue  # not even the relaxation fits: no choice offloads exactly these layers
             if relaxed.x is None:
