@@ -285,9 +285,9 @@ def _offload_layer_seconds(sp, compile_mode: str, micro_batch: int, accum: int, 
 
 def _note_offload_spread(sp, micro_batch: int, accums: tuple, notes: list) -> None:
     """Note the eager offloading steps an offload price at `micro_batch` is read from whose times ranged more than
-    EAGER_SPREAD_NOTE, within a run or between the profile's passes (the least of which the row keeps): offload's
-    hooks and copies add host work to a step the host already sets (the probe on an H100, 1 x 2, 15 layers
-    offloaded: passes of 234.9 and 283.9 ms, and a plan priced from the first ran 345.2)."""
+    EAGER_SPREAD_NOTE, within a run or between the profile's passes (priced from their mean, agoq.search.timing):
+    offload's hooks and copies add host work to a step the host already sets (the probe on an H100, 1 x 2, 15
+    layers offloaded: passes of 234.9 and 283.9 ms; a plan priced from the first ran 242-286 ms over a run)."""
     for a in accums:
         row = sp.offload_row("eager", micro_batch, a)
         if row is None:
@@ -297,8 +297,8 @@ def _note_offload_spread(sp, micro_batch: int, accums: tuple, notes: list) -> No
             continue
         notes.append(f"the eager offloading step at micro-batch {micro_batch} x {a} ({row['offload_layers']} layers "
                      f"offloaded) measured {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms across its steps and "
-                     f"passes ({max(times) / min(times) - 1:.0%} apart) and is priced from the fastest pass: an eager "
-                     "plan that offloads is set by the host, and a run may miss its predicted step by as much or more")
+                     f"passes ({max(times) / min(times) - 1:.0%} apart) and is priced from the mean of its passes: an "
+                     "eager plan that offloads is set by the host, and a run may miss its predicted step by as much")
 
 
 def _end_of_backward(profile: ProfileData, gradient_mode: str, accum: int, layout: str, gradient_bytes: float,

@@ -31,9 +31,11 @@ compiled steps, whose kernels keep the GPU busy and whose slow phases pass. An e
 launches every kernel from Python, and its jitter is the step itself: the probe's eager checkpoint-all step at
 micro-batch 1 x 2 measured 208.7-255.0 ms over five steady steps (both passes' medians 230.1 and 247.2 ms), so
 its fastest step priced a plan of that kind at 211.2 ms, and `agoq train` ran it at 237.3 ms (-11 %); its median
-prices it at 228.1 ms (-3.9 %). Eager rows are priced by their median (the least of their passes' medians, as the
-profile keeps it), and only compiled rows enter the ratio. Rows without their per-step seconds (older profiles) are
-priced by their median too.
+prices it at 228.1 ms (-3.9 %). The host's speed also moves between runs: the profile measures each eager step in
+two passes, and on an H100 the eager offloading step at 1 x 2 measured 234.9 and 283.9 ms in them; a plan priced
+from the faster ran 242-286 ms (medians of thirds of a 60-step run). Eager rows are therefore priced by the mean of
+their passes' medians (the row's median where it has one pass), and only compiled rows enter the ratio. Rows
+without their per-step seconds (older profiles) are priced by their median.
 
 Rows that offloaded (agoq-paper with its first K layers' saved tensors in host memory) price no plan by themselves:
 they are kept apart (`offload_rows`), and `offload_step` pairs one with the agoq-paper step of the same knobs kept
@@ -78,9 +80,12 @@ class StepPrices:
 
     def price(self, row: dict) -> float:
         """The seconds a measured row prices its step at (module docstring): a compiled row its fastest steady step
-        times the mode's median-to-fastest ratio; an eager row, or one with fewer than two steady steps, its
-        median."""
+        times the mode's median-to-fastest ratio; an eager row the mean of its passes' medians (its median where it
+        has one pass); a row with fewer than two steady steps its median."""
         steady = self.steady(row)
+        if row["compile"] not in ROBUST_MODES:
+            passes = [float(t) for t in row.get("repeat_step_seconds") or [] if t and t > 0]
+            return statistics.fmean(passes) if len(passes) >= 2 else float(row["step_seconds"])
         if len(steady) < 2 or row["compile"] not in self.median_to_fastest:
             return float(row["step_seconds"])
         return min(steady) * self.median_to_fastest[row["compile"]]
