@@ -201,6 +201,17 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
         data["source"].setdefault("notes", []).append(
             f"the {second} among the plans of least {objective} is the best found in a bounded search "
             f"(proven within {alloc.second_gap:.2%})")
+    if offload is not None:
+        unlike = [what for what, on in (("QuanGrad's gradients", knobs.gradient_mode != "bf16"),
+                                         (f"{int(alloc.checkpoint.sum())} checkpointed layer(s)",
+                                          bool(alloc.checkpoint.any()))) if on]
+        if unlike:  # the offloading step the price comes from had neither: the host work they add is not in it
+            data["source"].setdefault("notes", []).append(
+                f"offload is priced from the profile's offloading step, which ran bf16 gradients and no "
+                f"checkpointed layer; this plan adds {' and '.join(unlike)}, whose host work a step at a small "
+                f"micro-batch may not hide (on an H100, the probe's compiled plan at 1 x 2 with both, 8 layers "
+                f"offloaded, ran 165.6 ms where 138.5 was predicted; kept on the GPU it ran 141.9): measure it "
+                f"with agoq train --plan, and agoq search --runs RUN_DIR prices the next search from it")
     if problem.notes:
         data["source"]["notes"] = data["source"].get("notes", []) + list(problem.notes)
     return Plan.model_validate(data)

@@ -14,8 +14,8 @@ and writes the comparison into run.json (`plan_check`, docs/formats.md), which t
 warns on stderr when the measured peak passes the budget (a later step could run out of memory where the plan
 said it fits) or the step is more than STEP_TOLERANCE off the prediction, and, from the start, when the plan was
 searched from a profile measured on another device (`source.device`, plan schema 1.6) than the run's: the probe's
-plans from an H200 profile ran 2-6 % slower than predicted on an H100. `agoq profile --add-runs RUN...` (or
-`agoq search --runs`) takes these measurements back into the search's calibration.
+plans from an H200 profile ran 2-6 % slower than predicted on an H100. `agoq search --runs RUN...` takes these
+measurements back into the search's calibration.
 """
 
 from __future__ import annotations
@@ -91,13 +91,14 @@ class PlanCheck:
         if measured_peak is not None and budget and measured_peak > budget:
             out["warnings"].append(f"the measured peak {measured_peak:,} bytes passes the plan's budget of {budget:,} "
                                    f"(predicted {predicted_peak:,}): a later step may run out of memory; search "
-                                   "again with the runs' measurements (agoq profile --add-runs) or a smaller budget")
+                                   "again with the run's measurements (agoq search --runs RUN_DIR) or a smaller budget")
         if out["measured_step_seconds"] and predicted.step_seconds:
             out["step_error"] = out["measured_step_seconds"] / predicted.step_seconds - 1
             if abs(out["step_error"]) > STEP_TOLERANCE:
                 out["warnings"].append(
                     f"the measured step {out['measured_step_seconds'] * 1e3:.1f} ms is {out['step_error']:+.1%} off "
-                    f"the plan's {predicted.step_seconds * 1e3:.1f} ms (more than {STEP_TOLERANCE:.0%})")
+                    f"the plan's {predicted.step_seconds * 1e3:.1f} ms (more than {STEP_TOLERANCE:.0%}): agoq search --runs "
+                    "RUN_DIR prices the next search from this run")
         return out
 
 

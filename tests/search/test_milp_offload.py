@@ -279,3 +279,28 @@ def test_the_first_prefetch_counts_at_the_start_of_backward():
                                                    else "forward_backward") or abs(start - end_of_forward) <= 1, where
             if phase is not None:
                 assert sum(phase["parts"].values()) == f["peak_bytes_per_stage"][0], where
+
+
+def test_an_offloading_plan_with_knobs_its_offload_price_never_ran_says_so():
+    """The offload price comes from the profile's offloading step (bf16 gradients, no checkpointed layer): a plan that
+    offloads with QuanGrad's gradients or checkpointed layers says which of them it adds, one that offloads without
+    them says nothing, whichever budgets of the committed H100 probe profile give them."""
+    from pathlib import Path
+
+    from agoq.search.search import search
+
+    profile = load_profile(Path(__file__).resolve().parents[2] / "experiments/results/profiles/probe-h100-link")
+    rng = random.Random()
+    seen = {True: 0, False: 0}
+    for budget in [rng.uniform(9.98e9, 10.3e9), rng.uniform(11.1e9, 14.2e9), 10026207569]:
+        plan = search(profile, int(budget), method="milp", front_budgets=0, validate=0, progress=False).plan
+        if not plan.offload_layers():
+            continue
+        notes = [n for n in plan.source.notes if n.startswith("offload is priced from the profile's offloading step")]
+        quangrad, checkpointed = plan.gradients.mode != "bf16", bool(plan.checkpoint_layers())
+        assert len(notes) == (1 if quangrad or checkpointed else 0), (budget, notes)
+        if notes:
+            assert ("QuanGrad" in notes[0]) == quangrad, (budget, notes[0])
+            assert (f"{len(plan.checkpoint_layers())} checkpointed layer(s)" in notes[0]) == checkpointed, budget
+        seen[bool(notes)] += 1
+    assert seen[True] >= 1, "the budget 2 % above the smallest gives an offloading plan with QuanGrad and checkpointing"
