@@ -139,6 +139,17 @@ def python_host_time(trainer, steps: int, rows: int) -> str:
     return f"Python host time under cProfile: {total / steps * 1e3:.1f} ms per step\n" + out.getvalue()
 
 
+def trainer_from_arguments(argv: list[str], prog: str) -> Trainer:
+    """`agoq train`'s arguments (a plan included) as the Trainer `agoq train` builds, writing no run folder."""
+    parser = argparse.ArgumentParser(prog=prog)
+    train_command.configure(parser)
+    args = parser.parse_args(argv)
+    fields = set(JobConfig.flag_names())
+    settings = {k: v for k, v in vars(args).items() if k in fields}
+    cfg = TrainConfig(**{**settings, "out": tempfile.mkdtemp(), "quiet": True})
+    return Trainer(prepare(cfg, join_world(cfg.model.device)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--profile-steps", type=int, default=3)
@@ -157,14 +168,7 @@ def main() -> None:
                     help="after the warm-up steps, collect once and freeze what is left (gc.freeze): later "
                          "collections no longer walk the compiled graphs' objects")
     ours, rest = ap.parse_known_args()
-    parser = argparse.ArgumentParser(prog="profile_train_step")
-    train_command.configure(parser)
-    args = parser.parse_args(rest)
-    fields = set(JobConfig.flag_names())
-    settings = {k: v for k, v in vars(args).items() if k in fields}
-    cfg = TrainConfig(**{**settings, "out": tempfile.mkdtemp(), "quiet": True})
-    world = join_world(cfg.model.device)
-    trainer = Trainer(prepare(cfg, world))
+    trainer = trainer_from_arguments(rest, "profile_train_step")
     for step in range(ours.warmup_steps):
         trainer.step(step)
     sync()

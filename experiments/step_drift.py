@@ -16,7 +16,6 @@ import gc
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,10 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agoq.commands import train as train_command  # noqa: E402
-from agoq.train.config import JobConfig, TrainConfig  # noqa: E402
-from agoq.train.parallel import join_world  # noqa: E402
-from agoq.train.trainer import Trainer, prepare  # noqa: E402
+from agoq.train.trainer import Trainer  # noqa: E402
+from experiments.profile_train_step import trainer_from_arguments  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
 
@@ -52,13 +49,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--name", default=None, help="write experiments/results/NAME.json")
     ours, rest = ap.parse_known_args()
-    parser = argparse.ArgumentParser(prog="step_drift")
-    train_command.configure(parser)
-    args = parser.parse_args(rest)
-    fields = set(JobConfig.flag_names())
-    settings = {k: v for k, v in vars(args).items() if k in fields}
-    cfg = TrainConfig(**{**settings, "out": tempfile.mkdtemp(), "quiet": True})
-    trainer = Trainer(prepare(cfg, join_world(cfg.model.device)))
+    trainer = trainer_from_arguments(rest, "step_drift")
     seconds, blocks = [], []
     for step in range(ours.steps):
         t = time.perf_counter()
