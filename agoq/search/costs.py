@@ -184,18 +184,25 @@ def _step_times(profile: ProfileData, knobs: ProblemSettings, compile_mode: str,
     return {"base": base, "laaq": laaq, "checkpoint": checkpoint}
 
 
+OVERLAP = 1.0  # the share of a micro-batch's step the host link's copies may run under (offload_prices)
+
+
 def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: float, accum: int, stages: int,
                    layout: str, notes: list, compile_mode: str, micro_batch: int) -> Optional[OffloadPrices]:
     """What offload costs under these knobs (agoq.search.problem.OffloadPrices), None where it is not offered: not
     asked for, no host link in the profile (a CPU profile, or one made before agoq measured it), or a layout the
     runtime cannot offload in (pipeline stages, fsdp).
 
-    The window per micro-batch is the share of the step the decoder layers' forward and backward take (3 x the
-    profile's summed layer forward times against its eager bf16 step at the profiled micro-batch, at most 0.95),
-    times this step per micro-batch, less the first layer (its own backward is the last, with nothing after it to
-    hide a copy under). The compute slowdown the profile measured while both copies ran is charged for as long as
-    the copies run. What the link copies out during forward (a third of the window, at the device-to-host rate)
-    bounds what leaves the GPU by the end of forward: the rest is still there at forward's peak.
+    The window per micro-batch is this step per micro-batch (OVERLAP of it) less the first layer (its own backward
+    is the last, with nothing after it to hide a copy under): a layer's copy out runs under the forward of the
+    layers above, the head and the start of backward, its copy back under the backward of the layers above. (With
+    the decoder layers' share of the step as the window, the H100 probe's compiled offloading step at 1 x 2 was
+    charged 31 ms of link time for 15 layers where the whole step took 23 ms more than kept, leaving nothing per
+    layer; a plan offloading 8 layers then paid 23.5 ms where 1.3 was priced.) The compute slowdown the profile
+    measured while both copies ran is charged for as long as the copies run. What the link copies out during
+    forward (a third of the layers' share of the step: 3 x the profile's summed layer forward times against its
+    eager bf16 step at the profiled micro-batch, at most 0.95; at the device-to-host rate) bounds what leaves the GPU
+    by the end of forward: the rest is still there at forward's peak.
 
     What the link model leaves out is the runtime's own time per offloaded layer: its hooks and a copy per tensor,
     each direction, which a step whose kernels are short cannot hide (the 129 M byte LLaMA at micro-batch 1 x 4,
@@ -233,11 +240,12 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
         share = 0.6
         notes.append("the profile has no layer forward times or eager bf16 step: offload's window is taken as 0.6 "
                      "of the step")
-    window = share * base_seconds / max(accum, 1) * (L - 1) / max(L, 1)
+    window = OVERLAP * base_seconds / max(accum, 1) * (L - 1) / max(L, 1)
     host = knobs.host_budget if knobs.host_budget is not None else float(link.get("pinnable_bytes") or 0)
     slowdown = max(0.0, float(link.get("compute_slowdown") or 0.0))
-    forward_bytes = window / 3.0 * float(link["d2h_bytes_per_second"])  # forward: about a third of fwd + bwd
-    layer = _offload_layer_seconds(sp, compile_mode, micro_batch, accum, per_byte, share, slowdown, L, notes)
+    layers_window = share * base_seconds / max(accum, 1) * (L - 1) / max(L, 1)
+    forward_bytes = layers_window / 3.0 * float(link["d2h_bytes_per_second"])  # forward: about a third of fwd + bwd
+    layer = _offload_layer_seconds(sp, compile_mode, micro_batch, accum, per_byte, OVERLAP, slowdown, L, notes)
     if layer is None:
         return None
     return OffloadPrices(per_byte, window, slowdown * per_byte * accum, host, accum, forward_bytes,

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from agoq.formats.profile import load_profile
-from agoq.search.costs import build_problem
+from agoq.search.costs import OVERLAP, build_problem
 from agoq.search.problem import ProblemSettings
 from agoq.search.timing import prices
 from tests.search.synthetic_profile import write_profile
@@ -79,13 +79,12 @@ def test_what_the_link_model_prices_is_not_charged_twice(tmp_path):
     link = probe.host_link
     per_byte = 1 / link["d2h_bytes_per_second"] + 1 / link["h2d_bytes_per_second"]
     sp = prices(probe)
-    forward = probe.header["timing"]["layer_forward_seconds"]
-    share = min(0.95, 3.0 * sum(forward) / sp.seconds("eager", sp.m0, 1))
     slowdown = link["compute_slowdown"]
+    assert sp.m0 == micro_batch
 
-    def model(row):  # the link model's price of the measured step's bytes (OffloadPrices), each micro-batch
-        a = row["grad_accum"]
-        window = share * row["step_seconds"] / a * (layers - 1) / layers
+    def model(row):  # the link model's price of the measured step's bytes (OffloadPrices), each micro-batch: copies
+        a = row["grad_accum"]  # run under the kept step (OVERLAP of it), less the first layer
+        window = OVERLAP * row["step_seconds"] / a * (layers - 1) / layers
         return a * (max(0.0, moved * per_byte - window) + slowdown * per_byte * moved)
 
     exact = profile_with_offload_rows(tmp_path / "b", random.Random(same), layers=layers, micro_batch=micro_batch,
