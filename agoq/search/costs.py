@@ -238,22 +238,23 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
         share = min(0.95, 3.0 * float(sum(forward)) / float(eager))
     else:
         share = 0.6
-        notes.append("the profile has no layer forward times or eager bf16 step: offload's window is taken as 0.6 "
-                     "of the step")
-    window = OVERLAP * base_seconds / max(accum, 1) * (L - 1) / max(L, 1)
+        notes.append("the profile has no layer forward times or eager bf16 step: the decoder layers are taken as 0.6 "
+                     "of the step, which bounds what offload copies out during forward")
+    per_micro_batch = base_seconds / max(accum, 1) * (L - 1) / max(L, 1)  # the step per micro-batch, less layer 0
+    window = OVERLAP * per_micro_batch
     host = knobs.host_budget if knobs.host_budget is not None else float(link.get("pinnable_bytes") or 0)
     slowdown = max(0.0, float(link.get("compute_slowdown") or 0.0))
-    layers_window = share * base_seconds / max(accum, 1) * (L - 1) / max(L, 1)
-    forward_bytes = layers_window / 3.0 * float(link["d2h_bytes_per_second"])  # forward: about a third of fwd + bwd
-    layer = _offload_layer_seconds(sp, compile_mode, micro_batch, accum, per_byte, OVERLAP, slowdown, L, notes)
+    # what leaves during forward: a third of the layers' share of the step, at the device-to-host rate
+    forward_bytes = share * per_micro_batch / 3.0 * float(link["d2h_bytes_per_second"])
+    layer = _offload_layer_seconds(sp, compile_mode, micro_batch, accum, per_byte, slowdown, L, notes)
     if layer is None:
         return None
     return OffloadPrices(per_byte, window, slowdown * per_byte * accum, host, accum, forward_bytes,
                          layer_seconds=layer)
 
 
-def _offload_layer_seconds(sp, compile_mode: str, micro_batch: int, accum: int, per_byte: float, share: float,
-                           slowdown: float, layers: int, notes: list) -> Optional[float]:
+def _offload_layer_seconds(sp, compile_mode: str, micro_batch: int, accum: int, per_byte: float, slowdown: float,
+                           layers: int, notes: list) -> Optional[float]:
     """Seconds per offloaded layer and step (at `accum` micro-batches) beyond the link model (offload_prices), None:
     not offered."""
     if not sp.offload_rows:  # measured or not offered: neither its time per layer nor its peak is known
@@ -267,7 +268,7 @@ def _offload_layer_seconds(sp, compile_mode: str, micro_batch: int, accum: int, 
         step = sp.offload_step(compile_mode, m, a)
         if step is None:
             return None
-        window = share * step["kept"] / a * (layers - 1) / max(layers, 1)
+        window = OVERLAP * step["kept"] / a * (layers - 1) / max(layers, 1)
         model = a * (max(0.0, step["bytes"] * per_byte - window) + slowdown * per_byte * step["bytes"])
         return max(0.0, step["offloaded"] - step["kept"] - model) / step["layers"]
 

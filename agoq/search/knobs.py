@@ -278,7 +278,7 @@ def binding_constraints(result: KnobResult, budget, objective: str, error_cap: O
     if time_cap is not None:
         relaxed["time cap"] = dict(budget=budget, error_cap=error_cap, time_cap=None)
     for name, args in relaxed.items():
-        if name == "memory budget" and _unbounded_keeps_improve(result.problem, value, mine, error_cap, time_cap):
+        if name == "memory budget" and _unbounded_keeps_improve(result.problem, objective, mine, error_cap, time_cap):
             out.append(name)  # shown without a solve: keeping every tensor as it is does better
             continue
         try:
@@ -291,32 +291,21 @@ def binding_constraints(result: KnobResult, budget, objective: str, error_cap: O
     return out or ["none"]
 
 
-def _unbounded_keeps_improve(problem, value, mine: float, error_cap: Optional[float],
+def _unbounded_keeps_improve(problem, objective: str, mine: float, error_cap: Optional[float],
                              time_cap: Optional[float]) -> bool:
     """Whether the choice that keeps every tensor as it is (every kind at 16, no layer checkpointed or offloaded:
     the fastest and exact choice when memory is no constraint) meets the caps and improves on `mine`: then the
     memory budget binds, without a solve."""
-    groups = problem.groups()
-    sixteen = problem.keeps_16bit()
-    chosen = []
-    for idx in groups.values():
-        keep = [int(i) for i in idx if sixteen[i]]
-        if not keep:
-            return False
-        chosen.append(keep[0])
-    figures = problem.evaluate(np.array(chosen, dtype=int), np.zeros(problem.num_layers, dtype=bool))
-    kept = _Figures(figures["step_seconds"], figures["grad_error"])
-    if error_cap is not None and kept.grad_error > error_cap * (1 + 1e-9):
+    chosen = np.nonzero(problem.keeps_16bit())[0]
+    if len(chosen) != len(problem.groups()):  # some (layer, kind) has no 16 option
         return False
-    if time_cap is not None and kept.step_seconds > time_cap * (1 + 1e-9):
+    figures = problem.evaluate(chosen, np.zeros(problem.num_layers, dtype=bool))
+    if error_cap is not None and figures["grad_error"] > error_cap * (1 + 1e-9):
         return False
-    return value(kept) < mine - 1e-6 * max(abs(mine), 1e-12)
-
-
-@dataclass
-class _Figures:
-    step_seconds: float
-    grad_error: float
+    if time_cap is not None and figures["step_seconds"] > time_cap * (1 + 1e-9):
+        return False
+    kept = figures["grad_error"] if objective == "error" else figures["step_seconds"]
+    return kept < mine - 1e-6 * max(abs(mine), 1e-12)
 
 
 def knob_values(profile: ProfileData, knobs: ProblemSettings) -> dict:

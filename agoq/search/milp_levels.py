@@ -125,14 +125,14 @@ class Levels:
         fits = min(((t, x) for b, t, x in done if b <= budget), key=lambda tx: tx[0], default=None)
         return floor, fits
 
-    def _bound_fails(self, budget: float, n_u: Optional[int], n_c: int, error_cap: Optional[float],
-                     kept: bool = False) -> bool:
-        """True when no choice with these counts can meet the budget or the error cap (step 1 of the docstring)."""
+    def _bound_fails(self, budget: float, n_u: Optional[int], n_c: int, error_cap: Optional[float]) -> bool:
+        """True when no choice with these counts, every layer kept on the GPU, can meet the budget or the error cap
+        (step 1 of the docstring)."""
         if n_u is None:  # u free: only the checkpointed layers' count is known
             return False
         n_a = self.m.L - n_u - n_c
-        if (self.offload is None or kept) and self._least_bytes(n_u, n_c) > budget * (1 + RELATIVE) + 1.0:
-            return True  # (where offload is offered, bytes may leave the GPU: `_fastest_offloading` prices them)
+        if self._least_bytes(n_u, n_c) > budget * (1 + RELATIVE) + 1.0:
+            return True
         return error_cap is not None and self.least_error[n_a] > error_cap * (1 + RELATIVE) + 1e-15
 
     def _count_rows(self, n_u: Optional[int], n_c: int) -> LinearConstraint:
@@ -162,13 +162,14 @@ class Levels:
     def fastest(self, budgets: np.ndarray, error_cap: Optional[float],
                 time_limit: Optional[float]) -> Optional[OptimizeResult]:
         """The exact fastest choice (scipy's OptimizeResult, status 0; x None and status 2 when nothing fits), or
-        None when `time_limit` seconds ran out before a level was settled (the caller then solves the whole MILP)."""
+        None when `time_limit` seconds ran out before a level was settled, or layers may be offloaded where
+        `_fastest_offloading`'s enumeration does not hold (the caller then solves the MILP)."""
         if self.offload is not None:
             return self._fastest_offloading(budgets, error_cap, time_limit)
         return self._fastest_kept(budgets, error_cap, time_limit, self.m.bounds, self.settled)
 
     def _fastest_kept(self, budgets: np.ndarray, error_cap: Optional[float], time_limit: Optional[float], bounds,
-                      settled: dict, kept: bool = False) -> Optional[OptimizeResult]:
+                      settled: dict) -> Optional[OptimizeResult]:
         """`fastest` over the choices `bounds` allows (the model's, or with offload every layer kept on the GPU),
         its answers at other budgets kept in `settled`."""
         from agoq.search.milp_model import milp
@@ -185,7 +186,7 @@ class Levels:
             if fits is not None and seconds >= fits[0] - abs(fits[0]) * RELATIVE:
                 found, found_seconds = OptimizeResult(x=fits[1].copy()), fits[0]  # no faster level fits: it is the answer
                 break
-            if self._bound_fails(float(budgets[0]), n_u, n_c, error_cap, kept):
+            if self._bound_fails(float(budgets[0]), n_u, n_c, error_cap):
                 continue
             # alike layers: the level's LAAQ settings enumerated (agoq.search.milp_uniform) find a choice that fits,
             # or show that none does, without the relaxation or a feasibility solve (half a second on the probe)
@@ -227,7 +228,7 @@ class Levels:
         enumeration = Enumeration.build(self.m)
         if enumeration is None:
             return None
-        kept = self._fastest_kept(budgets, error_cap, time_limit, self.kept_bounds, self.settled, kept=True)
+        kept = self._fastest_kept(budgets, error_cap, time_limit, self.kept_bounds, self.settled)
         if kept is None:
             return None
         found = enumeration.fastest(budgets, error_cap, kept)

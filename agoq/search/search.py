@@ -198,8 +198,8 @@ def plan_from_profile(profile_dir, request: Union[SearchRequest, int], *, knobs:
 
 
 # `agoq search` also looks this far above the budget, and names a plan there at least MUCH_FASTER x the tokens/s: a
-# budget just under a cliff (the probe's H100 profile: eager at 9.83 GB, 244.6 ms predicted and 345.2 measured;
-# compiled from 9.88 GB, 139.4 ms)
+# budget just under a cliff (the probe's H100 profile: eager at 9.83 GB, 266.5 ms predicted, 265.6 and 344.7 ms
+# measured on two H100s; compiled at 10.03 GB, 159.1 ms measured)
 HEADROOM = 0.02
 MUCH_FASTER = 1.15
 
