@@ -41,9 +41,10 @@ window) and k (bytes not yet copied out when forward ends; OffloadPrices):
   time: + seconds_per_byte g_l + accum x e + layer_seconds o_l
 
 Objective: gradient error (ties broken by time) or step time (ties broken by error), lexicographically: the
-first objective is solved exactly (relative MIP gap 1e-7) or, where HiGHS cannot prove that within the time
-limit it is given (agoq.search.milp.PRIMARY_SECONDS), the best choice found by then, with `Allocation.gap` the
-relative gap left; the second is then minimised exactly among the choices that reach that optimum, and among
+first objective is solved to within FIRST_GAP of its optimum (1e-4 relative: 0.03 ms of the H100 probe's 266 ms
+eager step) or, where HiGHS cannot prove that within the time limit it is given (agoq.search.milp.PRIMARY_SECONDS),
+the best choice found by then, with `Allocation.gap` the relative gap left; the second is then minimised exactly
+(relative gap 1e-7) among the choices that reach the first's value, a set that holds every exact optimum, and among
 those the one that changes fewest tensors (quantized or recomputed options, checkpointed layers): where keeping a
 tensor as it is costs nothing, it is kept. When the first optimum is zero (zero error at a loose budget) that
 second solve is the real trade-off: the least time at zero error.
@@ -71,7 +72,12 @@ from agoq.search.milp_uniform import tie_break
 
 OBJECTIVES = ("error", "time")
 CHANGE_WEIGHT = 1e-4  # the second solve's weight of one tensor not kept as it is
-GAP = 1e-7  # relative MIP gap: optimal for all practical purposes
+GAP = 1e-7  # relative MIP gap of the second objective (the tie-break) and the least peak: optimal
+# The first objective's relative MIP gap. HiGHS finds the optimum early and spends the rest proving it: on the H100
+# probe profile's smallest budget, the eager QuanGrad problem's MILP took 0.39 s at 1e-7 and 0.07 s at 1e-4, with the
+# same answer. 1e-4 of the step is 0.03 ms; the tie-break then admits every choice as fast as the one found (every
+# exact optimum among them), and a plan shows a gap left only above it (agoq.search.plan_builder).
+FIRST_GAP = 1e-4
 MIB = float(2**20)
 
 
@@ -423,7 +429,7 @@ class Model:
             # the time limit came before a level was settled: the whole MILP, for as long again, keeps its best found
         primary, _ = self.rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
-        options = {"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})}
+        options = {"mip_rel_gap": FIRST_GAP, **({"time_limit": time_limit} if time_limit else {})}
         args = dict(constraints=self.constraints(budgets, time_cap, error_cap), integrality=self.integrality,
                     bounds=self.bounds)
         if self.offload:  # one MILP per offloaded prefix: each far smaller than the whole (seconds on the probe)
@@ -439,7 +445,7 @@ class Model:
                 return self._keep_first(key, res)
         res = milp(primary / scale, options=options, **args)
         if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
-            res = milp(primary / scale, options={"mip_rel_gap": GAP}, **args)
+            res = milp(primary / scale, options={"mip_rel_gap": FIRST_GAP}, **args)
         if res.x is None and res.status == 2 and self.offload:
             # HiGHS's presolve can misjudge offload's big-M rows as infeasible where a choice meets them exactly
             # (a budget equal to its peak): asked again without it
@@ -461,6 +467,7 @@ class Model:
         limits the K visited to those known to hold every choice that can meet the constraints; the result's
         `bounds_by_prefix` gives each K's relaxed optimum (K without a relaxed choice left out)."""
         start = time.perf_counter()
+        gap = float(options.get("mip_rel_gap", GAP))  # a prefix must beat the best found by more than this
         ranked = []
         for k in range(self.L + 1) if prefixes is None else sorted(prefixes):
             lb, ub = bounds.lb.copy(), bounds.ub.copy()
@@ -480,7 +487,7 @@ class Model:
         best, best_value = None, np.inf
         unsettled = np.inf  # the least bound of a prefix the time limit left unsolved or unproven
         for bound, _k, fixed in sorted(ranked, key=lambda t: (t[0], t[1])):
-            if bound >= best_value - GAP * abs(best_value):
+            if bound >= best_value - gap * abs(best_value):
                 break  # neither this prefix nor any after it (their bounds are no lower) can do better
             left = None if time_limit is None else time_limit - (time.perf_counter() - start)
             if left is not None and left <= 0:
@@ -506,7 +513,7 @@ class Model:
                 return None  # the time limit came before any choice: the caller's whole MILP searches on
             best = OptimizeResult(x=None, status=2, success=False, fun=None, mip_gap=None,
                                   message="no choice fits the budget and the caps (every offloaded prefix checked)")
-        elif unsettled < best_value - GAP * abs(best_value):  # the best found by the time limit, and its gap
+        elif unsettled < best_value - gap * abs(best_value):  # the best found by the time limit, and its gap
             best.status, best.success = 1, False
             best.mip_gap = float((best_value - unsettled) / max(abs(best_value), 1e-30))
         else:
@@ -562,7 +569,14 @@ class Model:
                     return quick
             scale = max(float(np.abs(primary).max()), 1e-30)
             extra = [LinearConstraint(primary[None, :] / scale, -np.inf, (best + abs(best) * 1e-9 + 1e-12) / scale)]
-        cons = self.constraints(budgets, time_cap, error_cap) + extra
+        # the first answer meets every row here, so its own value bounds the second solve from above: told so, HiGHS
+        # prunes from the start (on the H100 probe's smallest budget its time to prove the tie-break varied
+        # 0.30-0.66 s with the last bits of the time row's right-hand side; 0.30 s with this row)
+        x1 = np.where(self.integrality > 0, np.round(first.x), first.x)
+        c_scale = max(float(np.abs(c).max()), 1e-30)
+        top = float(c @ x1) / c_scale
+        cutoff = LinearConstraint(c[None, :] / c_scale, -np.inf, top + abs(top) * 1e-9 + 1e-9)
+        cons = self.constraints(budgets, time_cap, error_cap) + extra + [cutoff]
         second = None
         if self.offload:  # the prefixes whose relaxed first objective reaches the optimum hold every tie
             known = getattr(first, "bounds_by_prefix", None)
