@@ -411,9 +411,10 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         return cache[key]
 
     layer = rows["layer"].to_numpy(int)
-    kind = np.array([KINDS.index(k) for k in rows["kind"]])
-    option = [str(o) for o in rows["option"]]
-    per_mb = np.array([b * scale(k, o) for b, k, o in zip(rows["bytes"], rows["kind"], option)], dtype=float)
+    kinds, row_bytes = rows["kind"].tolist(), rows["bytes"].tolist()  # lists: iterating the columns is slower
+    kind = np.array([KINDS.index(k) for k in kinds])
+    option = [str(o) for o in rows["option"].tolist()]
+    per_mb = np.array([b * scale(k, o) for b, k, o in zip(row_bytes, kinds, option)], dtype=float)
     flight = np.array([in_flight[s] for s in stages], dtype=float)
     memory = per_mb * flight[layer]
     seconds = np.zeros(len(rows))  # a layer's options are priced by its layer's dQ (the module docstring)
@@ -427,7 +428,7 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     if shape is not None:
         plain = sum(predict_layer_bytes(shape, None, block).values())
         sixteen: dict[int, dict[str, float]] = {}  # per layer, its kinds' bytes at 16
-        for l, k, o, b in zip(layer, rows["kind"], option, rows["bytes"]):
+        for l, k, o, b in zip(layer, kinds, option, row_bytes):
             if o == "16":
                 sixteen.setdefault(int(l), {})[k] = b * scale(k, "16")
         for l in range(L):
