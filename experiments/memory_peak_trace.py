@@ -32,13 +32,14 @@ def where(frames: list[dict]) -> str:
 
 
 def replay(trace: list[dict], start: int) -> tuple[list[dict], int]:
-    """The allocated bytes after each alloc / free of `trace` (one device's), starting from `start` bytes."""
+    """The allocated bytes after each alloc / free request of `trace` (one device's), starting from `start` bytes
+    (torch.cuda.memory_allocated counts a block freed when its free is requested)."""
     now, out = start, []
     for i, e in enumerate(trace):
         if e["action"] == "alloc":
             now += e["size"]
-        elif e["action"] == "free_completed":
-            now -= e["size"]
+        elif e["action"] == "free_requested":  # the allocator's allocated bytes drop here (a block a side stream
+            now -= e["size"]                   # still uses completes its free later, when that stream is done)
         else:
             continue
         out.append({"index": i, "action": e["action"], "size": int(e["size"]), "allocated": int(now),
@@ -93,7 +94,7 @@ def main() -> None:
     for e in trace[:events[top]["index"] + 1]:
         if e["action"] == "alloc":
             live[e["addr"]] = e
-        elif e["action"] == "free_completed":
+        elif e["action"] == "free_requested":
             live.pop(e["addr"], None)
     by_where: dict[str, int] = {}
     for e in live.values():
