@@ -3,7 +3,7 @@
 Takes `agoq train`'s arguments (a plan included), builds the run as `agoq train` does (no run folder is written),
 runs `--warmup-steps` steps, then records one step with torch.cuda.memory._record_memory_history (Python stacks)
 and replays its allocations and frees in order: the bytes allocated after each event, their largest value (the
-step's peak, which torch.cuda.max_memory_allocated also reports), and what was allocated just before it, each
+step's peak, which the trainer's step figure also reports), and what was allocated just before it, each
 allocation named by the innermost agoq frame that made it (a layer's forward or its rerun, an offloaded layer's
 fetch, the optimizer, ...). Prints the events where the allocated bytes pass each of a few levels on the way to
 the peak, and writes experiments/results/NAME.json.
@@ -62,17 +62,17 @@ def main() -> None:
     start = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-    trainer.step(ours.warmup_steps)
+    result = trainer.step(ours.warmup_steps)
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    peak_reported = torch.cuda.max_memory_allocated()
+    peak_reported = result.peak_bytes[0]  # the trainer's (offload resets the allocator's peak within a step)
     device = torch.cuda.current_device()
     events, end = replay(snapshot["device_traces"][device], start)
     top = max(range(len(events)), key=lambda i: events[i]["allocated"])
     peak = events[top]["allocated"]
-    print(f"allocated at the step's start {start / 1e9:.3f} GB, peak {peak / 1e9:.3f} GB (the allocator's own "
-          f"max_memory_allocated: {peak_reported / 1e9:.3f} GB), at its end {end / 1e9:.3f} GB")
+    print(f"allocated at the step's start {start / 1e9:.3f} GB, peak {peak / 1e9:.3f} GB (the step's own "
+          f"figure: {peak_reported / 1e9:.3f} GB), at its end {end / 1e9:.3f} GB")
     # the way up: each time the allocated bytes first pass a level between the start and the peak
     levels = [start + (peak - start) * q for q in (0.25, 0.5, 0.75, 0.9, 0.95, 0.99)]
     climb, li = [], 0
