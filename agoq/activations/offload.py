@@ -8,11 +8,9 @@ allocator once the copy is done. In backward, when the gradient of a layer's out
 to run that layer), a hook starts bringing back the tensors of the nearest offloaded layer below it on a second
 copy stream, so the host-to-device copies run under the compute of the layer above. On a GPU it also starts the
 offloaded layers below that, nearest first, as far as the memory backward has freed since it began allows
-(`torch.cuda.memory_allocated` then against now), less what the layer about to run will allocate in its own
-backward (measured: the allocator's peak is read and reset as each layer's backward begins, so the run's peak is
-`peak_bytes`, not torch.cuda.max_memory_allocated alone): a layer whose copy takes longer than one layer's backward
-is then on its way several layers early, and the device holds no more than at the start of backward plus the one
-layer always fetched. Nothing goes ahead until one layer's backward has been measured. Not while a checkpointed layer between is still to run its backward: its rerun forward needs
+(`torch.cuda.memory_allocated` then against now): a layer whose copy takes longer than one layer's backward is
+then on its way several layers early, and the device holds no more than at the start of backward plus the one
+layer always fetched. Not while a checkpointed layer between is still to run its backward: its rerun forward needs
 the memory freed above it, so until then only the nearest offloaded layer comes back. A layer whose tensors were
 not on their way when backward asked for them fetches them then (`OffloadStats.fetched_on_demand`). The compute stream waits only for a copy that has not ended by the time its
 tensor is used.
@@ -174,9 +172,6 @@ class ActivationOffload:
         self._waited_events: list = []
         self._compiled_plain: set[int] = set()  # layers compiled once without the hooks (see wrap)
         self._backward_base: int | None = None  # bytes allocated when this micro-batch's backward began
-        self.transient: dict[int, int] = {}  # per layer: the most its backward allocated above the bytes it began at
-        self._mark: tuple[int, int] | None = None  # (layer whose backward runs now, bytes allocated as it began)
-        self.peak_seen = 0  # the allocator's peak read before each reset since reset_peak (prefetch_below)
         self.checkpointed: set[int] = set()  # decoder layers that rerun their forward in backward (apply_offload)
         self._live = 0  # offloaded tensors not yet brought back in backward
         self._skip: set[int] = set()  # storages never offloaded: parameters, buffers, the current call's extras
@@ -191,20 +186,8 @@ class ActivationOffload:
         """A training micro-batch begins, so the last one's backward has ended: its offloaded tensors, those
         backward never asked for included (autograd may save a tensor it does not use), are let go and the pool
         is emptied. Not for a pipeline, whose micro-batches overlap."""
-        self._mark = None  # what runs until this micro-batch's backward is no layer's backward
         if self._entries:
             self._restart()
-
-    def reset_peak(self) -> None:
-        """A step begins (the caller resets torch.cuda's peak too): forget the peaks read during the last one."""
-        self.peak_seen = 0
-
-    def peak_bytes(self) -> int:
-        """The bytes allocated at most since reset_peak, on a GPU: prefetch_below resets the allocator's peak at
-        each layer's backward, so torch.cuda.max_memory_allocated alone tells only the part since the last."""
-        if not self.cuda:
-            return 0
-        return max(self.peak_seen, int(torch.cuda.max_memory_allocated(self._index)))
 
     def _restart(self) -> None:
         if self.cuda:  # copies back from the pool must end before the next forward writes over it
@@ -214,7 +197,6 @@ class ActivationOffload:
         self.pool.reset()
         self._entries, self._layer_order, self._live = [], [], 0
         self._layer_bytes, self._backward_base, self._by_layer, self._fetched = {}, None, {}, set()
-        self._mark = None
         self._waited, self._waited_events = set(), []
         self.stats.micro_batches += 1
         self.stats.bytes_per_layer = {}
@@ -335,58 +317,20 @@ class ActivationOffload:
         """Backward is about to run layer `index`: start bringing back the nearest offloaded layer below it, which
         backward needs next (called by a hook on layer `index`'s output, whose gradient is complete just then), and
         on a GPU the ones below that as far as the memory freed since backward began allows (module docstring)."""
-        if self.cuda:  # the backward that ran since the last call: how far it rose above where it began
-            self._close_interval()
         below = sorted((i for i in self._layer_order if i < index), reverse=True)
-        if below:
-            if below[0] not in self._fetched:
-                self._fetch(below[0])
-            if self.cuda:
-                now = self._allocated()["current"]
-                if self._backward_base is None:
-                    self._backward_base = now
-                room = self.ahead_room(index, self._backward_base - now)
-                for layer in self.ahead(index, room) if room is not None else []:
-                    self._fetch(layer)
-                    self.stats.fetched_ahead += 1
-        if self.cuda:
-            self._open_interval(index)
-
-    def _allocated(self) -> dict:
+        if not below:
+            return
+        if below[0] not in self._fetched:
+            self._fetch(below[0])
+        if not self.cuda:
+            return
         # the allocator's counters as they are (memory_allocated flattens every statistic into a new dict first)
-        return torch.cuda.memory_stats_as_nested_dict(self._index)["allocated_bytes"]["all"]
-
-    def _close_interval(self) -> None:
-        peak = int(self._allocated()["peak"])
-        self.peak_seen = max(self.peak_seen, peak)
-        if self._mark is not None:
-            layer, level = self._mark
-            self.record_transient(layer, peak - level)
-
-    def _open_interval(self, index: int) -> None:
-        level = int(self._allocated()["current"])
-        torch.cuda.reset_peak_memory_stats(self._index)
-        self._mark = (index, level)
-
-    def record_transient(self, layer: int, nbytes: int) -> None:
-        """Layer `layer`'s backward allocated `nbytes` above the bytes allocated as it began (its largest over the
-        run: the same layer's backward allocates the same each micro-batch)."""
-        self.transient[layer] = max(self.transient.get(layer, 0), max(0, int(nbytes)))
-
-    def ahead_room(self, index: int, freed: int) -> int | None:
-        """Bytes the copies ahead may take as backward is about to run layer `index`, `freed` bytes below the bytes
-        allocated when backward began: what backward freed, less what layer `index`'s own backward will allocate
-        on top (its transient as measured before, else the largest measured so far; None, nothing ahead, before
-        any is known). Without that reserve the copies filled the freed memory and the layer's backward rose above
-        it: on the H100 probe at 2 x 1, an offloaded LAAQ layer allocated 0.5 GB above 546 MB of fetched layers,
-        and the step peaked 263 MB over what the search predicted (experiments/results/
-        memory_peak_trace_probe_h100_10.5.json)."""
-        reserve = self.transient.get(index)
-        if reserve is None:
-            if not self.transient:
-                return None
-            reserve = max(self.transient.values())
-        return freed - reserve
+        now = torch.cuda.memory_stats_as_nested_dict(self._index)["allocated_bytes"]["all"]["current"]
+        if self._backward_base is None:
+            self._backward_base = now
+        for layer in self.ahead(index, self._backward_base - now):  # what backward has freed (fetched buffers
+            self._fetch(layer)                                         # already count in `now`)
+            self.stats.fetched_ahead += 1
 
     def ahead(self, index: int, room: int) -> list[int]:
         """The offloaded layers below the nearest one under layer `index` to start bringing back now, nearest first,

@@ -229,13 +229,7 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
         notes.append("offload to host memory is not offered: the runtime offloads in one process or under DDP and "
                      "agoq's sharded layout, not across pipeline stages or under fsdp")
         return None
-    # the link is full duplex (a copy engine each way) and a micro-batch's copies are priced as the slower
-    # direction's time. Priced as the two directions' sum (each tensor's copy back after its copy out, one chain),
-    # the H100 probe's steps with K of 16 layers offloaded (experiments/results/offload_layers_probe_h100.json)
-    # came out with a nil charge per layer at 2 x 1 (the sum's link time at K = 15 above what the step measured)
-    # and were predicted 4-9 ms short at K = 4 and 8, 10-13 ms over at K = 15; as the slower direction, within
-    # 5 ms of every measured K but one (2 x 1, K = 8: 4.7 ms over)
-    per_byte = max(1.0 / float(link["d2h_bytes_per_second"]), 1.0 / float(link["h2d_bytes_per_second"]))
+    per_byte = 1.0 / float(link["d2h_bytes_per_second"]) + 1.0 / float(link["h2d_bytes_per_second"])
     L = profile.num_layers
     forward = (profile.header.get("timing") or {}).get("layer_forward_seconds") or []
     sp = prices(profile)

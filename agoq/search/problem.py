@@ -49,7 +49,7 @@ class OffloadPrices:
     measured host link (agoq.profiler.host_link). Offloaded layers are a prefix (layers 0..K-1 of the one stage):
     their tensors leave first in forward and are needed last in backward.
 
-      link seconds per micro-batch = B x link_seconds_per_byte          (B: bytes offloaded, out and back)
+      link seconds per micro-batch = B x link_seconds_per_byte          (B: bytes offloaded, out then back)
       exposed seconds per micro-batch = max(0, link seconds - window_seconds)
       step seconds += grad_accum x exposed + B x seconds_per_byte + K x layer_seconds   (K: layers offloaded)
       peak: offloaded layers keep nothing on the GPU at the end of forward, where what the link has not yet
@@ -65,11 +65,11 @@ class OffloadPrices:
             with activations on the host the peak comes at the end of backward, every gradient made, which
             offload does not lower
 
-    The link's time is the slower direction's: it is full duplex, the lower layers' copies out running while upper
-    layers' come back (measured against the sum of the two: agoq.search.costs offload_prices); the window is the
-    step per micro-batch less the first layer, under which the copies run."""
+    A copy back waits for the same tensor's copy out, so the two directions form one chain per tensor; the window
+    is the decoder layers' forward and backward, under which the copies run (the profile's layer forward times x 3
+    as a share of its eager bf16 step, applied to this step)."""
 
-    link_seconds_per_byte: float   # max(1 / d2h rate, 1 / h2d rate), s/B: the slower direction
+    link_seconds_per_byte: float   # 1 / d2h rate + 1 / h2d rate, s/B
     window_seconds: float          # per micro-batch
     seconds_per_byte: float        # per step (x accumulation): the compute slowdown while the copies run
     host_budget_bytes: float

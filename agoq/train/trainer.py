@@ -259,11 +259,8 @@ class Trainer:
         lr = lr_at(step, self.cfg, self.prepared.warmup)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        offload = self.prepared.offload
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-            if offload is not None:
-                offload.reset_peak()
         t0 = time.perf_counter()
         self._zero()
         loss_local = self._forward_backward(step)
@@ -278,10 +275,7 @@ class Trainer:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
         reserved = int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
-        peak = _peak_bytes(device)
-        if offload is not None and device.type == "cuda":  # it resets the allocator's peak within the step
-            peak = max(peak, offload.peak_bytes())
-        return StepResult(loss, norm, lr, seconds, self.world.gather_ints(peak, device), reserved)
+        return StepResult(loss, norm, lr, seconds, self.world.gather_ints(_peak_bytes(device), device), reserved)
 
     # ---------------------------------------------------------------- the run
 

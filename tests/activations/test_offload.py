@@ -261,32 +261,6 @@ def test_no_fetch_ahead_while_a_checkpointed_layer_is_still_to_rerun():
         assert offload.ahead(index, room) == expected, f"seed {seed} trial {trial}"
 
 
-def test_the_room_ahead_keeps_what_the_next_backward_allocates():
-    """The bytes fetching ahead may take, on random measurements: what backward freed less the layer's own measured
-    transient (its largest), else the largest measured of any layer, and None before any is measured; a transient
-    below zero (the layer freed more than it allocated) reserves nothing."""
-    import random
-
-    from agoq.activations.offload import ActivationOffload
-
-    rng = random.Random()
-    seed = rng.getrandbits(32)
-    rng.seed(seed)
-    for trial in range(200):
-        offload = ActivationOffload(torch.nn.Linear(3, 5), device="cpu")
-        L = rng.randint(2, 19)
-        assert offload.ahead_room(rng.randrange(L), rng.randint(0, 10**9)) is None, f"seed {seed}"
-        measured: dict[int, list[int]] = {}
-        for _ in range(rng.randint(1, 3 * L)):
-            layer, nbytes = rng.randrange(L), rng.randint(-10**8, 10**9)
-            offload.record_transient(layer, nbytes)
-            measured.setdefault(layer, []).append(nbytes)
-        index, freed = rng.randrange(L), rng.randint(-10**8, 3 * 10**9)
-        largest = {layer: max(0, max(v)) for layer, v in measured.items()}
-        reserve = largest[index] if index in largest else max(largest.values())
-        assert offload.ahead_room(index, freed) == freed - reserve, f"seed {seed} trial {trial}"
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="prefetch depth follows the GPU's allocated bytes")
 def test_checkpointed_layers_between_hold_back_the_fetch_ahead():
     """Layers 0-2 offloaded, 3-4 checkpointed, five kept above: backward brings back only the nearest offloaded
