@@ -16,6 +16,7 @@ from agoq.optim.state_bytes import state_table
 from agoq.search.costs import build_problem
 from agoq.search.knobs import KnobSpace, combinations, solve_knobs, tokens_per_second
 from agoq.search.milp import InfeasibleBudget
+from agoq.search.milp_model import FIRST_GAP
 from tests.search.synthetic_profile import write_profile
 
 
@@ -89,7 +90,9 @@ def test_knob_search_equals_brute_force(tmp_path, paper_delta):
             continue
         for prune in (True, False):
             found = solve_knobs(profile, budget, error_cap=cap, space=space, prune=prune)
-            assert found.best.tokens_per_second == pytest.approx(expected[0], rel=1e-7), (seed, budget, cap, prune)
+            # within the first objective's MIP gap (FIRST_GAP) of brute force, never above it
+            assert expected[0] * (1 - FIRST_GAP) - 1e-9 <= found.best.tokens_per_second <= expected[0] * (1 + 1e-9), \
+                (seed, budget, cap, prune)
             assert max(found.best.alloc.peak_bytes_per_stage) <= budget
             assert found.binding and set(found.binding) <= {"memory budget", "error cap", "none"}
 
@@ -117,7 +120,7 @@ def test_bounded_search_equals_solving_every_combination(tmp_path):
             assert bounded.value.smallest_budget == e.smallest_budget, (seed, budget, cap)
             continue
         bounded = solve_knobs(profile, budget, error_cap=cap, space=space)
-        assert bounded.best.tokens_per_second == pytest.approx(every.best.tokens_per_second, rel=1e-7), \
+        assert bounded.best.tokens_per_second == pytest.approx(every.best.tokens_per_second, rel=FIRST_GAP), \
             (seed, budget, cap)
         assert bounded.best.alloc.grad_error <= (cap or np.inf) * (1 + 1e-9)
         assert max(bounded.best.alloc.peak_bytes_per_stage) <= budget

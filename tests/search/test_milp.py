@@ -10,6 +10,7 @@ import pytest
 from agoq.activations.policy import KINDS, RECOMPUTABLE
 from agoq.search.costs import ChoiceProblem
 from agoq.search.milp import InfeasibleBudget, Solver
+from agoq.search.milp_model import FIRST_GAP
 
 
 def fresh_rng():
@@ -108,10 +109,11 @@ def test_same_optimum_as_brute_force(objective, stages):
             best = min(f[key] for f in fits)
             alloc = solver.solve(budget, objective, cap, error_cap=ecap)
             got = alloc.grad_error if objective == "error" else alloc.step_seconds
-            assert got == pytest.approx(best, rel=1e-7, abs=1e-9), f"seed {seed} trial {trial} budget {budget}"
+            # the first objective within its MIP gap (FIRST_GAP), never better than the optimum
+            assert best - 1e-9 <= got <= best + FIRST_GAP * abs(best) + 1e-9, f"seed {seed} trial {trial} budget {budget}"
             assert max(alloc.peak_bytes_per_stage) <= budget + 1, f"seed {seed}"
             other = "step_seconds" if key == "grad_error" else "grad_error"
-            best_other = min(f[other] for f in fits if f[key] <= best * (1 + 1e-9) + 1e-15)
+            best_other = min(f[other] for f in fits if f[key] <= got * (1 + 1e-9) + 1e-15)  # ties with its own
             assert alloc.second_gap == 0.0  # small instances: the second objective is proven optimal too
             got_other = alloc.step_seconds if other == "step_seconds" else alloc.grad_error
             assert got_other == pytest.approx(best_other, rel=1e-6, abs=1e-9), f"seed {seed}: second objective"
@@ -223,7 +225,7 @@ def test_one_setting_per_stage_equals_brute_force(stages):
             fits = [f for f in allowed if max(f["peak_bytes_per_stage"]) <= budget]
             best = min(f["step_seconds"] for f in fits)
             alloc = solver.solve(budget, "time")
-            assert alloc.step_seconds == pytest.approx(best, rel=1e-7, abs=1e-9), f"seed {seed} trial {trial}"
+            assert best - 1e-9 <= alloc.step_seconds <= best * (1 + FIRST_GAP) + 1e-9, f"seed {seed} trial {trial}"
             assert _one_setting_per_stage(p, alloc.chosen, alloc.checkpoint), f"seed {seed} trial {trial}"
 
 

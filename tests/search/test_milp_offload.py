@@ -14,6 +14,7 @@ import pytest
 from agoq.formats.profile import load_profile
 from agoq.search.knobs import budget_bounds
 from agoq.search.milp import InfeasibleBudget, Solver
+from agoq.search.milp_model import FIRST_GAP
 from agoq.search.problem import OffloadPrices
 from agoq.search.request import KnobSpace
 from agoq.search.search import plan_from_profile
@@ -96,7 +97,7 @@ def test_offload_prefix_matches_brute_force():
             best = min(f["step_seconds"] for f, _ in fits)
             alloc = solver.solve(budget, "time")
             where = f"seed {seed} trial {trial} budget {budget}"
-            assert alloc.step_seconds == pytest.approx(best, rel=1e-6, abs=1e-9), where
+            assert best - 1e-9 <= alloc.step_seconds <= best * (1 + FIRST_GAP) + 1e-9, where
             assert max(alloc.peak_bytes_per_stage) <= budget + 1, where
             assert alloc.host_bytes <= p.offload.host_budget_bytes, where
             off = alloc.offloaded()
@@ -114,7 +115,7 @@ def test_offload_prefix_matches_brute_force():
             # the other objective: the least error that fits, its ties broken by the least time
             exact = solver.solve(budget, "error")
             least = min(f["grad_error"] for f, _ in fits)
-            assert exact.grad_error == pytest.approx(least, rel=1e-6, abs=1e-9), where
+            assert least - 1e-9 <= exact.grad_error <= least * (1 + FIRST_GAP) + 1e-9, where
             fastest = min(f["step_seconds"] for f, _ in fits if f["grad_error"] <= exact.grad_error + 1e-9)
             assert exact.step_seconds == pytest.approx(fastest, rel=1e-6, abs=1e-9), where
 
@@ -240,8 +241,8 @@ def test_count_priced_offload_matches_brute_force():
             bound = solver.relaxed_bound(budget, "time")
             assert bound is not None and bound <= best + 1e-9, where
             alloc = solver.solve(budget, "time")
-            # exact where the levels answer; the whole MILP's answer is within its relative gap (1e-7)
-            assert alloc.step_seconds == pytest.approx(best, rel=1e-6, abs=1e-12), where
+            # exact where the levels answer; the whole MILP's answer is within its relative gap (FIRST_GAP)
+            assert best - 1e-12 <= alloc.step_seconds <= best * (1 + FIRST_GAP) + 1e-12, where
             mine = alloc.step_seconds * (1 + 1e-9) + 1e-12  # the ties it broke: choices at least as fast as its own
             least_error = min(f["grad_error"] for f in fits if f["step_seconds"] <= mine)
             assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
