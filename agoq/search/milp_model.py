@@ -593,9 +593,10 @@ class Model:
         # 0.30-0.66 s with the last bits of the time row's right-hand side; 0.30 s with this row)
         x1 = np.where(self.integrality > 0, np.round(first.x), first.x)
         c_scale = max(float(np.abs(c).max()), 1e-30)
-        top = float(c @ x1) / c_scale
-        cutoff = LinearConstraint(c[None, :] / c_scale, -np.inf, top + abs(top) * 1e-9 + 1e-9)
-        cons = self.constraints(budgets, time_cap, error_cap) + extra + [cutoff]
+        ceiling = float(c @ x1) / c_scale
+        cutoff = LinearConstraint(c[None, :] / c_scale, -np.inf, ceiling + abs(ceiling) * 1e-9 + 1e-9)
+        rows = self.constraints(budgets, time_cap, error_cap) + extra
+        cons = rows + [cutoff]
         second = None
         if self.offload:  # the prefixes whose relaxed first objective reaches the optimum hold every tie
             known = getattr(first, "bounds_by_prefix", None)
@@ -607,8 +608,8 @@ class Model:
             second = milp(c, constraints=cons, integrality=self.integrality, bounds=bounds, options=options)
         if second.x is None and second.status == 2:
             # the first answer meets these rows, so "infeasible" is HiGHS's presolve misjudging (seen with offload's
-            # big-M rows): solved again without it
-            second = milp(c, constraints=cons, integrality=self.integrality, bounds=bounds,
+            # big-M rows) or the cutoff's tolerance: solved again without either
+            second = milp(c, constraints=rows, integrality=self.integrality, bounds=bounds,
                           options={**options, "presolve": False})
         if second.x is None:  # cannot happen (the first answer is feasible); kept as the answer if it does
             first.second_gap = 1.0
