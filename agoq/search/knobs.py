@@ -47,6 +47,7 @@ from agoq.search.costs import (
 )
 from agoq.search.layouts import layouts, resolve_layout
 from agoq.search.milp import Allocation, Solver, resolve_time_cap
+from agoq.search.milp_model import FIRST_GAP
 from agoq.search.request import MASTER_CHOICES, InfeasibleBudget, KnobSpace
 from agoq.units import format_bytes_apart
 
@@ -265,7 +266,9 @@ BINDING_SECONDS = 0.3  # a relaxed solve of binding_constraints stops here
 def binding_constraints(result: KnobResult, budget, objective: str, error_cap: Optional[float],
                         time_cap: Optional[float]) -> list[str]:
     """Which constraints bind the chosen plan: those whose removal (one at a time, same knobs) improves its
-    objective by more than 1e-6 relative; ["none"] when none does. (Only the first objective's optimum is
+    objective by more than the first objective's MIP gap (FIRST_GAP, relative: a plan within it of its optimum
+    would otherwise name a constraint that a better choice under the same constraints beats); ["none"] when none
+    does. (Only the first objective's optimum is
     compared, so its ties are not broken; each relaxed solve stops after BINDING_SECONDS with the best found, which
     names a constraint binding only where an improvement was found.)"""
     solver = Solver(result.problem, tie_break=False)
@@ -286,7 +289,7 @@ def binding_constraints(result: KnobResult, budget, objective: str, error_cap: O
                                  args["time_cap"], error_cap=args["error_cap"], time_limit=BINDING_SECONDS)
         except InfeasibleBudget:
             continue
-        if value(other) < mine - 1e-6 * max(abs(mine), 1e-12):
+        if value(other) < mine - FIRST_GAP * max(abs(mine), 1e-12):
             out.append(name)
     return out or ["none"]
 
@@ -305,7 +308,7 @@ def _unbounded_keeps_improve(problem, objective: str, mine: float, error_cap: Op
     if time_cap is not None and figures["step_seconds"] > time_cap * (1 + 1e-9):
         return False
     kept = figures["grad_error"] if objective == "error" else figures["step_seconds"]
-    return kept < mine - 1e-6 * max(abs(mine), 1e-12)
+    return kept < mine - FIRST_GAP * max(abs(mine), 1e-12)
 
 
 def knob_values(profile: ProfileData, knobs: ProblemSettings) -> dict:
