@@ -27,7 +27,7 @@ from experiments.record import write_result  # noqa: E402
 
 def where(frames: list[dict]) -> str:
     """The innermost frames in agoq's own code (not torch's), as file:line function."""
-    ours = [f for f in frames or [] if "/agoq/" in f.get("filename", "") or "agoq/" in f.get("filename", "")]
+    ours = [f for f in frames or [] if "agoq/" in f.get("filename", "")]
     return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in ours[:3]) or "(torch)"
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agoq.commands.profile_steps import BASE, _train_settings  # noqa: E402
+from agoq.commands.profile_steps import BASE, train_settings  # noqa: E402
 from agoq.train.config import TrainConfig  # noqa: E402
 from agoq.train.measure import measure_steps  # noqa: E402
 from experiments.record import write_result  # noqa: E402
@@ -82,7 +82,7 @@ def main() -> None:
         order = range(len(todo)) if p % 2 == 0 else range(len(todo) - 1, -1, -1)
         for i in order:
             kind = todo[i]
-            cfg = TrainConfig(**_train_settings(kind, args.model, args.seq_len, "bf16", args.device, args.steps, 0))
+            cfg = TrainConfig(**train_settings(kind, args.model, args.seq_len, "bf16", args.device, args.steps, 0))
             figures = measure_steps(cfg)
             steady = figures.seconds[1:]
             medians[i].append(statistics.median(steady))

@@ -71,7 +71,7 @@ def step_kinds(micro_batch: int, compile_modes: list[str], memory_budgets=MEMORY
     return kinds
 
 
-def _train_settings(kind: dict, model: str, seq_len: int, dtype: str, device: str, steps: int, seed: int) -> dict:
+def train_settings(kind: dict, model: str, seq_len: int, dtype: str, device: str, steps: int, seed: int) -> dict:
     """`agoq train`'s settings (agoq.train.config.TrainConfig keywords) that run one kind of step."""
     return dict(model=model, device=device, dtype=dtype, seq_len=seq_len, micro_batch=kind["micro_batch"],
                 grad_accum=kind["grad_accum"], gradients=kind["gradients"], optimizer=kind["optimizer"],
@@ -115,7 +115,7 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
             order = range(len(kinds)) if r % 2 == 0 else range(len(kinds) - 1, -1, -1)
             for i in order:
                 if i not in errors:  # a kind that failed once is not tried again
-                    settings = _train_settings(kinds[i], spec, seq_len, dtype, device, steps, seed)
+                    settings = train_settings(kinds[i], spec, seq_len, dtype, device, steps, seed)
                     try:
                         passes[r][i] = measure(TrainConfig(**settings))
                     except Exception as e:  # noqa: BLE001 - one kind failing (out of memory, ...) keeps the rest
@@ -154,4 +154,4 @@ def _describe(kind: dict) -> str:
               f"{kind['optimizer']}, masters {kind['master']}")
 
 
-__all__ = ["step_kinds", "measure_profile_steps", "MEMORY_BUDGETS", "SPREAD_WARNING"]
+__all__ = ["step_kinds", "train_settings", "measure_profile_steps", "MEMORY_BUDGETS", "SPREAD_WARNING"]

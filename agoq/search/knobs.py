@@ -268,9 +268,9 @@ def binding_constraints(result: KnobResult, budget, objective: str, error_cap: O
     """Which constraints bind the chosen plan: those whose removal (one at a time, same knobs) improves its
     objective by more than the first objective's MIP gap (FIRST_GAP, relative: a plan within it of its optimum
     would otherwise name a constraint that a better choice under the same constraints beats); ["none"] when none
-    does. (Only the first objective's optimum is
-    compared, so its ties are not broken; each relaxed solve stops after BINDING_SECONDS with the best found, which
-    names a constraint binding only where an improvement was found.)"""
+    does. (Only the first objective's optimum is compared, so its ties are not broken; each relaxed solve stops
+    after BINDING_SECONDS with the best found, which names a constraint binding only where an improvement was
+    found.)"""
     solver = Solver(result.problem, tie_break=False)
     value = (lambda a: a.grad_error) if objective == "error" else (lambda a: a.step_seconds)
     mine = value(result.alloc)

@@ -475,8 +475,8 @@ class Model:
         Offload is a prefix (o_{l+1} <= o_l): every choice offloads layers 0..K-1 for one K in 0..L, so the
         optimum is the least of the L + 1 MILPs with the o_l fixed, in which offload's big-M rows are plain
         bounds. Each K's linear relaxation bounds its MILP from below: the prefixes are solved best bound first,
-        and one whose bound cannot beat the best found (within the MIP gap) is not solved. Exact, as the whole
-        MILP is; seconds faster where layers may each take their own setting (eager plans). Where `time_limit`
+        and one whose bound cannot beat the best found (within the MIP gap) is not solved. As exact as the whole
+        MILP (within `options`' mip_rel_gap); seconds faster where layers may each take their own setting (eager plans). Where `time_limit`
         (seconds for them all) stops it, the best choice found by then (status 1, `mip_gap` from the least bound
         not settled); None where it stopped before any choice or HiGHS gave no relaxation: the caller then solves
         the whole MILP. An OptimizeResult with x None and status 2 when no prefix has a choice. `prefixes` (None: all)
@@ -524,7 +524,7 @@ class Model:
                 break
             if res.status != 0:  # a choice, not proven optimal in time
                 unsettled = min(unsettled, bound)
-            value = float(c @ np.where(self.integrality > 0, np.round(res.x), res.x))
+            value = float(c @ self.rounded(res.x))
             if value < best_value:
                 best, best_value = res, value
         if best is None:
@@ -547,7 +547,11 @@ class Model:
         return res
 
     def value(self, x: np.ndarray, objective: str) -> float:
-        return float(self.rows(objective)[0] @ np.where(self.integrality > 0, np.round(x), x))
+        return float(self.rows(objective)[0] @ self.rounded(x))
+
+    def rounded(self, x: np.ndarray) -> np.ndarray:
+        """A solution with its integer variables rounded (HiGHS returns them within its tolerance)."""
+        return np.where(self.integrality > 0, np.round(x), x)
 
     def solve_second_objective(self, first, budgets: np.ndarray, objective: str, time_cap: Optional[float],
                                tie_limit: Optional[float] = None, error_cap: Optional[float] = None):
@@ -591,9 +595,8 @@ class Model:
         # the first answer meets every row here, so its own value bounds the second solve from above: told so, HiGHS
         # prunes from the start (on the H100 probe's smallest budget its time to prove the tie-break varied
         # 0.30-0.66 s with the last bits of the time row's right-hand side; 0.30 s with this row)
-        x1 = np.where(self.integrality > 0, np.round(first.x), first.x)
         c_scale = max(float(np.abs(c).max()), 1e-30)
-        ceiling = float(c @ x1) / c_scale
+        ceiling = float(c @ self.rounded(first.x)) / c_scale
         cutoff = LinearConstraint(c[None, :] / c_scale, -np.inf, ceiling + abs(ceiling) * 1e-9 + 1e-9)
         rows = self.constraints(budgets, time_cap, error_cap) + extra
         cons = rows + [cutoff]
