@@ -218,10 +218,11 @@ def plan_bits(bits: dict[str, Any]) -> dict[str, Any]:
                     colorbar_tickvals=[2, 4, 8, 16, exact], colorbar_ticktext=["2", "4", "8", "16", "R"])
 
 
-PART_COLORS = PALETTE + ("#aec7e8", "#ffbb78")  # one per part a plan may record (agoq.search.memory_parts)
+PART_COLORS = PALETTE + ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
+                         "#dbdb8d", "#9edae5")  # one per part a plan may record (agoq.search.memory_parts.PARTS)
 # the words of agoq.search.memory_parts.PHASE_NAMES (the dashboard imports nothing that loads agoq's kernels)
 PHASE_LABELS = {"forward_backward": "end of forward", "backward_start": "start of backward (first prefetch)",
-                "optimizer_step": "optimizer step"}
+                "offload_backward": "backward of an offloaded layer", "optimizer_step": "optimizer step"}
 
 
 def phase_label(phase: dict[str, Any] | None) -> str:
@@ -230,6 +231,8 @@ def phase_label(phase: dict[str, Any] | None) -> str:
         return "peak"
     if phase.get("phase") == "checkpoint_backward":
         return f"backward of checkpointed layer {phase.get('layer')}"
+    if phase.get("phase") == "offload_backward" and phase.get("layer") is not None:
+        return f"backward of offloaded layer {phase.get('layer')}"
     return PHASE_LABELS.get(str(phase.get("phase")), str(phase.get("phase")))
 
 

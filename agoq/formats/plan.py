@@ -1,4 +1,4 @@
-"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.6``, docs/formats.md).
+"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.7``, docs/formats.md).
 
 A plan says, for one model (by fingerprint), how each decoder layer keeps each tensor kind for
 backward (a bit width 2..8, 16, or "recompute"), which layers are checkpointed whole, how gradients are
@@ -15,7 +15,9 @@ memory it was made for (`host_budget_bytes`), and the prediction what offload ho
 (`predicted.host_bytes`, `predicted.offload_link_seconds`); plans before 1.4 offload nothing and load unchanged.
 Since 1.5 a stage's peak may be set at the start of backward (memory phase `backward_start`: with offloaded
 layers, backward's first prefetch in flight). Since 1.6 a searched plan names the device its profile was measured on
-(`source.device`, e.g. "NVIDIA H200"), which `agoq train --plan` compares with its own.
+(`source.device`, e.g. "NVIDIA H200"), which `agoq train --plan` compares with its own. Since 1.7 a stage's peak
+may be set in the backward of an offloaded layer (memory phase `offload_backward`, with its `layer` where it is
+layer 0 or 1; memory part `offload_backward`).
 
     plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
     plan.activation_policy()               # what the runtime applies: agoq.train.apply.apply_plan
@@ -53,11 +55,12 @@ from agoq.files import read_json_object
 from agoq.layout import GRADIENT_MODES
 from agoq.quant.layout import check_arguments
 
-SCHEMA = "agoq.plan/1.6"
+SCHEMA = "agoq.plan/1.7"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
-MEMORY_PHASES = ("forward_backward", "backward_start", "checkpoint_backward", "optimizer_step")  # where a stage's peak is set
+MEMORY_PHASES = ("forward_backward", "backward_start", "offload_backward", "checkpoint_backward",
+                 "optimizer_step")  # where a stage's peak is set
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
 NO_OFFLOAD_PARALLEL = ("fsdp", "pipeline")  # launch.parallel modes offload cannot run in (agoq.train.preparation)
 
@@ -229,7 +232,7 @@ class TrainingSpec(_Part):
 
 class StageMemory(_Part):
     """One stage's predicted peak part by part (agoq.search.memory_parts, since 1.2): the phase of the step that sets
-    it (`layer`: the checkpointed layer whose backward it is) and the bytes of each part then, on one rank of the
+    it (`layer`: the checkpointed layer, or since 1.7 the offloaded layer, whose backward it is) and the bytes of each part then, on one rank of the
     stage (a sharded part: the rank's shard), adding up to the stage's predicted peak."""
 
     stage: int = Field(ge=0)
@@ -372,9 +375,11 @@ class Plan(_Part):
             if peaks and sum(m.parts.values()) != peaks[m.stage]:
                 raise ValueError(f"predicted.memory_per_stage[{m.stage}].parts: add up to {sum(m.parts.values())} "
                                  f"bytes, the stage's predicted peak is {peaks[m.stage]}")
-            if (m.phase == "checkpoint_backward") != (m.layer is not None):
-                raise ValueError(f"predicted.memory_per_stage[{m.stage}].layer: the checkpointed layer is given "
-                                 "with phase checkpoint_backward, and only with it")
+            if (m.phase == "checkpoint_backward" and m.layer is None) or \
+                    (m.layer is not None and m.phase not in ("checkpoint_backward", "offload_backward")):
+                raise ValueError(f"predicted.memory_per_stage[{m.stage}].layer: a layer is given with phase "
+                                 "checkpoint_backward (always) and offload_backward (where it is an offloaded layer's "
+                                 "backward), and only with them")
 
     # ------------------------------------------------------------------ reading the plan
 

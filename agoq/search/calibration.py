@@ -292,6 +292,41 @@ def offload_floor(profile: ProfileData, static_bytes: float, compile_mode: str, 
     return float(row["peak_bytes"]) + static_bytes - cache[key], row
 
 
+def offload_backward_bytes(profile: ProfileData, compile_mode: str, micro_batch: int,
+                           grad_accum: int) -> Optional[tuple[float, dict]]:
+    """(what an offloaded layer's backward allocates beyond its fetched tensors, the measured offloading step it comes
+    from): that step's peak less the calibrated model's level in the backward of its offloaded layers 0 and 1
+    (ChoiceProblem's phase offload_backward at a layer, with nothing allocated on top), at least 0; None where no
+    such step was measured (cached on the profile)."""
+    from agoq.search.costs import build_problem
+
+    sp = prices(profile)
+    for a in ((1,) if grad_accum == 1 else (2, 1)):
+        row = sp.offload_row(compile_mode, micro_batch, a)
+        if row is not None and row.get("peak_bytes") is not None:
+            break
+    else:
+        return None
+    cache = profile.cache.setdefault("offload_backward", {})
+    key = (compile_mode, micro_batch, row["grad_accum"])
+    if key not in cache:
+        cache[key] = None
+        try:
+            problem = build_problem(profile, _row_knobs(profile, row), calibrate=False)
+        except ValueError:
+            return None
+        choice = _choice(problem, "agoq-paper")
+        layers = int(row.get("offload_layers") or 0)
+        if problem.offload is not None and choice is not None and 0 < layers <= problem.num_layers:
+            _apply(problem, corrections(profile, compile_mode, row["micro_batch"], row["grad_accum"]))
+            problem.offload = replace(problem.offload, backward_bytes=0.0, floor_bytes=0.0)
+            m = problem._memory(*choice, np.arange(problem.num_layers) < layers)
+            level = float(m["level_at_offloaded"][0])
+            if np.isfinite(level):
+                cache[key] = max(0.0, float(row["peak_bytes"]) - level)
+    return None if cache[key] is None else (cache[key], row)
+
+
 def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: ProblemSettings, compile_mode: str,
                       micro_batch: int, grad_accum: int) -> None:
     """Calibrate `problem` (built for `knobs`) in place: the corrections at its split, the mode's margin and the
@@ -299,6 +334,15 @@ def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: Probl
     if problem.num_stages != 1:
         return  # the anchors are one-process steps of the whole model
     if problem.offload is not None:
+        found = offload_backward_bytes(profile, compile_mode, micro_batch, grad_accum)
+        if found is not None:
+            d, row = found
+            problem.offload = replace(problem.offload, backward_bytes=d)
+            problem.notes.append(
+                f"an offloaded layer's backward allocates {int(d)} bytes beyond its tensors: the profile's "
+                f"{compile_mode} agoq-paper step with {row['offload_layers']} layers offloaded (micro-batch "
+                f"{row['micro_batch']} x {row['grad_accum']}) peaked that far above the model's level in the backward "
+                "of its offloaded layers 0 and 1")
         found = offload_floor(profile, float(problem.static_bytes[0]), compile_mode, micro_batch, grad_accum)
         if found is not None:
             floor, row = found
@@ -348,4 +392,4 @@ def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: Probl
                              "above its measured peak")
 
 
-__all__ = ["calibrate_problem", "corrections", "margin", "offload_floor"]
+__all__ = ["calibrate_problem", "corrections", "margin", "offload_backward_bytes", "offload_floor"]

@@ -9,6 +9,10 @@ Phases (agoq.search.costs.ChoiceProblem.evaluate; the peak is the largest):
   backward_start       with layers offloaded: the start of backward, when the first prefetch brings one offloaded
                        layer back: the end of forward's parts, less the LM head's tensors (freed by then) and plus
                        the gradients made by then (both in end_of_backward), plus the prefetched layer
+  offload_backward     with layers offloaded: the backward of an offloaded layer (`layer` 0 or 1), the gradients
+                       of the layers above it made, the offloaded layers it holds then (its own, and at layer 1 the
+                       next one's) and what its backward allocates on top; or (no `layer`) that allocation on top of
+                       the start of backward's level, which backward's fetch-ahead fills again
   checkpoint_backward  the backward of a checkpointed layer (`layer`): the state, the rest of the step, what the
                        micro-batches hold then and the layer's rerun forward
   optimizer_step       the optimizer step: the state and the step's own workspace, no activations
@@ -35,7 +39,9 @@ Parts, bytes per rank of the stage (sharded layouts: this rank's shard; agoq.sea
   laaq_transient         what LAAQ's backward holds beyond the memory model (dequantized copies)
   offload_prefetch       with layers offloaded to host memory (backward_start, checkpoint_backward): the largest
                          offloaded layer's tensors, which backward's first prefetch brings back before backward has
-                         freed anything
+                         freed anything; in offload_backward at a layer, the offloaded layers' tensors it holds
+  offload_backward       what an offloaded layer's backward allocates beyond its fetched tensors (measured on the
+                         profile's offloading step: agoq.search.calibration)
   offload_backlog        offloaded bytes the host link has not yet copied out when forward ends (still on the GPU)
   offload_floor          with layers offloaded: what lifts the peak to the profile's measured offloading step's
                          (the end of backward, every gradient made; agoq.search.calibration)
@@ -50,12 +56,12 @@ from agoq.formats.plan import MEMORY_PHASES as PHASES
 
 PARTS = ("weights", "gradients", "masters", "optimizer_state", "fsdp_unsharded", "backward_gradients",
          "accumulated_gradients", "head_and_workspace", "calibration", "margin", "compiled_margin", "activations",
-         "recomputed_layer", "end_of_backward", "laaq_transient", "offload_prefetch", "offload_backlog", "offload_floor",
-         "optimizer_step_workspace")
+         "recomputed_layer", "end_of_backward", "laaq_transient", "offload_prefetch", "offload_backward",
+         "offload_backlog", "offload_floor", "optimizer_step_workspace")
 
 
 PHASE_NAMES = {"forward_backward": "end of forward", "backward_start": "start of backward (first prefetch)",
-               "optimizer_step": "optimizer step"}
+               "offload_backward": "backward of an offloaded layer", "optimizer_step": "optimizer step"}
 
 
 def phase_name(phase: str, layer=None) -> str:
@@ -63,6 +69,8 @@ def phase_name(phase: str, layer=None) -> str:
     checkpointed layer N'."""
     if phase == "checkpoint_backward":
         return f"backward of checkpointed layer {layer}"
+    if phase == "offload_backward" and layer is not None:
+        return f"backward of offloaded layer {layer}"
     return PHASE_NAMES.get(phase, phase)
 
 
@@ -90,7 +98,7 @@ def stage_entry(stage: int, phase: str, layer, parts: dict[str, float], peak: in
     if unknown:
         raise ValueError(f"unknown memory part(s) {unknown}; the parts are {', '.join(PARTS)}")
     entry = {"stage": int(stage), "phase": phase, "parts": whole_bytes(parts, peak)}
-    if phase == "checkpoint_backward":
+    if phase == "checkpoint_backward" or (phase == "offload_backward" and layer is not None):
         entry["layer"] = int(layer)
     return entry
 

@@ -26,16 +26,19 @@ than 16: implied, but it tightens the linear relaxation). A stage then compiles 
 With offload offered (ChoiceProblem.offload: one stage, a measured host link), o_l (layer l's saved tensors kept in
 host memory), g_l (the bytes it offloads, in the memory rows' unit: g_l = o_l x the layer's bytes, exact by the big-M rows below),
 h (the largest g_l: backward's first prefetch), e (milliseconds of link time per micro-batch not hidden by the
-window) and k (bytes not yet copied out when forward ends; OffloadPrices):
+window), k (bytes not yet copied out when forward ends) and t, s_l (2 t + sum_l s_l bounds the two largest g_l,
+exactly at the best t; OffloadPrices):
 
   o_l + c_l <= 1,   o_{l+1} <= o_l                   (a prefix of layers: first out, last needed back)
   g_l <= bytes_l(x, u, w),   g_l <= M_l o_l,   g_l >= bytes_l(x, u, w) - M_l (1 - o_l)
-  h >= g_l,   link_seconds_per_byte x sum_l g_l - e <= window,   sum_l g_l - k <= forward_link_bytes,
+  h >= g_l,   s_l >= g_l - t,   link_seconds_per_byte x sum_l g_l - e <= window,   sum_l g_l - k <= forward_link_bytes,
   sum_l g_l <= host budget
   memory rows: - g_l (layer l's bytes are on the host), + k at the end of forward; + h at the start of backward
-               (one more row: + k, + the top layer's end_of_backward bytes x o_0) and in the backward of each
-               checkpointed layer (its row: + h + M c_l <= room + M, M the largest layer's bytes: binding only
-               where c_l = 1);
+               (one more row: + k, + (the top layer's end_of_backward bytes + backward_bytes) x o_0) and in the
+               backward of each checkpointed layer (its row: + h + M c_l <= room + M, M the largest layer's bytes:
+               binding only where c_l = 1); the backward of offloaded layers 0 and 1 (two more rows:
+               (e_0 + backward_bytes) o_0 + h <= room and (e_1 + backward_bytes + M') o_1 + 2 t + sum_l s_l <=
+               room + M', e_l the end_of_backward bytes, M' = 2 M);
   floor:       (floor_bytes - static) o_0 <= budget - static  (a choice that offloads peaks at no less than the
                profile's measured offloading step, OffloadPrices.floor_bytes)
   time: + seconds_per_byte g_l + accum x e + layer_seconds o_l
@@ -171,11 +174,12 @@ class Model:
         self.nv = n + 3 * L + S + len(self.settings_of)   # x, c, u, w, z, y
         self.c0, self.u0, self.w0, self.z0 = n, n + L, n + 2 * L, n + 3 * L
         self.y0 = n + 3 * L + S
-        self.o0 = self.g0 = self.h = self.e = self.nv  # offload's o, g, h, e follow (when offered)
+        self.o0 = self.g0 = self.h = self.e = self.nv  # offload's o, g, h, e, k, t, s follow (when offered)
         if self.offload:
             self.o0, self.g0 = self.nv, self.nv + L
             self.h, self.e, self.k = self.nv + 2 * L, self.nv + 2 * L + 1, self.nv + 2 * L + 2
-            self.nv += 2 * L + 3
+            self.t, self.s0 = self.nv + 2 * L + 3, self.nv + 2 * L + 4
+            self.nv += 3 * L + 4
         laaq = p.laaq_transient()
         rows, cols, vals, lo, hi = [], [], [], [], []
         r = 0
@@ -306,7 +310,7 @@ class Model:
         # peaks during the backward of each layer that may be checkpointed (see ChoiceProblem.evaluate)
         flight, extra = p.in_flight_counts(), p.recomputed()
         rows_l, stage_l = [], []
-        offsets = np.zeros(S + (L if p.allow_checkpoint else 0) + (1 if self.offload else 0))  # bytes per peak row
+        offsets = np.zeros(S + (L if p.allow_checkpoint else 0) + (3 if self.offload else 0))  # bytes per peak row
         reserve_m = float(self.bounds_upper_h) * self.unit if self.offload else 0.0       # beyond static bytes
         if p.allow_checkpoint:
             owner = np.full(self.nv, -1)
@@ -329,10 +333,24 @@ class Model:
                 rows_l.append(row)
                 stage_l.append(s)
         if self.offload:  # the start of backward, where any layer is offloaded (o_0): + h and the top layer's
-            start = mem[0].copy()  # end_of_backward bytes (ChoiceProblem)
-            start[self.h] = self.unit
-            start[self.o0] += float(p.end_of_backward_bytes()[p.top_layers()[0]])
+            start = mem[0].copy()  # end_of_backward bytes (ChoiceProblem), and an offloaded layer's backward on
+            start[self.h] = self.unit  # top (backward's fetch-ahead fills the start's level again)
+            eob, d = p.end_of_backward_bytes(), float(p.offload.backward_bytes)
+            start[self.o0] += float(eob[p.top_layers()[0]]) + d
             rows_l.append(start)
+            stage_l.append(0)
+            # the backward of offloaded layer 0 (its bytes at most h) and of layer 1 (the two largest offloaded)
+            at0 = np.zeros(self.nv)
+            at0[self.o0], at0[self.h] = float(eob[0]) + d, self.unit
+            rows_l.append(at0)
+            stage_l.append(0)
+            at1 = np.zeros(self.nv)
+            if L > 1:  # binding only where o_1 = 1: + M o_1 <= room + M, M the most 2 t + sum_l s_l needs
+                big = 2.0 * reserve_m
+                at1[self.o0 + 1], at1[self.t] = float(eob[1]) + d + big, 2.0 * self.unit
+                at1[self.s0:self.s0 + L] = self.unit
+                offsets[len(rows_l) + S] = -big
+            rows_l.append(at1)
             stage_l.append(0)
         self.peak_rows = np.vstack([mem] + rows_l) if rows_l else mem
         self.peak_stage = np.array(list(range(S)) + stage_l)
@@ -386,6 +404,9 @@ class Model:
             # h >= g_l
             rows += [r, r]; cols += [self.h, g]; vals += [1.0, -1.0]  # noqa: E702
             lo.append(0.0); hi.append(np.inf); r += 1  # noqa: E702
+            # s_l >= g_l - t (2 t + sum_l s_l >= the two largest g_l, with equality at the best t)
+            rows += [r, r, r]; cols += [self.s0 + l, g, self.t]; vals += [1.0, -1.0, 1.0]  # noqa: E702
+            lo.append(0.0); hi.append(np.inf); r += 1  # noqa: E702
             if l + 1 < L:  # o_{l+1} <= o_l
                 rows += [r, r]; cols += [ol + 1, ol]; vals += [1.0, -1.0]  # noqa: E702
                 lo.append(-np.inf); hi.append(0.0); r += 1  # noqa: E702
@@ -406,8 +427,12 @@ class Model:
         upper[self.g0:self.g0 + L] = biggest / gu
         upper[self.h] = self.bounds_upper_h = float(biggest.max()) / gu
         upper[self.e] = upper[self.k] = np.inf
+        upper[self.t] = upper[self.h]
+        upper[self.s0:self.s0 + L] = upper[self.g0:self.g0 + L]
         self.integrality[self.g0:self.g0 + L] = 0
         self.integrality[self.h] = self.integrality[self.e] = self.integrality[self.k] = 0
+        self.integrality[self.t] = 0
+        self.integrality[self.s0:self.s0 + L] = 0
         mem[0, self.g0:self.g0 + L] = -gu
         mem[0, self.k] = gu  # h counts at the start of backward (the peak rows), not at the end of forward
 

@@ -12,9 +12,11 @@ unmodified layer, of a layer under LAAQ at y and of a checkpointed one, T the LA
   step        = level(n_u, n_c) + accum x max(0, G x link - window) + G x seconds_per_byte + K x layer_seconds
   end of forward:  E = static + (n_u - K_u) U + (n_a - K_a) B(y) + n_c C + T + max(0, G - forward_link_bytes)
                    <= budget
-  start of backward:  E + h + e_top <= budget,   h = the largest offloaded layer's bytes (U where K_u > 0, B(y)
-                   where K_a > 0), e_top the top layer's end_of_backward bytes (backward's first prefetch:
-                   agoq.search.problem.OffloadPrices)
+  start of backward:  E + h + e_top + D <= budget,   h = the largest offloaded layer's bytes (U where K_u > 0, B(y)
+                   where K_a > 0), e_top the top layer's end_of_backward bytes (backward's first prefetch), D an
+                   offloaded layer's backward on top (agoq.search.problem.OffloadPrices.backward_bytes)
+  offloaded layers' backward:  static + e_0 + h + D <= budget, and where K >= 2
+                   static + e_1 + (the two largest of K_u U and K_a B(y)) + D <= budget
   floor:           K > 0 needs the measured offloading peak (OffloadPrices.floor_bytes) <= budget
   changed tensors  = n_a x (kinds of y not at 16) + n_c + K
 
@@ -106,7 +108,9 @@ class Enumeration:
         self.C = float(mem[m.c0])
         self.r0 = float(reruns[0])
         self.T = float(mem[m.z0])
-        self.e_top = float(p.end_of_backward_bytes()[p.top_layers()[0]])  # at the start of backward, with h
+        eob = p.end_of_backward_bytes()
+        self.e_top = float(eob[p.top_layers()[0]])  # at the start of backward, with h
+        self.e0, self.e1 = float(eob[0]), float(eob[1]) if L > 1 else 0.0  # in the backward of layers 0 and 1
         choice, per_layer, non16 = settings(m, alike)  # every kind's options that are not dominated
         keep = non16 > 0  # a layer under LAAQ changes some kind
         choice, per_layer, non16 = choice[keep], per_layer[keep], non16[keep]
@@ -170,15 +174,23 @@ class Enumeration:
 
     def _rows(self, n_u, n_c, K, K_u, B):
         """The module docstring's amounts for counts and bytes B (scalars or arrays, broadcast): the host bytes G,
-        the prefetched layer h, the LAAQ transient T, the end of forward E and the start of backward E + h + e_top
-        (-inf where nothing is offloaded)."""
+        the prefetched layer h, the LAAQ transient T, the end of forward E and the largest of backward's rows: the
+        start of backward E + h + e_top and an offloaded layer's backward (-inf where nothing is offloaded)."""
         n_a, K_a = self.L - n_u - n_c, K - K_u
         G = K_u * self.U + K_a * B
         h = np.maximum(np.where(K_u > 0, self.U, 0.0), np.where(K_a > 0, B, 0.0))
         T = np.where(n_a > 0, self.T, 0.0)
-        end = float(self.p.static_bytes[0]) + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T \
+        static = float(self.p.static_bytes[0])
+        end = static + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T \
             + np.maximum(0.0, G - self.o.forward_link_bytes)
-        return G, h, T, end, np.where(K > 0, end + h + self.e_top, -np.inf)
+        d = self.o.backward_bytes
+        # the two largest offloaded layers' bytes (where K >= 2): of K_u layers of U and K_a of B
+        high, low = np.maximum(self.U, B), np.minimum(self.U, B)
+        n_high = np.minimum(np.where(self.U >= B, K_u, K_a), 2)
+        top2 = high * n_high + low * (2 - n_high)
+        back = np.maximum(end + h + self.e_top + d, static + self.e0 + h + d)
+        back = np.where(K >= 2, np.maximum(back, static + self.e1 + top2 + d), back)
+        return G, h, T, end, np.where(K > 0, back, -np.inf)
 
     def _possible(self, budget: float) -> np.ndarray:
         """Per configuration of `bounded`, False where it cannot fit whatever its setting: its rows at the least
@@ -307,6 +319,9 @@ class Enumeration:
         x[m.o0:m.o0 + L] = off
         x[m.g0:m.g0 + L] = np.where(off, bytes_l, 0.0) / gu
         x[m.h] = float(bytes_l[off].max()) / gu if K > 0 else 0.0
+        second = float(np.sort(bytes_l[off])[-2]) if K > 1 else 0.0  # t at the second largest: 2 t + sum s = the two
+        x[m.t] = second / gu                                          # largest (Model's rows)
+        x[m.s0:m.s0 + L] = np.where(off, np.maximum(0.0, bytes_l - second), 0.0) / gu
         x[m.e] = max(0.0, G * self.o.link_seconds_per_byte - self.o.window_seconds) * 1e3
         x[m.k] = max(0.0, G - self.o.forward_link_bytes) / gu if np.isfinite(self.o.forward_link_bytes) else 0.0
         return x

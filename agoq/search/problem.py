@@ -60,6 +60,14 @@ class OffloadPrices:
             (negative where the head's tensors outweigh its gradients) to the end of forward's peak, and so does
             the backward of a checkpointed layer
       host: B <= host_budget_bytes
+      backward of an offloaded layer (phase offload_backward): the layer's tensors are back, the next offloaded
+            layer's are on their way, and its backward allocates backward_bytes on top (dequantized copies and
+            the gradients of its activations), after the gradients of the layers above it are made. At layer 0:
+            static + e(0) + h + backward_bytes; at layer 1 (K >= 2): static + e(1) + the two largest offloaded
+            layers' bytes + backward_bytes (exact for a prefix of alike layers; e(l) the end_of_backward bytes,
+            which fall with l, so no higher layer holds more). Backward's fetch-ahead fills what backward has freed
+            up to the start of backward's level, so a layer's backward there may add backward_bytes on top of the
+            start of backward too: start of backward + backward_bytes
       floor: a choice that offloads any layer peaks at no less than floor_bytes (0: none known), the peak the
             profile measured for its offloading step, moved by the model's state bytes (agoq.search.calibration):
             with activations on the host the peak comes at the end of backward, every gradient made, which
@@ -78,6 +86,8 @@ class OffloadPrices:
     layer_seconds: float = 0.0     # per step, per offloaded layer: the runtime's own time (its hooks and copies per
                                    # tensor, every micro-batch) beyond the link model, measured (agoq.search.costs)
     floor_bytes: float = 0.0       # the least peak of a choice offloading any layer (measured; 0: none known)
+    backward_bytes: float = 0.0    # what an offloaded layer's backward allocates beyond its fetched tensors (the
+                                   # profile's offloading step's peak less the model's level there: calibration)
 
 
 @dataclass
@@ -236,7 +246,31 @@ class ChoiceProblem:
             start = mem + reserve + self.end_of_backward_bytes()[self.top_layers()]
             for s in np.nonzero(start > mem)[0]:
                 mem[s], phase[s] = start[s], "backward_start"
+        # the backward of an offloaded layer (OffloadPrices): at layer 0, at layer 1, and on top of the start of
+        # backward's level, which backward's fetch-ahead fills again
+        offloaded_backward = np.full(self.num_stages, -np.inf)  # the largest of the three, per stage
+        level_at_offloaded = np.full(self.num_stages, -np.inf)  # layers 0 and 1's, less backward_bytes
+        fetched = np.zeros(self.num_stages)  # the offloaded layers' bytes backward holds then
+        if off.any():
+            eob, d = self.end_of_backward_bytes(), self.offload.backward_bytes
+            top2 = float(np.sort(on_host[off])[-2:].sum())
+            values = [(None, start + d, reserve)]
+            values += [(l, self.static_bytes + eob[l] + held_bytes + d, held_bytes)
+                       for l, held_bytes in ((0, reserve), (1, np.full(self.num_stages, top2)))
+                       if l < self.num_layers and off[l]]
+            for l, value, held_bytes in values:
+                for s in range(self.num_stages):
+                    if l is not None and self.layer_stage[l] != s:
+                        continue
+                    offloaded_backward[s] = max(offloaded_backward[s], value[s])
+                    if l is not None:
+                        level_at_offloaded[s] = max(level_at_offloaded[s], value[s] - d)
+                    if value[s] > mem[s]:
+                        mem[s], phase[s], at_layer[s], fetched[s] = value[s], "offload_backward", l, held_bytes[s]
         held, rerun, held_calibration = activations.copy(), np.zeros(self.num_stages), calibrated.copy()
+        for s in range(self.num_stages):
+            if phase[s] == "offload_backward" and at_layer[s] is not None:  # the layers above it are done
+                held[s], held_calibration[s] = 0.0, 0.0
         checkpoint_peak = np.full(self.num_stages, -np.inf)  # the largest checkpoint_backward value per stage
         # backward of a checkpointed layer l: the other in-flight micro-batches, this one's layers before l,
         # and l's input plus everything its rerun forward keeps
@@ -264,7 +298,9 @@ class ChoiceProblem:
         return {"peak": [int(np.ceil(m - 1e-6)) for m in mem], "phase": phase, "layer": at_layer, "held": held,
                 "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum()),
                 "held_calibration": held_calibration, "host": host, "reserve": reserve, "backlog": backlog,
-                "offload_floor": offload_floor, "checkpoint_peak": checkpoint_peak}
+                "offload_floor": offload_floor, "checkpoint_peak": checkpoint_peak,
+                "offloaded_backward": offloaded_backward, "level_at_offloaded": level_at_offloaded,
+                "fetched": fetched}
 
     def offload_seconds(self, host_bytes: float, layers: int) -> dict:
         """The step seconds `host_bytes` offloaded per micro-batch by `layers` layers add, and the link's seconds
@@ -318,14 +354,20 @@ class ChoiceProblem:
                     parts["calibration"] += own
                     if phase_bytes:
                         parts["end_of_backward"] = phase_bytes
-                if m["phase"][s] == "backward_start":
-                    top = int(self.top_layers()[s])
-                    if self.end_of_backward_bytes()[top]:
-                        parts["end_of_backward"] = float(self.end_of_backward_bytes()[top])
-                parts["laaq_transient"] = float(m["transient"][s])
-                if m["reserve"][s] > 0 and m["phase"][s] != "forward_backward":
+                at_offloaded = m["phase"][s] == "offload_backward" and m["layer"][s] is not None
+                if m["phase"][s] in ("backward_start", "offload_backward"):
+                    at = int(m["layer"][s]) if at_offloaded else int(self.top_layers()[s])
+                    if self.end_of_backward_bytes()[at]:
+                        parts["end_of_backward"] = float(self.end_of_backward_bytes()[at])
+                if m["phase"][s] == "offload_backward":
+                    parts["offload_backward"] = float(self.offload.backward_bytes)
+                if not at_offloaded:  # the backward of layer 0 or 1 holds no other layer's activations
+                    parts["laaq_transient"] = float(m["transient"][s])
+                if at_offloaded:
+                    parts["offload_prefetch"] = float(m["fetched"][s])
+                elif m["reserve"][s] > 0 and m["phase"][s] != "forward_backward":
                     parts["offload_prefetch"] = float(m["reserve"][s])
-                if m["phase"][s] in ("forward_backward", "backward_start") and m["backlog"][s] > 0:
+                if not at_offloaded and m["phase"][s] != "checkpoint_backward" and m["backlog"][s] > 0:
                     parts["offload_backlog"] = float(m["backlog"][s])
                 if m["offload_floor"][s] > 0:
                     parts["offload_floor"] = float(m["offload_floor"][s])
