@@ -139,6 +139,8 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
             row["offloaded_bytes"] = int(getattr(best, "offloaded_bytes", None) or 0)
         if repeats > 1:
             row["repeat_step_seconds"] = medians
+            if len(peaks) == len(measured):  # each pass's largest step peak: their spread is the peak's own
+                row["repeat_peak_bytes"] = [int(v) for v in peaks]
             if max(medians) > (1 + SPREAD_WARNING) * min(medians):
                 notes.append(f"{_describe(kind)}: passes measured "
                              + ", ".join(f"{m * 1e3:.1f}" for m in medians) + " ms; the least is kept")

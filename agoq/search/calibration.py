@@ -43,6 +43,11 @@ mode and micro-batch, with one micro-batch per step or two for an accumulating p
 by the model's state bytes between its knobs and the plan's (gradient storage, optimizer, masters, accumulated
 gradients), is the least peak of any choice that offloads (`OffloadPrices.floor_bytes`).
 
+What an offloaded layer's backward allocates beyond its fetched tensors (dequantized copies, its activations'
+gradients) is not in the per-layer bytes: it is the profile's offloading step's peak less the calibrated model's
+level in the backward of that step's offloaded layers 0 and 1 (`OffloadPrices.backward_bytes`), plus the spread of
+that peak, which the copies' timing moves between runs: its passes' spread, at least OFFLOAD_SPREAD_FLOOR of it.
+
 Runs. Runs of plans made from the profile (`ProfileData.runs`: `agoq search --runs DIR...`, read by
 agoq.formats.run.measured_against_plan) are what really ran: each plan is priced again with the calibrated model;
 a measured peak above its prediction raises the margin as a measured step does, and at each compile mode and
@@ -63,6 +68,12 @@ from agoq.search.timing import prices
 
 NOT_MEASURED = {**{policy: 0.0 for policy in POLICIES}, "checkpoint_phase": 0.0}
 MARGIN_FLOOR = 0.006  # of the smallest measured peak (module docstring)
+# of the offloading step's peak, added to what an offloaded layer's backward allocates (module docstring): where the
+# copies end sets when copied-out and fetched tensors are freed, so an offloading step's peak moves between runs. The
+# H100 probe's offloading step (15 layers at micro-batch 2, compiled) peaked at 10.245 GB in its profile and at
+# 10.306 GB on another H100 the next day, and plans whose peak is an offloaded layer's backward came 9-27 MB under
+# the phase priced from the second (experiments/results/memory_peak_trace_probe_h100_*.json)
+OFFLOAD_SPREAD_FLOOR = 0.01
 
 
 def _anchor_row(profile: ProfileData, compile_mode: str, policy: str, micro_batch: int,
@@ -296,8 +307,9 @@ def offload_backward_bytes(profile: ProfileData, compile_mode: str, micro_batch:
                            grad_accum: int) -> Optional[tuple[float, dict]]:
     """(what an offloaded layer's backward allocates beyond its fetched tensors, the measured offloading step it comes
     from): that step's peak less the calibrated model's level in the backward of its offloaded layers 0 and 1
-    (ChoiceProblem's phase offload_backward at a layer, with nothing allocated on top), at least 0; None where no
-    such step was measured (cached on the profile)."""
+    (ChoiceProblem's phase offload_backward at a layer, with nothing allocated on top), at least 0, plus the
+    spread of that peak: its passes' (`repeat_peak_bytes`), at least OFFLOAD_SPREAD_FLOOR of it. None where no such
+    step was measured (cached on the profile)."""
     from agoq.search.costs import build_problem
 
     sp = prices(profile)
@@ -323,7 +335,10 @@ def offload_backward_bytes(profile: ProfileData, compile_mode: str, micro_batch:
             m = problem._memory(*choice, np.arange(problem.num_layers) < layers)
             level = float(m["level_at_offloaded"][0])
             if np.isfinite(level):
-                cache[key] = max(0.0, float(row["peak_bytes"]) - level)
+                passes = [float(v) for v in row.get("repeat_peak_bytes") or []]
+                spread = max(OFFLOAD_SPREAD_FLOOR * float(row["peak_bytes"]),
+                             max(passes) - min(passes) if passes else 0.0)
+                cache[key] = max(0.0, float(row["peak_bytes"]) - level) + spread
     return None if cache[key] is None else (cache[key], row)
 
 
@@ -342,7 +357,8 @@ def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: Probl
                 f"an offloaded layer's backward allocates {int(d)} bytes beyond its tensors: the profile's "
                 f"{compile_mode} agoq-paper step with {row['offload_layers']} layers offloaded (micro-batch "
                 f"{row['micro_batch']} x {row['grad_accum']}) peaked that far above the model's level in the backward "
-                "of its offloaded layers 0 and 1")
+                f"of its offloaded layers 0 and 1, its spread between runs included (at least "
+                f"{OFFLOAD_SPREAD_FLOOR:.0%} of its peak)")
         found = offload_floor(profile, float(problem.static_bytes[0]), compile_mode, micro_batch, grad_accum)
         if found is not None:
             floor, row = found

@@ -205,3 +205,52 @@ def test_an_eager_offloading_step_that_ranged_is_noted(tmp_path):
                 continue
             assert len(found) == 1 and f"micro-batch {micro_batch} x 1 " in found[0], (seed, accum, found)
             assert f"({wide - 1:.0%} apart)" in found[0], (seed, found)
+
+
+def test_an_offloaded_layers_backward_is_priced_from_the_measured_offloading_step(tmp_path):
+    """What an offloaded layer's backward allocates (OffloadPrices.backward_bytes) is the offloading step's measured
+    peak less the calibrated model's level in the backward of its offloaded layers 0 and 1, plus that peak's spread:
+    its passes' (repeat_peak_bytes), at least OFFLOAD_SPREAD_FLOOR of it. The model then puts the measured step itself
+    at its peak plus the spread (and the margin every compiled plan carries); a measured peak moved by X moves it by
+    X and the floor's share of X; a measured peak under the level leaves the spread alone."""
+    import numpy as np
+
+    from agoq.search import calibration
+    from agoq.search.calibration import OFFLOAD_SPREAD_FLOOR
+
+    seed, rng = fresh_rng()
+    layers, micro_batch = rng.choice([3, 5, 7]), rng.choice([2, 4, 6])
+    profile = profile_with_offload_rows(tmp_path, rng, layers=layers, micro_batch=micro_batch,
+                                        delta=lambda r: 0.005, offloaded_bytes=10**6)
+    row = prices(profile).offload_row("compiled", micro_batch, 1)
+    knobs = ProblemSettings(compile_mode="compiled", micro_batch=micro_batch, grad_accum=1)
+
+    def priced(peak, passes=None):
+        row["peak_bytes"] = int(peak)
+        if passes is None:
+            row.pop("repeat_peak_bytes", None)
+        else:
+            row["repeat_peak_bytes"] = [int(v) for v in passes]
+        for key in [k for k in profile.cache if k != "step_prices"]:  # the row as changed, priced again
+            del profile.cache[key]
+        p = build_problem(profile, knobs)
+        return p, p.offload.backward_bytes
+
+    p, _ = priced(1)  # (a synthetic profile's steps have no peaks: each is given one)
+    chosen = calibration._choice(p, "agoq-paper")[0]
+    prefix = np.arange(layers) < row["offload_layers"]
+    margin = float(p.static_parts.get("margin", [0.0])[0])
+    level = float(p._memory(chosen, np.zeros(layers, dtype=bool), prefix)["level_at_offloaded"][0]) - margin
+    where = f"seed {seed}"
+    for peak in (level + rng.uniform(1e6, 1e8), level + rng.uniform(1e6, 1e8)):
+        p, d = priced(peak)
+        assert d == pytest.approx(peak - level + OFFLOAD_SPREAD_FLOOR * int(peak), abs=2.0), where
+        m = p._memory(chosen, np.zeros(layers, dtype=bool), prefix)
+        assert float(m["level_at_offloaded"][0]) + d - margin == pytest.approx(
+            int(peak) * (1 + OFFLOAD_SPREAD_FLOOR), abs=2.0), where
+        assert any("offloaded layer's backward allocates" in n for n in p.notes), where
+    spread = rng.uniform(0.02, 0.05) * peak
+    _, d = priced(peak, passes=[peak - spread, peak])
+    assert d == pytest.approx(peak - level + int(spread), abs=2.0), where
+    _, d = priced(level * rng.uniform(0.5, 0.95))  # under the model's level: nothing allocated, the spread kept
+    assert d == pytest.approx(OFFLOAD_SPREAD_FLOOR * int(row["peak_bytes"]), abs=2.0), where
