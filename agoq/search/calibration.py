@@ -282,21 +282,27 @@ def margin(profile: ProfileData, compile_mode: str) -> tuple[float, Optional[dic
     return worst, worst_row
 
 
+def _offloading_step(profile: ProfileData, compile_mode: str, micro_batch: int, grad_accum: int):
+    """(the profile's measured offloading step with a peak for a plan of this split: one micro-batch per step, or
+    for an accumulating plan two, else one; its cache key), (None, None) where none was measured."""
+    sp = prices(profile)
+    for a in ((1,) if grad_accum == 1 else (2, 1)):
+        row = sp.offload_row(compile_mode, micro_batch, a)
+        if row is not None and row.get("peak_bytes") is not None:
+            return row, (compile_mode, micro_batch, row["grad_accum"])
+    return None, None
+
+
 def offload_floor(profile: ProfileData, static_bytes: float, compile_mode: str, micro_batch: int,
                   grad_accum: int) -> Optional[tuple[float, dict]]:
     """(the least peak of a choice that offloads, the measured offloading step it comes from) for a problem whose
     uncalibrated static bytes are `static_bytes` (module docstring), None where no such step was measured."""
     from agoq.search.costs import build_problem
 
-    sp = prices(profile)
-    for a in ((1,) if grad_accum == 1 else (2, 1)):
-        row = sp.offload_row(compile_mode, micro_batch, a)
-        if row is not None and row.get("peak_bytes") is not None:
-            break
-    else:
+    row, key = _offloading_step(profile, compile_mode, micro_batch, grad_accum)
+    if row is None:
         return None
     cache = profile.cache.setdefault("offload_floor_static", {})
-    key = (compile_mode, micro_batch, row["grad_accum"])
     if key not in cache:
         knobs = replace(_row_knobs(profile, row), allow_offload=False)
         cache[key] = float(build_problem(profile, knobs, calibrate=False).static_bytes[0])
@@ -312,15 +318,10 @@ def offload_backward_bytes(profile: ProfileData, compile_mode: str, micro_batch:
     step was measured (cached on the profile)."""
     from agoq.search.costs import build_problem
 
-    sp = prices(profile)
-    for a in ((1,) if grad_accum == 1 else (2, 1)):
-        row = sp.offload_row(compile_mode, micro_batch, a)
-        if row is not None and row.get("peak_bytes") is not None:
-            break
-    else:
+    row, key = _offloading_step(profile, compile_mode, micro_batch, grad_accum)
+    if row is None:
         return None
     cache = profile.cache.setdefault("offload_backward", {})
-    key = (compile_mode, micro_batch, row["grad_accum"])
     if key not in cache:
         cache[key] = None
         try:
@@ -349,25 +350,21 @@ def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: Probl
     if problem.num_stages != 1:
         return  # the anchors are one-process steps of the whole model
     if problem.offload is not None:
-        found = offload_backward_bytes(profile, compile_mode, micro_batch, grad_accum)
-        if found is not None:
-            d, row = found
-            problem.offload = replace(problem.offload, backward_bytes=d)
+        backward = offload_backward_bytes(profile, compile_mode, micro_batch, grad_accum)
+        floor = offload_floor(profile, float(problem.static_bytes[0]), compile_mode, micro_batch, grad_accum)
+        for found, field in ((backward, "backward_bytes"), (floor, "floor_bytes")):
+            if found is None:
+                continue
+            value, row = found
+            problem.offload = replace(problem.offload, **{field: value})
+            step = (f"the profile's {compile_mode} agoq-paper step with {row['offload_layers']} layers offloaded "
+                    f"(micro-batch {row['micro_batch']} x {row['grad_accum']})")
             problem.notes.append(
-                f"an offloaded layer's backward allocates {int(d)} bytes beyond its tensors: the profile's "
-                f"{compile_mode} agoq-paper step with {row['offload_layers']} layers offloaded (micro-batch "
-                f"{row['micro_batch']} x {row['grad_accum']}) peaked that far above the model's level in the backward "
-                f"of its offloaded layers 0 and 1, its spread between runs included (at least "
-                f"{OFFLOAD_SPREAD_FLOOR:.0%} of its peak)")
-        found = offload_floor(profile, float(problem.static_bytes[0]), compile_mode, micro_batch, grad_accum)
-        if found is not None:
-            floor, row = found
-            problem.offload = replace(problem.offload, floor_bytes=floor)
-            problem.notes.append(
-                f"a plan that offloads peaks at no less than {int(floor)} bytes: the profile's {compile_mode} "
-                f"agoq-paper step with {row['offload_layers']} layers offloaded (micro-batch {row['micro_batch']} x "
-                f"{row['grad_accum']}) peaked at {int(row['peak_bytes'])} bytes, at the end of backward, which "
-                "offload does not lower")
+                f"an offloaded layer's backward allocates {int(value)} bytes beyond its tensors: {step} peaked that "
+                "far above the model's level in the backward of its offloaded layers 0 and 1, its spread between "
+                f"runs included (at least {OFFLOAD_SPREAD_FLOOR:.0%} of its peak)" if field == "backward_bytes" else
+                f"a plan that offloads peaks at no less than {int(value)} bytes: {step} peaked at "
+                f"{int(row['peak_bytes'])} bytes, at the end of backward, which offload does not lower")
     k = corrections(profile, compile_mode, micro_batch, grad_accum)
     if any(k.values()):
         _apply(problem, k)
