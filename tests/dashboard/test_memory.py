@@ -195,3 +195,30 @@ def test_a_peak_at_the_start_of_backward_is_named_so(root, tmp_path):
     from agoq.search.memory_parts import PHASE_NAMES  # the dashboard's words are the search's
 
     assert PHASE_LABELS == PHASE_NAMES
+
+
+def test_a_peak_in_an_offloaded_layers_backward_is_named_so(root, tmp_path):
+    """A stage whose predicted peak is set in the backward of an offloaded layer (schema 1.7, phase offload_backward)
+    is labelled with that layer, or without one (the allocation on top of the start of backward) as the phase; its
+    part `offload_backward` is drawn like any other and the parts still add up to the peak."""
+    plan = json.loads((root / "plans" / "ddp-adamw8bit.json").read_text())
+    stage = random.randrange(len(plan["predicted"]["memory_per_stage"]))
+    entry = plan["predicted"]["memory_per_stage"][stage]
+    name = next(iter(entry["parts"]))
+    moved = random.randrange(1, max(2, entry["parts"][name]))
+    entry["parts"][name] -= moved
+    entry["parts"]["offload_backward"] = moved  # the same peak, one more part
+    plan["schema"] = "agoq.plan/1.7"
+    layer = random.choice([0, 1, None])
+    entry["phase"] = "offload_backward"
+    if layer is not None:
+        entry["layer"] = layer
+    (tmp_path / "back.json").write_text(json.dumps(plan))
+    client = TestClient(create_app(tmp_path))
+    memory = client.get("/api/plan", params={"id": "back.json"}).json()["memory"]
+    figure = memory_breakdown(memory)
+    _check(memory, figure, plan)
+    labels = {x for t in figure["data"] for x in t.get("x", [])}
+    said = f"backward of offloaded layer {layer}" if layer is not None else "backward of an offloaded layer"
+    assert f"stage {stage}: predicted ({said})" in labels
+    assert [t for t in figure["data"] if t["name"] == "predicted offload backward"], [t["name"] for t in figure["data"]]
