@@ -50,6 +50,8 @@ def _problem(rng, checkpoint: bool, falls: bool):
         # the start of backward (where the first prefetch lands) against the end of forward
         p.end_of_backward = np.full(layers, float(round(rng.uniform(-1.5, 0.5) * float(np.max(p.memory)) * 4)))
     p = with_offload(rng, p, phases=False)
+    if rng.random() < 0.5:  # nothing allocated on top of an offloaded layer's backward: offloading fits more often
+        p = replace(p, offload=replace(p.offload, backward_bytes=0.0))
     if np.isfinite(p.offload.forward_link_bytes):  # whole bytes, as every other amount (a peak is rounded up)
         p = replace(p, offload=replace(p.offload, forward_link_bytes=float(round(p.offload.forward_link_bytes))))
     if rng.random() < 0.5:  # a cheaper link and no floor: offloading wins more often
