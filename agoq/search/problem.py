@@ -248,7 +248,6 @@ class ChoiceProblem:
                 mem[s], phase[s] = start[s], "backward_start"
         # the backward of an offloaded layer (OffloadPrices): at layer 0, at layer 1, and on top of the start of
         # backward's level, which backward's fetch-ahead fills again
-        offloaded_backward = np.full(self.num_stages, -np.inf)  # the largest of the three, per stage
         level_at_offloaded = np.full(self.num_stages, -np.inf)  # layers 0 and 1's, less backward_bytes
         fetched = np.zeros(self.num_stages)  # the offloaded layers' bytes backward holds then
         if off.any():
@@ -262,7 +261,6 @@ class ChoiceProblem:
                 for s in range(self.num_stages):
                     if l is not None and self.layer_stage[l] != s:
                         continue
-                    offloaded_backward[s] = max(offloaded_backward[s], value[s])
                     if l is not None:
                         level_at_offloaded[s] = max(level_at_offloaded[s], value[s] - d)
                     if value[s] > mem[s]:
@@ -299,8 +297,7 @@ class ChoiceProblem:
                 "rerun": rerun, "activations": activations, "transient": transient, "laaq_layers": int(laaq.sum()),
                 "held_calibration": held_calibration, "host": host, "reserve": reserve, "backlog": backlog,
                 "offload_floor": offload_floor, "checkpoint_peak": checkpoint_peak,
-                "offloaded_backward": offloaded_backward, "level_at_offloaded": level_at_offloaded,
-                "fetched": fetched}
+                "level_at_offloaded": level_at_offloaded, "fetched": fetched}
 
     def offload_seconds(self, host_bytes: float, layers: int) -> dict:
         """The step seconds `host_bytes` offloaded per micro-batch by `layers` layers add, and the link's seconds
