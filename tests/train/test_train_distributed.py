@@ -90,14 +90,17 @@ def _close(got, ref, rtol):
 
 
 def _quantized(run_dir, ref_dir, bits: int = 8, rtol: float = QUANTIZED_LOSS_RTOL):
-    """A quantized run against the exact run: its losses close, and its first two gradient norms measurably
-    different, by an amount that quantization to `bits` bits makes."""
+    """A quantized run against the exact run: its losses close, its gradient norms measurably different (some step's
+    by at least what quantization to `bits` bits makes: the first two alone can come out almost equal, as one seed's
+    did, 4e-6 apart where later steps were 1.5e-4 to 5e-4 apart and exact runs 1e-7), and its first two no further
+    apart than quantization makes."""
     (got, got_val), (ref, ref_val) = _losses(run_dir), _losses(ref_dir)
     _close(got, ref, rtol)
     _close(got_val, ref_val, rtol)
     lo, hi = QUANTIZED_NORM_DIFF[bits]
-    norms, ref_norms = _grad_norms(run_dir)[:2], _grad_norms(ref_dir)[:2]
-    assert lo <= _max_rel_diff(norms, ref_norms) <= hi, (run_dir.name, norms, ref_norms)
+    norms, ref_norms = _grad_norms(run_dir), _grad_norms(ref_dir)
+    assert _max_rel_diff(norms, ref_norms) >= lo, (run_dir.name, norms, ref_norms)
+    assert _max_rel_diff(norms[:2], ref_norms[:2]) <= hi, (run_dir.name, norms, ref_norms)
 
 
 def _exact(run_dir, ref_dir):
