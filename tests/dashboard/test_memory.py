@@ -178,6 +178,15 @@ def test_an_offloading_plan_shows_its_host_memory_beside_the_gpu(root, tmp_path)
     assert not [t for t in plain["data"] if t["name"].startswith("host")]
 
 
+def _served_labels(folder, plan: dict):
+    """`plan` written into `folder` and served: its memory figure (checked against the plan) and the figure's labels."""
+    (folder / "served.json").write_text(json.dumps(plan))
+    memory = TestClient(create_app(folder)).get("/api/plan", params={"id": "served.json"}).json()["memory"]
+    figure = memory_breakdown(memory)
+    _check(memory, figure, plan)
+    return figure, {x for t in figure["data"] for x in t.get("x", [])}
+
+
 def test_a_peak_at_the_start_of_backward_is_named_so(root, tmp_path):
     """A stage whose predicted peak is set at the start of backward (schema 1.5: with offloaded layers, backward's
     first prefetch in flight) is labelled so under its bar, and its parts still add up to its peak."""
@@ -185,12 +194,7 @@ def test_a_peak_at_the_start_of_backward_is_named_so(root, tmp_path):
     stage = random.randrange(len(plan["predicted"]["memory_per_stage"]))
     plan["schema"] = "agoq.plan/1.5"
     plan["predicted"]["memory_per_stage"][stage]["phase"] = "backward_start"
-    (tmp_path / "start.json").write_text(json.dumps(plan))
-    client = TestClient(create_app(tmp_path))
-    memory = client.get("/api/plan", params={"id": "start.json"}).json()["memory"]
-    figure = memory_breakdown(memory)
-    _check(memory, figure, plan)
-    labels = {x for t in figure["data"] for x in t.get("x", [])}
+    figure, labels = _served_labels(tmp_path, plan)
     assert f"stage {stage}: predicted (start of backward (first prefetch))" in labels
     from agoq.search.memory_parts import PHASE_NAMES  # the dashboard's words are the search's
 
@@ -213,12 +217,7 @@ def test_a_peak_in_an_offloaded_layers_backward_is_named_so(root, tmp_path):
     entry["phase"] = "offload_backward"
     if layer is not None:
         entry["layer"] = layer
-    (tmp_path / "back.json").write_text(json.dumps(plan))
-    client = TestClient(create_app(tmp_path))
-    memory = client.get("/api/plan", params={"id": "back.json"}).json()["memory"]
-    figure = memory_breakdown(memory)
-    _check(memory, figure, plan)
-    labels = {x for t in figure["data"] for x in t.get("x", [])}
+    figure, labels = _served_labels(tmp_path, plan)
     said = f"backward of offloaded layer {layer}" if layer is not None else "backward of an offloaded layer"
     assert f"stage {stage}: predicted ({said})" in labels
     assert [t for t in figure["data"] if t["name"] == "predicted offload backward"], [t["name"] for t in figure["data"]]
