@@ -14,6 +14,8 @@ A row:
      "peak_bytes": p,                               the largest torch.cuda.max_memory_allocated of any step, the
                                                     first included (null off the GPU)
      "first_step_peak_bytes": p1, "source": "profile" | "run" | "older profile section",
+     "repeat_step_seconds": [s, ...], "repeat_peak_bytes": [p, ...]   optional: each pass's median and largest
+                                                    step peak where the kind was measured in several passes
      "offload_layers": K, "offloaded_bytes": B}     optional (section version 2): the first K decoder layers' saved
                                                     tensors were kept in host memory (agoq.activations.offload), B
                                                     bytes of them per micro-batch; absent: nothing offloaded
@@ -66,6 +68,11 @@ def check_row(row: Any, where: str) -> dict:
         value = out.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"{where}.{name}: must be bytes >= 0 or null, got {value!r}")
+    passes = out.get("repeat_peak_bytes")
+    if passes is not None and (not isinstance(passes, list) or not passes or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 for v in passes)):
+        raise ValueError(f"{where}.repeat_peak_bytes: must be a list of each pass's peak bytes (>= 0) or absent, "
+                         f"got {passes!r}")
     budget = out.get("activation_memory_budget")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not 0 < budget <= 1):

@@ -232,8 +232,8 @@ class TrainingSpec(_Part):
 
 class StageMemory(_Part):
     """One stage's predicted peak part by part (agoq.search.memory_parts, since 1.2): the phase of the step that sets
-    it (`layer`: the checkpointed layer, or since 1.7 the offloaded layer, whose backward it is) and the bytes of each part then, on one rank of the
-    stage (a sharded part: the rank's shard), adding up to the stage's predicted peak."""
+    it (`layer`: the checkpointed layer, or since 1.7 the offloaded layer, whose backward it is) and the bytes of each
+    part then, on one rank of the stage (a sharded part: the rank's shard), adding up to the stage's predicted peak."""
 
     stage: int = Field(ge=0)
     phase: Literal[MEMORY_PHASES]

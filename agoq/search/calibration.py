@@ -243,11 +243,22 @@ def time_factor(profile: ProfileData, compile_mode: str, micro_batch: int, grad_
     return (ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2), len(ratios)
 
 
+def _corrected_row_problem(profile: ProfileData, row: dict) -> Optional[ChoiceProblem]:
+    """The problem of a measured step's knobs with the per-layer corrections at its split and no margin (None where
+    the profile cannot price those knobs)."""
+    from agoq.search.costs import build_problem
+
+    try:
+        problem = build_problem(profile, _row_knobs(profile, row), calibrate=False)
+    except ValueError:
+        return None
+    _apply(problem, corrections(profile, row["compile"], row["micro_batch"], row["grad_accum"]))
+    return problem
+
+
 def margin(profile: ProfileData, compile_mode: str) -> tuple[float, Optional[dict]]:
     """(the margin of the module docstring in bytes, the measured step missed by most, or {"floor": True, ...} where
     the floor is larger, or None), cached."""
-    from agoq.search.costs import build_problem
-
     cache = profile.cache.setdefault("margin", {})
     if compile_mode in cache:
         return cache[compile_mode]
@@ -255,11 +266,9 @@ def margin(profile: ProfileData, compile_mode: str) -> tuple[float, Optional[dic
     for row in prices(profile).rows:
         if row["compile"] != compile_mode or row.get("peak_bytes") is None or row["activation_memory_budget"]:
             continue
-        try:
-            problem = build_problem(profile, _row_knobs(profile, row), calibrate=False)
-        except ValueError:
+        problem = _corrected_row_problem(profile, row)
+        if problem is None:
             continue
-        _apply(problem, corrections(profile, compile_mode, row["micro_batch"], row["grad_accum"]))
         model = _model_peak(problem, row["policy"])
         if model is None:
             continue
@@ -316,22 +325,18 @@ def offload_backward_bytes(profile: ProfileData, compile_mode: str, micro_batch:
     (ChoiceProblem's phase offload_backward at a layer, with nothing allocated on top), at least 0, plus the
     spread of that peak: its passes' (`repeat_peak_bytes`), at least OFFLOAD_SPREAD_FLOOR of it. None where no such
     step was measured (cached on the profile)."""
-    from agoq.search.costs import build_problem
-
     row, key = _offloading_step(profile, compile_mode, micro_batch, grad_accum)
     if row is None:
         return None
     cache = profile.cache.setdefault("offload_backward", {})
     if key not in cache:
         cache[key] = None
-        try:
-            problem = build_problem(profile, _row_knobs(profile, row), calibrate=False)
-        except ValueError:
+        problem = _corrected_row_problem(profile, row)
+        if problem is None:
             return None
         choice = _choice(problem, "agoq-paper")
         layers = int(row.get("offload_layers") or 0)
         if problem.offload is not None and choice is not None and 0 < layers <= problem.num_layers:
-            _apply(problem, corrections(profile, compile_mode, row["micro_batch"], row["grad_accum"]))
             problem.offload = replace(problem.offload, backward_bytes=0.0, floor_bytes=0.0)
             m = problem._memory(*choice, np.arange(problem.num_layers) < layers)
             level = float(m["level_at_offloaded"][0])

@@ -254,3 +254,18 @@ def test_an_offloaded_layers_backward_is_priced_from_the_measured_offloading_ste
     assert d == pytest.approx(peak - level + int(spread), abs=2.0), where
     _, d = priced(level * rng.uniform(0.5, 0.95))  # under the model's level: nothing allocated, the spread kept
     assert d == pytest.approx(OFFLOAD_SPREAD_FLOOR * int(row["peak_bytes"]), abs=2.0), where
+
+
+def test_a_malformed_pass_peak_list_is_refused_naming_the_field(tmp_path):
+    """`repeat_peak_bytes` is each pass's peak in bytes: a profile giving something else (text, a negative number,
+    an empty list, not a list) is refused with an error naming the row and the field."""
+    seed, rng = fresh_rng()
+    for i, bad in enumerate(["10 GB", [1.5e9, -3], [], 7, [True]]):
+        profile = profile_with_offload_rows(tmp_path / f"p{i}", rng, layers=3, micro_batch=2,
+                                            delta=lambda r: 0.005, offloaded_bytes=10**6)
+        header = json.loads((profile.path / "profile.json").read_text())
+        row = rng.randrange(len(header["measured_steps"]["rows"]))
+        header["measured_steps"]["rows"][row]["repeat_peak_bytes"] = bad
+        (profile.path / "profile.json").write_text(json.dumps(header))
+        with pytest.raises(ValueError, match=rf"rows\[{row}\]\.repeat_peak_bytes: must be a list"):
+            prices(load_profile(profile.path))
