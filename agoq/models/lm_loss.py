@@ -49,8 +49,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 d_logits = probs.to(hidden.dtype)
                 if grad_hidden is not None:
                     grad_hidden[start:start + chunk_tokens] = d_logits @ weight
-                if grad_weight is not None:
-                    grad_weight += (d_logits.t() @ h).to(grad_weight.dtype)
+                if grad_weight is not None:  # added in place: the product is cast element by element, no
+                    grad_weight.add_(d_logits.t() @ h)  # float32 copy of it (4 V C bytes) is ever made
         denom = count.clamp(min=1).to(total.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)

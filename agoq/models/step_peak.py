@@ -13,16 +13,18 @@ logits):
   token ids (saved by the embedding)  8t
   the loss's grad_hidden              e*t*C         (filled chunk by chunk, saved for backward)
   the loss's float32 grad_weight      4VC           (accumulated over chunks)
-  one chunk's d_logits^T @ h          e*V*C         (the matmul's output in the model's dtype)
-    and its float32 copy              4VC           (`.to(float32)` before `+=`; absent when e = 4)
+  one chunk's d_logits^T @ h          e*V*C         (the matmul's output in the model's dtype, added into
+                                                     grad_weight in place: no float32 copy of it)
   the chunk's float32 logits/probs    4cV
     and their copy in the model dtype e*c*V         (absent when e = 4)
 
 `head_peak_parts` lists them. For LLaMA-3-8B (V 128256, C 4096, D 128, micro-batch 1 x 4096, bf16, c 261):
   67,108,864 + 16,384 + 33,554,432 (norm) + 33,554,432 (input) + 2,097,152 (RoPE) + 32,768 (ids)
   + 33,554,432 (grad_hidden) + 2,101,346,304 (float32 grad_weight) + 1,050,673,152 (chunk product)
-  + 2,101,346,304 (its float32 copy) + 133,899,264 (logits) + 66,949,632 (bf16 d_logits)
-  = 5,624,133,120 bytes, of which 8VC = 4,202,692,608 do not depend on the tokens.
+  + 133,899,264 (logits) + 66,949,632 (bf16 d_logits)
+  = 3,522,786,816 bytes, of which 6VC = 3,152,019,456 do not depend on the tokens. (The loss once cast each
+  chunk's product to float32 before adding it, 4VC = 2,101,346,304 bytes more; a profile made then recorded that
+  head peak, `profiled_head_peak_bytes`, and its calibration is read against it.)
 
 Gradient storage at that moment: the step starts with every .grad None, so bf16 gradients do not exist yet
 (0 bytes), while QuanGrad's flat 8-bit buffer (agoq.comm.quangrad) is allocated for the whole run (all of its
@@ -85,7 +87,7 @@ def head_peak_parts(s: HeadShape) -> dict[str, int]:
     cast = e != 4  # a float32 model's .to(float32) returns the tensor itself
     return {"final_norm": 4 * t * C + 4 * t + e * t * C, "loss_input": e * t * C, "rope_tables": 2 * e * s.seq * s.head_dim,
             "token_ids": 8 * t, "grad_hidden": e * t * C, "grad_weight_float32": 4 * V * C,
-            "chunk_grad_weight": e * V * C, "chunk_grad_weight_float32": 4 * V * C if cast else 0,
+            "chunk_grad_weight": e * V * C,
             "chunk_logits_float32": 4 * c * V, "chunk_d_logits": e * c * V if cast else 0}
 
 
@@ -134,7 +136,17 @@ def head_and_workspace_bytes(memory: dict, head: Optional[HeadShape], micro_batc
     if fixed is None:
         bf16_grads = float(memory.get("gradients_bytes_bf16") or memory.get("weights_bytes") or 0)
         return max(outside * ratio, head_peak_bytes(now) - bf16_grads)
-    return float(fixed) + outside + head_peak_bytes(now) - head_peak_bytes(head)
+    return float(fixed) + outside + head_peak_bytes(now) - profiled_head_peak_bytes(memory, head)
+
+
+def profiled_head_peak_bytes(memory: dict, head: HeadShape) -> float:
+    """The head's forward peak at the profiled micro-batch as the profile's `fixed_bytes` was calibrated with: the
+    `peak_bytes` its memory section's `chunked_lm_head` recorded (profiles made while the loss cast each chunk's
+    weight gradient to float32 before adding it recorded 4 V C bytes more, which their measured peak held), else
+    `head_peak_bytes(head)`."""
+    recorded = (memory.get("chunked_lm_head") or {}).get("peak_bytes")
+    return float(recorded) if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) \
+        else float(head_peak_bytes(head))
 
 
 def extra_bytes(memory: dict, head: Optional[HeadShape], gradient_mode: str, micro_batch: int,
@@ -151,5 +163,5 @@ def extra_bytes(memory: dict, head: Optional[HeadShape], gradient_mode: str, mic
         + absent_gradient_bytes(memory, gradient_mode)
 
 
-__all__ = ["HeadShape", "head_peak_parts", "head_peak_bytes", "head_shape_of",
+__all__ = ["HeadShape", "head_peak_parts", "head_peak_bytes", "head_shape_of", "profiled_head_peak_bytes",
            "absent_gradient_bytes", "head_and_workspace_bytes", "extra_bytes"]

@@ -138,25 +138,19 @@ def test_stage_memory_and_time_closed_form(tmp_path):
     static = static + np.array([transient * any(layer_stage[l] == s for l in laaq_layers) for s in range(stages)])
     expected_mem = static + activations
     # the backward of a checkpointed layer comes after the LM head's tensors are freed; with two micro-batches (or
-    # QuanGrad's buffer, or SDP4Bit's) the gradients are counted already, but backward makes a compiled layer's
-    # bf16 gradients (or the embedding's) at once before they are added in
+    # QuanGrad's buffer, or SDP4Bit's) the gradients are in the static bytes already (the measured miss of that phase
+    # is the calibration's, and this profile measured no compiled steps)
     cfg = header["model"]["config"]
-    h, inter, nh = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
-    nkv, hd = cfg.get("num_key_value_heads") or nh, cfg.get("head_dim") or h // nh
-    layer_params = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 3 * h * inter + 2 * h \
-        + (nh * hd + 2 * nkv * hd if cfg.get("attention_bias") else 0) + (2 * inter + h if cfg.get("mlp_bias") else 0)
-    embedding = header["model"]["parameters"] - L * layer_params if cfg.get("tie_word_embeddings") \
-        else cfg["vocab_size"] * h
     from agoq.models.step_peak import head_peak_bytes, head_shape_of
     head = head_shape_of(header["memory"], cfg, header["settings"]["micro_batch"], header["settings"]["seq_len"], 2)
-    end_of_backward = 2 * max(layer_params, embedding) - (head_peak_bytes(head) if head is not None else 0)
+    end_of_backward = -(head_peak_bytes(head) if head is not None else 0)
     for l in np.nonzero(ckpt)[0]:  # its backward: other micro-batches, earlier layers, its input + rerun forward
         s = layer_stage[l]
         n = in_flight[s]
         earlier = sum(expected_layer[j] for j in range(l) if layer_stage[j] == s)
         during = static[s] + (n - 1) / n * activations[s] + earlier / n + expected_layer[l] / n + plain \
             + end_of_backward
-        expected_mem[s] = max(expected_mem[s], during)
+        expected_mem[s] = max(expected_mem[s], during); print("DBG", during, problem.static_parts, problem.end_of_backward, problem._memory(np.array(chosen), ckpt)["checkpoint_peak"])
     floor = (static_bytes_total(profile, mode, *optimizer) + header["memory"]["fixed_bytes_optimizer_step"]) \
         * counts / L
     expected_mem = np.maximum(expected_mem, floor)  # the optimizer step's peak
