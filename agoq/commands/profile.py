@@ -36,6 +36,7 @@ from agoq.search import InfeasibleBudget, plan_from_profile
 from agoq.units import format_bytes
 
 HELP = "measure a model on this hardware: bytes, error and sensitivity per layer and kind"
+JOURNAL = "measured_steps.journal.jsonl"  # the measured steps done so far (agoq.commands.profile_steps), until written
 
 
 def _offload_layers(header: dict):
@@ -133,6 +134,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="measure each kind of step R times, each pass in the other order, and keep the least "
                              "median: a step is slowed, never sped up, by what else runs, and one slowed kind "
                              "misprices every plan priced from it (default 2 on a GPU, 1 on the CPU)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the profile in --out made with the same model and flags: keep its profile.json "
+                             "and the measured steps already done (each is saved the moment it is measured, in "
+                             f"{JOURNAL}), and measure only the rest; a profile stopped in its steps (a lost "
+                             "machine, a time limit) loses at most the kind of step it was in. Without --resume the "
+                             "folder's profile is made again")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
 
@@ -180,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from agoq.profiler.model_source import check_layers, model_name
-    from agoq.profiler.profile import ProfileSettings, make_profile
+    from agoq.profiler.profile import ProfileSettings, make_profile, resumable_header
     from agoq.units import format_bytes
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -223,11 +230,21 @@ def run(args: argparse.Namespace) -> int:
         ray_address="local" if args.ray else args.ray_address, collective_sizes=args.collective_sizes,
         sensitivity_method=args.sensitivity)
     say = (lambda *a: None) if args.quiet else (lambda text: print(text, file=sys.stderr))
-    header = make_profile(settings, out, progress=not args.quiet, say=say)
+    journal = out / JOURNAL
+    header = resumable_header(out, settings) if args.resume else None
+    complete = header is not None and "measured_steps" in header and not journal.is_file()
+    if header is None:
+        if args.resume:
+            say(f"--resume: no profile in {out} yet: profiling from the start")
+        journal.unlink(missing_ok=True)  # steps measured for an earlier profile in this folder
+        header = make_profile(settings, out, progress=not args.quiet, say=say)
+    else:
+        say(f"--resume: {out / 'profile.json'} (made {header.get('date')}) is kept; "
+            + ("its measured steps are complete" if complete else f"measured steps already in {journal.name} are kept"))
     if collectives_torchrun is not None:
         header = add_collectives(out, header, *collectives_torchrun)
     steps = args.measured_steps if args.measured_steps is not None else (6 if device.startswith("cuda") else 3)
-    if steps:
+    if steps and not complete:
         from agoq.commands.profile_steps import measure_profile_steps
 
         compiled = args.compile if args.compile is not None else device.startswith("cuda")
@@ -239,10 +256,11 @@ def run(args: argparse.Namespace) -> int:
                                                       micro_batch=args.micro_batch, dtype=dtype, device=device,
                                                       compile_modes=modes, steps=steps, seed=args.seed,
                                                       repeats=repeats, progress=not args.quiet,
-                                                      offload_layers=_offload_layers(header))
+                                                      offload_layers=_offload_layers(header), journal=journal)
         for note in notes:
             print(f"warning: measured step {note}", file=sys.stderr)
         header = add_measured_steps(out, header, rows, failures)
+        journal.unlink(missing_ok=True)
     files = header["files"]
     print(f"wrote {out / 'profile.json'} and {out / files['table']}"
           + (f" and {out / files['collectives']}" if "collectives" in files else ""))

@@ -25,11 +25,17 @@ and subtracts these rows, so one slowed kind would misprice every plan priced fr
 are kept in the row (`repeat_step_seconds`); kinds whose passes differ by more than SPREAD_WARNING are returned as
 notes. A kind that fails (out of memory, a compiler error) is listed in the profile's failures and left out: the
 search does not offer plans of that kind.
+
+With a `journal` file, each measured pass of a kind (or its failure) is appended to it as one JSON line, flushed to
+disk, the moment it is done, beside the request it was measured for; a later call with the same request reads it back
+and measures only what is missing (`agoq profile --resume`), so a profile stopped in its steps (a lost machine, a
+time limit) loses at most the kind it was in.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
@@ -83,14 +89,49 @@ def train_settings(kind: dict, model: str, seq_len: int, dtype: str, device: str
                 offload=f"0-{kind['offload_layers'] - 1}" if kind.get("offload_layers") else None)
 
 
+def _read_journal(journal: Path, request: dict, kinds: list[dict], repeats: int) -> tuple[dict, dict]:
+    """({(pass, kind index): StepFigures}, {kind index: error}) of `journal`'s lines measured for `request`; lines of
+    another request, and a last line cut short by a stop, are skipped."""
+    from agoq.train.measure import StepFigures
+
+    done, errors = {}, {}
+    if not journal.is_file():
+        return done, errors
+    for line in journal.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+            if entry.get("request") != request or entry.get("kind") not in kinds:
+                continue
+            i, r = kinds.index(entry["kind"]), int(entry["pass"])
+            if "error" in entry:
+                errors[i] = str(entry["error"])
+            elif 0 <= r < repeats:
+                f = entry["figures"]
+                done[(r, i)] = StepFigures(losses=list(f["losses"]), seconds=[float(t) for t in f["seconds_per_step"]],
+                                           peak_bytes=f["peak_bytes_per_step"], device=str(f["device"]),
+                                           offloaded_bytes=f.get("offloaded_bytes"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return done, errors
+
+
+def _append(journal: Path, entry: dict) -> None:
+    with open(journal, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, micro_batch: int, dtype: str,
                           device: str, compile_modes: list[str], steps: int, seed: int = 0, repeats: int = 1,
                           progress: bool = True, offload_layers: Optional[int] = None,
-                          measure: Optional[Callable] = None) -> tuple[list[dict], list[dict], list[str]]:
+                          measure: Optional[Callable] = None,
+                          journal: Optional[Path] = None) -> tuple[list[dict], list[dict], list[str]]:
     """Measure every kind of `step_kinds` on `model` (a preset or config.json; with `layers`, that many decoder
     layers) `repeats` times (see the module docstring; `offload_layers` K adds the offloading kinds); returns (rows
     of agoq.formats.measured_steps, failures, notes on kinds whose passes disagree). `measure(TrainConfig) ->
-    StepFigures` is agoq.train.measure.measure_steps unless given."""
+    StepFigures` is agoq.train.measure.measure_steps unless given. With `journal`, what it holds for this request is
+    kept and each pass measured now is added to it (module docstring)."""
     from agoq.progress import progress_bar
     from agoq.train.config import TrainConfig
 
@@ -99,8 +140,11 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     kinds = step_kinds(micro_batch, compile_modes, offload_layers=offload_layers)
-    passes: list[list[Optional[object]]] = [[None] * len(kinds) for _ in range(repeats)]
-    errors: dict[int, str] = {}
+    request = {"model": model, "layers": layers, "seq_len": seq_len, "micro_batch": micro_batch, "dtype": dtype,
+               "device": device, "compile_modes": list(compile_modes), "steps": steps, "seed": seed,
+               "offload_layers": offload_layers}
+    done, errors = _read_journal(journal, request, kinds, repeats) if journal is not None else ({}, {})
+    passes: list[list[Optional[object]]] = [[done.get((r, i)) for i in range(len(kinds))] for r in range(repeats)]
     with tempfile.TemporaryDirectory(prefix="agoq-profile-steps-") as tmp:
         spec = model
         if layers is not None:  # the profiled model: a config of that many layers (the same fingerprint)
@@ -114,12 +158,17 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
         for r in range(repeats):
             order = range(len(kinds)) if r % 2 == 0 else range(len(kinds) - 1, -1, -1)
             for i in order:
-                if i not in errors:  # a kind that failed once is not tried again
-                    settings = train_settings(kinds[i], spec, seq_len, dtype, device, steps, seed)
-                    try:
-                        passes[r][i] = measure(TrainConfig(**settings))
-                    except Exception as e:  # noqa: BLE001 - one kind failing (out of memory, ...) keeps the rest
-                        errors[i] = f"{type(e).__name__}: {e}"[:500]
+                if i in errors or passes[r][i] is not None:  # failed once (not tried again), or in the journal
+                    bar.update(1)
+                    continue
+                settings = train_settings(kinds[i], spec, seq_len, dtype, device, steps, seed)
+                try:
+                    passes[r][i] = measure(TrainConfig(**settings))
+                except Exception as e:  # noqa: BLE001 - one kind failing (out of memory, ...) keeps the rest
+                    errors[i] = f"{type(e).__name__}: {e}"[:500]
+                if journal is not None:
+                    _append(journal, {"request": request, "kind": kinds[i], "pass": r,
+                                      **({"error": errors[i]} if i in errors else {"figures": passes[r][i].to_dict()})})
                 bar.update(1)
         bar.close()
     rows, failures, notes = [], [], []

@@ -20,7 +20,7 @@ import torch
 from agoq.activations.policy import KINDS, split_layers
 from agoq.activations.saved_bytes import find_decoder_layers
 from agoq.environment import hardware, software_versions
-from agoq.formats.profile import SCHEMA, write_profile_files
+from agoq.formats.profile import SCHEMA, load_profile, write_profile_files
 from agoq.profiler.host_link import measure_host_link
 from agoq.profiler.kernel_time import (
     attention_rerun_time,
@@ -74,6 +74,38 @@ class ProfileSettings:
     collective_sizes: list[int] | None = None
     timing_repeats: int | None = None  # None: 5 on CUDA, 1 on the CPU
     sensitivity_method: str = "replay"  # or "policy": a full forward + backward per option
+
+
+def settings_record(settings: ProfileSettings) -> dict:
+    """profile.json's "settings" section of `settings`."""
+    return {"seq_len": settings.seq_len, "micro_batch": settings.micro_batch, "dtype": settings.dtype,
+            "device": settings.device, "bits": list(settings.bits), "formats": list(settings.formats),
+            "block": settings.block, "batches": settings.batches, "seed": settings.seed,
+            "pipeline_stages": settings.pipeline_stages, "micro_batches": settings.micro_batches,
+            "world_size": settings.world_size, "budget_bytes": settings.budget_bytes,
+            "layers": settings.layers, "ray": settings.ray_address,
+            "sensitivity_method": settings.sensitivity_method}
+
+
+# the settings a resumed profile must share with the one it continues (not the plan's budget, nor where Ray runs)
+RESUME_SETTINGS = ("seq_len", "micro_batch", "dtype", "device", "bits", "formats", "block", "batches", "seed",
+                   "pipeline_stages", "micro_batches", "world_size", "layers", "sensitivity_method")
+
+
+def resumable_header(out: Path, settings: ProfileSettings) -> dict | None:
+    """The header of the profile in folder `out` that `agoq profile --resume` continues: None when there is none yet;
+    raises ValueError naming what differs when it was made for another model or other settings."""
+    if not (Path(out) / "profile.json").is_file():
+        return None
+    header = load_profile(out).header
+    theirs, mine = dict(header.get("settings") or {}), settings_record(settings)
+    theirs["model"], mine["model"] = (header.get("model") or {}).get("spec"), settings.spec
+    differ = [k for k in ("model", *RESUME_SETTINGS) if theirs.get(k) != mine.get(k)]
+    if differ:
+        raise ValueError(f"--resume: {out} holds a profile made with other settings ("
+                         + "; ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} now" for k in differ)
+                         + "): give the flags it was made with, or profile into another folder without --resume")
+    return header
 
 
 def _short(e: BaseException) -> str:
@@ -277,13 +309,7 @@ def write_profile(out: Path, settings: ProfileSettings, model, num_layers: int, 
                   "config": model_config_dict(model), "num_layers": num_layers,
                   "parameters": sum(p.numel() for p in model.parameters()),
                   "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())},
-        "settings": {"seq_len": settings.seq_len, "micro_batch": settings.micro_batch, "dtype": settings.dtype,
-                     "device": settings.device, "bits": list(settings.bits), "formats": list(settings.formats),
-                     "block": settings.block, "batches": settings.batches, "seed": settings.seed,
-                     "pipeline_stages": settings.pipeline_stages, "micro_batches": settings.micro_batches,
-                     "world_size": settings.world_size, "budget_bytes": settings.budget_bytes,
-                     "layers": settings.layers, "ray": settings.ray_address,
-                     "sensitivity_method": settings.sensitivity_method},
+        "settings": settings_record(settings),
         "hardware": hardware(settings.device, torch.cuda.device_count() if settings.device.startswith("cuda")
                              else 1),
         "software": software_versions(),

@@ -189,3 +189,117 @@ def test_offloading_kinds_run_the_runtime_offload_and_keep_their_bytes(micro_bat
         measured_rows({"measured_steps": {"version": 2, "rows": [{**offloading[0], "offloaded_bytes": None}]}})
     with pytest.raises(ValueError, match="newer than this agoq reads"):
         measured_rows({"measured_steps": {"version": 3, "rows": rows}})
+
+
+class _Stopped(BaseException):
+    """A stop the process does not survive (a lost machine, a time limit): not one kind's failure."""
+
+
+def _figures_of(cfg, r, rng_seed):
+    """Made-up figures of one pass of one kind, a function of the kind and the pass only."""
+    import random
+
+    from agoq.train.measure import StepFigures
+
+    key = (cfg.memory.policy, cfg.memory.checkpoint_all, cfg.data.micro_batch, cfg.data.grad_accum,
+           cfg.memory.gradients, cfg.optim.optimizer, cfg.optim.master, r, rng_seed)
+    rng = random.Random(str(key))
+    seconds = [rng.uniform(0.2, 0.9)] + [rng.uniform(0.01, 0.05) for _ in range(3)]
+    return StepFigures(losses=[rng.uniform(1, 5) for _ in seconds], seconds=seconds,
+                       peak_bytes=[rng.randrange(10**6, 10**9) for _ in seconds], device="cpu")
+
+
+def _measure(calls, seed, stop_after=None, fail=(), seen=None):
+    """A stand-in for measure_steps that numbers the passes of each kind (in `seen`, shared by the processes of one
+    profile), fails the kinds in `fail` and stops the process after `stop_after` calls."""
+    seen = {} if seen is None else seen
+
+    def measure(cfg):
+        if stop_after is not None and len(calls) == stop_after:
+            raise _Stopped()
+        calls.append(cfg)
+        key = (cfg.memory.policy, cfg.memory.checkpoint_all, cfg.data.micro_batch, cfg.data.grad_accum,
+               cfg.memory.gradients, cfg.optim.optimizer, cfg.optim.master)
+        if (cfg.memory.checkpoint_all, cfg.data.micro_batch, cfg.data.grad_accum) in fail:
+            raise RuntimeError("CUDA out of memory (pretend)")
+        seen[key] = seen.get(key, -1) + 1
+        return _figures_of(cfg, seen[key], seed)
+    return measure
+
+
+def test_a_stopped_profile_resumes_from_its_journal(tmp_path, seed):
+    """Steps measured before a stop are read back from the journal and not measured again; the rows are those of a
+    run that never stopped (the same figures per kind and pass), failures included; a last line cut short and the
+    lines of another request are skipped."""
+    import random
+
+    rng = random.Random(seed)
+    common = dict(layers=None, seq_len=29, micro_batch=2, dtype="fp32", device="cpu", compile_modes=["eager"],
+                  steps=4, repeats=2, progress=False)
+    total = 2 * len(step_kinds(2, ["eager"]))
+    fail = {(True, 1, 2)}  # one kind fails: measured once, not again in the second pass
+    whole_calls = []
+    whole = measure_profile_steps("llama-tiny", **common, measure=_measure(whole_calls, seed, fail=fail))
+
+    journal = tmp_path / "journal.jsonl"
+    # lines of another request (another sequence length) are in the journal already
+    other = []
+    measure_profile_steps("llama-tiny", **{**common, "seq_len": 31}, journal=journal,
+                          measure=_measure(other, seed + 1))
+    before = journal.read_text()
+    stop = rng.randrange(3, total - 3)
+    first, seen = [], {}
+    with pytest.raises(_Stopped):
+        measure_profile_steps("llama-tiny", **common, journal=journal, measure=_measure(first, seed, stop, fail, seen))
+    assert len(journal.read_text().splitlines()) == len(before.splitlines()) + stop
+    with open(journal, "a") as f:  # the stop cut the next line short
+        f.write('{"request": {"model": "llama-tiny"')
+    second = []
+    resumed = measure_profile_steps("llama-tiny", **common, journal=journal,
+                                    measure=_measure(second, seed, None, fail, seen))
+    assert len(first) + len(second) == len(whole_calls) == total - 1
+    measured = {(c.memory.policy, c.memory.checkpoint_all, c.data.micro_batch, c.data.grad_accum, c.memory.gradients,
+                 c.optim.optimizer, c.optim.master) for c in second}
+    assert len(measured) >= 1
+    assert json.dumps(resumed, sort_keys=True) == json.dumps(whole, sort_keys=True)
+
+
+def test_profile_resume_keeps_the_profile_and_its_measured_steps(tmp_path, monkeypatch, capsys):
+    """`agoq profile --resume` after a stop in the measured steps: profile.json is kept as it was (not made again),
+    only the missing steps are measured, the journal is gone once the steps are written; --resume with other flags
+    is refused (exit 2, naming the setting), and without --resume the folder's profile is made again."""
+    import agoq.profiler.profile as profiler
+    import agoq.train.measure as train_measure
+    from agoq.commands.profile import JOURNAL
+
+    out = tmp_path / "p"
+    calls = []
+    monkeypatch.setattr(train_measure, "measure_steps", _measure(calls, 7, stop_after=5))
+    with pytest.raises(_Stopped):
+        main([*ARGS, "--out", str(out)])
+    header = json.loads((out / "profile.json").read_text())
+    assert "measured_steps" not in header and len((out / JOURNAL).read_text().splitlines()) == 5
+
+    def made_again(*a, **k):
+        raise AssertionError("--resume made the profile again")
+
+    real_make = profiler.make_profile
+    monkeypatch.setattr(profiler, "make_profile", made_again)
+    more = []
+    monkeypatch.setattr(train_measure, "measure_steps", _measure(more, 7))
+    assert main([*ARGS, "--out", str(out), "--resume"]) == 0
+    assert len(more) == len(step_kinds(2, ["eager"])) - 5
+    resumed = json.loads((out / "profile.json").read_text())
+    assert resumed["date"] == header["date"] and resumed["model"] == header["model"]
+    assert len(measured_rows(resumed, "p")) == len(step_kinds(2, ["eager"])) and not (out / JOURNAL).exists()
+    # resumed again: complete, nothing measured
+    assert main([*ARGS, "--out", str(out), "--resume"]) == 0 and len(more) == len(step_kinds(2, ["eager"])) - 5
+    capsys.readouterr()
+
+    args = [a if a != "29" else "31" for a in ARGS]
+    assert main([*args, "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "seq_len: 29 there, 31 now" in err and "--resume" in err
+    monkeypatch.setattr(profiler, "make_profile", real_make)
+    assert main([*args, "--out", str(out)]) == 0
+    assert json.loads((out / "profile.json").read_text())["settings"]["seq_len"] == 31
