@@ -30,13 +30,13 @@ import os
 import sys
 from pathlib import Path
 
+from agoq.commands.profile_steps import JOURNAL_NAME
 from agoq.files import check_output_folder
 from agoq.formats.profile import add_collectives, add_measured_steps, load_profile
 from agoq.search import InfeasibleBudget, plan_from_profile
 from agoq.units import format_bytes
 
 HELP = "measure a model on this hardware: bytes, error and sensitivity per layer and kind"
-JOURNAL = "measured_steps.journal.jsonl"  # the measured steps done so far (agoq.commands.profile_steps), until written
 
 
 def _offload_layers(header: dict):
@@ -137,7 +137,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue the profile in --out made with the same model and flags: keep its profile.json "
                              "and the measured steps already done (each is saved the moment it is measured, in "
-                             f"{JOURNAL}), and measure only the rest; a profile stopped in its steps (a lost "
+                             f"{JOURNAL_NAME}), and measure only the rest; a profile stopped in its steps (a lost "
                              "machine, a time limit) loses at most the kind of step it was in. Without --resume the "
                              "folder's profile is made again")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         ray_address="local" if args.ray else args.ray_address, collective_sizes=args.collective_sizes,
         sensitivity_method=args.sensitivity)
     say = (lambda *a: None) if args.quiet else (lambda text: print(text, file=sys.stderr))
-    journal = out / JOURNAL
+    journal = out / JOURNAL_NAME
     header = resumable_header(out, settings) if args.resume else None
     complete = header is not None and "measured_steps" in header and not journal.is_file()
     if header is None:

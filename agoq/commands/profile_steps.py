@@ -42,6 +42,7 @@ from typing import Callable, Optional
 
 from agoq.formats.measured_steps import POLICIES
 
+JOURNAL_NAME = "measured_steps.journal.jsonl"  # in the profile folder, while its measured steps are taken
 MEMORY_BUDGETS = (0.5, 0.1)
 SPREAD_WARNING = 0.10  # passes of one kind whose medians differ by more than this fraction are reported
 BASE = {"gradients": "bf16", "optimizer": "adamw8bit", "master": "fp32"}
@@ -205,4 +206,5 @@ def _describe(kind: dict) -> str:
               f"{kind['optimizer']}, masters {kind['master']}")
 
 
-__all__ = ["step_kinds", "train_settings", "measure_profile_steps", "MEMORY_BUDGETS", "SPREAD_WARNING"]
+__all__ = ["step_kinds", "train_settings", "measure_profile_steps", "MEMORY_BUDGETS", "SPREAD_WARNING",
+           "JOURNAL_NAME"]

@@ -100,7 +100,10 @@ def resumable_header(out: Path, settings: ProfileSettings) -> dict | None:
     header = load_profile(out).header
     theirs, mine = dict(header.get("settings") or {}), settings_record(settings)
     theirs["model"], mine["model"] = (header.get("model") or {}).get("spec"), settings.spec
-    differ = [k for k in ("model", *RESUME_SETTINGS) if theirs.get(k) != mine.get(k)]
+    # the steps go on being measured here: on another kind of device they would price plans for neither
+    theirs["hardware"] = (header.get("hardware") or {}).get("name")
+    mine["hardware"] = hardware(settings.device, 1)["name"]
+    differ = [k for k in ("model", "hardware", *RESUME_SETTINGS) if theirs.get(k) != mine.get(k)]
     if differ:
         raise ValueError(f"--resume: {out} holds a profile made with other settings ("
                          + "; ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} now" for k in differ)

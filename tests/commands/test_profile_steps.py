@@ -270,7 +270,7 @@ def test_profile_resume_keeps_the_profile_and_its_measured_steps(tmp_path, monke
     is refused (exit 2, naming the setting), and without --resume the folder's profile is made again."""
     import agoq.profiler.profile as profiler
     import agoq.train.measure as train_measure
-    from agoq.commands.profile import JOURNAL
+    from agoq.commands.profile_steps import JOURNAL_NAME as JOURNAL
 
     out = tmp_path / "p"
     calls = []
@@ -296,6 +296,11 @@ def test_profile_resume_keeps_the_profile_and_its_measured_steps(tmp_path, monke
     assert main([*ARGS, "--out", str(out), "--resume"]) == 0 and len(more) == len(step_kinds(2, ["eager"])) - 5
     capsys.readouterr()
 
+    real_hardware = profiler.hardware
+    monkeypatch.setattr(profiler, "hardware", lambda *a: {**real_hardware(*a), "name": "another device"})
+    assert main([*ARGS, "--out", str(out), "--resume"]) == 2
+    assert "hardware" in capsys.readouterr().err and len(more) == len(step_kinds(2, ["eager"])) - 5
+    monkeypatch.setattr(profiler, "hardware", real_hardware)
     args = [a if a != "29" else "31" for a in ARGS]
     assert main([*args, "--out", str(out), "--resume"]) == 2
     err = capsys.readouterr().err
