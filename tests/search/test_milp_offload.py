@@ -313,7 +313,7 @@ def test_an_offloading_plan_with_knobs_its_offload_price_never_ran_says_so():
     profile = load_profile(Path(__file__).resolve().parents[2] / "experiments/results/profiles/probe-h100-link")
     rng = random.Random()
     seen = {True: 0, False: 0}
-    for budget in [rng.uniform(10.35e9, 10.65e9), rng.uniform(11.1e9, 14.2e9), 10026207569]:
+    for budget in [rng.uniform(10.35e9, 10.55e9), rng.uniform(11.1e9, 14.2e9), 10026207569]:
         plan = search(profile, int(budget), method="milp", front_budgets=0, validate=0, progress=False).plan
         if not plan.offload_layers():
             continue
@@ -324,4 +324,4 @@ def test_an_offloading_plan_with_knobs_its_offload_price_never_ran_says_so():
             assert ("QuanGrad" in notes[0]) == quangrad, (budget, notes[0])
             assert (f"{len(plan.checkpoint_layers())} checkpointed layer(s)" in notes[0]) == checkpointed, budget
         seen[bool(notes)] += 1
-    assert seen[True] >= 1, "a budget 10.35-10.65 GB gives an offloading plan with checkpointed layers"
+    assert seen[True] >= 1, "a budget 10.35-10.55 GB gives an offloading plan with checkpointed layers"
