@@ -302,3 +302,22 @@ def test_recipe_cap_needs_the_recipes_widths(tmp_path):
     with pytest.raises(ValueError, match="recipe"):
         resolve_error_cap(problem, "recipe")
     assert resolve_error_cap(problem, 0.25) == 0.25
+
+
+def test_a_profile_of_the_older_loss_says_so(tmp_path, seed):
+    """A profile whose chunked head recorded more than today's head peak (the loss that copied each chunk's weight
+    gradient to float32) makes the search say how many bytes its compiled plans may be predicted high; a profile that
+    recorded today's peak says nothing."""
+    from agoq.models.step_peak import head_peak_bytes, head_shape_of
+
+    rng = random.Random(seed)
+    profile = load_profile(write_profile(tmp_path / "p", rng, num_layers=3))
+    header = profile.header
+    head = head_shape_of(header["memory"], header["model"]["config"], header["settings"]["micro_batch"],
+                         header["settings"]["seq_len"], 2)
+    extra = rng.randrange(1, 10**7)
+    for recorded, said in ((head_peak_bytes(head), None), (head_peak_bytes(head) + extra, extra)):
+        header["memory"]["chunked_lm_head"] = {**head.as_dict(), "peak_bytes": recorded}
+        profile.cache.clear()
+        notes = [n for n in build_problem(profile).notes if "LM loss held" in n]
+        assert notes == ([] if said is None else [notes[0]]) and (said is None or f"held {said} bytes" in notes[0])
