@@ -149,6 +149,15 @@ def profiled_head_peak_bytes(memory: dict, head: HeadShape) -> float:
         else float(head_peak_bytes(head))
 
 
+def removed_copy_bytes(memory: dict, head: Optional[HeadShape]) -> float:
+    """Bytes a calibrated profile's recorded head peak holds above today's head at the profiled micro-batch: the
+    float32 copy of a chunk's weight-gradient product that the loss made when the profile was measured (0 for a
+    profile of today's loss, an uncalibrated one, or one without agoq's head)."""
+    if head is None or memory.get("fixed_bytes") is None:
+        return 0.0
+    return max(0.0, profiled_head_peak_bytes(memory, head) - head_peak_bytes(head))
+
+
 def extra_bytes(memory: dict, head: Optional[HeadShape], gradient_mode: str, micro_batch: int,
                 profiled_micro_batch: int) -> float:
     """Bytes of the eager fwd + bwd peak beyond the static bytes of `gradient_mode` (weights, masters, moments and
@@ -164,4 +173,5 @@ def extra_bytes(memory: dict, head: Optional[HeadShape], gradient_mode: str, mic
 
 
 __all__ = ["HeadShape", "head_peak_parts", "head_peak_bytes", "head_shape_of", "profiled_head_peak_bytes",
+           "removed_copy_bytes",
            "absent_gradient_bytes", "head_and_workspace_bytes", "extra_bytes"]

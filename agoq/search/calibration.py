@@ -302,6 +302,11 @@ def _offloading_step(profile: ProfileData, compile_mode: str, micro_batch: int, 
     return None, None
 
 
+def _offload_step_name(row: dict) -> str:
+    return (f"the profile's {row['compile']} agoq-paper step with {row['offload_layers']} layers offloaded "
+            f"(micro-batch {row['micro_batch']} x {row['grad_accum']})")
+
+
 def offload_floor(profile: ProfileData, static_bytes: float, compile_mode: str, micro_batch: int,
                   grad_accum: int) -> Optional[tuple[float, dict]]:
     """(the least peak of a choice that offloads, the measured offloading step it comes from) for a problem whose
@@ -355,20 +360,20 @@ def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: Probl
     if problem.num_stages != 1:
         return  # the anchors are one-process steps of the whole model
     if problem.offload is not None:
-        backward = offload_backward_bytes(profile, compile_mode, micro_batch, grad_accum)
-        floor = offload_floor(profile, float(problem.static_bytes[0]), compile_mode, micro_batch, grad_accum)
-        for found, field in ((backward, "backward_bytes"), (floor, "floor_bytes")):
-            if found is None:
-                continue
-            value, row = found
-            problem.offload = replace(problem.offload, **{field: value})
-            step = (f"the profile's {compile_mode} agoq-paper step with {row['offload_layers']} layers offloaded "
-                    f"(micro-batch {row['micro_batch']} x {row['grad_accum']})")
+        found = offload_backward_bytes(profile, compile_mode, micro_batch, grad_accum)
+        if found is not None:
+            d, row = found
+            problem.offload = replace(problem.offload, backward_bytes=d)
             problem.notes.append(
-                f"an offloaded layer's backward allocates {int(value)} bytes beyond its tensors: {step} peaked that "
-                "far above the model's level in the backward of its offloaded layers 0 and 1, its spread between "
-                f"runs included (at least {OFFLOAD_SPREAD_FLOOR:.0%} of its peak)" if field == "backward_bytes" else
-                f"a plan that offloads peaks at no less than {int(value)} bytes: {step} peaked at "
+                f"an offloaded layer's backward allocates {int(d)} bytes beyond its tensors: {_offload_step_name(row)} "
+                "peaked that far above the model's level in the backward of its offloaded layers 0 and 1, its spread "
+                f"between runs included (at least {OFFLOAD_SPREAD_FLOOR:.0%} of its peak)")
+        found = offload_floor(profile, float(problem.static_bytes[0]), compile_mode, micro_batch, grad_accum)
+        if found is not None:
+            floor, row = found
+            problem.offload = replace(problem.offload, floor_bytes=floor)
+            problem.notes.append(
+                f"a plan that offloads peaks at no less than {int(floor)} bytes: {_offload_step_name(row)} peaked at "
                 f"{int(row['peak_bytes'])} bytes, at the end of backward, which offload does not lower")
     k = corrections(profile, compile_mode, micro_batch, grad_accum)
     if any(k.values()):

@@ -58,7 +58,7 @@ from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
 from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, stage_aware_policy
 from agoq.formats.measured_steps import COMPILE_MODES
 from agoq.formats.profile import ProfileData
-from agoq.models.step_peak import head_and_workspace_bytes, head_peak_bytes, head_shape_of, profiled_head_peak_bytes
+from agoq.models.step_peak import head_and_workspace_bytes, head_peak_bytes, head_shape_of, removed_copy_bytes
 from agoq.search.collective_times import collective_seconds, has_collective
 from agoq.search.calibration import calibrate_problem
 from agoq.search.layouts import fsdp_exposed_seconds, fsdp_in_flight_bytes, resolve_layout, unit_sizes
@@ -499,13 +499,12 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
                          int(profile.settings.get("seq_len", 1)), elem)
     static_parts["head_and_workspace"] = np.full(S, head_and_workspace_bytes(profile.memory, head, mb,
                                                                           profiled_micro_batch))
-    if head is not None and profile.memory.get("fixed_bytes") is not None:
-        older = profiled_head_peak_bytes(profile.memory, head) - head_peak_bytes(head)
-        if older > 0:  # profiled with the loss that cast each chunk's weight-gradient product to float32 first
-            notes.append(f"this profile was measured while the LM loss held {int(older)} bytes more at its peak (a "
-                         "float32 copy of each chunk's weight gradient, since removed): a compiled plan whose peak "
-                         "is the loss's forward may be predicted up to that much high; run `agoq profile` again to "
-                         "plan with that memory")
+    older = removed_copy_bytes(profile.memory, head)
+    if older > 0:
+        notes.append(f"this profile was measured while the LM loss held {int(older)} bytes more at its peak (a "
+                     "float32 copy of each chunk's weight gradient, since removed): a compiled plan whose peak "
+                     "is the loss's forward may be predicted up to that much high; run `agoq profile` again to "
+                     "plan with that memory")
     static = sum(static_parts.values())
     end_of_backward = _end_of_backward(profile, knobs.gradient_mode, accum, layout, state["gradients"], stages,
                                        float(head_peak_bytes(head.with_micro_batch(mb))) if head is not None else 0.0)

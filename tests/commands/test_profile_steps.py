@@ -75,12 +75,8 @@ def test_repeats_alternate_the_order_and_keep_the_least_median(seed):
     kinds = step_kinds(2, ["eager"])
     order, figures = [], {}
 
-    def key(cfg):
-        return (cfg.memory.policy, cfg.memory.checkpoint_all, cfg.data.micro_batch, cfg.data.grad_accum,
-                cfg.memory.gradients, cfg.optim.optimizer, cfg.optim.master)
-
     def measure(cfg):
-        k = key(cfg)
+        k = _kind_key(cfg)
         order.append(k)
         seconds = [rng.uniform(0.5, 2.0)] + [rng.uniform(0.01, 0.2) for _ in range(4)]
         peaks = [rng.randrange(10**6, 10**9) for _ in range(5)]
@@ -191,6 +187,12 @@ def test_offloading_kinds_run_the_runtime_offload_and_keep_their_bytes(micro_bat
         measured_rows({"measured_steps": {"version": 3, "rows": rows}})
 
 
+def _kind_key(cfg) -> tuple:
+    """The knobs that tell one kind of measured step from another, read from its TrainConfig."""
+    return (cfg.memory.policy, cfg.memory.checkpoint_all, cfg.data.micro_batch, cfg.data.grad_accum,
+            cfg.memory.gradients, cfg.optim.optimizer, cfg.optim.master)
+
+
 class _Stopped(BaseException):
     """A stop the process does not survive (a lost machine, a time limit): not one kind's failure."""
 
@@ -201,9 +203,7 @@ def _figures_of(cfg, r, rng_seed):
 
     from agoq.train.measure import StepFigures
 
-    key = (cfg.memory.policy, cfg.memory.checkpoint_all, cfg.data.micro_batch, cfg.data.grad_accum,
-           cfg.memory.gradients, cfg.optim.optimizer, cfg.optim.master, r, rng_seed)
-    rng = random.Random(str(key))
+    rng = random.Random(str((*_kind_key(cfg), r, rng_seed)))
     seconds = [rng.uniform(0.2, 0.9)] + [rng.uniform(0.01, 0.05) for _ in range(3)]
     return StepFigures(losses=[rng.uniform(1, 5) for _ in seconds], seconds=seconds,
                        peak_bytes=[rng.randrange(10**6, 10**9) for _ in seconds], device="cpu")
@@ -218,8 +218,7 @@ def _measure(calls, seed, stop_after=None, fail=(), seen=None):
         if stop_after is not None and len(calls) == stop_after:
             raise _Stopped()
         calls.append(cfg)
-        key = (cfg.memory.policy, cfg.memory.checkpoint_all, cfg.data.micro_batch, cfg.data.grad_accum,
-               cfg.memory.gradients, cfg.optim.optimizer, cfg.optim.master)
+        key = _kind_key(cfg)
         if (cfg.memory.checkpoint_all, cfg.data.micro_batch, cfg.data.grad_accum) in fail:
             raise RuntimeError("CUDA out of memory (pretend)")
         seen[key] = seen.get(key, -1) + 1
@@ -258,8 +257,7 @@ def test_a_stopped_profile_resumes_from_its_journal(tmp_path, seed):
     resumed = measure_profile_steps("llama-tiny", **common, journal=journal,
                                     measure=_measure(second, seed, None, fail, seen))
     assert len(first) + len(second) == len(whole_calls) == total - 1
-    measured = {(c.memory.policy, c.memory.checkpoint_all, c.data.micro_batch, c.data.grad_accum, c.memory.gradients,
-                 c.optim.optimizer, c.optim.master) for c in second}
+    measured = {_kind_key(c) for c in second}
     assert len(measured) >= 1
     assert json.dumps(resumed, sort_keys=True) == json.dumps(whole, sort_keys=True)
 
