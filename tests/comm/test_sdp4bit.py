@@ -33,12 +33,14 @@ HADAMARD_GAIN = 0.6  # with 1-2 outliers of 50 sigma per 128-group: err(Hadamard
 # (both with 8-bit moments, whose requantization makes the trajectories part further than float32 moments did)
 TRACK_ONE_NODE = 0.015  # int8 gradients (one node of 3) + qWD: measured 0.0065 .. 0.0082 over 14 seeds, 0.0109 once
 TRACK_INT4 = 0.1  # int4 gradients (3 nodes of 1) + qWD: measured 0.064 .. 0.070
-# tiny MLP, 150 steps, 2 nodes of 2, SDP4Bit vs exact sharded AdamW (10 seeds measured):
-LOSS_REL = 0.02  # final eval loss (noise floor included): measured |gap| <= 0.5 %
-# final loss above the noise floor: with 8-bit moments (both runs) measured |gap| <= 5.5 % over 10 seeds, and
-# 11.1 % for seed 1897623727 (float32 moments: <= 3 %). Without label noise this
-# gap reached 11 %, the same spread as exact training with another data order (5-10 %): a noise-free
-# toy's small final loss is chaotic in the trajectory, quantized or not.
+# tiny MLP, 150 steps, 2 nodes of 2, SDP4Bit vs exact sharded AdamW, summed over MLP_RUNS independent runs
+# (teacher, initialisation and data drawn afresh for each):
+MLP_RUNS = 3
+LOSS_REL = 0.02  # final eval loss (noise floor included): one run's |gap| measured <= 1.1 % over 46 seeds
+# Final loss above the noise floor (8-bit moments in both): one run's gap measured -5.6 .. +10.1 % over 45
+# seeds (mean +1.3 %, sd 3.3 %) and +21.3 % at seed 1522387403. A noise-free toy's small final loss is
+# chaotic in the trajectory, quantized or not (exact training with another data order moves it 5-10 %), so
+# the bound is on the sum over runs: measured -2.0 .. +6.9 % over 15 sums of three.
 EXCESS_LOSS_REL = 0.2
 
 
@@ -263,13 +265,18 @@ def _mlp(seed: int) -> torch.nn.Module:
                                torch.nn.Linear(41, 1))  # 2443 parameters: divides into nothing
 
 
-def _mlp_losses(rank: int, world: int, seed: int, node_size: int) -> dict:
+def _mlp_losses(rank: int, world: int, seed: int, node_size: int) -> list[dict]:
     """Train the same MLP with SDP4Bit (both on) and exact sharded AdamW for 150 steps; eval losses.
 
     A toy regression with label noise (sigma 0.5, so the loss has a floor of about 0.25, like an LM's
     entropy): "noisy" is the eval loss against noisy labels, "clean" the excess over the floor (loss
-    against the noise-free teacher), "start" the clean loss before training.
+    against the noise-free teacher), "start" the clean loss before training. One dict per run; run k
+    draws its teacher, initialisation and data from seed + k * 7919.
     """
+    return [_mlp_run(rank, seed + k * 7919, node_size) for k in range(MLP_RUNS)]
+
+
+def _mlp_run(rank: int, seed: int, node_size: int) -> dict:
     teacher = torch.Generator().manual_seed(seed + 7)
     w1, w2 = torch.randn(9, 16, generator=teacher) / 3, torch.randn(16, 1, generator=teacher) / 4
     target = lambda x: torch.sin(x @ w1) @ w2  # noqa: E731
@@ -302,12 +309,14 @@ def test_training_loss_matches_exact(collectives):
     world, node_size, seed, res = collectives
     if world != 4:
         pytest.skip("the training run is in the 4-rank (2 nodes of 2) run")
-    losses = res[0]["mlp"]
-    assert all(r["mlp"] == losses for r in res)  # every replica evaluates the same model
-    on, off = losses[True], losses[False]
-    assert off["clean"] < 0.3 * losses["start"], losses  # it did learn
-    assert abs(on["noisy"] - off["noisy"]) <= LOSS_REL * off["noisy"], (seed, losses)
-    assert abs(on["clean"] - off["clean"]) <= EXCESS_LOSS_REL * off["clean"], (seed, losses)
+    runs = res[0]["mlp"]
+    assert len(runs) == MLP_RUNS and all(r["mlp"] == runs for r in res)  # every replica evaluates the same models
+    for losses in runs:
+        on, off = losses[True], losses[False]
+        assert off["clean"] < 0.3 * losses["start"], (seed, losses)  # it did learn
+        assert abs(on["noisy"] - off["noisy"]) <= LOSS_REL * off["noisy"], (seed, losses)
+    on, off = (sum(losses[q]["clean"] for losses in runs) for q in (True, False))
+    assert abs(on - off) <= EXCESS_LOSS_REL * off, (seed, runs)
 
 
 def _least_squares(seed: int, rank: int, dtype=torch.float32):
