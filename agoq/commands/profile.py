@@ -139,7 +139,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "and the measured steps already done (each is saved the moment it is measured, in "
                              f"{JOURNAL_NAME}), and measure only the rest; a profile stopped in its steps (a lost "
                              "machine, a time limit) loses at most the kind of step it was in. Without --resume the "
-                             "folder's profile is made again")
+                             "folder's profile is made again, and a folder holding a stopped profile's steps is "
+                             "refused rather than emptied")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
 
@@ -201,6 +202,11 @@ def run(args: argparse.Namespace) -> int:
     micro_batches = args.micro_batches or (1 if args.pipeline_stages == 1 else 2 * args.pipeline_stages)
     check_layers(args.model, args.layers)
     out = check_output_folder(args.out or Path("profiles") / model_name(args.model), "--out")
+    journal = out / JOURNAL_NAME
+    if not args.resume and journal.is_file() and journal.stat().st_size:
+        raise ValueError(f"{out} holds the steps a stopped profile measured ({journal.name}): continue that profile "
+                         f"with --resume and the flags it was made with, or delete {journal} (or give another "
+                         "--out) to profile afresh")
 
     collectives_torchrun = None
     if _under_torchrun():
@@ -230,13 +236,12 @@ def run(args: argparse.Namespace) -> int:
         ray_address="local" if args.ray else args.ray_address, collective_sizes=args.collective_sizes,
         sensitivity_method=args.sensitivity)
     say = (lambda *a: None) if args.quiet else (lambda text: print(text, file=sys.stderr))
-    journal = out / JOURNAL_NAME
     header = resumable_header(out, settings) if args.resume else None
     complete = header is not None and "measured_steps" in header and not journal.is_file()
     if header is None:
         if args.resume:
             say(f"--resume: no profile in {out} yet: profiling from the start")
-        journal.unlink(missing_ok=True)  # steps measured for an earlier profile in this folder
+        journal.unlink(missing_ok=True)  # empty, or left without the profile it belonged to
         header = make_profile(settings, out, progress=not args.quiet, say=say)
     else:
         say(f"--resume: {out / 'profile.json'} (made {header.get('date')}) is kept; "

@@ -265,7 +265,8 @@ def test_a_stopped_profile_resumes_from_its_journal(tmp_path, seed):
 def test_profile_resume_keeps_the_profile_and_its_measured_steps(tmp_path, monkeypatch, capsys):
     """`agoq profile --resume` after a stop in the measured steps: profile.json is kept as it was (not made again),
     only the missing steps are measured, the journal is gone once the steps are written; --resume with other flags
-    is refused (exit 2, naming the setting), and without --resume the folder's profile is made again."""
+    is refused (exit 2, naming the setting); without --resume a stopped profile's folder is refused (exit 2) and kept
+    as it was, and once complete the folder's profile is made again."""
     import agoq.profiler.profile as profiler
     import agoq.train.measure as train_measure
     from agoq.commands.profile_steps import JOURNAL_NAME as JOURNAL
@@ -277,6 +278,11 @@ def test_profile_resume_keeps_the_profile_and_its_measured_steps(tmp_path, monke
         main([*ARGS, "--out", str(out)])
     header = json.loads((out / "profile.json").read_text())
     assert "measured_steps" not in header and len((out / JOURNAL).read_text().splitlines()) == 5
+    capsys.readouterr()
+    assert main([*ARGS, "--out", str(out)]) == 2  # without --resume: refused, and nothing measured is lost
+    err = capsys.readouterr().err
+    assert "--resume" in err and JOURNAL in err and len((out / JOURNAL).read_text().splitlines()) == 5
+    assert json.loads((out / "profile.json").read_text()) == header
 
     def made_again(*a, **k):
         raise AssertionError("--resume made the profile again")
