@@ -107,10 +107,7 @@ def _read_journal(journal: Path, request: dict, kinds: list[dict], repeats: int)
             if "error" in entry:
                 errors[i] = str(entry["error"])
             elif 0 <= r < repeats:
-                f = entry["figures"]
-                done[(r, i)] = StepFigures(losses=list(f["losses"]), seconds=[float(t) for t in f["seconds_per_step"]],
-                                           peak_bytes=f["peak_bytes_per_step"], device=str(f["device"]),
-                                           offloaded_bytes=f.get("offloaded_bytes"))
+                done[(r, i)] = StepFigures.from_dict(entry["figures"])
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
     return done, errors

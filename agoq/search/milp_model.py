@@ -506,10 +506,11 @@ class Model:
         and one whose bound cannot beat the best found (within the MIP gap) is not solved. As exact as the whole
         MILP (within `options`' mip_rel_gap); seconds faster where layers may each take their own setting (eager
         plans). Where `time_limit` (seconds for them all) stops it, the best choice found by then (status 1,
-        `mip_gap` from the least bound not settled); None where it stopped before any choice or HiGHS gave no relaxation: the caller then solves
-        the whole MILP. An OptimizeResult with x None and status 2 when no prefix has a choice. `prefixes` (None: all)
-        limits the K visited to those known to hold every choice that can meet the constraints; the result's
-        `bounds_by_prefix` gives each K's relaxed optimum (K without a relaxed choice left out)."""
+        `mip_gap` from the least bound not settled); None where it stopped before any choice or HiGHS gave no
+        relaxation: the caller then solves the whole MILP. An OptimizeResult with x None and status 2 when no
+        prefix has a choice. `prefixes` (None: all) limits the K visited to those known to hold every choice that
+        can meet the constraints; the result's `bounds_by_prefix` gives each K's relaxed optimum (K without a
+        relaxed choice left out)."""
         start = time.perf_counter()
         gap = float(options.get("mip_rel_gap", GAP))  # a prefix must beat the best found by more than this
         ranked, visits = [], []

@@ -67,6 +67,14 @@ class StepFigures:
                 "seconds_per_step": list(self.seconds), "losses": list(self.losses), "device": self.device,
                 "offloaded_bytes": self.offloaded_bytes}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StepFigures":
+        """The figures `to_dict` wrote (its summaries are derived, not read); KeyError / TypeError / ValueError on a
+        dict it did not write."""
+        return cls(losses=list(d["losses"]), seconds=[float(t) for t in d["seconds_per_step"]],
+                   peak_bytes=d["peak_bytes_per_step"], device=str(d["device"]),
+                   offloaded_bytes=d.get("offloaded_bytes"))
+
 
 def _release_memory() -> None:
     gc.collect()  # a model under checkpointing or LAAQ sits in reference cycles
