@@ -16,27 +16,30 @@ mode the profile has step times for:
                                layers' inputs (all a checkpointed layer keeps) in host memory the same way, the least
                                K that fits (the ordinary offload of checkpointed inputs; compile's
                                activation_memory_budget with offload keeps about as little)
-  torch.compile activation_memory_budget B   compiled only, measured: the profile's measured steps under a
-                               budget (agoq.search.timing; step seconds and peak at their split and optimizer; the
-                               peak is moved by the state's bytes, the step by what the optimizer was measured to
-                               add, for each optimizer priced)
+  torch.compile activation_memory_budget B   compiled and replicated only, measured: the profile's measured steps
+                               under a budget at the split's micro-batch, moved to the split's accumulation, the
+                               optimizer and the layout's communication (agoq.search.price)
 
-bf16 and checkpointing are priced by the same cost model as plans (agoq.search.costs, calibrated on the profile's
-measured peaks: agoq.search.calibration), so a plan and its alternatives are compared on one footing.
+Over several ranks each is priced in each plain layout the search was asked for: replicated (DDP) and fsdp (FSDP2);
+agoq's own sharded layout runs SDP4Bit's gradients, so it has no alternative without agoq. Every alternative goes
+through the one price of plans (agoq.search.price: the cost model of agoq.search.costs, calibrated on the profile's
+measured peaks, with the layout's exposed communication), so a plan and its alternatives are compared on one
+footing; this module only enumerates them.
 `best_alternative` is the one of most tokens/s among those whose predicted peak fits the budget.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
 
 from agoq.formats.profile import ProfileData
-from agoq.search.calibration import margin
-from agoq.search.costs import ProblemSettings, build_problem, checkpointing_only, state_parts, static_bytes_total
+from agoq.search.costs import ProblemSettings, build_problem, checkpointing_only
+from agoq.search.layouts import resolve_layout
 from agoq.search.milp import InfeasibleBudget, Solver
+from agoq.search.price import Configuration, price
 from agoq.search.timing import prices
 
 OPTIMIZERS = (("adamw", "fp32"), ("adamw8bit", "fp32"))
@@ -65,16 +68,19 @@ class PricedAlternative:
     memory_per_stage: Optional[list] = None            # the peak's parts (agoq.search.memory_parts; None: measured)
     host_bytes: Optional[int] = None                   # with offloaded layers: what they keep on the host per micro-batch
     offload_link_seconds: Optional[float] = None       # and the host link's seconds per step, out and back
+    layout: str = "replicated"                         # replicated (one process or DDP) or fsdp (FSDP2)
+    communication_seconds: float = 0.0                 # of the step, the layout's exposed collectives
 
     def as_plan_field(self, plan_tokens_per_second: Optional[float] = None) -> dict:
         """The plan's `alternative` / `alternatives` entry (agoq.formats.plan.Alternative)."""
-        out = {"name": self.name, "compile": self.compile,
+        out = {"name": self.name, "compile": self.compile, "layout": self.layout,
                "optimizer": {"name": self.optimizer, "master": self.master}, "gradients": "bf16",
                "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
                "checkpoint_layers": list(self.checkpoint_layers), "offload_layers": list(self.offload_layers),
                "activation_memory_budget": self.activation_memory_budget,
                "predicted": {"step_seconds": self.step_seconds, "peak_bytes": self.peak_bytes,
                              "tokens_per_second": self.tokens_per_second,
+                             "communication_seconds": self.communication_seconds,
                              **({"activation_bytes_per_stage": self.activation_bytes_per_stage,
                                  "memory_per_stage": self.memory_per_stage}
                                 if self.activation_bytes_per_stage is not None else {}),
@@ -96,134 +102,111 @@ def _label(compile_mode: str, what: str, optimizer: str, mb: int, accum: int, ma
     return f"{compile_mode} {what}, {OPTIMIZER_NAMES[optimizer]}{masters}{split}"
 
 
+LAYOUT_NAMES = {"replicated": "DDP", "fsdp": "FSDP2"}  # the layouts a user runs without agoq, over several ranks
+PLAIN_LAYOUTS = tuple(LAYOUT_NAMES)
+
+
 def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[int, int]],
                        compile_modes: list[str], *, offload: bool = True,
-                       host_budget: Optional[float] = None, masters=("fp32",)) -> list[PricedAlternative]:
+                       host_budget: Optional[float] = None, masters=("fp32",),
+                       layouts=("replicated",)) -> list[PricedAlternative]:
     """Every alternative of the module docstring at `budget` bytes (largest stage), for each (micro_batch,
-    grad_accum) of `splits` and each compile mode; priced with bf16 gradients (`offload` False: none offloads;
-    `host_budget`: bytes offload may pin, None the profile's pinnable bytes; `masters`: those the search may
-    choose, "none" adding the 8-bit AdamW without masters)."""
+    grad_accum) of `splits`, each compile mode and each of `layouts` (replicated: one process or DDP; fsdp: FSDP2;
+    agoq's own sharded layout runs SDP4Bit's 4-bit gradients, no alternative), each priced by the one price
+    (agoq.search.price) with bf16 gradients (`offload` False: none offloads; `host_budget`: bytes offload may pin,
+    None the profile's pinnable bytes; `masters`: those the search may choose, "none" adding the 8-bit AdamW without
+    masters)."""
     optimizers = OPTIMIZERS + ((WITHOUT_MASTERS,) if "none" in masters else ())
+    world = int(profile.settings.get("world_size", 1) or 1)
     out: list[PricedAlternative] = []
-    for compile_mode in compile_modes:
-        for mb, accum in splits:
-            for optimizer, master in optimizers:
-                knobs = ProblemSettings(gradient_mode="bf16", optimizer=optimizer, master=master,
-                                        compile_mode=compile_mode, micro_batch=mb, grad_accum=accum,
-                                        allow_offload=offload, host_budget=host_budget)
-                try:
-                    problem = build_problem(profile, knobs)
-                except ValueError:
-                    continue
-                L = problem.num_layers
-                sixteen = np.nonzero(problem.keeps_16bit())[0]
-                none = np.zeros(L, dtype=bool)
-                bf16 = problem.evaluate(sixteen, none)
-                peak = max(bf16["peak_bytes_per_stage"])
-                out.append(PricedAlternative(_label(compile_mode, "bf16", optimizer, mb, accum, master), compile_mode,
-                                             optimizer, master, mb, accum, bf16["step_seconds"], peak,
-                                             _tokens(profile, mb, accum, bf16["step_seconds"]), peak <= budget,
-                                             activation_bytes_per_stage=bf16["activation_bytes_per_stage"],
-                                             memory_per_stage=_parts(problem, sixteen, none)))
-                if problem.offload is not None and peak > budget:
-                    out += _offload_alternative(problem, profile, budget, compile_mode, optimizer, master, mb, accum,
-                                                sixteen, none, "bf16")
-                if problem.allow_checkpoint:
-                    ckpt_problem = checkpointing_only(problem)
+    for layout in [layout for layout in PLAIN_LAYOUTS if layout in layouts]:
+        for compile_mode in compile_modes:
+            for mb, accum in splits:
+                for optimizer, master in optimizers:
+                    knobs = ProblemSettings(gradient_mode="bf16", optimizer=optimizer, master=master,
+                                            compile_mode=compile_mode, micro_batch=mb, grad_accum=accum,
+                                            allow_offload=offload, host_budget=host_budget, layout=layout)
                     try:
-                        alloc = Solver(ckpt_problem).solve(budget, "time")
-                        ckpt, figures = alloc.checkpoint, {"step_seconds": alloc.step_seconds,
-                                                           "peak_bytes_per_stage": alloc.peak_bytes_per_stage}
-                    except InfeasibleBudget:
-                        ckpt = np.ones(L, dtype=bool)
-                        figures = ckpt_problem.evaluate(np.array([], dtype=int), ckpt)
-                    n = int(ckpt.sum())
-                    if n:  # none checkpointed is the bf16 entry
-                        what = "full checkpointing" if n == L else f"selective checkpointing ({n}/{L} layers)"
-                        kept = np.array([i for i in sixteen if not ckpt[problem.layer[i]]], dtype=int)
-                        figures = problem.evaluate(kept, ckpt)
-                        peak = max(figures["peak_bytes_per_stage"])
-                        out.append(PricedAlternative(_label(compile_mode, what, optimizer, mb, accum, master),
-                                                     compile_mode,
-                                                     optimizer, master, mb, accum, figures["step_seconds"], peak,
-                                                     _tokens(profile, mb, accum, figures["step_seconds"]),
-                                                     peak <= budget, [int(i) for i in np.nonzero(ckpt)[0]],
-                                                     activation_bytes_per_stage=figures["activation_bytes_per_stage"],
-                                                     memory_per_stage=_parts(problem, kept, ckpt)))
-                        if n == L and peak > budget and problem.offload is not None:
-                            out += _offload_alternative(problem, profile, budget, compile_mode, optimizer, master,
-                                                        mb, accum, kept, ckpt, "full checkpointing",
-                                                        offloaded="inputs offloaded")
-    if "compiled" in compile_modes:
-        for optimizer, master in optimizers:
-            out += _memory_budget_points(profile, budget, optimizer, master)
+                        problem = build_problem(profile, knobs)
+                    except ValueError:
+                        continue
+                    out += _per_layer_alternatives(profile, problem, knobs, budget, world)
+                    if compile_mode == "compiled" and layout == "replicated":
+                        out += _memory_budget_points(profile, problem, knobs, budget, world)
     return out
 
 
-def _offload_alternative(problem, profile: ProfileData, budget: float, compile_mode: str, optimizer: str,
-                         master: str, mb: int, accum: int, kept: np.ndarray, checkpoint: np.ndarray, what: str, *,
-                         offloaded: str = "offload") -> list:
-    """`what` (options `kept`, layers `checkpoint` checkpointed) with the first K layers' saved tensors in host
-    memory, the least K that fits `budget` within the host budget ([] when none does)."""
+def _alternative(profile: ProfileData, problem, config: Configuration, what: str, budget: float,
+                 world: int) -> PricedAlternative:
+    """`config` priced (agoq.search.price) as the alternative named `what`."""
+    k = config.knobs
+    p = price(profile, config, problem)
+    layout = resolve_layout(k.layout, "bf16")
+    name = (f"{LAYOUT_NAMES[layout]} " if world > 1 else "") + _label(k.compile_mode, what, k.optimizer,
+                                                                       k.micro_batch, k.grad_accum, k.master)
+    return PricedAlternative(name, k.compile_mode, k.optimizer, k.master, k.micro_batch, k.grad_accum,
+                             p.step_seconds, p.peak_bytes, p.tokens_per_second(profile, k), p.peak_bytes <= budget,
+                             list(config.checkpoint_layers), config.activation_memory_budget,
+                             list(config.offload_layers), p.activation_bytes_per_stage, p.memory_per_stage,
+                             p.host_bytes, p.offload_link_seconds, layout=layout,
+                             communication_seconds=p.communication_seconds)
+
+
+def _per_layer_alternatives(profile: ProfileData, problem, knobs: ProblemSettings, budget: float,
+                            world: int) -> list[PricedAlternative]:
+    """bf16, the fastest fitting checkpointing, and each with its least fitting offloaded prefix where it does not
+    fit (module docstring), at `knobs`."""
+    L = problem.num_layers
+    bf16 = _alternative(profile, problem, Configuration(knobs), "bf16", budget, world)
+    out = [bf16]
+    if problem.offload is not None and not bf16.fits:
+        out += _offload_alternative(profile, problem, Configuration(knobs), "bf16", budget, world)
+    if not problem.allow_checkpoint:
+        return out
+    try:
+        ckpt = Solver(checkpointing_only(problem)).solve(budget, "time").checkpoint
+    except InfeasibleBudget:
+        ckpt = np.ones(L, dtype=bool)
+    n = int(ckpt.sum())
+    if n:  # none checkpointed is the bf16 entry
+        what = "full checkpointing" if n == L else f"selective checkpointing ({n}/{L} layers)"
+        config = Configuration(knobs, checkpoint_layers=tuple(int(i) for i in np.nonzero(ckpt)[0]))
+        checkpointed = _alternative(profile, problem, config, what, budget, world)
+        out.append(checkpointed)
+        if n == L and not checkpointed.fits and problem.offload is not None:
+            out += _offload_alternative(profile, problem, config, "full checkpointing", budget, world,
+                                        offloaded="inputs offloaded")
+    return out
+
+
+def _offload_alternative(profile: ProfileData, problem, config: Configuration, what: str, budget: float, world: int,
+                         *, offloaded: str = "offload") -> list:
+    """`config` with the first K layers' saved tensors in host memory, the least K that fits `budget` within the
+    host budget ([] when none does)."""
     L = problem.num_layers
     for k in range(1, L + 1):
-        offload = np.arange(L) < k
-        figures = problem.evaluate(kept, checkpoint, offload)
-        if figures["host_bytes"] > problem.offload.host_budget_bytes:
+        alt = _alternative(profile, problem, replace(config, offload_layers=tuple(range(k))),
+                           f"{what} + {offloaded} {k}/{L} layers", budget, world)
+        if alt.host_bytes > problem.offload.host_budget_bytes:
             return []
-        peak = max(figures["peak_bytes_per_stage"])
-        if peak <= budget:
-            seconds = figures["step_seconds"]
-            return [PricedAlternative(_label(compile_mode, f"{what} + {offloaded} {k}/{L} layers", optimizer, mb,
-                                             accum, master),
-                                      compile_mode, optimizer, master, mb, accum, seconds, peak,
-                                      _tokens(profile, mb, accum, seconds), True,
-                                      [int(i) for i in np.nonzero(checkpoint)[0]], offload_layers=list(range(k)),
-                                      activation_bytes_per_stage=figures["activation_bytes_per_stage"],
-                                      memory_per_stage=_parts(problem, kept, checkpoint, offload),
-                                      host_bytes=int(figures["host_bytes"]),
-                                      offload_link_seconds=float(figures["offload_link_seconds"])
-                                      * problem.offload.grad_accum)]
+        if alt.fits:
+            return [alt]
     return []
 
 
-def _parts(problem, chosen: np.ndarray, checkpoint: np.ndarray, offload=None) -> Optional[list]:
-    """The peak's parts of a choice (agoq.search.memory_parts), None where the problem does not list them."""
-    try:
-        return problem.memory_parts(chosen, checkpoint, offload)
-    except ValueError:
-        return None
-
-
-def _memory_budget_points(profile: ProfileData, budget: float, optimizer: str, master: str) -> list:
-    """The profile's measured torch.compile activation_memory_budget steps (agoq.search.timing), moved to
-    `optimizer`'s state: the step by what the optimizer was measured to add (none where it was not), the peak by
-    the state's bytes (and the optimizer step's transient), plus the compiled peak margin (agoq.search.calibration)."""
-    sp = prices(profile)
-    base = sp.base("compiled")
+def _memory_budget_points(profile: ProfileData, problem, knobs: ProblemSettings, budget: float,
+                          world: int) -> list:
+    """compile's activation_memory_budget at each budget the profile measured at this micro-batch, priced at
+    `knobs` (agoq.search.price: its split, optimizer and the layout's communication)."""
+    mb = knobs.micro_batch or prices(profile).m0
     out = []
-    for row in sp.memory_budget_rows():
-        if row.get("peak_bytes") is None:
+    for b in sorted({float(r["activation_memory_budget"]) for r in prices(profile).memory_budget_rows()
+                     if r.get("peak_bytes") is not None and int(r["micro_batch"]) == mb}, reverse=True):
+        try:
+            out.append(_alternative(profile, problem, Configuration(knobs, activation_memory_budget=b),
+                                    f"activation_memory_budget {b:g}", budget, world))
+        except ValueError:
             continue
-        seconds = sp.price(row)
-        if (optimizer, master) != (row["optimizer"], row["master"]):
-            theirs = sp.seconds("compiled", sp.m0, 1, "bf16", optimizer, master)
-            ours = sp.seconds("compiled", sp.m0, 1, "bf16", row["optimizer"], row["master"])
-            if theirs is None or ours is None or base is None:
-                continue
-            seconds += theirs - ours
-        static = static_bytes_total(profile, "bf16", optimizer, master) \
-            - static_bytes_total(profile, "bf16", row["optimizer"], row["master"])
-        transient = state_parts(profile, "bf16", optimizer, master)["step_transient"] \
-            - state_parts(profile, "bf16", row["optimizer"], row["master"])["step_transient"]
-        peak = int(float(row["peak_bytes"]) + static + max(0.0, transient) + margin(profile, "compiled")[0])
-        b = float(row["activation_memory_budget"])
-        mb, accum = row["micro_batch"], row["grad_accum"]
-        out.append(PricedAlternative(_label("compiled", f"activation_memory_budget {b:g}", optimizer, mb, accum,
-                                            master),
-                                     "compiled", optimizer, master, mb, accum, seconds, peak,
-                                     _tokens(profile, mb, accum, seconds), peak <= budget,
-                                     activation_memory_budget=b))
     return out
 
 

@@ -552,7 +552,8 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
                             static_parts, floor_parts, one_setting_per_stage=compile_mode == "compiled",
                             end_of_backward=end_of_backward,
                             offload=offload_prices(profile, knobs, base + comm, accum, S, layout, notes,
-                                                   compile_mode, mb))
+                                                   compile_mode, mb),
+                            communication_seconds=float(comm))
     if calibrate:
         calibrate_problem(problem, profile, knobs, compile_mode, mb, accum)
     return problem

@@ -13,6 +13,7 @@ from agoq.layout import DDP, FSDP, NONE, PIPELINE, SHARDED, launch_line
 from agoq.search.costs import ChoiceProblem, ProblemSettings, profile_compile_mode, resolve_optimizer
 from agoq.search.layouts import resolve_layout
 from agoq.search.milp import Allocation
+from agoq.search.price import plan_layout
 from agoq.search.timing import prices
 
 
@@ -110,7 +111,7 @@ def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
         return [alt.predicted.peak_bytes] * stages
 
     replaced = {"name": "agoq: " + ", ".join(f"{k} {v}" for k, v in (data.get("decision") or {}).get("knobs", {}).items()),
-                "compile": data["training"]["compile"], "optimizer": data["optimizer"],
+                "compile": data["training"]["compile"], "layout": plan_layout(plan) or "replicated", "optimizer": data["optimizer"],
                 "gradients": data["gradients"]["mode"], "micro_batch": data["training"]["micro_batch"],
                 "grad_accum": data["training"]["grad_accum"], "checkpoint_layers": plan.checkpoint_layers(),
                 "predicted": {"step_seconds": plan.predicted.step_seconds,
@@ -133,10 +134,13 @@ def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
                 data["predicted"][name] = getattr(alt.predicted, name)
     else:
         data.pop("host_budget_bytes", None)
-    data["launch"] = launch_for(stages, "bf16", int((data.get("launch") or {}).get("processes") or 1))
+    layout = getattr(alt, "layout", None) or "replicated"  # the alternative's own layout: DDP or FSDP2
+    data["launch"] = launch_for(stages, "bf16", int((data.get("launch") or {}).get("processes") or 1), layout)
     decision = dict(data.get("decision") or {})
+    knobs = decision.get("knobs", {})
     decision.update(reason=why, agoq=False, tokens_per_second=alt.predicted.tokens_per_second,
-                    knobs={**decision.get("knobs", {}), "gradients": "bf16", "optimizer": alt.optimizer.name,
+                    knobs={**knobs, **({"layout": layout} if "layout" in knobs else {}),
+                           "gradients": "bf16", "optimizer": alt.optimizer.name,
                            "master": alt.optimizer.master, "micro_batch": alt.micro_batch,
                            "grad_accum": alt.grad_accum, "compile": alt.compile})
     data["decision"] = decision

@@ -134,6 +134,7 @@ class ChoiceProblem:
     one_setting_per_stage: bool = False  # every layer of a stage under LAAQ's functions has the same settings
                                          # (compiled: one graph for them, beside the unmodified and checkpointed)
     offload: Optional[OffloadPrices] = None  # None: offload is not offered
+    communication_seconds: float = 0.0  # of base_seconds, what the layout's collectives leave exposed per step
 
     def laaq_transient(self) -> np.ndarray:
         """Per stage, what the backward of a layer under LAAQ's functions holds beyond the memory model

@@ -24,9 +24,11 @@ from agoq.formats.profile import ProfileData, load_profile
 from agoq.search.alternatives import best_alternative, price_alternatives
 from agoq.search.costs import ProblemSettings, build_problem
 from agoq.search.knobs import KnobSearch, knob_values, solve_knobs
+from agoq.search.layouts import resolve_layout
 from agoq.search.milp import Solver, resolve_error_cap, resolve_time_cap
 from agoq.search.pareto import memory_error_front
 from agoq.search.plan_builder import alternative_knobs, build_plan, plan_of_alternative
+from agoq.search.price import plan_layout
 from agoq.search.request import CHECKPOINT_CAP, RECIPE_CAP, InfeasibleBudget, KnobSpace, SearchRequest
 from agoq.units import format_bytes
 
@@ -154,8 +156,10 @@ def attach_alternatives(plan: Plan, profile: ProfileData, budget: int, found: Op
                                               & set(compile_modes(profile))))
     offload = [(r.knobs.allow_offload, r.knobs.host_budget) for r in tried] or [(True, None)]
     masters = {r.knobs.master for r in tried if r.knobs.master} or {plan.optimizer.master}
+    layouts = {resolve_layout(r.knobs.layout, r.knobs.gradient_mode) for r in tried} \
+        or {plan_layout(plan) or resolve_layout(None, plan.gradients.mode)}
     priced = price_alternatives(profile, budget, splits, modes, offload=offload[0][0], host_budget=offload[0][1],
-                                masters=masters)
+                                masters=masters, layouts=tuple(sorted(layouts)))
     seq = plan.training.seq_len
     mine = plan.training.micro_batch * plan.training.grad_accum * seq / plan.predicted.step_seconds \
         if plan.predicted.step_seconds else None
