@@ -63,7 +63,8 @@ import numpy as np
 
 from agoq.formats.measured_steps import POLICIES
 from agoq.formats.profile import ProfileData
-from agoq.search.problem import ChoiceProblem, ProblemSettings
+from agoq.search.cost_model import model_problem
+from agoq.search.problem import ChoiceProblem, ProblemSettings, recipe_choice
 from agoq.search.timing import prices
 
 NOT_MEASURED = {**{policy: 0.0 for policy in POLICIES}, "checkpoint_phase": 0.0}
@@ -100,8 +101,6 @@ def _row_knobs(profile: ProfileData, row: dict) -> ProblemSettings:
 
 def _choice(problem: ChoiceProblem, policy: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """(chosen options, checkpointed layers) of an anchor policy in `problem`, None when it cannot express it."""
-    from agoq.search.costs import recipe_choice
-
     L = problem.num_layers
     if policy == "bf16":
         return np.nonzero(problem.keeps_16bit())[0], np.zeros(L, dtype=bool)
@@ -121,8 +120,6 @@ def _model_peak(problem: ChoiceProblem, policy: str) -> Optional[tuple[int, str]
 
 def corrections(profile: ProfileData, compile_mode: str, micro_batch: int, grad_accum: int) -> dict[str, float]:
     """{policy: k} of the module docstring at (compile mode, m, a), bytes per layer (cached on the profile)."""
-    from agoq.search.costs import build_problem
-
     cache = profile.cache.setdefault("calibration", {})
     key = (compile_mode, micro_batch, grad_accum)
     if key in cache:
@@ -134,7 +131,7 @@ def corrections(profile: ProfileData, compile_mode: str, micro_batch: int, grad_
         if row is None:
             continue
         try:
-            problem = build_problem(profile, _row_knobs(profile, row), calibrate=False)
+            problem = model_problem(profile, _row_knobs(profile, row))
             model = _model_peak(problem, policy)
         except ValueError:
             continue
@@ -200,8 +197,6 @@ def _run_knobs(profile: ProfileData, plan: dict) -> ProblemSettings:
 def priced_runs(profile: ProfileData, compile_mode: str) -> list[dict]:
     """The profile's runs of `compile_mode` priced again with the calibrated model (no margin, no run factor): each
     with `predicted_peak_bytes` and `predicted_step_seconds` (cached on the profile)."""
-    from agoq.search.costs import build_problem
-
     cache = profile.cache.setdefault("priced_runs", {})
     if compile_mode in cache:
         return cache[compile_mode]
@@ -212,7 +207,7 @@ def priced_runs(profile: ProfileData, compile_mode: str) -> list[dict]:
             continue
         try:
             knobs = _run_knobs(profile, plan)
-            problem = build_problem(profile, knobs, calibrate=False)
+            problem = model_problem(profile, knobs)
         except ValueError:
             continue
         _apply(problem, corrections(profile, compile_mode, problem_micro_batch(profile, knobs), knobs.grad_accum))
@@ -246,10 +241,8 @@ def time_factor(profile: ProfileData, compile_mode: str, micro_batch: int, grad_
 def _corrected_row_problem(profile: ProfileData, row: dict) -> Optional[ChoiceProblem]:
     """The problem of a measured step's knobs with the per-layer corrections at its split and no margin (None where
     the profile cannot price those knobs)."""
-    from agoq.search.costs import build_problem
-
     try:
-        problem = build_problem(profile, _row_knobs(profile, row), calibrate=False)
+        problem = model_problem(profile, _row_knobs(profile, row))
     except ValueError:
         return None
     _apply(problem, corrections(profile, row["compile"], row["micro_batch"], row["grad_accum"]))
@@ -311,15 +304,13 @@ def offload_floor(profile: ProfileData, static_bytes: float, compile_mode: str, 
                   grad_accum: int) -> Optional[tuple[float, dict]]:
     """(the least peak of a choice that offloads, the measured offloading step it comes from) for a problem whose
     uncalibrated static bytes are `static_bytes` (module docstring), None where no such step was measured."""
-    from agoq.search.costs import build_problem
-
     row, key = _offloading_step(profile, compile_mode, micro_batch, grad_accum)
     if row is None:
         return None
     cache = profile.cache.setdefault("offload_floor_static", {})
     if key not in cache:
         knobs = replace(_row_knobs(profile, row), allow_offload=False)
-        cache[key] = float(build_problem(profile, knobs, calibrate=False).static_bytes[0])
+        cache[key] = float(model_problem(profile, knobs).static_bytes[0])
     return float(row["peak_bytes"]) + static_bytes - cache[key], row
 
 

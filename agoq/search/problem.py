@@ -5,12 +5,12 @@ gradient error). agoq.search.costs builds a ChoiceProblem from a profile; the MI
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
 
-from agoq.activations.policy import KINDS
+from agoq.activations.policy import KINDS, RECOMPUTE, stage_aware_policy
 from agoq.search.memory_parts import stage_entry
 
 
@@ -374,3 +374,36 @@ class ChoiceProblem:
 
 
 __all__ = ["ProblemSettings", "ChoiceProblem", "OffloadPrices"]
+
+
+def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:
+    """The same problem where each layer either keeps everything (16) or is checkpointed whole: the
+    full-or-selective activation checkpointing that agoq competes with (nothing offloaded)."""
+    keep = np.array([o == "16" for o in problem.option])
+    idx = np.nonzero(keep)[0]
+    return replace(problem, layer=problem.layer[idx], kind=problem.kind[idx], option=[problem.option[i] for i in idx],
+                   memory=problem.memory[idx], seconds=problem.seconds[idx], error=problem.error[idx],
+                   notes=list(problem.notes), offload=None)
+
+
+def recipe_choice(problem: ChoiceProblem) -> Optional[np.ndarray]:
+    """Option indices of the published LAAQ recipe (agoq-paper, each pipeline stage at the stage rule's
+    bits) in `problem`, nothing checkpointed; None when the problem lacks one of its options (a floor or
+    a profile without those bit widths)."""
+    counts = [int(round(n)) for n in problem.in_flight_counts()]
+    policy = stage_aware_policy(counts, problem.num_layers, [int(s) for s in problem.layer_stage])
+    chosen = []
+    for (layer, kind), options in sorted(problem.groups().items()):
+        setting = policy.settings(layer)[KINDS[kind]]
+        want = "recompute" if setting == RECOMPUTE else str(setting)
+        match = [i for i in options if problem.option[i] == want]
+        if not match:
+            return None
+        chosen.append(match[0])
+    return np.array(chosen, dtype=int)
+
+
+def recipe_error(problem: ChoiceProblem) -> Optional[float]:
+    """The predicted gradient error of the published recipe (see `recipe_choice`); None when unavailable."""
+    chosen = recipe_choice(problem)
+    return None if chosen is None else float(problem.error[chosen].sum())

@@ -51,6 +51,7 @@ from agoq.formats.measured_steps import COMPILE_MODES, find, measured_rows
 from agoq.formats.profile import ProfileData
 
 BASE_GRADIENTS = "bf16"
+EAGER_SPREAD_NOTE = 0.05  # an eager split whose anchors' steady steps ranged more is noted (the 5 % target)
 ROBUST_MODES = ("compiled",)  # priced by fastest step x ratio; the others by their median (module docstring)
 
 
@@ -272,4 +273,4 @@ def profile_compile_mode(profile: ProfileData) -> str:
     return str(profile.settings.get("compile_mode") or "eager")
 
 
-__all__ = ["StepPrices", "prices", "compile_modes", "profile_compile_mode"]
+__all__ = ["StepPrices", "prices", "compile_modes", "profile_compile_mode", "EAGER_SPREAD_NOTE"]

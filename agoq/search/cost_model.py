@@ -1,0 +1,431 @@
+"""Cost models: memory (bytes), step time (seconds) and gradient error of a per-layer choice, from a Profile, before
+their calibration on measured peaks (agoq.search.calibration; agoq.search.costs.build_problem applies it).
+
+A `ChoiceProblem` lists, for every (layer, kind), its options with their memory, time and error, plus a
+whole-layer `checkpoint` option per layer. Exactly one option is picked per (layer, kind), unless the
+layer is checkpointed, in which case none is (the layer then keeps only its input).
+
+  memory of stage s = in_flight[s] x (bytes the stage's layers keep per micro-batch)
+                      + the stage's share of weights, gradients (by gradient mode), masters and moments (by
+                        optimizer and masters: agoq.optim.state_bytes, as the profile records them)
+                      + the rest of the eager step's peak (agoq.models.step_peak.head_and_workspace_bytes: the
+                        chunked LM head's tensors at this micro-batch and the calibrated workspace), and for QuanGrad
+                        the bf16 gradients the calibration step had not made yet at its peak
+  step time         = the measured bf16 step at these knobs + per layer under LAAQ's functions dQ + per
+                      checkpointed layer dC, all from measured steps at the same compile mode and batch split
+                      (agoq.search.timing); knobs the profile measured no step for are not offered. The options
+                      of a layer under LAAQ have no seconds of their own: compiled, they run inside the layer's
+                      graph; eager, the layer's fused functions cost what the agoq-paper step measured whatever its
+                      bits (a plan quantizing one kind per layer measured 127.1 ms where the agoq-paper step
+                      measured 127.8 and the kernel times summed per option had priced it at 109.6)
+  error             = sum of the chosen options' measured sensitivities (0 for 16, recompute, checkpoint)
+
+A stage's peak is the largest of the end of forward (above), the backward of each checkpointed layer and the
+optimizer step (the state and its workspace); `ChoiceProblem.memory_parts` gives the phase that sets it and the
+peak's parts then (agoq.search.memory_parts; the model state per rank is agoq.search.state's), which a plan
+records and the dashboard draws.
+
+Layouts over several ranks (agoq.search.layouts): replicated (DDP) keeps the whole state per rank and pays one
+gradient all-reduce per step; agoq's sharded SDP4Bit keeps 1/N of gradients, masters and moments; fsdp (FSDP2)
+keeps 1/N of everything plus the unsharded units in flight, its communication priced per micro-batch with the
+overlap that module states, and its optimizer step over 1/N of the state.
+
+Gradients: fixed bytes are calibrated on a bf16-gradient step, at whose fwd + bwd peak most gradients did not exist
+yet. QuanGrad's buffer is allocated before the step, so a quangrad8 plan's fwd + bwd peak counts the buffer on top
+of the calibrated step's gradients; with bf16 gradients and several micro-batches per step, the gradients of the
+first micro-batch are kept through the others' forward and backward, so they count too.
+
+The model's peaks are then calibrated on the peaks the profile measured (agoq.search.calibration): per compile mode
+and batch split, what unmodified, LAAQ and checkpointed layers really keep (compiled layers keep less than the eager
+bytes), and a margin learnt from how far the calibrated model missed the profile's other measured steps.
+
+Two per-layer corrections keep the memory model exact for agoq's runtime: a layer whose kinds are all 16
+runs unmodified and keeps what the plain model keeps (float32 norm statistics and all: `unmodified_extra`),
+and with attention and o_proj_input both at 16 the o_proj input is a view of attention's output, so it
+costs nothing (`shared_credit`). Both are computed with the runtime's byte predictor from the profile's
+model config.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.activations.policy import KEEP, KINDS, RECOMPUTE
+from agoq.formats.measured_steps import COMPILE_MODES
+from agoq.formats.profile import ProfileData
+from agoq.models.step_peak import head_and_workspace_bytes, head_peak_bytes, head_shape_of, removed_copy_bytes
+from agoq.search.collective_times import collective_seconds, has_collective
+from agoq.search.layouts import fsdp_exposed_seconds, fsdp_in_flight_bytes, resolve_layout, unit_sizes
+from agoq.search.offload_prices import offload_prices
+from agoq.search.problem import ChoiceProblem, ProblemSettings
+from agoq.search.timing import EAGER_SPREAD_NOTE, prices, profile_compile_mode
+from agoq.search.state import (
+    measured_with,
+    resolve_optimizer,
+    state_parts,
+    state_per_rank,
+)
+
+
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+COMM_PATHS = {"bf16": "nccl-bf16", "quangrad8": "quangrad8", "sdp4bit": "sdp4bit"}
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _layer_shape(profile: ProfileData, micro_batch: int) -> Optional[LayerShape]:
+    config = profile.model_config()
+    if not config:
+        return None
+    from agoq.models import resolve_config
+
+    try:
+        cfg = resolve_config(dict(config))
+    except (ValueError, TypeError, NotImplementedError):  # e.g. a Mistral window the reference model lacks
+        return None
+    elem = ELEM_BYTES.get(str(profile.settings.get("dtype", "bf16")), 2)
+    return LayerShape.from_config(cfg, micro_batch, int(profile.settings.get("seq_len", 1)), elem)
+
+
+def _kind_bytes(shape: LayerShape, kind: str, setting, block: int) -> int:
+    """Bytes of one kind under one setting inside a LAAQ layer (the others quantized, so nothing shares)."""
+    settings = {k: 8 for k in KINDS}
+    settings[kind] = setting
+    return predict_layer_bytes(shape, settings, block)[kind]
+
+
+def _collective_seconds(profile: ProfileData, mode: str, message_bytes: float) -> float:
+    """Seconds the gradient collective of `mode` takes for `message_bytes` fp32 bytes under a replicated or agoq's
+    sharded layout (agoq.search.collective_times): bf16 and quangrad8 all-reduce (where the table has the
+    all-reduce of the path; else whatever it measured on it), sdp4bit its every op (TLq-HS reduce-scatter + qWD
+    all-gather). 0 without a table, NaN without rows for the path."""
+    table = profile.collectives
+    if table is None or not len(table):
+        return 0.0
+    path = COMM_PATHS[mode]
+    ops = ("all_reduce",) if mode != "sdp4bit" and has_collective(table, "all_reduce", path) else None
+    return collective_seconds(table, path, message_bytes, ops)
+
+
+def gradient_modes(profile: ProfileData) -> list[str]:
+    """Gradient modes the profile has the figures for (bf16 always; sdp4bit needs several ranks)."""
+    mem = profile.memory
+    modes = ["bf16"]
+    if mem.get("gradients_bytes_quangrad8") is not None:
+        modes.append("quangrad8")
+    if int(profile.settings.get("world_size", 1) or 1) > 1:
+        modes.append("sdp4bit")
+    return modes
+
+
+def _option_rows(profile: ProfileData, knobs: ProblemSettings, shape0, block0: int) -> pd.DataFrame:
+    """The profile's rows a plan under `knobs` may choose from: its format (nf4 replaces the int 4-bit row where
+    measured), no quantized option below the floors (nor of attention unless `knobs.quantize_attention`), one row
+    per (layer, kind, option), full o_proj_input bytes."""
+    floors = knobs.floors()
+    table = profile.table
+    fmt_ok = table["format"].isin(["bf16", "recompute", "int"] + (["nf4"] if knobs.format == "nf4" else []))
+    if knobs.format == "nf4":  # the codebook replaces the int 4-bit row where the profile measured one
+        where = list(zip(table["layer"].astype(int), table["kind"]))
+        has_nf4 = {w for w, f in zip(where, table["format"]) if f == "nf4"}
+        fmt_ok &= ~((table["format"] == "int") & (table["bits"] == 4)
+                    & np.array([w in has_nf4 for w in where], dtype=bool))
+    rows = table[fmt_ok]
+    rows = rows[np.array([(o in ("16", "recompute")) or (int(o) >= floors.get(k, 0)
+                                                          and (knobs.quantize_attention or k != "attention"))
+                          for o, k in zip(rows["option"], rows["kind"])], dtype=bool)]
+    rows = rows.drop_duplicates(["layer", "kind", "option"]).sort_values(["layer", "kind", "option"]).copy()
+    # o_proj_input at 16 shares attention's output while attention is 16: profiles give that shared size
+    # as `bytes` and the full size as `bytes_unshared`; the full size is costed here and the sharing is
+    # the per-layer credit of build_problem
+    if "bytes_unshared" in rows.columns:
+        full = pd.to_numeric(rows["bytes_unshared"], errors="coerce")
+        rows["bytes"] = np.where(full.notna(), full, rows["bytes"])
+    elif shape0 is not None:
+        zero_16 = (rows["kind"] == "o_proj_input") & (rows["option"] == "16") & (rows["bytes"] == 0)
+        rows.loc[zero_16, "bytes"] = _kind_bytes(shape0, "o_proj_input", KEEP, block0)
+    return rows
+
+
+def _step_times(profile: ProfileData, knobs: ProblemSettings, compile_mode: str, mb: int, accum: int,
+                optimizer: str, master: str, notes: list) -> dict:
+    """The measured-step prices of agoq.search.timing for these knobs: the bf16 step ("base"), seconds per layer
+    under LAAQ's functions ("laaq", None: not measured here) and per checkpointed layer ("checkpoint", None: not
+    measured here)."""
+    sp = prices(profile)
+    row_gradients = "quangrad8" if knobs.gradient_mode == "quangrad8" else "bf16"
+    why = sp.missing(compile_mode, mb, accum, row_gradients, optimizer, master)
+    if why is not None:
+        raise ValueError(f"{why}: a plan with these knobs is not offered (profile it, or ask for knobs it measured)")
+    base = sp.seconds(compile_mode, mb, accum, row_gradients, optimizer, master)
+    laaq = sp.per_layer(compile_mode, "agoq-paper", mb, accum)
+    if laaq is None:
+        notes.append(f"no {compile_mode} agoq-paper step was measured at micro-batch {mb} x {accum}: no layer is "
+                     "quantized or recomputed at these knobs")
+    checkpoint = sp.per_layer(compile_mode, "checkpoint-all", mb, accum)
+    if checkpoint is None and knobs.allow_checkpoint:
+        notes.append(f"no {compile_mode} checkpoint-all step was measured at micro-batch {mb} x {accum}: no layer is "
+                     "checkpointed at these knobs")
+    spread = sp.spread(compile_mode, mb, accum) if compile_mode == "eager" else None
+    if spread is not None and spread[0] > EAGER_SPREAD_NOTE:
+        wide, row = spread
+        steady = sp.steady(row)
+        notes.append(f"eager steps at micro-batch {mb} x {accum} ranged {wide:.0%} within their measured runs (the "
+                     f"{row['policy']} step: {min(steady) * 1e3:.1f}-{max(steady) * 1e3:.1f} ms): an eager step is "
+                     "set by the host, and a run may miss its predicted step by as much")
+    return {"base": base, "laaq": laaq, "checkpoint": checkpoint}
+
+
+def _end_of_backward(profile: ProfileData, gradient_mode: str, accum: int, layout: str, gradient_bytes: float,
+                     stages: np.ndarray, head_bytes: float) -> np.ndarray:
+    """[L] what the backward of checkpointed layer l holds beyond the end of forward's static bytes, in bytes.
+
+    By then the LM head's tensors (`head_bytes`, counted at the end of forward) are freed, and with bf16 gradients
+    and one micro-batch per step the gradients backward has made exist: the head's and final norm's, and those of
+    layers l..L-1 (the end of forward's static bytes count the gradients as the calibration step found them, not
+    made yet). QuanGrad's 8-bit buffer and accumulated bf16 gradients are in the static bytes already. The layers'
+    share of `gradient_bytes` (the stage's) follows the model config's parameter counts; without a usable config
+    every gradient is counted as made (an upper bound)."""
+    L = len(stages)
+    made = np.zeros(L)
+    if gradient_mode == "bf16" and accum == 1 and layout != "fsdp":
+        made[:] = 1.0
+        config = profile.model_config() or {}
+        try:
+            units = unit_sizes(config, int(profile.header["model"].get("parameters") or 0), L)
+        except ValueError:
+            units = None
+        if units is not None and units.layer > 0:
+            embedding = 0 if config.get("tie_word_embeddings") else \
+                int(config.get("vocab_size") or 0) * int(config.get("hidden_size") or 0)
+            head = max(0, units.root - embedding)
+            for l in range(L):
+                same = stages == stages[l]
+                later = int((same & (np.arange(L) >= l)).sum())
+                total = units.layer * int(same.sum()) + (units.root if stages[l] == stages.max() else 0)
+                made[l] = (units.layer * later + (head if stages[l] == stages.max() else 0)) / max(total, 1)
+    share = np.bincount(stages, minlength=int(stages.max()) + 1) / L
+    return made * gradient_bytes * share[stages] - head_bytes
+
+
+def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings()) -> ChoiceProblem:
+    """The ChoiceProblem of a profile under `knobs` (see the module docstring for the cost models), before its
+    calibration on the profile's measured peaks (agoq.search.calibration; agoq.search.costs.build_problem does both).
+    Raises ValueError for knobs the profile cannot price."""
+    notes: list[str] = []
+    L = profile.num_layers
+    profiled_micro_batch = int(profile.settings.get("micro_batch", 1) or 1)
+    mb = knobs.micro_batch or profiled_micro_batch
+    accum = int(knobs.grad_accum)
+    block0 = int(profile.settings.get("block", 128) or 128)
+    block = knobs.block or block0
+    shape0, shape = _layer_shape(profile, profiled_micro_batch), _layer_shape(profile, mb)
+    if shape0 is None and (mb != profiled_micro_batch or block != block0):
+        raise ValueError("the profile has no model config: micro-batch and block size cannot differ from the "
+                         "profiled ones")
+    stages = np.array(knobs.layer_stage if knobs.layer_stage is not None else profile.layer_stage(), dtype=int)
+    S = int(stages.max()) + 1
+    in_flight = profile.in_flight(knobs.schedule)
+    if len(in_flight) < S:
+        raise ValueError(f"the profile has in-flight counts for {len(in_flight)} stage(s), the plan uses {S}")
+    if knobs.gradient_mode not in gradient_modes(profile):
+        raise ValueError(f"gradient mode {knobs.gradient_mode!r} needs figures the profile lacks "
+                         f"(available: {', '.join(gradient_modes(profile))})")
+    layout = resolve_layout(knobs.layout, knobs.gradient_mode)
+    world = int(profile.settings.get("world_size", 1) or 1)
+    if layout == "fsdp" and world < 2:
+        raise ValueError("layout fsdp shards over several ranks: the profile was made for one (profile with "
+                         "--world-size N)")
+    if layout == "fsdp" and S > 1:
+        raise ValueError(f"layout fsdp is data parallelism over one pipeline stage, the plan has {S} stages")
+    if layout == "sharded":  # SDP4Bit's sharded step is always its own: unset knobs mean it
+        optimizer, master = knobs.optimizer or "adamw8bit", knobs.master or "fp32"
+        if (optimizer, master) != ("adamw8bit", "fp32"):
+            raise ValueError("gradient mode sdp4bit runs SDP4Bit's sharded step, the fused 8-bit AdamW over float32 "
+                             f"masters: optimizer adamw8bit, masters fp32 (not {optimizer}, masters {master})")
+    else:
+        optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
+    compile_mode = knobs.compile_mode or profile_compile_mode(profile)
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
+    times = _step_times(profile, knobs, compile_mode, mb, accum, optimizer, master, notes)
+    if block != block0:
+        notes.append(f"sensitivities were measured at block {block0}; at block {block} the same values are used")
+    if not knobs.quantize_attention:
+        notes.append("attention is kept at 16 bits, as in agoq-paper: the profile measures sensitivities on fresh "
+                     "weights, where attention's are far lower than after training (--quantize-attention on offers "
+                     "its bit widths)")
+    key = (id(profile.table), knobs.format, tuple(sorted(knobs.floors().items())), block0, knobs.quantize_attention)
+    cached = profile.__dict__.setdefault("_option_rows", {})  # one profile's rows per format, floors, attention
+    if key not in cached:
+        cached[key] = _option_rows(profile, knobs, shape0, block0)
+    rows = cached[key]
+    if times["laaq"] is None:
+        rows = rows[rows["option"] == "16"].copy()
+
+    cache: dict = {}
+
+    def scale(kind: str, option: str) -> float:
+        if shape0 is None or (mb == profiled_micro_batch and block == block0):
+            return 1.0
+        key = (kind, option)
+        if key not in cache:
+            setting = RECOMPUTE if option == "recompute" else int(option)
+            before = _kind_bytes(shape0, kind, setting, block0)
+            cache[key] = _kind_bytes(shape, kind, setting, block) / before if before else 0.0
+        return cache[key]
+
+    layer = rows["layer"].to_numpy(int)
+    kinds, row_bytes = rows["kind"].tolist(), rows["bytes"].tolist()  # lists: iterating the columns is slower
+    kind = np.array([KINDS.index(k) for k in kinds])
+    option = [str(o) for o in rows["option"].tolist()]
+    per_mb = np.array([b * scale(k, o) for b, k, o in zip(row_bytes, kinds, option)], dtype=float)
+    flight = np.array([in_flight[s] for s in stages], dtype=float)
+    memory = per_mb * flight[layer]
+    seconds = np.zeros(len(rows))  # a layer's options are priced by its layer's dQ (the module docstring)
+    # recompute rebuilds the tensor from its stored source by the forward's own function: exact (bit for bit on the
+    # CPU, tests/activations/test_laaq.py). What the profile measured for it is the floor of any measurement that
+    # reruns forward and backward on a GPU (nondeterministic backward kernels), not an error of the option
+    error = np.where(np.array(option) == RECOMPUTE, 0.0, rows["sensitivity"].to_numpy(float))
+
+    unmodified = np.zeros(L)
+    credit = np.zeros(L)
+    if shape is not None:
+        plain = sum(predict_layer_bytes(shape, None, block).values())
+        sixteen: dict[int, dict[str, float]] = {}  # per layer, its kinds' bytes at 16
+        for l, k, o, b in zip(layer, kinds, option, row_bytes):
+            if o == "16":
+                sixteen.setdefault(int(l), {})[k] = b * scale(k, "16")
+        for l in range(L):
+            by_kind = sixteen.get(l, {})
+            credit[l] = by_kind.get("o_proj_input", 0.0) * flight[l]
+            if len(by_kind) == len(KINDS):
+                unmodified[l] = max(0.0, plain - (sum(by_kind.values()) - by_kind.get("o_proj_input", 0.0))) * flight[l]
+    else:
+        notes.append("no model config in the profile: layers left all at 16 bits are costed as the sum of their kinds")
+
+    # a checkpointed layer reruns the unmodified forward in backward, keeping what the plain layer keeps
+    recompute = np.full(L, float(sum(predict_layer_bytes(shape, None, block).values()))) if shape is not None else None
+    hidden = shape.hidden if shape is not None else None
+    elem = ELEM_BYTES.get(str(profile.settings.get("dtype", "bf16")), 2)
+    if hidden is None:
+        config = profile.model_config() or {}
+        hidden = config.get("hidden_size")
+    tokens = mb * int(profile.settings.get("seq_len", 1))
+    checkpoint_memory = np.array([tokens * hidden * elem * flight[l] for l in range(L)], dtype=float) \
+        if hidden else np.zeros(L)
+    allow_ckpt = knobs.allow_checkpoint and bool(hidden) and times["checkpoint"] is not None
+    checkpoint_seconds = np.full(L, times["checkpoint"] if times["checkpoint"] is not None else 0.0)
+    if not hidden and knobs.allow_checkpoint:
+        notes.append("no hidden size in the profile: whole-layer checkpointing is not offered")
+
+    share = np.bincount(stages, minlength=S) / L
+    units = None
+    state = state_per_rank(profile, knobs.gradient_mode, optimizer, master, layout)  # bytes per rank
+    state_total = sum(state.values())
+    static_parts = {name: value * share for name, value in state.items()}  # {part: [S] bytes}
+    if layout == "fsdp":
+        units = unit_sizes(profile.model_config(), int(profile.header["model"].get("parameters") or 0), L)
+        in_flight_weights = fsdp_in_flight_bytes(units, knobs.gradient_mode)
+        static_parts["fsdp_unsharded"] = in_flight_weights * share
+        notes.append(f"fsdp over {world} ranks: {int(state_total)} bytes of sharded state per rank and "
+                     f"{int(in_flight_weights)} bytes of unsharded weights and gradients in flight "
+                     "(agoq.search.layouts)")
+    calibrated = measured_with(profile)
+    grads_calibrated = state_parts(profile, calibrated["gradients"], optimizer, master)["gradients"]
+    if knobs.gradient_mode == "quangrad8" and calibrated["gradients"] != "quangrad8":
+        # fixed_bytes was calibrated on a step whose bf16 gradients mostly did not exist yet at its fwd + bwd peak
+        # (fixed = measured - predicted counts that as a credit); QuanGrad's buffer is allocated before the step,
+        # while backward still produces each bf16 gradient: the peak keeps the calibrated step's gradients and
+        # the buffer too
+        static_parts["backward_gradients"] = grads_calibrated * share
+        notes.append(f"QuanGrad's 8-bit gradient buffer is counted on top of the {calibrated['gradients']} gradients "
+                     "the profile's fixed bytes were calibrated with (+"
+                     f"{int(grads_calibrated)} bytes at the fwd + bwd peak)")
+    elif knobs.gradient_mode == "bf16" and accum > 1 and calibrated["gradients"] == "bf16":
+        # the calibration step's peak came before backward made any gradient; from the second micro-batch on,
+        # the gradients of the earlier ones are kept while the next one runs forward and backward
+        static_parts["accumulated_gradients"] = state["gradients"] * share
+        notes.append(f"with {accum} micro-batches per step the gradients of the first are kept through the others' "
+                     f"forward and backward (+{int(state['gradients'])} bytes at the fwd + bwd peak)")
+    # besides the layers' activations a step holds what embedding, final norm, head and loss keep
+    # (outside_activation_bytes) and the calibrated rest (fixed_bytes: logits' gradient, workspace)
+    outside = float(profile.memory.get("outside_activation_bytes") or 0)
+    fixed_bytes = profile.memory.get("fixed_bytes")
+    if fixed_bytes is None:  # not calibrated (no allocator statistics where it was profiled)
+        notes.append("this profile was made on a device without allocator statistics (the CPU), so the memory "
+                     "model could not measure the step's workspace (temporaries): predicted peaks count only "
+                     "weights, gradients, optimizer state, activations and the LM head's modelled tensors "
+                     f"(at least the {int(outside)} bytes kept outside the decoder layers); profile on the GPU you "
+                     "will train on for peaks you can budget by")
+    # the eager step's peak is the chunked loss's forward (agoq.models.step_peak): the head's tensors at this
+    # micro-batch and the calibrated workspace (the gradient storage there is the QuanGrad correction above)
+    head = head_shape_of(profile.memory, profile.model_config(), profiled_micro_batch,
+                         int(profile.settings.get("seq_len", 1)), elem)
+    static_parts["head_and_workspace"] = np.full(S, head_and_workspace_bytes(profile.memory, head, mb,
+                                                                          profiled_micro_batch))
+    older = removed_copy_bytes(profile.memory, head)
+    if older > 0:
+        notes.append(f"this profile was measured while the LM loss held {int(older)} bytes more at its peak (a "
+                     "float32 copy of each chunk's weight gradient, since removed): a compiled plan whose peak "
+                     "is the loss's forward may be predicted up to that much high; run `agoq profile` again to "
+                     "plan with that memory")
+    static = sum(static_parts.values())
+    end_of_backward = _end_of_backward(profile, knobs.gradient_mode, accum, layout, state["gradients"], stages,
+                                       float(head_peak_bytes(head.with_micro_batch(mb))) if head is not None else 0.0)
+    # LAAQ's backward holds dequantized copies the memory model does not list: the agoq-paper step's
+    # measured fwd + bwd peak beyond its prediction (both from the profile) is taken as that transient
+    laaq = None
+    paper = next((st for st in profile.memory.get("steps", []) or [] if st.get("policy") == "agoq-paper"), {})
+    measured_fb = paper.get("measured_peak_bytes_forward_backward")
+    predicted_fb = paper.get("predicted_peak_bytes_forward_backward")
+    if measured_fb is not None and predicted_fb is not None:
+        over = max(0.0, float(measured_fb) - float(predicted_fb)) * (mb / profiled_micro_batch)
+        laaq = np.full(S, over)
+        notes.append(f"LAAQ backward transient of {int(over)} bytes per stage, from the profile's agoq-paper step")
+    fixed_opt = profile.memory.get("fixed_bytes_optimizer_step")
+    floor, floor_parts = None, None
+    if fixed_opt is not None:  # the optimizer step's peak: weights, gradients, state and its temporaries
+        # fixed_opt was measured with the profile's optimizer: its transient is swapped for this optimizer's
+        transient = state_parts(profile, knobs.gradient_mode, optimizer, master)["step_transient"] \
+            - state_parts(profile, knobs.gradient_mode, calibrated["optimizer"], calibrated["master"])["step_transient"]
+        floor_parts = {name: value * share for name, value in state.items()}
+        floor_parts["optimizer_step_workspace"] = (float(fixed_opt) + transient) * share
+        floor = sum(floor_parts.values())
+    params = float(profile.header["model"].get("parameters") or 0)
+    base = times["base"]
+    if layout == "fsdp":  # FSDP2: each rank steps 1/N of the state; its collectives overlap each layer's compute
+        split = prices(profile).split_parts(compile_mode, mb, "bf16", optimizer, master)
+        if split is None:
+            raise ValueError(f"the profile measured no {compile_mode} steps of one and two micro-batches of {mb} "
+                             "sequences: an fsdp plan's compute and optimizer step cannot be told apart")
+        fb, once = split
+        base = accum * fb + once / world
+        parts = fsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb)
+        comm = accum * parts["exposed"]
+        ag_ms, rs_ms = parts["all_gather_layer"] * 1e3, parts["reduce_scatter_layer"] * 1e3
+        notes.append(f"fsdp communication: {comm:.4g} s per step not hidden by compute (all-gather {ag_ms:.3g} ms, "
+                     f"reduce-scatter {rs_ms:.3g} ms per layer and micro-batch)")
+    else:
+        comm = _collective_seconds(profile, knobs.gradient_mode, params * 4) if params else 0.0
+    if math.isnan(comm):
+        notes.append(f"no collective timing for gradient mode {knobs.gradient_mode}: communication not counted")
+        comm = 0.0
+    problem = ChoiceProblem(layer, kind, option, memory, seconds, error, stages, checkpoint_memory,
+                            checkpoint_seconds, allow_ckpt, unmodified, credit, static, base + comm, 1.0, notes,
+                            floor, np.array(in_flight[:S], dtype=float), recompute, laaq, times["laaq"] or 0.0,
+                            static_parts, floor_parts, one_setting_per_stage=compile_mode == "compiled",
+                            end_of_backward=end_of_backward,
+                            offload=offload_prices(profile, knobs, base + comm, accum, S, layout, notes,
+                                                   compile_mode, mb),
+                            communication_seconds=float(comm))
+    return problem
+
+
+__all__ = ["model_problem", "gradient_modes", "ELEM_BYTES"]
