@@ -174,7 +174,8 @@ def clear_the_way(out: Path, force: bool) -> None:
     try:
         found = demo_folder.inspect(out, demo_parts())
     except NotARecord as e:
-        raise ValueError(f"--out {out}: {e}; agoq demo will not write over it: move it, or give another --out") from None
+        raise ValueError(f"--out {out}: {e}; agoq demo will not write over it: move it, or give another "
+                         "--out") from None
     if found.foreign:
         whose = (f"which agoq demo's record there ({out / RECORD}) does not list" if found.record is not None else
                  f"and no record of a demo ({RECORD}; an agoq older than this one wrote none: remove its folders "
@@ -199,7 +200,10 @@ def gpu_comparison() -> list[str]:
           "8-bit AdamW), predicted tokens/s at a few memory budgets per GPU:", flush=True)
     headlines = []
     for name, folder in shipped_profiles().items():
-        lines, headline = profile_lines(name, folder)
+        try:
+            lines, headline = profile_lines(name, folder)
+        except (ValueError, OSError) as e:  # one unreadable profile leaves the others and the CPU loop to run
+            lines, headline = [f"  shipped profile {name}: cannot plan from it ({e})"], None
         print("\n".join(lines), flush=True)
         headlines += [headline] if headline else []
     print(f"(searched in {time.monotonic() - start:.0f} s on this machine; what plans like these measured when "

@@ -100,7 +100,8 @@ class DemoRecord:
         target = self.out / part
         if os.path.lexists(target):
             raise ValueError(f"{target} exists: agoq demo writes only folders it creates (remove it first)")
-        above = [PurePosixPath(*PurePosixPath(part).parts[:i]).as_posix() for i in range(1, len(PurePosixPath(part).parts))]
+        bits = PurePosixPath(part).parts
+        above = [PurePosixPath(*bits[:i]).as_posix() for i in range(1, len(bits))]
         self.parts[part] = {"created": [a for a in above if not os.path.lexists(self.out / a)], "entries": None}
         self.save()
         try:

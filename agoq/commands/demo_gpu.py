@@ -29,7 +29,7 @@ class Row:
     agoq: bool = True                # the plan uses agoq (False: it is the alternative, no agoq in it)
     plan_tokens: Optional[float] = None   # the plan's tokens/s
     plan_what: str = ""              # how the plan runs, in words
-    best_agoq_tokens: Optional[float] = None  # with agoq False: agoq's best plan's tokens/s, which it did not beat by enough
+    best_agoq_tokens: Optional[float] = None  # agoq False: the tokens/s of agoq's best plan, not enough faster
     alternative: Optional[str] = None     # the fastest alternative that fits (its name)
     alternative_tokens: Optional[float] = None
     smallest: Optional[int] = None   # no plan fits: the smallest budget one does (None: a plan was found)
@@ -117,7 +117,8 @@ def profile_lines(name: str, folder: Path) -> tuple[list[str], Optional[str]]:
     lines = [f"  {profile.model_name} ({profile.num_layers} layers) on {device}, {s.get('micro_batch')} x "
              f"{s.get('seq_len')} tokens a step (shipped profile {name}):"]
     rows = [compare(profile, b) for b in budgets(profile.memory.get("steps"))]
-    lines += [f"    {line}" for r in rows for line in row_lines(r)] or ["    (its profile lacks the agoq-paper and bf16 peaks)"]
+    lines += ([f"    {line}" for r in rows for line in row_lines(r)]
+              or ["    (its profile lacks the agoq-paper and bf16 peaks)"])
     gains = [(r.plan_tokens / r.alternative_tokens if r.alternative_tokens else float("inf"), r)
              for r in rows if r.agoq and r.plan_tokens]
     if not gains:

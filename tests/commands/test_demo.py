@@ -93,7 +93,8 @@ def _check_the_gpu_comparison(printed: str, shipped: dict) -> None:
             "memory"]["steps"]}
         part = gpu[gpu.index(f"(shipped profile {name})"):]
         part = part[:part.index("(shipped profile", 1)] if "(shipped profile" in part[1:] else part
-        for budget in (int(0.9 * steps["agoq-paper"]), steps["agoq-paper"], int((steps["agoq-paper"] + steps["bf16"]) / 2)):
+        paper, bf16 = steps["agoq-paper"], steps["bf16"]
+        for budget in (int(0.9 * paper), paper, int((paper + bf16) / 2)):
             at = f"at {budget / 1e9:.1f} GB"
             assert at in part, (at, part)
             block = part[part.index(at):].splitlines()[:2]
