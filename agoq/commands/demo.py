@@ -178,8 +178,8 @@ def clear_the_way(out: Path, force: bool) -> None:
                          "--out") from None
     if found.foreign:
         whose = (f"which agoq demo's record there ({out / RECORD}) does not list" if found.record is not None else
-                 f"and no record of a demo ({RECORD}; an agoq older than this one wrote none: remove its folders "
-                 "yourself)")
+                 f"and there is no demo record ({RECORD}) there, so agoq demo did not write them (an agoq older "
+                 "than this one wrote no record: remove the folders of its demo yourself)")
         raise ValueError(f"--out {out} holds {found.named()} where agoq demo writes, {whose}: agoq demo neither "
                          "replaces nor mixes with what it did not write; move them, or give another --out")
     if found.earlier and not force:

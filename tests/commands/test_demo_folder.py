@@ -163,7 +163,7 @@ def test_results_of_the_quick_start_are_not_a_demo(stages, capsys):
         assert run(*force)[0] == 2
         err = capsys.readouterr().err
         assert "profile/" in err and "search/" in err and "runs/plan/" in err and "runs/other" not in err, err
-        assert "earlier demo" not in err and "no record" in err
+        assert "earlier demo" not in err and "no demo record" in err
         assert _files(out) == before
 
 
