@@ -119,3 +119,20 @@ def read_json_object(path: str | os.PathLike, what: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{what} {p} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def entries_under(folder: str | os.PathLike) -> dict[str, str]:
+    """What lies under `folder`, as {path relative to it (with "/"): "dir" | "file" | "link"}, `folder` itself left
+    out; symbolic links are listed as "link" and not followed. {} when `folder` is not a folder."""
+    root = Path(folder)
+    if root.is_symlink() or not root.is_dir():
+        return {}
+    found: dict[str, str] = {}
+    for here, dirs, files in os.walk(root):
+        base = Path(here).relative_to(root)
+        for name in dirs:
+            path = Path(here) / name
+            found[(base / name).as_posix()] = "link" if path.is_symlink() else "dir"
+        for name in files:
+            found[(base / name).as_posix()] = "link" if (Path(here) / name).is_symlink() else "file"
+    return dict(sorted(found.items()))

@@ -70,7 +70,8 @@ def test_cpu_training_path_without_triton(tmp_path):
 
 
 def test_demo_without_triton(tmp_path):
-    """The README's main job, on its defaults, in an interpreter without Triton."""
+    """The README's main job, on its defaults, in an interpreter without Triton; its record (agoq-demo.json) lists
+    every file and folder it wrote, so `--force` would replace exactly those."""
     done = _run_without_triton(f"""
         from agoq.cli import main
         if __name__ == "__main__":  # the profile's two collective processes are spawned: they import this file
@@ -78,3 +79,11 @@ def test_demo_without_triton(tmp_path):
             assert code == 0, code
     """, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    out = tmp_path / "demo"
+    parts = json.loads((out / "agoq-demo.json").read_text())["parts"]
+    recorded = {*parts, *(c for claim in parts.values() for c in claim["created"]),
+                *(f"{part}/{p}" for part, claim in parts.items() for p in claim["entries"])}
+    assert recorded == {p.relative_to(out).as_posix() for p in out.rglob("*")} - {"agoq-demo.json"}
+    assert {"profile", "search", "runs/baseline", "runs/plan"} <= set(parts)

@@ -1,6 +1,9 @@
-"""Run agoq's whole loop on the tiny LLaMA on the CPU, in about a minute or two, then print the command
-that shows the results in the dashboard:
+"""Show what agoq buys on a GPU, then run agoq's whole loop on the tiny LLaMA on the CPU, in about a minute or
+two, and print the command that shows the results in the dashboard:
 
+  0. agoq search, in this process, on the profiles of a real model (the 1.1 B-parameter probe) measured on real GPUs
+     that agoq ships (agoq.examples): at a few budgets, agoq's plan against the fastest alternative that fits without
+     agoq, as predicted from those profiles (measured figures: docs/results.md)
   1. agoq profile llama-tiny              -> OUT/profile/   (bytes, error, sensitivity per layer and kind;
                                                              collective times between two local processes)
   2. agoq search --budget B               -> OUT/search/    (plan.json, pareto.csv, Optuna study)
@@ -10,11 +13,17 @@ that shows the results in the dashboard:
      searches one replicated with QuanGrad's 8-bit gradients (-> OUT/search-one-process/) to train
   3. agoq train llama-tiny                -> OUT/runs/baseline/ (no plan: plain training, in float32 on the CPU)
      agoq train llama-tiny --plan ...     -> OUT/runs/plan/     (the same steps with the searched plan)
-  4. copies the profiles of real models measured on real GPUs that agoq ships (agoq.examples) to OUT/examples/,
-     so that the dashboard's budget slider plans for them too, and `agoq search --profile OUT/examples/NAME`
+  4. copies the shipped GPU profiles to OUT/examples/, so that the dashboard's budget slider plans for them too,
+     and `agoq search --profile OUT/examples/NAME`
   5. prints `agoq dashboard --root OUT`
 
+Steps 1-3 check that training with a plan works end to end; on the CPU agoq's quantization runs as its PyTorch
+reference code, so their step times and memory are the CPU's and say nothing of what agoq buys on a GPU (step 0).
 Each step runs the same command a user would type (its module in agoq.commands, with its own parser).
+
+The demo records every file and folder it writes in OUT/agoq-demo.json as it goes (agoq.commands.demo_folder);
+--force replaces exactly those, and agoq demo refuses, naming them, anything in the folders it writes that it did
+not write. Files elsewhere in OUT are left alone.
 """
 
 from __future__ import annotations
@@ -26,15 +35,15 @@ import sys
 import time
 from pathlib import Path
 
-from agoq.commands import profile, search, train
+from agoq.commands import demo_folder, profile, search, train
 from agoq.commands.arguments import positive_int, run_module
+from agoq.commands.demo_folder import RECORD, DemoRecord, NotARecord
 from agoq.files import check_output_folder
 from agoq.layout import SHARDED_MODES
 
-HELP = "the whole loop on a tiny model on the CPU, then the dashboard command to see it"
+HELP = "what agoq buys on a GPU (predicted from shipped profiles), then the whole loop on a tiny model on the CPU"
 MODEL = "llama-tiny"
 STAGES = {"profile": profile, "search": search, "train": train}
-DEMO_PARTS = ("profile", "search", "runs", "examples")
 # measured widths and formats kept small so the CPU profile takes seconds, not minutes; collectives
 # timed over gloo between two local processes
 PROFILE_ARGS = ["--bits", "2,3,4,6,8", "--formats", "int", "--batches", "1", "--world-size", "2",
@@ -50,7 +59,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=200,
                         help="training steps of each of the two runs (default 200)")
     parser.add_argument("--force", action="store_true",
-                        help="replace the results of an earlier demo in --out (its profile/, search/ and runs/)")
+                        help=f"replace an earlier demo in --out: exactly the files and folders it recorded writing in "
+                             f"OUT/{RECORD} (under profile/, search/, search-one-process/, runs/baseline/, runs/plan/ "
+                             "and examples/NAME/); anything else in --out is left alone, and a file in those folders "
+                             "that the demo did not write makes it refuse, naming it")
     parser.add_argument("--quiet", action="store_true", help="no progress bars from the stages")
     parser.set_defaults(func=run)
 
@@ -82,20 +94,31 @@ def demo_budget(profile_dir: Path) -> int:
                      "(or of bf16 and another policy), which the demo needs to pick a budget")
 
 
+def _stage_in(record: DemoRecord, part: str, argv: list[str]) -> None:
+    """Run a stage that writes the demo's `part` of OUT, recorded before it starts and listed once it ends."""
+    with record.writing(part):
+        _stage(argv)
+
+
 def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list[str] | None = None,
-             search_args: list[str] | None = None, train_args: list[str] | None = None) -> dict[str, Path]:
+             search_args: list[str] | None = None, train_args: list[str] | None = None,
+             record: DemoRecord | None = None) -> dict[str, Path]:
     """Profile, search and train (the baseline without a plan, and with the plan) into `out`; returns the folders
-    written.
+    written. What each stage writes goes into `record` (default: a new record of `out`, OUT/agoq-demo.json) as it goes.
     The *_args lists replace the demo's extra arguments of each stage (tests use them to go faster)."""
+    if record is None:
+        record = DemoRecord(out)
+        record.save()
     q = ["--quiet"] if quiet else []
     paths = {"profile": out / "profile", "search": out / "search", "baseline": out / "runs" / "baseline",
              "plan_run": out / "runs" / "plan", "plan": out / "search" / "plan.json"}
-    _stage(["profile", MODEL, "--device", "cpu", "--out", str(paths["profile"]), *q,
-            *(PROFILE_ARGS if profile_args is None else profile_args)])
+    _stage_in(record, "profile", ["profile", MODEL, "--device", "cpu", "--out", str(paths["profile"]), *q,
+                                  *(PROFILE_ARGS if profile_args is None else profile_args)])
     budget = demo_budget(paths["profile"])
     # the demo trains in one process: the search keeps to layouts that run there (DDP's, replicated)
-    _stage(["search", "--profile", str(paths["profile"]), "--budget", str(budget), "--out", str(paths["plan"]),
-            "--layout", "replicated", *q, *(SEARCH_ARGS if search_args is None else search_args)])
+    _stage_in(record, "search", ["search", "--profile", str(paths["profile"]), "--budget", str(budget), "--out",
+                                 str(paths["plan"]), "--layout", "replicated", *q,
+                                 *(SEARCH_ARGS if search_args is None else search_args)])
     plan = json.loads(paths["plan"].read_text())
     trained = paths["plan"]
     parallel = (plan.get("launch") or {}).get("parallel")
@@ -105,9 +128,10 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
         print(f"agoq demo: the plan shards over several processes ({parallel}); this single-process demo trains "
               "the plan searched with --layout replicated --gradients quangrad8 instead", file=sys.stderr)
         paths["one_process"] = out / "search-one-process" / "plan.json"
-        _stage(["search", "--profile", str(paths["profile"]), "--budget", str(budget), "--out",
-                str(paths["one_process"]), "--layout", "replicated", "--gradients", "quangrad8", *q,
-                *(SEARCH_ARGS if search_args is None else search_args)])
+        _stage_in(record, "search-one-process",
+                  ["search", "--profile", str(paths["profile"]), "--budget", str(budget), "--out",
+                   str(paths["one_process"]), "--layout", "replicated", "--gradients", "quangrad8", *q,
+                   *(SEARCH_ARGS if search_args is None else search_args)])
         trained = paths["one_process"]
         plan = json.loads(trained.read_text())
     # both runs train on the batch shape the plan was made for, so their curves compare
@@ -117,43 +141,107 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
              if training.get(key) for arg in (flag, str(training[key]))]
     common = ["--device", "cpu", "--steps", str(steps), *shape, *q,
               *(TRAIN_ARGS if train_args is None else train_args)]
-    _stage(["train", MODEL, "--out", str(paths["baseline"]), *common])
-    _stage(["train", MODEL, "--plan", str(trained), "--out", str(paths["plan_run"]), *common])
+    _stage_in(record, "runs/baseline", ["train", MODEL, "--out", str(paths["baseline"]), *common])
+    _stage_in(record, "runs/plan", ["train", MODEL, "--plan", str(trained), "--out", str(paths["plan_run"]), *common])
     return paths
 
 
-def copy_examples(folder: Path) -> list[str]:
-    """Copy agoq's example profiles (agoq.examples) into `folder`; returns their names."""
+def shipped_profiles() -> dict[str, Path]:
+    """{name: folder} of agoq's example profiles (agoq.examples), which the demo copies to OUT/examples/NAME."""
     from agoq.examples import profiles
 
+    return profiles()
+
+
+def copy_examples(out: Path, record: DemoRecord) -> list[str]:
+    """Copy agoq's example profiles into OUT/examples/, each recorded in `record`; returns their names."""
     names = []
-    for name, source in profiles().items():
-        shutil.copytree(source, folder / name, dirs_exist_ok=True)
+    for name, source in shipped_profiles().items():
+        with record.writing(f"examples/{name}") as folder:
+            shutil.copytree(source, folder)
         names.append(name)
     return names
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the demo and print the dashboard command."""
-    out = check_output_folder(args.out, "--out")
-    earlier = [out / p for p in DEMO_PARTS if (out / p).exists()]
-    if earlier and not args.force:
-        raise ValueError(f"--out {out} already holds an earlier demo ({', '.join(p.name for p in earlier)}); "
-                         "pass --force to replace it, or another --out")
-    for p in earlier:
-        shutil.rmtree(p)
-    start = time.monotonic()
+def demo_parts() -> list[str]:
+    """The parts of OUT a demo may write (agoq.commands.demo_folder)."""
+    return [*demo_folder.FIXED_PARTS, *(f"examples/{name}" for name in shipped_profiles())]
+
+
+def clear_the_way(out: Path, force: bool) -> None:
+    """Make room for a demo in `out`: nothing there but an earlier demo's parts, which go with `force`. Raises
+    ValueError naming what is in the way (and what to do) otherwise."""
     try:
-        run_loop(out, steps=args.steps, quiet=args.quiet)
+        found = demo_folder.inspect(out, demo_parts())
+    except NotARecord as e:
+        raise ValueError(f"--out {out}: {e}; agoq demo will not write over it: move it, or give another "
+                         "--out") from None
+    if found.foreign:
+        whose = (f"which agoq demo's record there ({out / RECORD}) does not list" if found.record is not None else
+                 f"and there is no demo record ({RECORD}) there, so agoq demo did not write them (an agoq older "
+                 "than this one wrote no record: remove the folders of its demo yourself)")
+        raise ValueError(f"--out {out} holds {found.named()} where agoq demo writes, {whose}: agoq demo neither "
+                         "replaces nor mixes with what it did not write; move them, or give another --out")
+    if found.earlier and not force:
+        raise ValueError(f"--out {out} already holds an earlier demo ({', '.join(p + '/' for p in found.earlier)}); "
+                         f"pass --force to replace it (exactly what it recorded writing, in {out / RECORD}), or "
+                         "another --out")
+    demo_folder.remove(out, found)
+
+
+def gpu_comparison() -> list[str]:
+    """Step 0: the shipped GPU profiles' plans against the alternatives (agoq.commands.demo_gpu), said now; returns
+    one headline per profile for the closing lines."""
+    from agoq.commands.demo_gpu import RESULTS, profile_lines
+
+    start = time.monotonic()
+    print("What agoq buys on a GPU: agoq search on profiles measured on GPUs that agoq ships (agoq.examples), "
+          "agoq's plan against the fastest configuration that fits without agoq (bf16, checkpointing, torch.compile, "
+          "8-bit AdamW), predicted tokens/s at a few memory budgets per GPU:", flush=True)
+    headlines = []
+    for name, folder in shipped_profiles().items():
+        try:
+            lines, headline = profile_lines(name, folder)
+        except (ValueError, OSError) as e:  # one unreadable profile leaves the others and the CPU loop to run
+            lines, headline = [f"  shipped profile {name}: cannot plan from it ({e})"], None
+        print("\n".join(lines), flush=True)
+        headlines += [headline] if headline else []
+    print(f"(searched in {time.monotonic() - start:.0f} s on this machine; what plans like these measured when "
+          f"trained on an H100 and an H200, against the alternative trained beside them: {RESULTS} in agoq's "
+          "repository, \"Plans as a user runs them\")", flush=True)
+    return headlines
+
+
+CPU_CHECK = ("Next, the whole loop on the CPU with a tiny LLaMA: profile, search, train without and with the plan. "
+             "It checks that training with a plan works end to end. On the CPU agoq's quantization runs as its PyTorch "
+             "reference code, not its GPU kernels, so these runs' step times and memory are the CPU's: they are not "
+             "what a plan is for, and they say nothing of the figures above.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Show the GPU comparison, run the demo's loop on the CPU and print the dashboard command."""
+    out = check_output_folder(args.out, "--out")
+    clear_the_way(out, args.force)
+    start = time.monotonic()
+    record = DemoRecord(out)
+    record.save()
+    headlines = gpu_comparison()
+    print(f"\n{CPU_CHECK}", flush=True)
+    try:
+        run_loop(out, steps=args.steps, quiet=args.quiet, record=record)
     except StageFailed as e:
         print(f"agoq demo: {e}", file=sys.stderr)
         return 1
-    examples = copy_examples(out / "examples")
+    examples = copy_examples(out, record)
+    record.finish()
     root = out.resolve()
+    print(f"\nagoq demo: done in {time.monotonic() - start:.0f} s; everything is in {root}")
+    print("  on a GPU (predicted by agoq search from the shipped profiles, at the top): "
+          + ("; ".join(headlines) if headlines else "no shipped profile to plan from"))
+    print("  on this CPU (runs/baseline, runs/plan): training with a plan works; their speed and memory are the "
+          "CPU's, not what agoq plans for")
     if examples:
-        print(f"agoq demo: profiles of real models on real GPUs, to plan from: {', '.join(examples)} (in "
-              f"{root / 'examples'}; e.g. agoq search --profile {root / 'examples' / examples[0]} --budget 12GB "
-              f"--out plan.json)", file=sys.stderr)
-    print(f"\nagoq demo: done in {time.monotonic() - start:.0f} s; everything is in {root}\n"
-          f"see it with:\n\n  agoq dashboard --root {root}\n\nthen open http://127.0.0.1:8000/")
+        print(f"  plan for the GPU profiles yourself: agoq search --profile {root / 'examples' / examples[0]} "
+              "--budget 12GB --out plan.json")
+    print(f"see it all with:\n\n  agoq dashboard --root {root}\n\nthen open http://127.0.0.1:8000/")
     return 0
