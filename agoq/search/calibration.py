@@ -61,6 +61,7 @@ from typing import Optional
 
 import numpy as np
 
+from agoq.activations.policy import KINDS
 from agoq.formats.measured_steps import POLICIES
 from agoq.formats.profile import ProfileData
 from agoq.search.cost_model import model_problem
@@ -168,7 +169,6 @@ def choice_of_plan(problem: ChoiceProblem, plan: dict) -> Optional[tuple[np.ndar
     layers = plan.get("layers") or []
     if len(layers) != problem.num_layers:
         return None
-    from agoq.activations.policy import KINDS
 
     ckpt = np.array([bool(lp.get("checkpoint")) for lp in layers])
     chosen = []

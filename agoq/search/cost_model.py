@@ -172,6 +172,12 @@ def _step_times(profile: ProfileData, knobs: ProblemSettings, compile_mode: str,
     if checkpoint is None and knobs.allow_checkpoint:
         notes.append(f"no {compile_mode} checkpoint-all step was measured at micro-batch {mb} x {accum}: no layer is "
                      "checkpointed at these knobs")
+    if checkpoint is not None and checkpoint < 0:
+        # a checkpointed layer runs its forward twice: measured faster than kept is the measurement's noise (a loaded
+        # CPU), which would price a checkpointed step below the bf16 one, or below nothing
+        notes.append(f"the {compile_mode} checkpoint-all step measured faster than bf16 at micro-batch {mb} x {accum} "
+                     f"({checkpoint * 1e3:.3g} ms per layer): noise, a checkpointed layer is priced at no extra time")
+        checkpoint = 0.0
     spread = sp.spread(compile_mode, mb, accum) if compile_mode == "eager" else None
     if spread is not None and spread[0] > EAGER_SPREAD_NOTE:
         wide, row = spread

@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from agoq.search.costs import ChoiceProblem, recipe_error
+from agoq.search.problem import ChoiceProblem, checkpointing_only, recipe_error
 from agoq.search.milp_model import Allocation, Model, primary_gap
 from agoq.search.request import CHECKPOINT_CAP, RECIPE_CAP, InfeasibleBudget
 from agoq.units import format_bytes_apart
@@ -230,8 +230,6 @@ def resolve_error_cap(problem: ChoiceProblem, error_cap) -> Optional[float]:
 def checkpointing_seconds(problem: ChoiceProblem, budget) -> Optional[float]:
     """Predicted step seconds of the fastest full-or-selective checkpointing (each layer kept whole or
     checkpointed) that fits `budget` bytes per stage; None when even full checkpointing does not fit."""
-    from agoq.search.costs import checkpointing_only
-
     try:
         return Solver(checkpointing_only(problem)).solve(budget, "time").step_seconds
     except InfeasibleBudget:

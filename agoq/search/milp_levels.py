@@ -37,7 +37,9 @@ from typing import Optional
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
 
+from agoq.search.highs import milp
 from agoq.search.milp_offload import Enumeration
+from agoq.search.milp_uniform import tie_break
 
 RELATIVE = 1e-9  # two levels whose seconds differ by less than this (relative) are the same time
 
@@ -172,9 +174,6 @@ class Levels:
                       settled: dict) -> Optional[OptimizeResult]:
         """`fastest` over the choices `bounds` allows (the model's, or with offload every layer kept on the GPU),
         its answers at other budgets kept in `settled`."""
-        from agoq.search.milp_model import milp
-        from agoq.search.milp_uniform import tie_break
-
         m = self.m
         start = time.perf_counter()
         cons = m.constraints(budgets, None, error_cap)

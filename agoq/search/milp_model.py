@@ -55,21 +55,17 @@ second solve is the real trade-off: the least time at zero error.
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
-from scipy.optimize import milp as _scipy_milp
 from scipy.sparse import coo_matrix
 
 from agoq.activations.policy import KINDS
-from agoq.search.costs import ChoiceProblem
+from agoq.search.problem import ChoiceProblem
+from agoq.search.highs import lp_pool, milp
 from agoq.search.milp_levels import Levels, count_priced
 from agoq.search.milp_offload import Enumeration
 from agoq.search.milp_uniform import tie_break
@@ -86,46 +82,6 @@ GAP = 1e-7  # relative MIP gap of the second objective (the tie-break) and the l
 # plan shows a gap left only where a time limit stopped the solve (agoq.search.plan_builder).
 FIRST_GAP = 3e-3
 MIB = float(2**20)
-
-
-def milp(c, **kwargs):
-    """scipy.optimize.milp, without HiGHS's stray standard-output line.
-
-    HiGHS 1.12 (inside scipy) prints "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
-    to the process's file descriptor 1 on some solves, whatever its display option. In the main thread (the CLI,
-    scripts) descriptor 1 points at /dev/null for the solve's duration; Python's own output is flushed first and
-    is untouched after. Other threads (the dashboard's solver pool) solve as they are: redirecting a descriptor
-    the whole process shares would swallow the server's own output."""
-    if threading.current_thread() is not threading.main_thread():
-        return _scipy_milp(c, **kwargs)
-    try:
-        sys.stdout.flush()
-        saved = os.dup(1)
-    except (OSError, ValueError, AttributeError):  # no descriptor 1 to protect (closed, or replaced streams)
-        return _scipy_milp(c, **kwargs)
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1)
-        os.close(null)
-        return _scipy_milp(c, **kwargs)
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-_POOL = None
-_POOL_LOCK = threading.Lock()
-
-
-def _lp_pool() -> ThreadPoolExecutor:
-    """Threads for independent small LPs (the prefixes' relaxations), one per core up to two: HiGHS releases the
-    GIL, so two LPs run at once (the H100 probe's smallest budget: 34 of them, 0.17 s one after another)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid():  # a forked child has none of its parent's threads
-            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1)),
-                                                     thread_name_prefix="agoq-lp"))
-        return _POOL[1]
 
 
 @dataclass
@@ -526,7 +482,7 @@ class Model:
             return milp(c, constraints=constraints, integrality=np.zeros(self.nv), bounds=visit[1],
                         options={"presolve": False})
 
-        for (k, fixed), relaxed in zip(visits, _lp_pool().map(relax, visits)):
+        for (k, fixed), relaxed in zip(visits, lp_pool().map(relax, visits)):
             if relaxed.status == 2:
                 continue  # not even the relaxation fits: no choice offloads exactly these layers
             if relaxed.x is None:

@@ -135,3 +135,20 @@ def test_the_requested_layout_binds_the_alternatives(tmp_path):
         launch = plan.to_dict()["launch"]["parallel"]
         assert plan_layout(plan) == layout and plan.decision.knobs["layout"] == layout, (seed, layout, launch)
         assert all(a.layout == "fsdp" for a in plan.alternatives), (seed, layout)
+
+
+def test_a_checkpoint_measured_faster_than_keeping_is_priced_at_no_extra_time(tmp_path):
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng)
+    header = json.loads((profile.path / "profile.json").read_text())
+    for r in header["measured_steps"]["rows"]:  # a loaded CPU: every eager checkpoint-all step measured too fast
+        if r["compile"] == "eager" and r["policy"] == "checkpoint-all":
+            r["step_seconds"] *= rng.uniform(0.3, 0.9)
+    (profile.path / "profile.json").write_text(json.dumps(header))
+    profile = load_profile(profile.path)
+    knobs = ProblemSettings(micro_batch=2, compile_mode="eager", optimizer="adamw8bit", master="fp32")
+    kept = price(profile, Configuration(knobs))
+    L = profile.num_layers
+    every = price(profile, Configuration(knobs, checkpoint_layers=tuple(range(L))))
+    assert every.step_seconds == pytest.approx(kept.step_seconds, rel=1e-12), seed
+    assert any("faster than bf16" in n for n in build_problem(profile, knobs).notes), seed

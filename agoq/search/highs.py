@@ -1,0 +1,54 @@
+"""HiGHS through scipy: `milp` (scipy.optimize.milp without HiGHS's stray output line) and a small thread pool for
+independent LPs. The MILP's modules (agoq.search.milp_model, milp_levels) solve through these."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from scipy.optimize import milp as _scipy_milp
+
+
+def milp(c, **kwargs):
+    """scipy.optimize.milp, without HiGHS's stray standard-output line.
+
+    HiGHS 1.12 (inside scipy) prints "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
+    to the process's file descriptor 1 on some solves, whatever its display option. In the main thread (the CLI,
+    scripts) descriptor 1 points at /dev/null for the solve's duration; Python's own output is flushed first and
+    is untouched after. Other threads (the dashboard's solver pool) solve as they are: redirecting a descriptor
+    the whole process shares would swallow the server's own output."""
+    if threading.current_thread() is not threading.main_thread():
+        return _scipy_milp(c, **kwargs)
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no descriptor 1 to protect (closed, or replaced streams)
+        return _scipy_milp(c, **kwargs)
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.close(null)
+        return _scipy_milp(c, **kwargs)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def lp_pool() -> ThreadPoolExecutor:
+    """Threads for independent small LPs (the prefixes' relaxations), one per core up to two: HiGHS releases the
+    GIL, so two LPs run at once (the H100 probe's smallest budget: 34 of them, 0.17 s one after another)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():  # a forked child has none of its parent's threads
+            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1)),
+                                                     thread_name_prefix="agoq-lp"))
+        return _POOL[1]
+
+
+__all__ = ["milp", "lp_pool"]
