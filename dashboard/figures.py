@@ -199,23 +199,30 @@ def study_trials(study: dict[str, Any]) -> dict[str, Any] | None:
                    xaxis={"title": {"text": "trial"}}, yaxis={"title": {"text": str(names[0])}})
 
 
-PLAN_EXACT_Z = 17.0  # where recompute (0) and checkpointed (-1) cells sit on the bits colour scale
+PLAN_BITS_Z = (2, 4, 8, 16)  # bit widths labelled on the plan's colour bar
+PLAN_EXACT_BAND = 16.5  # the colour bar above this is the blue band of recomputed (0) and checkpointed (-1) cells
+PLAN_EXACT_Z = 19.0  # where those cells sit on the bits colour scale, labelled "R" at the top of the blue band
+MIN_TICK_GAP = 0.1  # the least gap between two labels of the colour bar, as a share of its length
 
 
 def plan_bits(bits: dict[str, Any]) -> dict[str, Any]:
-    """The plan's bit width per layer and kind (R: recomputed, ckpt: whole layer checkpointed)."""
+    """The plan's bit width per layer and kind (R: recomputed, ckpt: whole layer checkpointed).
+
+    Colour by error: red for 2 bits through green for 16 (kept as is) on z in [2, 16]; recomputed kinds and
+    checkpointed layers add no error, so they sit at z = PLAN_EXACT_Z in a blue band of their own
+    (PLAN_EXACT_BAND..PLAN_EXACT_Z), labelled "R" at its top: 3 units of the bar's 17 from the "16" label, so the two
+    never overlap (every two labels are at least MIN_TICK_GAP of the bar apart)."""
     ylabels = [f"{layer} (stage {stage})" if max(bits["stages"] or [0]) > 0 else layer
                for layer, stage in zip(bits["layers"], bits["stages"])]
-    # colour by error: red for 2 bits through green for 16 (kept as is); recomputed kinds and checkpointed
-    # layers add no error, so they get a colour of their own (blue), not the 2-bit end of the scale
     exact = PLAN_EXACT_Z
     z = [[exact if v is not None and v <= 0 else v for v in row] for row in bits["bits"]]
     span = exact - 2.0
+    band = (PLAN_EXACT_BAND - 2) / span
     scale = [[0.0, "#d73027"], [(5 - 2) / span, "#fee08b"], [(16 - 2) / span, "#1a9850"],
-             [(16.5 - 2) / span, "#1a9850"], [(16.5 - 2) / span, "#4575b4"], [1.0, "#4575b4"]]
+             [band, "#1a9850"], [band, "#4575b4"], [1.0, "#4575b4"]]
     return heat_map(z, bits["kinds"], ylabels, "Chosen plan: bits per layer and tensor kind",
-                    "bits (blue: recomputed, no error)", text=bits["text"], colorscale=scale, zmin=2, zmax=exact,
-                    colorbar_tickvals=[2, 4, 8, 16, exact], colorbar_ticktext=["2", "4", "8", "16", "R"])
+                    "bits (blue R: recomputed, no error)", text=bits["text"], colorscale=scale, zmin=2, zmax=exact,
+                    colorbar_tickvals=[*PLAN_BITS_Z, exact], colorbar_ticktext=[*map(str, PLAN_BITS_Z), "R"])
 
 
 PART_COLORS = PALETTE + ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",

@@ -140,6 +140,9 @@ def overview(data: dict[str, Any]) -> str:
     counts = {k: len(data[k]) for k in ("profiles", "searches", "plans", "runs")}
     page.add("<div class=cards>" + "".join(f"<div class=card><b>{n}</b>{k}</div>" for k, n in counts.items())
              + "</div>")
+    from dashboard.origins import overview_note  # it draws with this module's helpers
+
+    page.add(overview_note(data))
     if not any(counts.values()):
         page.add(message("Nothing found under this root yet. Run `agoq demo --out DIR` (or `agoq profile`, "
                          "`agoq search`, `agoq train` with --out under this folder), then reload.", "empty"))
@@ -152,7 +155,8 @@ def overview(data: dict[str, Any]) -> str:
             rows.append(error_row(p, href, 7))
             continue
         rows.append([f'<a href="{esc(href)}">{esc(p["id"])}</a>', esc(p["model"]), fmt_num(p["num_layers"]),
-                     fmt_num(p["parameters"]), esc(p["device"]), esc(p["date"]), fmt_num(len(p["failures"]))])
+                     fmt_num(p["parameters"]), esc(p["device"]) + (" (CPU)" if p.get("hardware_device") == "cpu" else ""),
+                     esc(p["date"]), fmt_num(len(p["failures"]))])
     page.add(table(["profile", "model", "layers", "parameters", "device", "date", "failures"], rows,
                    "No profiles yet (agoq profile MODEL --out DIR)."))
 
@@ -182,7 +186,7 @@ def overview(data: dict[str, Any]) -> str:
             continue
         rows.append([f'<a href="{esc(href)}">{esc(p["id"])}</a>', esc(p["model"]), fmt_bytes(p["budget_bytes"]),
                      fmt_bytes(p["predicted_peak_bytes"]), fmt_seconds(p["predicted_step_seconds"]),
-                     fmt_num(p["predicted_grad_error"]), fmt_bytes(p["measured_peak_bytes"]) if p["validated"] else "no",
+                     fmt_num(p["predicted_grad_error"]), measured_peak(p),
                      esc(p["method"])])
     page.add(table(["plan", "model", "budget", "predicted peak", "predicted step", "grad error",
                     "measured peak", "method"], rows, "No plans yet."))
@@ -195,6 +199,16 @@ def overview(data: dict[str, Any]) -> str:
     if data["problems"]:
         page.add("<h2>Skipped</h2>" + "".join(message(p, "error") for p in data["problems"]))
     return page.render()
+
+
+def measured_peak(plan: dict[str, Any]) -> str:
+    """A plan's measured peak on the overview: "no" when it never ran, "step time only (CPU)" when it ran where
+    peaks are not measured."""
+    if not plan["validated"]:
+        return "no"
+    if plan.get("measured_peak_bytes") is None and plan.get("measured_device") == "cpu":
+        return "step time only (CPU)"
+    return fmt_bytes(plan.get("measured_peak_bytes"))
 
 
 def run_table(items: list[dict[str, Any]], selected: set[str], x: str = "step") -> str:
@@ -218,8 +232,9 @@ def run_table(items: list[dict[str, Any]], selected: set[str], x: str = "step") 
             + f"<input type=hidden name=x value={esc(x)}><button type=submit>compare selected runs</button></form>")
 
 
-def profile(data: dict[str, Any]) -> str:
-    """A profile: key figures, heat maps, error curves, collective times."""
+def profile(data: dict[str, Any], start: dict[str, Any] | None = None) -> str:
+    """A profile: key figures, heat maps, error curves, collective times; its live plan starts from `start`
+    (Dashboard.planner_start: the settings of the plan made from it, or None)."""
     s = data["summary"]
     page = Page(f"profile {data['id']}")
     settings = s.get("settings") or {}
@@ -227,7 +242,7 @@ def profile(data: dict[str, Any]) -> str:
                    [[esc(s["model"]), f"<code>{esc(s['fingerprint'])}</code>", fmt_num(s["num_layers"]),
                      fmt_num(s["parameters"]), esc(s["device"]), fmt_num(settings.get("micro_batch")),
                      fmt_num(settings.get("seq_len")), esc(s["date"])]]))
-    planner_section(page, data["id"])
+    planner_section(page, data["id"], start)
     steps = (s.get("memory") or {}).get("steps") or []
     if steps:
         page.add("<h2>Measured steps</h2>")
@@ -272,18 +287,35 @@ def profile(data: dict[str, Any]) -> str:
     return page.render()
 
 
-def planner_section(page: Page, profile_id: str) -> None:
+def planner_section(page: Page, profile_id: str, start: dict[str, Any] | None = None) -> None:
     """The live plan of a profile (static/planner.js fills it in): a budget slider whose plan, solved by
-    POST /api/plan as it moves, is drawn as the plan page draws a plan, and a button saving it."""
+    POST /api/plan as it moves, is drawn as the plan page draws a plan, and a button saving it. With `start` (the
+    settings of a plan made from this profile) the slider starts at that plan's budget, objective, error cap,
+    layout and gradient storage, and says so."""
+    from agoq.search.request import GRADIENTS, LAYOUTS
+
     page.scripts.append("planner.js")
+
+    def choices(name: str, words: tuple) -> str:
+        return (f'<label>{name} <select id="plan-{name}" disabled>'
+                + "".join(f'<option value="{w}">{w}</option>' for w in words) + "</select></label>")
+
+    starting = ""
+    if start:
+        said = ", ".join(f"budget {fmt_bytes(v)}" if k == "budget_bytes" else f"{k.replace('_', ' ')} {v}"
+                         for k, v in start.items() if k != "plan" and v is not None)
+        starting = (f'<p class=meta id="plan-start-note">Starting from <a href="{esc(link("/plan", id=start["plan"]))}">'
+                    f"{esc(start['plan'])}</a>'s own settings ({esc(said)}), so the first plan is laid out as that "
+                    "one; change them below.</p>")
     page.add(
         "<h2>Plan at a budget</h2>"
-        f'<div id="planner" data-profile="{esc(profile_id)}">'
+        f'<div id="planner" data-profile="{esc(profile_id)}" data-start="{esc(json.dumps(start or {}))}">'
         '<p class=meta>The plan <code>agoq search</code> gives this profile at the budget below, solved as the slider '
-        "moves (objective and caps: the command's defaults unless chosen here).</p>"
+        "moves (objective, caps, layout and gradients: the command's defaults unless chosen here).</p>" + starting +
         '<div class=planner-controls><label>budget per GPU <input type=range id="plan-budget" min=0 max=1000 step=1 '
         'value=500 disabled></label> <output id="plan-budget-text">–</output>'
-        '<label>objective <select id="plan-objective" disabled></select></label></div>'
+        '<label>objective <select id="plan-objective" disabled></select></label>'
+        + choices("layout", LAYOUTS) + choices("gradients", GRADIENTS) + '</div>'
         '<div id="plan-status" class="msg info">reading the budgets this profile can be planned at…</div>'
         '<div id="plan-result" hidden>'
         '<div id="plan-figures"></div><div id="plan-alternative"></div>'

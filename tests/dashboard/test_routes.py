@@ -31,9 +31,9 @@ OPERATIONS = [
 # path no route serves answers 404, and /static/{name} answers 404 for plotly.min.js if it is matched first
 HIDDEN = [
     ("/", 200),
-    ("/profile", 422),  # a route that wants ?id=
-    ("/search", 422),
-    ("/plan", 422),
+    ("/profile", 400),  # a page that wants ?id=: a page listing the ids it takes
+    ("/search", 400),
+    ("/plan", 400),
     ("/runs", 200),
     ("/static/plotly.min.js", 200),
     ("/static/dashboard.js", 200),
