@@ -13,8 +13,10 @@ import re
 from typing import Any, Iterable
 
 from fastapi import Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dashboard.limits import MAX_ERRORS, clipped, quoted
 
@@ -76,10 +78,15 @@ def _json(value: Any) -> str:
         return str(value)
 
 
+def _send(body: list[str]) -> str:
+    """What to send instead: a JSON object of the route's body fields."""
+    fields = f" (fields: {', '.join(body)})" if body else ""
+    return f"send a JSON object such as {EXAMPLE_BODY}{fields}, with Content-Type: application/json"
+
+
 def _body_problem(error: dict[str, Any], body: list[str]) -> str:
     """What is wrong with a body that cannot be read as a request at all, and what to send."""
-    fields = f" (fields: {', '.join(body)})" if body else ""
-    send = f"send a JSON object such as {EXAMPLE_BODY}{fields}, with Content-Type: application/json"
+    send = _send(body)
     kind = error.get("type")
     if kind == "json_invalid":
         why = (error.get("ctx") or {}).get("error")
@@ -99,10 +106,10 @@ def _problem(place: str, name: str, errors: list[dict[str, Any]], note: str | No
     first = errors[0]
     kind = first.get("type")
     if kind == "missing":
-        if place == "query" and name == "id":
-            return (f"{what} is missing: add ?id=ID to the address ({note or 'an id'}); /api/index and the "
-                    "overview list the ids")
-        return f"{what} is missing: give {note or 'it'}" if note else f"{what} is missing"
+        if place == "query":
+            ids = "; /api/index and the overview list the ids" if name in ("id", "profile") else ""
+            return f"{what} is missing: add ?{name}=VALUE to the address ({note or 'see /docs'}){ids}"
+        return f"{what} is missing: give {note}" if note else f"{what} is missing"
     if kind == "extra_forbidden":
         allowed = f": send only {', '.join(body)}" if body else ""
         return f"{what} is not one this request takes{allowed}"
@@ -141,6 +148,23 @@ def explain(errors: Iterable[dict[str, Any]], request: Request | None = None) ->
     if len(grouped) > MAX_ERRORS:
         problems.append(f"and {len(grouped) - MAX_ERRORS} more")
     return 422, "; ".join(problems) or "the request was not accepted"
+
+
+UNPARSED_BODY = "There was an error parsing the body"  # FastAPI's words for a body it could not decode
+
+
+async def http_errors(request: Request, exc: StarletteHTTPException) -> Response:
+    """FastAPI's own HTTP errors as it answers them, except a body it could not decode (not UTF-8, say), which is
+    answered like any other unreadable body: what to send."""
+    if exc.status_code == 400 and exc.detail == UNPARSED_BODY:
+        _, body = _route_fields(request)
+        text = f"the request body cannot be read as JSON text (UTF-8): {_send(body)}"
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"detail": text}, status_code=400)
+        from dashboard import pages
+
+        return HTMLResponse(pages.error_page("bad request", text), status_code=400)
+    return await http_exception_handler(request, exc)
 
 
 async def validation_errors(request: Request, exc: RequestValidationError) -> Response:

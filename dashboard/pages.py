@@ -155,7 +155,7 @@ def overview(data: dict[str, Any]) -> str:
             rows.append(error_row(p, href, 7))
             continue
         rows.append([f'<a href="{esc(href)}">{esc(p["id"])}</a>', esc(p["model"]), fmt_num(p["num_layers"]),
-                     fmt_num(p["parameters"]), esc(p["device"]) + (" (CPU)" if p.get("hardware_device") == "cpu" else ""),
+                     fmt_num(p["parameters"]), device_cell(p),
                      esc(p["date"]), fmt_num(len(p["failures"]))])
     page.add(table(["profile", "model", "layers", "parameters", "device", "date", "failures"], rows,
                    "No profiles yet (agoq profile MODEL --out DIR)."))
@@ -199,6 +199,13 @@ def overview(data: dict[str, Any]) -> str:
     if data["problems"]:
         page.add("<h2>Skipped</h2>" + "".join(message(p, "error") for p in data["problems"]))
     return page.render()
+
+
+def device_cell(profile: dict[str, Any]) -> str:
+    """A profile's device on the overview: the GPU's name, or the machine's name marked as the CPU."""
+    name = str(profile.get("device") or "")
+    cpu = profile.get("hardware_device") == "cpu" and name.lower() != "cpu"
+    return esc(name) + (" (CPU)" if cpu else "")
 
 
 def measured_peak(plan: dict[str, Any]) -> str:
