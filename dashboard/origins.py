@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dashboard.pages import esc, link
+from dashboard.markup import esc, link
 
 
 def shipped_profiles() -> set[tuple[str, str]]:
@@ -107,5 +107,3 @@ def overview_note(data: dict[str, Any]) -> str:
                      "by.</div>")
     return "".join(parts)
 
-
-__all__ = ["classify", "overview_note", "on_cpu", "shipped_profiles"]

@@ -10,7 +10,6 @@ import random
 import re
 import shutil
 
-import pytest
 from fastapi.testclient import TestClient
 
 from dashboard.app import create_app
