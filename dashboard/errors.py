@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -175,3 +175,19 @@ async def validation_errors(request: Request, exc: RequestValidationError) -> Re
     if request.url.path.startswith("/api/") or request.url.path.startswith("/openapi"):
         return JSONResponse({"detail": text}, status_code=status)
     return HTMLResponse(pages.error_page("bad request", text), status_code=status)
+
+
+def document_errors(app: FastAPI, document: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI `document` saying what a refused request is answered (FastAPI's own says a list of validation
+    records): HTTPValidationError is {"detail": message}, and pydantic's ValidationError record is gone."""
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    if "HTTPValidationError" in schemas:
+        schemas["HTTPValidationError"] = {
+            "title": "HTTPValidationError", "type": "object", "required": ["detail"],
+            "properties": {"detail": {"title": "Detail", "type": "string",
+                                      "description": "what was wrong, in words: the parameter or field, what it "
+                                                     "takes and what was sent (400 for a body that is not a JSON "
+                                                     "object)"}}}
+        schemas.pop("ValidationError", None)
+    app.openapi_schema = document
+    return document
