@@ -9,6 +9,7 @@ short excerpt (dashboard.limits.quoted), at most MAX_ERRORS problems are listed.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Iterable
 
@@ -18,7 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from agoq.units import excerpt
 from dashboard.limits import MAX_ERRORS, clipped, quoted
+from dashboard.pages import error_page
 
 EXAMPLE_BODY = '{"profile": "profile", "budget": "4GB"}'
 # what pydantic's error types expect, in words
@@ -64,18 +67,16 @@ def _pattern_words(pattern: str) -> str | None:
 
 
 def _got(value: Any) -> str:
+    """'got ...': what was sent, quoted short (text in quotes, anything else as JSON)."""
     if isinstance(value, (bytes, bytearray)):
-        return "a body that is not JSON"
-    return f"got {quoted(value)!r}" if isinstance(quoted(value), str) else f"got {_json(quoted(value))}"
-
-
-def _json(value: Any) -> str:
-    import json
-
+        return "got a body that is not JSON"
+    shown = quoted(value)
+    if isinstance(shown, str):
+        return f"got {shown!r}"
     try:
-        return json.dumps(value)
+        return f"got {json.dumps(shown)}"
     except (TypeError, ValueError):
-        return str(value)
+        return f"got {excerpt(shown)}"
 
 
 def _send(body: list[str]) -> str:
@@ -161,20 +162,16 @@ async def http_errors(request: Request, exc: StarletteHTTPException) -> Response
         text = f"the request body cannot be read as JSON text (UTF-8): {_send(body)}"
         if request.url.path.startswith("/api/"):
             return JSONResponse({"detail": text}, status_code=400)
-        from dashboard import pages
-
-        return HTMLResponse(pages.error_page("bad request", text), status_code=400)
+        return HTMLResponse(error_page("bad request", text), status_code=400)
     return await http_exception_handler(request, exc)
 
 
 async def validation_errors(request: Request, exc: RequestValidationError) -> Response:
     """The answer to a request FastAPI refused: {"detail": message} under /api/, an HTML error page elsewhere."""
-    from dashboard import pages
-
     status, text = explain(exc.errors(), request)
-    if request.url.path.startswith("/api/") or request.url.path.startswith("/openapi"):
+    if request.url.path.startswith("/api/"):
         return JSONResponse({"detail": text}, status_code=status)
-    return HTMLResponse(pages.error_page("bad request", text), status_code=status)
+    return HTMLResponse(error_page("bad request", text), status_code=status)
 
 
 def document_errors(app: FastAPI, document: dict[str, Any]) -> dict[str, Any]:
