@@ -11,10 +11,12 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dashboard import pages, routes_api, routes_pages, routes_plan
+from dashboard import errors, pages, routes_api, routes_pages, routes_plan
 from dashboard.access import Access, guard
-from dashboard.limits import MAX_BODY_BYTES, BodyLimit, short_validation_errors
+from dashboard.errors import http_errors, validation_errors
+from dashboard.limits import MAX_BODY_BYTES, BodyLimit
 from dashboard.planner import Planner
 from dashboard.service import Dashboard
 
@@ -39,12 +41,14 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
 
     app.middleware("http")(guard)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)  # outermost: a body over the limit reaches nothing else
-    app.add_exception_handler(RequestValidationError, short_validation_errors)
+    app.add_exception_handler(RequestValidationError, validation_errors)  # in words, not pydantic's list
+    app.add_exception_handler(StarletteHTTPException, http_errors)
     app.add_exception_handler(Exception, unexpected)
 
     app.include_router(routes_api.router)
     app.include_router(routes_plan.router)
     app.include_router(routes_pages.router)
+    app.openapi = lambda: errors.document_errors(app, FastAPI.openapi(app))
     return app
 
 

@@ -199,23 +199,39 @@ def study_trials(study: dict[str, Any]) -> dict[str, Any] | None:
                    xaxis={"title": {"text": "trial"}}, yaxis={"title": {"text": str(names[0])}})
 
 
-PLAN_EXACT_Z = 17.0  # where recompute (0) and checkpointed (-1) cells sit on the bits colour scale
+PLAN_BITS_LABELS = (2, 4, 8, 16)  # bit widths labelled on the plan's colour bar
+PLAN_EXACT_Z = 5.0  # where recomputed (0) and checkpointed (-1) cells sit on the bits colour scale, labelled "R"
+PLAN_Z_RANGE = (0.5, 5.5)  # the colour bar: 2, 4, 8, 16 bits and R each in the middle of a band of width 1
+
+
+def bits_z(bits: float | None) -> float | None:
+    """Where a cell of the plan's map sits on its colour scale: log2 of its bit width (2 bits: 1, 4: 2, 8: 3, 16: 4),
+    PLAN_EXACT_Z for a recomputed kind or checkpointed layer (0, -1), None for none."""
+    if bits is None:
+        return None
+    return PLAN_EXACT_Z if bits <= 0 else math.log2(bits)
 
 
 def plan_bits(bits: dict[str, Any]) -> dict[str, Any]:
-    """The plan's bit width per layer and kind (R: recomputed, ckpt: whole layer checkpointed)."""
+    """The plan's bit width per layer and kind (R: recomputed, ckpt: whole layer checkpointed).
+
+    Colour by error, which falls about geometrically with the bit width: on z = log2(bits), red for 2 bits through
+    green for 16 (kept as is); recomputed kinds and checkpointed layers add no error, so they sit at PLAN_EXACT_Z in a
+    blue band of their own. The colour bar's labels 2, 4, 8, 16 and R are then evenly spaced, a fifth of the bar
+    apart, so none covers another."""
     ylabels = [f"{layer} (stage {stage})" if max(bits["stages"] or [0]) > 0 else layer
                for layer, stage in zip(bits["layers"], bits["stages"])]
-    # colour by error: red for 2 bits through green for 16 (kept as is); recomputed kinds and checkpointed
-    # layers add no error, so they get a colour of their own (blue), not the 2-bit end of the scale
-    exact = PLAN_EXACT_Z
-    z = [[exact if v is not None and v <= 0 else v for v in row] for row in bits["bits"]]
-    span = exact - 2.0
-    scale = [[0.0, "#d73027"], [(5 - 2) / span, "#fee08b"], [(16 - 2) / span, "#1a9850"],
-             [(16.5 - 2) / span, "#1a9850"], [(16.5 - 2) / span, "#4575b4"], [1.0, "#4575b4"]]
+    z = [[bits_z(v) for v in row] for row in bits["bits"]]
+    lo, hi = PLAN_Z_RANGE
+    at = lambda v: (v - lo) / (hi - lo)  # noqa: E731  (z -> position on the colour scale)
+    band = at(PLAN_EXACT_Z - 0.5)
+    scale = [[0.0, "#d73027"], [at(1.0), "#d73027"], [at(math.log2(5)), "#fee08b"], [at(4.0), "#1a9850"],
+             [band, "#1a9850"], [band, "#4575b4"], [1.0, "#4575b4"]]
+    labels = [math.log2(b) for b in PLAN_BITS_LABELS]
     return heat_map(z, bits["kinds"], ylabels, "Chosen plan: bits per layer and tensor kind",
-                    "bits (blue: recomputed, no error)", text=bits["text"], colorscale=scale, zmin=2, zmax=exact,
-                    colorbar_tickvals=[2, 4, 8, 16, exact], colorbar_ticktext=["2", "4", "8", "16", "R"])
+                    "bits (blue R: recomputed, no error)", text=bits["text"], colorscale=scale, zmin=lo, zmax=hi,
+                    hovertemplate="layer %{y}, %{x}: %{text}<extra></extra>",
+                    colorbar_tickvals=[*labels, PLAN_EXACT_Z], colorbar_ticktext=[*map(str, PLAN_BITS_LABELS), "R"])
 
 
 PART_COLORS = PALETTE + ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",

@@ -5,19 +5,16 @@
   never read (the connection is closed), so no request grows the server's memory with its size.
 - /api/curves answers for at most MAX_COMPARE runs at once (more: 422); the /runs page draws the first
   MAX_COMPARE it is given.
-- A validation error (FastAPI's 422 for a body or query of the wrong shape) quotes at most an excerpt of the
-  input it refused, and lists at most MAX_ERRORS errors: FastAPI's own answer quotes the input whole. A name
-  that is not found (an id in a query) is repeated up to MAX_NAMED_CHARS characters.
+- A validation error (a body or query of the wrong shape, answered in words by dashboard.errors) quotes at most
+  an excerpt of the input it refused (`quoted`), and names at most MAX_ERRORS problems: FastAPI's own answer
+  quotes the input whole. A name that is not found (an id in a query) is repeated up to MAX_NAMED_CHARS
+  characters.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
-
-from fastapi import Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 
 from agoq.units import EXCERPT_CHARS, excerpt
 
@@ -91,22 +88,3 @@ def quoted(value: Any) -> Any:
     except (TypeError, ValueError):
         short = False
     return value if short else excerpt(value)
-
-
-async def short_validation_errors(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 with FastAPI's list of validation errors ({type, loc, msg, input, ctx}), each value quoted short, at
-    most MAX_ERRORS of them (then one more entry counting the rest)."""
-    errors = list(exc.errors())
-    detail: list[dict[str, Any]] = []
-    for error in errors[:MAX_ERRORS]:
-        item = {"type": error.get("type"), "loc": [quoted(part) for part in error.get("loc", ())],
-                "msg": error.get("msg")}
-        if "input" in error:
-            item["input"] = quoted(error["input"])
-        if error.get("ctx"):
-            item["ctx"] = {str(k): quoted(v if isinstance(v, (str, int, float, bool, type(None))) else str(v))
-                           for k, v in error["ctx"].items()}
-        detail.append(item)
-    if len(errors) > MAX_ERRORS:
-        detail.append({"type": "more", "loc": [], "msg": f"{len(errors) - MAX_ERRORS} more error(s) not listed"})
-    return JSONResponse({"detail": detail}, status_code=422)

@@ -1,133 +1,16 @@
-"""HTML pages over the dashboard's data: tables of key figures and Plotly charts whose figures are
-embedded as JSON and drawn by static/dashboard.js with the Plotly bundle the app serves itself."""
+"""HTML pages over the dashboard's data: tables of key figures and Plotly charts (the building blocks:
+dashboard.markup)."""
 
 from __future__ import annotations
 
-import datetime as dt
-import html
 import json
-from typing import Any, Iterable
-from urllib.parse import urlencode
+from typing import Any
 
 from dashboard import figures
+from dashboard.origins import overview_note
 from dashboard.formats import format_bytes as fmt_bytes
-
-
-def esc(value: Any) -> str:
-    """Text made safe for HTML."""
-    return html.escape("" if value is None else str(value))
-
-
-def fmt_num(x: Any, digits: int = 4) -> str:
-    """A number with `digits` significant digits, or an en dash when unknown."""
-    if x is None:
-        return "–"
-    if isinstance(x, (int, float)):
-        return f"{x:.{digits}g}" if isinstance(x, float) else str(x)
-    return esc(x)
-
-
-def fmt_seconds(x: Any) -> str:
-    """Seconds shown in ms below one second."""
-    if x is None:
-        return "–"
-    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.2f} s"
-
-
-def fmt_time(epoch: float) -> str:
-    """An epoch time as UTC."""
-    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def link(path: str, **params: Any) -> str:
-    """A URL to one of the dashboard's pages with query parameters (ids stay readable)."""
-    pairs = []
-    for key, value in params.items():
-        for v in (value if isinstance(value, (list, tuple)) else [value]):
-            if v is not None:
-                pairs.append((key, v))
-    return path + ("?" + urlencode(pairs, safe="/") if pairs else "")
-
-
-def message(text: str, kind: str = "info") -> str:
-    """A message box (info, empty, warn: a run that ran but missed its plan, or error)."""
-    return f'<div class="msg {kind}">{esc(text)}</div>'
-
-
-class Page:
-    """One page being built: HTML sections and the figures they reference."""
-
-    def __init__(self, title: str):
-        self.title = title
-        self.parts: list[str] = []
-        self.figures: list[dict[str, Any]] = []
-        self.refresh_seconds: int | None = None
-        self.scripts: list[str] = []  # more of the app's own scripts (/static/NAME) this page runs
-
-    def add(self, text: str) -> None:
-        self.parts.append(text)
-
-    def figure(self, fig: dict[str, Any] | None) -> None:
-        """Add a chart (nothing when `fig` is None)."""
-        if fig is None:
-            return
-        n = len(self.figures)
-        self.figures.append(fig)
-        self.add(f'<div class="plot" id="plot-{n}" data-figure="figure-{n}"></div>')
-
-    def error_or(self, data: Any, what: str) -> bool:
-        """Show data's error (or its empty state) as a message and return False; True when there is
-        neither."""
-        if isinstance(data, dict) and len(data) == 1 and "error" in data:
-            self.add(message(f"{what}: {data['error']}", "error"))
-            return False
-        if isinstance(data, dict) and len(data) == 1 and "empty" in data:
-            self.add(message(data["empty"], "empty"))
-            return False
-        return True
-
-    def render(self) -> str:
-        scripts = []
-        for n, fig in enumerate(self.figures):
-            payload = json.dumps(fig, allow_nan=False).replace("<", "\\u003c").replace(">", "\\u003e") \
-                .replace("&", "\\u0026")
-            scripts.append(f'<script type="application/json" id="figure-{n}">{payload}</script>')
-        refresh = (f'<meta http-equiv="refresh" content="{self.refresh_seconds}">'
-                   if self.refresh_seconds else "")
-        return (
-            "<!doctype html><html lang=en><head><meta charset=utf-8>"
-            f"<meta name=viewport content='width=device-width, initial-scale=1'>{refresh}"
-            f"<title>agoq · {esc(self.title)}</title>"
-            '<link rel="stylesheet" href="/static/dashboard.css">'
-            '<script src="/static/plotly.min.js"></script><script src="/static/dashboard.js" defer></script>'
-            + "".join(f'<script src="/static/{esc(name)}" defer></script>' for name in self.scripts) +
-            "</head><body><header><nav><a href='/'>overview</a><a href='/runs'>runs</a>"
-            "<a href='/docs'>API</a></nav>"
-            f"<h1>{esc(self.title)}</h1></header><main>{''.join(self.parts)}</main>{''.join(scripts)}</body></html>"
-        )
-
-
-def table(headers: Iterable[str], rows: Iterable[Iterable[str]], empty: str = "") -> str:
-    """An HTML table from already-escaped cells."""
-    rows = list(rows)
-    if not rows:
-        return message(empty, "empty") if empty else ""
-    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<div class=scroll><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
-
-
-def column_label(name: str) -> str:
-    """A readable header for a pareto.csv column: words instead of the field name, the unit said once
-    (bytes are shown in binary units, seconds as ms or s)."""
-    words = name.replace("_bytes", "").replace("_seconds", " time").replace("grad_error", "gradient error")
-    words = words.replace("_", " ").strip()
-    return words[:1].upper() + words[1:]
-
-
-def error_row(entry: dict[str, Any], href: str, width: int) -> list[str]:
-    return [f'<a href="{esc(href)}">{esc(entry["id"])}</a>', f'<span class="bad">{esc(entry["error"])}</span>'] \
-        + [""] * (width - 2)
+from dashboard.markup import (Page, column_label, error_row, esc, fmt_num, fmt_seconds, fmt_time, link,
+                              message, table)
 
 
 # --- pages ------------------------------------------------------------------------------------------
@@ -140,6 +23,7 @@ def overview(data: dict[str, Any]) -> str:
     counts = {k: len(data[k]) for k in ("profiles", "searches", "plans", "runs")}
     page.add("<div class=cards>" + "".join(f"<div class=card><b>{n}</b>{k}</div>" for k, n in counts.items())
              + "</div>")
+    page.add(overview_note(data))
     if not any(counts.values()):
         page.add(message("Nothing found under this root yet. Run `agoq demo --out DIR` (or `agoq profile`, "
                          "`agoq search`, `agoq train` with --out under this folder), then reload.", "empty"))
@@ -152,7 +36,8 @@ def overview(data: dict[str, Any]) -> str:
             rows.append(error_row(p, href, 7))
             continue
         rows.append([f'<a href="{esc(href)}">{esc(p["id"])}</a>', esc(p["model"]), fmt_num(p["num_layers"]),
-                     fmt_num(p["parameters"]), esc(p["device"]), esc(p["date"]), fmt_num(len(p["failures"]))])
+                     fmt_num(p["parameters"]), device_cell(p),
+                     esc(p["date"]), fmt_num(len(p["failures"]))])
     page.add(table(["profile", "model", "layers", "parameters", "device", "date", "failures"], rows,
                    "No profiles yet (agoq profile MODEL --out DIR)."))
 
@@ -182,7 +67,7 @@ def overview(data: dict[str, Any]) -> str:
             continue
         rows.append([f'<a href="{esc(href)}">{esc(p["id"])}</a>', esc(p["model"]), fmt_bytes(p["budget_bytes"]),
                      fmt_bytes(p["predicted_peak_bytes"]), fmt_seconds(p["predicted_step_seconds"]),
-                     fmt_num(p["predicted_grad_error"]), fmt_bytes(p["measured_peak_bytes"]) if p["validated"] else "no",
+                     fmt_num(p["predicted_grad_error"]), measured_peak(p),
                      esc(p["method"])])
     page.add(table(["plan", "model", "budget", "predicted peak", "predicted step", "grad error",
                     "measured peak", "method"], rows, "No plans yet."))
@@ -195,6 +80,23 @@ def overview(data: dict[str, Any]) -> str:
     if data["problems"]:
         page.add("<h2>Skipped</h2>" + "".join(message(p, "error") for p in data["problems"]))
     return page.render()
+
+
+def device_cell(profile: dict[str, Any]) -> str:
+    """A profile's device on the overview: the GPU's name, or the machine's name marked as the CPU."""
+    name = str(profile.get("device") or "")
+    cpu = profile.get("hardware_device") == "cpu" and name.lower() != "cpu"
+    return esc(name) + (" (CPU)" if cpu else "")
+
+
+def measured_peak(plan: dict[str, Any]) -> str:
+    """A plan's measured peak on the overview: "no" when it never ran, "step time only (CPU)" when it ran where
+    peaks are not measured."""
+    if not plan["validated"]:
+        return "no"
+    if plan.get("measured_peak_bytes") is None and plan.get("measured_device") == "cpu":
+        return "step time only (CPU)"
+    return fmt_bytes(plan.get("measured_peak_bytes"))
 
 
 def run_table(items: list[dict[str, Any]], selected: set[str], x: str = "step") -> str:
@@ -218,8 +120,9 @@ def run_table(items: list[dict[str, Any]], selected: set[str], x: str = "step") 
             + f"<input type=hidden name=x value={esc(x)}><button type=submit>compare selected runs</button></form>")
 
 
-def profile(data: dict[str, Any]) -> str:
-    """A profile: key figures, heat maps, error curves, collective times."""
+def profile(data: dict[str, Any], start: dict[str, Any] | None = None) -> str:
+    """A profile: key figures, heat maps, error curves, collective times; its live plan starts from `start`
+    (Dashboard.planner_start: the settings of the plan made from it, or None)."""
     s = data["summary"]
     page = Page(f"profile {data['id']}")
     settings = s.get("settings") or {}
@@ -227,7 +130,7 @@ def profile(data: dict[str, Any]) -> str:
                    [[esc(s["model"]), f"<code>{esc(s['fingerprint'])}</code>", fmt_num(s["num_layers"]),
                      fmt_num(s["parameters"]), esc(s["device"]), fmt_num(settings.get("micro_batch")),
                      fmt_num(settings.get("seq_len")), esc(s["date"])]]))
-    planner_section(page, data["id"])
+    planner_section(page, data["id"], start)
     steps = (s.get("memory") or {}).get("steps") or []
     if steps:
         page.add("<h2>Measured steps</h2>")
@@ -272,18 +175,35 @@ def profile(data: dict[str, Any]) -> str:
     return page.render()
 
 
-def planner_section(page: Page, profile_id: str) -> None:
+def planner_section(page: Page, profile_id: str, start: dict[str, Any] | None = None) -> None:
     """The live plan of a profile (static/planner.js fills it in): a budget slider whose plan, solved by
-    POST /api/plan as it moves, is drawn as the plan page draws a plan, and a button saving it."""
+    POST /api/plan as it moves, is drawn as the plan page draws a plan, and a button saving it. With `start` (the
+    settings of a plan made from this profile) the slider starts at that plan's budget, objective, error cap,
+    layout and gradient storage, and says so."""
+    from agoq.search.request import GRADIENTS, LAYOUTS
+
     page.scripts.append("planner.js")
+
+    def choices(name: str, words: tuple) -> str:
+        return (f'<label>{name} <select id="plan-{name}" disabled>'
+                + "".join(f'<option value="{w}">{w}</option>' for w in words) + "</select></label>")
+
+    starting = ""
+    if start:
+        said = ", ".join(f"budget {fmt_bytes(v)}" if k == "budget_bytes" else f"{k.replace('_', ' ')} {v}"
+                         for k, v in start.items() if k != "plan" and v is not None)
+        starting = (f'<p class=meta id="plan-start-note">Starting from <a href="{esc(link("/plan", id=start["plan"]))}">'
+                    f"{esc(start['plan'])}</a>'s own settings ({esc(said)}), so the first plan is laid out as that "
+                    "one; change them below.</p>")
     page.add(
         "<h2>Plan at a budget</h2>"
-        f'<div id="planner" data-profile="{esc(profile_id)}">'
+        f'<div id="planner" data-profile="{esc(profile_id)}" data-start="{esc(json.dumps(start or {}))}">'
         '<p class=meta>The plan <code>agoq search</code> gives this profile at the budget below, solved as the slider '
-        "moves (objective and caps: the command's defaults unless chosen here).</p>"
+        "moves (objective, caps, layout and gradients: the command's defaults unless chosen here).</p>" + starting +
         '<div class=planner-controls><label>budget per GPU <input type=range id="plan-budget" min=0 max=1000 step=1 '
         'value=500 disabled></label> <output id="plan-budget-text">–</output>'
-        '<label>objective <select id="plan-objective" disabled></select></label></div>'
+        '<label>objective <select id="plan-objective" disabled></select></label>'
+        + choices("layout", LAYOUTS) + choices("gradients", GRADIENTS) + '</div>'
         '<div id="plan-status" class="msg info">reading the budgets this profile can be planned at…</div>'
         '<div id="plan-result" hidden>'
         '<div id="plan-figures"></div><div id="plan-alternative"></div>'

@@ -4,6 +4,7 @@ gradients, optimizer state, activations, ...) predicted beside measured."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,41 @@ def summary(plan: dict[str, Any]) -> dict[str, Any]:
         "date": source.get("date"),
         "profiled_on": source.get("device"),  # the device the plan's profile was measured on (plan schema 1.6)
     })
+
+
+def was_measured(plan: dict[str, Any]) -> bool:
+    """Whether the plan records a real run of it (`measured`: a peak or a step time; on a CPU only the time)."""
+    measured = plan.get("measured") or {}
+    return any(number(v) is not None for v in measured.get("peak_bytes_per_stage") or []) \
+        or number(measured.get("step_seconds")) is not None
+
+
+def signature(plan: dict[str, Any]) -> str:
+    """What makes two plans the same plan to train (as `agoq search --validate` tells them apart): the layers'
+    choices, activations, training shape and gradient storage."""
+    return json.dumps({k: plan.get(k) for k in ("layers", "activations", "training", "gradients")}, sort_keys=True)
+
+
+PARALLEL_LAYOUTS = {"none": "replicated", "ddp": "replicated", "sharded": "sharded", "fsdp": "fsdp"}
+
+
+def request_settings(plan: dict[str, Any]) -> dict[str, Any]:
+    """The search request's fields (as POST /api/plan takes them) that give this plan's own layout and settings:
+    {budget_bytes, objective, error_cap, layout, gradients}, from the plan's decision (the knobs it chose, the
+    objective and where its error cap came from), else its launch and gradient mode. A field the plan does not say
+    is None (the service's default): the time cap always, as a "checkpoint" cap is recorded only as its value at
+    the plan's budget."""
+    decision = plan.get("decision") or {}
+    knobs = decision.get("knobs") or {}
+    layout = knobs.get("layout") or PARALLEL_LAYOUTS.get(str((plan.get("launch") or {}).get("parallel")))
+    gradients = knobs.get("gradients") or (plan.get("gradients") or {}).get("mode")
+    error_cap = None
+    if decision:
+        source = decision.get("error_cap_source")
+        error_cap = "recipe" if source == "recipe" else (number(decision.get("error_cap")) if source else "none")
+    return json_safe({"budget_bytes": plan.get("budget_bytes"),
+                      "objective": decision.get("objective") or (plan.get("source") or {}).get("objective"),
+                      "error_cap": error_cap, "layout": layout, "gradients": gradients})
 
 
 def bit_map(plan: dict[str, Any]) -> dict[str, Any]:

@@ -98,6 +98,7 @@ def summary(folder: Folder) -> dict[str, Any]:
         "parameters": model.get("parameters"),
         "weight_bytes": model.get("weight_bytes"),
         "device": hardware.get("name") or hardware.get("device"),
+        "hardware_device": hardware.get("device"),  # "cpu" or "cuda": what measured it
         "date": meta.get("date"),
         "settings": meta.get("settings") or {},
         "memory": memory,

@@ -1,7 +1,8 @@
 """The HTML pages (/ overview, /profile, /search, /plan, /runs), drawn by dashboard.pages from what
 dashboard.service.Dashboard reads (app.state.dashboard), and the static files they load (Plotly's bundle from
 the installed plotly package, so the pages work offline). None of them is in the OpenAPI document. A page of
-something that is not under the root is an HTML error page (404), one of a file that cannot be read 422."""
+something that is not under the root is an HTML error page (404), one of a file that cannot be read 422; a page of
+one thing asked for without ?id= is a 400 page listing the ids it takes."""
 
 from __future__ import annotations
 
@@ -49,18 +50,41 @@ def overview_page(data: DashboardState, refresh: bool = False):
     return page("overview", lambda: pages.overview(data.overview(refresh=refresh)))
 
 
+def missing_id(data: Dashboard, title: str, kind: str) -> HTMLResponse:
+    """400: a page of one artifact asked for without ?id=, listing the ids it takes (each a link to its page)."""
+    ids = sorted(data.catalog.index().items[kind])
+    shown = pages.Page(title)
+    shown.add(pages.message(f"The {title} page shows one {title}: add ?id=ID to the address, ID one of the "
+                            f"{kind} found under the root (as the overview and /api/index list them).", "error"))
+    if ids:
+        shown.add("<ul>" + "".join(f'<li><a href="{pages.esc(pages.link("/" + title, id=i))}">{pages.esc(i)}</a></li>'
+                                   for i in ids[:200]) + "</ul>")
+        if len(ids) > 200:
+            shown.add(f"<p class=meta>and {len(ids) - 200} more (see the overview)</p>")
+    else:
+        shown.add(pages.message(f"No {kind} under the root yet.", "empty"))
+    shown.add("<p><a href='/'>back to the overview</a></p>")
+    return HTMLResponse(shown.render(), status_code=400)
+
+
 @router.get("/profile", response_class=HTMLResponse)
-def profile_page(data: DashboardState, id: str, option: str | None = None):
-    return page("profile", lambda: pages.profile(data.profile(id, option)))
+def profile_page(data: DashboardState, id: str | None = None, option: str | None = None):
+    if id is None:
+        return missing_id(data, "profile", "profiles")
+    return page("profile", lambda: pages.profile(data.profile(id, option), data.planner_start(id)))
 
 
 @router.get("/search", response_class=HTMLResponse)
-def search_page(data: DashboardState, id: str):
+def search_page(data: DashboardState, id: str | None = None):
+    if id is None:
+        return missing_id(data, "search", "searches")
     return page("search", lambda: pages.search(data.search(id)))
 
 
 @router.get("/plan", response_class=HTMLResponse)
-def plan_page(data: DashboardState, id: str):
+def plan_page(data: DashboardState, id: str | None = None):
+    if id is None:
+        return missing_id(data, "plan", "plans")
     return page("plan", lambda: pages.plan(data.plan(id)))
 
 

@@ -24,6 +24,7 @@ from dashboard.service import Dashboard
 from dashboard.state import DashboardState, PlannerState
 
 router = APIRouter(prefix="/api", tags=["api"])
+KNOB_FIELDS = ("layout", "gradients")  # the knob space's words a plan request may fix, as `agoq search`'s flags
 
 
 class PlanRequest(BaseModel):
@@ -40,10 +41,14 @@ class PlanRequest(BaseModel):
                                                            "`agoq search --time-cap` (omitted or null: its default)")
     error_cap: StrictInt | StrictFloat | StrictStr | None = Field(None, description='a gradient error, "recipe" or "none", as '
                                                             "`agoq search --error-cap` (omitted or null: its default)")
+    layout: StrictStr | None = Field(None, description='"replicated", "sharded", "fsdp" or "any", as `agoq search '
+                                                       '--layout` (omitted or null: any)')
+    gradients: StrictStr | None = Field(None, description='"bf16", "quangrad8", "sdp4bit" or "any", as `agoq search '
+                                                          '--gradients` (omitted or null: any)')
 
     def request(self) -> SearchRequest:
         """The search request of these fields (null or omitted: the default); BadField naming the field refused."""
-        return service_request({name: getattr(self, name) for name in ("budget", *CAP_FIELDS)})
+        return service_request({name: getattr(self, name) for name in ("budget", *CAP_FIELDS, *KNOB_FIELDS)})
 
 
 class SaveRequest(PlanRequest):
@@ -99,8 +104,8 @@ async def plan_for(data: Dashboard, planner: Planner, body: PlanRequest) -> dict
 
 
 @router.post("/plan", summary="Solve a plan at a budget, as `agoq search` would",
-             description="The plan `agoq search --profile P --budget B` writes (with the objective and caps "
-                         "given, else the command's defaults), solved by the same search in a pool of worker "
+             description="The plan `agoq search --profile P --budget B` writes (with the objective, caps, layout "
+                         "and gradient storage given, else the command's defaults), solved by the same search in a pool of worker "
                          "threads. Answers {profile, budget_bytes, caps, plan, predicted: {peak_bytes, "
                          "peak_bytes_per_stage, step_seconds, tokens_per_step, tokens_per_second, grad_error}, "
                          "alternative (the best alternative the search priced, or null), notes, view: {summary, "

@@ -193,6 +193,7 @@ def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
         "steps": settings.get("steps"),
         "parallel": settings.get("parallel"),
         "world_size": (meta.get("world") or {}).get("size"),
+        "device": (meta.get("hardware") or {}).get("device"),  # "cpu" or "cuda": what it trained on
         "started": meta.get("started"),
         "updated": meta.get("updated"),
         "last_loss": loss[-1] if loss else None,

@@ -72,11 +72,72 @@ class Dashboard:
         # the search's budget is its chosen plan's (pareto.csv's rows hold the front's own, smaller budgets)
         chosen_plan = part(lambda: plans.read_plan(artifact.path / chosen)) if chosen else {}
         budget = chosen_plan.get("budget_bytes") if isinstance(chosen_plan, dict) else None
-        return {"pareto_plans": len(rows), "validated": sum(1 for r in rows if r["validated"]),
+        return {"pareto_plans": len(rows), "validated": self._validated(artifact, chosen, rows),
                 "lowest_peak_bytes": min(peaks) if peaks else None,
                 "budget_bytes": budget,
                 "chosen_plan": chosen,
                 "study": study.name if isinstance(study, Path) else None, "problems": problems}
+
+    def _validated(self, search: Artifact, chosen: str | None, rows: list[dict[str, Any]]) -> int:
+        """How many distinct plans the search ran for real (`agoq search --validate K`): its chosen plan and the
+        front's plans (the Pareto rows' files) that record measured figures, a plan saved twice (chosen and on the
+        front) counted once, and Pareto rows with measured figures but no readable plan file one each. The chosen
+        plan is not a row of the front, so the rows alone miss it."""
+        plan_ids = self.catalog.index().items["plans"]
+        prefix = "" if search.id == "." else search.id + "/"
+        names = ([chosen] if chosen else []) + [r["plan"] for r in rows if isinstance(r.get("plan"), str) and r["plan"]]
+        seen: set[str] = set()
+        unnamed = 0
+        for name in dict.fromkeys(names):
+            found = plan_ids.get(prefix + name)
+            try:
+                plan = plans.read_plan(found.path) if found is not None else None
+            except BrokenFile:
+                plan = None
+            if plan is not None and plans.was_measured(plan):
+                seen.add(plans.signature(plan))
+        for r in rows:
+            name = r.get("plan")
+            if r.get("validated") and not (isinstance(name, str) and name and prefix + name in plan_ids):
+                unnamed += 1
+        return len(seen) + unnamed
+
+    def planner_start(self, profile_id: str) -> dict[str, Any] | None:
+        """The settings the profile page's budget slider starts from: those of the plan the pages show for this
+        profile, so that the slider's first plan is laid out as that one (see plans.request_settings). The plan
+        is one made from this profile (same model fingerprint; its `source.profile` naming this folder first):
+        one a run trained with first, then a search's chosen plan (plan.json), then the newest. None: no plan
+        was made from it."""
+        a = self.catalog.get("profiles", profile_id)
+        try:
+            meta = read_json(self.catalog.folder(a).file("profile.json"), "profile")
+        except BrokenFile:
+            return None
+        fingerprint = (meta.get("model") or {}).get("fingerprint")
+        trained = set()
+        for r in self.catalog.index().items["runs"].values():
+            try:
+                used = read_json(self.catalog.folder(r).file("run.json"), "run").get("plan")
+            except BrokenFile:
+                continue
+            if isinstance(used, dict):
+                trained.add(plans.signature(used))
+        ranked = []
+        for plan_id, p in self.catalog.index().items["plans"].items():
+            try:
+                plan = plans.read_plan(p.path)
+            except BrokenFile:
+                continue
+            if (plan.get("model") or {}).get("fingerprint") != fingerprint:
+                continue
+            source = str((plan.get("source") or {}).get("profile") or "")
+            mine = bool(source) and (Path(source) == a.path or Path(source).name == a.path.name)
+            ranked.append(((plans.signature(plan) in trained, mine, p.path.name == "plan.json",
+                            str((plan.get("source") or {}).get("date") or ""), plan_id), plan_id, plan))
+        if not ranked:
+            return None
+        _, plan_id, plan = max(ranked, key=lambda r: r[0])
+        return {"plan": plan_id, **plans.request_settings(plan)}
 
     # --- one artifact ---------------------------------------------------------------------------
     def profile(self, artifact_id: str, option: str | None = None) -> dict[str, Any]:

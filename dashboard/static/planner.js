@@ -1,7 +1,8 @@
 // The profile page's live plan: a budget slider whose plan (POST /api/plan, solved as `agoq search` would)
 // is redrawn as it moves, and a button saving the plan shown (POST /api/plan/save). The last plan drawn is
 // window.agoqPlanner.current (null, and nothing drawn, once a budget gets no plan); body[data-plans-drawn]
-// counts the plans drawn.
+// counts the plans drawn. The slider starts from the settings in #planner's data-start (those of the plan made
+// from this profile: its budget, objective, error cap, layout and gradient storage; {}: agoq search's defaults).
 (function () {
   "use strict";
   var STEPS = 1000;
@@ -61,12 +62,17 @@
     var slider = document.getElementById("plan-budget");
     var budgetText = document.getElementById("plan-budget-text");
     var objective = document.getElementById("plan-objective");
+    var layout = document.getElementById("plan-layout");
+    var gradients = document.getElementById("plan-gradients");
+    var start = {};
+    try { start = JSON.parse(root.dataset.start || "{}") || {}; } catch (e) { start = {}; }
     var status = document.getElementById("plan-status");
     var result = document.getElementById("plan-result");
     var saveButton = document.getElementById("plan-save");
     var nameInput = document.getElementById("plan-name");
     var saved = document.getElementById("plan-saved");
-    var state = {low: 0, high: 0, seq: 0, timer: null, controller: null, current: null, drawn: 0};
+    // pinned: the start plan's own budget, asked for exactly until the slider is moved
+    var state = {low: 0, high: 0, seq: 0, timer: null, controller: null, current: null, drawn: 0, pinned: null};
     window.agoqPlanner = state;
 
     function say(text, kind) {
@@ -75,11 +81,15 @@
       status.textContent = text || "";
     }
     function budget() {
+      if (state.pinned !== null) return state.pinned;
       return Math.round(state.low + (state.high - state.low) * Number(slider.value) / STEPS);
     }
     function request() {
       var body = {profile: profile, budget: budget()};
       if (objective.value) body.objective = objective.value;
+      if (layout.value && layout.value !== "any") body.layout = layout.value;
+      if (gradients.value && gradients.value !== "any") body.gradients = gradients.value;
+      if (start.error_cap !== undefined && start.error_cap !== null) body.error_cap = start.error_cap;
       return body;
     }
     function post(url, body, signal) {
@@ -186,11 +196,16 @@
       button.type = "button";
       button.id = "plan-smallest";
       button.addEventListener("click", function () {
+        state.pinned = null;
         slider.value = String(Math.min(STEPS, Math.ceil((least - state.low) * STEPS / (state.high - state.low))));
         moved();
       });
       status.appendChild(document.createTextNode(" "));
       status.appendChild(button);
+    }
+    function slid() {
+      state.pinned = null;
+      moved();
     }
     function moved() {
       budgetText.textContent = bytes(budget());
@@ -234,16 +249,25 @@
           state.low = r.body.smallest_budget_bytes;
           state.high = r.body.largest_budget_bytes;
           var defaults = r.body.defaults || {};
+          var chosen = start.objective || defaults.objective;
           (defaults.objectives || []).forEach(function (o) {
             var opt = el("option", o + (o === defaults.objective ? " (default)" : ""));
             opt.value = o;
-            opt.selected = o === defaults.objective;
+            opt.selected = o === chosen;
             objective.appendChild(opt);
           });
-          slider.disabled = false;
-          objective.disabled = false;
-          slider.addEventListener("input", moved);
-          objective.addEventListener("change", moved);
+          layout.value = start.layout || "any";
+          gradients.value = start.gradients || "any";
+          var b = start.budget_bytes;
+          if (typeof b === "number" && isFinite(b) && b > 0) {
+            var span = state.high - state.low;
+            var at = span > 0 ? Math.round((b - state.low) * STEPS / span) : STEPS;
+            slider.value = String(Math.max(0, Math.min(STEPS, at)));
+            state.pinned = Math.round(b);
+          }
+          [slider, objective, layout, gradients].forEach(function (c) { c.disabled = false; });
+          slider.addEventListener("input", slid);
+          [objective, layout, gradients].forEach(function (c) { c.addEventListener("change", moved); });
           saveButton.addEventListener("click", function () { save(false); });
           nameInput.addEventListener("input", function () { nameInput.dataset.edited = "1"; });
           document.body.dataset.plannerReady = "1";

@@ -246,3 +246,32 @@ def test_below_the_smallest_budget_the_slider_offers_the_smallest(chromium, tmp_
         assert str(got) in chromium.evaluate("document.getElementById('plan-figures').textContent")
     step = (high - low) / 1000
     assert least <= got <= least + step + 1, (least, got, step)
+
+
+def test_the_slider_starts_from_the_plan_made_from_the_profile(chromium, stage_root):
+    """The demo's profile page: the first plan drawn is at the budget, and in the layout, of the plan the demo searched
+    (--layout replicated) and trained, not in the layout the search would pick unasked."""
+    from dashboard.app import create_app
+    from dashboard.command import LOOPBACK_NAMES
+    from experiments.service_load import serve
+
+    trained = json.loads((stage_root / "demo/runs/plan/run.json").read_text())["plan"]
+    drawn = "document.body.dataset.plansDrawn"
+    with serve(create_app(stage_root, allowed_hosts=LOOPBACK_NAMES)) as (host, port):
+        problems = chromium.open(f"http://{host}:{port}/profile?id=demo/profile", f"{drawn} === '1'")
+        assert problems == [], problems
+        current = json.loads(chromium.evaluate("JSON.stringify(window.agoqPlanner.current)"))
+        assert current["budget_bytes"] == trained["budget_bytes"]
+        assert current["plan"]["decision"]["knobs"]["layout"] == trained["decision"]["knobs"]["layout"] == "replicated"
+        assert current["plan"]["launch"]["parallel"] == trained["launch"]["parallel"]
+        assert chromium.evaluate("document.getElementById('plan-layout').value") == "replicated"
+        # moving the slider keeps the layout chosen
+        chromium.evaluate("(() => { const s = document.getElementById('plan-budget'); "
+                          "s.value = 990; s.dispatchEvent(new Event('input')); })()")
+        deadline = time.monotonic() + 30
+        while chromium.evaluate(drawn) != "2":
+            assert time.monotonic() < deadline, chromium.evaluate("document.getElementById('plan-status').textContent")
+            time.sleep(0.1)
+        moved = json.loads(chromium.evaluate("JSON.stringify(window.agoqPlanner.current)"))
+        assert moved["budget_bytes"] > current["budget_bytes"]
+        assert moved["plan"]["decision"]["knobs"]["layout"] == "replicated"

@@ -43,14 +43,16 @@ def test_too_few_points_refused():
 
 def test_plan_bits_colours_recompute_apart_from_two_bits():
     """Recomputed kinds and checkpointed layers have no error: they sit past 16 on the scale, not at 2 bits."""
+    import math
+
     from dashboard.figures import PLAN_EXACT_Z, plan_bits
 
     bits = {"bits": [[2, 0, 16], [-1, -1, -1], [5, None, 8]], "kinds": ["a", "b", "c"], "layers": [0, 1, 2],
             "stages": [0, 0, 0], "text": [["2", "R", "16"], ["ckpt"] * 3, ["5", "", "8"]]}
     fig = plan_bits(bits)
     trace = fig["data"][0]
-    assert trace["z"] == [[2, PLAN_EXACT_Z, 16], [PLAN_EXACT_Z] * 3, [5, None, 8]]
-    assert trace["zmin"] == 2 and trace["zmax"] == PLAN_EXACT_Z
+    assert trace["z"] == [[1, PLAN_EXACT_Z, 4], [PLAN_EXACT_Z] * 3, [math.log2(5), None, 3]]  # log2 of the bits
+    assert trace["zmin"] < 1 and trace["zmax"] > PLAN_EXACT_Z > 4
     # the colour at 2 bits differs from the colour of the recomputed cells
     scale = trace["colorscale"]
     assert scale[0][1] != scale[-1][1]

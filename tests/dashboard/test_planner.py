@@ -130,7 +130,8 @@ def test_bad_input_is_a_4xx_that_says_why(plan_root, bounds):
         if words:
             assert words in r.json()["detail"], (budget, r.text)
     for caps, words in [({"objective": "fastest"}, "invalid choice"), ({"time_cap": -0.5}, "> 0"),
-                        ({"error_cap": "tiny"}, "recipe"), ({"budgets": 3}, "Extra inputs")]:
+                        ({"error_cap": "tiny"}, "recipe"), ({"layout": "diagonal"}, "layout: invalid choice"),
+                        ({"gradients": 8}, "field gradients"), ({"budgets": 3}, "field budgets is not one")]:
         r = post(budget=high, **caps)
         assert r.status_code == 422 and words in json.dumps(r.json()), (caps, r.text)
     # below the smallest budget any plan fits: 422 naming the smallest under the request's caps (the default
