@@ -136,7 +136,7 @@ def _check_size(spec: str, layers: int | None, device: str, dtype: str, seq_len:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq profile`'s arguments to `parser` and set its function."""
-    from agoq.commands.arguments import non_negative_int, positive_int, request_field
+    from agoq.commands.arguments import integer, non_negative_int, positive_int, request_field
 
     parser.add_argument("model", help="preset, HuggingFace config.json, or package.module:function")
     parser.add_argument("--seq-len", type=positive_int, default=None,
@@ -161,7 +161,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="how sensitivities are measured: replay (one forward per batch, then for each option "
                              "only the backward below its layer, with the tensor quantized; the same numbers) or "
                              "policy (a full forward + backward under each option's policy) (default replay)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and batches (default 0)")
+    parser.add_argument("--seed", type=integer, default=0, help="seed of the weights and batches (default 0)")
     parser.add_argument("--budget", type=request_field("budget"), default=None,
                         help="memory budget per GPU, e.g. 30GiB: also write DIR/plan.json")
     parser.add_argument("--pipeline-stages", type=positive_int, default=1, help="pipeline stages P (default 1)")

@@ -46,7 +46,7 @@ HELP = "train a model in bf16 or with a plan, on one GPU or many (torchrun)"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq train`'s arguments."""
-    from agoq.commands.arguments import non_negative_float, non_negative_int, positive_float, positive_int
+    from agoq.commands.arguments import integer, non_negative_float, non_negative_int, positive_float, positive_int
     from agoq.layout import MODES
 
     p = parser
@@ -151,7 +151,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "cannot slip in unseen. Accepted changes are recorded in run.json (resumed[].changed, "
                         "original_settings). Batch shape, optimizer, master, parallel, gradients, policy, dtype, "
                         "seed, data and tokenizer cannot change (default: none)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
+    p.add_argument("--seed", type=integer, default=0, help="seed of the weights and the data order (default 0)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None,
                    help="parameter and activation dtype (default: bf16 on GPUs, fp32 on the CPU); with bf16 the "
