@@ -16,6 +16,11 @@ MODEL is a preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b; fresh weights, n
 HuggingFace config.json (LLaMA, Mistral, Qwen2 families), or package.module:function returning an
 nn.Module with LLaMA-style decoder layers.
 
+A preset or config.json too big for the device is refused (exit 2) before it is built: weights, gradients, the
+measured step's optimizer state and one sequence's layer inputs, counted from the config, against the device's
+free memory (RAM on the CPU), in GB, with how many layers --layers could keep. An --out that holds a finished
+profile or a training run is refused unless --force; --resume needs a profile in --out to continue.
+
 examples:
   agoq profile llama-tiny                                   # CPU, seconds
   agoq profile probe --device cuda --out profiles/probe

@@ -31,6 +31,10 @@ A plan searched for a sharded, fsdp or pipeline layout runs only in the number o
 --seq-len may differ (with a warning: the plan's predictions hold for its own). Plans of schema 1.0 say nothing
 of optimizer or compile and train with AdamW on float32 masters, eager.
 
+Before anything is built, a preset or config.json too big for the device is refused (exit 2), from its config:
+weights, gradients, optimizer state and one sequence's layer inputs against the device's free memory (RAM on the
+CPU), in GB, with how many layers would fit. An --out holding a profile is refused: a run gets its own folder.
+
 Resuming keeps the run's settings: a changed one (--lr, --steps, --warmup, ...) is refused with a list
 (old -> new) unless --override names it; batch shape, optimizer, master weights, parallel mode, gradients,
 policy, dtype, seed, data and tokenizer cannot change (the checkpoint depends on them).
