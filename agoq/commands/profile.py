@@ -206,9 +206,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="continue the profile in --out made with the same model and flags: keep its profile.json "
                              "and the measured steps already done (each is saved the moment it is measured, in "
                              f"{JOURNAL_NAME}), and measure only the rest; a profile stopped in its steps (a lost "
-                             "machine, a time limit) loses at most the kind of step it was in. Without --resume the "
-                             "folder's profile is made again, and a folder holding a stopped profile's steps is "
-                             "refused rather than emptied; --resume on a folder without a profile is refused")
+                             "machine, a time limit) loses at most the kind of step it was in. Without --resume a folder "
+                             "holding a stopped profile's steps is refused rather than emptied, and a finished "
+                             "profile is made again only with --force; --resume on a folder without a profile is "
+                             "refused")
     parser.add_argument("--force", action="store_true",
                         help="profile into an --out that already holds a finished profile, replacing it (its "
                              "profile.json, table, collectives.parquet and plan.json are removed first), or a "
