@@ -24,7 +24,7 @@ def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
 
 def parse_size(text: str | int) -> int:
     """Bytes from a size such as 30GiB, 1.5GB, 512MiB, 2PiB, 4096 (plain bytes: no unit), rounded to a whole
-    byte; raises ValueError, also for a size above 0 but below one byte (0.5 is half a byte: a unit was meant)."""
+    byte; raises ValueError, also for a size above 0 that rounds to 0 bytes (0.5 is half a byte: a unit was meant)."""
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must be >= 0 bytes, got {text}")
@@ -37,10 +37,10 @@ def parse_size(text: str | int) -> int:
     number = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not math.isfinite(number):
         raise ValueError(f"size {excerpt(text)} is too large to be a number of bytes")
-    if 0 < number < 1:
+    if number > 0 and round(number) == 0:
         why = "" if m.group(2) else " (a number without a unit is bytes)"
-        raise ValueError(f"size {excerpt(text)} reads as {number:g} bytes{why}, less than one byte: write its "
-                         f"unit, e.g. {m.group(1)}GB or {m.group(1)}GiB")
+        raise ValueError(f"size {excerpt(text)} reads as {number:g} bytes{why}, less than one byte, which rounds to "
+                         f"0: for more than 0 bytes write its unit, e.g. {m.group(1)}GB or {m.group(1)}GiB")
     return int(round(number))
 
 
