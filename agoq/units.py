@@ -12,7 +12,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32} 
 
 EXCERPT_CHARS = 40  # the most of a bad value an error quotes
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+          "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "pib": 1024**5}
 
 
 def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
@@ -22,7 +23,8 @@ def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes from a size such as 30GiB, 1.5GB, 512MiB, 4096 (plain bytes); raises ValueError."""
+    """Bytes from a size such as 30GiB, 1.5GB, 512MiB, 2PiB, 4096 (plain bytes: no unit), rounded to a whole
+    byte; raises ValueError, also for a size above 0 that rounds to 0 bytes (0.5 is half a byte: a unit was meant)."""
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must be >= 0 bytes, got {text}")
@@ -30,11 +32,15 @@ def parse_size(text: str | int) -> int:
     # one way to match any text (no nested or adjacent repeats of the same characters): linear in its length
     m = re.fullmatch(r"((?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE]\+?[0-9]+)?)\s*([a-zA-Z]*)", str(text).strip())
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read size {excerpt(text)}: write a number with an optional unit, e.g. 30GiB, "
-                         "1.5GB, 512MiB, 4096 or 1e9 (bytes)")
+        raise ValueError(f"cannot read size {excerpt(text)}: write a number with an optional unit (B, KB, MB, GB, "
+                         "TB, PB or KiB, MiB, GiB, TiB, PiB), e.g. 30GiB, 1.5GB, 512MiB, 4096 or 1e9 (bytes)")
     number = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not math.isfinite(number):
         raise ValueError(f"size {excerpt(text)} is too large to be a number of bytes")
+    if number > 0 and round(number) == 0:
+        why = "" if m.group(2) else " (a number without a unit is bytes)"
+        raise ValueError(f"size {excerpt(text)} reads as {number:g} bytes{why}, less than one byte, which rounds to "
+                         f"0: for more than 0 bytes write its unit, e.g. {m.group(1)}GB or {m.group(1)}GiB")
     return int(round(number))
 
 

@@ -42,3 +42,44 @@ def test_different_counts_read_differently(seed):
 def test_fewest_decimals_asked_for():
     x, y = format_bytes_apart(3 * 2**20, 5 * 2**20, digits=2)
     assert (x, y) == ("3.00 MiB", "5.00 MiB")
+
+
+@pytest.mark.parametrize("seed", [int.from_bytes(os.urandom(4), "little") for _ in range(2)])
+def test_sizes_up_to_petabytes_are_read(seed):
+    """Every unit, decimal (powers of 1000) and binary (of 1024), on fresh numbers, against its own factor."""
+    from agoq.units import parse_size
+
+    rng = random.Random(seed)
+    factors = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50}
+    for unit, factor in factors.items():
+        number = rng.randint(1, 999) + rng.randint(0, 9) / 10
+        for text in (f"{number}{unit}", f"{number} {unit.lower()}"):
+            assert parse_size(text) == round(number * factor), text
+
+
+@pytest.mark.parametrize("text", ["0.5", "0.25", ".4", "0.4B"])
+def test_less_than_a_byte_is_refused_saying_so(text):
+    from agoq.units import parse_size
+
+    with pytest.raises(ValueError) as e:
+        parse_size(text)
+    message = str(e.value)
+    number = float(text.rstrip("B"))
+    assert f"reads as {number:g} bytes" in message and "less than one byte" in message, message
+    assert "GB" in message  # a unit to write instead
+    assert parse_size("0") == 0 and parse_size("1") == 1  # whole bytes are still bytes
+
+
+def test_budget_of_petabytes_is_refused_as_larger_than_any_gpu():
+    """2PiB is read (not 'cannot read size') and refused by the budget's own rule for its size."""
+    import argparse
+
+    from agoq.commands.arguments import request_field
+
+    with pytest.raises(argparse.ArgumentTypeError) as e:
+        request_field("budget")("2PiB")
+    assert "more than any GPU holds" in str(e.value) and "cannot read" not in str(e.value)
+    with pytest.raises(argparse.ArgumentTypeError) as e:
+        request_field("budget")("0.5")
+    assert "0.5 bytes" in str(e.value) and "0.5GB" in str(e.value)

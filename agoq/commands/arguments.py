@@ -20,6 +20,11 @@ def _checked(text: str, cast, ok, unreadable: str, out_of_range: str):
     return value
 
 
+def integer(text: str) -> int:
+    """argparse type: any integer (a seed)."""
+    return _checked(text, int, lambda v: True, "expected an integer", "expected an integer")
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     return _checked(text, int, lambda v: v >= 1, "expected a positive integer", "expected a positive integer")

@@ -16,6 +16,11 @@ MODEL is a preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b; fresh weights, n
 HuggingFace config.json (LLaMA, Mistral, Qwen2 families), or package.module:function returning an
 nn.Module with LLaMA-style decoder layers.
 
+A preset or config.json too big for the device is refused (exit 2) before it is built: weights, gradients, the
+measured step's optimizer state and one sequence's layer inputs, counted from the config, against the device's
+free memory (RAM on the CPU), in GB, with how many layers --layers could keep. An --out that holds a finished
+profile or a training run is refused unless --force; --resume needs a profile in --out to continue.
+
 examples:
   agoq profile llama-tiny                                   # CPU, seconds
   agoq profile probe --device cuda --out profiles/probe
@@ -71,9 +76,72 @@ def _size_list(text: str) -> list[int]:
     return [size_bytes(v) for v in _str_list(text)]
 
 
+# what a training run leaves in its folder (agoq.formats.run, agoq.train.checkpoint): a profile is not written there
+RUN_FILES = ("run.json", "metrics.jsonl", "checkpoints")
+# a profile's files (agoq.formats.profile), profile.json first: without it the folder holds no complete profile
+PROFILE_FILES = ("profile.json", "profile.parquet", "profile.csv", "collectives.parquet", "plan.json")
+
+
+def _check_out_folder(out: Path, journal: Path, resume: bool, force: bool) -> None:
+    """Refuse an --out this profile must not write into: with --resume one without a profile to continue;
+    without it one holding a stopped profile's measured steps (only --resume continues them), and, unless
+    --force, a finished profile (it would be replaced) or a training run's files."""
+    made = (out / "profile.json").is_file()
+    stopped = journal.is_file() and journal.stat().st_size > 0
+    if resume:
+        if not out.is_dir():
+            raise ValueError(f"--resume: {out} does not exist, so there is no stopped profile to continue: drop "
+                             "--resume to profile afresh, or give the --out of the profile to continue")
+        if not made:
+            raise ValueError(f"--resume: {out} holds no profile (no profile.json) to continue: drop --resume to "
+                             "profile afresh, or give the --out of the profile to continue")
+        return
+    if stopped:
+        raise ValueError(f"{out} holds the steps a stopped profile measured ({journal.name}): continue that profile "
+                         f"with --resume and the flags it was made with, or delete {journal} (or give another "
+                         "--out) to profile afresh")
+    if force:
+        return
+    run_files = [name for name in RUN_FILES if (out / name).exists()]
+    if run_files:
+        raise ValueError(f"--out {out} holds a training run ({', '.join(run_files)}): give another --out for the "
+                         "profile, or --force to write it beside the run's files")
+    if made:
+        raise ValueError(f"--out {out} already holds a profile (profile.json): give another --out, --resume to "
+                         "continue it if it was stopped, or --force to replace it")
+
+
+def _remove_profile(out: Path) -> None:
+    """Remove the profile --force replaces, profile.json first, so that nothing of it is read with the new one
+    (an old collectives.parquet or plan.json would otherwise stay beside a profile that did not make them)."""
+    for name in PROFILE_FILES:
+        (out / name).unlink(missing_ok=True)
+
+
+def _check_size(spec: str, layers: int | None, device: str, dtype: str, seq_len: int) -> None:
+    """Refuse a preset or config.json model too big for this device before it is built (agoq.models.size_check:
+    weights, gradients, the measured step's 8-bit AdamW on float32 masters, one sequence's layer inputs). A
+    config that does not parse, or a package.module:function model, is left to the profiler to report or build."""
+    import dataclasses
+
+    from agoq.models import PRESETS, resolve_config
+    from agoq.models.size_check import check_fits
+
+    if spec not in PRESETS and not (spec.endswith(".json") or os.path.isfile(spec)):
+        return
+    try:
+        config = resolve_config(spec)
+    except (ValueError, NotImplementedError, OSError):
+        return
+    if layers is not None:
+        config = dataclasses.replace(config, num_hidden_layers=layers)
+    check_fits(config, device=device, dtype=dtype, seq_len=seq_len, what=f"model {spec}",
+               fewer_layers="--layers N to profile only the first N layers", optimizer="adamw8bit", master="fp32")
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq profile`'s arguments to `parser` and set its function."""
-    from agoq.commands.arguments import non_negative_int, positive_int, request_field
+    from agoq.commands.arguments import integer, non_negative_int, positive_int, request_field
 
     parser.add_argument("model", help="preset, HuggingFace config.json, or package.module:function")
     parser.add_argument("--seq-len", type=positive_int, default=None,
@@ -98,7 +166,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="how sensitivities are measured: replay (one forward per batch, then for each option "
                              "only the backward below its layer, with the tensor quantized; the same numbers) or "
                              "policy (a full forward + backward under each option's policy) (default replay)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and batches (default 0)")
+    parser.add_argument("--seed", type=integer, default=0, help="seed of the weights and batches (default 0)")
     parser.add_argument("--budget", type=request_field("budget"), default=None,
                         help="memory budget per GPU, e.g. 30GiB: also write DIR/plan.json")
     parser.add_argument("--pipeline-stages", type=positive_int, default=1, help="pipeline stages P (default 1)")
@@ -138,9 +206,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="continue the profile in --out made with the same model and flags: keep its profile.json "
                              "and the measured steps already done (each is saved the moment it is measured, in "
                              f"{JOURNAL_NAME}), and measure only the rest; a profile stopped in its steps (a lost "
-                             "machine, a time limit) loses at most the kind of step it was in. Without --resume the "
-                             "folder's profile is made again, and a folder holding a stopped profile's steps is "
-                             "refused rather than emptied")
+                             "machine, a time limit) loses at most the kind of step it was in. Without --resume a folder "
+                             "holding a stopped profile's steps is refused rather than emptied, and a finished "
+                             "profile is made again only with --force; --resume on a folder without a profile is "
+                             "refused")
+    parser.add_argument("--force", action="store_true",
+                        help="profile into an --out that already holds a finished profile, replacing it (its "
+                             "profile.json, table, collectives.parquet and plan.json are removed first), or a "
+                             "training run's files (run.json, metrics.jsonl, checkpoints/: kept, the profile is "
+                             "written beside them); without --force such a folder is refused (exit 2)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
 
@@ -203,10 +277,7 @@ def run(args: argparse.Namespace) -> int:
     check_layers(args.model, args.layers)
     out = check_output_folder(args.out or Path("profiles") / model_name(args.model), "--out")
     journal = out / JOURNAL_NAME
-    if not args.resume and journal.is_file() and journal.stat().st_size:
-        raise ValueError(f"{out} holds the steps a stopped profile measured ({journal.name}): continue that profile "
-                         f"with --resume and the flags it was made with, or delete {journal} (or give another "
-                         "--out) to profile afresh")
+    _check_out_folder(out, journal, args.resume, args.force)
 
     collectives_torchrun = None
     if _under_torchrun():
@@ -224,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
         seq_len = 4096 if device.startswith("cuda") else 64
         if args.model in PRESETS:
             seq_len = min(seq_len, resolve_config(args.model).max_position_embeddings)
+    _check_size(args.model, args.layers, device, dtype, seq_len)
     if args.threads:
         torch.set_num_threads(args.threads)
     elif device == "cpu" and args.model in PRESETS and resolve_config(args.model).hidden_size < 1024:
@@ -239,9 +311,9 @@ def run(args: argparse.Namespace) -> int:
     header = resumable_header(out, settings) if args.resume else None
     complete = header is not None and "measured_steps" in header and not journal.is_file()
     if header is None:
-        if args.resume:
-            say(f"--resume: no profile in {out} yet: profiling from the start")
         journal.unlink(missing_ok=True)  # empty, or left without the profile it belonged to
+        if args.force and (out / "profile.json").is_file():
+            _remove_profile(out)
         header = make_profile(settings, out, progress=not args.quiet, say=say)
     else:
         say(f"--resume: {out / 'profile.json'} (made {header.get('date')}) is kept; "

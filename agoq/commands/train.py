@@ -31,6 +31,10 @@ A plan searched for a sharded, fsdp or pipeline layout runs only in the number o
 --seq-len may differ (with a warning: the plan's predictions hold for its own). Plans of schema 1.0 say nothing
 of optimizer or compile and train with AdamW on float32 masters, eager.
 
+Before anything is built, a preset or config.json too big for the device is refused (exit 2), from its config:
+weights, gradients, optimizer state and one sequence's layer inputs against the device's free memory (RAM on the
+CPU), in GB, with how many layers would fit. An --out holding a profile is refused: a run gets its own folder.
+
 Resuming keeps the run's settings: a changed one (--lr, --steps, --warmup, ...) is refused with a list
 (old -> new) unless --override names it; batch shape, optimizer, master weights, parallel mode, gradients,
 policy, dtype, seed, data and tokenizer cannot change (the checkpoint depends on them).
@@ -39,13 +43,14 @@ policy, dtype, seed, data and tokenizer cannot change (the checkpoint depends on
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 HELP = "train a model in bf16 or with a plan, on one GPU or many (torchrun)"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq train`'s arguments."""
-    from agoq.commands.arguments import non_negative_float, non_negative_int, positive_float, positive_int
+    from agoq.commands.arguments import integer, non_negative_float, non_negative_int, positive_float, positive_int
     from agoq.layout import MODES
 
     p = parser
@@ -150,7 +155,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "cannot slip in unseen. Accepted changes are recorded in run.json (resumed[].changed, "
                         "original_settings). Batch shape, optimizer, master, parallel, gradients, policy, dtype, "
                         "seed, data and tokenizer cannot change (default: none)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
+    p.add_argument("--seed", type=integer, default=0, help="seed of the weights and the data order (default 0)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None,
                    help="parameter and activation dtype (default: bf16 on GPUs, fp32 on the CPU); with bf16 the "
@@ -161,9 +166,83 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+def _plan_or_none(path):
+    """The --plan, or None when there is none or it cannot be read (agoq.train reports why, in its words)."""
+    if path is None:
+        return None
+    from agoq.formats.plan import load_plan
+
+    try:
+        return load_plan(path)
+    except (ValueError, OSError):
+        return None
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an --out holding a profile (agoq profile's folder): a run is written into a folder of its own, and
+    the dashboard reads a folder as one or the other. A folder holding a run is the trainer's to judge (--resume)."""
+    if (out / "profile.json").is_file():
+        raise ValueError(f"--out {out} holds a profile (profile.json), not a run: give the run a folder of its own")
+
+
+def _check_size(args: argparse.Namespace) -> None:
+    """Refuse a model too big for this device before anything is built (agoq.models.size_check), with the settings
+    this run will take where they can be known here: the flags, else the plan's (--plan), else the run's (--resume),
+    else the defaults; where not known, the floor's smallest. A plan's sequence length longer than the model's
+    positions is refused naming the plan's field, not a --seq-len the user never gave."""
+    import os
+
+    import torch
+
+    from agoq.formats.run import read_run
+    from agoq.layout import plan_launch
+    from agoq.models import resolve_config
+    from agoq.models.size_check import check_fits
+    from agoq.train.plan_settings import BATCH_DEFAULTS
+
+    try:
+        config = resolve_config(args.model)
+    except (ValueError, NotImplementedError, OSError, TypeError):
+        return  # agoq.train says what is wrong with it
+    plan = _plan_or_none(args.plan)
+    seq_len, seq_from = args.seq_len, "--seq-len"
+    if seq_len is None and plan is not None:
+        seq_len, seq_from = plan.training.seq_len, f"training.seq_len of the plan {args.plan}"
+        if seq_len > config.max_position_embeddings:
+            raise ValueError(f"{args.plan}: training.seq_len {seq_len} exceeds the model's max_position_embeddings "
+                             f"({config.max_position_embeddings}): the plan cannot run on {args.model} as written; "
+                             f"search a plan from a profile of this model, or give --seq-len at most "
+                             f"{config.max_position_embeddings} (the plan's predictions hold for its own)")
+    if seq_len is None:
+        settings = (read_run(args.out) or {}).get("settings") or {} if args.resume else {}
+        seq_len = settings.get("seq_len") if args.resume else BATCH_DEFAULTS["seq_len"]
+        seq_len = seq_len if isinstance(seq_len, int) and seq_len > 0 else 1
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or 1)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return  # agoq.train refuses it
+        device = device if ":" in device else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    planned = plan is not None and plan.states_run_settings()["optimizer"]
+    optimizer = args.optimizer or (plan.optimizer.name if planned else "adamw")
+    master = "fp32" if optimizer == "adamw" else args.master or (plan.optimizer.master if planned else "fp32")
+    if "sharded" in (args.parallel, plan_launch(plan).get("parallel") if plan is not None else None):
+        optimizer, master = "adamw8bit", "none"  # SDP4Bit's sharded step keeps less: counted at the floor's least
+    gradients = args.gradients or (plan.gradients.mode if plan is not None else "bf16")
+    check_fits(config, device=device, dtype=dtype, seq_len=seq_len, what=f"model {args.model}",
+               fewer_layers="a config.json with fewer num_hidden_layers", seq_len_from=seq_from,
+               processes_here=local, optimizer=optimizer, master=master,
+               gradient_bytes=None if gradients == "bf16" else 1, share=world)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `agoq train` with parsed arguments; returns the exit code (1 when training failed)."""
     from agoq.train.trainer import TrainConfig, train
+
+    _check_out(Path(args.out))
+    _check_size(args)
 
     cfg = TrainConfig(model=args.model, plan=args.plan, policy=args.policy, gradients=args.gradients,
                       data=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, micro_batch=args.micro_batch,

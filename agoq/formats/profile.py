@@ -114,6 +114,29 @@ def _schema_check(header: dict, where: Path) -> None:
         raise ValueError(f"{where}: schema: {schema!r} is newer than this agoq reads: upgrade agoq")
 
 
+# the header's sections the search cannot do without, and the keys of each it reads with no default worth
+# planning by: without `memory` the search would plan from nothing but the activations, without `settings` at
+# another sequence length, micro-batch or dtype than measured (docs/formats.md)
+REQUIRED_SECTIONS = {"model": ("fingerprint", "num_layers"), "settings": ("seq_len", "micro_batch", "dtype"),
+                     "memory": ("weights_bytes",)}
+
+
+def _check_sections(header: dict, where: Path) -> None:
+    """Refuse a header missing a required section (REQUIRED_SECTIONS) or one of its keys, naming the file and
+    what is missing."""
+    again = "re-run `agoq profile` to make the profile again (a profile.json written by agoq has it)"
+    for section, keys in REQUIRED_SECTIONS.items():
+        value = header.get(section)
+        if value is None:
+            raise ValueError(f"{where}: the {section!r} section is missing, which the search needs; {again}")
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: {section}: must be an object, got {type(value).__name__}; {again}")
+        missing = [k for k in keys if k not in value]
+        if missing:
+            raise ValueError(f"{where}: {', '.join(f'{section}.{k}' for k in missing)}: missing, which the search "
+                             f"needs; {again}")
+
+
 HOST_LINK_RATES = ("d2h_bytes_per_second", "h2d_bytes_per_second")
 
 
@@ -204,10 +227,8 @@ def load_profile(path: str | Path) -> ProfileData:
     table_path = folder / files.get("table", "profile.parquet")
     if not table_path.is_file():
         raise FileNotFoundError(f"{table_path} not found: {folder} is not a complete profile folder")
-    model = header.get("model") or {}
-    for key in ("fingerprint", "num_layers"):
-        if key not in model:
-            raise ValueError(f"{header_path}: model.{key}: missing")
+    _check_sections(header, header_path)
+    model = header["model"]
     _check_host_link(header, header_path)
     try:
         table = pd.read_csv(table_path) if table_path.suffix == ".csv" else pd.read_parquet(table_path)

@@ -120,7 +120,7 @@ def test_help_lists_every_flag(capsys):
         main(["profile", "--help"])
     text = capsys.readouterr().out
     for flag in ("--seq-len", "--micro-batch", "--dtype", "--device", "--bits", "--formats", "--batches", "--budget",
-                 "--pipeline-stages", "--micro-batches", "--world-size", "--ray-address", "--ray", "--out"):
+                 "--pipeline-stages", "--micro-batches", "--world-size", "--ray-address", "--ray", "--out", "--force"):
         assert flag in text
 
 
@@ -149,3 +149,56 @@ def test_world_size_spawns_collectives(tmp_path, capfd):
     coll = pd.read_parquet(out / "collectives.parquet")
     assert set(coll.world_size) == {2} and set(coll.message_bytes) == {20 * 1024} and len(coll) == 9
     assert json.loads((out / "profile.json").read_text())["files"]["collectives"] == "collectives.parquet"
+
+
+def test_resume_needs_a_profile_to_continue(tmp_path, capsys, monkeypatch):
+    """--resume on a folder that does not exist, or holds no profile, is refused (exit 2, saying to drop --resume)
+    instead of profiling afresh; nothing is made."""
+    import agoq.profiler.profile
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("profiled although --resume had nothing to continue")
+
+    monkeypatch.setattr(agoq.profiler.profile, "make_profile", no_work)
+    missing = tmp_path / "never-made"
+    code, err = _error(capsys, ["profile", "llama-tiny", *FAST, "--resume", "--out", str(missing)])
+    assert code == 2 and "does not exist" in err and "drop --resume" in err and not missing.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("mine")
+    code, err = _error(capsys, ["profile", "llama-tiny", *FAST, "--resume", "--out", str(empty)])
+    assert code == 2 and "holds no profile" in err and "drop --resume" in err
+    assert sorted(p.name for p in empty.iterdir()) == ["notes.txt"]
+
+
+def test_out_holding_a_run_or_a_finished_profile_needs_force(tmp_path, capsys):
+    """A training run's folder and a finished profile are refused (exit 2) and left as they were; --force writes
+    the profile beside a run's files (kept), and replaces a profile, whose plan.json from an earlier --budget goes
+    with it."""
+    import os
+
+    out = tmp_path / "run"
+    out.mkdir()
+    run_files = {"run.json": json.dumps({"schema": "agoq.run/1", "nonce": os.urandom(8).hex()}),
+                 "metrics.jsonl": json.dumps({"step": 1, "loss": 5.5}) + "\n"}
+    for name, text in run_files.items():
+        (out / name).write_text(text)
+    args = ["profile", "llama-tiny", *FAST, "--measured-steps", "0", "--out", str(out)]
+    code, err = _error(capsys, args)
+    assert code == 2 and "training run" in err and "run.json" in err and "--force" in err
+    assert sorted(p.name for p in out.iterdir()) == sorted(run_files)
+
+    assert main([*args, "--force", "--budget", "64MiB"]) == 0
+    assert {name: (out / name).read_text() for name in run_files} == run_files  # the run's files are kept
+    assert (out / "plan.json").is_file()
+    for name in run_files:
+        (out / name).unlink()
+    made = (out / "profile.json").read_text()
+    code, err = _error(capsys, args)
+    assert code == 2 and "already holds a profile" in err and "--force" in err and "--resume" in err
+    assert (out / "profile.json").read_text() == made and (out / "plan.json").is_file()
+
+    assert main([*args, "--force", "--seed", "7"]) == 0
+    assert json.loads(made)["settings"]["seed"] == 0
+    assert json.loads((out / "profile.json").read_text())["settings"]["seed"] == 7  # made again
+    assert not (out / "plan.json").exists()  # the replaced profile's plan, which this profile did not make

@@ -266,7 +266,7 @@ def test_profile_resume_keeps_the_profile_and_its_measured_steps(tmp_path, monke
     """`agoq profile --resume` after a stop in the measured steps: profile.json is kept as it was (not made again),
     only the missing steps are measured, the journal is gone once the steps are written; --resume with other flags
     is refused (exit 2, naming the setting); without --resume a stopped profile's folder is refused (exit 2) and kept
-    as it was, and once complete the folder's profile is made again."""
+    as it was, and once complete the folder's profile is made again with --force (refused without it)."""
     import agoq.profiler.profile as profiler
     import agoq.train.measure as train_measure
     from agoq.commands.profile_steps import JOURNAL_NAME as JOURNAL
@@ -310,5 +310,7 @@ def test_profile_resume_keeps_the_profile_and_its_measured_steps(tmp_path, monke
     err = capsys.readouterr().err
     assert "seq_len: 29 there, 31 now" in err and "--resume" in err
     monkeypatch.setattr(profiler, "make_profile", real_make)
-    assert main([*args, "--out", str(out)]) == 0
+    assert main([*args, "--out", str(out)]) == 2  # a finished profile is replaced only with --force
+    assert "already holds a profile" in capsys.readouterr().err
+    assert main([*args, "--out", str(out), "--force"]) == 0
     assert json.loads((out / "profile.json").read_text())["settings"]["seq_len"] == 31

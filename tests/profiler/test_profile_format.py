@@ -138,3 +138,51 @@ def test_csv_table_is_read(tiny_profile, tmp_path):
     a, b = load_profile(out).table, load_profile(copy).table
     assert len(a) == len(b) and list(a.option) == list(b.option) and (a.bytes.values == b.bytes.values).all()
     assert ((a.sensitivity - b.sensitivity).abs() <= 1e-12 * a.sensitivity.abs().max()).all()
+
+
+def _shipped_profiles():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    return sorted(p.parent for folder in (root / "agoq" / "examples" / "profiles",
+                                          root / "experiments" / "results" / "profiles")
+                  for p in folder.glob("*/profile.json"))
+
+
+def test_every_shipped_profile_loads():
+    shipped = _shipped_profiles()
+    assert len(shipped) >= 2  # the examples at least
+    for folder in shipped:
+        assert load_profile(folder).num_layers >= 1, folder
+
+
+def test_a_profile_missing_a_required_section_is_refused(tmp_path):
+    """A header without a section the search needs (memory: it would plan from the activations alone and give
+    another answer; settings; model) or one of its keys is refused naming the file, what is missing and to run
+    agoq profile again; the same profile with it loads."""
+    import random
+    import shutil
+
+    import pytest
+
+    from agoq.formats.profile import REQUIRED_SECTIONS
+
+    source = random.choice(_shipped_profiles())
+    cases = [(section, None) for section in REQUIRED_SECTIONS]
+    cases += [(section, key) for section, keys in REQUIRED_SECTIONS.items() for key in keys]
+    assert ("memory", None) in cases and ("memory", "weights_bytes") in cases
+    for i, (section, key) in enumerate(cases):
+        copy = tmp_path / f"p{i}"
+        shutil.copytree(source, copy)
+        header = json.loads((copy / "profile.json").read_text())
+        if key is None:
+            del header[section]
+        else:
+            del header[section][key]
+        (copy / "profile.json").write_text(json.dumps(header))
+        with pytest.raises(ValueError) as e:
+            load_profile(copy)
+        message = str(e.value)
+        named = section if key is None else f"{section}.{key}"
+        assert str(copy / "profile.json") in message and named in message and "agoq profile" in message, message
+    assert load_profile(source).memory  # the original, untouched, loads
