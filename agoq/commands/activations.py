@@ -47,6 +47,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from agoq.models import build  # the model and the profiler's kernels load when the command runs, not with --help
+    from agoq.models.size_check import check_spec_fits
     from agoq.profiler import compare_policies
     from agoq.profiler.model_source import check_layers
 
@@ -64,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
             policies.append(as_policy(read_json_object(item, "policy file")))
         else:
             policies.append(as_policy(item))
+    check_spec_fits(args.model, args.layers, device=device, dtype=args.dtype, seq_len=args.seq,
+                    fewer_layers="--layers N to measure only the first N layers")
     model = build(args.model, dtype=dtype, device=device, seed=args.seed, num_layers=args.layers)
     if args.seq > model.config.max_position_embeddings:
         raise ValueError(f"--seq {args.seq} exceeds the model's max_position_embeddings "

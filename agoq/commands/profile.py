@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 from agoq.commands.profile_steps import JOURNAL_NAME
+from agoq.models.size_check import check_spec_fits
 from agoq.files import check_output_folder
 from agoq.formats.profile import add_collectives, add_measured_steps, load_profile
 from agoq.search import InfeasibleBudget, plan_from_profile
@@ -116,27 +117,6 @@ def _remove_profile(out: Path) -> None:
     (an old collectives.parquet or plan.json would otherwise stay beside a profile that did not make them)."""
     for name in PROFILE_FILES:
         (out / name).unlink(missing_ok=True)
-
-
-def _check_size(spec: str, layers: int | None, device: str, dtype: str, seq_len: int) -> None:
-    """Refuse a preset or config.json model too big for this device before it is built (agoq.models.size_check:
-    weights, gradients, the measured step's 8-bit AdamW on float32 masters, one sequence's layer inputs). A
-    config that does not parse, or a package.module:function model, is left to the profiler to report or build."""
-    import dataclasses
-
-    from agoq.models import PRESETS, resolve_config
-    from agoq.models.size_check import check_fits
-
-    if spec not in PRESETS and not (spec.endswith(".json") or os.path.isfile(spec)):
-        return
-    try:
-        config = resolve_config(spec)
-    except (ValueError, NotImplementedError, OSError):
-        return
-    if layers is not None:
-        config = dataclasses.replace(config, num_hidden_layers=layers)
-    check_fits(config, device=device, dtype=dtype, seq_len=seq_len, what=f"model {spec}",
-               fewer_layers="--layers N to profile only the first N layers", optimizer="adamw8bit", master="fp32")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -295,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
         seq_len = 4096 if device.startswith("cuda") else 64
         if args.model in PRESETS:
             seq_len = min(seq_len, resolve_config(args.model).max_position_embeddings)
-    _check_size(args.model, args.layers, device, dtype, seq_len)
+    check_spec_fits(args.model, args.layers, device=device, dtype=dtype, seq_len=seq_len,
+                    fewer_layers="--layers N to profile only the first N layers", optimizer="adamw8bit", master="fp32")
     if args.threads:
         torch.set_num_threads(args.threads)
     elif device == "cpu" and args.model in PRESETS and resolve_config(args.model).hidden_size < 1024:

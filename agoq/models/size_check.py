@@ -22,6 +22,7 @@ or a hidden size of 10^7 is refused at once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,4 +144,23 @@ def check_fits(config: LlamaConfig, *, device: str, dtype: str, seq_len: int, wh
         f"{seq_len_from} (the figure is for a micro-batch of one sequence already), or a device with more memory")
 
 
-__all__ = ["StepFloor", "step_floor", "available_bytes", "layers_that_fit", "check_fits", "ELEM_BYTES", "gb"]
+def check_spec_fits(spec: str, layers: int | None, *, device: str, dtype: str, seq_len: int, fewer_layers: str,
+                    **floor_args) -> None:
+    """`check_fits` for a model named as the commands take it (a preset or a config.json; `layers`: only the first N
+    of its layers) before it is built. A config that does not parse, or a package.module:function model, is left
+    to the command to report or build (only building it would tell its size)."""
+    from agoq.models import PRESETS, resolve_config
+
+    if spec not in PRESETS and not (spec.endswith(".json") or os.path.isfile(spec)):
+        return
+    try:
+        config = resolve_config(spec)
+    except (ValueError, NotImplementedError, OSError):
+        return
+    if layers is not None:
+        config = dataclasses.replace(config, num_hidden_layers=layers)
+    check_fits(config, device=device, dtype=dtype, seq_len=seq_len, what=f"model {spec}", fewer_layers=fewer_layers,
+               **floor_args)
+
+
+__all__ = ["StepFloor", "step_floor", "available_bytes", "layers_that_fit", "check_fits", "check_spec_fits", "ELEM_BYTES", "gb"]

@@ -93,9 +93,10 @@ def _build_model(cfg: JobConfig, corpus: Corpus, dtype: torch.dtype, device: tor
 
 
 def _check_model(plan: Plan | None, where: str, model: nn.Module, spec: dict,
-                 settled: Reconciled) -> list[int] | None:
-    """Refuse a plan made for another model or layer count, or a shape or pipeline this model cannot take;
-    returns the pipeline stage of each decoder layer (None: no pipeline)."""
+                 settled: Reconciled, seq_len_flag: bool = True) -> list[int] | None:
+    """Refuse a plan made for another model or layer count, or a shape or pipeline this model cannot take
+    (`seq_len_flag` False: the sequence length is the plan's, and is named as its field); returns the pipeline stage
+    of each decoder layer (None: no pipeline)."""
     from agoq.activations.policy import split_layers
 
     layers = model.config.num_hidden_layers
@@ -115,7 +116,8 @@ def _check_model(plan: Plan | None, where: str, model: nn.Module, spec: dict,
             layer_stage = [lp.stage for lp in plan.layers]
     shape = settled.shape
     if shape.seq_len > model.config.max_position_embeddings:
-        raise ValueError(f"--seq-len {shape.seq_len} exceeds the model's max_position_embeddings "
+        given = "--seq-len" if seq_len_flag or plan is None else f"{where}: training.seq_len"
+        raise ValueError(f"{given} {shape.seq_len} exceeds the model's max_position_embeddings "
                          f"({model.config.max_position_embeddings})")
     stages = settled.layout.pipeline_stages
     if settled.layout.pipelined:
@@ -136,11 +138,12 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
     device = run_device(cfg.model, world)
     dtype = run_dtype(cfg.model, device)
     settled = reconcile(cfg, plan, where, world, device)
+    seq_len_flag = cfg.data.seq_len is not None
     cfg, layout, shape = settled.cfg, settled.layout, settled.shape
 
     corpus = load_corpus(cfg.data.data, cfg.data.tokenizer)  # the data first: its vocabulary decides the model's
     model, spec = _build_model(cfg, corpus, dtype, device)
-    layer_stage = _check_model(plan, where, model, spec, settled)
+    layer_stage = _check_model(plan, where, model, spec, settled, seq_len_flag)
     if device.type == "cuda" and plan is not None:
         check_budget(plan, layer_stage, world, device, where)
 

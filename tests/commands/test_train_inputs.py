@@ -43,3 +43,29 @@ def test_train_does_not_write_into_a_profile_folder(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "holds a profile" in err and str(out) in err
     assert sorted(p.name for p in out.iterdir()) == ["profile.json"] and (out / "profile.json").read_text() == header
+
+
+def test_train_called_from_python_names_the_plans_seq_len_too(tmp_path):
+    import pytest
+
+    from agoq.train.config import JobConfig
+    from agoq.train.trainer import train
+
+    limit = PRESETS["llama-tiny"].max_position_embeddings
+    seq_len = limit + random.randint(1, 10**5)
+    plan = _plan(tmp_path, seq_len)
+    cfg = JobConfig.from_flags(model="llama-tiny", plan=str(plan), device="cpu", quiet=True, out=str(tmp_path / "r"))
+    with pytest.raises(ValueError) as info:
+        train(cfg)
+    assert f"training.seq_len {seq_len} exceeds" in str(info.value) and f"--seq-len {seq_len}" not in str(info.value)
+
+
+def test_activations_refuses_a_model_too_big_before_building_it(tmp_path, capsys):
+    hidden = 8 * random.randint(10**5, 4 * 10**5)  # trillions of parameters: more than any machine's memory
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+                                "intermediate_size": 4 * hidden, "num_hidden_layers": 7, "num_attention_heads": 8,
+                                "num_key_value_heads": 8, "vocab_size": 1000, "max_position_embeddings": 4096}))
+    assert main(["activations", str(path), "--device", "cpu", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "GB" in err and "--layers" in err, err
