@@ -3,8 +3,13 @@
 On a terminal it is a tqdm bar redrawn in place. On anything else (a CI log, a file, `| tee`), where each
 redraw would add to the log instead of replacing the last, it writes whole lines and rarely: nothing for
 a task shorter than LOG_INTERVAL_S seconds, then at most one line per LOG_INTERVAL_S seconds and a last
-one when it ends, without carriage returns or bar glyphs. Off (`enabled=False`, e.g. `--quiet`) it
-writes nothing at all.
+one when it ends, without carriage returns or bar glyphs. That holds for every redraw, those a caller
+forces too (`set_postfix`, `set_description`, `refresh` redraw at once on a terminal): a bar updated with
+a postfix at every training step still writes one line a minute to a log. Off (`enabled=False`, e.g.
+`--quiet`) it writes nothing at all.
+
+tqdm's `leave` and `delay` (e.g. a search phase's bar that shows only after a second or two and is wiped
+when done) apply on a terminal; a log keeps its own rules above.
 """
 
 from __future__ import annotations
@@ -40,6 +45,33 @@ class _Lines:
         getattr(self.stream, "flush", lambda: None)()
 
 
+def _log_bar_class():
+    """tqdm's bar for a stream that is not a terminal: every redraw (an update's, or one a caller forces) writes a
+    line only once LOG_INTERVAL_S have passed since the bar started and since its last line; the redraw of `close`
+    (a bar that wrote a line) always does. Made on first use, so that importing agoq.progress imports no tqdm."""
+    from tqdm import tqdm
+
+    class LogBar(tqdm):
+        @property
+        def format_dict(self):  # set_description keeps "desc: ", which LOG_FORMAT's "{desc}: " would double
+            d = tqdm.format_dict.fget(self)
+            d["prefix"] = (d.get("prefix") or "").removesuffix(": ")
+            return d
+
+        def display(self, msg=None, pos=None):
+            now = self._time()
+            start = getattr(self, "start_t", None)
+            last = getattr(self, "_last_line_t", None)
+            closing = self.disable  # close() marks the bar disabled before its last redraw
+            if not closing and (start is None or now - start < LOG_INTERVAL_S
+                                or (last is not None and now - last < LOG_INTERVAL_S)):
+                return True
+            self._last_line_t = self.last_print_t = now  # close() writes a last line only after a first one
+            return super().display(msg, pos)
+
+    return LogBar
+
+
 def progress_bar(iterable: Optional[Iterable] = None, *, enabled: bool = True, stream: Optional[TextIO] = None,
                  **options: Any):
     """A tqdm bar over `iterable` (or updated by hand: `total=`), on `stream` (default sys.stderr, read when
@@ -52,5 +84,7 @@ def progress_bar(iterable: Optional[Iterable] = None, *, enabled: bool = True, s
         return tqdm(iterable, disable=True, **options)
     if is_terminal(stream):
         return tqdm(iterable, file=stream, dynamic_ncols=True, **options)
-    return tqdm(iterable, file=_Lines(stream), bar_format=LOG_FORMAT, mininterval=LOG_INTERVAL_S,
-                maxinterval=LOG_INTERVAL_S, delay=LOG_INTERVAL_S, ncols=None, **options)
+    for terminal_only in ("leave", "delay", "dynamic_ncols"):
+        options.pop(terminal_only, None)
+    return _log_bar_class()(iterable, file=_Lines(stream), bar_format=LOG_FORMAT, mininterval=LOG_INTERVAL_S,
+                            maxinterval=LOG_INTERVAL_S, delay=LOG_INTERVAL_S, ncols=None, **options)
