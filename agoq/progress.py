@@ -18,6 +18,7 @@ import sys
 from typing import Any, Iterable, Optional, TextIO
 
 LOG_INTERVAL_S = 60.0  # seconds between two lines of a bar on a stream that is not a terminal
+PHASE_DELAY_S = 1.0  # a phase's bar shows on a terminal once the phase has run this long
 LOG_FORMAT = "{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
 
@@ -88,3 +89,11 @@ def progress_bar(iterable: Optional[Iterable] = None, *, enabled: bool = True, s
         options.pop(terminal_only, None)
     return _log_bar_class()(iterable, file=_Lines(stream), bar_format=LOG_FORMAT, mininterval=LOG_INTERVAL_S,
                             maxinterval=LOG_INTERVAL_S, delay=LOG_INTERVAL_S, ncols=None, **options)
+
+
+def phase_bar(iterable: Optional[Iterable] = None, *, enabled: bool = True, stream: Optional[TextIO] = None,
+              **options: Any):
+    """A bar for one phase of a longer task (a search's MILP solves, its front, ...): as `progress_bar`, but on a
+    terminal it shows only once the phase has run PHASE_DELAY_S and is wiped when it ends, so that a task of many
+    short phases leaves only its own output; a log writes it by progress_bar's rules."""
+    return progress_bar(iterable, enabled=enabled, stream=stream, leave=False, delay=PHASE_DELAY_S, **options)

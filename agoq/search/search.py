@@ -82,11 +82,11 @@ def _recipe_cap(profile: ProfileData, error_cap, notes: list | None = None):
 
 
 def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, error_cap: Optional[float],
-               cap_source: Optional[str], space: KnobSpace, alternatives: bool) -> tuple:
+               cap_source: Optional[str], space: KnobSpace, alternatives: bool, progress: bool = False) -> tuple:
     """The best plan over the outer knobs (agoq.search.knobs), with its decision and best alternative recorded;
-    returns (plan, KnobSearch)."""
+    returns (plan, KnobSearch). `progress`: bars for the knob search's phases."""
     found = solve_knobs(profile, budget, objective=objective, error_cap=error_cap, time_cap=time_cap,
-                        space=space)
+                        space=space, progress=progress)
     best = found.best
     plan = build_plan(profile, best.problem, best.alloc, best.knobs, budget, "milp", objective)
     record_decision(plan, profile, found, objective, error_cap, cap_source)
@@ -178,14 +178,15 @@ def _cap_source(error_cap) -> Optional[str]:
 
 
 def plan_from_profile(profile_dir, request: Union[SearchRequest, int], *, knobs: Optional[ProblemSettings] = None,
-                      alternatives: bool = True, **changes) -> Plan:
+                      alternatives: bool = True, progress: bool = False, **changes) -> Plan:
     """The best plan of a profile (folder or ProfileData) for `request`: a SearchRequest, or its budget in bytes
     per GPU (stage) with its other fields as keywords (objective, time_cap, error_cap, space; see SearchRequest).
 
     With `knobs` (ProblemSettings) the plan uses exactly those knobs; else the outer knobs of the request's space
     (default: every gradient storage, optimizer and compile mode the profile prices, float32 masters, every split
     of the profiled micro-batch) are searched. The plan records its decision and, with `alternatives`, the best
-    alternative that fits the budget. Raises InfeasibleBudget (with the smallest feasible budget) when none fits."""
+    alternative that fits the budget. Raises InfeasibleBudget (with the smallest feasible budget) when none fits.
+    `progress`: bars on stderr for the phases of the knob search."""
     r = SearchRequest.of(request, changes)
     profile = profile_dir if isinstance(profile_dir, ProfileData) else load_profile(profile_dir)
     error_cap = _recipe_cap(profile, r.error_cap)
@@ -193,7 +194,7 @@ def plan_from_profile(profile_dir, request: Union[SearchRequest, int], *, knobs:
         problem, _, alloc = _milp_plan(profile, knobs, r.budget, r.objective, r.time_cap, error_cap)
         return build_plan(profile, problem, alloc, knobs, r.budget, "milp", r.objective)
     plan, _ = _knob_plan(profile, r.budget, r.objective, r.time_cap, error_cap, _cap_source(r.error_cap), r.space,
-                         alternatives)
+                         alternatives, progress)
     return plan
 
 
@@ -204,16 +205,28 @@ HEADROOM = 0.02
 MUCH_FASTER = 1.15
 
 
-def roomier_plan_note(profile: ProfileData, request: Union[SearchRequest, int], plan: Plan, **changes) -> Optional[str]:
+def unpriced_offload_note(profile: ProfileData) -> Optional[str]:
+    """Why a profile offers no offload at all, for a user who asked for it: it did not measure the host link (CPU
+    profiles, and GPU profiles made before agoq measured it); None when it did."""
+    if profile.host_link:
+        return None
+    return ("this profile did not measure the host link (timing.host_link), so offload cannot be priced and no plan "
+            "offloads: --offload and --host-budget change nothing here; re-profile on a GPU with agoq profile MODEL "
+            "(on a CUDA device it measures the host link and the offloading steps) to offer it")
+
+
+def roomier_plan_note(profile: ProfileData, request: Union[SearchRequest, int], plan: Plan, *, progress: bool = False,
+                      **changes) -> Optional[str]:
     """A sentence naming what HEADROOM more memory buys when the plan searched at that budget is predicted at least
     MUCH_FASTER x `plan`'s tokens/s (`plan`: the one made for `request`); None otherwise, for objectives other than
-    time, and where nothing more fits there. One more search of the knobs: `agoq search` asks, the service does not."""
+    time, and where nothing more fits there. One more search of the knobs (with a bar when `progress`): `agoq search`
+    asks, the service does not."""
     r = SearchRequest.of(request, changes)
     if r.objective != "time" or not plan.predicted.step_seconds:
         return None
     more = int(r.budget * (1 + HEADROOM))
     try:
-        other = plan_from_profile(profile, r, budget=more)
+        other = plan_from_profile(profile, r, budget=more, progress=progress)
     except InfeasibleBudget:
         return None
     if not other.predicted.step_seconds:
@@ -244,7 +257,7 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
 
     `request` is a SearchRequest (`changes` replace its fields), or its budget in bytes per GPU with its other
     fields as keywords. The rest says how the search runs: the Optuna study's `storage` (default
-    sqlite:///OUT_DIR/study.db) and `study_name`, Ray at `ray_address` (None: in this process), `parallel` trials
+    sqlite:///OUT_DIR/study.db; `agoq search` names it after the plan: side_files) and `study_name`, Ray at `ray_address` (None: in this process), `parallel` trials
     at a time, progress bars, at most `stop_after` trials now (None: all of them).
     The MILP plan is the best over the outer knobs of the request's space (agoq.search.knobs); the front and the
     Optuna study use that plan's knobs. With `alternatives` the plan carries the best alternative that fits the
@@ -259,7 +272,7 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
     cap_notes: list = []
     error_cap = _recipe_cap(profile, r.error_cap, cap_notes)
     plan, found = _knob_plan(profile, budget, objective, time_cap, error_cap, _cap_source(r.error_cap), r.space,
-                             alternatives)
+                             alternatives, progress)
     knobs, problem = found.best.knobs, found.best.problem
     outcome = SearchOutcome(plan)
     outcome.notes += cap_notes + problem.notes
@@ -420,7 +433,7 @@ def _trial_measurer(profile: ProfileData, budget: int, objective: str, runner, s
 
 
 def pareto_rows(candidates: list, plan_names: dict) -> list[dict]:
-    """Rows of pareto.csv: the MILP memory/error front and the Optuna front."""
+    """Rows of the Pareto front's CSV (OUT_STEM.pareto.csv): the MILP memory/error front and the Optuna front."""
     rows = []
     for c in candidates:
         if c.source == "milp":
@@ -442,13 +455,23 @@ def pareto_rows(candidates: list, plan_names: dict) -> list[dict]:
     return rows
 
 
+def side_files(out: Path) -> dict:
+    """The files a search writes beside its plan `out`, each named after it so that searches into one folder share
+    none: "pareto" OUT_STEM.pareto.csv, "plans" the front's plans' folder OUT_STEM-pareto/, "study" the Optuna
+    study OUT_STEM.study.db (SQLite) and "journal" OUT_STEM.study.journal (with several workers); for plan.json:
+    plan.pareto.csv, plan-pareto/, plan.study.db, plan.study.journal."""
+    out = Path(out)
+    return {"pareto": out.with_name(f"{out.stem}.pareto.csv"), "plans": out.with_name(f"{out.stem}-pareto"),
+            "study": out.with_name(f"{out.stem}.study.db"), "journal": out.with_name(f"{out.stem}.study.journal")}
+
+
 def write_outputs(outcome: SearchOutcome, out: Path) -> dict:
-    """Write plan.json (`out`), the front's plans (OUT_STEM-pareto/NN.json) and pareto.csv beside it. The
-    front's plans of an earlier search into the same `out` are removed first (only agoq's own
+    """Write plan.json (`out`), the front's plans (OUT_STEM-pareto/NN.json) and OUT_STEM.pareto.csv beside it
+    (side_files). The front's plans of an earlier search into the same `out` are removed first (only agoq's own
     SOURCE-NN.json files), so the folder never mixes two searches' fronts."""
     out = Path(out)
     folder = out.parent
-    plans_dir = folder / f"{out.stem}-pareto"
+    plans_dir = side_files(out)["plans"]
     if plans_dir.is_dir():
         for old in plans_dir.glob("*-[0-9][0-9].json"):
             old.unlink()
@@ -469,6 +492,6 @@ def write_outputs(outcome: SearchOutcome, out: Path) -> dict:
     for row in rows:
         writer.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
                          for k, v in row.items()})
-    csv_path = folder / "pareto.csv"
+    csv_path = side_files(out)["pareto"]
     write_atomic(csv_path, buf.getvalue())
     return {"plan": out, "pareto": csv_path, "plans": plans_dir}
