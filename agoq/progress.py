@@ -15,10 +15,14 @@ when done) apply on a terminal; a log keeps its own rules above.
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable, Optional, TextIO
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Optional, TextIO
 
 LOG_INTERVAL_S = 60.0  # seconds between two lines of a bar on a stream that is not a terminal
 PHASE_DELAY_S = 1.0  # a phase's bar shows on a terminal once the phase has run this long
+PHASE_TICK_S = 0.5   # how often a phase with no steps of its own (phase) redraws its running time
+PHASE_FORMAT = "{desc}: running for {elapsed}{postfix}"
 LOG_FORMAT = "{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
 
@@ -87,8 +91,9 @@ def progress_bar(iterable: Optional[Iterable] = None, *, enabled: bool = True, s
         return tqdm(iterable, file=stream, dynamic_ncols=True, **options)
     for terminal_only in ("leave", "delay", "dynamic_ncols"):
         options.pop(terminal_only, None)
-    return _log_bar_class()(iterable, file=_Lines(stream), bar_format=LOG_FORMAT, mininterval=LOG_INTERVAL_S,
-                            maxinterval=LOG_INTERVAL_S, delay=LOG_INTERVAL_S, ncols=None, **options)
+    options.setdefault("bar_format", LOG_FORMAT)
+    return _log_bar_class()(iterable, file=_Lines(stream), mininterval=LOG_INTERVAL_S, maxinterval=LOG_INTERVAL_S,
+                            delay=LOG_INTERVAL_S, ncols=None, **options)
 
 
 def phase_bar(iterable: Optional[Iterable] = None, *, enabled: bool = True, stream: Optional[TextIO] = None,
@@ -97,3 +102,33 @@ def phase_bar(iterable: Optional[Iterable] = None, *, enabled: bool = True, stre
     terminal it shows only once the phase has run PHASE_DELAY_S and is wiped when it ends, so that a task of many
     short phases leaves only its own output; a log writes it by progress_bar's rules."""
     return progress_bar(iterable, enabled=enabled, stream=stream, leave=False, delay=PHASE_DELAY_S, **options)
+
+
+@contextmanager
+def phase(desc: str, *, enabled: bool = True, stream: Optional[TextIO] = None,
+          tick: float = PHASE_TICK_S) -> Iterator[Any]:
+    """Say that a step with no steps of its own is running (one long MILP solve, a search over a few knob
+    combinations): within the `with` block a bar "DESC: running for 00:07" is redrawn every `tick` seconds by a thread
+    of its own, by phase_bar's rules (on a terminal from PHASE_DELAY_S on, wiped at the end; in a log a line a minute
+    and a last one, nothing for a phase done within the minute). Yields the bar (`set_postfix_str` says what it is
+    at); off (`enabled=False`) it draws nothing and starts no thread."""
+    bar = phase_bar(total=None, desc=desc, enabled=enabled, stream=stream, bar_format=PHASE_FORMAT)
+    if not enabled:
+        yield bar
+        return
+    stop = threading.Event()
+
+    def redraw() -> None:
+        while not stop.wait(tick):
+            if bar._time() - bar.start_t >= bar.delay:  # tqdm's delay holds for updates only: here too
+                bar.refresh()
+                bar.last_print_t = bar._time()  # drawn: close() wipes it (or, in a log, writes its last line)
+
+    thread = threading.Thread(target=redraw, name=f"agoq phase: {desc}", daemon=True)
+    thread.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        thread.join()
+        bar.close()

@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     from agoq.formats.profile import load_profile
     from agoq.search.memory_parts import phase_name
     from agoq.search.request import InfeasibleBudget
-    from agoq.search.search import roomier_plan_note, search, side_files, write_outputs
+    from agoq.search.search import keep_notes, roomier_plan_note, search, side_files, write_outputs
     from agoq.search.study import storage_file
 
     request = read_request(args)
@@ -260,14 +260,13 @@ def run(args: argparse.Namespace) -> int:
     if out.exists():
         print(f"agoq search: replacing the plan {out} and its front ({files['pareto'].name}, {files['plans'].name}/) "
               "with this search's", file=sys.stderr)
-    said = offload_notes(profile, outcome, asked=args.offload is not None or args.host_budget is not None)
+    asked = args.offload is not None or args.host_budget is not None
+    said = list(outcome.said) + offload_notes(profile, outcome, asked)
     roomier = None if request.budget is None else roomier_plan_note(profile, request, outcome.plan,
                                                                     progress=not args.quiet)
     if roomier is not None:
         said.append(roomier)
-    # every note goes into the plan file, those only summed up on the screen too
-    kept = list(getattr(outcome.plan.source, "notes", None) or [])
-    outcome.plan.source.notes = list(dict.fromkeys(kept + outcome.notes + said))
+    keep_notes(outcome.plan, said)  # the search kept its own notes in the plan; these go with them
     written = write_outputs(outcome, out)
     plan = outcome.plan
     pred = plan.predicted

@@ -35,7 +35,6 @@ from typing import Optional
 import numpy as np
 
 from agoq.formats.profile import ProfileData
-from agoq.progress import phase_bar
 from agoq.search.costs import (
     ChoiceProblem,
     ProblemSettings,
@@ -153,22 +152,18 @@ def _dominated(p: ChoiceProblem, q: ChoiceProblem) -> bool:
 
 def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_cap: Optional[float] = None,
                 time_cap=None, space: KnobSpace = KnobSpace(),
-                base: ProblemSettings = ProblemSettings(), prune: bool = True, progress: bool = False) -> KnobSearch:
+                base: ProblemSettings = ProblemSettings(), prune: bool = True) -> KnobSearch:
     """The best combination of `space` under `budget` bytes per stage and the caps (see the module docstring).
     `time_cap` is seconds, None or "checkpoint" (each combination no slower than its own best checkpointing that
     fits). Raises InfeasibleBudget when no combination fits, with the smallest budget
-    any combination fits. With `progress`, its two phases (pricing the combinations, calibration included, and
-    their MILP solves) show bars on stderr (agoq.progress.phase_bar)."""
+    any combination fits."""
     tried: list[KnobResult] = []
     built = []
-    bar = phase_bar(combinations(profile, space, base), enabled=progress, desc="pricing knob combinations",
-                    unit="combination")
-    for knobs in bar:
+    for knobs in combinations(profile, space, base):
         try:
             built.append((knobs, build_problem(profile, knobs)))
         except ValueError as e:  # e.g. a micro-batch the config cannot scale to: say so, try the others
             tried.append(KnobResult(knobs, error=str(e)))
-    bar.close()
     first = (lambda r: r.alloc.grad_error) if objective == "error" else (lambda r: r.alloc.step_seconds)
     refused: list[InfeasibleBudget] = []  # why each combination that was solved does not fit
     bounded: list[tuple[float, int, KnobResult]] = []
@@ -196,9 +191,7 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
     # best bound first; a combination whose relaxation is already worse than the best exact optimum found cannot
     # win or tie (a relaxation's optimum is never worse than its MILP's), so its MILP is never solved
     top = np.inf
-    bar = phase_bar(sorted(bounded, key=lambda t: (t[0], t[1])), enabled=progress,
-                    desc="solving knob combinations (MILP)", unit="combination")
-    for bound, _, result in bar:
+    for bound, _, result in sorted(bounded, key=lambda t: (t[0], t[1])):
         if bound > top + abs(top) * 1e-6:
             result.error = "slower" if objective == "time" else "less exact"
             tried.append(result)
@@ -214,7 +207,6 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
         finally:
             result.solver.explain = True
         tried.append(result)
-    bar.close()
     solved = [r for r in tried if r.alloc is not None]
     for result in hopeless:
         result.error = "does not fit the budget"

@@ -133,3 +133,27 @@ def test_asking_for_offload_without_a_host_link_says_why(profile_dir, tmp_path, 
     assert not any("host link" in n for n in load_plan(plain).source.notes)
     a, b = load_plan(plain), load_plan(asked)
     assert a.predicted.step_seconds == b.predicted.step_seconds and not b.offload_layers()
+
+
+def test_a_front_that_cannot_be_made_leaves_the_plan_and_says_so(profile_dir, tmp_path, capsys, monkeypatch):
+    """Where the front's range cannot be found (agoq.search.pareto raises ValueError), the search still writes the
+    plan it found, the same as without a front, and says why there is no front (printed, and in the plan's notes)."""
+    import agoq.search.search as search_module
+
+    low, high = _bounds(profile_dir)
+    budget = (low + high) // 2
+    alone = tmp_path / "alone.json"
+    assert _search(profile_dir, alone, budget, "--front-budgets", "0") == 0
+
+    def no_front(*args, **kwargs):
+        raise ValueError("no choice meets the time cap at any budget")
+
+    monkeypatch.setattr(search_module, "memory_error_front", no_front)
+    out = tmp_path / "plan.json"
+    capsys.readouterr()
+    assert _search(profile_dir, out, budget, "--front-budgets", "4") == 0
+    err = capsys.readouterr().err
+    said = [n for n in load_plan(out).source.notes if n.startswith("no memory/error Pareto front")]
+    assert len(said) == 1 and said[0] in err and "no choice meets the time cap" in said[0]
+    assert load_plan(out).predicted.step_seconds == load_plan(alone).predicted.step_seconds
+    assert _rows(tmp_path / "plan.pareto.csv") == []
