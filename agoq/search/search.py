@@ -380,8 +380,9 @@ def _validate(profile: ProfileData, r: SearchRequest, best: Candidate, candidate
     validate_plans([c.plan for c in chosen], config, measure=measure, dtype=dtype, steps=r.validate_steps,
                    seed=r.seed, runner=runner, progress=progress)
     if alternatives and best.plan.alternative is not None:
-        measure_alternative(best.plan, config, measure=measure, dtype=dtype, steps=r.validate_steps, seed=r.seed,
-                            runner=runner)
+        with phase(f"running the best alternative ({best.plan.alternative.name}) for real", enabled=progress):
+            measure_alternative(best.plan, config, measure=measure, dtype=dtype, steps=r.validate_steps, seed=r.seed,
+                                runner=runner)
     if study is not None:
         for c in chosen:
             if c.trial is not None:
