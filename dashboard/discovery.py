@@ -21,6 +21,8 @@ KINDS = ("profiles", "searches", "plans", "runs")
 SKIP_DIRS = {"checkpoint", "checkpoints", "__pycache__", "node_modules"}
 PLAN_MARK = b'"agoq.plan/'
 STUDY_FILES = ("study.db", "study.journal")
+# a search names its files after its plan: PLAN_STEM.pareto.csv, PLAN_STEM.study.db (earlier: pareto.csv, study.db)
+SEARCH_SUFFIXES = (".pareto.csv", ".study.db", ".study.journal")
 MIN_RESCAN = 0.5  # seconds between two forced rescans
 
 
@@ -111,7 +113,8 @@ def _looks_like_plan(path: Path, seen: dict[str, tuple[tuple[int, int], bool]]) 
 
 def scan(root: Path, max_depth: int = 8, seen: dict | None = None) -> Index:
     """Walk `root` (already resolved) and index every profile folder (profile.json), run folder
-    (run.json), search folder (pareto.csv or an Optuna study.db / study.journal) and plan file
+    (run.json), search folder (pareto.csv or an Optuna study.db / study.journal, or those named after a plan:
+    PLAN_STEM.pareto.csv, PLAN_STEM.study.db / .study.journal) and plan file
     (plan.json, or any JSON file whose schema is agoq.plan/N). Hidden folders, checkpoints and
     anything deeper than `max_depth` are skipped; so is every symlink leading out of `root` (or nowhere), noted
     in the index's problems. `seen` remembers which JSON files are plans between scans."""
@@ -140,7 +143,8 @@ def scan(root: Path, max_depth: int = 8, seen: dict | None = None) -> Index:
             index.items["profiles"][folder_id] = Artifact("profiles", folder_id, here)
         if "run.json" in usable:
             index.items["runs"][folder_id] = Artifact("runs", folder_id, here)
-        if "pareto.csv" in usable or any(s in usable for s in STUDY_FILES):
+        if "pareto.csv" in usable or any(s in usable for s in STUDY_FILES) \
+                or any(n.endswith(SEARCH_SUFFIXES) for n in usable):
             index.items["searches"][folder_id] = Artifact("searches", folder_id, here)
         for name in sorted(usable):
             if name.endswith(".json") and name not in ("profile.json", "run.json") and not name.startswith("."):

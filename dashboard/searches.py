@@ -16,21 +16,36 @@ PARETO_REQUIRED = ("predicted_peak_bytes", "predicted_step_seconds", "predicted_
 STUDY_FILES = ("study.db", "study.journal")
 
 
+def newest_named(folder: Folder, names: tuple[str, ...], suffixes: tuple[str, ...]) -> Path | None:
+    """The most recently written of the folder's files called one of `names` (as earlier agoq wrote them: pareto.csv,
+    study.db) or ending in one of `suffixes` (named after the plan: plan.pareto.csv), None when none is; a
+    folder holding several searches shows its latest."""
+    try:
+        found = [p.name for p in folder.path.iterdir() if p.name in names or p.name.endswith(suffixes)]
+    except OSError:
+        return None
+    paths = [folder.file(n) for n in sorted(found)]
+    paths = [p for p in paths if p.is_file()]
+    return max(paths, key=lambda p: p.stat().st_mtime_ns) if paths else None
+
+
 def read_pareto(folder: Folder) -> dict[str, Any]:
-    """pareto.csv as rows (numbers parsed, text kept), with the columns in file order; an absent file
-    gives no rows and a message. A row is 'validated' when it has a measured peak or step time."""
-    path = folder.file("pareto.csv")
-    if not path.exists():
-        return {"columns": [], "rows": [], "message": "no pareto.csv in this search folder"}
+    """The search's Pareto CSV (PLAN_STEM.pareto.csv, or pareto.csv as agoq wrote it before: `newest_named`) as rows
+    (numbers parsed, text kept), with the columns in file order; an absent file gives no rows and a message. A row is
+    'validated' when it has a measured peak or step time."""
+    path = newest_named(folder, ("pareto.csv",), (".pareto.csv",))
+    if path is None:
+        return {"columns": [], "rows": [], "message": "no pareto.csv (or PLAN.pareto.csv) in this search folder"}
+    name = path.name
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise BrokenFile(f"pareto.csv: cannot read it ({e})") from None
+        raise BrokenFile(f"{name}: cannot read it ({e})") from None
     reader = csv.DictReader(io.StringIO(text))
     columns = reader.fieldnames or []
     missing = [c for c in PARETO_REQUIRED if c not in columns]
     if missing:
-        raise BrokenFile(f"pareto.csv: missing column(s) {', '.join(missing)}")
+        raise BrokenFile(f"{name}: missing column(s) {', '.join(missing)}")
     rows = []
     for raw in reader:
         row: dict[str, Any] = {}
@@ -42,7 +57,7 @@ def read_pareto(folder: Folder) -> dict[str, Any]:
         row["validated"] = any(row.get(k) is not None for k in ("measured_peak_bytes", "measured_step_seconds"))
         rows.append(row)
     return json_safe({"columns": columns, "rows": rows,
-                  "message": None if rows else "pareto.csv has no rows"})
+                  "message": None if rows else f"{name} has no rows"})
 
 
 def chosen_plan_name(plans_here: list[str]) -> str | None:
@@ -54,8 +69,6 @@ def chosen_plan_name(plans_here: list[str]) -> str | None:
 
 
 def study_file(folder: Folder) -> Path | None:
-    """The Optuna study of the search (study.db or study.journal), or None."""
-    for name in STUDY_FILES:
-        if folder.file(name).is_file():
-            return folder.file(name)
-    return None
+    """The Optuna study of the search (PLAN_STEM.study.db or .study.journal, or study.db / study.journal as agoq
+    wrote them before: the latest, `newest_named`), or None."""
+    return newest_named(folder, STUDY_FILES, tuple("." + n for n in STUDY_FILES))

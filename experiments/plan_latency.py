@@ -11,7 +11,7 @@ Each budget is solved as the service does, and again with every knob combination
 bounded search must equal and beat. CPU only; the service solves on the CPU.
 
     python experiments/plan_latency.py                 # about 2 minutes on 2 cores
-    python experiments/plan_latency.py --profile agoq/examples/profiles/probe-h200 --name plan_latency_probe_h200
+    python experiments/plan_latency.py --profile experiments/results/profiles/probe-h200-1125 --name plan_latency_probe_h200
                                                        # a real GPU profile instead of the synthetic one
     python experiments/plan_latency.py --profile experiments/results/profiles/probe-h200-link --no-every --cli \
         --name plan_latency_probe_h200_link            # with its host link (offload offered), and `agoq search` too

@@ -1,15 +1,16 @@
 """Whether two profiles of the same model on the same kind of GPU give the same plans.
 
 Two profile folders of one model, taken with the same settings on the same kind of GPU at different times (default:
-the shipped probe-h200 profile and a repeat of it, experiments/results/profiles/probe-h200-repeat, taken with the
-settings in its profile.json). At budgets from the smallest that meets the default search's error cap to the largest
-useful one, computed from the FIRST profile as experiments/plan_latency.py does (agoq.search.knobs.budget_bounds),
-each profile is searched as the service does (agoq.search.search.search: MILP, no front, no validation, the default
-objective: the most tokens/s within the recipe's error cap). Per budget and profile it records the plan's knobs
-(gradients, optimizer and masters, micro-batch x accumulation, compile and torch.compile's memory budget), whether
-it has agoq in it, how many (layer, kind) settings are quantized or recomputed and how many layers are checkpointed,
-the predicted step seconds, peak and tokens/s; then whether the two plans are the same (same knobs and the same
-per-layer settings) and, if not, the ratio of their predicted step times (profile B's plan over profile A's).
+the probe-h200 profile shipped until 2026-11-28, experiments/results/profiles/probe-h200-1125, and a repeat of it,
+experiments/results/profiles/probe-h200-repeat, taken with the settings in its profile.json). At budgets from the
+smallest that meets the default search's error cap to the largest useful one, computed from the FIRST profile as
+experiments/plan_latency.py does (agoq.search.knobs.budget_bounds), each profile is searched as the service does
+(agoq.search.search.search: MILP, no front, no validation, the default objective: the most tokens/s within the
+recipe's error cap). Per budget and profile it records the plan's knobs (gradients, optimizer and masters,
+micro-batch x accumulation, compile and torch.compile's memory budget), whether it has agoq in it, how many (layer,
+kind) settings are quantized or recomputed and how many layers are checkpointed, the predicted step seconds, peak
+and tokens/s; then whether the two plans are the same (same knobs and the same per-layer settings) and, if not, the
+ratio of their predicted step times (profile B's plan over profile A's).
 
 It also compares the profiles' own measured training steps (profile.json 'measured_steps', rows matched on compile,
 policy, micro-batch, accumulation, gradients, optimizer, masters and compile memory budget): the relative difference
@@ -107,8 +108,8 @@ def compare_steps(a: Path, b: Path, profiles: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--a", default="agoq/examples/profiles/probe-h200", help="the first profile folder (budgets "
-                    "are computed from it)")
+    ap.add_argument("--a", default="experiments/results/profiles/probe-h200-1125",
+                    help="the first profile folder (budgets are computed from it)")
     ap.add_argument("--b", default="experiments/results/profiles/probe-h200-repeat", help="the second profile folder")
     ap.add_argument("--name", default="profile_repeat")
     args = ap.parse_args()

@@ -19,15 +19,21 @@ steps, torch.compile with activation_memory_budget, each with float32 or 8-bit A
   optuna  a multi-objective Optuna study (memory, time, error) over the knobs the MILP cannot add up:
           block size, 4-bit format, gradient mode, micro-batch x gradient accumulation, per-kind floor
           bits, pipeline stage boundaries; each trial's per-layer choice is solved by the MILP, and the
-          first trial is the MILP plan. The study is stored (default OUT_DIR/study.db, SQLite) and an
-          interrupted search resumes where it stopped when run again.
+          first trial is the MILP plan. The study is stored (default OUT_STEM.study.db beside the plan, SQLite)
+          and an interrupted search resumes where it stopped when run again.
   both    the two together (default for --method when --trials is given)
 
-Writes the chosen plan (--out), pareto.csv beside it (one row per Pareto-optimal plan, MILP and Optuna)
-and the front's plans in OUT_STEM-pareto/. With --validate K, the K best plans are run for real (a few steps of
-`agoq train`'s own training, in this process, on its built-in synthetic corpus: agoq.train.measure) and the
-measured peak memory (GPU only; the largest of any step, the first included), step time and loss deviation from
-bf16 are written into the plans, pareto.csv and the study.
+Writes the chosen plan (--out), OUT_STEM.pareto.csv beside it (one row per Pareto-optimal plan, MILP and Optuna)
+and the front's plans in OUT_STEM-pareto/: every file is named after the plan (plan.json: plan.pareto.csv,
+plan-pareto/, plan.study.db), so searches into one folder with different --out change none of each other's files.
+An --out that is an agoq plan is replaced with its files (said on stderr); any other existing file is refused.
+With --validate K, the K best plans are run for real (a few steps of `agoq train`'s own training, in this
+process, on its built-in synthetic corpus: agoq.train.measure) and the measured peak memory (GPU only; the largest
+of any step, the first included), step time and loss deviation from bf16 are written into the plans, the Pareto
+CSV and the study.
+
+The printout says what the plan is and why; the notes on how the cost model was calibrated from the profile's
+measured steps are summed up in one line (all of them with --verbose; the plan file keeps them in source.notes).
 
 Example:  agoq search --profile runs/probe-profile --budget 30GiB --out runs/probe-plan/plan.json
 """
@@ -83,8 +89,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                                          "profile.parquet)")
     field("budget", required=True, help="memory budget per GPU (each pipeline stage), e.g. 30GiB, 1.5GB or bytes "
                                         "(more than 0, at most 1 PiB)")
-    parser.add_argument("--out", required=True, help="the plan file to write, e.g. plan.json; pareto.csv, the "
-                                                    "front's plans and the study go in the same folder")
+    parser.add_argument("--out", required=True, help="the plan file to write, e.g. plan.json; beside it, named after "
+                                                    "it: OUT_STEM.pareto.csv, the front's plans in OUT_STEM-pareto/ "
+                                                    "and the study OUT_STEM.study.db. An agoq plan already there is "
+                                                    "replaced with those files; any other file is refused")
     field("method", choices=METHODS, default=None,
           help="milp (exact, default), optuna (knobs, multi-objective) or both "
                "(default: both when --trials is given, else milp)")
@@ -121,10 +129,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                "(default: the profiled micro-batch)")
     field("micro_batch", default=None, metavar="SEQUENCES",
           help="fix the micro-batch (it must divide the global batch; default: try every divisor)")
-    field("offload", choices=(True, False), default=True, metavar="on|off",
+    field("offload", choices=(True, False), default=None, metavar="on|off",
           help="whether whole layers' saved tensors (bf16, or agoq's codes) may be kept in pinned host memory, "
-               "priced by the host link the profile measured (GPU profiles since it measures it): on (default) "
-               "or off")
+               "priced by the host link and offloading steps the profile measured (GPU profiles since agoq "
+               "measures them; with a profile that did not, the search says so): on (default) or off")
     field("host_budget", default=None, metavar="SIZE",
           help="pinned host memory offload may hold per process, e.g. 64GB (default: the profile's pinnable "
                "bytes, half of the host memory available when it was made)")
@@ -143,7 +151,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage", default=None,
                         help="Optuna storage: a database URL (sqlite:///file.db, postgresql://...) or a path "
                              "ending in .journal (several processes on one file system); default "
-                             "sqlite:///OUT_DIR/study.db")
+                             "sqlite:///OUT_DIR/OUT_STEM.study.db, or OUT_STEM.study.journal with --workers > 1)")
     parser.add_argument("--study-name", default="agoq-search", help="Optuna study name (default agoq-search)")
     parser.add_argument("--workers", type=positive_int, default=1,
                         help="trials measured at a time (with --measure-trials, on Ray); >1 also means other "
@@ -161,6 +169,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
           help="budgets of the MILP memory/error Pareto front (default 8; 0: none)")
     field("seed", default=0, help="seed of the Optuna sampler and the measured runs")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print every note of the cost model's calibration (by default one line sums them up; "
+                             "the plan file keeps them all in source.notes)")
     parser.set_defaults(func=run)
 
 
@@ -172,23 +183,62 @@ def read_request(args: argparse.Namespace) -> SearchRequest:
         raise ValueError(f"{flag(e.field)}: {e.problem}") from None
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run `agoq search`; returns the exit code."""
-    from agoq.formats.profile import load_profile
-    from agoq.search.memory_parts import phase_name
-    from agoq.search.request import InfeasibleBudget
-    from agoq.search.search import roomier_plan_note, search, write_outputs
-    from agoq.search.study import storage_file
+def check_out(out: Path) -> Path:
+    """`out` if `agoq search` may write its plan there: a .json file in a writable folder, absent or an agoq plan
+    (which it replaces); ValueError saying what to do otherwise."""
+    from agoq.formats.plan import is_plan_file
 
-    request = read_request(args)
-    out = Path(args.out)
     if out.suffix != ".json":
         raise ValueError(f"--out must name a .json file, got {out}")
     check_output_file(out, "--out")
+    if out.exists() and not is_plan_file(out):
+        raise ValueError(f"--out {out} exists and is not an agoq plan (a JSON object with \"schema\": "
+                         "\"agoq.plan/...\"): agoq search replaces only a plan it wrote; move that file away or give "
+                         "another --out")
+    return out
+
+
+def offload_notes(profile, outcome, asked: bool) -> list[str]:
+    """Why the plan of a search that `asked` for offload (--offload, --host-budget) offloads nothing: the profile
+    measured no host link, or the cost model's notes on why it offers no offload; [] otherwise."""
+    from agoq.search.search import unpriced_offload_note
+
+    if not asked or outcome.plan.offload_layers():
+        return []
+    missing = unpriced_offload_note(profile)
+    if missing is not None:
+        return [missing]
+    return [n for n in dict.fromkeys(outcome.notes) if n.startswith("offload to host memory is not offered")]
+
+
+def print_notes(notes: list[str], said: list[str], measured_steps: int, verbose: bool) -> None:
+    """On stderr: the notes `said` (what the user should read: a roomier budget, why nothing offloads), and the cost
+    model's `notes`, all of them with `verbose`, else one line that says how many there are and where."""
+    notes = [n for n in dict.fromkeys(notes) if n not in said]
+    for note in list(dict.fromkeys(said)) + (notes if verbose else []):
+        print(f"  note: {note}", file=sys.stderr)
+    if notes and not verbose:
+        basis = f"cost model calibrated on the profile's {measured_steps} measured steps; " if measured_steps else ""
+        print(f"  {basis}{len(notes)} note{'s' if len(notes) > 1 else ''} on how it priced this plan: agoq search "
+              "--verbose prints them, the plan file keeps them (source.notes)", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `agoq search`; returns the exit code."""
+    from agoq.formats.measured_steps import measured_rows
+    from agoq.formats.profile import load_profile
+    from agoq.search.memory_parts import phase_name
+    from agoq.search.request import InfeasibleBudget
+    from agoq.search.search import keep_notes, roomier_plan_note, search, side_files, write_outputs
+    from agoq.search.study import storage_file
+
+    request = read_request(args)
+    out = check_out(Path(args.out))
+    files = side_files(out)
     storage = args.storage
-    if storage is None and args.workers > 1:
-        storage = str(out.parent.resolve() / "study.journal")
-    if storage is not None and storage_file(storage) is not None:
+    if storage is None:  # named after the plan, as its other files
+        storage = str(files["journal"].resolve()) if args.workers > 1 else f"sqlite:///{files['study'].resolve()}"
+    if storage_file(storage) is not None:
         check_output_file(storage_file(storage), "--storage")
     profile = load_profile(args.profile)
     if args.runs:
@@ -208,12 +258,15 @@ def run(args: argparse.Namespace) -> int:
     except InfeasibleBudget as e:
         raise ValueError(f"{e.advice(flag)} (profile {profile.path})") from None
     if out.exists():
-        print(f"agoq search: replacing {out} and the front beside it (pareto.csv, {out.stem}-pareto/) with this "
-              "search's", file=sys.stderr)
-    roomier = None if request.budget is None else roomier_plan_note(profile, request, outcome.plan)
-    if roomier is not None:  # said with the other notes, and kept in the plan's
-        outcome.notes.append(roomier)
-        outcome.plan.source.notes = list(getattr(outcome.plan.source, "notes", None) or []) + [roomier]
+        print(f"agoq search: replacing the plan {out} and its front ({files['pareto'].name}, {files['plans'].name}/) "
+              "with this search's", file=sys.stderr)
+    asked = args.offload is not None or args.host_budget is not None
+    said = list(outcome.said) + offload_notes(profile, outcome, asked)
+    roomier = None if request.budget is None else roomier_plan_note(profile, request, outcome.plan,
+                                                                    progress=not args.quiet)
+    if roomier is not None:
+        said.append(roomier)
+    keep_notes(outcome.plan, said)  # the search kept its own notes in the plan; these go with them
     written = write_outputs(outcome, out)
     plan = outcome.plan
     pred = plan.predicted
@@ -274,7 +327,6 @@ def run(args: argparse.Namespace) -> int:
               f"{m.step_seconds:.4f} s, loss deviation from bf16 {m.loss_deviation:.3%}")
     if outcome.trials_total:
         print(f"  optuna: {outcome.trials_run} trial(s) run now, {outcome.trials_total} in the study")
-    for note in dict.fromkeys(outcome.notes):
-        print(f"  note: {note}", file=sys.stderr)
+    print_notes(outcome.notes, said, len(measured_rows(profile.header)), args.verbose)
     print(f"wrote {written['plan']}, {written['pareto']} and {written['plans']}/")
     return 0

@@ -499,7 +499,18 @@ def load_plan(path: str | os.PathLike, model=None) -> Plan:
     return plan
 
 
+def is_plan_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is a file holding a JSON object whose schema is a plan's ("agoq.plan/N", any version): what
+    `agoq search` writes, and so may replace. Unreadable, not JSON or another schema: False."""
+    try:
+        data = read_json_object(path, "plan file")
+    except (OSError, ValueError):
+        return False
+    schema = data.get("schema")
+    return isinstance(schema, str) and schema.startswith(SCHEMA_KIND + "/")
+
+
 __all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec",
            "TrainingSpec", "Predicted", "StageMemory", "Measured", "Source", "OptimizerSpec", "Decision", "Alternative",
-           "Figures", "load_plan", "plan_from_dict", "GRADIENT_MODES", "SCHEDULES", "MEMORY_PHASES",
+           "Figures", "load_plan", "plan_from_dict", "is_plan_file", "GRADIENT_MODES", "SCHEDULES", "MEMORY_PHASES",
            "NO_OFFLOAD_PARALLEL"]

@@ -11,30 +11,24 @@ budget that fits (or the caps no budget meets), for the caller to word.
 
 from __future__ import annotations
 
-import csv
-import io
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from agoq.files import write_atomic
 from agoq.formats.plan import Plan
 from agoq.formats.profile import ProfileData, load_profile
+from agoq.progress import phase
 from agoq.search.alternatives import best_alternative, price_alternatives
 from agoq.search.costs import ProblemSettings, build_problem
 from agoq.search.knobs import KnobSearch, knob_values, solve_knobs
 from agoq.search.layouts import resolve_layout
 from agoq.search.milp import Solver, resolve_error_cap, resolve_time_cap
+from agoq.search.outputs import CSV_COLUMNS, pareto_rows, side_files, write_outputs  # noqa: F401 (agoq search's)
 from agoq.search.pareto import memory_error_front
 from agoq.search.plan_builder import alternative_knobs, build_plan, plan_of_alternative
 from agoq.search.price import plan_layout
 from agoq.search.request import CHECKPOINT_CAP, RECIPE_CAP, InfeasibleBudget, KnobSpace, SearchRequest
 from agoq.units import format_bytes
-
-CSV_COLUMNS = ["source", "trial", "budget_bytes", "predicted_peak_bytes", "predicted_step_seconds",
-               "predicted_grad_error", "block", "format", "gradient_mode", "micro_batch", "grad_accum",
-               "floors", "plan", "measured_peak_bytes", "measured_step_seconds", "measured_loss_deviation"]
 
 
 @dataclass
@@ -56,11 +50,14 @@ class Candidate:
 
 @dataclass
 class SearchOutcome:
-    """What a search produced: the chosen plan, every front candidate, and notes for the user."""
+    """What a search produced: the chosen plan, every front candidate, and notes for the user: `notes` on how the
+    cost model priced it (`agoq search` sums them up unless --verbose), `said` those to show whatever the verbosity
+    (something asked for that the search could not give)."""
 
     plan: Plan
     candidates: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    said: list = field(default_factory=list)
     trials_run: int = 0
     trials_total: int = 0
 
@@ -84,19 +81,23 @@ def _recipe_cap(profile: ProfileData, error_cap, notes: list | None = None):
 
 
 def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, error_cap: Optional[float],
-               cap_source: Optional[str], space: KnobSpace, alternatives: bool) -> tuple:
+               cap_source: Optional[str], space: KnobSpace, alternatives: bool, progress: bool = False,
+               what: str = "the best plan over the knob combinations") -> tuple:
     """The best plan over the outer knobs (agoq.search.knobs), with its decision and best alternative recorded;
-    returns (plan, KnobSearch)."""
-    found = solve_knobs(profile, budget, objective=objective, error_cap=error_cap, time_cap=time_cap,
-                        space=space)
-    best = found.best
-    plan = build_plan(profile, best.problem, best.alloc, best.knobs, budget, "milp", objective)
-    record_decision(plan, profile, found, objective, error_cap, cap_source)
-    if alternatives:
-        attach_alternatives(plan, profile, budget, found)
-        # an alternative stores bf16 gradients: where the request rules them out, it cannot be the plan
-        if objective == "time" and (space.gradient_modes is None or "bf16" in space.gradient_modes):
-            plan = unless_an_alternative_is_as_fast(plan, profile)
+    returns (plan, KnobSearch). With `progress` a line on stderr says `what` is running, for how long
+    (agoq.progress.phase)."""
+    with phase(what, enabled=progress) as bar:
+        found = solve_knobs(profile, budget, objective=objective, error_cap=error_cap, time_cap=time_cap,
+                            space=space)
+        best = found.best
+        plan = build_plan(profile, best.problem, best.alloc, best.knobs, budget, "milp", objective)
+        record_decision(plan, profile, found, objective, error_cap, cap_source)
+        if alternatives:
+            bar.set_postfix_str("pricing the alternatives", refresh=False)
+            attach_alternatives(plan, profile, budget, found)
+            # an alternative stores bf16 gradients: where the request rules them out, it cannot be the plan
+            if objective == "time" and (space.gradient_modes is None or "bf16" in space.gradient_modes):
+                plan = unless_an_alternative_is_as_fast(plan, profile)
     return plan, found
 
 
@@ -182,14 +183,16 @@ def _cap_source(error_cap) -> Optional[str]:
 
 
 def plan_from_profile(profile_dir, request: Union[SearchRequest, int], *, knobs: Optional[ProblemSettings] = None,
-                      alternatives: bool = True, **changes) -> Plan:
+                      alternatives: bool = True, progress: bool = False, what: Optional[str] = None,
+                      **changes) -> Plan:
     """The best plan of a profile (folder or ProfileData) for `request`: a SearchRequest, or its budget in bytes
     per GPU (stage) with its other fields as keywords (objective, time_cap, error_cap, space; see SearchRequest).
 
     With `knobs` (ProblemSettings) the plan uses exactly those knobs; else the outer knobs of the request's space
     (default: every gradient storage, optimizer and compile mode the profile prices, float32 masters, every split
     of the profiled micro-batch) are searched. The plan records its decision and, with `alternatives`, the best
-    alternative that fits the budget. Raises InfeasibleBudget (with the smallest feasible budget) when none fits."""
+    alternative that fits the budget. Raises InfeasibleBudget (with the smallest feasible budget) when none fits.
+    `progress`: a line on stderr while the knobs are searched, saying `what` is (agoq.progress.phase)."""
     r = SearchRequest.of(request, changes)
     profile = profile_dir if isinstance(profile_dir, ProfileData) else load_profile(profile_dir)
     error_cap = _recipe_cap(profile, r.error_cap)
@@ -197,7 +200,7 @@ def plan_from_profile(profile_dir, request: Union[SearchRequest, int], *, knobs:
         problem, _, alloc = _milp_plan(profile, knobs, r.budget, r.objective, r.time_cap, error_cap)
         return build_plan(profile, problem, alloc, knobs, r.budget, "milp", r.objective)
     plan, _ = _knob_plan(profile, r.budget, r.objective, r.time_cap, error_cap, _cap_source(r.error_cap), r.space,
-                         alternatives)
+                         alternatives, progress, what or "the best plan over the knob combinations")
     return plan
 
 
@@ -208,16 +211,29 @@ HEADROOM = 0.02
 MUCH_FASTER = 1.15
 
 
-def roomier_plan_note(profile: ProfileData, request: Union[SearchRequest, int], plan: Plan, **changes) -> Optional[str]:
+def unpriced_offload_note(profile: ProfileData) -> Optional[str]:
+    """Why a profile offers no offload at all, for a user who asked for it: it did not measure the host link (CPU
+    profiles, and GPU profiles made before agoq measured it); None when it did."""
+    if profile.host_link:
+        return None
+    return ("this profile did not measure the host link (timing.host_link), so offload cannot be priced and no plan "
+            "offloads: --offload and --host-budget change nothing here; re-profile on a GPU with agoq profile MODEL "
+            "(on a CUDA device it measures the host link and the offloading steps) to offer it")
+
+
+def roomier_plan_note(profile: ProfileData, request: Union[SearchRequest, int], plan: Plan, *, progress: bool = False,
+                      **changes) -> Optional[str]:
     """A sentence naming what HEADROOM more memory buys when the plan searched at that budget is predicted at least
     MUCH_FASTER x `plan`'s tokens/s (`plan`: the one made for `request`); None otherwise, for objectives other than
-    time, and where nothing more fits there. One more search of the knobs: `agoq search` asks, the service does not."""
+    time, and where nothing more fits there. One more search of the knobs (with a bar when `progress`): `agoq search`
+    asks, the service does not."""
     r = SearchRequest.of(request, changes)
     if r.objective != "time" or not plan.predicted.step_seconds:
         return None
     more = int(r.budget * (1 + HEADROOM))
     try:
-        other = plan_from_profile(profile, r, budget=more)
+        other = plan_from_profile(profile, r, budget=more, progress=progress,
+                                  what=f"the plan of a budget {HEADROOM:.0%} larger, for comparison")
     except InfeasibleBudget:
         return None
     if not other.predicted.step_seconds:
@@ -248,8 +264,9 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
 
     `request` is a SearchRequest (`changes` replace its fields), or its budget in bytes per GPU with its other
     fields as keywords. The rest says how the search runs: the Optuna study's `storage` (default
-    sqlite:///OUT_DIR/study.db) and `study_name`, Ray at `ray_address` (None: in this process), `parallel` trials
-    at a time, progress bars, at most `stop_after` trials now (None: all of them).
+    sqlite:///OUT_DIR/study.db; `agoq search` names it after the plan: side_files) and `study_name`, Ray at
+    `ray_address` (None: in this process), `parallel` trials at a time, progress bars, at most `stop_after` trials
+    now (None: all of them).
     The MILP plan is the best over the outer knobs of the request's space (agoq.search.knobs); the front and the
     Optuna study use that plan's knobs. With `alternatives` the plan carries the best alternative that fits the
     budget (agoq.search.alternatives) and, with `validate`, its measured figures beside the plan's. `validate` and
@@ -263,7 +280,7 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
     cap_notes: list = []
     error_cap = _recipe_cap(profile, r.error_cap, cap_notes)
     plan, found = _knob_plan(profile, budget, objective, time_cap, error_cap, _cap_source(r.error_cap), r.space,
-                             alternatives)
+                             alternatives, progress)
     knobs, problem = found.best.knobs, found.best.problem
     outcome = SearchOutcome(plan)
     outcome.notes += cap_notes + problem.notes
@@ -271,7 +288,13 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
     if r.method in ("milp", "both") and r.front_budgets > 0:
         solver = Solver(problem)
         cap = (lambda b: resolve_time_cap(problem, b, time_cap)) if time_cap == CHECKPOINT_CAP else time_cap
-        for point in memory_error_front(problem, r.front_budgets, objective, cap, solver, progress, error_cap):
+        try:
+            with phase(f"the memory/error Pareto front over {r.front_budgets} budgets", enabled=progress):
+                front = memory_error_front(problem, r.front_budgets, objective, cap, solver, False, error_cap)
+        except ValueError as e:  # the front's range not found: the plan stands without it, and says so
+            front = []
+            outcome.said.append(f"no memory/error Pareto front (--front-budgets): {e}; the plan stands without it")
+        for point in front:
             candidates.append(Candidate(build_plan(profile, problem, point.alloc, knobs, int(point.budget_bytes),
                                                    "milp", objective), "milp-front", point.budget_bytes))
     runner = None
@@ -325,7 +348,15 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
                            f"{alt.measured.tokens_per_second:,.0f} tokens/s and the plan with agoq "
                            f"{alt.speedup_measured * alt.measured.tokens_per_second:,.0f}: the plan is that alternative",
                 profile)
+    keep_notes(outcome.plan, outcome.notes + outcome.said)
     return outcome
+
+
+def keep_notes(plan: Plan, notes: list) -> None:
+    """Add `notes` to the plan's source.notes, those it holds already kept once and first: the plan file keeps every
+    note a search printed or summed up."""
+    kept = list(getattr(plan.source, "notes", None) or [])
+    plan.source.notes = list(dict.fromkeys(kept + list(notes)))
 
 
 def _validate(profile: ProfileData, r: SearchRequest, best: Candidate, candidates: list, study, runner,
@@ -353,8 +384,9 @@ def _validate(profile: ProfileData, r: SearchRequest, best: Candidate, candidate
     validate_plans([c.plan for c in chosen], config, measure=measure, dtype=dtype, steps=r.validate_steps,
                    seed=r.seed, runner=runner, progress=progress)
     if alternatives and best.plan.alternative is not None:
-        measure_alternative(best.plan, config, measure=measure, dtype=dtype, steps=r.validate_steps, seed=r.seed,
-                            runner=runner)
+        with phase(f"running the best alternative ({best.plan.alternative.name}) for real", enabled=progress):
+            measure_alternative(best.plan, config, measure=measure, dtype=dtype, steps=r.validate_steps, seed=r.seed,
+                                runner=runner)
     if study is not None:
         for c in chosen:
             if c.trial is not None:
@@ -421,58 +453,3 @@ def _trial_measurer(profile: ProfileData, budget: int, objective: str, runner, s
         return measured
 
     return measure
-
-
-def pareto_rows(candidates: list, plan_names: dict) -> list[dict]:
-    """Rows of pareto.csv: the MILP memory/error front and the Optuna front."""
-    rows = []
-    for c in candidates:
-        if c.source == "milp":
-            continue
-        p = c.plan
-        k = {"block": p.activations.block, "format": p.activations.format, "gradient_mode": p.gradients.mode,
-             "micro_batch": p.training.micro_batch, "grad_accum": p.training.grad_accum}
-        m = p.measured
-        row = {"source": c.source, "trial": c.trial, "budget_bytes": int(c.budget_bytes),
-               "predicted_peak_bytes": max(p.predicted.peak_bytes_per_stage),
-               "predicted_step_seconds": p.predicted.step_seconds, "predicted_grad_error": p.predicted.grad_error,
-               **k, "floors": "", "plan": plan_names.get(id(c), ""),
-               "measured_peak_bytes": None if m is None else next((v for v in m.peak_bytes_per_stage if v is not None), None),
-               "measured_step_seconds": None if m is None else m.step_seconds,
-               "measured_loss_deviation": None if m is None else m.loss_deviation}
-        floors = (p.source.model_extra or {}).get("floor_bits") or {}
-        row["floors"] = " ".join(f"{kind}>={bits}" for kind, bits in floors.items())
-        rows.append(row)
-    return rows
-
-
-def write_outputs(outcome: SearchOutcome, out: Path) -> dict:
-    """Write plan.json (`out`), the front's plans (OUT_STEM-pareto/NN.json) and pareto.csv beside it. The
-    front's plans of an earlier search into the same `out` are removed first (only agoq's own
-    SOURCE-NN.json files), so the folder never mixes two searches' fronts."""
-    out = Path(out)
-    folder = out.parent
-    plans_dir = folder / f"{out.stem}-pareto"
-    if plans_dir.is_dir():
-        for old in plans_dir.glob("*-[0-9][0-9].json"):
-            old.unlink()
-    outcome.plan.save(out)
-    names = {}
-    i = 0
-    for c in outcome.candidates:
-        if c.source == "milp":
-            continue
-        name = f"{plans_dir.name}/{c.source}-{i:02d}.json"
-        c.plan.save(folder / name)
-        names[id(c)] = name
-        i += 1
-    rows = pareto_rows(outcome.candidates, names)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS)
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
-                         for k, v in row.items()})
-    csv_path = folder / "pareto.csv"
-    write_atomic(csv_path, buf.getvalue())
-    return {"plan": out, "pareto": csv_path, "plans": plans_dir}

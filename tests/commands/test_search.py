@@ -57,7 +57,7 @@ def test_milp_plan_and_front(profile_dir, tmp_path, capsys):
     assert plan.model.fingerprint == fingerprint(model)
     assert plan.budget_bytes == budget and max(plan.predicted.peak_bytes_per_stage) <= budget
     assert plan.source.method == "milp"
-    rows = _rows(tmp_path / "search" / "pareto.csv")
+    rows = _rows(tmp_path / "search" / "plan.pareto.csv")
     assert 1 <= len(rows) <= 9
     peaks = [int(r["predicted_peak_bytes"]) for r in rows]
     errors = [float(r["predicted_grad_error"]) for r in rows]
@@ -166,7 +166,7 @@ def test_command_both_with_journal_storage(profile_dir, tmp_path, capsys):
     args[args.index("--trials") + 1] = "8"
     assert main(args) == 0
     assert "2 trial(s) run now, 8 in the study" in capsys.readouterr().out
-    sources = {r["source"] for r in _rows(tmp_path / "s" / "pareto.csv")}
+    sources = {r["source"] for r in _rows(tmp_path / "s" / "plan.pareto.csv")}
     assert sources == {"milp-front", "optuna"}
     assert load_plan(out).source.method in ("milp", "optuna")
 
@@ -181,7 +181,7 @@ def test_validate_on_cpu(profile_dir, tmp_path, capsys):
     assert m is not None and m.step_seconds > 0 and math.isfinite(m.loss_deviation)
     assert m.peak_bytes_per_stage == [None]  # not measurable on a CPU, and said so
     assert "not measured" in m.model_extra["note"]
-    rows = _rows(tmp_path / "v" / "pareto.csv")
+    rows = _rows(tmp_path / "v" / "plan.pareto.csv")
     assert sum(1 for r in rows if r["measured_step_seconds"]) >= 1
     out, err = capsys.readouterr()
     assert "measured: peak not measured" in out
@@ -363,7 +363,7 @@ def test_killed_search_resumes(profile_dir, tmp_path, capsys):
             "--quiet", "--method", "optuna", "--measure-trials", "--validate-steps", "2", "--front-budgets", "0"]
     proc = subprocess.Popen([sys.executable, "-m", "agoq.cli", *args, "--trials", "500"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    db = tmp_path / "s" / "study.db"
+    db = tmp_path / "s" / "plan.study.db"
     storage = f"sqlite:///{db}"
     try:
         deadline = time.time() + 120
@@ -400,12 +400,14 @@ def test_error_cap_recipe_gives_the_fastest_plan_within_the_recipes_error(profil
     by_name, by_value = tmp_path / "recipe.json", tmp_path / "value.json"
     for out, value in ((by_name, "recipe"), (by_value, repr(cap))):
         assert main(["search", "--profile", str(profile_dir), "--budget", str(budget), "--out", str(out), "--quiet",
-                     "--objective", "time", "--error-cap", value, "--front-budgets", "0"]) == 0
+                     "--objective", "time", "--error-cap", value, "--front-budgets", "0", "--verbose"]) == 0
     a, b = load_plan(by_name), load_plan(by_value)
     assert a.predicted.grad_error <= cap * (1 + 1e-9)
     assert a.predicted.step_seconds == pytest.approx(b.predicted.step_seconds, rel=1e-9)
     printed = capsys.readouterr()
-    assert f"error cap {cap:.4g}: the predicted gradient error of the published recipe" in printed.out + printed.err
+    said = f"error cap {cap:.4g}: the predicted gradient error of the published recipe"
+    assert said in printed.out + printed.err  # --verbose prints every note
+    assert any(n.startswith(said) for n in a.source.notes)  # and the plan keeps them
 
 
 @pytest.mark.parametrize("bad", ["-0.5", "reciepe", "nan"])
