@@ -1,16 +1,22 @@
-"""Where a Profile or Run was made: the hardware and the software versions it records."""
+"""Where a Profile or Run was made: the hardware and the software versions it records.
+
+Imports torch only inside the functions that read it: `agoq --version` reads agoq_version() alone."""
 
 from __future__ import annotations
 
 import os
 import platform
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def hardware(device: torch.device | str, count: int) -> dict:
     """{"device", "name", "memory_bytes", "count", "cpu_count"}: the GPU's name and memory in bytes (None on
     the CPU), with `count` devices."""
+    import torch
+
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device.index or 0)
@@ -33,6 +39,8 @@ def agoq_version() -> str:
 
 def software_versions() -> dict:
     """{"agoq", "torch", "python", "triton", "transformers"}: version strings, None where not installed."""
+    import torch
+
     out = {"agoq": agoq_version(), "torch": torch.__version__, "python": platform.python_version()}
     for name in ("triton", "transformers"):
         try:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # the names agoq accepts
+# the dtype names agoq accepts -> the name of the torch dtype (torch is imported only when a dtype is made, so
+# that the commands that compute nothing with torch start without it)
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 EXCERPT_CHARS = 40  # the most of a bad value an error quotes
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -47,9 +50,12 @@ def parse_size(text: str | int) -> int:
 def dtype_from_name(name: str) -> torch.dtype:
     """The torch dtype of "bf16", "fp16" or "fp32"; ValueError naming the choices otherwise."""
     try:
-        return DTYPES[name]
+        torch_name = DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}") from None
+    import torch
+
+    return getattr(torch, torch_name)
 
 
 def format_bytes(n: Any, digits: int = 1) -> str:

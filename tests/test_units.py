@@ -1,4 +1,5 @@
-"""Byte counts printed for people: two different counts never read alike (format_bytes_apart)."""
+"""Byte counts printed for people: two different counts never read alike (format_bytes_apart); dtype names read
+as the torch dtypes they name."""
 
 import os
 import random
@@ -83,3 +84,16 @@ def test_budget_of_petabytes_is_refused_as_larger_than_any_gpu():
     with pytest.raises(argparse.ArgumentTypeError) as e:
         request_field("budget")("0.5")
     assert "0.5 bytes" in str(e.value) and "0.5GB" in str(e.value)
+
+
+def test_dtype_names_read_as_torch_dtypes():
+    """The names agoq accepts against torch's own dtypes (the reference: torch's attributes, named here)."""
+    import torch
+
+    from agoq.units import DTYPES, dtype_from_name
+
+    expected = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    assert {name: dtype_from_name(name) for name in DTYPES} == expected
+    for bad in ("bfloat16", "fp8", "", "float32"):
+        with pytest.raises(ValueError, match="use one of bf16, fp16, fp32"):
+            dtype_from_name(bad)

@@ -14,8 +14,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from agoq.activations.policy import as_policy
 from agoq.commands.arguments import positive_int
 from agoq.files import check_output_file, read_json_object, write_atomic
@@ -46,6 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from agoq.models import build  # the model and the profiler's kernels load when the command runs, not with --help
     from agoq.models.size_check import check_spec_fits
     from agoq.profiler import compare_policies

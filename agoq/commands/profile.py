@@ -36,10 +36,7 @@ import sys
 from pathlib import Path
 
 from agoq.commands.profile_steps import JOURNAL_NAME
-from agoq.models.size_check import check_spec_fits
 from agoq.files import check_output_folder
-from agoq.formats.profile import add_collectives, add_measured_steps, load_profile
-from agoq.search import InfeasibleBudget, plan_from_profile
 from agoq.units import format_bytes
 
 HELP = "measure a model on this hardware: bytes, error and sensitivity per layer and kind"
@@ -226,6 +223,8 @@ def _torchrun_collectives(args, device: str) -> tuple[int, list[dict], list[dict
 def _write_plan(out: Path, budget: int) -> str:
     """Search the profile just written for a plan within `budget` (the MILP of `agoq search`), write
     DIR/plan.json; returns a line saying so."""
+    from agoq.search import InfeasibleBudget, plan_from_profile
+
     try:
         plan = plan_from_profile(str(out), budget)
     except ValueError as e:
@@ -241,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `agoq profile`."""
     import torch
 
+    from agoq.formats.profile import add_collectives, add_measured_steps, load_profile
+    from agoq.models.size_check import check_spec_fits
     from agoq.profiler.model_source import check_layers, model_name
     from agoq.profiler.profile import ProfileSettings, make_profile, resumable_header
     from agoq.units import format_bytes

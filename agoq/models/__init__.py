@@ -1,54 +1,22 @@
-"""Reference models, and ``build`` to make one from a preset, a config.json, a dict or a config."""
+"""Reference models, and ``build`` to make one from a preset, a config.json, a dict or a config.
+
+The names below load on first use (PEP 562): the configs (agoq.models.config) and the memory models beside them
+(size_check, step_peak) import no torch, so the search reads a model's shapes without it; ``build``,
+``fingerprint`` and ``LlamaForCausalLM`` import torch when first read.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+from agoq.lazy import lazy_exports
 
-import torch
-from torch import nn
-
-from agoq.models.config import PRESETS, LlamaConfig, ModelSpec, resolve_config
-from agoq.models.llama import LlamaForCausalLM
-
-
-def build(spec: ModelSpec, *, dtype: torch.dtype | None = None,
-          device: torch.device | str | None = None, seed: int = 0,
-          num_layers: int | None = None) -> nn.Module:
-    """Build a freshly initialised ``LlamaForCausalLM`` from a model spec (see ``resolve_config``).
-
-    The weights are drawn after ``torch.manual_seed(seed)`` (this reseeds the global RNG),
-    so the same seed and device give the same model. Parameters are created directly on
-    ``device`` (``"meta"`` allocates nothing), in float32, then cast to ``dtype`` if given,
-    so a bfloat16 model holds the rounded weights of the float32 one. ``num_layers``
-    replaces ``num_hidden_layers``, e.g. to profile a few layers of a large model.
-    """
-    config = resolve_config(spec)
-    if num_layers is not None:
-        config = dataclasses.replace(config, num_hidden_layers=num_layers)
-    torch.manual_seed(seed)
-    if device is None:
-        model = LlamaForCausalLM(config)
-    else:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    if dtype is not None:
-        model = model.to(dtype=dtype)
-    return model
-
+# public name -> the module that defines it
+_HOMES = {
+    "PRESETS": "agoq.models.config", "LlamaConfig": "agoq.models.config", "ModelSpec": "agoq.models.config",
+    "resolve_config": "agoq.models.config",
+    "LlamaForCausalLM": "agoq.models.llama",
+    "build": "agoq.models.factory", "fingerprint": "agoq.models.factory",
+}
 
 __all__ = ["PRESETS", "LlamaConfig", "LlamaForCausalLM", "resolve_config", "build", "ModelSpec"]
 
-
-def fingerprint(model: nn.Module) -> str:
-    """A 16-hex-digit identity of a model's architecture: a SHA-256 over its parameters' names and shapes.
-
-    Dtype, device and weight values do not enter, so a bf16 model on the GPU and the fp32 one on the
-    CPU share a fingerprint; another layer count, width or vocabulary does not. Profiles, plans and
-    runs carry it so a plan made for one model is refused by another.
-    """
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
-        h.update(f"{name}:{tuple(p.shape)};".encode())
-    return h.hexdigest()[:16]
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)  # each name loads its home on first use

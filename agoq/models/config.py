@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from agoq.files import read_json_object
-from agoq.models.rope import check_rope_scaling_fits, normalize_rope_scaling
+from agoq.models.rope_scaling import check_rope_scaling_fits, normalize_rope_scaling
 
 
 @dataclass

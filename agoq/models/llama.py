@@ -24,7 +24,8 @@ from torch import nn
 
 from agoq.models.config import PRESETS, LlamaConfig
 from agoq.models.lm_loss import chunked_lm_loss
-from agoq.models.rope import attention_factor, scaled_inv_freq
+from agoq.models.rope import scaled_inv_freq
+from agoq.models.rope_scaling import attention_factor
 
 
 class RMSNorm(nn.Module):

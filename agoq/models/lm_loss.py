@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from agoq.models.loss_chunks import default_chunk_tokens
+
 IGNORE_INDEX = -100
-LOGIT_ELEMENTS_PER_CHUNK = 2**25  # 128 MiB of float32 logits per chunk
-
-
-def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk so that one chunk's float32 logits hold at most 2**25 values (128 MiB)."""
-    return max(1, LOGIT_ELEMENTS_PER_CHUNK // vocab_size)
 
 
 class _ChunkedLMLoss(torch.autograd.Function):

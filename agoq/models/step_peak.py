@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from agoq.models.lm_loss import default_chunk_tokens
+from agoq.models.loss_chunks import default_chunk_tokens
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class HeadShape:
     seq: int
     tokens: int
     elem_bytes: int = 2
-    chunk_tokens: Optional[int] = None  # None: agoq.models.lm_loss.default_chunk_tokens(vocab)
+    chunk_tokens: Optional[int] = None  # None: agoq.models.loss_chunks.default_chunk_tokens(vocab)
 
     @classmethod
     def from_config(cls, config: dict, micro_batch: int, seq: int, elem_bytes: int = 2) -> "HeadShape":

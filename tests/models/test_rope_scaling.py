@@ -12,7 +12,7 @@ import torch
 
 from agoq.models import PRESETS, LlamaConfig, build, fingerprint, resolve_config
 from agoq.models.llama import RotaryEmbedding
-from agoq.models.rope import SUPPORTED_ROPE_TYPES
+from agoq.models.rope_scaling import SUPPORTED_ROPE_TYPES
 
 transformers = pytest.importorskip("transformers")
 _HF5 = "rope_parameters" in inspect.signature(transformers.LlamaConfig.__init__).parameters

@@ -75,13 +75,13 @@ def test_a_huge_config_is_refused_naming_the_numbers():
 @pytest.fixture
 def nothing_built(monkeypatch):
     """Fail the test if any model is built; the machine's memory reads as 16 GB."""
-    import agoq.models as models
+    import agoq.models.factory as factory
     import agoq.models.size_check as size_check
 
     def refuse(*a, **k):
         raise AssertionError("a model was built")
 
-    monkeypatch.setattr(models, "LlamaForCausalLM", refuse)
+    monkeypatch.setattr(factory, "LlamaForCausalLM", refuse)  # what agoq.models.build makes
     monkeypatch.setattr(size_check, "available_bytes", lambda device: (16 * 10**9, "RAM available (test)"))
 
 

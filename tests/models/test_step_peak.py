@@ -13,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import agoq.models.lm_loss as lm_loss
+import agoq.models.loss_chunks as loss_chunks
 from agoq.activations.activation_bytes import LayerShape
 from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
 from agoq.activations.saved_bytes import track_saved_tensors
@@ -103,7 +103,7 @@ def test_head_peak_is_the_tracked_peak(policy, gradients, micro_batch, chunk, mo
     (Backward can pass it on the CPU: QuanGrad's reference accumulation dequantizes a whole parameter in float32,
     which the GPU kernel does not.)"""
     if chunk is not None:  # 2**25 // V tokens per chunk would be one chunk here: make it `chunk` tokens
-        monkeypatch.setattr(lm_loss, "LOGIT_ELEMENTS_PER_CHUNK", VOCAB * chunk + 7)
+        monkeypatch.setattr(loss_chunks, "LOGIT_ELEMENTS_PER_CHUNK", VOCAB * chunk + 7)
     model = _model()
     got = _tracked_step(model, micro_batch, policy, gradients)
     layers = predicted_activation_bytes(LayerShape.from_config(model.config, micro_batch, SEQ), 2, policy, 0)
