@@ -44,7 +44,6 @@ exactly at the best t; OffloadPrices):
                profile's measured offloading step, OffloadPrices.floor_bytes)
   time: + seconds_per_byte g_l + accum x e + layer_seconds o_l
 
-
 Memory rows are in `Rows.unit` bytes and the time row in seconds (scaled to milliseconds where it is a constraint):
 coefficients near 1 keep HiGHS's numerics and speed.
 """
