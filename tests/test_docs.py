@@ -14,7 +14,7 @@ from agoq.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-README_MAX_LINES = 200
+README_MAX_LINES = 100  # lines, exclusive: the README stays a summary; detail goes to docs/
 
 FENCE = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)
 INLINE_CODE = re.compile(r"`(?:[^`\n]|\n(?!\n))+`")  # a code span may wrap, within a paragraph

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 from scipy.optimize import LinearConstraint
 
-from agoq.search import milp_model
+from agoq.search import highs
 
 
 def _noisy(c, **kwargs):
@@ -25,11 +25,11 @@ def _small_problem(rng):
 
 def test_solver_lines_on_stdout_are_dropped_in_the_main_thread(capfd, monkeypatch, seed):
     rng = np.random.default_rng(seed)
-    _noisy.real = milp_model._scipy_milp
-    monkeypatch.setattr(milp_model, "_scipy_milp", _noisy)
+    _noisy.real = highs._scipy_milp
+    monkeypatch.setattr(highs, "_scipy_milp", _noisy)
     c, cons, weights = _small_problem(rng)
     print("before the solve", flush=True)
-    res = milp_model.milp(c, constraints=[cons], integrality=np.ones(len(c)), bounds=(0, 1))
+    res = highs.milp(c, constraints=[cons], integrality=np.ones(len(c)), bounds=(0, 1))
     print("after the solve", flush=True)
     out = capfd.readouterr().out
     assert "tmpSolver" not in out
@@ -43,11 +43,11 @@ def test_solver_lines_on_stdout_are_dropped_in_the_main_thread(capfd, monkeypatc
 def test_other_threads_leave_stdout_alone(capfd, monkeypatch, seed):
     """A worker thread (the dashboard's solver pool) must not redirect the descriptor the server writes to."""
     rng = np.random.default_rng(seed)
-    _noisy.real = milp_model._scipy_milp
-    monkeypatch.setattr(milp_model, "_scipy_milp", _noisy)
+    _noisy.real = highs._scipy_milp
+    monkeypatch.setattr(highs, "_scipy_milp", _noisy)
     c, cons, _ = _small_problem(rng)
     done = []
-    t = threading.Thread(target=lambda: done.append(milp_model.milp(c, constraints=[cons],
+    t = threading.Thread(target=lambda: done.append(highs.milp(c, constraints=[cons],
                                                                      integrality=np.ones(len(c)), bounds=(0, 1))))
     t.start()
     t.join()
