@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -46,12 +47,19 @@ from experiments.record import write_result  # noqa: E402
 AGOQ = [sys.executable, "-m", "agoq.cli"]
 
 
+# several ranks: `agoq train` under torchrun, as a user launches a plan on one node (--nproc), over NVLink or over
+# NCCL's socket transport on loopback standing in for a network between nodes (--transport sockets:
+# experiments.train_runs.SOCKETS_ENV)
+LAUNCH: dict = {"nproc": 1, "env": {}}
+
+
 def run(cmd: list[str], log: Path) -> dict:
     """Run `cmd`, its output to `log`; returns {code, seconds, tail (the last lines on failure)}."""
     print("$ " + " ".join(cmd), flush=True)
     t = time.perf_counter()
     with open(log, "w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, **LAUNCH["env"]}).returncode
     out = {"code": code, "seconds": time.perf_counter() - t}
     if code != 0:
         out["tail"] = log.read_text(errors="replace")[-3000:]
@@ -117,12 +125,19 @@ def alternative_plan(plan: dict, alt: dict, schema_has_budget: bool) -> dict | N
                          "activation_bytes_per_stage": [], "step_seconds": predicted.get("step_seconds"),
                          "grad_error": 0.0}
     data.update(alternative=None, alternatives=[], decision=None, measured=None)
+    from agoq.search.plan_builder import launch_for
+
+    processes = int((plan.get("launch") or {}).get("processes") or 1)  # the alternative's own layout: DDP or FSDP2
+    data["launch"] = launch_for(int(data["pipeline"]["stages"]), "bf16", processes, alt.get("layout") or "replicated")
     data["source"] = {**data["source"], "method": "alternative", "objective": alt["name"]}
     return data
 
 
 def train(model: str, plan_path: Path, run_dir: Path, data: str, steps: int, device: str, log: Path) -> dict:
-    cmd = AGOQ + ["train", model, "--plan", str(plan_path), "--steps", str(steps), "--out", str(run_dir),
+    launcher = AGOQ + ["train"] if LAUNCH["nproc"] == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={LAUNCH['nproc']}",
+         "-m", "agoq.train"]  # the plan's own launch line (agoq.layout.launch_line)
+    cmd = launcher + [model, "--plan", str(plan_path), "--steps", str(steps), "--out", str(run_dir),
                   "--eval-every", str(steps), "--eval-batches", "1", "--checkpoint-every", "0", "--quiet",
                   "--device", device]
     if data:
@@ -158,7 +173,8 @@ def summarise(plan: dict, got: dict, budget: int | None) -> dict:
 def describe(plan: dict) -> dict:
     layers = plan["layers"]
     quantized = sum(1 for lp in layers for s in lp["kinds"].values() if str(s) not in ("16",))
-    return {"compile": plan["training"].get("compile"), "optimizer": plan.get("optimizer"),
+    return {"parallel": (plan.get("launch") or {}).get("parallel"), "compile": plan["training"].get("compile"),
+            "optimizer": plan.get("optimizer"),
             "gradients": plan["gradients"]["mode"], "micro_batch": plan["training"]["micro_batch"],
             "grad_accum": plan["training"]["grad_accum"], "checkpointed_layers": sum(lp["checkpoint"] for lp in layers),
             "quantized_kinds": quantized,
@@ -186,6 +202,10 @@ def main() -> None:
     ap.add_argument("--search-args", default="", help="more `agoq search` flags for every budget, e.g. '--master any'")
     ap.add_argument("--alternatives", type=int, default=2, help="fastest fitting alternatives trained per plan")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--nproc", type=int, default=1, help="train each plan under torchrun in this many processes (the "
+                    "profile's world size)")
+    ap.add_argument("--transport", choices=("nvlink", "sockets"), default="nvlink",
+                    help="with --nproc: NCCL over NVLink, or its socket transport on loopback (a network)")
     ap.add_argument("--data", default=None, help="text file to train on (default: the built-in synthetic corpus)")
     ap.add_argument("--work", default=None, help="folder for profile, plans and runs (default: a temporary one)")
     ap.add_argument("--name", default=None, help="results name (default plan_accuracy_MODEL)")
@@ -194,6 +214,10 @@ def main() -> None:
                     help="search every budget and list each plan with its fitting alternatives, train nothing (runs "
                          "on the CPU with --profile: which budgets' plans a GPU run would measure)")
     args = ap.parse_args()
+    if args.nproc > 1:
+        from experiments.train_runs import transport_env
+
+        LAUNCH.update(nproc=args.nproc, env=transport_env(args.transport))
     import torch
 
     from agoq.formats.plan import TrainingSpec
@@ -213,6 +237,7 @@ def main() -> None:
         work = Path(args.work) if args.work else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         figures: dict = {"model": args.model, "layers": args.layers, "micro_batch": args.micro_batch,
+                         "nproc": args.nproc, "transport": args.transport if args.nproc > 1 else None,
                          "seq_len": args.seq_len, "steps": args.steps, "smoke": args.smoke, "budgets": []}
         model = args.model
         if args.layers:
