@@ -9,12 +9,18 @@ import numpy as np
 
 from agoq.formats.plan import SCHEMA, Alternative, Plan
 from agoq.formats.profile import ProfileData
-from agoq.layout import DDP, FSDP, NONE, PIPELINE, SHARDED, launch_line
-from agoq.search.costs import ChoiceProblem, ProblemSettings, profile_compile_mode, resolve_optimizer
+from agoq.layout import launch_line
+from agoq.search.costs import (
+    ChoiceProblem,
+    ProblemSettings,
+    profile_compile_mode,
+    resolve_optimizer,
+)
 from agoq.search.layouts import resolve_layout
 from agoq.search.milp import Allocation
 from agoq.search.price import plan_layout
 from agoq.search.timing import prices
+from agoq.vocabulary import parallel_mode
 
 
 def now() -> str:
@@ -28,14 +34,8 @@ def launch_for(stages: int, gradient_mode: str, world_size: int, layout: Optiona
     SDP4Bit and FSDP2 (`layout` fsdp; TLq-HS with sdp4bit gradients) shard over the profile's world size;
     replicated bf16 and QuanGrad run in one process or under DDP."""
     layout = resolve_layout(layout, gradient_mode)
-    if stages > 1:
-        processes, parallel = stages, PIPELINE
-    elif layout == "fsdp":
-        processes, parallel = world_size, FSDP
-    elif layout == "sharded":
-        processes, parallel = world_size, SHARDED
-    else:
-        processes, parallel = world_size, DDP if world_size > 1 else NONE
+    processes = stages if stages > 1 else world_size
+    parallel = parallel_mode(layout, stages, processes)
     return {"processes": processes, "parallel": parallel,
             "command": launch_line(parallel, processes, gradient_mode)}
 
