@@ -88,8 +88,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "only the plan's own)")
     p.add_argument("--host-budget", type=positive_size_gb, default=None, metavar="GB",
                    help="with --offload or a plan that offloads: the most pinned host memory it may hold, in GB "
-                        "(or a size with its unit, e.g. 30GiB); what would pass it stays on the GPU (default: the plan's host_budget_bytes, else no cap, about "
-                        "one micro-batch of the offloaded layers' activations)")
+                        "(or a size with its unit, e.g. 30GiB); what would pass it stays on the GPU (default: the "
+                        "plan's host_budget_bytes, else no cap, about one micro-batch of the offloaded layers' "
+                        "activations)")
     # None: not given, so the plan's value (else eager) applies; given values are checked against a plan
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer on its own (any policy, plan or --checkpoint-all; on the "

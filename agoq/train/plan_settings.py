@@ -40,9 +40,9 @@ def plan_settings(plan, parallel: str) -> dict[str, Any]:
     """What `plan` decides for a run in parallel mode `parallel`, named like the run settings: gradient storage,
     optimizer and masters, compile (on/off and torch.compile's mode), micro-batch and accumulation (a pipeline's
     accumulation is at least its micro-batches), whether every layer is checkpointed, the offloaded layers (a
-    sorted list, [] for none: a plan before 1.4 offloads nothing) and its host budget in bytes (`host_budget_bytes`), and
-    the parallel mode of its `launch`. What the plan does not record is None (decided by the flags and their
-    defaults): a 1.0 plan has no `optimizer` section, `training.compile` or `launch`."""
+    sorted list, [] for none: a plan before 1.4 offloads nothing) and its host budget in bytes
+    (`host_budget_bytes`), and the parallel mode of its `launch`. What the plan does not record is None (decided by
+    the flags and their defaults): a 1.0 plan has no `optimizer` section, `training.compile` or `launch`."""
     grad_accum = plan.training.grad_accum
     if parallel == PIPELINE:
         grad_accum = max(grad_accum, plan.pipeline.micro_batches)
@@ -328,6 +328,6 @@ def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: in
     }
 
 
-__all__ = ["reconcile", "RunSpec", "Reconciled", "Offload", "resolve_offload", "batch_shape", "plan_settings", "given_settings", "check_flags_against_plan",
-           "resolve_settings", "compile_by_default", "record_of_plan", "plan_for_policy", "PLAN_FLAGS",
-           "BATCH_DEFAULTS"]
+__all__ = ["reconcile", "RunSpec", "Reconciled", "Offload", "resolve_offload", "batch_shape", "plan_settings",
+           "given_settings", "check_flags_against_plan", "resolve_settings", "compile_by_default", "record_of_plan",
+           "plan_for_policy", "PLAN_FLAGS", "BATCH_DEFAULTS"]

@@ -2,10 +2,10 @@
 
 `prepare(cfg, world)` reads the plan, settles the run's settings where the plan and the flags meet
 (`agoq.train.plan_settings.reconcile`: the parallel layout, gradient storage, optimizer, compile mode, batch
-shape and offload, each checked, in one typed `RunSpec`), loads the corpus, builds the model, checks it against the plan and the batch shape, then
-applies the activation settings, checkpointing, compilation and the parallel strategy in one ordered step
-(`agoq.train.apply.apply_plan`) and returns a `PreparedRun`. Nothing is trained, and no run folder is touched,
-before it returns.
+shape and offload, each checked, in one typed `RunSpec`: layer indices and bytes, no flag text), loads the corpus,
+builds the model, checks it against the plan and the batch shape, then applies the activation settings,
+checkpointing, compilation, offload and the parallel strategy in one ordered step (`agoq.train.apply.apply_plan`) and
+returns a `PreparedRun`. Nothing is trained, and no run folder is touched, before it returns.
 """
 
 from __future__ import annotations
