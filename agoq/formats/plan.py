@@ -271,6 +271,14 @@ def plan_from_dict(data: Any, where: str = "plan") -> Plan:
         raise ValueError(_readable(e, where)) from None
 
 
+def new_plan(model: Any, layers: list, where: str = "plan", **sections: Any) -> Plan:
+    """A new plan in this schema (SCHEMA) from its model reference, its layers and any other sections (each a section
+    model or its JSON data; those not given take their defaults), validated: the one way agoq's stages make a plan
+    (the search's `build_plan`, the trainer's record of a policy run, the plan one process measures). Raises
+    ValueError naming the bad field, prefixed with `where`."""
+    return plan_from_dict({**sections, "schema": SCHEMA, "model": model, "layers": layers}, where)
+
+
 def load_plan(path: str | os.PathLike, model=None) -> Plan:
     """Read and validate `plan.json`; with `model` (an nn.Module or fingerprint), also check it is that model's.
 
@@ -288,5 +296,5 @@ def load_plan(path: str | os.PathLike, model=None) -> Plan:
 
 __all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec",
            "TrainingSpec", "Predicted", "StageMemory", "Measured", "Source", "OptimizerSpec", "Decision", "Alternative",
-           "Figures", "load_plan", "plan_from_dict", "GRADIENT_MODES", "SCHEDULES", "MEMORY_PHASES",
+           "Figures", "load_plan", "plan_from_dict", "new_plan", "GRADIENT_MODES", "SCHEDULES", "MEMORY_PHASES",
            "NO_OFFLOAD_PARALLEL"]

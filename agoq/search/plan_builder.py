@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from agoq.formats.plan import SCHEMA, Alternative, Plan
+from agoq.formats.plan import Alternative, Plan, new_plan
 from agoq.formats.profile import ProfileData
 from agoq.layout import launch_line
 from agoq.search.costs import (
@@ -161,12 +161,9 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     data = {
         "launch": launch_for(problem.num_stages, knobs.gradient_mode, int(s.get("world_size", 1) or 1), knobs.layout),
-        "schema": SCHEMA,
-        "model": {"name": profile.model_name, "fingerprint": profile.fingerprint},
         "budget_bytes": int(budget_bytes) if budget_bytes is not None else None,
         "activations": {"block": int(knobs.block or s.get("block", 128)), "format": knobs.format,
                         "rounding": "nearest"},
-        "layers": layers,
         "gradients": {"mode": knobs.gradient_mode, "block": 256, "bucket_bytes": 25 * 2**20},
         "pipeline": {"stages": problem.num_stages, "micro_batches": int(s.get("micro_batches", 1) or 1),
                      "schedule": knobs.schedule},
@@ -218,4 +215,5 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
                 f"with agoq train --plan, and agoq search --runs RUN_DIR prices the next search from it")
     if problem.notes:
         data["source"]["notes"] = data["source"].get("notes", []) + list(problem.notes)
-    return Plan.model_validate(data)
+    return new_plan({"name": profile.model_name, "fingerprint": profile.fingerprint}, layers, "the searched plan",
+                    **data)

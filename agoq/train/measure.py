@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from agoq.formats.plan import SCHEMA, Plan, plan_from_dict
+from agoq.formats.plan import Plan, new_plan, plan_from_dict
 from agoq.train.config import JobConfig, TrainConfig
 from agoq.train.parallel import World
 from agoq.train.preparation import prepare
@@ -116,16 +116,17 @@ def one_process_plan(plan: dict, *, micro_batch: int, seq_len: int, grad_accum: 
     plan's."""
     spec = plan_from_dict(plan)
     data = spec.to_dict()
-    data.pop("launch", None)
-    data.update(schema=SCHEMA, budget_bytes=None, measured=None,
-                layers=[{**lp, "stage": 0} for lp in data["layers"]],
+    for name in ("launch", "schema", "model", "layers"):
+        data.pop(name, None)
+    data.update(budget_bytes=None, measured=None,
                 pipeline={**data["pipeline"], "stages": 1, "micro_batches": 1},
                 predicted={**data["predicted"], "peak_bytes_per_stage": [], "activation_bytes_per_stage": []},
                 gradients={**data["gradients"], "mode": gradients or spec.gradients.mode},
                 optimizer={"name": optimizer or spec.optimizer.name, "master": master or spec.optimizer.master},
                 training={**data["training"], "micro_batch": micro_batch, "seq_len": seq_len,
                           "grad_accum": grad_accum, "compile": compile_mode or spec.training.compile})
-    return plan_from_dict(data, "the plan as one process runs it")
+    return new_plan(spec.model, [{**lp.model_dump(mode="json"), "stage": 0} for lp in spec.layers],
+                    "the plan as one process runs it", **data)
 
 
 def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16", micro_batch: int = 1,

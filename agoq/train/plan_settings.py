@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from agoq.activations.offload import parse_offload_layers
-from agoq.formats.plan import SCHEMA, OptimizerSpec
+from agoq.formats.plan import new_plan
 from agoq.layout import ParallelLayout, check_plan_world, plan_launch, plan_parallel_default, state_kind
 from agoq.train.config import JobConfig
 from agoq.train.data import BatchShape
@@ -302,30 +302,25 @@ def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: in
     compiled (`compile`: torch.compile per decoder layer). `model_fingerprint` is the model's
     `agoq.models.fingerprint` where the caller has it (else it is computed here).
 
-    `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted.
+    `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted. Validated as any
+    plan is (agoq.formats.plan.new_plan); returned as its JSON data.
     """
     from agoq.activations.saved_bytes import find_decoder_layers
     from agoq.models import fingerprint
 
     num_layers = len(find_decoder_layers(model))
     stage_of = layer_stage or [0] * num_layers
-    return {
-        "schema": SCHEMA,
-        "model": {"name": model.config.name, "fingerprint": model_fingerprint or fingerprint(model)},
-        "budget_bytes": None,
-        "activations": {"block": policy.block, "format": policy.format, "rounding": policy.rounding},
-        "layers": [{"layer": i, "stage": stage_of[i], "checkpoint": False, "kinds": dict(policy.settings(i))}
-                   for i in range(num_layers)],
-        "gradients": {"mode": gradients, "block": 256, "bucket_bytes": 25 * 2**20},
-        "pipeline": {"stages": stages, "micro_batches": grad_accum if stages > 1 else 1, "schedule": "1f1b"},
-        "training": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
-                     "compile": "compiled" if compile else "eager"},
-        "optimizer": OptimizerSpec(name=optimizer, master=master).model_dump(mode="json"),
-        "predicted": {"peak_bytes_per_stage": [], "activation_bytes_per_stage": [], "step_seconds": None,
-                      "grad_error": None},
-        "measured": None,
-        "source": {"method": "policy", "objective": policy.name, "profile": None, "date": None},
-    }
+    return new_plan(
+        {"name": model.config.name, "fingerprint": model_fingerprint or fingerprint(model)},
+        [{"layer": i, "stage": stage_of[i], "checkpoint": False, "kinds": dict(policy.settings(i))}
+         for i in range(num_layers)],
+        f"the policy {policy.name!r} as a plan",
+        activations={"block": policy.block, "format": policy.format, "rounding": policy.rounding},
+        gradients={"mode": gradients}, pipeline={"stages": stages, "micro_batches": grad_accum if stages > 1 else 1},
+        training={"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
+                  "compile": COMPILED if compile else EAGER},
+        optimizer={"name": optimizer, "master": master},
+        source={"method": "policy", "objective": policy.name}).to_dict()
 
 
 __all__ = ["reconcile", "RunSpec", "Reconciled", "Offload", "resolve_offload", "batch_shape", "plan_settings",
