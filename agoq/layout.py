@@ -132,7 +132,8 @@ class ParallelLayout:
     def check_gradients(self, gradients: str) -> None:
         """Refuse gradient storage this mode cannot run, saying which mode runs it."""
         if gradients not in GRADIENT_MODES:
-            raise ValueError(f"gradient mode must be one of {', '.join(GRADIENT_MODES)}, got {gradients!r}")
+            words = f"{', '.join(GRADIENT_MODES[:-1])} or {GRADIENT_MODES[-1]}"
+            raise ValueError(f"gradient mode must be {words}, got {gradients!r}")
         if gradients in self.gradient_modes:
             return
         if gradients == "sdp4bit":
