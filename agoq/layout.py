@@ -27,13 +27,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-NONE, DDP, SHARDED, FSDP, PIPELINE = "none", "ddp", "sharded", "fsdp", "pipeline"
-MODES = (NONE, DDP, SHARDED, FSDP, PIPELINE)
-REPLICATED_MODES = (NONE, DDP)  # every rank keeps the whole state
-SHARDED_MODES = (SHARDED, FSDP)  # the state is 1/N per rank
-GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
-MODE_GRADIENTS = {NONE: ("bf16", "quangrad8"), DDP: ("bf16", "quangrad8"), SHARDED: ("bf16", "sdp4bit"),
-                  FSDP: ("bf16", "sdp4bit"), PIPELINE: ("bf16", "quangrad8")}
+from agoq.vocabulary import (
+    DDP,
+    FSDP,
+    GRADIENT_MODES,
+    MODE_GRADIENTS,
+    NONE,
+    PIPELINE,
+    REPLICATED_MODES,
+    SHARDED,
+    SHARDED_MODES,
+)
+from agoq.vocabulary import PARALLEL_MODES as MODES
+
 REPLICATED_STATE = "none or ddp (replicated)"  # what a checkpoint of one process or DDP records as its mode
 
 
@@ -126,7 +132,8 @@ class ParallelLayout:
     def check_gradients(self, gradients: str) -> None:
         """Refuse gradient storage this mode cannot run, saying which mode runs it."""
         if gradients not in GRADIENT_MODES:
-            raise ValueError(f"gradient mode must be bf16, quangrad8 or sdp4bit, got {gradients!r}")
+            words = f"{', '.join(GRADIENT_MODES[:-1])} or {GRADIENT_MODES[-1]}"
+            raise ValueError(f"gradient mode must be {words}, got {gradients!r}")
         if gradients in self.gradient_modes:
             return
         if gradients == "sdp4bit":

@@ -40,8 +40,7 @@ import torch
 from torch import nn
 
 from agoq.activations.saved_bytes import find_decoder_layers
-
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+from agoq.vocabulary import CUDA_GRAPH_MODES, TORCH_COMPILE_MODES
 
 
 def compile_decoder_layers(model: nn.Module, mode: str | None = None, **options) -> int:
@@ -49,9 +48,9 @@ def compile_decoder_layers(model: nn.Module, mode: str | None = None, **options)
     backend="inductor"); the embedding, final norm and loss stay eager. `mode` is torch.compile's (None or
     "default": the default; see the module docstring for "reduce-overhead", which is refused with stochastic
     rounding). Returns the number of layers compiled."""
-    if mode is not None and mode not in COMPILE_MODES:
-        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
-    if mode in ("reduce-overhead", "max-autotune"):  # both record CUDA graphs
+    if mode is not None and mode not in TORCH_COMPILE_MODES:
+        raise ValueError(f"torch.compile mode must be one of {', '.join(TORCH_COMPILE_MODES)}, got {mode!r}")
+    if mode in CUDA_GRAPH_MODES:  # both record CUDA graphs
         policy = getattr(model, "_agoq_policy", None)
         if policy is not None and getattr(policy, "rounding", "nearest") == "stochastic":
             raise ValueError(
@@ -72,5 +71,5 @@ def compile_decoder_layers(model: nn.Module, mode: str | None = None, **options)
 def mark_cudagraph_step(mode: str | None) -> None:
     """Under CUDA graphs (mode "reduce-overhead" / "max-autotune"), tell torch a new training step begins, so that
     the previous step's graph outputs may be overwritten; nothing in other modes."""
-    if mode in ("reduce-overhead", "max-autotune"):
+    if mode in CUDA_GRAPH_MODES:
         torch.compiler.cudagraph_mark_step_begin()

@@ -61,6 +61,26 @@ def size_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def positive_size_gb(text: str) -> int:
+    """argparse type: a size > 0 in bytes, written as a number of GB (10^9 bytes: 64, 0.5) or with its unit
+    (64GB, 30GiB, 512MiB); rounded to a whole byte (agoq.units.parse_size)."""
+    text = str(text).strip()
+    try:
+        float(text)
+    except ValueError:
+        plain = False
+    else:
+        plain = True
+    try:
+        size = parse_size(f"{text}GB" if plain else text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} (a plain number is GB)" if plain else str(e)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a size > 0 (a number of GB, or with a unit: 64GB, 30GiB), "
+                                         f"got {text!r}")
+    return size
+
+
 def flag(field: str) -> str:
     """The command line's name of a search request's field (agoq.search.request): time_cap -> --time-cap."""
     return "--" + field.replace("_", "-")

@@ -50,8 +50,15 @@ HELP = "train a model in bf16 or with a plan, on one GPU or many (torchrun)"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add `agoq train`'s arguments."""
-    from agoq.commands.arguments import integer, non_negative_float, non_negative_int, positive_float, positive_int
-    from agoq.layout import MODES
+    from agoq.commands.arguments import (
+        integer,
+        non_negative_float,
+        non_negative_int,
+        positive_float,
+        positive_int,
+        positive_size_gb,
+    )
+    from agoq.vocabulary import GRADIENT_MODES, MASTERS, OPTIMIZERS, PARALLEL_MODES, TRAIN_TORCH_COMPILE_MODES
 
     p = parser
     p.add_argument("model", help="preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b) or a HuggingFace config.json (LLaMA, Qwen2, Mistral); "
@@ -64,7 +71,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None,
                    help="instead of a plan: an activation policy preset (agoq-paper, int8, int4, ...), a policy .json, "
                         "or stage-aware (agoq-paper with per-stage bits for --parallel pipeline)")
-    p.add_argument("--gradients", choices=("bf16", "quangrad8", "sdp4bit"), default=None,
+    p.add_argument("--gradients", choices=GRADIENT_MODES, default=None,
                    help="gradient storage and all-reduce: bf16 (the parameters' dtype), "
                         "quangrad8 (8-bit buffer and 8-bit all-reduce), sdp4bit (with --parallel sharded or fsdp: "
                         "int8/int4 TLq-HS gradient reduce-scatter) "
@@ -79,10 +86,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "under a quantized policy or plan the packed codes travel, 4x fewer bytes than bf16 "
                         "(one GPU, DDP or sharded; default: the plan's offloaded layers, else none; with --plan "
                         "only the plan's own)")
-    p.add_argument("--host-budget", type=float, default=None, metavar="GB",
-                   help="with --offload or a plan that offloads: the most pinned host memory it may hold; what "
-                        "would pass it stays on the GPU (default: the plan's host_budget_bytes, else no cap, about "
-                        "one micro-batch of the offloaded layers' activations)")
+    p.add_argument("--host-budget", type=positive_size_gb, default=None, metavar="GB",
+                   help="with --offload or a plan that offloads: the most pinned host memory it may hold, in GB "
+                        "(or a size with its unit, e.g. 30GiB); what would pass it stays on the GPU (default: the "
+                        "plan's host_budget_bytes, else no cap, about one micro-batch of the offloaded layers' "
+                        "activations)")
     # None: not given, so the plan's value (else eager) applies; given values are checked against a plan
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer on its own (any policy, plan or --checkpoint-all; on the "
@@ -90,7 +98,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(default: the plan's training.compile, else on with a CUDA GPU in one process or DDP, where "
                         "it was measured faster, and eager on the CPU and with sharded, fsdp or pipeline)")
     p.add_argument("--compile-mode", default=None,
-                   choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                   choices=TRAIN_TORCH_COMPILE_MODES,
                    help="torch.compile's mode with --compile: reduce-overhead records each layer as CUDA graphs "
                         "(refused with stochastic rounding, whose host-drawn seeds a graph would freeze); a compiled "
                         "plan was priced in mode default (default: default)")
@@ -116,16 +124,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="linear warmup steps (default: min(100, steps/10))")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (default 0.1)")
     p.add_argument("--clip", type=non_negative_float, default=1.0, help="clip the gradient norm to this (0: off; default 1.0)")
-    p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default=None,
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                    help="adamw (float32 moments) or adamw8bit (8-bit block-quantized moments, float32 update); "
                         "--parallel sharded always uses SDP4Bit's sharded AdamW (default: the plan's optimizer.name, "
                         "else adamw)")
-    p.add_argument("--master", choices=("fp32", "none"), default=None,
+    p.add_argument("--master", choices=MASTERS, default=None,
                    help="with --optimizer adamw8bit and bf16 parameters: fp32 keeps float32 master weights in the "
                         "optimizer (4 bytes per parameter); none updates the bf16 parameters directly with "
                         "stochastic rounding (default: the plan's optimizer.master, else fp32; --optimizer adamw "
                         "always keeps fp32 masters)")
-    p.add_argument("--parallel", choices=MODES, default=None,
+    p.add_argument("--parallel", choices=PARALLEL_MODES, default=None,
                    help="how several processes share the work: ddp (replicas), sharded (agoq's SDP4Bit sharded "
                         "AdamW), fsdp (PyTorch's FSDP2, one unit per decoder layer, float32 shards with bf16 "
                         "compute), pipeline (default: the plan's launch.parallel when it is sharded, fsdp or "

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-COMPILE_MODES = ("eager", "compiled")
+from agoq.vocabulary import COMPILE_MODES, MASTERS, OPTIMIZERS, REPLICA_GRADIENT_MODES
+
+GRADIENTS = REPLICA_GRADIENT_MODES  # steps are measured in one process, with whole gradients
 POLICIES = ("bf16", "agoq-paper", "checkpoint-all")
-GRADIENTS = ("bf16", "quangrad8")
-OPTIMIZERS = ("adamw", "adamw8bit")
-MASTERS = ("fp32", "none")
 OLDER = "older profile section"
 KEY_FIELDS = ("compile", "policy", "activation_memory_budget", "micro_batch", "grad_accum", "gradients", "optimizer",
               "master", "offload_layers")

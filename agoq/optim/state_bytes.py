@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-OPTIMIZERS = ("adamw", "adamw8bit")
-MASTERS = ("fp32", "none")
-GRADIENTS = ("bf16", "quangrad8")
+from agoq.vocabulary import MASTERS, OPTIMIZERS, REPLICA_GRADIENT_MODES
+
+GRADIENTS = REPLICA_GRADIENT_MODES  # a replica's whole gradients (sdp4bit's are sharded: agoq.search.state)
 BLOCK = 256          # values per scale of the 8-bit moments (AdamW8bit's default)
 GRAD_BLOCK = 256     # values per scale of QuanGrad's buffer
 MIN_8BIT_NUMEL = 4096  # AdamW8bit: smaller parameters keep float32 moments

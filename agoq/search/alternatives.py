@@ -41,8 +41,9 @@ from agoq.search.layouts import resolve_layout
 from agoq.search.milp import InfeasibleBudget, Solver
 from agoq.search.price import Configuration, price
 from agoq.search.timing import prices
+from agoq.vocabulary import OPTIMIZERS as _OPTIMIZERS
 
-OPTIMIZERS = (("adamw", "fp32"), ("adamw8bit", "fp32"))
+OPTIMIZERS = tuple((name, "fp32") for name in _OPTIMIZERS)  # (optimizer, masters) a user runs without agoq
 WITHOUT_MASTERS = ("adamw8bit", "none")  # offered where the search's knob space has masters "none"
 OPTIMIZER_NAMES = {"adamw": "AdamW", "adamw8bit": "8-bit AdamW"}
 

@@ -52,13 +52,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from agoq.layout import DDP, FSDP, MODE_GRADIENTS
 from agoq.search.collective_times import collective_seconds, has_collective
+from agoq.vocabulary import LAYOUT_GRADIENTS, LAYOUTS  # the layouts, the gradient storage each is priced with
 
-LAYOUTS = ("replicated", "sharded", "fsdp")
-# the gradient storage each layout is priced with: what its parallel mode runs (agoq.layout), except that the
-# sharded layout is agoq's SDP4Bit step with its quantized reduce-scatter (exact bf16 reduction is not priced)
-LAYOUT_GRADIENTS = {"replicated": MODE_GRADIENTS[DDP], "sharded": ("sdp4bit",), "fsdp": MODE_GRADIENTS[FSDP]}
 FSDP_REDUCE_PATHS = {"bf16": "nccl-bf16", "sdp4bit": "sdp4bit"}  # reduce-scatter path per gradient mode
 FSDP_GATHER_PATH = "nccl-bf16"
 IN_FLIGHT_LAYERS = 2  # decoder layers whose bf16 weights are unsharded at once: the one computing and the prefetched

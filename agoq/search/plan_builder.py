@@ -7,14 +7,20 @@ from typing import Optional
 
 import numpy as np
 
-from agoq.formats.plan import SCHEMA, Alternative, Plan
+from agoq.formats.plan import Alternative, Plan, new_plan
 from agoq.formats.profile import ProfileData
-from agoq.layout import DDP, FSDP, NONE, PIPELINE, SHARDED, launch_line
-from agoq.search.costs import ChoiceProblem, ProblemSettings, profile_compile_mode, resolve_optimizer
+from agoq.layout import launch_line
+from agoq.search.costs import (
+    ChoiceProblem,
+    ProblemSettings,
+    profile_compile_mode,
+    resolve_optimizer,
+)
 from agoq.search.layouts import resolve_layout
 from agoq.search.milp import Allocation
 from agoq.search.price import plan_layout
 from agoq.search.timing import prices
+from agoq.vocabulary import parallel_mode
 
 
 def now() -> str:
@@ -28,14 +34,8 @@ def launch_for(stages: int, gradient_mode: str, world_size: int, layout: Optiona
     SDP4Bit and FSDP2 (`layout` fsdp; TLq-HS with sdp4bit gradients) shard over the profile's world size;
     replicated bf16 and QuanGrad run in one process or under DDP."""
     layout = resolve_layout(layout, gradient_mode)
-    if stages > 1:
-        processes, parallel = stages, PIPELINE
-    elif layout == "fsdp":
-        processes, parallel = world_size, FSDP
-    elif layout == "sharded":
-        processes, parallel = world_size, SHARDED
-    else:
-        processes, parallel = world_size, DDP if world_size > 1 else NONE
+    processes = stages if stages > 1 else world_size
+    parallel = parallel_mode(layout, stages, processes)
     return {"processes": processes, "parallel": parallel,
             "command": launch_line(parallel, processes, gradient_mode)}
 
@@ -161,12 +161,9 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     data = {
         "launch": launch_for(problem.num_stages, knobs.gradient_mode, int(s.get("world_size", 1) or 1), knobs.layout),
-        "schema": SCHEMA,
-        "model": {"name": profile.model_name, "fingerprint": profile.fingerprint},
         "budget_bytes": int(budget_bytes) if budget_bytes is not None else None,
         "activations": {"block": int(knobs.block or s.get("block", 128)), "format": knobs.format,
                         "rounding": "nearest"},
-        "layers": layers,
         "gradients": {"mode": knobs.gradient_mode, "block": 256, "bucket_bytes": 25 * 2**20},
         "pipeline": {"stages": problem.num_stages, "micro_batches": int(s.get("micro_batches", 1) or 1),
                      "schedule": knobs.schedule},
@@ -218,4 +215,5 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
                 f"with agoq train --plan, and agoq search --runs RUN_DIR prices the next search from it")
     if problem.notes:
         data["source"]["notes"] = data["source"].get("notes", []) + list(problem.notes)
-    return Plan.model_validate(data)
+    return new_plan({"name": profile.model_name, "fingerprint": profile.fingerprint}, layers, "the searched plan",
+                    **data)

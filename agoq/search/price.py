@@ -45,6 +45,7 @@ from agoq.search.layouts import resolve_layout
 from agoq.search.problem import ChoiceProblem, ProblemSettings
 from agoq.search.state import resolve_optimizer
 from agoq.search.timing import prices
+from agoq.vocabulary import search_layout
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,7 @@ class Configuration:
 def plan_layout(plan) -> Optional[str]:
     """The search's layout word (agoq.search.layouts) of a plan's launch: fsdp, sharded or replicated (None: the
     gradient mode's own)."""
-    parallel = ((plan.to_dict().get("launch") or {}).get("parallel") or "")
-    return {"fsdp": "fsdp", "sharded": "sharded", "ddp": "replicated", "none": "replicated"}.get(parallel)
+    return search_layout((plan.to_dict().get("launch") or {}).get("parallel"))
 
 
 @dataclass

@@ -23,6 +23,11 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Mapping, Optional, Union
 
 from agoq.units import excerpt, format_bytes, parse_size
+from agoq.vocabulary import COMPILE_MODES as _COMPILE_MODES
+from agoq.vocabulary import GRADIENT_MODES as _GRADIENT_MODES
+from agoq.vocabulary import LAYOUTS as _LAYOUTS
+from agoq.vocabulary import MASTERS as _MASTERS
+from agoq.vocabulary import OPTIMIZERS as _OPTIMIZERS
 
 DEFAULT_OBJECTIVE = "time"
 DEFAULT_ERROR_CAP = "recipe"
@@ -36,11 +41,12 @@ METHODS = ("milp", "optuna", "both")
 SAMPLERS = ("nsga2", "tpe")
 CAP_FIELDS = ("objective", "time_cap", "error_cap")
 # the knob space as `agoq search`'s flags name it: one value or "any" each (see knob_space)
-GRADIENTS = ("any", "bf16", "quangrad8", "sdp4bit")
-LAYOUTS = ("any", "replicated", "sharded", "fsdp")
-OPTIMIZERS = ("any", "adamw", "adamw8bit")
-MASTERS = ("fp32", "none", "any")
-COMPILE_MODES = ("any", "eager", "compiled")
+ANY = "any"
+GRADIENTS = (ANY, *_GRADIENT_MODES)
+LAYOUTS = (ANY, *_LAYOUTS)
+OPTIMIZERS = (ANY, *_OPTIMIZERS)
+MASTERS = (*_MASTERS, ANY)
+COMPILE_MODES = (ANY, *_COMPILE_MODES)
 MASTER_CHOICES = ("fp32",)  # masters 'none' changes the update's rounding, which no error cap measures: opt in
 
 
@@ -236,7 +242,7 @@ def knob_space(gradients: str = "any", layout: str = "any", optimizer: str = "an
     def one(word: str) -> Optional[tuple]:
         return None if word == "any" else (word,)
     return KnobSpace(gradient_modes=one(gradients), layouts=one(layout), optimizers=one(optimizer),
-                     masters=("fp32", "none") if master == "any" else (master,), compile_modes=one(compile),
+                     masters=_MASTERS if master == "any" else (master,), compile_modes=one(compile),
                      global_batch=global_batch, micro_batches=None if micro_batch is None else (micro_batch,),
                      offload=offload, host_budget=host_budget, quantize_attention=quantize_attention)
 

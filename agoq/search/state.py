@@ -18,8 +18,8 @@ from typing import Optional
 from agoq.formats.profile import ProfileData
 from agoq.optim.state_bytes import check_combination
 from agoq.search.layouts import resolve_layout
+from agoq.vocabulary import GRADIENT_MODES
 
-GRADIENT_MODES = ("bf16", "quangrad8", "sdp4bit")
 OLD_MEASURED_WITH = {"optimizer": "adamw", "master": "fp32", "gradients": "bf16"}  # profiles before the fused step
 STATE_PARTS = ("weights", "gradients", "masters", "optimizer_state")  # the plan's names (docs/formats.md)
 

@@ -12,11 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from agoq.layout import MODES as PARALLEL_MODES
 from agoq.layout import ParallelLayout, check_options
-
-OPTIMIZERS = ("adamw", "adamw8bit")
-MASTERS = ("fp32", "none")
+from agoq.vocabulary import ADAMW8BIT, MASTERS, OPTIMIZERS, PARALLEL_MODES
 DTYPES = ("bf16", "fp32", "fp16")
 
 
@@ -65,14 +62,18 @@ class MemoryConfig:
     policy: str | None = None
     gradients: str | None = None
     checkpoint_all: bool = False
-    offload: str | None = None  # decoder layers whose saved activations go to host memory (agoq.activations.offload)
-    host_budget: float | None = None  # GB of pinned host memory offload may use (None: no cap)
+    # decoder layers whose saved activations go to host memory (agoq.activations.offload): the flag's text (all,
+    # all-but-last, none, indices and ranges like 0-5,8), read into layer indices once (plan_settings.reconcile)
+    offload: str | None = None
+    host_budget: int | None = None  # bytes of pinned host memory offload may use (None: no cap; the flag is GB)
 
     def __post_init__(self) -> None:
         if self.plan and self.policy:
             raise ValueError("give either --plan or --policy, not both (a plan carries its own activation policy)")
-        if self.host_budget is not None and not self.host_budget > 0:
-            raise ValueError(f"--host-budget must be a positive number of GB, got {self.host_budget}")
+        budget = self.host_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"--host-budget must be a positive number of bytes (an int; the command line reads GB "
+                             f"or a size such as 30GiB: agoq.units.parse_size), got {budget!r}")
         if self.host_budget is not None and not self.offload and not self.plan:  # a plan may offload: see reconcile
             raise ValueError("--host-budget bounds --offload's host memory: give --offload too")
 
@@ -106,7 +107,7 @@ class OptimizerConfig:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.master is not None and self.master not in MASTERS:
             raise ValueError(f"--master must be one of {', '.join(MASTERS)}, got {self.master!r}")
-        if self.master == "none" and self.optimizer not in (None, "adamw8bit"):
+        if self.master == "none" and self.optimizer not in (None, ADAMW8BIT):
             raise _master_none_needs_adamw8bit()
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")

@@ -25,11 +25,12 @@ from typing import Any, Optional
 
 import torch
 
-from agoq.formats.plan import SCHEMA, Plan, plan_from_dict
+from agoq.formats.plan import Plan, new_plan, plan_from_dict
 from agoq.train.config import JobConfig, TrainConfig
 from agoq.train.parallel import World
 from agoq.train.preparation import prepare
 from agoq.train.trainer import Trainer
+from agoq.vocabulary import COMPILED
 
 
 @dataclass(frozen=True)
@@ -109,45 +110,46 @@ def measure_steps(cfg: JobConfig) -> StepFigures:
 
 def one_process_plan(plan: dict, *, micro_batch: int, seq_len: int, grad_accum: int, optimizer: Optional[str] = None,
                      master: Optional[str] = None, gradients: Optional[str] = None,
-                     compile_mode: Optional[str] = None) -> Plan:
+                     compile: Optional[str] = None) -> Plan:
     """`plan` (JSON data) as one process runs it: every layer on one stage and no `launch` (the whole model here,
     whatever layout it was searched for), no budget or predictions to hold it to, the batch shape given, and the
-    optimizer, masters, gradient storage and compile mode ("eager" / "compiled") stated: the given ones, else the
-    plan's."""
+    optimizer, masters, gradient storage and `compile` (agoq.vocabulary.COMPILE_MODES: "eager" / "compiled", as the
+    plan's `training.compile`) stated: the given ones, else the plan's."""
     spec = plan_from_dict(plan)
     data = spec.to_dict()
-    data.pop("launch", None)
-    data.update(schema=SCHEMA, budget_bytes=None, measured=None,
-                layers=[{**lp, "stage": 0} for lp in data["layers"]],
+    for name in ("launch", "schema", "model", "layers"):
+        data.pop(name, None)
+    data.update(budget_bytes=None, measured=None,
                 pipeline={**data["pipeline"], "stages": 1, "micro_batches": 1},
                 predicted={**data["predicted"], "peak_bytes_per_stage": [], "activation_bytes_per_stage": []},
                 gradients={**data["gradients"], "mode": gradients or spec.gradients.mode},
                 optimizer={"name": optimizer or spec.optimizer.name, "master": master or spec.optimizer.master},
                 training={**data["training"], "micro_batch": micro_batch, "seq_len": seq_len,
-                          "grad_accum": grad_accum, "compile": compile_mode or spec.training.compile})
-    return plan_from_dict(data, "the plan as one process runs it")
+                          "grad_accum": grad_accum, "compile": compile or spec.training.compile})
+    return new_plan(spec.model, [{**lp.model_dump(mode="json"), "stage": 0} for lp in spec.layers],
+                    "the plan as one process runs it", **data)
 
 
 def measure_plan(plan: Optional[dict], model_config: dict, *, dtype: str = "bf16", micro_batch: int = 1,
                  seq_len: int = 64, grad_accum: int = 1, steps: int = 4, seed: int = 0,
                  device: Optional[str] = None, lr: float = 1e-4, optimizer: Optional[str] = None,
                  master: Optional[str] = None, gradients: Optional[str] = None,
-                 compile_mode: Optional[str] = None) -> dict[str, Any]:
+                 compile: Optional[str] = None) -> dict[str, Any]:
     """Train `steps` optimizer steps of the model (`model_config`, a LlamaConfig dict) with `plan` (JSON data;
     None: the plain model) in this process, on the built-in synthetic corpus, with `agoq train`'s step: the plan
     as one process runs it (`one_process_plan`: its optimizer and masters, gradient storage and compile mode;
-    `optimizer`, `master`, `gradients` and `compile_mode` replace the plan's, and apply without one: AdamW on
+    `optimizer`, `master`, `gradients` and `compile` ("eager" / "compiled") replace the plan's, and apply without one: AdamW on
     float32 masters, bf16 gradients, eager). Returns `StepFigures.to_dict()`: peak bytes (None on a CPU), the
     median step seconds after warm-up, the losses and the device."""
     common = dict(model=dict(model_config), dtype=dtype, steps=steps, seed=seed, device=device, lr=lr, quiet=True)
     if plan is None:
         cfg = TrainConfig(**common, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                           gradients=gradients or "bf16", optimizer=optimizer or "adamw", master=master or "fp32",
-                          compile=compile_mode == "compiled")
+                          compile=compile == COMPILED)
     else:
         cfg = TrainConfig(**common, plan=one_process_plan(plan, micro_batch=micro_batch, seq_len=seq_len,
                                                           grad_accum=grad_accum, optimizer=optimizer, master=master,
-                                                          gradients=gradients, compile_mode=compile_mode))
+                                                          gradients=gradients, compile=compile))
     return measure_steps(cfg).to_dict()
 
 

@@ -3,9 +3,11 @@
 A plan decides gradient storage, optimizer and masters, compile mode, micro-batch x accumulation, checkpointed
 layers, offloaded layers and (through its `launch`) the parallel mode: unset settings take its values, and a setting
 given otherwise is refused, naming the flag and the plan's value (`check_flags_against_plan`). The plan's offloaded
-layers become the run's `--offload` and its `host_budget_bytes` the run's `--host-budget` unless that flag is given
-(`--host-budget` then bounds the plan's offload). Without a plan the flags and their defaults decide. `reconcile`
-does it all before anything is built; `record_of_plan` and `plan_for_policy` say what run.json records as the plan.
+layers (a list of layer indices) are the run's unless `--offload` is given, and its `host_budget_bytes` the run's
+host budget unless `--host-budget` is (it then bounds the plan's offload); sizes are bytes throughout (the flag's GB
+are read into bytes by its argument parser). Without a plan the flags and their defaults decide. `reconcile` does it
+all before anything is built and returns one typed `RunSpec`; `record_of_plan` and `plan_for_policy` say what
+run.json records as the plan.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from typing import Any
 import torch
 
 from agoq.activations.offload import parse_offload_layers
-from agoq.formats.plan import SCHEMA, OptimizerSpec
-from agoq.layout import DDP, NONE, PIPELINE, ParallelLayout, check_plan_world, plan_launch, plan_parallel_default, \
-    state_kind
+from agoq.formats.plan import new_plan
+from agoq.layout import ParallelLayout, check_plan_world, plan_launch, plan_parallel_default, state_kind
 from agoq.train.config import JobConfig
 from agoq.train.data import BatchShape
 from agoq.train.parallel import World
+from agoq.vocabulary import ADAMW, COMPILED, DDP, EAGER, NONE, PIPELINE, PLAN_TORCH_COMPILE_MODE
 
 BATCH_DEFAULTS = {"seq_len": 256, "micro_batch": 8, "grad_accum": 1}
 # run setting -> the flag that sets it, for what a plan decides (see `plan_settings`)
@@ -31,7 +33,6 @@ PLAN_FLAGS = {"gradients": "--gradients", "optimizer": "--optimizer", "master": 
               "compile_mode": "--compile-mode", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
               "activation_memory_budget": "--activation-memory-budget",
               "checkpoint_all": "--checkpoint-all", "offload": "--offload", "parallel": "--parallel"}
-PLAN_COMPILE_MODE = "default"  # torch.compile's mode a compiled plan was priced in (agoq.profiler.compiled)
 COMPILED_BY_DEFAULT = (NONE, DDP)  # parallel modes compiled by default on CUDA (measured faster compiled)
 
 
@@ -39,9 +40,9 @@ def plan_settings(plan, parallel: str) -> dict[str, Any]:
     """What `plan` decides for a run in parallel mode `parallel`, named like the run settings: gradient storage,
     optimizer and masters, compile (on/off and torch.compile's mode), micro-batch and accumulation (a pipeline's
     accumulation is at least its micro-batches), whether every layer is checkpointed, the offloaded layers (a
-    sorted list, [] for none: a plan before 1.4 offloads nothing) and its host budget in GB (`host_budget`), and
-    the parallel mode of its `launch`. What the plan does not record is None (decided by the flags and their
-    defaults): a 1.0 plan has no `optimizer` section, `training.compile` or `launch`."""
+    sorted list, [] for none: a plan before 1.4 offloads nothing) and its host budget in bytes
+    (`host_budget_bytes`), and the parallel mode of its `launch`. What the plan does not record is None (decided by
+    the flags and their defaults): a 1.0 plan has no `optimizer` section, `training.compile` or `launch`."""
     grad_accum = plan.training.grad_accum
     if parallel == PIPELINE:
         grad_accum = max(grad_accum, plan.pipeline.micro_batches)
@@ -49,15 +50,15 @@ def plan_settings(plan, parallel: str) -> dict[str, Any]:
                "compile_mode": None, "micro_batch": plan.training.micro_batch, "grad_accum": grad_accum,
                "checkpoint_all": len(plan.checkpoint_layers()) == plan.num_layers,
                "offload": plan.offload_layers(),
-               # not a flag the plan refuses (`--host-budget` bounds its offload), a default: GB as --host-budget
-               "host_budget": plan.host_budget_bytes / 1e9 if plan.host_budget_bytes else None,
+               # not a flag the plan refuses (`--host-budget` bounds its offload), a default
+               "host_budget_bytes": plan.host_budget_bytes,
                "parallel": plan_launch(plan).get("parallel")}
     states = plan.states_run_settings()
     if states["optimizer"]:
         decided.update(optimizer=plan.optimizer.name, master=plan.optimizer.master)
     if states["compile"]:
-        compiled = plan.training.compile == "compiled"
-        decided.update(compile=compiled, compile_mode=PLAN_COMPILE_MODE if compiled else None,
+        compiled = plan.training.compile == COMPILED
+        decided.update(compile=compiled, compile_mode=PLAN_TORCH_COMPILE_MODE if compiled else None,
                        activation_memory_budget=plan.training.activation_memory_budget)
     return decided
 
@@ -88,7 +89,7 @@ def _flag_text(name: str, value) -> str:
 
 def _plan_text(name: str, value, plan) -> str:
     if name == "compile":
-        return f"training.compile {'compiled' if value else 'eager'}"
+        return f"training.compile {COMPILED if value else EAGER}"
     if name == "compile_mode":
         return (f"compile mode {value!r} (training.compile compiled, priced in torch.compile's {value!r} mode)"
                 if value else "no compile mode (training.compile eager)")
@@ -158,44 +159,88 @@ def compile_by_default(device: torch.device, parallel: str) -> bool:
 
 def resolve_settings(cfg: JobConfig, decided: dict[str, Any], parallelism, *, compile_default: bool = False) -> JobConfig:
     """`cfg` with each unset optimizer, master and compile setting taken from `decided` (a plan's, {} without one),
-    else the defaults (adamw, fp32 masters, `compile_default`; torch.compile's mode "default"), the offloaded layers
-    (`--offload`, a layer list like "0-5,8") and their host budget (`--host-budget`, GB) from the flags, else from
-    `decided` (the plan's host budget only where something is offloaded), and `parallelism`."""
-    optimizer = cfg.optim.optimizer or decided.get("optimizer") or "adamw"
+    else the defaults (adamw, fp32 masters, `compile_default`; torch.compile's mode "default"), and `parallelism`.
+    The offload is resolved on its own, into layer indices and bytes (`resolve_offload`)."""
+    optimizer = cfg.optim.optimizer or decided.get("optimizer") or ADAMW
     master = cfg.optim.master or decided.get("master") or "fp32"
     compile_ = cfg.model.compile if cfg.model.compile is not None else \
         bool(decided["compile"]) if decided.get("compile") is not None else compile_default
-    mode = cfg.model.compile_mode or decided.get("compile_mode") or "default"
+    mode = cfg.model.compile_mode or decided.get("compile_mode") or PLAN_TORCH_COMPILE_MODE
     budget = cfg.model.activation_memory_budget or decided.get("activation_memory_budget")
     if budget is not None and not compile_:
         raise ValueError("--activation-memory-budget is torch.compile's partitioner budget: it needs --compile")
-    offload = cfg.memory.offload if cfg.memory.offload is not None else \
-        _layer_ranges(decided["offload"]) if decided.get("offload") else None
-    host_budget = cfg.memory.host_budget
-    if host_budget is None and offload is not None and decided.get("offload"):
-        host_budget = decided.get("host_budget")
-    if cfg.memory.host_budget is not None and not decided.get("offload") and cfg.memory.offload is None:
-        raise ValueError("--host-budget bounds offload's host memory, and the plan offloads no layer: drop "
-                         "--host-budget, or re-run `agoq search` for a plan that offloads")
-    memory = dataclasses.replace(cfg.memory, offload=offload, host_budget=host_budget)
-    return dataclasses.replace(cfg, memory=memory,
-                               optim=dataclasses.replace(cfg.optim, optimizer=optimizer, master=master),
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer=optimizer, master=master),
                                model=dataclasses.replace(cfg.model, compile=compile_, compile_mode=mode,
                                                          activation_memory_budget=budget),
                                parallelism=parallelism)
 
 
 @dataclass(frozen=True)
-class Reconciled:
-    """A run's settings once the plan and the flags have met (see `reconcile`)."""
+class Offload:
+    """What a run offloads: its decoder layers (sorted indices, () for none), the most pinned host memory they may
+    hold in bytes (None: no cap), and whether the layers are the plan's (else the flags')."""
+
+    layers: tuple[int, ...] = ()
+    host_budget_bytes: int | None = None
+    from_plan: bool = False
+
+
+def _num_layers(cfg: JobConfig, plan) -> int:
+    """The decoder layers `--offload`'s words and ranges count: the plan's (the model is checked to have as many),
+    else the model's config."""
+    if plan is not None:
+        return plan.num_layers
+    from agoq.models import resolve_config
+
+    return resolve_config(cfg.model.model).num_hidden_layers
+
+
+def resolve_offload(cfg: JobConfig, decided: dict[str, Any], plan=None) -> Offload:
+    """The run's offload: `--offload` read into layer indices once (agoq.activations.offload.parse_offload_layers),
+    else the plan's offloaded layers (`decided`, a list of indices, taken as it is); its host budget `--host-budget`
+    (bytes), else the plan's `host_budget_bytes` where the plan's layers are offloaded. `--host-budget` for a plan
+    that offloads nothing, with no `--offload`, is refused."""
+    planned = list(decided.get("offload") or [])
+    flag = cfg.memory.offload
+    if cfg.memory.host_budget is not None and not planned and flag is None:
+        raise ValueError("--host-budget bounds offload's host memory, and the plan offloads no layer: drop "
+                         "--host-budget, or re-run `agoq search` for a plan that offloads")
+    if flag is not None:
+        layers = parse_offload_layers(flag, _num_layers(cfg, plan))
+    else:
+        layers = planned
+    host_budget = cfg.memory.host_budget
+    if host_budget is None and planned:  # a flag given with a plan that offloads names its layers (checked)
+        host_budget = decided.get("host_budget_bytes")
+    return Offload(tuple(layers), host_budget, from_plan=flag is None and bool(planned))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A run's settings once the plan and the flags have met (see `reconcile`), typed and resolved: what `prepare`
+    builds the run from and hands agoq.train.apply.apply_plan (no flag text, no GB: layer indices and bytes)."""
 
     cfg: JobConfig  # every setting as run: optimizer, masters, compile and the parallel mode filled in
     layout: ParallelLayout
     gradients: str  # gradient storage: the flag's, else the plan's, else bf16
     shape: BatchShape
+    offload: Offload = Offload()
+
+    @property
+    def torch_compile_mode(self) -> str | None:
+        """torch.compile's mode for the decoder layers (None: eager)."""
+        return self.cfg.model.compile_mode if self.cfg.model.compile else None
+
+    @property
+    def activation_memory_budget(self) -> float | None:
+        """torch.compile's partitioner budget (None: eager, or compiled keeping what it would)."""
+        return self.cfg.model.activation_memory_budget if self.cfg.model.compile else None
 
 
-def reconcile(cfg: JobConfig, plan, where: str, world: World, device: torch.device) -> Reconciled:
+Reconciled = RunSpec  # its earlier name
+
+
+def reconcile(cfg: JobConfig, plan, where: str, world: World, device: torch.device) -> RunSpec:
     """The settings a run takes from `plan` (None: none) and its flags: a plan searched for another number of
     processes or another layout is refused (agoq.layout.check_plan_world), so is a flag that contradicts the plan,
     and gradient storage or an optimizer flag the parallel layout cannot run. Nothing is built."""
@@ -215,8 +260,9 @@ def reconcile(cfg: JobConfig, plan, where: str, world: World, device: torch.devi
     # a plan's adamw8bit with float32 masters under sharded is SDP4Bit's step itself; only the flag is refused
     layout.check_optimizer_flag(cfg.optim.optimizer)
     shape = batch_shape(cfg, plan, decided, layout, world)
+    offload = resolve_offload(cfg, decided, plan)
     run_cfg = resolve_settings(cfg, decided, parallel_cfg, compile_default=compile_by_default(device, layout.mode))
-    return Reconciled(run_cfg, layout, gradients, shape)
+    return RunSpec(run_cfg, layout, gradients, shape, offload)
 
 
 def batch_shape(cfg: JobConfig, plan, decided: dict[str, Any], layout: ParallelLayout, world: World) -> BatchShape:
@@ -244,7 +290,7 @@ def record_of_plan(plan, cfg: JobConfig) -> dict:
     if not states["optimizer"]:
         record["optimizer"] = {"name": cfg.optim.optimizer, "master": cfg.optim.master}
     if not states["compile"]:
-        record["training"]["compile"] = "compiled" if cfg.model.compile else "eager"
+        record["training"]["compile"] = COMPILED if cfg.model.compile else EAGER
     return record
 
 
@@ -256,32 +302,27 @@ def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: in
     compiled (`compile`: torch.compile per decoder layer). `model_fingerprint` is the model's
     `agoq.models.fingerprint` where the caller has it (else it is computed here).
 
-    `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted.
+    `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted. Validated as any
+    plan is (agoq.formats.plan.new_plan); returned as its JSON data.
     """
     from agoq.activations.saved_bytes import find_decoder_layers
     from agoq.models import fingerprint
 
     num_layers = len(find_decoder_layers(model))
     stage_of = layer_stage or [0] * num_layers
-    return {
-        "schema": SCHEMA,
-        "model": {"name": model.config.name, "fingerprint": model_fingerprint or fingerprint(model)},
-        "budget_bytes": None,
-        "activations": {"block": policy.block, "format": policy.format, "rounding": policy.rounding},
-        "layers": [{"layer": i, "stage": stage_of[i], "checkpoint": False, "kinds": dict(policy.settings(i))}
-                   for i in range(num_layers)],
-        "gradients": {"mode": gradients, "block": 256, "bucket_bytes": 25 * 2**20},
-        "pipeline": {"stages": stages, "micro_batches": grad_accum if stages > 1 else 1, "schedule": "1f1b"},
-        "training": {"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
-                     "compile": "compiled" if compile else "eager"},
-        "optimizer": OptimizerSpec(name=optimizer, master=master).model_dump(mode="json"),
-        "predicted": {"peak_bytes_per_stage": [], "activation_bytes_per_stage": [], "step_seconds": None,
-                      "grad_error": None},
-        "measured": None,
-        "source": {"method": "policy", "objective": policy.name, "profile": None, "date": None},
-    }
+    return new_plan(
+        {"name": model.config.name, "fingerprint": model_fingerprint or fingerprint(model)},
+        [{"layer": i, "stage": stage_of[i], "checkpoint": False, "kinds": dict(policy.settings(i))}
+         for i in range(num_layers)],
+        f"the policy {policy.name!r} as a plan",
+        activations={"block": policy.block, "format": policy.format, "rounding": policy.rounding},
+        gradients={"mode": gradients}, pipeline={"stages": stages, "micro_batches": grad_accum if stages > 1 else 1},
+        training={"micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
+                  "compile": COMPILED if compile else EAGER},
+        optimizer={"name": optimizer, "master": master},
+        source={"method": "policy", "objective": policy.name}).to_dict()
 
 
-__all__ = ["reconcile", "Reconciled", "batch_shape", "plan_settings", "given_settings", "check_flags_against_plan",
-           "resolve_settings", "compile_by_default", "record_of_plan", "plan_for_policy", "PLAN_FLAGS",
-           "BATCH_DEFAULTS"]
+__all__ = ["reconcile", "RunSpec", "Reconciled", "Offload", "resolve_offload", "batch_shape", "plan_settings",
+           "given_settings", "check_flags_against_plan", "resolve_settings", "compile_by_default", "record_of_plan",
+           "plan_for_policy", "PLAN_FLAGS", "BATCH_DEFAULTS"]

@@ -1,11 +1,11 @@
 """Everything built before the first step: the data, the model, and the plan (or a policy) applied to it.
 
 `prepare(cfg, world)` reads the plan, settles the run's settings where the plan and the flags meet
-(`agoq.train.plan_settings.reconcile`: the parallel layout, gradient storage, optimizer, compile mode and batch
-shape, each checked), loads the corpus, builds the model, checks it against the plan and the batch shape, then
-applies the activation settings, checkpointing, compilation and the parallel strategy in one ordered step
-(`agoq.train.apply.apply_plan`) and returns a `PreparedRun`. Nothing is trained, and no run folder is touched,
-before it returns.
+(`agoq.train.plan_settings.reconcile`: the parallel layout, gradient storage, optimizer, compile mode, batch
+shape and offload, each checked, in one typed `RunSpec`: layer indices and bytes, no flag text), loads the corpus,
+builds the model, checks it against the plan and the batch shape, then applies the activation settings,
+checkpointing, compilation, offload and the parallel strategy in one ordered step (`agoq.train.apply.apply_plan`) and
+returns a `PreparedRun`. Nothing is trained, and no run folder is touched, before it returns.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from torch import nn
 
 from agoq.formats.plan import Plan, load_plan
 from agoq.layout import ParallelLayout
-from agoq.activations.offload import ActivationOffload, parse_offload_layers
+from agoq.activations.offload import ActivationOffload
 from agoq.train.apply import ParallelSettings, apply_plan
 from agoq.train.config import JobConfig
 from agoq.train.data import Batches, BatchShape, Corpus, load_corpus
 from agoq.train.device import check_budget, run_device, run_dtype
 from agoq.train.parallel import ParallelStrategy, World
-from agoq.train.plan_settings import Reconciled, plan_for_policy, reconcile, record_of_plan
+from agoq.train.plan_settings import RunSpec, plan_for_policy, reconcile, record_of_plan
+from agoq.vocabulary import FSDP, PIPELINE
 
 
 @dataclass
@@ -55,6 +56,7 @@ class PreparedRun:
     before_micro_batch: Callable[[], None]  # see agoq.train.apply.apply_compile
     offload_layers: list[int] = field(default_factory=list)  # decoder layers whose saved tensors go to the host
     offload: ActivationOffload | None = None  # their hooks, pool and byte counts (None: nothing offloaded)
+    host_budget_bytes: int | None = None  # the most pinned host memory the offload may hold (None: no cap)
 
 
 def read_plan(plan) -> tuple[Plan | None, str]:
@@ -93,7 +95,7 @@ def _build_model(cfg: JobConfig, corpus: Corpus, dtype: torch.dtype, device: tor
 
 
 def _check_model(plan: Plan | None, where: str, model: nn.Module, spec: dict,
-                 settled: Reconciled, seq_len_flag: bool = True) -> list[int] | None:
+                 settled: RunSpec, seq_len_flag: bool = True) -> list[int] | None:
     """Refuse a plan made for another model or layer count, or a shape or pipeline this model cannot take
     (`seq_len_flag` False: the sequence length is the plan's, and is named as its field); returns the pipeline stage
     of each decoder layer (None: no pipeline)."""
@@ -164,10 +166,10 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
     if memory.checkpoint_all and plan is None:  # a plan it agrees with checkpoints every layer already
         checkpoint = range(model.config.num_hidden_layers)
         policy_name = (policy_name + "+" if policy_name else "") + "checkpoint-all"
-    # the offload as run: --offload, else the plan's offloaded layers (agoq.train.plan_settings.resolve_settings)
-    offload = parse_offload_layers(cfg.memory.offload, model.config.num_hidden_layers)
-    if offload and layout.mode in ("fsdp", "pipeline"):
-        if memory.offload is None:  # the plan's
+    # the offload as run: --offload's layers, else the plan's, and the host budget in bytes (plan_settings.reconcile)
+    offload = list(settled.offload.layers)
+    if offload and layout.mode in (FSDP, PIPELINE):
+        if settled.offload.from_plan:
             raise ValueError(f"{where}: layers[*].offload: the plan offloads layer(s) {offload}, which runs in one "
                              f"process or with --parallel ddp or sharded, not {layout.mode}: train it in one of "
                              "those, or re-run `agoq search` for this layout")
@@ -175,12 +177,9 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
                          "leave --offload out, or train without it")
     parallel = ParallelSettings(layout, world, device, dtype, settled.gradients, shape, layer_stage,
                                 cfg.optim.optimizer, cfg.optim.master)
-    # GB to bytes, rounded: a plan's host_budget_bytes / 1e9 comes back to the same bytes
-    host_budget = None if cfg.memory.host_budget is None else round(cfg.memory.host_budget * 1e9)
-    applied = apply_plan(model, policy=policy, checkpoint=checkpoint,
-                         compile_mode=cfg.model.compile_mode if cfg.model.compile else None,
-                         memory_budget=cfg.model.activation_memory_budget if cfg.model.compile else None,
-                         offload=offload, host_budget_bytes=host_budget, parallel=parallel)
+    applied = apply_plan(model, policy=policy, checkpoint=checkpoint, compile_mode=settled.torch_compile_mode,
+                         memory_budget=settled.activation_memory_budget, offload=offload,
+                         host_budget_bytes=settled.offload.host_budget_bytes, parallel=parallel)
 
     # one stacked batch per step for a pipeline, split by the schedule
     batches = Batches(corpus, shape.seq_len, shape.micro_batch, 1 if layout.pipelined else shape.grad_accum,
@@ -195,7 +194,7 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
                    "vocab_size": model.config.vocab_size}
     return PreparedRun(cfg, world, device, dtype, layout, settled.gradients, model, applied.strategy, spec, plan,
                        policy_name, layer_stage, plan_record, batches, corpus_info, shape, warmup, eval_every,
-                       applied.before_micro_batch, offload, applied.offload)
+                       applied.before_micro_batch, offload, applied.offload, settled.offload.host_budget_bytes)
 
 
 __all__ = ["prepare", "PreparedRun", "read_plan"]

@@ -109,7 +109,8 @@ class Trainer:
                 "eval_batches": cfg.loop.eval_batches, "pipeline_stages": self.parallel.pipeline_stages,
                 "layer_stage": p.layer_stage, "tokens_per_step": self.tokens_per_step,
                 "checkpoint_all": cfg.memory.checkpoint_all, "offload": p.offload_layers,
-                "host_budget_gb": cfg.memory.host_budget, "compile": model.compile,
+                "host_budget_gb": None if p.host_budget_bytes is None else p.host_budget_bytes / 1e9,  # bytes inside
+                "compile": model.compile,
                 "compile_mode": model.compile_mode if model.compile else None, "node_size": cfg.parallelism.node_size,
                 "activation_memory_budget": model.activation_memory_budget if model.compile else None,
                 **{k: v for k, v in p.corpus_info.items() if k != "data"}}

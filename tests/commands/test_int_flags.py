@@ -34,3 +34,24 @@ def test_every_int_flag_names_itself_and_the_value(module, capsys):
     good = rng.randint(1, 10**6)
     for flag, kind in flags:
         assert getattr(parser.parse_args(["llama-tiny", flag, str(good)]), flag[2:].replace("-", "_")) == good
+
+
+def test_host_budget_is_read_into_bytes_once(capsys):
+    """`agoq train --host-budget` takes GB (a plain number, as its metavar says) or a size with its unit, and
+    hands the run whole bytes: n nano-GB is n bytes exactly, a unit is agoq.units' (1 GiB = 2**30 bytes); 0, a
+    negative size and no size are argparse's error naming the flag (exit 2)."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    parser = argparse.ArgumentParser(prog="agoq train")
+    train.configure(parser)
+    for _ in range(20):
+        n = rng.randrange(1, 10**13)  # bytes, written as GB with nine decimals
+        gb = f"{n // 10**9}.{n % 10**9:09d}"
+        assert parser.parse_args(["llama-tiny", "--host-budget", gb]).host_budget == n, gb
+        k = rng.randrange(1, 4096)
+        assert parser.parse_args(["llama-tiny", "--host-budget", f"{k}MiB"]).host_budget == k * 2**20
+        assert type(parser.parse_args(["llama-tiny", "--host-budget", f"{k}"]).host_budget) is int
+    for bad in ("0", "0GB", "-2", "lots", "2 parsecs"):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(["llama-tiny", "--host-budget", bad])
+        assert e.value.code == 2
+        assert "--host-budget" in capsys.readouterr().err

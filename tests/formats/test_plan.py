@@ -410,3 +410,19 @@ def test_offload_where_the_runtime_cannot_is_refused(tmp_path, change, said):
     # either figure alone holds nothing to compare
     if "host" in change:
         plan_from_dict({**data, "host_budget_bytes": None})
+
+
+def test_new_plan_is_plan_from_dict_in_this_schema():
+    """new_plan (how agoq's stages make a plan) equals plan_from_dict of the same sections stamped with this schema,
+    whatever schema the sections came from; what it refuses it names, with `where`."""
+    from agoq.formats.plan import new_plan
+
+    seed, rng = fresh_rng()
+    data = random_plan_dict(rng, rng.randrange(2, 9), stages=rng.choice([1, 2]))
+    data["schema"] = "agoq.plan/1.0"
+    sections = {k: v for k, v in data.items() if k not in ("schema", "model", "layers")}
+    made = new_plan(data["model"], data["layers"], **sections)
+    assert made.schema_ == SCHEMA, seed
+    assert made.to_dict() == plan_from_dict({**data, "schema": SCHEMA}).to_dict(), seed
+    with pytest.raises(ValueError, match=r"^made here: invalid plan: optimizer: master 'none'"):
+        new_plan(data["model"], data["layers"], "made here", optimizer={"name": "adamw", "master": "none"})

@@ -373,8 +373,9 @@ def test_offloaded_run_trains_as_the_kept_one_and_says_what_moved(tmp_path):
 
 @pytest.mark.parametrize("flags,match", [(dict(offload="0-7"), "out of range"),
                                          (dict(offload="first"), "no layer index"),
-                                         (dict(host_budget=2.0), "give --offload too"),
-                                         (dict(offload="all", host_budget=0.0), "positive number")])
+                                         (dict(host_budget=2 * 10**9), "give --offload too"),
+                                         (dict(offload="all", host_budget=0), "positive number of bytes"),
+                                         (dict(offload="all", host_budget=2.5), "positive number of bytes")])
 def test_bad_offload_settings_are_refused(tmp_path, flags, match):
     with pytest.raises(ValueError, match=match):
         train(TrainConfig(**TINY, steps=1, out=str(tmp_path / "run"), **flags))

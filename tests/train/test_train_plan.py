@@ -340,16 +340,17 @@ def test_a_host_budget_for_a_plan_that_offloads_nothing_is_refused(tmp_path, cap
 
 def test_offload_is_decided_as_layers():
     """plan_settings gives the offloaded layers; --offload counts as the layers it names, however written; the run's
-    offload is the flag's, else the plan's as a layer list, and its host budget the flag's, else the plan's in GB."""
+    offload is the flag's layers, else the plan's list as it is, and its host budget the flag's bytes, else the
+    plan's host_budget_bytes."""
     from agoq.train.config import TrainConfig
-    from agoq.train.plan_settings import check_flags_against_plan, plan_settings, resolve_settings
+    from agoq.train.plan_settings import Offload, check_flags_against_plan, plan_settings, resolve_offload
 
     model = build("llama-tiny", num_layers=12)
     layers = [{"layer": i, "offload": i in (0, 1, 2, 3, 4, 5, 8)} for i in range(12)]
     plan = plan_from_dict({"schema": "agoq.plan/1.5", "host_budget_bytes": 123_456_789_012,
                            "model": {"name": "m", "fingerprint": fingerprint(model)}, "layers": layers})
     decided = plan_settings(plan, "none")
-    assert decided["offload"] == [0, 1, 2, 3, 4, 5, 8]
+    assert decided["offload"] == [0, 1, 2, 3, 4, 5, 8] and decided["host_budget_bytes"] == 123_456_789_012
     for same in ("0-5,8", "8,0-5", " 0,1,2,3,4,5,8 ", "0-3,2-5,8"):
         check_flags_against_plan({"offload": same}, decided, plan, "p.json")
     for other in ("0-5", "all", "all-but-last", "none"):
@@ -358,10 +359,54 @@ def test_offload_is_decided_as_layers():
     with pytest.raises(ValueError, match="out of range"):
         check_flags_against_plan({"offload": "0-12"}, decided, plan, "p.json")
     base = TrainConfig(model="llama-tiny", plan=plan)
-    run = resolve_settings(base, decided, base.parallelism).memory
-    assert (run.offload, run.host_budget) == ("0-5,8", 123.456789012)
-    assert round(run.host_budget * 1e9) == 123_456_789_012
-    flagged = TrainConfig(model="llama-tiny", plan=plan, offload="8,0-5", host_budget=7.5)
-    run = resolve_settings(flagged, decided, flagged.parallelism).memory
-    assert (run.offload, run.host_budget) == ("8,0-5", 7.5)
-    assert resolve_settings(base, {}, base.parallelism).memory.offload is None  # no plan: the flags decide
+    assert resolve_offload(base, decided, plan) == Offload((0, 1, 2, 3, 4, 5, 8), 123_456_789_012, from_plan=True)
+    flagged = TrainConfig(model="llama-tiny", plan=plan, offload="8,0-5", host_budget=7_500_000_001)
+    assert resolve_offload(flagged, decided, plan) == Offload((0, 1, 2, 3, 4, 5, 8), 7_500_000_001)
+    named = TrainConfig(model="llama-tiny", plan=plan, offload="0-5,8")  # the plan's layers named: its budget too
+    assert resolve_offload(named, decided, plan).host_budget_bytes == 123_456_789_012
+    assert resolve_offload(TrainConfig(model="llama-tiny"), {}) == Offload()  # no plan: the flags decide
+    alone = TrainConfig(model="llama-tiny", offload="all-but-last", host_budget=1)  # llama-tiny: 3 layers
+    assert resolve_offload(alone, {}) == Offload((0, 1), 1)
+    with pytest.raises(ValueError, match="out of range"):
+        resolve_offload(TrainConfig(model="llama-tiny", offload="3"), {})
+
+
+def test_a_plans_offload_reaches_the_run_unchanged(tmp_path, applied_offload):
+    """A plan with random, non-contiguous offloaded layers and a host budget of no round number of bytes: the run's
+    spec (reconcile) holds exactly those layers (ints) and bytes (an int); trained through `agoq train`, apply_plan
+    receives them and run.json records them. No flag text or GB is made of them on the way."""
+    import random
+
+    import torch
+
+    from agoq.train.config import TrainConfig
+    from agoq.train.parallel import World
+    from agoq.train.plan_settings import reconcile
+
+    rng = random.Random(4417)
+    for _ in range(5):  # many layers: a plan is reconciled without building its model
+        n = rng.randrange(8, 40)
+        chosen = sorted(rng.sample(range(n), rng.randrange(2, n // 2)))
+        if chosen[-1] - chosen[0] + 1 == len(chosen):  # one run of layers: make a gap
+            chosen = chosen[:-1] + [min(n - 1, chosen[-1] + 2)]
+        budget = rng.randrange(10**9, 10**13)
+        plan = plan_from_dict({"schema": "agoq.plan/1.5", "host_budget_bytes": budget,
+                               "model": {"name": "m", "fingerprint": "0123456789abcdef"},
+                               "layers": [{"layer": i, "offload": i in chosen} for i in range(n)]})
+        spec = reconcile(TrainConfig(model="llama-tiny", plan=plan), plan, "p.json", World(), torch.device("cpu"))
+        assert spec.offload.layers == tuple(chosen) and all(type(i) is int for i in spec.offload.layers)
+        assert spec.offload.host_budget_bytes == budget and type(spec.offload.host_budget_bytes) is int
+    # end to end on llama-tiny (3 layers: 0 and 2 are the non-contiguous choice)
+    budget = rng.randrange(10**9, 10**12)
+    path = _offloading_plan(tmp_path, offloaded=(0, 2), host_budget_bytes=budget)
+    out = tmp_path / "run"
+    assert _train(path, out) == 0
+    (seen_layers, seen_budget), = applied_offload
+    assert seen_layers == [0, 2] and all(type(i) is int for i in seen_layers)
+    assert seen_budget == budget and type(seen_budget) is int
+    settings = _run_json(out)["settings"]
+    assert settings["offload"] == [0, 2] and round(settings["host_budget_gb"] * 1e9) == budget
+    # --host-budget in GB or with a unit reaches the run as bytes, read once
+    for flag, expected in (("0.731", 731_000_000), ("1.5GiB", 3 * 2**29)):
+        assert _train(path, tmp_path / flag, "--host-budget", flag) == 0
+        assert applied_offload[-1] == ([0, 2], expected)
