@@ -94,7 +94,7 @@ def row_lines(row: Row) -> list[str]:
     if row.smallest is not None:
         return [f"{at}  no plan fits (the smallest budget one fits is {_gb(row.smallest)})"]
     if not row.agoq:
-        from agoq.search.search import FASTER_BY
+        from agoq.search.plan_alternatives import FASTER_BY
 
         agoq = (f"{pad}  agoq's plan   {row.best_agoq_tokens:>7,.0f} tokens/s  less than {FASTER_BY:.0%} faster: the "
                 "plan is the one without agoq" if row.best_agoq_tokens else f"{pad}  agoq's plan   none faster")

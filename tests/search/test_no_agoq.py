@@ -14,7 +14,8 @@ from agoq.formats.plan import plan_from_dict
 from agoq.formats.profile import load_profile
 from agoq.search.costs import ProblemSettings, build_problem
 from agoq.search.knobs import KnobSpace, budget_bounds
-from agoq.search.search import FASTER_BY, plan_from_profile
+from agoq.search.plan_alternatives import FASTER_BY
+from agoq.search.search import plan_from_profile
 from agoq.train.config import TrainConfig
 from agoq.train.plan_settings import check_flags_against_plan, given_settings, plan_settings
 from tests.search.synthetic_profile import write_profile
