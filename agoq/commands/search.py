@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     if args.runs:
         from agoq.formats.run import measured_against_plan
 
-        profile.runs = [measured_against_plan(run) for run in args.runs]
+        profile = profile.with_runs([measured_against_plan(run) for run in args.runs])
         other = [r["run"] for r in profile.runs if r["fingerprint"] != profile.fingerprint]
         if other:
             raise ValueError(f"--runs {' '.join(other)}: trained another model than the profile's "

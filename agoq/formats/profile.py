@@ -5,6 +5,8 @@ collectives.parquet. `write_profile_files` is its only writer (the profiler fill
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import re
 from dataclasses import dataclass, field
@@ -38,6 +40,11 @@ class ProfileData:
     # runs of plans made from this profile, as agoq.formats.run.measured_against_plan reads them: what really ran,
     # which the search's calibration learns from (agoq.search.calibration); given by the caller, not stored
     runs: list[dict] = field(default_factory=list, repr=False, compare=False)
+
+    def with_runs(self, runs: list[dict]) -> "ProfileData":
+        """This profile with the measured `runs` of its plans as evidence: a new ProfileData (with a cache of its own,
+        since what the calibration derives depends on them); this one is left as it is."""
+        return dataclasses.replace(self, runs=list(runs), cache={})
 
     @property
     def num_layers(self) -> int:

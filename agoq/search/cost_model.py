@@ -268,7 +268,7 @@ def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
                      "weights, where attention's are far lower than after training (--quantize-attention on offers "
                      "its bit widths)")
     key = (id(profile.table), knobs.format, tuple(sorted(knobs.floors().items())), block0, knobs.quantize_attention)
-    cached = profile.__dict__.setdefault("_option_rows", {})  # one profile's rows per format, floors, attention
+    cached = profile.cache.setdefault("option_rows", {})  # one profile's rows per format, floors, attention
     if key not in cached:
         cached[key] = _option_rows(profile, knobs, shape0, block0)
     rows = cached[key]

@@ -128,8 +128,9 @@ def test_the_search_learns_step_times_from_runs(trained):
     before = build_problem(profile, knobs)
     choice = choice_of_plan(before, plan)
     assert before.evaluate(*choice)["step_seconds"] == pytest.approx(plan["predicted"]["step_seconds"], rel=1e-9)
-    profile = load_profile(profile_dir)
-    profile.runs = [measured]
+    loaded = load_profile(profile_dir)
+    profile = loaded.with_runs([measured])
+    assert loaded.runs == [] and profile.runs == [measured] and profile.cache is not loaded.cache  # explicit input
     after = build_problem(profile, knobs)
     # one run at that split: its plan is now predicted at what it measured
     assert after.evaluate(*choice)["step_seconds"] == pytest.approx(measured["step_seconds"], rel=1e-9)
