@@ -6,7 +6,7 @@ two, and print the command that shows the results in the dashboard:
      agoq, as predicted from those profiles (measured figures: docs/results.md)
   1. agoq profile llama-tiny              -> OUT/profile/   (bytes, error, sensitivity per layer and kind;
                                                              collective times between two local processes)
-  2. agoq search --budget B               -> OUT/search/    (plan.json, pareto.csv, Optuna study)
+  2. agoq search --budget B               -> OUT/search/    (plan.json, plan.pareto.csv, Optuna study)
      B is the predicted peak of the published LAAQ recipe (agoq-paper) on this model; the search (MILP)
      looks for the fastest plan within it, then runs the two best plans for a few steps to measure them;
      a plan sharded over several processes (SDP4Bit or FSDP2) cannot train here, so the demo then also

@@ -11,14 +11,28 @@ from concurrent.futures import ThreadPoolExecutor
 from scipy.optimize import milp as _scipy_milp
 
 
+SOLVE_ERROR = 4  # scipy.optimize.milp's status for "HiGHS Status 4: Solve error"
+
+
 def milp(c, **kwargs):
-    """scipy.optimize.milp, without HiGHS's stray standard-output line.
+    """scipy.optimize.milp, without HiGHS's stray standard-output line, and solved again without HiGHS's presolve
+    where it ends in a solve error (status 4): on the shipped H200 probe profile the least peak of the compiled
+    QuanGrad problem at 1 x 2 under the recipe's error cap ended so, which made the search report that no choice
+    met its caps at any budget; without presolve HiGHS solves it (9.83 GB), as it does every other problem.
 
     HiGHS 1.12 (inside scipy) prints "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
     to the process's file descriptor 1 on some solves, whatever its display option. In the main thread (the CLI,
     scripts) descriptor 1 points at /dev/null for the solve's duration; Python's own output is flushed first and
     is untouched after. Other threads (the dashboard's solver pool) solve as they are: redirecting a descriptor
     the whole process shares would swallow the server's own output."""
+    result = _quiet_milp(c, **kwargs)
+    if result.status == SOLVE_ERROR and (kwargs.get("options") or {}).get("presolve", True):
+        result = _quiet_milp(c, **{**kwargs, "options": {**(kwargs.get("options") or {}), "presolve": False}})
+    return result
+
+
+def _quiet_milp(c, **kwargs):
+    """scipy.optimize.milp with descriptor 1 pointed at /dev/null in the main thread (see `milp`)."""
     if threading.current_thread() is not threading.main_thread():
         return _scipy_milp(c, **kwargs)
     try:
