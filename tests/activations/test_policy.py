@@ -309,7 +309,8 @@ def test_settings_are_checked_where_they_are_read_only(monkeypatch):
     import torch
 
     import agoq.activations.policy as policy_module
-    import agoq.formats.plan as plan_module
+    import agoq.formats.plan_sections as plan_module  # where the plan's sections check their settings
+    from agoq.formats.plan import plan_from_dict
     from agoq.activations.laaq import apply_activation_policy, observe_kept_tensors
     from agoq.models import build, fingerprint
 
@@ -331,9 +332,9 @@ def test_settings_are_checked_where_they_are_read_only(monkeypatch):
         counted(module, name)
     model = build("llama-tiny", seed=seed % 2**31)
     kinds = {k: rng.choice([2, 3, 4, 5, 8]) for k in ("norm_input", "o_proj_input", "silu_input")}
-    plan = plan_module.plan_from_dict({"schema": "agoq.plan/1.1",
-                                       "model": {"name": "t", "fingerprint": fingerprint(model)},
-                                       "layers": [{"layer": i, "kinds": kinds} for i in range(3)]})
+    plan = plan_from_dict({"schema": "agoq.plan/1.1",
+                           "model": {"name": "t", "fingerprint": fingerprint(model)},
+                           "layers": [{"layer": i, "kinds": kinds} for i in range(3)]})
     assert calls[plan_module.__name__, "check_setting"] == 3 * len(kinds), seed  # read: checked
     calls.clear()
     policy = plan.activation_policy()
