@@ -111,6 +111,8 @@ def read_budget(value: Any) -> int:
         if value.strip().startswith("-"):
             raise ValueError(f"must be more than 0 bytes, got {excerpt(value)}")
         budget = parse_size(value)  # ValueError naming the forms it reads
+    elif 0 < value < 0.5:  # less than a byte: said as the command line says it of the same text
+        budget = parse_size(value)
     else:
         budget = int(round(value))
     if budget <= 0:
