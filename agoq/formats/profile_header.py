@@ -20,6 +20,28 @@ def check_header(header: dict, where: str) -> None:
     check_schema(header, PROFILE_SCHEMA_KIND, PROFILE_SCHEMA_MAJOR, where)
     _check_sections(header, where)
     _check_host_link(header, where)
+    _check_files(header, where)
+    for name in OPTIONAL_SECTIONS:
+        value = header.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise FormatError(f"{where}: {name}: must be an object or null, got {type(value).__name__}")
+
+
+OPTIONAL_SECTIONS = ("pipeline", "hardware", "software", "measured_steps")  # objects where present
+
+
+def _check_files(header: dict, where: str) -> None:
+    """`files`, where present: {"table": NAME, "collectives": NAME}, each a plain file name in the profile's folder
+    (a reader joins it onto the folder, so no name may lead out of it)."""
+    files = header.get("files")
+    if files is None:
+        return
+    if not isinstance(files, dict):
+        raise FormatError(f"{where}: files: must be an object of file names, got {type(files).__name__}")
+    for which, name in files.items():
+        if name is not None and (not isinstance(name, str) or not name or "/" in name or "\\" in name
+                                 or name in (".", "..")):
+            raise FormatError(f"{where}: files.{which}: {name!r} is not a plain file name in the profile folder")
 
 
 # the header's sections the search cannot do without, and the keys of each it reads with no default worth

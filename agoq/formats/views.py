@@ -33,17 +33,10 @@ def _where(path: str | os.PathLike, where: str | None) -> str:
 def read_profile_header(path: str | os.PathLike, where: str | None = None) -> dict[str, Any]:
     """profile.json at `path` as written, checked as agoq.formats.profile.load_profile checks it: schema
     agoq.profile/N (N no newer than this agoq reads), the required sections (model, settings, memory) with their keys,
-    timing.host_link when there is one, and `files` (the table's and collectives' file names) plain file names."""
+    timing.host_link when there is one, `files` (the table's and collectives' names) plain file names."""
     where = _where(path, where)
     header = read_versioned(path, PROFILE_SCHEMA_KIND, PROFILE_SCHEMA_MAJOR, where)
     check_header(header, where)
-    files = header.get("files")
-    if files is not None and not isinstance(files, dict):
-        raise FormatError(f"{where}: files: must be an object of file names, got {type(files).__name__}")
-    for which, name in (files or {}).items():
-        if name is not None and (not isinstance(name, str) or not name or "/" in name or "\\" in name
-                                 or name in (".", "..")):
-            raise FormatError(f"{where}: files.{which}: {name!r} is not a plain file name in the profile folder")
     return header
 
 
