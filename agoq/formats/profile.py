@@ -24,6 +24,7 @@ from agoq.formats.profile_header import (  # noqa: F401 (the header's checks, re
     SCHEMA,
     check_header,
 )
+from agoq.formats.views import read_profile_table
 
 COLUMNS = ("layer", "kind", "option", "bits", "format", "shape", "bytes", "bytes_unshared", "bytes_measured",
            "quant_error", "sqnr_db", "sensitivity", "extra_seconds", "quantize_seconds", "dequantize_seconds",
@@ -163,19 +164,15 @@ def load_profile(path: str | Path) -> ProfileData:
     header = read_json_object(header_path, "profile header")
     check_header(header, str(header_path))
     files = header.get("files") or {}
-    table_path = folder / files.get("table", "profile.parquet")
+    table_path = folder / (files.get("table") or "profile.parquet")
     if not table_path.is_file():
         raise FileNotFoundError(f"{table_path} not found: {folder} is not a complete profile folder")
     model = header["model"]
-    try:
-        table = pd.read_csv(table_path) if table_path.suffix == ".csv" else pd.read_parquet(table_path)
-    except Exception as e:  # pyarrow raises several types for a damaged file
-        raise ValueError(f"{table_path}: cannot read: {e}") from None
-    table = _check_table(table, int(model["num_layers"]), table_path)
+    table = _check_table(read_profile_table(table_path), int(model["num_layers"]), table_path)
     collectives = None
-    coll_path = folder / files.get("collectives", "collectives.parquet")
+    coll_path = folder / (files.get("collectives") or "collectives.parquet")
     if coll_path.is_file():
-        collectives = pd.read_csv(coll_path) if coll_path.suffix == ".csv" else pd.read_parquet(coll_path)
+        collectives = read_profile_table(coll_path)
     data = ProfileData(folder, header, table, collectives)
     stages = data.layer_stage()
     if len(stages) != data.num_layers:
