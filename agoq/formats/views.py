@@ -54,7 +54,8 @@ def read_profile_table(path: str | os.PathLike, columns: tuple[str, ...] = (), w
     try:
         frame = pd.read_csv(p) if kind == "CSV" else pd.read_parquet(p)
     except Exception as e:  # pyarrow and the CSV parser raise many kinds of errors on a damaged file
-        raise FormatError(f"{where}: cannot read it as {kind} ({type(e).__name__}: {e})") from None
+        said = str(e).replace(str(p), where)  # the file as the caller names it, also in pyarrow's words
+        raise FormatError(f"{where}: cannot read it as {kind} ({type(e).__name__}: {said})") from None
     missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise FormatError(f"{where}: missing column(s) {', '.join(missing)}")

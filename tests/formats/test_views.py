@@ -159,6 +159,22 @@ def test_a_broken_run_names_the_file_and_the_field(tmp_path):
     refused(views.read_run, write(path, {**run, "step": "7"}), "step", "integer")
 
 
+def test_a_broken_profile_table_names_the_file(tmp_path):
+    table = pd.read_parquet(PROBE / "profile.parquet")
+    path = tmp_path / "profile.parquet"
+    table.drop(columns=["sensitivity"]).to_parquet(path)
+    def read(p, where):
+        return views.read_profile_table(p, ("layer", "sensitivity"), where=where)
+
+    refused(read, path, "missing column(s) sensitivity")
+    path.write_bytes(b"PAR1 not parquet")
+    refused(views.read_profile_table, path, "cannot read it as parquet")
+    refused(views.read_profile_table, tmp_path / "profile.csv", "missing")
+    table.to_csv(tmp_path / "profile.csv", index=False)  # as agoq writes it where it has no pyarrow
+    assert views.read_profile_table(tmp_path / "profile.csv", ("layer", "sensitivity")).equals(
+        pd.read_csv(tmp_path / "profile.csv"))
+
+
 @pytest.mark.parametrize("read", [views.read_profile_header, views.read_plan, views.read_run])
 def test_unreadable_and_oversized_json_is_refused_unread(tmp_path, monkeypatch, read):
     path = tmp_path / "file.json"
