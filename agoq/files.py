@@ -104,20 +104,32 @@ def check_output_file(path: str | os.PathLike, what: str) -> Path:
     return target
 
 
-def read_json_object(path: str | os.PathLike, what: str) -> dict:
-    """The JSON object in `path`; FileNotFoundError / ValueError that name `what` (e.g. "plan file") and say
-    what is wrong with it."""
+MAX_JSON_BYTES = 64 * 2**20  # the largest JSON file agoq reads; its own are far smaller (a plan of 80 layers: ~100 KiB)
+
+
+def read_json_object(path: str | os.PathLike, what: str, max_bytes: int | None = None,
+                     name: str | None = None) -> dict:
+    """The JSON object in `path`; FileNotFoundError / ValueError that name `what` (e.g. "plan file") and the file
+    (as `name` gives it, by default its path) and say what is wrong with it. A file over `max_bytes` (default
+    MAX_JSON_BYTES) is refused from its size alone, unread, so that a stray huge file cannot take a reader's
+    memory."""
     p = Path(path)
+    shown = f"{what} {p if name is None else name}"
     if p.is_dir():
-        raise ValueError(f"{what} {p} is a folder: give the file")
+        raise ValueError(f"{shown} is a folder: give the file")
     if not p.is_file():
-        raise FileNotFoundError(f"{what} not found: {p}")
+        raise FileNotFoundError(f"{what} not found: {p if name is None else name}")
+    limit = MAX_JSON_BYTES if max_bytes is None else max_bytes
+    size = p.stat().st_size
+    if size > limit:
+        raise ValueError(f"{shown} is {size / 2**20:.1f} MiB, larger than the {limit / 2**20:.0f} MiB agoq reads "
+                         "for one JSON file (its own are far smaller); not read: give the file agoq wrote")
     try:
         data = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{what} {p} is not valid JSON: {e}") from None
+        raise ValueError(f"{shown} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{what} {p} must hold a JSON object, got {type(data).__name__}")
+        raise ValueError(f"{shown} must hold a JSON object, got {type(data).__name__}")
     return data
 
 

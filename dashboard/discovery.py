@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dashboard.formats import BrokenFile
+from agoq.formats.views import FormatError
 
 KINDS = ("profiles", "searches", "plans", "runs")
 SKIP_DIRS = {"checkpoint", "checkpoints", "__pycache__", "node_modules"}
@@ -46,13 +46,13 @@ class Folder:
     root: Path
 
     def file(self, name: str) -> Path:
-        """`path / name` (which may not exist); BrokenFile when `name` is not a plain file name or
+        """`path / name` (which may not exist); FormatError when `name` is not a plain file name or
         the file is a symlink resolving outside the root."""
         if not name or "/" in name or "\\" in name or name in (".", ".."):
-            raise BrokenFile(f"{name!r} is not a plain file name")
+            raise FormatError(f"{name!r} is not a plain file name")
         path = self.path / name
         if os.path.lexists(path) and not inside(self.root, path):
-            raise BrokenFile(f"{name}: a symlink leading outside the root (or a broken one); not read")
+            raise FormatError(f"{name}: a symlink leading outside the root (or a broken one); not read")
         return path
 
 

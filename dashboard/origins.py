@@ -14,9 +14,9 @@ A result's device is what its own file records: a profile's and a run's `hardwar
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from agoq.formats.views import FormatError, read_profile_header
 from dashboard.markup import esc, link
 
 
@@ -29,8 +29,8 @@ def shipped_profiles() -> set[tuple[str, str]]:
     out = set()
     for folder in profiles().values():
         try:
-            meta = json.loads((folder / "profile.json").read_text())
-        except (OSError, ValueError):
+            meta = read_profile_header(folder / "profile.json")
+        except FormatError:
             continue
         out.add((str((meta.get("model") or {}).get("fingerprint")), str(meta.get("date"))))
     return out

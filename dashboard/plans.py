@@ -4,23 +4,34 @@ gradients, optimizer state, activations, ...) predicted beside measured."""
 
 from __future__ import annotations
 
+import copy
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from agoq.files import json_safe
-from dashboard.formats import BrokenFile, number, read_json
+from agoq.formats import views
+from agoq.formats.views import FormatError
+from dashboard.formats import number
+from dashboard.profiles import stat_key
 
 RECOMPUTE = 0      # value of "recompute" in the bit-width map
 CHECKPOINT = -1    # value of a layer recomputed whole (checkpoint: true)
 
 
+@lru_cache(maxsize=256)
+def _read_plan(path: str, key: tuple[int, int]) -> dict[str, Any]:
+    return views.read_plan(path, where=Path(path).name)
+
+
 def read_plan(path: Path) -> dict[str, Any]:
-    """The plan at `path`, schema-checked (BrokenFile when it is not a readable agoq.plan/1)."""
-    plan = read_json(path, "plan")
-    if not isinstance(plan.get("layers"), list):
-        raise BrokenFile(f"{path.name}: field 'layers' is missing or not a list")
-    return plan
+    """The plan at `path` as written, validated by agoq.formats (views.read_plan; FormatError naming the file and the
+    field when it is not a readable plan); validated once until the file changes, each caller given its own copy."""
+    key = stat_key(path)
+    if key is None:
+        raise FormatError(f"{path.name}: missing")
+    return copy.deepcopy(_read_plan(str(path), key))
 
 
 def summary(plan: dict[str, Any]) -> dict[str, Any]:
@@ -164,17 +175,17 @@ def memory_breakdown(plan: dict[str, Any], run_peaks: dict[str, list[float | Non
 
 
 def _recorded_stages(entries: Any) -> dict[int, dict[str, Any]]:
-    """stage -> {phase, layer, parts} of a plan's `predicted.memory_per_stage` as written (BrokenFile naming the
+    """stage -> {phase, layer, parts} of a plan's `predicted.memory_per_stage` as written (FormatError naming the
     entry when one is not {stage, phase, parts: {name: bytes}})."""
     out: dict[int, dict[str, Any]] = {}
     for i, m in enumerate(entries or []):
         where = f"plan: predicted.memory_per_stage[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("parts"), dict):
-            raise BrokenFile(f"{where}: expected {{stage, phase, parts: {{name: bytes}}}}")
+            raise FormatError(f"{where}: expected {{stage, phase, parts: {{name: bytes}}}}")
         stage = number(m.get("stage"))
         values = {str(name): number(v) for name, v in m["parts"].items()}
         if stage is None or stage < 0 or stage != int(stage) or any(v is None for v in values.values()):
-            raise BrokenFile(f"{where}: its stage and each part's bytes must be numbers")
+            raise FormatError(f"{where}: its stage and each part's bytes must be numbers")
         layer = number(m.get("layer"))
         out[int(stage)] = {"phase": str(m.get("phase")), "layer": None if layer is None else int(layer),
                            "parts": values}

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from agoq.files import json_safe
+from agoq.formats.views import FormatError, read_profile_header, read_profile_table
 from dashboard.discovery import Folder
-from dashboard.formats import BrokenFile, number, read_json
+from dashboard.formats import number
 
 TABLE_COLUMNS = ("layer", "kind", "option", "bits", "bytes", "quant_error", "sensitivity")
 COLLECTIVE_COLUMNS = ("op", "path", "world_size", "message_bytes", "seconds")
@@ -29,26 +30,22 @@ def stat_key(path: Path) -> tuple[int, int] | None:
 
 @lru_cache(maxsize=32)
 def _read_table(path: str, key: tuple[int, int], columns: tuple[str, ...]):
-    import pandas as pd
-
-    kind = "CSV" if path.endswith(".csv") else "parquet"
-    try:
-        frame = pd.read_csv(path) if kind == "CSV" else pd.read_parquet(path)
-    except Exception as e:  # pyarrow and the CSV parser raise many kinds of errors on a damaged file
-        raise BrokenFile(f"{Path(path).name}: cannot read it as {kind} ({type(e).__name__}: {e})") from None
-    missing = [c for c in columns if c not in frame.columns]
-    if missing:
-        raise BrokenFile(f"{Path(path).name}: missing column(s) {', '.join(missing)}")
-    return frame
+    return read_profile_table(path, columns, where=Path(path).name)
 
 
 def read_table(path: Path, columns: tuple[str, ...]):
-    """The parquet (or, by its suffix, CSV) file at `path` as a DataFrame (cached until the file
-    changes); BrokenFile when it cannot be read or lacks one of `columns`."""
+    """The parquet (or, by its suffix, CSV) file at `path` as a DataFrame (agoq.formats.views.read_profile_table,
+    cached until the file changes); FormatError when it cannot be read or lacks one of `columns`."""
     key = stat_key(path)
     if key is None:
-        raise BrokenFile(f"{path.name}: missing")
+        raise FormatError(f"{path.name}: missing")
     return _read_table(str(path), key, columns)
+
+
+def header(folder: Folder) -> dict[str, Any]:
+    """The folder's profile.json as written, checked by agoq.formats (read_profile_header); FormatError naming the
+    file and the field otherwise."""
+    return read_profile_header(folder.file("profile.json"), where="profile.json")
 
 
 def as_text(column):
@@ -70,24 +67,20 @@ def option_order(option: str) -> tuple[int, int]:
 def table_file(folder: Folder, which: str = "table") -> Path:
     """The profile's table ("table": profile.parquet, or profile.csv where the profiler had no
     pyarrow) or collective timings ("collectives"), as profile.json's `files` names them."""
-    meta = read_json(folder.file("profile.json"), "profile")
     default = {"table": "profile.parquet", "collectives": "collectives.parquet"}[which]
-    name = (meta.get("files") or {}).get(which) or default
-    if not isinstance(name, str):
-        raise BrokenFile(f"profile.json: field 'files.{which}' is {name!r}, expected a file name")
-    return folder.file(name)
+    return folder.file((header(folder).get("files") or {}).get(which) or default)
 
 
 def _exists(folder: Folder, which: str) -> bool:
     try:
         return table_file(folder, which).exists()
-    except BrokenFile:
+    except FormatError:
         return False
 
 
 def summary(folder: Folder) -> dict[str, Any]:
     """Key figures of a profile: model, hardware, date, settings, number of table rows and failures."""
-    meta = read_json(folder.file("profile.json"), "profile")
+    meta = header(folder)
     model = meta.get("model") or {}
     hardware = meta.get("hardware") or {}
     memory = meta.get("memory") or {}
@@ -117,7 +110,7 @@ def layer_kind_maps(folder: Folder, option: str | None = None) -> dict[str, Any]
     frame = frame.assign(option=as_text(frame["option"]))
     options = sorted(frame["option"].unique().tolist(), key=option_order)
     if not options:
-        raise BrokenFile("profile.parquet: no rows")
+        raise FormatError("profile.parquet: no rows")
     if option is None:
         widths = [o for o in options if o.isdigit() and o != "16"]
         option = "4" if "4" in options else (widths[-1] if widths else options[0])

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from fastapi import APIRouter, HTTPException, Query
 
-from dashboard.formats import BrokenFile
+from agoq.formats.views import FormatError
 from dashboard.limits import MAX_COMPARE, clipped
 from dashboard.service import MAX_POINTS_LIMIT
 from dashboard.state import DashboardState
@@ -22,7 +22,7 @@ def answer(fn: Callable[[], Any]) -> Any:
         return fn()
     except KeyError as e:
         raise HTTPException(404, f"not found under the root: {clipped(e.args[0] if e.args else e)}") from None
-    except (BrokenFile, ValueError) as e:
+    except (FormatError, ValueError) as e:
         raise HTTPException(422, str(e)) from None
 
 

@@ -12,8 +12,8 @@ from typing import Callable
 from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse
 
+from agoq.formats.views import FormatError
 from dashboard import pages
-from dashboard.formats import BrokenFile
 from dashboard.limits import MAX_COMPARE, clipped
 from dashboard.service import MAX_POINTS_LIMIT, Dashboard
 from dashboard.state import DashboardState
@@ -41,7 +41,7 @@ def page(title: str, fn: Callable[[], str]) -> HTMLResponse:
     except KeyError as e:
         return HTMLResponse(pages.error_page(title, f"nothing named {clipped(e.args[0] if e.args else e)} "
                                                     "under the root (see the overview)"), status_code=404)
-    except (BrokenFile, ValueError) as e:
+    except (FormatError, ValueError) as e:
         return HTMLResponse(pages.error_page(title, str(e)), status_code=422)
 
 
@@ -102,7 +102,7 @@ def compared_runs(data: Dashboard, ids: list[str], points: int, x: str) -> str:
             chosen.append(data.curves(run_id, points))
         except KeyError:
             errors.append(f"no run named {run_id} under the root")
-        except BrokenFile as e:
+        except FormatError as e:
             errors.append(f"{run_id}: {e}")
     return pages.runs(everything, chosen, selected, errors, x)
 

@@ -12,11 +12,11 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from agoq.formats.views import FormatError
 from agoq.search.request import CAP_FIELDS, BadField, InfeasibleBudget, SearchRequest, cap_defaults
 from agoq.units import excerpt
 from dashboard import saved_plans
 from dashboard.access import check_write
-from dashboard.formats import BrokenFile
 from dashboard.limits import MAX_BODY_BYTES
 from dashboard.planner import Busy, Planner, service_request
 from dashboard.profiles import table_file
@@ -68,7 +68,7 @@ def profile_folder(data: Dashboard, profile_id: str) -> Path:
     except KeyError:
         shown = excerpt(profile_id)
         raise HTTPException(404, f"no profile named {shown} under the root (see /api/index)") from None
-    except BrokenFile as e:
+    except FormatError as e:
         raise HTTPException(422, f"profile {profile_id}: {e}") from None
     return folder.path
 
@@ -83,7 +83,7 @@ async def solved(fn: Callable[[], Awaitable[Any]]) -> Any:
         raise HTTPException(504, str(e)) from None
     except InfeasibleBudget as e:
         raise HTTPException(422, {"message": e.advice(), "smallest_budget_bytes": e.smallest_budget}) from None
-    except (ValueError, FileNotFoundError, BrokenFile) as e:
+    except (ValueError, FileNotFoundError, FormatError) as e:
         raise HTTPException(422, str(e)) from None
 
 

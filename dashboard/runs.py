@@ -7,7 +7,6 @@ start)."""
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from dataclasses import dataclass, field
@@ -17,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from agoq.files import json_safe
+from agoq.formats.views import metric_record, read_run
 from dashboard.discovery import Folder
 from dashboard.downsample import minmax_indices
-from dashboard.formats import format_bytes, number, read_json
+from dashboard.formats import format_bytes, number
 
 TRAIN_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_seconds", "time")
 VAL_FIELDS = ("step", "val_loss", "time")
@@ -70,15 +70,11 @@ class MetricsStore:
 def _parse_line(m: Metrics, line: bytes) -> None:
     if not line.strip():
         return
-    try:
-        rec = json.loads(line)
-        step = int(rec["step"])
-    except (ValueError, KeyError, TypeError):
+    rec = metric_record(line)  # agoq.formats.run's parser of metrics.jsonl
+    if rec is None:
         m.bad_lines += 1
         return
-    if not isinstance(rec, dict):
-        m.bad_lines += 1
-        return
+    step = int(rec["step"])
     if "val_loss" in rec and "loss" not in rec:
         m.val["step"].append(step)
         m.val["val_loss"].append(number(rec.get("val_loss")))
@@ -168,11 +164,17 @@ def run_label(plan: Any, settings: dict[str, Any]) -> str:
     return f"{', '.join(parts) or 'baseline'} (no plan), {dtype}"
 
 
+def read_meta(folder: Folder) -> dict[str, Any]:
+    """The folder's run.json as written, checked by agoq.formats (views.read_run); FormatError naming the file and
+    the field otherwise."""
+    return read_run(folder.file("run.json"), where="run.json")
+
+
 def summary(folder: Folder, store: MetricsStore) -> dict[str, Any]:
     """Key figures of a run: model, what it trained with (run_label), status, step reached, last loss and
     validation loss, median tokens/s, highest peak memory of any rank, number of metric lines, and for a run with a
     plan what it measured against the plan's predictions (run.json's `plan_check`, agoq.train.plan_check)."""
-    meta = read_json(folder.file("run.json"), "run")
+    meta = read_meta(folder)
     m = store.read(folder.file("metrics.jsonl"))
     model = meta.get("model") or {}
     plan = meta.get("plan")

@@ -3,16 +3,13 @@ the Pareto front with its validated points, the chosen plan, and the study's tri
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 from typing import Any
 
 from agoq.files import json_safe
+from agoq.formats import views
 from dashboard.discovery import Folder
-from dashboard.formats import BrokenFile, number
 
-PARETO_REQUIRED = ("predicted_peak_bytes", "predicted_step_seconds", "predicted_grad_error")
 STUDY_FILES = ("study.db", "study.journal")
 
 
@@ -30,34 +27,18 @@ def newest_named(folder: Folder, names: tuple[str, ...], suffixes: tuple[str, ..
 
 
 def read_pareto(folder: Folder) -> dict[str, Any]:
-    """The search's Pareto CSV (PLAN_STEM.pareto.csv, or pareto.csv as agoq wrote it before: `newest_named`) as rows
-    (numbers parsed, text kept), with the columns in file order; an absent file gives no rows and a message. A row is
-    'validated' when it has a measured peak or step time."""
+    """The search's Pareto CSV (PLAN_STEM.pareto.csv, or pareto.csv as agoq wrote it before: `newest_named`), read by
+    agoq.formats (views.read_pareto: numbers parsed, text kept, the columns in file order); an absent file gives no
+    rows and a message. A row is 'validated' when it has a measured peak or step time."""
     path = newest_named(folder, ("pareto.csv",), (".pareto.csv",))
     if path is None:
         return {"columns": [], "rows": [], "message": "no pareto.csv (or PLAN.pareto.csv) in this search folder"}
-    name = path.name
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise BrokenFile(f"{name}: cannot read it ({e})") from None
-    reader = csv.DictReader(io.StringIO(text))
-    columns = reader.fieldnames or []
-    missing = [c for c in PARETO_REQUIRED if c not in columns]
-    if missing:
-        raise BrokenFile(f"{name}: missing column(s) {', '.join(missing)}")
-    rows = []
-    for raw in reader:
-        row: dict[str, Any] = {}
-        for key, value in raw.items():
-            if key is None:
-                continue
-            parsed = number(value)
-            row[key] = parsed if parsed is not None or value in ("", None, "nan", "NaN") else value
+    front = views.read_pareto(path, where=path.name)
+    rows = front["rows"]
+    for row in rows:
         row["validated"] = any(row.get(k) is not None for k in ("measured_peak_bytes", "measured_step_seconds"))
-        rows.append(row)
-    return json_safe({"columns": columns, "rows": rows,
-                  "message": None if rows else f"{name} has no rows"})
+    return json_safe({"columns": front["columns"], "rows": rows,
+                      "message": None if rows else f"{path.name} has no rows"})
 
 
 def chosen_plan_name(plans_here: list[str]) -> str | None:

@@ -1,5 +1,5 @@
 """What the dashboard answers, as plain JSON-ready dicts: the API returns them as they are and the
-pages draw them. Unknown ids raise KeyError, unreadable files BrokenFile; a broken part of an
+pages draw them. Unknown ids raise KeyError, unreadable files FormatError; a broken part of an
 artifact (say its parquet table) is reported in that part as {"error": "..."} while the rest is shown."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from agoq.formats.views import FormatError
 from dashboard import figures, plans, profiles, runs, searches, studies
 from dashboard.discovery import Artifact, Catalog
-from dashboard.formats import BrokenFile, read_json
 
 MAX_POINTS_LIMIT = 20000
 
@@ -19,7 +19,7 @@ def part(fn: Callable[[], Any]) -> Any:
     """fn() or, when it fails on a broken file or a bad choice, {"error": message}."""
     try:
         return fn()
-    except (BrokenFile, KeyError) as e:
+    except (FormatError, KeyError) as e:
         return {"error": e.args[0] if e.args else str(e)}
 
 
@@ -47,7 +47,7 @@ class Dashboard:
                 entry = {"id": artifact_id}
                 try:
                     entry.update(reader(artifact))
-                except BrokenFile as e:
+                except FormatError as e:
                     entry["error"] = str(e)
                 items.append(entry)
             out[kind] = items
@@ -92,7 +92,7 @@ class Dashboard:
             found = plan_ids.get(prefix + name)
             try:
                 plan = plans.read_plan(found.path) if found is not None else None
-            except BrokenFile:
+            except FormatError:
                 plan = None
             if plan is not None and plans.was_measured(plan):
                 seen.add(plans.signature(plan))
@@ -110,15 +110,15 @@ class Dashboard:
         was made from it."""
         a = self.catalog.get("profiles", profile_id)
         try:
-            meta = read_json(self.catalog.folder(a).file("profile.json"), "profile")
-        except BrokenFile:
+            meta = profiles.header(self.catalog.folder(a))
+        except FormatError:
             return None
         fingerprint = (meta.get("model") or {}).get("fingerprint")
         trained = set()
         for r in self.catalog.index().items["runs"].values():
             try:
-                used = read_json(self.catalog.folder(r).file("run.json"), "run").get("plan")
-            except BrokenFile:
+                used = runs.read_meta(self.catalog.folder(r)).get("plan")
+            except FormatError:
                 continue
             if isinstance(used, dict):
                 trained.add(plans.signature(used))
@@ -126,7 +126,7 @@ class Dashboard:
         for plan_id, p in self.catalog.index().items["plans"].items():
             try:
                 plan = plans.read_plan(p.path)
-            except BrokenFile:
+            except FormatError:
                 continue
             if (plan.get("model") or {}).get("fingerprint") != fingerprint:
                 continue
@@ -209,7 +209,7 @@ class Dashboard:
         predicted peak and measured step time, the points a plan is judged against; [] when unknown."""
         try:
             meta = self._profile_for(plans.read_plan(plan_path))
-        except BrokenFile:
+        except FormatError:
             return []
         steps = ((meta or {}).get("memory") or {}).get("steps") or []
         return [{"name": str(st.get("policy")), "peak_bytes": st.get("predicted_peak_bytes"),
@@ -220,7 +220,7 @@ class Dashboard:
         """A run's key figures and settings."""
         a = self.catalog.get("runs", artifact_id)
         folder = self.catalog.folder(a)
-        meta = read_json(folder.file("run.json"), "run")
+        meta = runs.read_meta(folder)
         return {"id": a.id, "summary": runs.summary(folder, self.metrics),
                 "settings": meta.get("settings"), "world": meta.get("world"), "hardware": meta.get("hardware")}
 
@@ -230,7 +230,7 @@ class Dashboard:
             raise ValueError(f"points must be between 4 and {MAX_POINTS_LIMIT}, got {max_points}")
         a = self.catalog.get("runs", artifact_id)
         folder = self.catalog.folder(a)
-        read_json(folder.file("run.json"), "run")
+        runs.read_meta(folder)
         return {"id": a.id, "curves": runs.curves(folder, self.metrics, max_points)}
 
     # --- links between artifacts ----------------------------------------------------------------
@@ -247,8 +247,8 @@ class Dashboard:
         found = []
         for a in self.catalog.index().items["profiles"].values():
             try:
-                meta = read_json(self.catalog.folder(a).file("profile.json"), "profile")
-            except BrokenFile:
+                meta = profiles.header(self.catalog.folder(a))
+            except FormatError:
                 continue
             if (meta.get("model") or {}).get("fingerprint") == fingerprint:
                 found.append((a.path.name != source, a.id, meta))
@@ -262,9 +262,9 @@ class Dashboard:
         for a in self.catalog.index().items["runs"].values():
             folder = self.catalog.folder(a)
             try:
-                meta = read_json(folder.file("run.json"), "run")
+                meta = runs.read_meta(folder)
                 metrics_file = folder.file("metrics.jsonl")
-            except BrokenFile:
+            except FormatError:
                 continue
             used = meta.get("plan") if isinstance(meta.get("plan"), dict) else None
             if not used or used.get("layers") != plan.get("layers") or used.get("budget_bytes") != plan.get("budget_bytes") \

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from agoq.files import json_safe
-from dashboard.formats import BrokenFile, number
+from agoq.formats.views import FormatError
+from dashboard.formats import number
 
 MAX_TRIALS = 5000
 
@@ -35,7 +36,7 @@ def _journal_backend(path: Path):
                     try:
                         logs.append(json.loads(line))
                     except json.JSONDecodeError:
-                        raise BrokenFile(f"{path.name}: line {number_ + 1} is not valid JSON") from None
+                        raise FormatError(f"{path.name}: line {number_ + 1} is not valid JSON") from None
             return logs
 
         def append_logs(self, logs: list[dict[str, Any]]) -> None:
@@ -98,7 +99,7 @@ def _read_studies(name: str, key: tuple) -> list[dict[str, Any]]:
                             "params": t.params, "user_attrs": t.user_attrs} for t in done],
             }))
         return out
-    except BrokenFile:
+    except FormatError:
         raise
     except Exception as e:  # sqlite/sqlalchemy/optuna errors on a damaged or foreign file
-        raise BrokenFile(f"{path.name}: cannot read it as an Optuna study ({type(e).__name__}: {e})") from None
+        raise FormatError(f"{path.name}: cannot read it as an Optuna study ({type(e).__name__}: {e})") from None

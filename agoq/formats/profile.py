@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -17,10 +16,16 @@ import pandas as pd
 
 from agoq.activations.policy import KINDS, RECOMPUTABLE
 from agoq.files import json_safe, read_json_object, write_json, write_with
+from agoq.formats.profile_header import (  # noqa: F401 (the header's checks, re-exported)
+    HOST_LINK_RATES,
+    PROFILE_SCHEMA_KIND,
+    PROFILE_SCHEMA_MAJOR,
+    REQUIRED_SECTIONS,
+    SCHEMA,
+    check_header,
+)
+from agoq.formats.views import read_profile_table
 
-PROFILE_SCHEMA_KIND = "agoq.profile"
-PROFILE_SCHEMA_MAJOR = 1
-SCHEMA = f"{PROFILE_SCHEMA_KIND}/{PROFILE_SCHEMA_MAJOR}"
 COLUMNS = ("layer", "kind", "option", "bits", "format", "shape", "bytes", "bytes_unshared", "bytes_measured",
            "quant_error", "sqnr_db", "sensitivity", "extra_seconds", "quantize_seconds", "dequantize_seconds",
            "recompute_seconds")
@@ -109,78 +114,6 @@ class ProfileData:
         return (self.header.get("timing") or {}).get("host_link")
 
 
-def _schema_check(header: dict, where: Path) -> None:
-    schema = header.get("schema")
-    if not isinstance(schema, str):
-        raise ValueError(f"{where}: schema: missing (expected '{PROFILE_SCHEMA_KIND}/{PROFILE_SCHEMA_MAJOR}')")
-    m = re.fullmatch(r"([a-z_.]+)/(\d+)(?:\.\d+)*", schema)
-    if not m or m.group(1) != PROFILE_SCHEMA_KIND:
-        raise ValueError(f"{where}: schema: {schema!r} is not a profile schema "
-                         f"(expected '{PROFILE_SCHEMA_KIND}/{PROFILE_SCHEMA_MAJOR}')")
-    if int(m.group(2)) > PROFILE_SCHEMA_MAJOR:
-        raise ValueError(f"{where}: schema: {schema!r} is newer than this agoq reads: upgrade agoq")
-
-
-# the header's sections the search cannot do without, and the keys of each it reads with no default worth
-# planning by: without `memory` the search would plan from nothing but the activations, without `settings` at
-# another sequence length, micro-batch or dtype than measured (docs/formats.md)
-REQUIRED_SECTIONS = {"model": ("fingerprint", "num_layers"), "settings": ("seq_len", "micro_batch", "dtype"),
-                     "memory": ("weights_bytes",)}
-
-
-def _check_sections(header: dict, where: Path) -> None:
-    """Refuse a header missing a required section (REQUIRED_SECTIONS) or one of its keys, naming the file and
-    what is missing."""
-    again = "re-run `agoq profile` to make the profile again (a profile.json written by agoq has it)"
-    for section, keys in REQUIRED_SECTIONS.items():
-        value = header.get(section)
-        if value is None:
-            raise ValueError(f"{where}: the {section!r} section is missing, which the search needs; {again}")
-        if not isinstance(value, dict):
-            raise ValueError(f"{where}: {section}: must be an object, got {type(value).__name__}; {again}")
-        missing = [k for k in keys if k not in value]
-        if missing:
-            raise ValueError(f"{where}: {', '.join(f'{section}.{k}' for k in missing)}: missing, which the search "
-                             f"needs; {again}")
-
-
-HOST_LINK_RATES = ("d2h_bytes_per_second", "h2d_bytes_per_second")
-
-
-def _check_host_link(header: dict, where: Path) -> None:
-    """timing.host_link, optional (absent or null: not measured): rates finite and > 0 bytes/s, bytes_per_copy an int
-    > 0, compute_slowdown finite and >= 0, pinnable_bytes an int >= 0."""
-    timing = header.get("timing")
-    if timing is None:
-        return
-    if not isinstance(timing, dict):
-        raise ValueError(f"{where}: timing: must be an object, got {type(timing).__name__}")
-    link = timing.get("host_link")
-    if link is None:
-        return
-    again = "re-run `agoq profile` on the GPU to measure the host link again"
-    if not isinstance(link, dict):
-        raise ValueError(f"{where}: timing.host_link: must be an object, got {type(link).__name__}; {again}")
-
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    def integer(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    checks = [(key, lambda v: number(v) and v > 0, "a finite number of bytes per second > 0")
-              for key in HOST_LINK_RATES]
-    checks += [("bytes_per_copy", lambda v: integer(v) and v > 0, "an integer number of bytes > 0"),
-               ("compute_slowdown", lambda v: number(v) and v >= 0, "a finite ratio >= 0"),
-               ("pinnable_bytes", lambda v: integer(v) and v >= 0, "an integer number of bytes >= 0")]
-    for key, ok, what in checks:
-        if key not in link or link[key] is None:
-            got = "missing" if key not in link else "null (not a finite number when written)"
-            raise ValueError(f"{where}: timing.host_link.{key}: {got}; must be {what}; {again}")
-        if not ok(link[key]):
-            raise ValueError(f"{where}: timing.host_link.{key}: must be {what}, got {link[key]!r}; {again}")
-
-
 def _check_table(table: pd.DataFrame, num_layers: int, where: Path) -> pd.DataFrame:
     missing = [c for c in REQUIRED_COLUMNS if c not in table.columns]
     if missing:
@@ -229,23 +162,17 @@ def load_profile(path: str | Path) -> ProfileData:
     if not header_path.is_file():
         raise FileNotFoundError(f"{header_path} not found: {folder} is not a complete profile folder")
     header = read_json_object(header_path, "profile header")
-    _schema_check(header, header_path)
+    check_header(header, str(header_path))
     files = header.get("files") or {}
-    table_path = folder / files.get("table", "profile.parquet")
+    table_path = folder / (files.get("table") or "profile.parquet")
     if not table_path.is_file():
         raise FileNotFoundError(f"{table_path} not found: {folder} is not a complete profile folder")
-    _check_sections(header, header_path)
     model = header["model"]
-    _check_host_link(header, header_path)
-    try:
-        table = pd.read_csv(table_path) if table_path.suffix == ".csv" else pd.read_parquet(table_path)
-    except Exception as e:  # pyarrow raises several types for a damaged file
-        raise ValueError(f"{table_path}: cannot read: {e}") from None
-    table = _check_table(table, int(model["num_layers"]), table_path)
+    table = _check_table(read_profile_table(table_path), int(model["num_layers"]), table_path)
     collectives = None
-    coll_path = folder / files.get("collectives", "collectives.parquet")
+    coll_path = folder / (files.get("collectives") or "collectives.parquet")
     if coll_path.is_file():
-        collectives = pd.read_csv(coll_path) if coll_path.suffix == ".csv" else pd.read_parquet(coll_path)
+        collectives = read_profile_table(coll_path)
     data = ProfileData(folder, header, table, collectives)
     stages = data.layer_stage()
     if len(stages) != data.num_layers:

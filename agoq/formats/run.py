@@ -9,13 +9,32 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import threading
 from pathlib import Path
 from typing import Any
 
 from agoq.files import json_safe, write_atomic, write_json
 
-RUN_SCHEMA = "agoq.run/1"
+RUN_SCHEMA_KIND = "agoq.run"
+RUN_SCHEMA_MAJOR = 1
+RUN_SCHEMA = f"{RUN_SCHEMA_KIND}/{RUN_SCHEMA_MAJOR}"
+
+
+def metric_record(line: str | bytes) -> dict | None:
+    """One line of metrics.jsonl as its record: a JSON object with an integer `step` (a training step's loss,
+    grad_norm, lr, tokens_per_s, step_seconds, peak_bytes per rank, time; or a validation's val_loss and time), None
+    for a line that is not one (cut short by a kill, or garbage). The one parser of the file's lines."""
+    try:
+        record = json.loads(line)
+    except (ValueError, UnicodeDecodeError):  # json.JSONDecodeError is a ValueError
+        return None
+    if not isinstance(record, dict):
+        return None
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step != int(step):
+        return None
+    return record
 
 
 def now_iso() -> str:
@@ -74,11 +93,9 @@ class RunRecord:
             return
         kept = []
         for line in self.metrics_path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line cut short by a kill
+            record = metric_record(line)
+            if record is not None and record["step"] <= step:  # a line cut short by a kill is dropped
+                kept.append(line)
         write_atomic(self.metrics_path, "".join(k + "\n" for k in kept))
 
     def update(self, step: int, status: str = "running", message: str | None = None) -> None:
@@ -139,11 +156,8 @@ def measured_against_plan(run_dir: str | Path) -> dict:
     steps = []
     path = Path(run_dir) / "metrics.jsonl"
     for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-        if "step_seconds" in row:
+        row = metric_record(line)
+        if row is not None and "step_seconds" in row:  # None: a line cut short by a kill
             steps.append(row)
     if not steps:
         raise ValueError(f"{run_dir}: the run has no finished step yet")

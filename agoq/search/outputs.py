@@ -3,16 +3,13 @@ named after the plan (`side_files`), so that searches into one folder share no f
 
 from __future__ import annotations
 
-import csv
-import io
-import math
 from pathlib import Path
 
 from agoq.files import write_atomic
+from agoq.formats.pareto import COLUMNS as PARETO_COLUMNS
+from agoq.formats.pareto import pareto_csv
 
-CSV_COLUMNS = ["source", "trial", "budget_bytes", "predicted_peak_bytes", "predicted_step_seconds",
-               "predicted_grad_error", "block", "format", "gradient_mode", "micro_batch", "grad_accum",
-               "floors", "plan", "measured_peak_bytes", "measured_step_seconds", "measured_loss_deviation"]
+CSV_COLUMNS = PARETO_COLUMNS  # the Pareto CSV's format is agoq.formats.pareto's
 
 
 def pareto_rows(candidates: list, plan_names: dict) -> list[dict]:
@@ -68,13 +65,6 @@ def write_outputs(outcome, out: Path) -> dict:
         c.plan.save(folder / name)
         names[id(c)] = name
         i += 1
-    rows = pareto_rows(outcome.candidates, names)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS)
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
-                         for k, v in row.items()})
     csv_path = side_files(out)["pareto"]
-    write_atomic(csv_path, buf.getvalue())
+    write_atomic(csv_path, pareto_csv(pareto_rows(outcome.candidates, names)))
     return {"plan": out, "pareto": csv_path, "plans": plans_dir}

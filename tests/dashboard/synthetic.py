@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 KINDS = ["norm_input", "qkv_input", "attention", "o_proj_input", "ffn1_input", "silu_input", "ffn2_input"]
+RECOMPUTABLE = ("qkv_input", "ffn1_input", "ffn2_input")  # the kinds rebuilt in backward from a stored tensor
 OPTIONS = ["16", "8", "6", "5", "4", "3", "2", "recompute"]
 
 
@@ -71,19 +72,20 @@ def make_plan(rng: np.random.Generator, layers: int, fingerprint: str, stages: i
     choices = [16, 8, 6, 5, 4, 3, 2, "recompute"]
     entries = []
     for layer in range(layers):
-        kinds = {k: choices[int(rng.integers(len(choices)))] for k in KINDS}
-        entries.append({"layer": layer, "stage": layer * stages // layers, "checkpoint": bool(layer == layers - 1),
-                        "kinds": kinds})
-    peaks = [float(rng.uniform(20, 30) * 2**20) for _ in range(stages)]
+        checkpoint = layer == layers - 1  # a layer checkpointed whole keeps every kind at 16 (agoq.formats.plan)
+        kinds = {k: 16 if checkpoint else choices[int(rng.integers(len(choices) - (k not in RECOMPUTABLE)))]
+                 for k in KINDS}
+        entries.append({"layer": layer, "stage": layer * stages // layers, "checkpoint": checkpoint, "kinds": kinds})
+    peaks = [int(rng.uniform(20, 30) * 2**20) for _ in range(stages)]
     return {"schema": "agoq.plan/1", "model": {"name": "synthetic", "fingerprint": fingerprint},
             "budget_bytes": 32 * 2**20, "activations": {"block": 128, "format": "int", "rounding": "nearest"},
             "layers": entries, "gradients": {"mode": "quangrad8", "block": 256, "bucket_bytes": 2**20},
             "pipeline": {"stages": stages, "micro_batches": 4, "schedule": "1f1b"},
             "training": {"micro_batch": 2, "seq_len": 32, "grad_accum": 1},
             "predicted": {"peak_bytes_per_stage": peaks,
-                          "activation_bytes_per_stage": [p * 0.3 for p in peaks],
+                          "activation_bytes_per_stage": [int(p * 0.3) for p in peaks],
                           "step_seconds": 0.05, "grad_error": 0.04},
-            "measured": {"peak_bytes_per_stage": [p * 1.05 for p in peaks], "step_seconds": 0.055,
+            "measured": {"peak_bytes_per_stage": [int(p * 1.05) for p in peaks], "step_seconds": 0.055,
                          "loss_deviation": 0.01, "date": "2026-11-21"},
             "source": {"method": "milp", "objective": "error", "profile": "profile", "date": "2026-11-21"}}
 

@@ -427,7 +427,7 @@ def test_broken_files_are_messages_not_500(synthetic_root, tmp_path):
     search_entry = next(s for s in index["searches"] if s["id"] == "search")
     assert any("missing column" in p for p in search_entry["problems"])
     assert "layers" in errors["search/plan.json"]
-    assert "expected a JSON object" in errors["run-broken"]
+    assert "run.json must hold a JSON object, got list" in errors["run-broken"]
     prof = client.get("/api/profile", params={"id": "bad-parquet"}).json()
     assert "parquet" in prof["maps"]["error"] and "parquet" in prof["collectives"]["error"]
     assert client.get("/api/profile", params={"id": "bad-json"}).status_code == 422
@@ -592,7 +592,8 @@ def test_profile_table_as_csv(synthetic_root, tmp_path):
     assert client.get("/profile", params={"id": "prof"}).status_code == 200
     meta["files"] = {"table": "../../etc/passwd"}
     (tmp_path / "prof" / "profile.json").write_text(json.dumps(meta))
-    assert "plain file name" in client.get("/api/profile", params={"id": "prof"}).json()["maps"]["error"]
+    refused = client.get("/api/profile", params={"id": "prof"})  # profile.json itself is refused (agoq.formats)
+    assert refused.status_code == 422 and "files.table" in refused.text and "plain file name" in refused.text
 
 
 def test_study_figure_separates_trials_over_the_budget(seed):

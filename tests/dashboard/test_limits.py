@@ -14,20 +14,26 @@ import pytest
 from fastapi.testclient import TestClient
 
 from agoq.cli import main
-from dashboard import formats
 from dashboard.app import create_app
 
 
 def test_oversized_json_is_skipped_unread(tmp_path, monkeypatch):
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"schema": "agoq.plan/1", "pad": "x" * 5000}))
-    assert formats.read_json(path, "plan")["schema"] == "agoq.plan/1"
-    monkeypatch.setattr(formats, "MAX_JSON_BYTES", 4096)
+    """The dashboard reads run.json through agoq.formats' view, whose size cap (agoq.files.MAX_JSON_BYTES) refuses a
+    file from its size alone."""
+    import agoq.files
+
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / "run.json"
+    path.write_text(json.dumps({"schema": "agoq.run/1", "status": "finished", "pad": "x" * 5000}))
+    client = TestClient(create_app(tmp_path))
+    assert client.get("/api/run", params={"id": "run"}).json()["summary"]["status"] == "finished"
+    monkeypatch.setattr(agoq.files, "MAX_JSON_BYTES", 4096)
     read = []
-    monkeypatch.setattr(type(path), "read_text", lambda self, *a, **k: read.append(self) or "{}")
-    with pytest.raises(formats.BrokenFile, match="larger than"):
-        formats.read_json(path, "plan")
-    assert read == []  # refused from its size alone
+    real = type(path).read_text
+    monkeypatch.setattr(type(path), "read_text", lambda self, *a, **k: read.append(self) or real(self, *a, **k))
+    answer = client.get("/api/run", params={"id": "run"})
+    assert answer.status_code == 422 and "run.json" in answer.text and "larger than" in answer.text
+    assert path not in read  # refused from its size alone
 
 
 def test_busy_port_is_refused_before_serving(tmp_path, capsys):
