@@ -48,7 +48,6 @@ from torch.utils import _pytree as pytree
 
 from agoq.quant.layout import check_arguments, num_blocks
 
-WEIGHT_GATHERS = ("bf16", "int8", "int4")  # agoq train --weight-gather; bf16 is FSDP2's own (param_dtype)
 DEFAULT_BLOCK = 256  # values per float32 scale: 1.6 % of int8's bytes
 
 
@@ -74,12 +73,12 @@ class GatherSpec:
         return n, num_blocks(n, self.block) * self.block
 
 
-# ops whose tensor results stay wrapped: how FSDP2 shards and pads a parameter, and tensors made like one
+# ops whose tensor results stay wrapped: views, and how FSDP2 shards, pads and moves a parameter. Not zeros_like,
+# empty_like or clone: the optimizer's moments made like a parameter are plain tensors
 _KEEP = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.view.default,
          torch.ops.aten._unsafe_view.default, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
          torch.ops.aten.chunk.default, torch.ops.aten.slice.Tensor, torch.ops.aten.narrow.default,
          torch.ops.aten.as_strided.default, torch.ops.aten.new_zeros.default, torch.ops.aten.new_empty.default,
-         torch.ops.aten.empty_like.default, torch.ops.aten.zeros_like.default, torch.ops.aten.clone.default,
          torch.ops.aten._to_copy.default, torch.ops.aten._pin_memory.default}
 
 
@@ -103,6 +102,9 @@ class QuantizedGatherWeight(torch.Tensor):
     def __repr__(self) -> str:
         s = self._spec
         return f"QuantizedGatherWeight(int{s.bits}, block={s.block}, hadamard={s.hadamard}, {self._data!r})"
+
+    def __reduce_ex__(self, protocol):
+        return self._data.__reduce_ex__(protocol)  # saved (checkpoints) as the plain tensor: loads without agoq
 
     def __tensor_flatten__(self):
         return ["_data"], self._spec
@@ -222,4 +224,4 @@ def apply_weight_gather(model: nn.Module, *, bits: int = 8, block: int = DEFAULT
 
 
 __all__ = ["apply_weight_gather", "QuantizedGatherWeight", "GatherSpec", "gathered_weight", "unwrap",
-           "WEIGHT_GATHERS", "DEFAULT_BLOCK"]
+           "DEFAULT_BLOCK"]
