@@ -146,7 +146,7 @@ class QuantizedGatherWeight(torch.Tensor):
             raise NotImplementedError(f"the quantized weight all-gather shards dim 0 only: a shard of shape "
                                       f"{tuple(local.shape)} of a {spec.shape} weight; drop FSDP2's "
                                       "shard_placement_fn or --weight-gather")
-        numel, padded = spec.shard_numel(world)
+        padded = spec.shard_numel(world)[1]
         flat = local.detach().reshape(-1)
         if flat.numel() != padded:
             flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
