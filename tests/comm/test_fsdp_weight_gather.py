@@ -62,9 +62,9 @@ def _reference(w, world, bits, block, hadamard):
             torch.cat(groups).view(shape))
 
 
-def _check_gathered(got, w, bits, world, hadamard, dtype):
+def _check_gathered(got, w, bits, world, hadamard, dtype, block=BLOCK):
     """`got` (the weight FSDP2 computed with) against the reference of `w` and the block bound."""
-    ref, s, slack, groups = _reference(w, world, bits, BLOCK, hadamard)
+    ref, s, slack, groups = _reference(w, world, bits, block, hadamard)
     got, w = got.double(), w.double()
     qmax = 2 ** (bits - 1) - 1
     tol = 1e-5 * s * qmax + slack  # float32 arithmetic, relative to the block's absmax; near-tie codes
@@ -215,9 +215,23 @@ def _strategy(rank, world, weight_gather, seed):
     return strategy, strategy.build_optimizer(OptimizerConfig(lr=LR, weight_decay=0.0), seed=0)
 
 
+def _unsharded(module):
+    """The parameters of every FSDP2 unit of `module` as FSDP2 gathers them (what forward computes with)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.unshard()
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    for m in units:
+        m.reshard()
+    return params
+
+
 def _train_worker(rank, world, weight_gather, seed, folder=None):
     """STEPS of `agoq train`'s fsdp strategy (AdamW on float32 shards): per step this rank's loss, the float32
-    parameters before the step and their averaged gradient, gathered whole; the weight matrices wrapped; with
+    parameters before the step (and as the all-gather gives them) and their averaged gradient, gathered whole;
+    how many weight matrices were wrapped; with
     `folder`, whether a checkpoint saved there loads into another run as the same parameters and loss."""
     import torch.distributed as dist
 
@@ -229,6 +243,7 @@ def _train_worker(rank, world, weight_gather, seed, folder=None):
     out = []
     for k in range(STEPS):
         params = {n: p.full_tensor().clone() for n, p in zip(names, strategy.loss_module.parameters())}
+        params = (params, _unsharded(strategy.loss_module))
         strategy.zero_grad()
         loss = strategy.loss_module(*_batch(seed, rank, k))
         loss.backward()
@@ -250,13 +265,10 @@ def _train_worker(rank, world, weight_gather, seed, folder=None):
     return out, wrapped, (same, still, losses)
 
 
-def _reference_grad(params, world, seed, step, gathered):
-    """float64: the gradient averaged over the ranks' batches, at `params` with each weight matrix replaced by its
-    int8 block quantize -> dequantize over FSDP2's shards (`gathered`), or at `params` as they are."""
+def _reference_grad(params, world, seed, step):
+    """float64: the gradient averaged over the ranks' batches at `params`."""
     model = _Loss(build(CFG, dtype=torch.float64, seed=seed))
-    weights = {n: _reference(p, world, 8, BLOCK_TRAIN, False)[0] if gathered and p.dim() >= 2 else p.double()
-               for n, p in params.items()}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing, unexpected = model.load_state_dict({n: p.double() for n, p in params.items()}, strict=False)
     assert not unexpected and not any(k in dict(model.named_parameters()) for k in missing)
     for r in range(world):
         model(*_batch(seed, r, step)).backward()
@@ -283,9 +295,13 @@ def test_int8_gather_trains_like_bf16_and_its_gradient_is_the_dequantized_weight
         ref_losses = [r[0][k][0] for r in exact]
         mean, ref = sum(losses) / world, sum(ref_losses) / world
         assert math.isfinite(mean) and abs(mean - ref) <= 1e-2 * ref, (k, mean, ref)
-        _, params, grads = int8[0][0][k]
-        want = _reference_grad(params, world, seed, k, gathered=True)
-        error = _rel(grads, want)
+        _, (params, gathered), grads = int8[0][0][k]
+        for n, w in params.items():  # what forward computes with: the block quantized weights, exact vectors
+            if w.dim() >= 2:
+                _check_gathered(gathered[n], w, 8, world, False, torch.float32, BLOCK_TRAIN)
+            else:
+                assert torch.equal(gathered[n], w)
+        error = _rel(grads, _reference_grad(gathered, world, seed, k))
         assert error <= 1e-5, (k, error)
         # the check can fail: the gradient at the unquantized weights is far from the one measured
-        assert _rel(grads, _reference_grad(params, world, seed, k, gathered=False)) > 100 * max(error, 1e-7)
+        assert _rel(grads, _reference_grad(params, world, seed, k)) > 100 * max(error, 1e-7)
