@@ -151,7 +151,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "bf16 (its own, in the compute dtype), int8 (ZeRO++'s qwZ: block-wise int8 codes with one "
                         "float32 scale per 256 values, about half of bf16's bytes; each value within half a step "
                         "of its block's absmax / 127), int4 (4-bit codes after a Hadamard-32 transform, about a "
-                        "quarter) (default bf16)")
+                        "quarter; 12.6 %% relative error against int8's 0.7 %%, not shown to hold the loss) "
+                        "(default bf16)")
     p.add_argument("--checkpoint-every", type=non_negative_int, default=100,
                    help="save a checkpoint every N steps, at the end, and at the step boundary where SIGINT / "
                         "SIGTERM stopped the run (0: no checkpoint is written at all; default 100)")
