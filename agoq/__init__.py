@@ -19,7 +19,7 @@ _HOMES = {
     "apply_activation_policy": "agoq.activations", "remove_activation_policy": "agoq.activations",
     "track_saved_tensors": "agoq.activations",
     "QuantizedGradients": "agoq.comm", "quangrad_hook": "agoq.comm", "quantized_all_reduce": "agoq.comm",
-    "fully_shard_quantized": "agoq.comm.fsdp",
+    "fully_shard_quantized": "agoq.comm.fsdp", "apply_weight_gather": "agoq.comm.fsdp_weight_gather",
     "use_quantized_reduce_scatter": "agoq.comm.fsdp_collectives", "TLQHSReduceScatter": "agoq.comm.fsdp_collectives",
 }
 

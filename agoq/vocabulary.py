@@ -26,6 +26,8 @@ BF16, QUANGRAD8, SDP4BIT = "bf16", "quangrad8", "sdp4bit"
 GRADIENT_MODES = (BF16, QUANGRAD8, SDP4BIT)  # bf16; QuanGrad's 8-bit buffer and all-reduce; SDP4Bit's reduce-scatter
 # the gradient storage a replica keeps whole (what a profile measures its steps and state with): sdp4bit is sharded
 REPLICA_GRADIENT_MODES = (BF16, QUANGRAD8)
+# FSDP2's weight all-gather (`agoq train --weight-gather`): its own in the compute dtype; block codes (ZeRO++'s qwZ)
+WEIGHT_GATHERS = (BF16, "int8", "int4")
 
 # ------------------------------------------------------------------------------------------ the optimizer step
 
@@ -85,4 +87,4 @@ __all__ = ["GRADIENT_MODES", "REPLICA_GRADIENT_MODES", "OPTIMIZERS", "MASTERS", 
            "CUDA_GRAPH_MODES", "TRAIN_TORCH_COMPILE_MODES", "PLAN_TORCH_COMPILE_MODE", "LAYOUTS", "PARALLEL_MODES",
            "REPLICATED_MODES", "SHARDED_MODES", "MODE_GRADIENTS", "PARALLEL_LAYOUT", "LAYOUT_GRADIENTS",
            "parallel_mode", "search_layout", "BF16", "QUANGRAD8", "SDP4BIT", "ADAMW", "ADAMW8BIT", "EAGER",
-           "COMPILED", "REPLICATED", "SHARDED", "FSDP", "NONE", "DDP", "PIPELINE"]
+           "COMPILED", "REPLICATED", "SHARDED", "FSDP", "NONE", "DDP", "PIPELINE", "WEIGHT_GATHERS"]

@@ -58,6 +58,7 @@ def test_every_public_name_resolves_to_its_home_modules_object(tmp_path):
         from agoq.comm import QuantizedGradients, quangrad_hook, quantized_all_reduce
         from agoq.comm.fsdp import fully_shard_quantized
         from agoq.comm.fsdp_collectives import TLQHSReduceScatter, use_quantized_reduce_scatter
+        from agoq.comm.fsdp_weight_gather import apply_weight_gather
         from agoq.quant import QTensor, dequantize, quantize, quantized_nbytes
 
         expected = {name: value for name, value in locals().items() if not name.startswith("_") and name != "agoq"}

@@ -60,6 +60,7 @@ def test_the_commands_choices_are_the_vocabulary():
     assert train["--optimizer"] == v.OPTIMIZERS
     assert train["--master"] == v.MASTERS
     assert train["--parallel"] == v.PARALLEL_MODES
+    assert train["--weight-gather"] == v.WEIGHT_GATHERS
     assert train["--compile-mode"] == v.TRAIN_TORCH_COMPILE_MODES
     assert set(v.TRAIN_TORCH_COMPILE_MODES) <= set(v.TORCH_COMPILE_MODES)
     from agoq.search import request

@@ -3,8 +3,9 @@
 QuanGrad (`quangrad`): gradients stored and all-reduced in 8 bits (`quantized_all_reduce`, over NCCL
 collectives or symmetric memory, `wire_rows` / `wire_triton` for the on-wire rows). SDP4Bit (`sdp4bit`):
 TLq-HS gradient reduce-scatter (Hadamard + int8 inside a node, int4 across) and qWD weight-difference
-all-gather; `fsdp_collectives` runs TLq-HS as PyTorch FSDP2's custom reduce-scatter and `fsdp` shards a
-model with FSDP2 and it. A new collective goes here.
+all-gather; `fsdp_collectives` runs TLq-HS as PyTorch FSDP2's custom reduce-scatter, `fsdp_weight_gather` makes
+FSDP2's weight all-gather int8 / int4 block codes (ZeRO++'s qwZ) and `fsdp` shards a model with FSDP2 and them.
+A new collective goes here.
 """
 
 from agoq.lazy import lazy_exports

@@ -8,8 +8,10 @@ SDP4Bit's TLq-HS (`agoq.comm.fsdp_collectives`). The parameters stay FSDP2's sha
 over `model.parameters()`, `torch.distributed.checkpoint`, gradient clipping with
 `torch.nn.utils.clip_grad_norm_` and the rest of FSDP2 work as without agoq.
 
-The weight all-gather stays FSDP2's own (in `mp_policy.param_dtype`): SDP4Bit's 4-bit weight-difference
-all-gather (qWD) needs the previous full weights on every rank and is agoq's own sharded optimizer's
+The weight all-gather is FSDP2's own (in `mp_policy.param_dtype`) with all_gather="exact", or ZeRO++'s qwZ with
+"int8" (block-wise int8 codes and float32 scales, `agoq.comm.fsdp_weight_gather`, through FSDP2's all-gather
+hooks; "int4": 4-bit codes after a Hadamard-32 transform). SDP4Bit's 4-bit weight-difference all-gather (qWD)
+needs the previous full weights on every rank and is agoq's own sharded optimizer's
 (`agoq.optim.sdp4bit.SDP4BitOptimizer`, `agoq train --parallel sharded`).
 """
 
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 REDUCE_SCATTERS = ("tlq-hs", "exact")
-ALL_GATHERS = ("exact",)
+ALL_GATHERS = ("exact", "int8", "int4")
 
 
 def default_mesh(device: torch.device | str):
@@ -38,7 +40,7 @@ def default_mesh(device: torch.device | str):
 def fully_shard_quantized(model: nn.Module, *, mesh=None, blocks: Sequence[nn.Module] | None = None,
                           mp_policy=None, reduce_scatter: str = "tlq-hs", all_gather: str = "exact",
                           node_size: int | None = None, hadamard: bool = True, seed: int = 0,
-                          reshard_after_forward: bool = True) -> nn.Module:
+                          reshard_after_forward: bool = True, gather_block: int | None = None) -> nn.Module:
     """Shard `model` with FSDP2, each of `blocks` and then the root as its own unit; returns `model`.
 
     mesh: a 1-D DeviceMesh (default: every rank of the default group, on the parameters' device type).
@@ -48,16 +50,19 @@ def fully_shard_quantized(model: nn.Module, *, mesh=None, blocks: Sequence[nn.Mo
     float32 parameters: bf16 compute, float32 sharded weights for the optimizer). reduce_scatter:
     "tlq-hs" (int8 inside a node, int4 across, Hadamard-32 when `hadamard`; `node_size` ranks per node,
     default torchrun's LOCAL_WORLD_SIZE; `seed` seeds its stochastic rounding) or "exact" (FSDP2's own).
-    all_gather: "exact" only (see the module's docstring). Every rank must call it, on the same model.
+    all_gather: "exact" (FSDP2's, in param_dtype), "int8" or "int4" (every weight matrix gathered as block
+    codes, one float32 scale per `gather_block` values, default 256; `agoq.comm.fsdp_weight_gather`). Every
+    rank must call it, on the same model, after any change of the parameters' dtype.
     """
     from torch.distributed.fsdp import fully_shard
 
     if reduce_scatter not in REDUCE_SCATTERS:
         raise ValueError(f"reduce_scatter must be one of {', '.join(REDUCE_SCATTERS)}, got {reduce_scatter!r}")
     if all_gather not in ALL_GATHERS:
-        raise NotImplementedError(f"all_gather={all_gather!r}: only FSDP2's exact all-gather is available inside "
-                                  "FSDP2; SDP4Bit's 4-bit weight differences (qWD) run in agoq's own sharded "
-                                  "optimizer (agoq.optim.sdp4bit.SDP4BitOptimizer / agoq train --parallel sharded)")
+        raise NotImplementedError(f"all_gather={all_gather!r}: inside FSDP2 the weight all-gather is one of "
+                                  f"{', '.join(ALL_GATHERS)}; SDP4Bit's 4-bit weight differences (qWD) run in agoq's "
+                                  "own sharded optimizer (agoq.optim.sdp4bit.SDP4BitOptimizer / agoq train "
+                                  "--parallel sharded)")
     if reduce_scatter == "tlq-hs":
         from agoq.comm.fsdp_collectives import _require_protocol
 
@@ -73,6 +78,10 @@ def fully_shard_quantized(model: nn.Module, *, mesh=None, blocks: Sequence[nn.Mo
         from agoq.activations.saved_bytes import find_decoder_layers
 
         blocks = find_decoder_layers(model)
+    if all_gather != "exact":
+        from agoq.comm.fsdp_weight_gather import DEFAULT_BLOCK, apply_weight_gather
+
+        apply_weight_gather(model, bits=8 if all_gather == "int8" else 4, block=gather_block or DEFAULT_BLOCK)
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy

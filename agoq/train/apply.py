@@ -48,6 +48,7 @@ class ParallelSettings:
     layer_stage: list[int] | None  # a pipeline's stage of each decoder layer
     optimizer: str
     master: str
+    weight_gather: str = "bf16"  # fsdp's weight all-gather: bf16 (FSDP2's), int8 or int4
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def apply_plan(model: nn.Module, *, policy: ActivationPolicy | None = None, chec
         model, mode=parallel.layout.mode, world=parallel.world, device=parallel.device, gradients=parallel.gradients,
         dtype=parallel.dtype, micro_batch=parallel.shape.micro_batch, seq_len=parallel.shape.seq_len,
         grad_accum=parallel.shape.grad_accum, layer_stage=parallel.layer_stage, node_size=parallel.layout.node_size,
-        optimizer=parallel.optimizer, master=parallel.master)
+        optimizer=parallel.optimizer, master=parallel.master, weight_gather=parallel.weight_gather)
     return AppliedPlan(strategy, before_micro_batch, offloaded)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from agoq.layout import ParallelLayout, check_options
-from agoq.vocabulary import ADAMW8BIT, MASTERS, OPTIMIZERS, PARALLEL_MODES
+from agoq.vocabulary import ADAMW8BIT, FSDP, MASTERS, OPTIMIZERS, PARALLEL_MODES, WEIGHT_GATHERS
 DTYPES = ("bf16", "fp32", "fp16")
 
 
@@ -120,9 +120,15 @@ class ParallelConfig:
     parallel: str | None = None
     pipeline_stages: int | None = None
     node_size: int | None = None
+    weight_gather: str = "bf16"  # FSDP2's weight all-gather: bf16 (its own), int8 or int4 (block codes)
 
     def __post_init__(self) -> None:
         check_options(self.parallel, node_size=self.node_size, pipeline_stages=self.pipeline_stages)
+        if self.weight_gather not in WEIGHT_GATHERS:
+            raise ValueError(f"--weight-gather must be one of {', '.join(WEIGHT_GATHERS)}, got {self.weight_gather!r}")
+        if self.weight_gather != "bf16" and self.parallel not in (None, FSDP):
+            raise ValueError(f"--weight-gather {self.weight_gather} quantizes FSDP2's weight all-gather: it runs "
+                             f"with --parallel fsdp, not {self.parallel}")
 
     def layout(self, world_size: int) -> ParallelLayout:
         """The parallel layout of a run with `world_size` processes; refuses one that does not fit it."""

@@ -172,14 +172,16 @@ class ShardedAdamWStep(OptimizerStep):
 
 class FSDPAdamW8bitStep(FusedAdamW8bitStep):
     """agoq's fused 8-bit AdamW on each rank's local shards of FSDP2's parameters (plain tensors that share
-    the DTensors' storage): the moments are block-quantized per shard; float32 shards are their own masters."""
+    the DTensors' storage; with --weight-gather int8/int4 the plain tensors inside agoq's gather wrappers): the
+    moments are block-quantized per shard; float32 shards are their own masters."""
 
     reshardable = False
 
     def __init__(self, params: list[torch.Tensor], optim: OptimizerConfig, seed: int):
+        from agoq.comm.fsdp_weight_gather import unwrap
         from agoq.optim.adamw8bit import FusedAdamW8bit
 
-        self.optimizer = FusedAdamW8bit([p.to_local().detach() for p in params], lr=optim.lr, betas=BETAS, eps=EPS,
+        self.optimizer = FusedAdamW8bit([unwrap(p).detach() for p in params], lr=optim.lr, betas=BETAS, eps=EPS,
                                         weight_decay=optim.weight_decay, masters=optim.master == "fp32", seed=seed)
 
     def step(self, grads, scale: float) -> None:

@@ -290,14 +290,15 @@ class FullyShardedDataParallel(ParallelStrategy):
     --optimizer adamw8bit --master none, where the shards stay in `dtype` and the 8-bit optimizer rounds
     its float32 update stochastically into them. Gradients are reduce-scattered by FSDP2 in `dtype`
     (--gradients bf16) or by SDP4Bit's TLq-HS from float32 (--gradients sdp4bit, int8 inside a node of
-    `node_size` ranks, int4 across). The activation plan or policy was applied to the layers before they
+    `node_size` ranks, int4 across). `weight_gather` "int8" (or "int4") all-gathers the weight matrices as block
+    codes and scales instead of `dtype` (agoq.comm.fsdp_weight_gather, ZeRO++'s qwZ). The activation plan or policy was applied to the layers before they
     were sharded; checkpoints hold each rank's DTensor shards.
     """
 
     mode = FSDP
 
     def __init__(self, model: nn.Module, *, world: World, device: torch.device, gradients: str, dtype: torch.dtype,
-                 node_size: int | None, optimizer: str, master: str):
+                 node_size: int | None, optimizer: str, master: str, weight_gather: str = "bf16"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         from agoq.comm.fsdp import default_mesh, fully_shard_quantized
@@ -315,7 +316,8 @@ class FullyShardedDataParallel(ParallelStrategy):
                                              reduce_dtype=torch.float32 if gradients == "sdp4bit" else None)
         self.loss_module = _LossModule(model)  # the root unit: embeddings, final norm and head
         fully_shard_quantized(self.loss_module, mesh=default_mesh(device), mp_policy=mp_policy,
-                              reduce_scatter="tlq-hs" if gradients == "sdp4bit" else "exact", node_size=node_size)
+                              reduce_scatter="tlq-hs" if gradients == "sdp4bit" else "exact", node_size=node_size,
+                              all_gather="exact" if weight_gather == "bf16" else weight_gather)
         super().__init__(model, world=world, device=device, gradients="bf16")
 
     def build_optimizer(self, optim: OptimizerConfig, seed: int) -> OptimizerStep:
@@ -391,15 +393,16 @@ class Pipelined(ParallelStrategy):
 def apply_parallel(model: nn.Module, *, mode: str, world: World, device: torch.device, gradients: str,
                    dtype: torch.dtype, micro_batch: int, seq_len: int, grad_accum: int,
                    layer_stage: list[int] | None = None, node_size: int | None = None, optimizer: str = "adamw",
-                   master: str = "fp32") -> ParallelStrategy:
+                   master: str = "fp32", weight_gather: str = "bf16") -> ParallelStrategy:
     """This rank's strategy for `mode` (one of agoq.layout.MODES), wrapping or cutting `model` as the mode needs:
-    the last step of applying a plan (agoq.train.apply.apply_plan)."""
+    the last step of applying a plan (agoq.train.apply.apply_plan). `weight_gather` (bf16, int8, int4) is fsdp's."""
     if mode == PIPELINE:
         return Pipelined(model, world=world, device=device, gradients=gradients, layer_stage=layer_stage,
                          micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, dtype=dtype)
     if mode == FSDP:
         return FullyShardedDataParallel(model, world=world, device=device, gradients=gradients, dtype=dtype,
-                                        node_size=node_size, optimizer=optimizer, master=master)
+                                        node_size=node_size, optimizer=optimizer, master=master,
+                                        weight_gather=weight_gather)
     if mode == SHARDED:
         return Sharded(model, world=world, device=device, gradients=gradients, node_size=node_size)
     if mode == DDP:

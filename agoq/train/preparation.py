@@ -175,8 +175,12 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
                              "those, or re-run `agoq search` for this layout")
         raise ValueError(f"--offload runs in one process, or with --parallel ddp or sharded, not {layout.mode}: "
                          "leave --offload out, or train without it")
+    weight_gather = cfg.parallelism.weight_gather
+    if weight_gather != "bf16" and layout.mode != FSDP:
+        raise ValueError(f"--weight-gather {weight_gather} quantizes FSDP2's weight all-gather: it runs with "
+                         f"--parallel fsdp, not {layout.mode}; leave --weight-gather out or train with fsdp")
     parallel = ParallelSettings(layout, world, device, dtype, settled.gradients, shape, layer_stage,
-                                cfg.optim.optimizer, cfg.optim.master)
+                                cfg.optim.optimizer, cfg.optim.master, weight_gather)
     applied = apply_plan(model, policy=policy, checkpoint=checkpoint, compile_mode=settled.torch_compile_mode,
                          memory_budget=settled.activation_memory_budget, offload=offload,
                          host_budget_bytes=settled.offload.host_budget_bytes, parallel=parallel)

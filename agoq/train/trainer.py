@@ -112,6 +112,7 @@ class Trainer:
                 "host_budget_gb": None if p.host_budget_bytes is None else p.host_budget_bytes / 1e9,  # bytes inside
                 "compile": model.compile,
                 "compile_mode": model.compile_mode if model.compile else None, "node_size": cfg.parallelism.node_size,
+                "weight_gather": cfg.parallelism.weight_gather,
                 "activation_memory_budget": model.activation_memory_budget if model.compile else None,
                 **{k: v for k, v in p.corpus_info.items() if k != "data"}}
 

@@ -156,16 +156,19 @@ def test_three_processes_quangrad_and_sdp4bit(tmp_path, seed):
 
 def test_two_processes_fsdp(tmp_path, seed):
     """FSDP2: exact (killed, then resumed from its DTensor checkpoint), with TLq-HS gradients, with the fused
-    8-bit AdamW on the local shards; the grad norm is the averaged gradient's, as in one process."""
+    8-bit AdamW on the local shards, with int8 weight all-gathers (killed and resumed too); the grad norm is the
+    averaged gradient's, as in one process."""
     runs = [("fsdp_exact", dict(parallel="fsdp", kill_at=4)),
             ("fsdp_sdp4bit", dict(parallel="fsdp", gradients="sdp4bit")),
-            ("fsdp_8bit", dict(parallel="fsdp", optimizer="adamw8bit"))]
+            ("fsdp_8bit", dict(parallel="fsdp", optimizer="adamw8bit")),
+            ("fsdp_int8_gather", dict(parallel="fsdp", weight_gather="int8", kill_at=4))]
     seed %= 1000
     _run_all(tmp_path, 2, runs, seed)
     _single(tmp_path, "single", seed, grad_accum=2)
     _single(tmp_path, "single_8bit", seed, grad_accum=2, optimizer="adamw8bit")
     _exact(tmp_path / "fsdp_exact", tmp_path / "single")
     _quantized(tmp_path / "fsdp_sdp4bit", tmp_path / "single")
+    _quantized(tmp_path / "fsdp_int8_gather", tmp_path / "single")
     # moments block-quantized per shard rather than per tensor: close to one process's 8-bit AdamW
     (got, got_val), (ref8, ref8_val) = _losses(tmp_path / "fsdp_8bit"), _losses(tmp_path / "single_8bit")
     _close(got, ref8, QUANTIZED_LOSS_RTOL)
@@ -173,3 +176,5 @@ def test_two_processes_fsdp(tmp_path, seed):
     _close(_grad_norms(tmp_path / "fsdp_exact"), _grad_norms(tmp_path / "single"), EXACT_LOSS_RTOL)
     run = json.loads((tmp_path / "fsdp_exact" / "run.json").read_text())
     assert run["status"] == "finished" and run["resumed"][0]["step"] == 3 and run["settings"]["parallel"] == "fsdp"
+    run = json.loads((tmp_path / "fsdp_int8_gather" / "run.json").read_text())
+    assert run["status"] == "finished" and run["resumed"][0]["step"] == 3 and run["settings"]["weight_gather"] == "int8"
