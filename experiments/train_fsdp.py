@@ -9,6 +9,8 @@ vocabulary 32000), data (tinyshakespeare.txt, bytes), seed, batch and steps:
                         the node; FSDP2 averages after it) from float32 gradients
   fsdp_tlqhs_int4       the same with every GPU treated as a node (--node-size 1): gradients in int4
   sharded_sdp4bit       agoq's SDP4Bit sharded AdamW: TLq-HS gradients and qWD 4-bit weight differences
+  fsdp_int8_gather      FSDP2 with its weight all-gather (forward and backward) in int8 blocks of 256 values
+                        (agoq train --weight-gather int8); fsdp_int8_gather_tlqhs_int4 with TLq-HS int4 too
 once over NVLink and once over NCCL's socket transport on loopback (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo; AGOQ_ALLREDUCE_TRANSPORT=collectives keeps every agoq collective
 on NCCL's plain collectives, which read those variables; NCCL_NVLS_ENABLE=0 leaves NVLink multicast off).
@@ -52,6 +54,10 @@ VARIANTS = {
     "fsdp_tlqhs": ["--parallel", "fsdp", "--gradients", "sdp4bit"],
     "fsdp_tlqhs_int4": ["--parallel", "fsdp", "--gradients", "sdp4bit", "--node-size", "1"],
     "sharded_sdp4bit": ["--parallel", "sharded", "--gradients", "sdp4bit"],
+    # FSDP2 with its weight all-gather in int8 blocks (agoq.comm.fsdp_weight_gather), alone and with TLq-HS int4
+    "fsdp_int8_gather": ["--parallel", "fsdp", "--weight-gather", "int8"],
+    "fsdp_int8_gather_tlqhs_int4": ["--parallel", "fsdp", "--weight-gather", "int8", "--gradients", "sdp4bit",
+                                    "--node-size", "1"],
 }
 
 
@@ -68,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", default="nvlink", help="nvlink, sockets or both, comma-separated")
     parser.add_argument("--tiny", action="store_true", help="CPU check with gloo: llama-tiny, 12 steps")
     parser.add_argument("--out", default=str(RESULTS / "runs"))
+    parser.add_argument("--name", default=None, help="results name (default train_fsdp[_TRANSPORT])")
     args = parser.parse_args(argv)
 
     variants = [v for v in args.variants.split(",") if v]
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     transports = args.transports.split(",")
     if len(transports) == 1:
         name += f"_{transports[0]}"
+    name = args.name or name
     if args.tiny:
         model, name, device, eval_every, eval_batches, transports = tiny_check(args, "train_fsdp")
     data = tiny_shakespeare(args.data)
