@@ -278,7 +278,8 @@ def applied_offload(monkeypatch):
     real = preparation.apply_plan
 
     def spy(model, **kwargs):
-        seen.append((list(kwargs["offload"]), kwargs["host_budget_bytes"]))
+        run = kwargs["run"]  # the RunSpec apply_plan receives: its offload in layer indices and bytes
+        seen.append((list(run.offload.layers), run.offload.host_budget_bytes))
         return real(model, **kwargs)
 
     monkeypatch.setattr(preparation, "apply_plan", spy)
