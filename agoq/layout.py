@@ -14,7 +14,8 @@ Modes (`agoq train --parallel`):
 none and ddp keep the same per-rank state (replicated: a checkpoint of one resumes in the other); sharded and
 fsdp both shard it over the ranks (and both run sdp4bit gradients). `ParallelLayout` holds a run's mode, world
 size, pipeline stages and node size (the ranks of a node for SDP4Bit's two-level reduce-scatter) and refuses
-the combinations no run can have.
+the combinations no run can have; `ParallelLayout.dims` is the same layout as dimensions (agoq.parallel_dims:
+replicate x shard x pipeline ranks, validated against the world size), which plans carry and the search writes.
 
 A plan's layout (its `parallel` dims, agoq.parallel_dims, docs/formats.md "Plan") can fix the number of processes: a pipeline of S stages
 runs S processes, one per stage; agoq's sharded step and FSDP2 shard the state over the N ranks of the profile,
@@ -88,6 +89,7 @@ class ParallelLayout:
         if self.pipelined and self.pipeline_stages != self.world_size:
             raise ValueError(f"--pipeline-stages {self.pipeline_stages} but {self.world_size} processes: run one "
                              "process per stage (pipeline and data parallelism are not combined)")
+        self.dims  # the same layout as dimensions, checked by their rules against the world (ranks per node)
 
     @classmethod
     def of(cls, parallel: str | None, world_size: int, *, pipeline_stages: int | None = None,

@@ -177,3 +177,21 @@ def test_the_dashboard_counts_the_data_ranks_of_every_layout():
         want = training["micro_batch"] * training["seq_len"] * training["grad_accum"] * ranks
         assert tokens_per_step({"training": training, "parallel": dims.to_dict()}) == want, (seed, mode)
         assert tokens_per_step({"training": training, "launch": launch_of(dims)}) == want, (seed, mode)
+
+
+def test_the_runtime_layout_is_the_same_dims():
+    """agoq train's ParallelLayout of each mode over random worlds has the dims of that mode, reads its data ranks
+    off them (every rank but a pipeline's), and refuses ranks per node that do not divide its world."""
+    from agoq.layout import ParallelLayout
+
+    seed, rng = fresh_rng()
+    for mode in PARALLEL_MODES:
+        world = 1 if mode == NONE else rng.randint(2, 40)
+        layout = ParallelLayout.of(mode, world)
+        assert layout.dims == ParallelDims.of_mode(mode, world) and layout.dims.mode == mode, (seed, mode)
+        assert layout.data_ranks == (1 if mode == PIPELINE else world), (seed, mode)
+    world = rng.choice([6, 10, 12, 14, 15, 18, 20, 21])
+    node = rng.choice([d for d in range(2, world) if world % d])
+    with pytest.raises(ValueError, match=f"ranks_per_node {node} does not divide"):
+        ParallelLayout.of(rng.choice([SHARDED, FSDP]), world, node_size=node)
+    ParallelLayout.of(SHARDED, world, node_size=rng.choice([d for d in _divisors(world)]))
