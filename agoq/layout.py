@@ -17,10 +17,11 @@ size, pipeline stages and node size (the ranks of a node for SDP4Bit's two-level
 the combinations no run can have; `ParallelLayout.dims` is the same layout as dimensions (agoq.parallel_dims:
 replicate x shard x pipeline ranks, validated against the world size), which plans carry and the search writes.
 
-A plan's layout (its `parallel` dims, agoq.parallel_dims, docs/formats.md "Plan") can fix the number of processes: a pipeline of S stages
-runs S processes, one per stage; agoq's sharded step and FSDP2 shard the state over the N ranks of the profile,
-so each rank holds 1/N of it. Such a plan in another number of processes would train with exit 0 and figures
-that do not apply, so it is refused with the command that launches it as searched (`check_plan_world`).
+A plan's layout (its `parallel` dims, agoq.parallel_dims, docs/formats.md "Plan") can fix the number of processes:
+a pipeline of S stages runs S processes, one per stage; agoq's sharded step and FSDP2 shard the state over the N
+ranks of the profile, so each rank holds 1/N of it. Such a plan in another number of processes would train with
+exit 0 and figures that do not apply, so it is refused with the command that launches it as searched
+(`check_plan_world`).
 Replicated plans keep the whole state on every rank and run in any number of processes.
 """
 
@@ -234,4 +235,5 @@ def check_plan_world(plan, world_size: int, parallel: str | None, model: str, pl
 
 __all__ = ["ParallelLayout", "MODES", "NONE", "DDP", "SHARDED", "FSDP", "PIPELINE", "REPLICATED_MODES",
            "SHARDED_MODES", "GRADIENT_MODES", "MODE_GRADIENTS", "check_options", "state_kind", "launch_line",
-           "PlanLayout", "ParallelDims", "plan_launch", "plan_layout", "plan_parallel_default", "launch_command", "check_plan_world"]
+           "PlanLayout", "ParallelDims", "plan_launch", "plan_layout", "plan_parallel_default", "launch_command",
+           "check_plan_world"]

@@ -72,9 +72,9 @@ def signature(plan: dict[str, Any]) -> str:
 def request_settings(plan: dict[str, Any]) -> dict[str, Any]:
     """The search request's fields (as POST /api/plan takes them) that give this plan's own layout and settings:
     {budget_bytes, objective, error_cap, layout, gradients}, from the plan's decision (the knobs it chose, the
-    objective and where its error cap came from), else its parallel dims and gradient mode. A field the plan does not say
-    is None (the service's default): the time cap always, as a "checkpoint" cap is recorded only as its value at
-    the plan's budget."""
+    objective and where its error cap came from), else its parallel dims and gradient mode. A field the plan does not
+    say is None (the service's default): the time cap always, as a "checkpoint" cap is recorded only as its value
+    at the plan's budget."""
     decision = plan.get("decision") or {}
     knobs = decision.get("knobs") or {}
     try:

@@ -155,7 +155,7 @@ class Plan(_Part):
             raise ValueError(f"parallel.pipeline: {dims.pipeline} stage(s), pipeline.stages says {stages}: give both "
                              "the same number of stages")
         if stated and launch is not None and (launch.get("parallel") != dims.mode
-                                   or int(launch.get("processes") or 1) != dims.world_size):
+                                              or int(launch.get("processes") or 1) != dims.world_size):
             raise ValueError(f"launch: parallel {launch.get('parallel')!r} over {launch.get('processes')} process(es) "
                              f"contradicts the plan's parallel dims ({dims.describe()}: {dims.mode} over "
                              f"{dims.world_size}); launch is derived from parallel: drop it, or make them agree")
@@ -343,7 +343,8 @@ def is_plan_file(path: str | os.PathLike) -> bool:
     return isinstance(schema, str) and schema.startswith(SCHEMA_KIND + "/")
 
 
-__all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec", "ParallelSpec",
-           "TrainingSpec", "Predicted", "StageMemory", "Measured", "Source", "OptimizerSpec", "Decision", "Alternative",
-           "Figures", "load_plan", "plan_from_dict", "new_plan", "is_plan_file", "GRADIENT_MODES", "SCHEDULES",
+__all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec",
+           "ParallelSpec", "TrainingSpec", "Predicted", "StageMemory", "Measured", "Source", "OptimizerSpec",
+           "Decision", "Alternative", "Figures", "load_plan", "plan_from_dict", "new_plan", "is_plan_file",
+           "GRADIENT_MODES", "SCHEDULES",
            "MEMORY_PHASES", "NO_OFFLOAD_PARALLEL"]

@@ -274,5 +274,6 @@ class Source(_Part):
 
 
 __all__ = ["ModelRef", "ActivationsSpec", "LayerPlan", "GradientsSpec", "OptimizerSpec", "Figures", "Alternative",
-           "Decision", "PipelineSpec", "ParallelSpec", "TrainingSpec", "StageMemory", "Predicted", "Measured", "Source", "SCHEDULES",
+           "Decision", "PipelineSpec",
+           "ParallelSpec", "TrainingSpec", "StageMemory", "Predicted", "Measured", "Source", "SCHEDULES",
            "MEMORY_PHASES"]

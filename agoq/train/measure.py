@@ -112,9 +112,9 @@ def one_process_plan(plan: dict, *, micro_batch: int, seq_len: int, grad_accum: 
                      master: Optional[str] = None, gradients: Optional[str] = None,
                      compile: Optional[str] = None) -> Plan:
     """`plan` (JSON data) as one process runs it: every layer on one stage and no `parallel` dims or `launch` (the
-    whole model here, whatever layout it was searched for), no budget or predictions to hold it to, the batch shape given, and the
-    optimizer, masters, gradient storage and `compile` (agoq.vocabulary.COMPILE_MODES: "eager" / "compiled", as the
-    plan's `training.compile`) stated: the given ones, else the plan's."""
+    whole model here, whatever layout it was searched for), no budget or predictions to hold it to, the batch shape
+    given, and the optimizer, masters, gradient storage and `compile` (agoq.vocabulary.COMPILE_MODES: "eager" /
+    "compiled", as the plan's `training.compile`) stated: the given ones, else the plan's."""
     spec = plan_from_dict(plan)
     data = spec.to_dict()
     for name in ("launch", "parallel", "schema", "model", "layers"):

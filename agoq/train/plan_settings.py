@@ -1,13 +1,13 @@
 """Where a plan and the flags meet: the settings a run takes, its parallel layout, and what run.json records.
 
 A plan decides gradient storage, optimizer and masters, compile mode, micro-batch x accumulation, checkpointed
-layers, offloaded layers and (through its `parallel` dims) the parallel mode: unset settings take its values, and a setting
-given otherwise is refused, naming the flag and the plan's value (`check_flags_against_plan`). The plan's offloaded
-layers (a list of layer indices) are the run's unless `--offload` is given, and its `host_budget_bytes` the run's
-host budget unless `--host-budget` is (it then bounds the plan's offload); sizes are bytes throughout (the flag's GB
-are read into bytes by its argument parser). Without a plan the flags and their defaults decide. `reconcile` does it
-all before anything is built and returns one typed `RunSpec`; `record_of_plan` and `plan_for_policy` say what
-run.json records as the plan.
+layers, offloaded layers and (through its `parallel` dims) the parallel mode: unset settings take its values, and a
+setting given otherwise is refused, naming the flag and the plan's value (`check_flags_against_plan`). The plan's
+offloaded layers (a list of layer indices) are the run's unless `--offload` is given, and its `host_budget_bytes` the
+run's host budget unless `--host-budget` is (it then bounds the plan's offload); sizes are bytes throughout (the
+flag's GB are read into bytes by its argument parser). Without a plan the flags and their defaults decide.
+`reconcile` does it all before anything is built and returns one typed `RunSpec` (what agoq.train.apply.apply_plan
+receives); `record_of_plan` and `plan_for_policy` say what run.json records as the plan.
 """
 
 from __future__ import annotations

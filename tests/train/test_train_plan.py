@@ -228,7 +228,8 @@ def test_the_plans_launch_decides_the_parallel_mode_under_torchrun(tmp_path):
     decided = plan_settings(sharded, "sharded")
     check_flags_against_plan({"parallel": "fsdp"}, decided, sharded, "p.json")  # both shard sdp4bit gradients
     with pytest.raises(ValueError,
-                       match=r"--parallel ddp contradicts the plan's parallel sharded \(shard 3 \(sdp4bit\): 3 process"):
+                       match=r"--parallel ddp contradicts the plan's parallel sharded \(shard 3 \(sdp4bit\): 3 "
+                             r"process"):
         check_flags_against_plan({"parallel": "ddp"}, decided, sharded, "p.json")
     check_flags_against_plan({"parallel": "none"}, plan_settings(replicated, "ddp"), replicated, "p.json")
     check_flags_against_plan({"parallel": "fsdp"}, plan_settings(load_plan(_plan(tmp_path, name="old.json")), "fsdp"),
