@@ -14,12 +14,14 @@ Modes (`agoq train --parallel`):
 none and ddp keep the same per-rank state (replicated: a checkpoint of one resumes in the other); sharded and
 fsdp both shard it over the ranks (and both run sdp4bit gradients). `ParallelLayout` holds a run's mode, world
 size, pipeline stages and node size (the ranks of a node for SDP4Bit's two-level reduce-scatter) and refuses
-the combinations no run can have.
+the combinations no run can have; `ParallelLayout.dims` is the same layout as dimensions (agoq.parallel_dims:
+replicate x shard x pipeline ranks, validated against the world size), which plans carry and the search writes.
 
-A plan's layout (its `launch`, docs/formats.md "Plan") can fix the number of processes: a pipeline of S stages
-runs S processes, one per stage; agoq's sharded step and FSDP2 shard the state over the N ranks of the profile,
-so each rank holds 1/N of it. Such a plan in another number of processes would train with exit 0 and figures
-that do not apply, so it is refused with the command that launches it as searched (`check_plan_world`).
+A plan's layout (its `parallel` dims, agoq.parallel_dims, docs/formats.md "Plan") can fix the number of processes:
+a pipeline of S stages runs S processes, one per stage; agoq's sharded step and FSDP2 shard the state over the N
+ranks of the profile, so each rank holds 1/N of it. Such a plan in another number of processes would train with
+exit 0 and figures that do not apply, so it is refused with the command that launches it as searched
+(`check_plan_world`).
 Replicated plans keep the whole state on every rank and run in any number of processes.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agoq.parallel_dims import ParallelDims, launch_line, launch_of
 from agoq.vocabulary import (
     DDP,
     FSDP,
@@ -87,6 +90,7 @@ class ParallelLayout:
         if self.pipelined and self.pipeline_stages != self.world_size:
             raise ValueError(f"--pipeline-stages {self.pipeline_stages} but {self.world_size} processes: run one "
                              "process per stage (pipeline and data parallelism are not combined)")
+        self.dims  # the same layout as dimensions, checked by their rules against the world (ranks per node)
 
     @classmethod
     def of(cls, parallel: str | None, world_size: int, *, pipeline_stages: int | None = None,
@@ -114,9 +118,15 @@ class ParallelLayout:
         return self.mode == PIPELINE
 
     @property
+    def dims(self) -> ParallelDims:
+        """The layout as dimensions (agoq.parallel_dims): replicate, shard (with its engine) or pipeline ranks."""
+        return ParallelDims.of_mode(self.mode, self.world_size, self.pipeline_stages,
+                                    self.node_size).validate(self.world_size)
+
+    @property
     def data_ranks(self) -> int:
         """Ranks that read different data: every rank, except in a pipeline, whose stages read one batch."""
-        return 1 if self.pipelined else self.world_size
+        return self.dims.data_ranks
 
     @property
     def gradient_modes(self) -> tuple[str, ...]:
@@ -156,18 +166,6 @@ class ParallelLayout:
 # ------------------------------------------------------------------------------------ what a plan's launch needs
 
 
-def launch_line(mode: str, processes: int | str, gradients: str | None = None) -> str:
-    """The command that launches a plan in `mode` over `processes` (MODEL and PLAN.json are placeholders): torchrun
-    for several processes, with `--gradients sdp4bit` where fsdp is to reduce-scatter by TLq-HS."""
-    if processes == 1:
-        command = "agoq train MODEL --plan PLAN.json"
-    else:
-        command = f"torchrun --nproc-per-node {processes} -m agoq.train MODEL --plan PLAN.json --parallel {mode}"
-    if mode == FSDP and gradients == "sdp4bit":
-        command += " --gradients sdp4bit"
-    return command
-
-
 @dataclass(frozen=True)
 class PlanLayout:
     """A layout that fixes the world size: its parallel mode and processes (None: several, number unrecorded)."""
@@ -181,23 +179,24 @@ class PlanLayout:
 
 
 def plan_launch(plan) -> dict:
-    """The plan's `launch` section (processes, parallel mode, command), {} when it has none (1.0 plans)."""
-    launch = plan.to_dict().get("launch")
-    return launch if isinstance(launch, dict) else {}
+    """The plan's `launch` (processes, parallel mode, command), derived from its dims (`Plan.dims()`); {} when it
+    has none (1.0 plans)."""
+    dims = plan.dims()
+    return {} if dims is None else launch_of(dims, plan.gradients.mode)
 
 
 def plan_layout(plan) -> PlanLayout | None:
     """The layout `plan` needs a given number of processes for, or None when any number runs it (replicated).
 
-    A pipeline of S > 1 stages needs S; a `launch` that is sharded or fsdp needs its `processes`; a plan without
-    a `launch` (1.0) whose gradients are sdp4bit is agoq's sharded step over an unrecorded number of ranks."""
-    launch = plan_launch(plan)
+    A pipeline of S > 1 stages needs S; a sharded state (SDP4Bit or FSDP2) needs its shard ranks (several, number
+    unrecorded, where the plan was searched on one rank); a plan without dims (1.0) whose gradients are sdp4bit is
+    agoq's sharded step over an unrecorded number of ranks."""
+    dims = plan.dims()
     if plan.pipeline.stages > 1:
         return PlanLayout(PIPELINE, plan.pipeline.stages)
-    if launch.get("parallel") in SHARDED_MODES:
-        processes = int(launch.get("processes") or 0)
-        return PlanLayout(launch["parallel"], processes if processes > 1 else None)
-    if not launch and plan.gradients.mode == "sdp4bit":
+    if dims is not None and dims.sharded:
+        return PlanLayout(dims.mode, dims.world_size if dims.world_size > 1 else None)
+    if dims is None and plan.gradients.mode == "sdp4bit":
         return PlanLayout(SHARDED, None)
     return None
 
@@ -212,7 +211,8 @@ def plan_parallel_default(plan, world) -> str | None:
 
 def launch_command(plan, layout: PlanLayout, model: str, plan_path: str) -> str:
     """The command that runs `plan` as searched: its `launch.command` with MODEL and PLAN.json filled in."""
-    command = plan_launch(plan).get("command") or launch_line(layout.parallel, layout.processes or "N")
+    command = plan_launch(plan).get("command") if layout.processes else None
+    command = command or launch_line(layout.parallel, layout.processes or "N", plan.gradients.mode)
     return command.replace("MODEL", str(model)).replace("PLAN.json", plan_path)
 
 
@@ -235,4 +235,5 @@ def check_plan_world(plan, world_size: int, parallel: str | None, model: str, pl
 
 __all__ = ["ParallelLayout", "MODES", "NONE", "DDP", "SHARDED", "FSDP", "PIPELINE", "REPLICATED_MODES",
            "SHARDED_MODES", "GRADIENT_MODES", "MODE_GRADIENTS", "check_options", "state_kind", "launch_line",
-           "PlanLayout", "plan_launch", "plan_layout", "plan_parallel_default", "launch_command", "check_plan_world"]
+           "PlanLayout", "ParallelDims", "plan_launch", "plan_layout", "plan_parallel_default", "launch_command",
+           "check_plan_world"]

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+from agoq.parallel_dims import plan_dims
 from agoq.search.request import SearchRequest
 from agoq.units import format_bytes
 
@@ -89,10 +90,11 @@ class ProfileEntry:
 
 
 def tokens_per_step(plan: dict[str, Any]) -> int:
-    """Tokens one optimizer step of the plan trains on: micro-batch x sequence x accumulation x data ranks."""
+    """Tokens one optimizer step of the plan trains on: micro-batch x sequence x accumulation x data ranks (the
+    plan's dims, agoq.parallel_dims: replicate x shard, whatever shards; a pipeline's stages read one batch)."""
     training = plan.get("training") or {}
-    launch = plan.get("launch") or {}
-    ranks = int(launch.get("processes") or 1) if launch.get("parallel") in ("ddp", "sharded") else 1
+    dims = plan_dims(plan)
+    ranks = 1 if dims is None else dims.data_ranks
     return int(training.get("micro_batch", 1)) * int(training.get("seq_len", 1)) * \
         int(training.get("grad_accum", 1)) * ranks
 

@@ -13,6 +13,7 @@ from typing import Any
 from agoq.files import json_safe
 from agoq.formats import views
 from agoq.formats.views import FormatError
+from agoq.parallel_dims import plan_dims
 from dashboard.formats import number
 from dashboard.profiles import stat_key
 
@@ -77,18 +78,21 @@ def signature(plan: dict[str, Any]) -> str:
     return json.dumps({k: plan.get(k) for k in ("layers", "activations", "training", "gradients")}, sort_keys=True)
 
 
-PARALLEL_LAYOUTS = {"none": "replicated", "ddp": "replicated", "sharded": "sharded", "fsdp": "fsdp"}
 
 
 def request_settings(plan: dict[str, Any]) -> dict[str, Any]:
     """The search request's fields (as POST /api/plan takes them) that give this plan's own layout and settings:
     {budget_bytes, objective, error_cap, layout, gradients}, from the plan's decision (the knobs it chose, the
-    objective and where its error cap came from), else its launch and gradient mode. A field the plan does not say
-    is None (the service's default): the time cap always, as a "checkpoint" cap is recorded only as its value at
-    the plan's budget."""
+    objective and where its error cap came from), else its parallel dims and gradient mode. A field the plan does not
+    say is None (the service's default): the time cap always, as a "checkpoint" cap is recorded only as its value
+    at the plan's budget."""
     decision = plan.get("decision") or {}
     knobs = decision.get("knobs") or {}
-    layout = knobs.get("layout") or PARALLEL_LAYOUTS.get(str((plan.get("launch") or {}).get("parallel")))
+    try:
+        dims = plan_dims(plan)  # its `parallel`, or an older plan's `launch`
+    except ValueError:
+        dims = None  # dims its loader refuses: the layout is left to the service's default
+    layout = knobs.get("layout") or (dims.layout if dims is not None and dims.pipeline == 1 else None)
     gradients = knobs.get("gradients") or (plan.get("gradients") or {}).get("mode")
     error_cap = None
     if decision:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agoq.parallel_dims import plan_dims  # noqa: E402
 from agoq.train.plan_check import steady_seconds  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
@@ -125,10 +126,13 @@ def alternative_plan(plan: dict, alt: dict, schema_has_budget: bool) -> dict | N
                          "activation_bytes_per_stage": [], "step_seconds": predicted.get("step_seconds"),
                          "grad_error": 0.0}
     data.update(alternative=None, alternatives=[], decision=None, measured=None)
-    from agoq.search.plan_builder import launch_for
+    from agoq.search.plan_builder import dims_for
 
-    processes = int((plan.get("launch") or {}).get("processes") or 1)  # the alternative's own layout: DDP or FSDP2
-    data["launch"] = launch_for(int(data["pipeline"]["stages"]), "bf16", processes, alt.get("layout") or "replicated")
+    dims = plan_dims(plan)  # the plan's ranks; the alternative's own layout over them: DDP or FSDP2
+    processes = 1 if dims is None else dims.world_size
+    data["parallel"] = dims_for(int(data["pipeline"]["stages"]), "bf16", processes,
+                                alt.get("layout") or "replicated").to_dict()
+    data.pop("launch", None)  # derived from the dims on load
     data["source"] = {**data["source"], "method": "alternative", "objective": alt["name"]}
     return data
 
@@ -173,7 +177,8 @@ def summarise(plan: dict, got: dict, budget: int | None) -> dict:
 def describe(plan: dict) -> dict:
     layers = plan["layers"]
     quantized = sum(1 for lp in layers for s in lp["kinds"].values() if str(s) not in ("16",))
-    return {"parallel": (plan.get("launch") or {}).get("parallel"), "compile": plan["training"].get("compile"),
+    dims = plan_dims(plan)
+    return {"parallel": dims.mode if dims is not None else None, "compile": plan["training"].get("compile"),
             "optimizer": plan.get("optimizer"),
             "gradients": plan["gradients"]["mode"], "micro_batch": plan["training"]["micro_batch"],
             "grad_accum": plan["training"]["grad_accum"], "checkpointed_layers": sum(lp["checkpoint"] for lp in layers),

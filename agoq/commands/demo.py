@@ -40,6 +40,7 @@ from agoq.commands.arguments import positive_int, run_module
 from agoq.commands.demo_folder import RECORD, DemoRecord, NotARecord
 from agoq.files import check_output_folder
 from agoq.layout import SHARDED_MODES
+from agoq.parallel_dims import plan_dims
 
 HELP = "what agoq buys on a GPU (predicted from shipped profiles), then the whole loop on a tiny model on the CPU"
 MODEL = "llama-tiny"
@@ -121,7 +122,8 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
                                  *(SEARCH_ARGS if search_args is None else search_args)])
     plan = json.loads(paths["plan"].read_text())
     trained = paths["plan"]
-    parallel = (plan.get("launch") or {}).get("parallel")
+    dims = plan_dims(plan)  # its parallel section (agoq.parallel_dims)
+    parallel = dims.mode if dims is not None else None
     if parallel in SHARDED_MODES or (plan.get("gradients") or {}).get("mode") == "sdp4bit":
         # a sharded layout (agoq's SDP4Bit or FSDP2) needs several processes, and agoq train runs a plan as it was
         # searched: one process trains the plan searched replicated with QuanGrad's 8-bit gradients instead

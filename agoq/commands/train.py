@@ -211,7 +211,6 @@ def _check_size(args: argparse.Namespace) -> None:
     import torch
 
     from agoq.formats.run import read_run
-    from agoq.layout import plan_launch
     from agoq.models import resolve_config
     from agoq.models.size_check import check_fits
     from agoq.train.plan_settings import BATCH_DEFAULTS
@@ -244,7 +243,8 @@ def _check_size(args: argparse.Namespace) -> None:
     planned = plan is not None and plan.states_run_settings()["optimizer"]
     optimizer = args.optimizer or (plan.optimizer.name if planned else "adamw")
     master = "fp32" if optimizer == "adamw" else args.master or (plan.optimizer.master if planned else "fp32")
-    if "sharded" in (args.parallel, plan_launch(plan).get("parallel") if plan is not None else None):
+    dims = plan.dims() if plan is not None else None
+    if "sharded" in (args.parallel, dims.mode if dims is not None else None):
         optimizer, master = "adamw8bit", "none"  # SDP4Bit's sharded step keeps less: counted at the floor's least
     gradients = args.gradients or (plan.gradients.mode if plan is not None else "bf16")
     check_fits(config, device=device, dtype=dtype, seq_len=seq_len, what=f"model {args.model}",

@@ -1,4 +1,4 @@
-"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.7``, docs/formats.md).
+"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.8``, docs/formats.md).
 
 A plan says, for one model (by fingerprint), how each decoder layer keeps each tensor kind for
 backward (a bit width 2..8, 16, or "recompute"), which layers are checkpointed whole, how gradients are
@@ -17,7 +17,9 @@ Since 1.5 a stage's peak may be set at the start of backward (memory phase `back
 layers, backward's first prefetch in flight). Since 1.6 a searched plan names the device its profile was measured on
 (`source.device`, e.g. "NVIDIA H200"), which `agoq train --plan` compares with its own. Since 1.7 a stage's peak
 may be set in the backward of an offloaded layer (memory phase `offload_backward`, with its `layer` where it is
-layer 0 or 1; memory part `offload_backward`).
+layer 0 or 1; memory part `offload_backward`). Since 1.8 a plan gives its ranks as dimensions (`parallel`:
+replicate, shard, pipeline, tensor, ranks_per_node, engine; agoq.parallel_dims.ParallelDims), and its `launch` is
+derived from them; a plan before 1.8 has its `launch` read into them on load.
 
     plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
     plan.activation_policy()               # what the runtime applies: agoq.train.apply.apply_plan
@@ -58,6 +60,7 @@ from agoq.formats.plan_sections import (
     Measured,
     ModelRef,
     OptimizerSpec,
+    ParallelSpec,
     PipelineSpec,
     Predicted,
     Source,
@@ -65,9 +68,10 @@ from agoq.formats.plan_sections import (
     TrainingSpec,
     _Part,
 )
+from agoq.parallel_dims import ParallelDims, launch_of
 from agoq.vocabulary import FSDP, GRADIENT_MODES, PIPELINE
 
-SCHEMA = "agoq.plan/1.7"
+SCHEMA = "agoq.plan/1.8"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
 NO_OFFLOAD_PARALLEL = (FSDP, PIPELINE)  # launch.parallel modes offload cannot run in (agoq.train.preparation)
@@ -84,6 +88,7 @@ class Plan(_Part):
     layers: list[LayerPlan]
     gradients: GradientsSpec = Field(default_factory=GradientsSpec)
     pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
+    parallel: Optional[ParallelSpec] = None  # the ranks as dimensions (1.8; before: read from `launch`)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     predicted: Predicted = Field(default_factory=Predicted)
@@ -124,6 +129,7 @@ class Plan(_Part):
             values = getattr(self.predicted, name)
             if values and len(values) != n:
                 raise ValueError(f"predicted.{name}: {len(values)} value(s) for {n} pipeline stage(s)")
+        self._parallel_agrees(n)
         self._memory_adds_up(n)
         self._offload_runs(n)
         if self.measured is not None and self.measured.peak_bytes_per_stage \
@@ -132,6 +138,39 @@ class Plan(_Part):
                              f"for {n} pipeline stage(s)")
         return self
 
+    def _parallel_agrees(self, stages: int) -> None:
+        """The dims (`parallel`) taken from `launch` where a plan before 1.8 has only that, checked against the
+        pipeline's stages, a `launch` given beside them and (1.8 on) the decision's layout knob; `launch` is then
+        derived from them (the command that runs the plan)."""
+        extra = self.model_extra if self.model_extra is not None else {}
+        launch = extra.get("launch")
+        launch = launch if isinstance(launch, dict) else None
+        stated = self.parallel is not None
+        if not stated:
+            if launch is None or not launch.get("parallel"):
+                return
+            self.__dict__["parallel"] = ParallelSpec(**ParallelDims.of_launch(launch).to_dict())
+        dims = self.parallel.dims()
+        if dims.pipeline != stages:
+            raise ValueError(f"parallel.pipeline: {dims.pipeline} stage(s), pipeline.stages says {stages}: give both "
+                             "the same number of stages")
+        if stated and launch is not None and (launch.get("parallel") != dims.mode
+                                              or int(launch.get("processes") or 1) != dims.world_size):
+            raise ValueError(f"launch: parallel {launch.get('parallel')!r} over {launch.get('processes')} process(es) "
+                             f"contradicts the plan's parallel dims ({dims.describe()}: {dims.mode} over "
+                             f"{dims.world_size}); launch is derived from parallel: drop it, or make them agree")
+        knob = ((self.decision.knobs if self.decision is not None else {}) or {}).get("layout")
+        if knob is not None and self.schema_version >= (1, 8) and knob != dims.layout:
+            raise ValueError(f"decision.knobs.layout: the decision says layout {knob}, the plan's parallel dims are "
+                             f"{dims.describe()} (layout {dims.layout}): the plan must launch what was decided; "
+                             "re-run `agoq search`, or make them agree")
+        extra["launch"] = launch_of(dims, self.gradients.mode)
+
+    def dims(self) -> Optional[ParallelDims]:
+        """The plan's ranks as dimensions (its `parallel`, or its `launch` before 1.8); None: the plan says none
+        (1.0 plans, a policy's record)."""
+        return None if self.parallel is None else self.parallel.dims()
+
     def _offload_runs(self, stages: int) -> None:
         """Offloaded layers only where the runtime offloads (one process, ddp or sharded), within the host budget."""
         offloaded = self.offload_layers()
@@ -139,10 +178,9 @@ class Plan(_Part):
             raise ValueError(f"layers[*].offload: layer(s) {offloaded} are offloaded in a pipeline of {stages} stages; "
                              "the runtime offloads in one process, ddp or sharded only: offload no layer, or "
                              "make the plan for one stage")
-        launch = (self.model_extra or {}).get("launch")
-        parallel = launch.get("parallel") if isinstance(launch, dict) else None
+        parallel = self.parallel.dims().mode if self.parallel is not None else None
         if offloaded and parallel in NO_OFFLOAD_PARALLEL:
-            raise ValueError(f"layers[*].offload: layer(s) {offloaded} are offloaded, but launch.parallel is "
+            raise ValueError(f"layers[*].offload: layer(s) {offloaded} are offloaded, but the plan's parallel mode is "
                              f"{parallel!r}; the runtime offloads in one process, ddp or sharded only: offload no "
                              "layer, or launch the plan in one of those modes")
         host, budget = self.predicted.host_bytes, self.host_budget_bytes
@@ -306,6 +344,7 @@ def is_plan_file(path: str | os.PathLike) -> bool:
 
 
 __all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec",
-           "TrainingSpec", "Predicted", "StageMemory", "Measured", "Source", "OptimizerSpec", "Decision", "Alternative",
-           "Figures", "load_plan", "plan_from_dict", "new_plan", "is_plan_file", "GRADIENT_MODES", "SCHEDULES",
+           "ParallelSpec", "TrainingSpec", "Predicted", "StageMemory", "Measured", "Source", "OptimizerSpec",
+           "Decision", "Alternative", "Figures", "load_plan", "plan_from_dict", "new_plan", "is_plan_file",
+           "GRADIENT_MODES", "SCHEDULES",
            "MEMORY_PHASES", "NO_OFFLOAD_PARALLEL"]

@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agoq.activations.policy import KEEP, KINDS, check_setting
+from agoq.parallel_dims import ENGINES, ParallelDims
 from agoq.quant.layout import check_arguments
 from agoq.vocabulary import (
     ADAMW8BIT,
@@ -176,6 +177,28 @@ class PipelineSpec(_Part):
     schedule: Literal[SCHEDULES] = "1f1b"
 
 
+class ParallelSpec(_Part):
+    """The ranks of the run as dimensions (since 1.8; agoq.parallel_dims.ParallelDims): replicate x shard x pipeline
+    x tensor ranks, the ranks of a node (None: not fixed) and what shards the state (`engine`: sdp4bit, agoq's
+    sharded step; fsdp2, PyTorch's FSDP2; None: replicated). Checked by ParallelDims' rules."""
+
+    replicate: int = Field(default=1, ge=1)
+    shard: int = Field(default=1, ge=1)
+    pipeline: int = Field(default=1, ge=1)
+    tensor: int = Field(default=1, ge=1)
+    ranks_per_node: Optional[int] = Field(default=None, ge=1)
+    engine: Optional[Literal[ENGINES]] = None
+
+    @model_validator(mode="after")
+    def _valid(self) -> "ParallelSpec":
+        self.dims()
+        return self
+
+    def dims(self) -> ParallelDims:
+        """The section as ParallelDims (ValueError where its rules refuse it)."""
+        return ParallelDims(self.replicate, self.shard, self.pipeline, self.tensor, self.ranks_per_node, self.engine)
+
+
 class TrainingSpec(_Part):
     """The batch shape a plan's figures hold for: micro-batch (sequences), tokens per sequence, accumulation."""
 
@@ -251,5 +274,6 @@ class Source(_Part):
 
 
 __all__ = ["ModelRef", "ActivationsSpec", "LayerPlan", "GradientsSpec", "OptimizerSpec", "Figures", "Alternative",
-           "Decision", "PipelineSpec", "TrainingSpec", "StageMemory", "Predicted", "Measured", "Source", "SCHEDULES",
+           "Decision", "PipelineSpec",
+           "ParallelSpec", "TrainingSpec", "StageMemory", "Predicted", "Measured", "Source", "SCHEDULES",
            "MEMORY_PHASES"]

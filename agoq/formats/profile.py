@@ -61,6 +61,12 @@ class ProfileData:
         return self.header.get("settings", {})
 
     @property
+    def world_size(self) -> int:
+        """Ranks the profile was measured over (`settings.world_size`; 1 where it says none): the world the search
+        prices collectives, sharding and data ranks for."""
+        return int(self.settings.get("world_size", 1) or 1)
+
+    @property
     def memory(self) -> dict[str, Any]:
         return self.header.get("memory", {})
 

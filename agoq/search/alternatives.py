@@ -118,7 +118,7 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
     None the profile's pinnable bytes; `masters`: those the search may choose, "none" adding the 8-bit AdamW without
     masters)."""
     optimizers = OPTIMIZERS + ((WITHOUT_MASTERS,) if "none" in masters else ())
-    world = int(profile.settings.get("world_size", 1) or 1)
+    world = profile.world_size
     out: list[PricedAlternative] = []
     for layout in [layout for layout in PLAIN_LAYOUTS if layout in layouts]:
         for compile_mode in compile_modes:

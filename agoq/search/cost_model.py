@@ -119,7 +119,7 @@ def gradient_modes(profile: ProfileData) -> list[str]:
     modes = ["bf16"]
     if mem.get("gradients_bytes_quangrad8") is not None:
         modes.append("quangrad8")
-    if int(profile.settings.get("world_size", 1) or 1) > 1:
+    if profile.world_size > 1:
         modes.append("sdp4bit")
     return modes
 
@@ -244,7 +244,7 @@ def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         raise ValueError(f"gradient mode {knobs.gradient_mode!r} needs figures the profile lacks "
                          f"(available: {', '.join(gradient_modes(profile))})")
     layout = resolve_layout(knobs.layout, knobs.gradient_mode)
-    world = int(profile.settings.get("world_size", 1) or 1)
+    world = profile.world_size
     if layout == "fsdp" and world < 2:
         raise ValueError("layout fsdp shards over several ranks: the profile was made for one (profile with "
                          "--world-size N)")

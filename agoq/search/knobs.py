@@ -97,7 +97,7 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
     if not compiles:
         raise ValueError(f"the profile has step times for compile mode(s) {', '.join(compile_modes(profile))}, not "
                          f"{', '.join(space.compile_modes or ())}")
-    world = int(profile.settings.get("world_size", 1) or 1)
+    world = profile.world_size
     stages = len(set(base.layer_stage)) if base.layer_stage is not None else max(profile.layer_stage()) + 1
     profiled = int(profile.settings.get("micro_batch", 1) or 1)
     batch = int(space.global_batch or profiled)

@@ -84,10 +84,13 @@ def fsdp_missing(table, gradient_mode: str) -> list[str]:
 
 
 def layouts(world_size: int, table, gradient_mode: str, stages: int = 1) -> list[str]:
-    """Layouts a plan with `gradient_mode` may take on `world_size` ranks: replicated or sharded as the mode says,
-    and fsdp when there are several ranks, no pipeline stages (`stages` 1) and the collectives table has FSDP2's
+    """Layouts a plan with `gradient_mode` may take on `world_size` ranks: replicated or sharded as the mode says
+    (sharded only without pipeline stages: a pipeline's stages keep a replicated state, agoq.parallel_dims), and
+    fsdp when there are several ranks, no pipeline stages (`stages` 1) and the collectives table has FSDP2's
     all-gather and reduce-scatter."""
     out = [default_layout(gradient_mode)]
+    if stages > 1 and out[0] != "replicated":
+        return []
     if world_size > 1 and stages == 1 and gradient_mode in LAYOUT_GRADIENTS["fsdp"] \
             and not fsdp_missing(table, gradient_mode):
         out.append("fsdp")

@@ -9,7 +9,7 @@ import numpy as np
 
 from agoq.formats.plan import Alternative, Plan, new_plan
 from agoq.formats.profile import ProfileData
-from agoq.layout import launch_line
+from agoq.parallel_dims import ParallelDims, launch_of
 from agoq.search.costs import (
     ChoiceProblem,
     ProblemSettings,
@@ -20,7 +20,6 @@ from agoq.search.layouts import resolve_layout
 from agoq.search.milp import Allocation
 from agoq.search.price import plan_layout
 from agoq.search.timing import prices
-from agoq.vocabulary import parallel_mode
 
 
 def now() -> str:
@@ -28,16 +27,18 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def dims_for(stages: int, gradient_mode: str, world_size: int, layout: Optional[str] = None) -> ParallelDims:
+    """A plan's ranks as dimensions (its `parallel` section, agoq.parallel_dims): pipeline stages are one process
+    each; agoq's sharded SDP4Bit and FSDP2 (`layout` fsdp; TLq-HS with sdp4bit gradients) shard over the profile's
+    world size; replicated bf16 and QuanGrad replicate over it (one process or DDP). `layout` None: the gradient
+    mode's own (agoq.search.layouts.resolve_layout)."""
+    return ParallelDims.of_layout(resolve_layout(layout, gradient_mode), world_size, stages)
+
+
 def launch_for(stages: int, gradient_mode: str, world_size: int, layout: Optional[str] = None) -> dict:
-    """How a plan must be launched: processes, `agoq train --parallel` mode and the command line (MODEL and
-    PLAN.json are placeholders; agoq.layout.launch_line). Pipeline stages are one process each; agoq's sharded
-    SDP4Bit and FSDP2 (`layout` fsdp; TLq-HS with sdp4bit gradients) shard over the profile's world size;
-    replicated bf16 and QuanGrad run in one process or under DDP."""
-    layout = resolve_layout(layout, gradient_mode)
-    processes = stages if stages > 1 else world_size
-    parallel = parallel_mode(layout, stages, processes)
-    return {"processes": processes, "parallel": parallel,
-            "command": launch_line(parallel, processes, gradient_mode)}
+    """How a plan must be launched, as derived from its dims (`dims_for`): processes, `agoq train --parallel` mode
+    and the command line (MODEL and PLAN.json are placeholders; agoq.parallel_dims.launch_of)."""
+    return launch_of(dims_for(stages, gradient_mode, world_size, layout), gradient_mode)
 
 
 def profiled_device(profile) -> Optional[str]:
@@ -135,7 +136,10 @@ def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
     else:
         data.pop("host_budget_bytes", None)
     layout = getattr(alt, "layout", None) or "replicated"  # the alternative's own layout: DDP or FSDP2
-    data["launch"] = launch_for(stages, "bf16", int((data.get("launch") or {}).get("processes") or 1), layout)
+    dims = plan.dims()
+    world = 1 if dims is None else dims.data_ranks if stages == 1 else dims.world_size
+    data["parallel"] = dims_for(stages, "bf16", world, layout).to_dict()
+    data.pop("launch", None)  # derived from the dims
     decision = dict(data.get("decision") or {})
     knobs = decision.get("knobs", {})
     decision.update(reason=why, agoq=False, tokens_per_second=alt.predicted.tokens_per_second,
@@ -160,7 +164,7 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     s = profile.settings
     optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     data = {
-        "launch": launch_for(problem.num_stages, knobs.gradient_mode, int(s.get("world_size", 1) or 1), knobs.layout),
+        "parallel": dims_for(problem.num_stages, knobs.gradient_mode, profile.world_size, knobs.layout).to_dict(),
         "budget_bytes": int(budget_bytes) if budget_bytes is not None else None,
         "activations": {"block": int(knobs.block or s.get("block", 128)), "format": knobs.format,
                         "rounding": "nearest"},

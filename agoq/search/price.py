@@ -45,7 +45,6 @@ from agoq.search.layouts import resolve_layout
 from agoq.search.problem import ChoiceProblem, ProblemSettings
 from agoq.search.state import resolve_optimizer
 from agoq.search.timing import prices
-from agoq.vocabulary import search_layout
 
 
 @dataclass(frozen=True)
@@ -78,9 +77,10 @@ class Configuration:
 
 
 def plan_layout(plan) -> Optional[str]:
-    """The search's layout word (agoq.search.layouts) of a plan's launch: fsdp, sharded or replicated (None: the
-    gradient mode's own)."""
-    return search_layout((plan.to_dict().get("launch") or {}).get("parallel"))
+    """The search's layout word (agoq.search.layouts) of a plan's dims (`Plan.dims()`): fsdp, sharded or replicated
+    (None: the plan has none, or is a pipeline: the gradient mode's own)."""
+    dims = plan.dims()
+    return None if dims is None or dims.pipeline > 1 else dims.layout
 
 
 @dataclass

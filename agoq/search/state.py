@@ -81,7 +81,7 @@ def state_per_rank(profile: ProfileData, mode: str, optimizer: Optional[str] = N
     """{weights, gradients, masters, optimizer_state}: bytes of the model state one rank keeps under `layout` (None:
     the gradient mode's own), from `state_parts` (see the module docstring)."""
     layout = resolve_layout(layout, mode)
-    world = int(profile.settings.get("world_size", 1) or 1)
+    world = profile.world_size
     parts = state_parts(profile, "bf16" if layout == "fsdp" else mode, optimizer, master)
     whole = {"weights": parts["weights"], "gradients": parts["gradients"], "masters": parts["masters"],
              "optimizer_state": parts["moments"]}

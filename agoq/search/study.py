@@ -123,7 +123,7 @@ class KnobSpace:
         # data-parallel layouts (agoq.search.layouts): one categorical over every layout some allowed gradient
         # storage may take, so its choices are the same in every trial; a trial whose storage cannot take the
         # layout it drew runs its storage's own
-        self.world = int(s.get("world_size", 1) or 1)
+        self.world = profile.world_size
         self._layouts_of = {m: [lay for lay in layouts(self.world, profile.collectives, m, self.stages)
                                 if layouts_allowed is None or lay in layouts_allowed] for m in self.modes}
         self.modes = [m for m in self.modes if self._layouts_of[m]]

@@ -1,18 +1,19 @@
 """Applying a plan to a model: every transform of a run, in one ordered function.
 
-`apply_plan(model, policy=..., checkpoint=..., compile_mode=..., parallel=...)` runs these steps, each once, in
-this order (each is a keyword-only `apply_*` function of its own):
+`apply_plan(model, policy=..., checkpoint=..., run=RunSpec, place=Placement)` runs these steps, each once, in this
+order (each is a keyword-only `apply_*` function of its own):
 
   1. policy         what each decoder layer keeps for backward (LAAQ: bit widths, kept, recomputed kinds)
   2. checkpointing  the layers recomputed whole in backward; it wraps whatever forward step 1 left
   3. compile        torch.compile each decoder layer on its own: it traces the forward steps 1-2 made
   4. offload        where the kept tensors live: chosen layers' saved tensors go to pinned host memory
                     (agoq.activations.offload); it wraps each layer's call, compiled or not, from outside
-  5. parallel       this rank's strategy (agoq.train.parallel): replicas, shards or a pipeline stage of the
-                    model as transformed above, with the gradient storage
+  5. parallel       this rank's strategy (agoq.train.parallel) of the run's dims (agoq.parallel_dims): replicas,
+                    shards or a pipeline stage of the model as transformed above, with the gradient storage
 
 The activation settings come from a plan (`Plan.activation_policy()`, `Plan.checkpoint_layers()`) or from the
-flags (--policy, --checkpoint-all); the rest from the run's settings (agoq.train.plan_settings). Steps 1-2 replace
+flags (--policy, --checkpoint-all); the rest from the run's settings, one typed `RunSpec` (the plan and the flags
+resolved by agoq.train.plan_settings.reconcile), and this process's `Placement`. Steps 1-2 replace
 what was applied before (`remove_plan` undoes them); steps 3-5 are for a model that trains next.
 """
 
@@ -30,25 +31,19 @@ from agoq.activations.laaq import apply_activation_policy, remove_activation_pol
 from agoq.activations.offload import ActivationOffload, remove_offload
 from agoq.activations.offload import apply_offload as offload_layers
 from agoq.activations.policy import ActivationPolicy
-from agoq.layout import ParallelLayout
-from agoq.train.data import BatchShape
 from agoq.train.parallel import ParallelStrategy, World, apply_parallel
+from agoq.train.plan_settings import RunSpec
 
 
 @dataclass(frozen=True)
-class ParallelSettings:
-    """What the parallel step needs: the layout, this process's place in it, and what the strategy keeps."""
+class Placement:
+    """Where this process runs the plan: its place in the world, its device and dtype, and a pipeline's stage of each
+    decoder layer (None: no pipeline). What the run's settings (`RunSpec`) cannot say before the model is built."""
 
-    layout: ParallelLayout
     world: World
     device: torch.device
     dtype: torch.dtype
-    gradients: str  # gradient storage: bf16, quangrad8 or sdp4bit
-    shape: BatchShape
-    layer_stage: list[int] | None  # a pipeline's stage of each decoder layer
-    optimizer: str
-    master: str
-    weight_gather: str = "bf16"  # fsdp's weight all-gather: bf16 (FSDP2's), int8 or int4
+    layer_stage: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,26 +58,33 @@ class AppliedPlan:
 
 
 def apply_plan(model: nn.Module, *, policy: ActivationPolicy | None = None, checkpoint: Sequence[int] = (),
-               compile_mode: str | None = None, memory_budget: float | None = None, offload: Sequence[int] = (),
-               host_budget_bytes: int | None = None, parallel: ParallelSettings | None = None) -> AppliedPlan:
-    """Transform `model` as a run's plan says, in the module docstring's order: `policy` (None: every kind kept),
-    `checkpoint` (decoder layer indices), `compile_mode` (torch.compile's mode; None: eager), `offload` (decoder
-    layer indices; `host_budget_bytes` caps their pinned memory), then `parallel` (None: no strategy, e.g. to
-    measure what a layer keeps)."""
+               run: RunSpec | None = None, place: Placement | None = None) -> AppliedPlan:
+    """Transform `model` as a run's plan says, in the module docstring's order: `policy` (None: every kind kept) and
+    `checkpoint` (decoder layer indices), then what the run's settings `run` (agoq.train.plan_settings.RunSpec, the
+    plan and the flags resolved; None: eager, no offload, no strategy) say: torch.compile's mode and budget, the
+    offloaded layers and their host budget in bytes, and, with `place` (None: no strategy, e.g. to measure what a
+    layer keeps), the parallel strategy of the run's dims with its gradient storage, batch shape, optimizer and
+    masters."""
     apply_policy(model, policy=policy)
     apply_checkpointing(model, layers=checkpoint)
-    compiled_step = apply_compile(model, mode=compile_mode, memory_budget=memory_budget)
-    offloaded = apply_offload(model, layers=offload, host_budget_bytes=host_budget_bytes)
+    compiled_step = apply_compile(model, mode=None if run is None else run.torch_compile_mode,
+                                  memory_budget=None if run is None else run.activation_memory_budget)
+    offloaded = None if run is None else apply_offload(model, layers=run.offload.layers,
+                                                       host_budget_bytes=run.offload.host_budget_bytes)
     before_micro_batch = compiled_step
     if offloaded is not None:
         def before_micro_batch():
             compiled_step()
             offloaded.begin_micro_batch()
-    strategy = None if parallel is None else apply_parallel(
-        model, mode=parallel.layout.mode, world=parallel.world, device=parallel.device, gradients=parallel.gradients,
-        dtype=parallel.dtype, micro_batch=parallel.shape.micro_batch, seq_len=parallel.shape.seq_len,
-        grad_accum=parallel.shape.grad_accum, layer_stage=parallel.layer_stage, node_size=parallel.layout.node_size,
-        optimizer=parallel.optimizer, master=parallel.master, weight_gather=parallel.weight_gather)
+    strategy = None
+    if run is not None and place is not None:
+        dims, shape = run.layout.dims, run.shape
+        strategy = apply_parallel(
+            model, mode=dims.mode, world=place.world, device=place.device, gradients=run.gradients,
+            dtype=place.dtype, micro_batch=shape.micro_batch, seq_len=shape.seq_len, grad_accum=shape.grad_accum,
+            layer_stage=place.layer_stage, node_size=dims.ranks_per_node, optimizer=run.cfg.optim.optimizer,
+            master=run.cfg.optim.master,
+            weight_gather=run.cfg.parallelism.weight_gather)
     return AppliedPlan(strategy, before_micro_batch, offloaded)
 
 
@@ -136,4 +138,4 @@ def remove_plan(model: nn.Module) -> None:
 
 
 __all__ = ["apply_plan", "apply_policy", "apply_checkpointing", "apply_offload", "apply_compile", "apply_parallel",
-           "remove_plan", "AppliedPlan", "ParallelSettings"]
+           "remove_plan", "AppliedPlan", "Placement"]

@@ -111,13 +111,13 @@ def measure_steps(cfg: JobConfig) -> StepFigures:
 def one_process_plan(plan: dict, *, micro_batch: int, seq_len: int, grad_accum: int, optimizer: Optional[str] = None,
                      master: Optional[str] = None, gradients: Optional[str] = None,
                      compile: Optional[str] = None) -> Plan:
-    """`plan` (JSON data) as one process runs it: every layer on one stage and no `launch` (the whole model here,
-    whatever layout it was searched for), no budget or predictions to hold it to, the batch shape given, and the
-    optimizer, masters, gradient storage and `compile` (agoq.vocabulary.COMPILE_MODES: "eager" / "compiled", as the
-    plan's `training.compile`) stated: the given ones, else the plan's."""
+    """`plan` (JSON data) as one process runs it: every layer on one stage and no `parallel` dims or `launch` (the
+    whole model here, whatever layout it was searched for), no budget or predictions to hold it to, the batch shape
+    given, and the optimizer, masters, gradient storage and `compile` (agoq.vocabulary.COMPILE_MODES: "eager" /
+    "compiled", as the plan's `training.compile`) stated: the given ones, else the plan's."""
     spec = plan_from_dict(plan)
     data = spec.to_dict()
-    for name in ("launch", "schema", "model", "layers"):
+    for name in ("launch", "parallel", "schema", "model", "layers"):
         data.pop(name, None)
     data.update(budget_bytes=None, measured=None,
                 pipeline={**data["pipeline"], "stages": 1, "micro_batches": 1},

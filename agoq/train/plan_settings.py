@@ -1,13 +1,13 @@
 """Where a plan and the flags meet: the settings a run takes, its parallel layout, and what run.json records.
 
 A plan decides gradient storage, optimizer and masters, compile mode, micro-batch x accumulation, checkpointed
-layers, offloaded layers and (through its `launch`) the parallel mode: unset settings take its values, and a setting
-given otherwise is refused, naming the flag and the plan's value (`check_flags_against_plan`). The plan's offloaded
-layers (a list of layer indices) are the run's unless `--offload` is given, and its `host_budget_bytes` the run's
-host budget unless `--host-budget` is (it then bounds the plan's offload); sizes are bytes throughout (the flag's GB
-are read into bytes by its argument parser). Without a plan the flags and their defaults decide. `reconcile` does it
-all before anything is built and returns one typed `RunSpec`; `record_of_plan` and `plan_for_policy` say what
-run.json records as the plan.
+layers, offloaded layers and (through its `parallel` dims) the parallel mode: unset settings take its values, and a
+setting given otherwise is refused, naming the flag and the plan's value (`check_flags_against_plan`). The plan's
+offloaded layers (a list of layer indices) are the run's unless `--offload` is given, and its `host_budget_bytes` the
+run's host budget unless `--host-budget` is (it then bounds the plan's offload); sizes are bytes throughout (the
+flag's GB are read into bytes by its argument parser). Without a plan the flags and their defaults decide.
+`reconcile` does it all before anything is built and returns one typed `RunSpec` (what agoq.train.apply.apply_plan
+receives); `record_of_plan` and `plan_for_policy` say what run.json records as the plan.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from agoq.activations.offload import parse_offload_layers
 from agoq.formats.plan import new_plan
-from agoq.layout import ParallelLayout, check_plan_world, plan_launch, plan_parallel_default, state_kind
+from agoq.layout import ParallelLayout, check_plan_world, plan_parallel_default, state_kind
 from agoq.train.config import JobConfig
 from agoq.train.data import BatchShape
 from agoq.train.parallel import World
@@ -41,8 +41,9 @@ def plan_settings(plan, parallel: str) -> dict[str, Any]:
     optimizer and masters, compile (on/off and torch.compile's mode), micro-batch and accumulation (a pipeline's
     accumulation is at least its micro-batches), whether every layer is checkpointed, the offloaded layers (a
     sorted list, [] for none: a plan before 1.4 offloads nothing) and its host budget in bytes
-    (`host_budget_bytes`), and the parallel mode of its `launch`. What the plan does not record is None (decided by
-    the flags and their defaults): a 1.0 plan has no `optimizer` section, `training.compile` or `launch`."""
+    (`host_budget_bytes`), and the parallel mode of its dims (`Plan.dims()`: its `parallel`, or an older plan's
+    `launch`). What the plan does not record is None (decided by the flags and their defaults): a 1.0 plan has no
+    `optimizer` section, `training.compile` or dims."""
     grad_accum = plan.training.grad_accum
     if parallel == PIPELINE:
         grad_accum = max(grad_accum, plan.pipeline.micro_batches)
@@ -52,7 +53,7 @@ def plan_settings(plan, parallel: str) -> dict[str, Any]:
                "offload": plan.offload_layers(),
                # not a flag the plan refuses (`--host-budget` bounds its offload), a default
                "host_budget_bytes": plan.host_budget_bytes,
-               "parallel": plan_launch(plan).get("parallel")}
+               "parallel": plan.dims().mode if plan.dims() is not None else None}
     states = plan.states_run_settings()
     if states["optimizer"]:
         decided.update(optimizer=plan.optimizer.name, master=plan.optimizer.master)
@@ -102,8 +103,8 @@ def _plan_text(name: str, value, plan) -> str:
                 else f"no offloaded layer of {plan.num_layers} (it was priced with every layer's tensors on the "
                      "device)")
     if name == "parallel":
-        launch = plan_launch(plan)
-        return f"launch parallel {value} ({launch.get('processes', '?')} process(es))"
+        dims = plan.dims()
+        return f"parallel {value} ({dims.describe()}: {dims.world_size} process(es))"
     where = {"gradients": "gradients.mode", "optimizer": "optimizer.name", "master": "optimizer.master",
              "micro_batch": "training.micro_batch", "grad_accum": "training.grad_accum",
              "activation_memory_budget": "training.activation_memory_budget"}[name]

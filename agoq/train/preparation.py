@@ -22,7 +22,7 @@ from torch import nn
 from agoq.formats.plan import Plan, load_plan
 from agoq.layout import ParallelLayout
 from agoq.activations.offload import ActivationOffload
-from agoq.train.apply import ParallelSettings, apply_plan
+from agoq.train.apply import Placement, apply_plan
 from agoq.train.config import JobConfig
 from agoq.train.data import Batches, BatchShape, Corpus, load_corpus
 from agoq.train.device import check_budget, run_device, run_dtype
@@ -179,11 +179,8 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
     if weight_gather != "bf16" and layout.mode != FSDP:
         raise ValueError(f"--weight-gather {weight_gather} quantizes FSDP2's weight all-gather: it runs with "
                          f"--parallel fsdp, not {layout.mode}; leave --weight-gather out or train with fsdp")
-    parallel = ParallelSettings(layout, world, device, dtype, settled.gradients, shape, layer_stage,
-                                cfg.optim.optimizer, cfg.optim.master, weight_gather)
-    applied = apply_plan(model, policy=policy, checkpoint=checkpoint, compile_mode=settled.torch_compile_mode,
-                         memory_budget=settled.activation_memory_budget, offload=offload,
-                         host_budget_bytes=settled.offload.host_budget_bytes, parallel=parallel)
+    applied = apply_plan(model, policy=policy, checkpoint=checkpoint, run=settled,
+                         place=Placement(world, device, dtype, layer_stage))
 
     # one stacked batch per step for a pipeline, split by the schedule
     batches = Batches(corpus, shape.seq_len, shape.micro_batch, 1 if layout.pipelined else shape.grad_accum,

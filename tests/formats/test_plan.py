@@ -268,7 +268,7 @@ def test_a_1_0_plan_loads_with_the_1_1_defaults():
         data.pop(key, None)
     data["training"].pop("compile", None)
     plan = plan_from_dict(data)
-    assert SCHEMA == "agoq.plan/1.7"
+    assert SCHEMA == "agoq.plan/1.8"
     assert plan.predicted.memory_per_stage == []
     assert (plan.optimizer.name, plan.optimizer.master, plan.training.compile) == ("adamw", "fp32", "eager")
     assert plan.decision is None and plan.alternative is None and plan.alternatives == []
@@ -347,7 +347,7 @@ def test_a_1_4_plan_with_offloaded_layers_round_trips(tmp_path):
     offload_layers() lists the offloaded layers in order, checkpointed ones too."""
     seed, rng = fresh_rng()
     data, offloaded = _offloading_plan(rng)
-    assert data["schema"] == SCHEMA == "agoq.plan/1.7"
+    assert data["schema"] == SCHEMA == "agoq.plan/1.8"
     plan = plan_from_dict(data)
     assert plan.offload_layers() == offloaded, seed
     path = plan.save(tmp_path / "plan.json")
@@ -384,8 +384,9 @@ def test_a_1_3_plan_loads_unchanged_offloading_nothing(tmp_path):
 @pytest.mark.parametrize("change,said", [
     (dict(stages=2), r"layers\[\*\]\.offload: layer\(s\) \[.*\] are offloaded in a pipeline of 2 stages.*offload no "
                      r"layer, or make the plan for one stage"),
-    (dict(launch="fsdp"), r"layers\[\*\]\.offload: .* launch\.parallel is 'fsdp'.*offload no layer, or launch"),
-    (dict(launch="pipeline"), r"layers\[\*\]\.offload: .* launch\.parallel is 'pipeline'"),
+    (dict(launch="fsdp"), r"layers\[\*\]\.offload: .* parallel mode is 'fsdp'.*offload no layer, or launch"),
+    # a 2-process pipeline launch of a one-stage plan: its dims (2 stages) contradict pipeline.stages
+    (dict(launch="pipeline"), r"parallel\.pipeline: 2 stage\(s\), pipeline\.stages says 1"),
     (dict(host="over"), r"predicted\.host_bytes: the offloaded layers hold \d+ bytes .* more than the plan's "
                         r"host_budget_bytes \(\d+\): offload fewer layers"),
 ])
@@ -403,7 +404,7 @@ def test_offload_where_the_runtime_cannot_is_refused(tmp_path, change, said):
     with pytest.raises(ValueError, match=said) as e:
         load_plan(path)
     assert "plan.json" in str(e.value), seed
-    if "host" not in change:
+    if "host" not in change and change.get("launch") != "pipeline":  # (a pipeline launch needs its stages too)
         for lp in data["layers"]:
             lp["offload"] = False
         assert plan_from_dict(data).offload_layers() == []

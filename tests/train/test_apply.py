@@ -1,6 +1,7 @@
 """apply_plan: the policy, checkpointing, compile, offload and parallel steps, each once and in that order, and a
 model that trains as the policy-applied, checkpointed model does, with its policy-applied layers compiled."""
 
+import dataclasses
 import os
 
 import pytest
@@ -13,9 +14,11 @@ from agoq.activations.policy import KINDS, RECOMPUTABLE, ActivationPolicy
 from agoq.layout import ParallelLayout
 from agoq.models import build
 from agoq.train import apply
-from agoq.train.apply import ParallelSettings, apply_plan, remove_plan
+from agoq.train.apply import Placement, apply_plan, remove_plan
+from agoq.train.config import JobConfig, ModelConfig
 from agoq.train.data import BatchShape
 from agoq.train.parallel import World
+from agoq.train.plan_settings import Offload, RunSpec
 
 STEPS = ["policy", "checkpointing", "compile", "offload", "parallel"]
 
@@ -34,9 +37,16 @@ def _random_policy(gen: torch.Generator, layers: int) -> ActivationPolicy:
     return ActivationPolicy(layers={i: {k: setting(k) for k in KINDS} for i in range(layers)})
 
 
-def _settings(shape=BatchShape(19, 3, 1)) -> ParallelSettings:
-    return ParallelSettings(ParallelLayout(), World(), torch.device("cpu"), torch.float32, "bf16", shape, None,
-                            "adamw", "fp32")
+def _run(compile_mode=None, offload=(), host_budget_bytes=None, shape=BatchShape(19, 3, 1)) -> RunSpec:
+    """A one-process run's settings (bf16 gradients, AdamW with float32 masters) compiled in `compile_mode` (None:
+    eager), offloading decoder layers `offload`."""
+    cfg = JobConfig(model=ModelConfig(compile=compile_mode is not None, compile_mode=compile_mode or "default"))
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer="adamw", master="fp32"))
+    return RunSpec(cfg, ParallelLayout(), "bf16", shape, Offload(tuple(offload), host_budget_bytes))
+
+
+def _place() -> Placement:
+    return Placement(World(), torch.device("cpu"), torch.float32)
 
 
 def test_each_step_once_in_order(monkeypatch):
@@ -55,15 +65,15 @@ def test_each_step_once_in_order(monkeypatch):
     monkeypatch.setattr(apply, "apply_offload", record("offload"))
     monkeypatch.setattr(apply, "apply_compile", record("compile", hook))
     monkeypatch.setattr(apply, "apply_parallel", record("parallel", strategy))
-    model, policy, parallel = torch.nn.Linear(2, 2), ActivationPolicy(), _settings()
-    applied = apply_plan(model, policy=policy, checkpoint=[1], compile_mode="default", offload=[0],
-                         host_budget_bytes=7, parallel=parallel)
+    model, policy = torch.nn.Linear(2, 2), ActivationPolicy()
+    applied = apply_plan(model, policy=policy, checkpoint=[1], run=_run("default", [0], 7), place=_place())
     assert [c[0] for c in calls] == STEPS and all(c[1] is model for c in calls)
     kwargs = {name: kw for name, _, kw in calls}
     assert kwargs["policy"] == {"policy": policy} and kwargs["checkpointing"] == {"layers": [1]}
     assert kwargs["compile"] == {"mode": "default", "memory_budget": None}
-    assert kwargs["offload"] == {"layers": [0], "host_budget_bytes": 7}
+    assert kwargs["offload"] == {"layers": (0,), "host_budget_bytes": 7}
     assert kwargs["parallel"]["mode"] == "none" and kwargs["parallel"]["micro_batch"] == 3
+    assert (kwargs["parallel"]["optimizer"], kwargs["parallel"]["master"]) == ("adamw", "fp32")
     assert applied.strategy is strategy and applied.before_micro_batch is hook
 
 
@@ -88,7 +98,7 @@ def test_the_compiled_layers_are_the_policy_applied_ones(monkeypatch):
     plain = build("llama-tiny", num_layers=layers, seed=seed % 2**31)
     ids = torch.randint(0, model.config.vocab_size, (3, 20), generator=gen)
 
-    applied = apply_plan(model, policy=policy, checkpoint=checkpointed, compile_mode="default", parallel=_settings())
+    applied = apply_plan(model, policy=policy, checkpoint=checkpointed, run=_run("default"), place=_place())
     assert compiled == [layers] and applied.strategy.module is model
     for i, layer in enumerate(model.model.layers):
         assert layer._compiled_call_impl is not None, i
@@ -153,7 +163,7 @@ def test_offloaded_plan_trains_as_the_kept_one(checkpoint):
     for offload in ([], [0, 1]):
         torch.manual_seed(5)
         model = build("llama-tiny", num_layers=2)
-        applied = apply_plan(model, policy=policy, checkpoint=checkpoint, offload=offload)
+        applied = apply_plan(model, policy=policy, checkpoint=checkpoint, run=_run(offload=offload))
         assert (applied.offload is None) == (not offload)
         got = []
         for ids in batches:

@@ -227,7 +227,9 @@ def test_the_plans_launch_decides_the_parallel_mode_under_torchrun(tmp_path):
     assert plan_parallel_default(replicated, World(size=3)) is None  # ddp is the default under torchrun anyway
     decided = plan_settings(sharded, "sharded")
     check_flags_against_plan({"parallel": "fsdp"}, decided, sharded, "p.json")  # both shard sdp4bit gradients
-    with pytest.raises(ValueError, match=r"--parallel ddp contradicts the plan's launch parallel sharded \(3 process"):
+    with pytest.raises(ValueError,
+                       match=r"--parallel ddp contradicts the plan's parallel sharded \(shard 3 \(sdp4bit\): 3 "
+                             r"process"):
         check_flags_against_plan({"parallel": "ddp"}, decided, sharded, "p.json")
     check_flags_against_plan({"parallel": "none"}, plan_settings(replicated, "ddp"), replicated, "p.json")
     check_flags_against_plan({"parallel": "fsdp"}, plan_settings(load_plan(_plan(tmp_path, name="old.json")), "fsdp"),
@@ -278,7 +280,8 @@ def applied_offload(monkeypatch):
     real = preparation.apply_plan
 
     def spy(model, **kwargs):
-        seen.append((list(kwargs["offload"]), kwargs["host_budget_bytes"]))
+        run = kwargs["run"]  # the RunSpec apply_plan receives: its offload in layer indices and bytes
+        seen.append((list(run.offload.layers), run.offload.host_budget_bytes))
         return real(model, **kwargs)
 
     monkeypatch.setattr(preparation, "apply_plan", spy)

@@ -1,0 +1,234 @@
+"""The parallel layout as dimensions: how many ranks replicate, shard, pipeline (and, reserved, split tensors) one
+run, as one validated value the search, the plan, `agoq train` and the dashboard share.
+
+A run of N ranks is a grid
+
+  N = replicate x shard x pipeline x tensor
+
+  replicate  ranks that keep the whole model and optimizer state and all-reduce gradients (DDP; 1: one process)
+  shard      ranks that keep 1/shard of the state each and reduce-scatter gradients; `engine` says what shards:
+             "sdp4bit" (agoq's sharded SDP4Bit step: float32 masters and 8-bit moments 1/N per rank) or "fsdp2"
+             (PyTorch's FSDP2: parameters, gradients and optimizer state 1/N per rank)
+  pipeline   stages of consecutive decoder layers, one rank each (1F1B)
+  tensor     reserved: tensor parallelism is refused for now
+
+with `ranks_per_node` the ranks of a node (SDP4Bit's two-level reduce-scatter; None: torchrun's
+LOCAL_WORLD_SIZE). `engine` is set for a sharded state whatever the number of ranks: a sharded plan searched on a
+one-rank profile has shard 1 and shards over the ranks it is launched on.
+
+What runs today (the runtime's parallel modes, agoq.vocabulary.PARALLEL_MODES), and so what `ParallelDims`
+accepts: one axis > 1 at most, the others 1 (replicate and shard are not combined into HSDP, pipeline stages are
+not combined with data parallelism), and an engine only beside shard. Data ranks (ranks that read different
+batches, what the tokens of a step count) are replicate x shard; a pipeline's stages read one batch.
+
+Nothing heavy is imported: the search reads this module without torch (tests/test_lazy_import.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional
+
+from agoq.vocabulary import DDP, FSDP, LAYOUTS, NONE, PARALLEL_MODES, PIPELINE, REPLICATED, SHARDED
+
+SDP4BIT_ENGINE, FSDP2_ENGINE = "sdp4bit", "fsdp2"
+ENGINES = (SDP4BIT_ENGINE, FSDP2_ENGINE)  # what shards the state: agoq's SDP4Bit step, PyTorch's FSDP2
+ENGINE_LAYOUT = {None: REPLICATED, SDP4BIT_ENGINE: SHARDED, FSDP2_ENGINE: FSDP}  # the search's layout word
+LAYOUT_ENGINE = {layout: engine for engine, layout in ENGINE_LAYOUT.items()}
+MODE_ENGINE = {SHARDED: SDP4BIT_ENGINE, FSDP: FSDP2_ENGINE}  # the runtime's sharded modes
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"parallel.{name} must be a whole number >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """A run's ranks as dimensions (see the module docstring). Built only valid: ValueError naming the dimension
+    and what to do otherwise. `validate(world_size)` checks it against the ranks a run has."""
+
+    replicate: int = 1
+    shard: int = 1
+    pipeline: int = 1
+    tensor: int = 1
+    ranks_per_node: Optional[int] = None
+    engine: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("replicate", "shard", "pipeline", "tensor"):
+            _count(name, getattr(self, name))
+        if self.tensor > 1:
+            raise ValueError(f"parallel.tensor {self.tensor}: tensor parallelism is not supported yet; set tensor "
+                             "to 1 (use replicate, shard or pipeline ranks)")
+        if self.engine is not None and self.engine not in ENGINES:
+            raise ValueError(f"parallel.engine must be one of {', '.join(ENGINES)} (or none for a replicated "
+                             f"state), got {self.engine!r}")
+        if self.shard > 1 and self.engine is None:
+            raise ValueError(f"parallel.shard {self.shard} needs an engine that shards the state: "
+                             f"{SDP4BIT_ENGINE} (agoq's sharded step) or {FSDP2_ENGINE} (PyTorch's FSDP2)")
+        if self.engine is not None and self.replicate > 1:
+            raise ValueError(f"parallel.replicate {self.replicate} with a sharded state ({self.engine}): replicas "
+                             "of shards (HSDP) are not supported yet; shard over all data ranks (replicate 1)")
+        if self.pipeline > 1 and (self.replicate > 1 or self.shard > 1 or self.engine is not None):
+            raise ValueError(f"parallel.pipeline {self.pipeline} with data parallelism (replicate {self.replicate}, "
+                             f"shard {self.shard}, engine {self.engine}): pipeline stages and data parallelism are "
+                             "not combined; run one process per stage (replicate 1, shard 1, no engine)")
+        if self.ranks_per_node is not None:
+            _count("ranks_per_node", self.ranks_per_node)
+            if self.engine is None:
+                raise ValueError("parallel.ranks_per_node is for a sharded state (SDP4Bit's two-level gradient "
+                                 "reduce-scatter): drop it, or give an engine")
+
+    # ------------------------------------------------------------------------------------------ constructors
+
+    @classmethod
+    def of_layout(cls, layout: str, world_size: int, stages: int = 1,
+                  ranks_per_node: Optional[int] = None) -> "ParallelDims":
+        """The dims of a plan the search prices in `layout` (agoq.vocabulary.LAYOUTS) over `world_size` ranks with
+        `stages` pipeline stages: a pipeline of `stages` ranks (replicated stages), else the layout's engine over
+        all ranks (shard = world size), else replicas (replicate = world size)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        _count("world_size", world_size)
+        if _count("pipeline", stages) > 1:
+            if layout != REPLICATED:
+                raise ValueError(f"layout {layout} with {stages} pipeline stages: pipeline stages keep a replicated "
+                                 "state (one process per stage); search the pipeline with layout replicated")
+            return cls(pipeline=stages)
+        engine = LAYOUT_ENGINE[layout]
+        if engine is None:
+            return cls(replicate=world_size)
+        return cls(shard=world_size, engine=engine, ranks_per_node=ranks_per_node)
+
+    @classmethod
+    def of_mode(cls, mode: str, world_size: int, pipeline_stages: Optional[int] = None,
+                ranks_per_node: Optional[int] = None) -> "ParallelDims":
+        """The dims of a run in the runtime's parallel mode `mode` (agoq.vocabulary.PARALLEL_MODES) over
+        `world_size` ranks: none and ddp replicate, sharded and fsdp shard (SDP4Bit, FSDP2), a pipeline has
+        `pipeline_stages` (None: one per rank)."""
+        if mode not in PARALLEL_MODES:
+            raise ValueError(f"parallel mode must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
+        _count("world_size", world_size)
+        if mode == PIPELINE:
+            return cls(pipeline=pipeline_stages or world_size)
+        if mode in MODE_ENGINE:
+            return cls(shard=world_size, engine=MODE_ENGINE[mode], ranks_per_node=ranks_per_node)
+        return cls(replicate=world_size, ranks_per_node=ranks_per_node)
+
+    @classmethod
+    def of_launch(cls, launch: Mapping[str, Any]) -> "ParallelDims":
+        """The dims of a plan's `launch` (plans before 1.8: {processes, parallel, command}): its parallel mode
+        over its processes."""
+        mode = launch.get("parallel")
+        processes = launch.get("processes")
+        processes = 1 if processes is None else processes
+        try:
+            return cls.of_mode(mode, _count("processes", processes))
+        except ValueError as e:
+            raise ValueError(f"launch: {e}") from None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ParallelDims":
+        """The dims of a plan's `parallel` section (its JSON data; fields left out take their defaults)."""
+        known = {k: data[k] for k in ("replicate", "shard", "pipeline", "tensor", "ranks_per_node", "engine")
+                 if k in data}
+        return cls(**known)
+
+    # ------------------------------------------------------------------------------------------ reading
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the grid: replicate x shard x pipeline x tensor."""
+        return self.replicate * self.shard * self.pipeline * self.tensor
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different batches: replicate x shard (a pipeline's stages read one)."""
+        return self.replicate * self.shard
+
+    @property
+    def sharded(self) -> bool:
+        """The optimizer state (and FSDP2's parameters) is 1/shard per rank."""
+        return self.engine is not None
+
+    @property
+    def layout(self) -> str:
+        """The search's layout word: replicated, sharded (SDP4Bit) or fsdp (FSDP2)."""
+        return ENGINE_LAYOUT[self.engine]
+
+    @property
+    def mode(self) -> str:
+        """The runtime's parallel mode (`agoq train --parallel`): pipeline for several stages, sharded or fsdp as
+        the engine, else ddp for several ranks and none for one."""
+        if self.pipeline > 1:
+            return PIPELINE
+        if self.engine == SDP4BIT_ENGINE:
+            return SHARDED
+        if self.engine == FSDP2_ENGINE:
+            return FSDP
+        return DDP if self.world_size > 1 else NONE
+
+    @property
+    def fixes_world(self) -> bool:
+        """Whether a run of these dims needs exactly their ranks: a pipeline (one rank per stage) and a sharded
+        state (1/N per rank, priced for N) do; replicas run in any number of processes."""
+        return self.pipeline > 1 or self.sharded
+
+    def validate(self, world_size: int) -> "ParallelDims":
+        """These dims, when their grid is `world_size` ranks; else ValueError saying both."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"a world has at least one rank, got {world_size!r}")
+        if self.world_size != world_size:
+            raise ValueError(f"parallel: replicate {self.replicate} x shard {self.shard} x pipeline {self.pipeline} "
+                             f"x tensor {self.tensor} is {self.world_size} rank(s), the world has {world_size}: give "
+                             f"dimensions whose product is {world_size}")
+        if self.ranks_per_node is not None and world_size % self.ranks_per_node:
+            raise ValueError(f"parallel.ranks_per_node {self.ranks_per_node} does not divide the world's "
+                             f"{world_size} ranks: give the ranks of one node (all nodes alike)")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The dims as a plan's `parallel` section."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        """The dims in words, e.g. "shard 4 (sdp4bit)", "pipeline 2", "replicate 1"."""
+        parts = [f"{name} {getattr(self, name)}" for name in ("replicate", "shard", "pipeline", "tensor")
+                 if getattr(self, name) > 1]
+        text = ", ".join(parts) or "one rank"
+        return f"{text} ({self.engine})" if self.engine else text
+
+
+def launch_line(mode: str, processes: int | str, gradients: Optional[str] = None) -> str:
+    """The command that launches a plan in `mode` over `processes` (MODEL and PLAN.json are placeholders): torchrun
+    for several processes, with `--gradients sdp4bit` where fsdp is to reduce-scatter by TLq-HS."""
+    if processes == 1:
+        command = "agoq train MODEL --plan PLAN.json"
+    else:
+        command = f"torchrun --nproc-per-node {processes} -m agoq.train MODEL --plan PLAN.json --parallel {mode}"
+    if mode == FSDP and gradients == "sdp4bit":
+        command += " --gradients sdp4bit"
+    return command
+
+
+def launch_of(dims: ParallelDims, gradients: Optional[str] = None) -> dict[str, Any]:
+    """A plan's `launch` as derived from its dims (what the user runs): processes, parallel mode, command."""
+    return {"processes": dims.world_size, "parallel": dims.mode,
+            "command": launch_line(dims.mode, dims.world_size, gradients)}
+
+
+def plan_dims(plan: Mapping[str, Any]) -> Optional[ParallelDims]:
+    """The dims of a plan's JSON data: its `parallel` section (1.8), else its `launch` (before), else None (1.0
+    plans say nothing of their layout)."""
+    parallel, launch = plan.get("parallel"), plan.get("launch")
+    if isinstance(parallel, Mapping):
+        return ParallelDims.from_dict(parallel)
+    if isinstance(launch, Mapping) and launch.get("parallel"):
+        return ParallelDims.of_launch(launch)
+    return None
+
+
+__all__ = ["ParallelDims", "ENGINES", "SDP4BIT_ENGINE", "FSDP2_ENGINE", "ENGINE_LAYOUT", "LAYOUT_ENGINE",
+           "MODE_ENGINE", "launch_line", "launch_of", "plan_dims"]

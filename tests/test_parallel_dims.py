@@ -1,0 +1,197 @@
+"""The layout as dimensions (agoq.parallel_dims.ParallelDims): built only valid, checked against a world's ranks,
+mapped to the search's layout words and the runtime's parallel modes; plans carry it (`parallel`, 1.8), older
+plans' `launch` is read into the same dims, and a plan whose decision contradicts its dims is refused."""
+
+import os
+import random
+
+import pytest
+
+from agoq.parallel_dims import ENGINES, ParallelDims, launch_of, plan_dims
+from agoq.vocabulary import DDP, FSDP, LAYOUTS, NONE, PARALLEL_MODES, PIPELINE, REPLICATED, SHARDED
+
+
+def fresh_rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print("seed", seed)
+    return seed, random.Random(seed)
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def test_dims_of_any_world_are_checked_against_it():
+    """For random world sizes (powers of two or not): the dims of each layout and mode have that many ranks and
+    validate against it; against any other world they are refused naming both counts."""
+    seed, rng = fresh_rng()
+    for _ in range(40):
+        world = rng.randint(1, 97)
+        for layout in LAYOUTS:
+            dims = ParallelDims.of_layout(layout, world)
+            assert dims.world_size == world and dims.validate(world) is dims, seed
+            assert dims.layout == layout, seed
+            assert dims.data_ranks == world, seed  # every rank of a replicated or sharded state reads its own data
+            other = rng.choice([w for w in range(1, 2 * world + 3) if w != world])
+            with pytest.raises(ValueError, match=rf"is {world} rank\(s\), the world has {other}"):
+                dims.validate(other)
+        stages = rng.randint(2, 9)
+        pipe = ParallelDims.of_layout(REPLICATED, world, stages)
+        assert (pipe.world_size, pipe.data_ranks, pipe.mode) == (stages, 1, PIPELINE), seed
+
+
+def test_products_that_do_not_match_the_world_are_refused():
+    """A grid replicate x shard x pipeline of random sizes validates only against its product."""
+    seed, rng = fresh_rng()
+    for _ in range(60):
+        axis = rng.choice(["replicate", "shard", "pipeline"])
+        n = rng.randint(1, 50)
+        dims = ParallelDims(**{axis: n}, engine="sdp4bit" if axis == "shard" else None)
+        product = 1
+        for name in ("replicate", "shard", "pipeline", "tensor"):
+            product *= getattr(dims, name)
+        assert dims.world_size == product == n, seed
+        wrong = n + rng.randint(1, 20)
+        with pytest.raises(ValueError, match="give dimensions whose product is"):
+            dims.validate(wrong)
+
+
+def test_what_does_not_run_is_refused_with_a_clear_message():
+    """Tensor parallelism, shards without an engine, replicas of shards, pipelines with data parallelism, a
+    non-positive or non-integer axis and ranks per node that do not divide the world: each refused saying so."""
+    seed, rng = fresh_rng()
+    n = rng.randint(2, 12)
+    with pytest.raises(ValueError, match="tensor parallelism is not supported yet"):
+        ParallelDims(tensor=n)
+    with pytest.raises(ValueError, match="needs an engine"):
+        ParallelDims(shard=n)
+    with pytest.raises(ValueError, match=r"HSDP\) are not supported yet"):
+        ParallelDims(replicate=n, shard=rng.randint(1, 4), engine=rng.choice(ENGINES))
+    with pytest.raises(ValueError, match="pipeline stages and data parallelism are not combined"):
+        ParallelDims(pipeline=n, replicate=rng.randint(2, 4))
+    for bad in (0, -n, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"parallel\.shard must be a whole number >= 1"):
+            ParallelDims(shard=bad, engine="fsdp2")
+    with pytest.raises(ValueError, match="parallel.engine must be one of"):
+        ParallelDims(shard=n, engine="zero3")
+    with pytest.raises(ValueError, match="ranks_per_node is for a sharded state"):
+        ParallelDims(replicate=n, ranks_per_node=1)
+    world = rng.choice([w for w in range(6, 40) if len(_divisors(w)) < w])  # one with a non-divisor below it
+    node = rng.choice([d for d in range(2, world) if world % d])
+    with pytest.raises(ValueError, match=f"ranks_per_node {node} does not divide"):
+        ParallelDims(shard=world, engine="sdp4bit", ranks_per_node=node).validate(world)
+    fine = rng.choice(_divisors(world))
+    ParallelDims(shard=world, engine="sdp4bit", ranks_per_node=fine).validate(world)
+
+
+def test_modes_and_layouts_map_through_the_dims():
+    """Each runtime parallel mode over N ranks gives dims whose mode is it again (none only for one rank, ddp for
+    several), and each layout word the dims' own; a launch (older plans) reads into the dims of its mode."""
+    seed, rng = fresh_rng()
+    for mode in PARALLEL_MODES:
+        n = 1 if mode == NONE else rng.randint(2, 33)
+        dims = ParallelDims.of_mode(mode, n)
+        assert dims.mode == mode and dims.world_size == n, (seed, mode)
+        assert ParallelDims.of_launch({"parallel": mode, "processes": n}) == dims, seed
+        assert launch_of(dims)["parallel"] == mode and launch_of(dims)["processes"] == n, seed
+    assert ParallelDims.of_mode(DDP, 1).mode == NONE  # one replica is one process
+    # a sharded state searched on one rank keeps its engine: it shards over the ranks it is launched on
+    for layout, mode in ((SHARDED, SHARDED), (FSDP, FSDP)):
+        one = ParallelDims.of_layout(layout, 1)
+        assert one.sharded and one.mode == mode and one.fixes_world, seed
+    assert not ParallelDims.of_layout(REPLICATED, rng.randint(1, 9)).fixes_world
+    with pytest.raises(ValueError, match="pipeline stages keep a replicated state"):
+        ParallelDims.of_layout(rng.choice([SHARDED, FSDP]), 4, rng.randint(2, 4))
+
+
+def test_a_plan_written_before_1_8_loads_into_the_dims_of_its_launch():
+    """A 1.7 plan with only `launch` loads with the `parallel` section its launch means (the same dims as the
+    search writes now for that layout), and so does its data written back; a 1.8 plan carrying the dims loads
+    into the same Plan."""
+    from agoq.formats.plan import plan_from_dict
+    from agoq.search.plan_builder import dims_for, launch_for
+
+    seed, rng = fresh_rng()
+    for layout, gradients in ((REPLICATED, "quangrad8"), (SHARDED, "sdp4bit"), (FSDP, "bf16"), (FSDP, "sdp4bit")):
+        world = rng.randint(2, 24)
+        data = {"schema": "agoq.plan/1.7", "model": {"name": "m", "fingerprint": "0123456789abcdef"},
+                "layers": [{"layer": i} for i in range(3)], "gradients": {"mode": gradients},
+                "launch": launch_for(1, gradients, world, layout),
+                "decision": {"knobs": {"layout": rng.choice(LAYOUTS)}}}  # older decisions are not held to it
+        plan = plan_from_dict(data)
+        expected = dims_for(1, gradients, world, layout)
+        assert plan.dims() == expected and plan.to_dict()["parallel"] == expected.to_dict(), seed
+        assert plan.to_dict()["launch"] == data["launch"], seed
+        again = plan_from_dict(plan.to_dict())
+        assert again.dims() == expected, seed
+        newer = {**{k: v for k, v in data.items() if k != "launch"}, "schema": "agoq.plan/1.8",
+                 "parallel": expected.to_dict(), "decision": {"knobs": {"layout": layout}}}
+        assert plan_from_dict(newer).dims() == expected and plan_from_dict(newer).to_dict()["launch"] == \
+            data["launch"], seed
+    stages = rng.randint(2, 3)
+    piped = plan_from_dict({"schema": "agoq.plan/1.7", "model": {"name": "m", "fingerprint": "0123456789abcdef"},
+                            "layers": [{"layer": i, "stage": min(i, stages - 1)} for i in range(3)],
+                            "pipeline": {"stages": stages}, "launch": launch_for(stages, "bf16", 1)})
+    assert piped.dims() == ParallelDims(pipeline=stages), seed
+    assert plan_dims({"launch": {"parallel": "ddp", "processes": 3}}) == ParallelDims(replicate=3)
+    assert plan_dims({"gradients": {"mode": "sdp4bit"}}) is None  # a 1.0 plan says nothing of its ranks
+
+
+def test_a_plan_whose_decision_or_launch_contradicts_its_dims_is_refused():
+    """A 1.8 plan whose decision's layout knob is not its dims' layout (the plan would launch what was not
+    decided), whose `launch` disagrees with its dims, or whose pipeline dimension is not its stages: refused,
+    naming the field."""
+    from agoq.formats.plan import plan_from_dict
+
+    seed, rng = fresh_rng()
+    world = rng.randint(2, 16)
+    layout = rng.choice(LAYOUTS)
+    dims = ParallelDims.of_layout(layout, world)
+    base = {"schema": "agoq.plan/1.8", "model": {"name": "m", "fingerprint": "0123456789abcdef"},
+            "layers": [{"layer": i} for i in range(3)], "parallel": dims.to_dict()}
+    plan_from_dict({**base, "decision": {"knobs": {"layout": layout}}})
+    other = rng.choice([lay for lay in LAYOUTS if lay != layout])
+    with pytest.raises(ValueError, match=rf"decision\.knobs\.layout: the decision says layout {other}"):
+        plan_from_dict({**base, "decision": {"knobs": {"layout": other}}})
+    wrong = launch_of(ParallelDims.of_layout(layout, world + 1))
+    with pytest.raises(ValueError, match=r"launch: .* contradicts the plan's parallel dims"):
+        plan_from_dict({**base, "launch": wrong})
+    with pytest.raises(ValueError, match=r"parallel: .*tensor parallelism is not supported yet"):
+        plan_from_dict({**base, "parallel": {"tensor": 2}})
+    with pytest.raises(ValueError, match=r"parallel\.pipeline: 2 stage\(s\), pipeline\.stages says 1"):
+        plan_from_dict({**base, "parallel": {"pipeline": 2}})
+
+
+def test_the_dashboard_counts_the_data_ranks_of_every_layout():
+    """Tokens per step are micro-batch x sequence x accumulation x data ranks: every rank for ddp, sharded and
+    fsdp (replicate x shard), one batch for a pipeline's stages, from a 1.8 plan's dims or an older plan's
+    launch alike."""
+    from dashboard.planner import tokens_per_step
+
+    seed, rng = fresh_rng()
+    for mode in PARALLEL_MODES:
+        n = 1 if mode == NONE else rng.randint(2, 17)
+        training = {"micro_batch": rng.randint(1, 8), "seq_len": rng.randint(1, 512), "grad_accum": rng.randint(1, 4)}
+        dims = ParallelDims.of_mode(mode, n)
+        ranks = 1 if mode == PIPELINE else n
+        want = training["micro_batch"] * training["seq_len"] * training["grad_accum"] * ranks
+        assert tokens_per_step({"training": training, "parallel": dims.to_dict()}) == want, (seed, mode)
+        assert tokens_per_step({"training": training, "launch": launch_of(dims)}) == want, (seed, mode)
+
+
+def test_the_runtime_layout_is_the_same_dims():
+    """agoq train's ParallelLayout of each mode over random worlds has the dims of that mode, reads its data ranks
+    off them (every rank but a pipeline's), and refuses ranks per node that do not divide its world."""
+    from agoq.layout import ParallelLayout
+
+    seed, rng = fresh_rng()
+    for mode in PARALLEL_MODES:
+        world = 1 if mode == NONE else rng.randint(2, 40)
+        layout = ParallelLayout.of(mode, world)
+        assert layout.dims == ParallelDims.of_mode(mode, world) and layout.dims.mode == mode, (seed, mode)
+        assert layout.data_ranks == (1 if mode == PIPELINE else world), (seed, mode)
+    world = rng.choice([6, 10, 12, 14, 15, 18, 20, 21])
+    node = rng.choice([d for d in range(2, world) if world % d])
+    with pytest.raises(ValueError, match=f"ranks_per_node {node} does not divide"):
+        ParallelLayout.of(rng.choice([SHARDED, FSDP]), world, node_size=node)
+    ParallelLayout.of(SHARDED, world, node_size=rng.choice([d for d in _divisors(world)]))
