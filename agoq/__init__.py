@@ -1,7 +1,7 @@
 """agoq: low-bit activations, gradients and communication for LLM training, tuned per layer.
 
 The names below load on first use (PEP 562), so `import agoq` and its light modules (units, files,
-formats) do not import the kernels: `agoq.quantize` imports agoq.quant when it is first read.
+formats) do not import the kernels: `agoq.quantize` imports agoq.runtime.quant when it is first read.
 """
 
 from agoq.cpu_isa import avoid_amx
@@ -13,14 +13,14 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _HOMES = {
-    "QTensor": "agoq.quant", "quantize": "agoq.quant", "dequantize": "agoq.quant", "quantized_nbytes": "agoq.quant",
-    "ActivationPolicy": "agoq.activations", "KINDS": "agoq.activations", "preset": "agoq.activations",
-    "stage_aware_policy": "agoq.activations", "stage_bits": "agoq.activations",
-    "apply_activation_policy": "agoq.activations", "remove_activation_policy": "agoq.activations",
-    "track_saved_tensors": "agoq.activations",
-    "QuantizedGradients": "agoq.comm", "quangrad_hook": "agoq.comm", "quantized_all_reduce": "agoq.comm",
-    "fully_shard_quantized": "agoq.comm.fsdp", "apply_weight_gather": "agoq.comm.fsdp_weight_gather",
-    "use_quantized_reduce_scatter": "agoq.comm.fsdp_collectives", "TLQHSReduceScatter": "agoq.comm.fsdp_collectives",
+    "QTensor": "agoq.runtime.quant", "quantize": "agoq.runtime.quant", "dequantize": "agoq.runtime.quant", "quantized_nbytes": "agoq.runtime.quant",
+    "ActivationPolicy": "agoq.runtime.activations", "KINDS": "agoq.runtime.activations", "preset": "agoq.runtime.activations",
+    "stage_aware_policy": "agoq.runtime.activations", "stage_bits": "agoq.runtime.activations",
+    "apply_activation_policy": "agoq.runtime.activations", "remove_activation_policy": "agoq.runtime.activations",
+    "track_saved_tensors": "agoq.runtime.activations",
+    "QuantizedGradients": "agoq.runtime.comm", "quangrad_hook": "agoq.runtime.comm", "quantized_all_reduce": "agoq.runtime.comm",
+    "fully_shard_quantized": "agoq.runtime.comm.fsdp", "apply_weight_gather": "agoq.runtime.comm.fsdp_weight_gather",
+    "use_quantized_reduce_scatter": "agoq.runtime.comm.fsdp_collectives", "TLQHSReduceScatter": "agoq.runtime.comm.fsdp_collectives",
 }
 
 __all__ = [*_HOMES, "__version__"]

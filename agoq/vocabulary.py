@@ -39,7 +39,7 @@ MASTERS = ("fp32", "none")  # float32 master weights; none (bf16 parameters, sto
 
 EAGER, COMPILED = "eager", "compiled"
 COMPILE_MODES = (EAGER, COMPILED)  # how the decoder layers run (compiled: torch.compile per decoder layer)
-# torch.compile's `mode=`: the last two record CUDA graphs (agoq.activations.compile)
+# torch.compile's `mode=`: the last two record CUDA graphs (agoq.runtime.activations.compile)
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 TRAIN_TORCH_COMPILE_MODES = TORCH_COMPILE_MODES[:3]  # what `agoq train --compile-mode` offers

@@ -32,8 +32,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agoq.comm.quangrad import quangrad_hook  # noqa: E402
-from agoq.comm.quantized_allreduce import quantized_all_reduce  # noqa: E402
+from agoq.runtime.comm.quangrad import quangrad_hook  # noqa: E402
+from agoq.runtime.comm.quantized_allreduce import quantized_all_reduce  # noqa: E402
 from experiments.collective_timing import median_ms_across_ranks  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
@@ -67,8 +67,8 @@ def ddp_time(numel: int, hook, reps: int) -> float:
 
 def accumulate_timing(reps: int, mib: int = 256) -> dict:
     """QuanGrad's accumulate (8-bit buffer += fp32 gradient of `mib` MiB): fused kernel vs torch ops."""
-    from agoq.comm.quangrad import accumulate_reference
-    from agoq.comm.quangrad_triton import accumulate_triton
+    from agoq.runtime.comm.quangrad import accumulate_reference
+    from agoq.runtime.comm.quangrad_triton import accumulate_triton
 
     n, block = mib * 2**20 // 4, 256
     grad = torch.randn(n, device="cuda")
@@ -178,7 +178,7 @@ def main() -> None:
     accumulate = accumulate_timing(args.reps) if rank == 0 else None
     if rank == 0:
         print("accumulate:", accumulate, flush=True)
-        from agoq.comm.symmetric_transport import _WORKSPACES
+        from agoq.runtime.comm.symmetric_transport import _WORKSPACES
 
         print("wrote", write_result(f"allreduce_{world}gpu_{transport}",
                                     {"world": world, "transport": transport,

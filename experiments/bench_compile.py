@@ -6,7 +6,7 @@ A variant is "MODE-KIND": MODE `eager` or `compiled`; KIND one of
   checkpoint    every decoder layer checkpointed (torch.utils.checkpoint)
   fused-bf16    every layer through agoq's fused functions, every kind kept at 16 bits
   PRESET[:FMT[:BLOCK]]  an agoq activation policy (agoq-paper, int8, int4, ...), e.g. agoq-paper:nf4:64
-Compiled variants compile each decoder layer on its own (agoq.activations.compile, as torchtitan does; the
+Compiled variants compile each decoder layer on its own (agoq.runtime.activations.compile, as torchtitan does; the
 embedding, final norm and chunked loss stay eager in every variant), or the whole model with --whole.
 
 For each: step time (median of CUDA-event-timed fwd+bwd steps after --warmup untimed ones; grads set to None
@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import agoq  # noqa: E402
-from agoq.activations.checkpointing import apply_checkpointing, remove_checkpointing  # noqa: E402
-from agoq.activations.compile import compile_decoder_layers, mark_cudagraph_step  # noqa: E402
-from agoq.activations.saved_bytes import find_decoder_layers  # noqa: E402
+from agoq.runtime.activations.checkpointing import apply_checkpointing, remove_checkpointing  # noqa: E402
+from agoq.runtime.activations.compile import compile_decoder_layers, mark_cudagraph_step  # noqa: E402
+from agoq.runtime.activations.saved_bytes import find_decoder_layers  # noqa: E402
 from agoq.models import build  # noqa: E402
 from experiments.bench_laaq import force_fused_keep, variant_policy  # noqa: E402
 from experiments.record import write_result  # noqa: E402

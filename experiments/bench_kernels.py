@@ -16,9 +16,9 @@ import torch
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agoq.quant import block_triton as quant_triton  # noqa: E402
-from agoq.quant.qtensor import quantized_nbytes  # noqa: E402
-from agoq.quant.codec import dequantize, quantize  # noqa: E402
+from agoq.runtime.quant import block_triton as quant_triton  # noqa: E402
+from agoq.runtime.quant.qtensor import quantized_nbytes  # noqa: E402
+from agoq.runtime.quant.codec import dequantize, quantize  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
 

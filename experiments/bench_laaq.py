@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import agoq  # noqa: E402
-from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes  # noqa: E402
-from agoq.activations.checkpointing import apply_checkpointing, remove_checkpointing  # noqa: E402
+from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_bytes  # noqa: E402
+from agoq.runtime.activations.checkpointing import apply_checkpointing, remove_checkpointing  # noqa: E402
 from agoq.models import build  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
@@ -38,8 +38,8 @@ def step(model, ids, labels):
 def force_fused_keep(model):
     """Every layer through LAAQ's fused functions with every kind kept at 16 bits: the runtime's own
     bf16, to separate what quantizing costs from what the fused norm and SwiGLU kernels save."""
-    from agoq.activations.laaq import QuantConfig, _layer_parts, _make_forward
-    from agoq.activations.saved_bytes import find_decoder_layers
+    from agoq.runtime.activations.laaq import QuantConfig, _layer_parts, _make_forward
+    from agoq.runtime.activations.saved_bytes import find_decoder_layers
 
     settings = agoq.ActivationPolicy().settings(0)
     for layer in find_decoder_layers(model):

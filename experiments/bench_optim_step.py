@@ -38,10 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agoq.comm.quangrad import QuantizedGradients  # noqa: E402
-from agoq.optim.adamw8bit import AdamW8bit, FusedAdamW8bit  # noqa: E402
-from agoq.optim import fused_adamw_triton  # noqa: E402
-from agoq.optim.fused_adamw import grad_norm_sq  # noqa: E402
+from agoq.runtime.comm.quangrad import QuantizedGradients  # noqa: E402
+from agoq.runtime.optim.adamw8bit import AdamW8bit, FusedAdamW8bit  # noqa: E402
+from agoq.runtime.optim import fused_adamw_triton  # noqa: E402
+from agoq.runtime.optim.fused_adamw import grad_norm_sq  # noqa: E402
 from experiments.record import write_result  # noqa: E402
 
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agoq.comm.sdp4bit import (  # noqa: E402
+from agoq.runtime.comm.sdp4bit import (  # noqa: E402
     WEIGHT_BLOCK,
     exact_reduce_scatter,
     qwd_all_gather,
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--transport", default=None, help="default: AGOQ_TRANSPORT, else guessed from NCCL_* vars")
     parser.add_argument("--lanes", type=int, default=4,
                         help="also time TLq-HS and qWD with their codes spread over this many communicators "
-                             "(agoq/comm/lanes.py); 1 to skip")
+                             "(agoq/runtime/comm/lanes.py); 1 to skip")
     parser.add_argument("--out", default=None, help="also write the result file into this folder")
     parser.add_argument("--no-write", action="store_true", help="print only (smoke runs)")
     args = parser.parse_args(argv)

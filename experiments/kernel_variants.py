@@ -29,9 +29,9 @@ import torch
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agoq.quant import block_triton as qt  # noqa: E402
-from agoq.quant import reference as ref  # noqa: E402
-from agoq.quant.qtensor import int_qmax, quantized_nbytes  # noqa: E402
+from agoq.runtime.quant import block_triton as qt  # noqa: E402
+from agoq.runtime.quant import reference as ref  # noqa: E402
+from agoq.runtime.quant.qtensor import int_qmax, quantized_nbytes  # noqa: E402
 
 FORMATS = [(b, "int") for b in range(2, 9)] + [(4, "nf4")]
 

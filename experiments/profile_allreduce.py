@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agoq.comm.quantized_allreduce import quantized_all_reduce  # noqa: E402
+from agoq.runtime.comm.quantized_allreduce import quantized_all_reduce  # noqa: E402
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agoq.activations.policy import KINDS, RECOMPUTE, ActivationPolicy  # noqa: E402
-from agoq.activations.saved_bytes import find_decoder_layers  # noqa: E402
+from agoq.runtime.activations.policy import KINDS, RECOMPUTE, ActivationPolicy  # noqa: E402
+from agoq.runtime.activations.saved_bytes import find_decoder_layers  # noqa: E402
 from agoq.profiler.model_source import load_model, token_batches, vocab_size  # noqa: E402
 from agoq.profiler.sensitivity import (  # noqa: E402
     Measurement,

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agoq.activations.laaq import apply_activation_policy, remove_activation_policy  # noqa: E402
-from agoq.activations.policy import KINDS  # noqa: E402
-from agoq.activations.saved_bytes import find_decoder_layers  # noqa: E402
+from agoq.runtime.activations.laaq import apply_activation_policy, remove_activation_policy  # noqa: E402
+from agoq.runtime.activations.policy import KINDS  # noqa: E402
+from agoq.runtime.activations.saved_bytes import find_decoder_layers  # noqa: E402
 from agoq.formats.profile import load_profile  # noqa: E402
 from agoq.profiler.model_source import (  # noqa: E402
     load_model,

@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes  # noqa: E402
-from agoq.activations.policy import KINDS  # noqa: E402
+from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_bytes  # noqa: E402
+from agoq.runtime.activations.policy import KINDS  # noqa: E402
 from agoq.models import resolve_config  # noqa: E402
 from agoq.search.costs import ChoiceProblem  # noqa: E402
 from agoq.search.milp import Solver, resolve_time_cap  # noqa: E402

@@ -52,7 +52,7 @@ def profile_phase(args, folder: Path) -> None:
 def search_phase(args, folder: Path, out: Path) -> dict:
     import numpy as np
 
-    from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+    from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_bytes
     from agoq.formats.profile import load_profile
     from agoq.models import resolve_config
     from agoq.search.costs import ProblemSettings, build_problem, checkpointing_only

@@ -18,7 +18,7 @@ and reports its peak (torch.cuda.max_memory_allocated over the steps) and median
                    AdamW8bit) or bnb (bitsandbytes' AdamW8bit) or torch (fused AdamW, float32 state), clip 1.0;
                    bf16 parameters updated in place (no masters)
 
-A suffix +offK offloads the saved tensors of decoder layers 0..K-1 to pinned host memory (agoq.activations.offload:
+A suffix +offK offloads the saved tensors of decoder layers 0..K-1 to pinned host memory (agoq.runtime.activations.offload:
 a side stream out in forward, fetched back ahead of use in backward, a pinned pool made once): on an agoq
 configuration that is `agoq train --offload 0-(K-1)` (the packed 4-bit codes and their scales), on a budget
 configuration it is the ordinary offload of what compile's partitioner saves (bf16: mostly each layer's input).
@@ -89,8 +89,8 @@ def alternative(budget: float, optimizer: str, micro_batch: int, steps: int, dat
     import torch
     import torch._functorch.config  # not imported by `import torch` on every version
 
-    from agoq.activations.compile import compile_decoder_layers
-    from agoq.activations.offload import apply_offload
+    from agoq.runtime.activations.compile import compile_decoder_layers
+    from agoq.runtime.activations.offload import apply_offload
     from agoq.models import build
 
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -54,7 +54,7 @@ VARIANTS = {
     "fsdp_tlqhs": ["--parallel", "fsdp", "--gradients", "sdp4bit"],
     "fsdp_tlqhs_int4": ["--parallel", "fsdp", "--gradients", "sdp4bit", "--node-size", "1"],
     "sharded_sdp4bit": ["--parallel", "sharded", "--gradients", "sdp4bit"],
-    # FSDP2 with its weight all-gather in int8 blocks (agoq.comm.fsdp_weight_gather), alone and with TLq-HS int4
+    # FSDP2 with its weight all-gather in int8 blocks (agoq.runtime.comm.fsdp_weight_gather), alone and with TLq-HS int4
     "fsdp_int8_gather": ["--parallel", "fsdp", "--weight-gather", "int8"],
     "fsdp_int8_gather_tlqhs_int4": ["--parallel", "fsdp", "--weight-gather", "int8", "--gradients", "sdp4bit",
                                     "--node-size", "1"],

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KERNEL_PACKAGES = ("agoq.quant", "agoq.activations", "agoq.comm", "agoq.optim", "agoq.triton_ops", "agoq.models",
+KERNEL_PACKAGES = ("agoq.runtime.quant", "agoq.runtime.activations", "agoq.runtime.comm", "agoq.runtime.optim", "agoq.triton_ops", "agoq.models",
                    "agoq.train", "agoq.profiler", "triton")
 
 
@@ -42,7 +42,7 @@ def test_light_modules_and_the_dashboard_load_no_kernels(tmp_path):
         import dashboard.app
         assert loaded() == [], loaded()
         agoq.quantized_nbytes  # the first read of a public name loads its home, and only then
-        assert "agoq.quant" in loaded(), loaded()
+        assert "agoq.runtime.quant" in loaded(), loaded()
         print("ok")
     """, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -53,13 +53,13 @@ def test_every_public_name_resolves_to_its_home_modules_object(tmp_path):
     """The reference is the explicit import list of each name from the module that defines it."""
     done = _run("""
         import agoq
-        from agoq.activations import (KINDS, ActivationPolicy, apply_activation_policy, preset,
+        from agoq.runtime.activations import (KINDS, ActivationPolicy, apply_activation_policy, preset,
                                       remove_activation_policy, stage_aware_policy, stage_bits, track_saved_tensors)
-        from agoq.comm import QuantizedGradients, quangrad_hook, quantized_all_reduce
-        from agoq.comm.fsdp import fully_shard_quantized
-        from agoq.comm.fsdp_collectives import TLQHSReduceScatter, use_quantized_reduce_scatter
-        from agoq.comm.fsdp_weight_gather import apply_weight_gather
-        from agoq.quant import QTensor, dequantize, quantize, quantized_nbytes
+        from agoq.runtime.comm import QuantizedGradients, quangrad_hook, quantized_all_reduce
+        from agoq.runtime.comm.fsdp import fully_shard_quantized
+        from agoq.runtime.comm.fsdp_collectives import TLQHSReduceScatter, use_quantized_reduce_scatter
+        from agoq.runtime.comm.fsdp_weight_gather import apply_weight_gather
+        from agoq.runtime.quant import QTensor, dequantize, quantize, quantized_nbytes
 
         expected = {name: value for name, value in locals().items() if not name.startswith("_") and name != "agoq"}
         expected["__version__"] = agoq.__version__

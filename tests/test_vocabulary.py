@@ -76,7 +76,7 @@ def test_the_commands_choices_are_the_vocabulary():
 def test_the_readers_take_the_vocabulary():
     from agoq.formats import measured_steps
     from agoq.layout import MODES, ParallelLayout
-    from agoq.optim import state_bytes
+    from agoq.runtime.optim import state_bytes
     from agoq.search.layouts import LAYOUT_GRADIENTS, LAYOUTS
     from agoq.search.state import GRADIENT_MODES
     from agoq.train import config

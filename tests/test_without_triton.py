@@ -56,8 +56,8 @@ def test_cpu_training_path_without_triton(tmp_path):
     references run, and they agree with float64 arithmetic."""
     done = _run_without_triton("""
         import torch
-        from agoq.quant import dequantize, quantize
-        from agoq.optim.fused_adamw import grad_norm_sq
+        from agoq.runtime.quant import dequantize, quantize
+        from agoq.runtime.optim.fused_adamw import grad_norm_sq
         torch.manual_seed(1234)
         x = torch.randn(3, 517)
         y = dequantize(quantize(x, bits=8, block=64))

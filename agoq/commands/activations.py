@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from agoq.activations.policy import as_policy
+from agoq.runtime.activations.policy import as_policy
 from agoq.commands.arguments import positive_int
 from agoq.files import check_output_file, read_json_object, write_atomic
 from agoq.progress import progress_bar

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agoq.activations.policy import preset, stage_aware_policy
+from agoq.runtime.activations.policy import preset, stage_aware_policy
 from agoq.commands.arguments import positive_int, positive_int_list
 from agoq.files import check_output_file, write_atomic
 

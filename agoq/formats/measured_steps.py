@@ -17,7 +17,7 @@ A row:
      "repeat_step_seconds": [s, ...], "repeat_peak_bytes": [p, ...]   optional: each pass's median and largest
                                                     step peak where the kind was measured in several passes
      "offload_layers": K, "offloaded_bytes": B}     optional (section version 2): the first K decoder layers' saved
-                                                    tensors were kept in host memory (agoq.activations.offload), B
+                                                    tensors were kept in host memory (agoq.runtime.activations.offload), B
                                                     bytes of them per micro-batch; absent: nothing offloaded
 
 `measured_rows(header)` returns the rows of a profile header: its `measured_steps`, and for profiles written before

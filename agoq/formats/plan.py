@@ -46,7 +46,7 @@ from pydantic import (
     model_validator,
 )
 
-from agoq.activations.policy import KEEP, KINDS, ActivationPolicy, Setting
+from agoq.runtime.activations.policy import KEEP, KINDS, ActivationPolicy, Setting
 from agoq.files import read_json_object
 from agoq.formats.plan_sections import (
     MEMORY_PHASES,

@@ -12,9 +12,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from agoq.activations.policy import KEEP, KINDS, check_setting
+from agoq.runtime.activations.policy import KEEP, KINDS, check_setting
 from agoq.parallel_dims import ENGINES, ParallelDims
-from agoq.quant.layout import check_arguments
+from agoq.runtime.quant.layout import check_arguments
 from agoq.vocabulary import (
     ADAMW8BIT,
     COMPILE_MODES,
@@ -70,7 +70,7 @@ class LayerPlan(_Part):
     Kinds left out are kept at 16 bits. A checkpointed layer keeps only its input and reruns its
     forward in backward, so its kinds must all be 16 (nothing else would be stored). An offloaded layer (since 1.4)
     keeps what it saves for backward (its quantized codes under LAAQ, else bf16; a checkpointed layer: its input) in
-    pinned host memory during the step: copied out in forward, back in backward (agoq.activations.offload).
+    pinned host memory during the step: copied out in forward, back in backward (agoq.runtime.activations.offload).
     """
 
     layer: int = Field(ge=0)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import pandas as pd
 
-from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE
 from agoq.files import json_safe, read_json_object, write_json, write_with
 from agoq.formats.profile_header import (  # noqa: F401 (the header's checks, re-exported)
     HOST_LINK_RATES,

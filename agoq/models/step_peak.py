@@ -27,7 +27,7 @@ logits):
   head peak, `profiled_head_peak_bytes`, and its calibration is read against it.)
 
 Gradient storage at that moment: the step starts with every .grad None, so bf16 gradients do not exist yet
-(0 bytes), while QuanGrad's flat 8-bit buffer (agoq.comm.quangrad) is allocated for the whole run (all of its
+(0 bytes), while QuanGrad's flat 8-bit buffer (agoq.runtime.comm.quangrad) is allocated for the whole run (all of its
 bytes). The profiler calibrates on bf16-gradient steps against a static count that includes all bf16
 gradients (agoq.profiler.memory: fixed = measured - weights - masters - bf16 gradients - moments - activations),
 so its `fixed_bytes` carries minus the bf16 gradient bytes; a QuanGrad plan must add them back. Together:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
-from agoq.activations.policy import ActivationPolicy, as_policy
-from agoq.activations.saved_bytes import track_saved_tensors
+from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.runtime.activations.laaq import apply_activation_policy, remove_activation_policy
+from agoq.runtime.activations.policy import ActivationPolicy, as_policy
+from agoq.runtime.activations.saved_bytes import track_saved_tensors
 
 
 @dataclass

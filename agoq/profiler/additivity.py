@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from agoq.activations.policy import KINDS, RECOMPUTE, as_policy
+from agoq.runtime.activations.policy import KINDS, RECOMPUTE, as_policy
 
 QUADRATURE_FACTOR = 1.25  # without recompute: quadrature / F <= measured <= quadrature * F
 QUADRATURE_FACTOR_WITH_RECOMPUTE = 2.0  # the same bound when the mix recomputes from quantized sources

@@ -2,8 +2,8 @@
 
 Paths, each timed where it applies:
   all_reduce      nccl-fp32, nccl-bf16 (torch.distributed), quangrad8 (agoq.quantized_all_reduce)
-  reduce_scatter  nccl-fp32, nccl-bf16, sdp4bit (TLq-HS, agoq.comm.sdp4bit.tlq_hs_reduce_scatter)
-  all_gather      nccl-fp32, nccl-bf16, sdp4bit (qWD, agoq.comm.sdp4bit.qwd_all_gather)
+  reduce_scatter  nccl-fp32, nccl-bf16, sdp4bit (TLq-HS, agoq.runtime.comm.sdp4bit.tlq_hs_reduce_scatter)
+  all_gather      nccl-fp32, nccl-bf16, sdp4bit (qWD, agoq.runtime.comm.sdp4bit.qwd_all_gather)
 The "nccl-*" paths are torch.distributed's own collectives on whatever backend the group has (NCCL
 on GPUs, gloo on the CPU; the `backend` column says which). `message_bytes` is the fp32 gradient
 bytes the collective moves (the full tensor, not a shard); `seconds` is each rank's median over
@@ -48,8 +48,8 @@ def _median_across_ranks(fn, iters: int, device: torch.device, warmup: int = 2) 
 
 def _cases(numel: int, world: int, rank: int, device: torch.device):
     """(op, path, function) for every collective timed at one message size."""
-    from agoq.comm.quantized_allreduce import quantized_all_reduce
-    from agoq.comm.sdp4bit import qwd_all_gather, shard_bounds, tlq_hs_reduce_scatter
+    from agoq.runtime.comm.quantized_allreduce import quantized_all_reduce
+    from agoq.runtime.comm.sdp4bit import qwd_all_gather, shard_bounds, tlq_hs_reduce_scatter
 
     gen = torch.Generator(device=device).manual_seed(rank)
     full32 = torch.randn(numel, generator=gen, device=device) * 1e-3

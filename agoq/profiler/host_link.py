@@ -1,4 +1,4 @@
-"""The host link as activation offload uses it (agoq.activations.offload): pinned-memory copy rates each way, measured
+"""The host link as activation offload uses it (agoq.runtime.activations.offload): pinned-memory copy rates each way, measured
 while the GPU computes, what those copies cost the compute, and how much host memory may be pinned.
 
 `measure_host_link(device)` copies a device buffer to a pinned host buffer on one side stream (device-to-host, D2H)

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from agoq.activations.rmsnorm import rms_norm
-from agoq.activations.swiglu import swiglu
+from agoq.runtime.activations.rmsnorm import rms_norm
+from agoq.runtime.activations.swiglu import swiglu
 from agoq.profiler.options import Option
-from agoq.quant.codec import dequantize, quantize
+from agoq.runtime.quant.codec import dequantize, quantize
 
 
 def median_seconds(fn, device: torch.device, repeats: int = 5, warmup: int | None = None, before=None) -> float:
@@ -84,7 +84,7 @@ def attention_rerun_time(shapes: list[tuple[int, ...]], dtype: torch.dtype, devi
 def layer_forward_seconds(model, ids: torch.Tensor, repeats: int = 3) -> list[float]:
     """Seconds of each decoder layer's forward (unmodified, gradients on, as whole-layer checkpointing
     reruns it in backward), median over `repeats` forwards of the model on token ids [B, S+1]."""
-    from agoq.activations.saved_bytes import find_decoder_layers
+    from agoq.runtime.activations.saved_bytes import find_decoder_layers
     from agoq.profiler.model_source import next_token_loss
 
     layers = find_decoder_layers(model)

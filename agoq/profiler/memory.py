@@ -3,9 +3,9 @@
     peak = weights + masters + gradients + optimizer state + activations kept for backward + fixed
 
 The step is `agoq train --optimizer adamw8bit`'s: bf16 parameters, the fused 8-bit AdamW
-(agoq.optim.adamw8bit.FusedAdamW8bit) with float32 masters in its state, bf16 gradients dropped after every
+(agoq.runtime.optim.adamw8bit.FusedAdamW8bit) with float32 masters in its state, bf16 gradients dropped after every
 step (set to None) and the loss from the chunked LM head (agoq.models.lm_loss) where the model is agoq's.
-Weights, masters, gradients and moments are counted by agoq.optim.state_bytes (the section records them for
+Weights, masters, gradients and moments are counted by agoq.runtime.optim.state_bytes (the section records them for
 every optimizer, master and gradient storage, so the search can price the others); activations are the per-layer bytes of the profile
 (predict_layer_bytes, equal to the saved-tensor tracker's count) plus what the embedding, final norm,
 LM head and loss keep (measured by the tracker); `fixed` is everything else (the allocator's
@@ -24,13 +24,13 @@ import time
 import torch
 from torch import nn
 
-from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
-from agoq.activations.policy import as_policy
-from agoq.activations.saved_bytes import track_saved_tensors
+from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.runtime.activations.laaq import apply_activation_policy, remove_activation_policy
+from agoq.runtime.activations.policy import as_policy
+from agoq.runtime.activations.saved_bytes import track_saved_tensors
 from agoq.models.llama import LlamaForCausalLM
-from agoq.optim.adamw8bit import FusedAdamW8bit
-from agoq.optim.state_bytes import state_table
+from agoq.runtime.optim.adamw8bit import FusedAdamW8bit
+from agoq.runtime.optim.state_bytes import state_table
 from agoq.profiler.model_source import next_token_loss
 from agoq.models.step_peak import HeadShape, head_peak_bytes
 
@@ -41,7 +41,7 @@ MEASURED_WITH = {"optimizer": "adamw8bit", "master": "fp32", "gradients": "bf16"
 
 def static_bytes(model: nn.Module) -> dict:
     """Weights, float32 master weights, gradients (bf16 and 8-bit QuanGrad) and optimizer state, in bytes:
-    the flat fields (masters and moments of the measured step, MEASURED_WITH) and `state` (agoq.optim.
+    the flat fields (masters and moments of the measured step, MEASURED_WITH) and `state` (agoq.runtime.optim.
     state_bytes.state_table: masters, moments and step transient of every optimizer/master combination,
     gradient bytes of every storage)."""
     params = [p for p in model.parameters() if p.requires_grad]

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agoq.activations.activation_bytes import LayerShape
-from agoq.activations.saved_bytes import find_decoder_layers
+from agoq.runtime.activations.activation_bytes import LayerShape
+from agoq.runtime.activations.saved_bytes import find_decoder_layers
 from agoq.files import read_json_object
 from agoq.units import dtype_from_name
 
@@ -122,7 +122,7 @@ def load_model(spec: str, *, dtype: str = "bf16", device: str = "cpu", seed: int
     if not find_decoder_layers(model):
         raise NotImplementedError(f"model {spec!r} ({type(model).__name__}) has no LLaMA-style decoder layers "
                                   "(modules with self_attn, mlp, input_layernorm, post_attention_layernorm)")
-    from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
+    from agoq.runtime.activations.laaq import apply_activation_policy, remove_activation_policy
 
     apply_activation_policy(model, "int8")  # raises NotImplementedError for layers LAAQ cannot run
     remove_activation_policy(model)

@@ -1,7 +1,7 @@
 """What the search chooses between for one (layer, kind): 16 bits, a bit width and format, or recompute,
 and the exact bytes each choice keeps.
 
-Bytes are LAAQ's (agoq.activations.activation_bytes.predict_layer_bytes): what the kind keeps with this
+Bytes are LAAQ's (agoq.runtime.activations.activation_bytes.predict_layer_bytes): what the kind keeps with this
 option while the layer's other kinds are kept at 16 bits inside LAAQ's layer. One interaction is not
 additive: attention at 16 keeps its output, which is the o_proj input, so `o_proj_input` at 16 costs
 nothing more while attention is 16 (`bytes`), and its full size when attention is quantized
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.activations.policy import KEEP, KINDS, RECOMPUTABLE, RECOMPUTE, Setting
+from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.runtime.activations.policy import KEEP, KINDS, RECOMPUTABLE, RECOMPUTE, Setting
 
 FORMATS = ("int", "nf4")
 DEFAULT_BITS = (2, 3, 4, 5, 6, 8)
@@ -49,7 +49,7 @@ KEEP_OPTION = Option("16", 16, "bf16")
 
 def kind_options(kind: str, bits: list[int] | tuple[int, ...], formats: list[str] | tuple[str, ...]) -> list[Option]:
     """The options of one kind: 16, each bit width in `bits` per format (nf4 is 4-bit only), and recompute
-    where agoq.activations.policy.RECOMPUTABLE allows it."""
+    where agoq.runtime.activations.policy.RECOMPUTABLE allows it."""
     if kind not in KINDS:
         raise ValueError(f"unknown tensor kind {kind!r}; the kinds are {', '.join(KINDS)}")
     out = [KEEP_OPTION]

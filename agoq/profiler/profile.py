@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from agoq.activations.policy import KINDS, split_layers
-from agoq.activations.saved_bytes import find_decoder_layers
+from agoq.runtime.activations.policy import KINDS, split_layers
+from agoq.runtime.activations.saved_bytes import find_decoder_layers
 from agoq.environment import hardware, software_versions
 from agoq.formats.profile import SCHEMA, load_profile, write_profile_files
 from agoq.profiler.host_link import measure_host_link

@@ -23,15 +23,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from agoq.activations.laaq import (
+from agoq.runtime.activations.laaq import (
     apply_activation_policy,
     observe_kept_tensors,
     remove_activation_policy,
 )
-from agoq.activations.policy import KEEP, ActivationPolicy
-from agoq.activations.saved_bytes import find_decoder_layers
+from agoq.runtime.activations.policy import KEEP, ActivationPolicy
+from agoq.runtime.activations.saved_bytes import find_decoder_layers
 from agoq.profiler.model_source import next_token_loss
-from agoq.quant.codec import dequantize, quantize
+from agoq.runtime.quant.codec import dequantize, quantize
 
 REPLAYABLE = ("norm_input", "qkv_input", "o_proj_input", "ffn1_input", "silu_input", "ffn2_input")
 

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
-from agoq.activations.policy import RECOMPUTE, ActivationPolicy
-from agoq.activations.saved_bytes import track_saved_tensors
+from agoq.runtime.activations.laaq import apply_activation_policy, remove_activation_policy
+from agoq.runtime.activations.policy import RECOMPUTE, ActivationPolicy
+from agoq.runtime.activations.saved_bytes import track_saved_tensors
 from agoq.profiler.model_source import (
     load_model,
     next_token_loss,

@@ -15,15 +15,15 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from agoq.activations.laaq import (
+from agoq.runtime.activations.laaq import (
     apply_activation_policy,
     observe_kept_tensors,
     remove_activation_policy,
 )
-from agoq.activations.saved_bytes import find_decoder_layers
+from agoq.runtime.activations.saved_bytes import find_decoder_layers
 from agoq.profiler.model_source import next_token_loss
 from agoq.profiler.options import Option
-from agoq.quant.codec import dequantize, quantize
+from agoq.runtime.quant.codec import dequantize, quantize
 
 
 def squared_error(x: torch.Tensor, option: Option, block: int, x64: torch.Tensor | None = None) -> float:

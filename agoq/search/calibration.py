@@ -61,7 +61,7 @@ from typing import Optional
 
 import numpy as np
 
-from agoq.activations.policy import KINDS
+from agoq.runtime.activations.policy import KINDS
 from agoq.formats.measured_steps import POLICIES
 from agoq.formats.profile import ProfileData
 from agoq.search.cost_model import model_problem

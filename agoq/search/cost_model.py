@@ -7,7 +7,7 @@ layer is checkpointed, in which case none is (the layer then keeps only its inpu
 
   memory of stage s = in_flight[s] x (bytes the stage's layers keep per micro-batch)
                       + the stage's share of weights, gradients (by gradient mode), masters and moments (by
-                        optimizer and masters: agoq.optim.state_bytes, as the profile records them)
+                        optimizer and masters: agoq.runtime.optim.state_bytes, as the profile records them)
                       + the rest of the eager step's peak (agoq.models.step_peak.head_and_workspace_bytes: the
                         chunked LM head's tensors at this micro-batch and the calibrated workspace), and for QuanGrad
                         the bf16 gradients the calibration step had not made yet at its peak
@@ -54,8 +54,8 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.activations.policy import KEEP, KINDS, RECOMPUTE
+from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.runtime.activations.policy import KEEP, KINDS, RECOMPUTE
 from agoq.formats.measured_steps import COMPILE_MODES
 from agoq.formats.profile import ProfileData
 from agoq.models.step_peak import head_and_workspace_bytes, head_peak_bytes, head_shape_of, removed_copy_bytes
@@ -296,7 +296,7 @@ def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     memory = per_mb * flight[layer]
     seconds = np.zeros(len(rows))  # a layer's options are priced by its layer's dQ (the module docstring)
     # recompute rebuilds the tensor from its stored source by the forward's own function: exact (bit for bit on the
-    # CPU, tests/activations/test_laaq.py). What the profile measured for it is the floor of any measurement that
+    # CPU, tests/runtime/activations/test_laaq.py). What the profile measured for it is the floor of any measurement that
     # reruns forward and backward on a GPU (nondeterministic backward kernels), not an error of the option
     error = np.where(np.array(option) == RECOMPUTE, 0.0, rows["sensitivity"].to_numpy(float))
 

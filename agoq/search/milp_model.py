@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
 
-from agoq.activations.policy import KINDS
+from agoq.runtime.activations.policy import KINDS
 from agoq.search.highs import lp_pool, milp
 from agoq.search.milp_levels import Levels, count_priced
 from agoq.search.milp_offload import Enumeration

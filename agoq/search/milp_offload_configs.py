@@ -42,7 +42,7 @@ from typing import Optional
 
 import numpy as np
 
-from agoq.activations.policy import KINDS
+from agoq.runtime.activations.policy import KINDS
 from agoq.search.milp_uniform import _alike, _nested_caps, _nested_least, settings
 
 BLOCK = 1 << 13  # settings whose per-layer errors are computed together

@@ -56,7 +56,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint
 from scipy.sparse import coo_matrix
 
-from agoq.activations.policy import KINDS
+from agoq.runtime.activations.policy import KINDS
 from agoq.search.problem import ChoiceProblem
 
 OBJECTIVES = ("error", "time")

@@ -50,7 +50,7 @@ from typing import Optional
 import numpy as np
 from scipy.optimize import OptimizeResult
 
-from agoq.activations.policy import KINDS
+from agoq.runtime.activations.policy import KINDS
 
 CHUNK = 1 << 12  # settings given their exact least error at once, best bound first
 

@@ -37,7 +37,7 @@ from typing import Optional
 
 import numpy as np
 
-from agoq.activations.policy import KINDS
+from agoq.runtime.activations.policy import KINDS
 from agoq.formats.profile import ProfileData
 from agoq.search.calibration import margin
 from agoq.search.costs import build_problem, state_parts, static_bytes_total

@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from agoq.activations.policy import KINDS, RECOMPUTE, stage_aware_policy
+from agoq.runtime.activations.policy import KINDS, RECOMPUTE, stage_aware_policy
 from agoq.search.memory_parts import stage_entry
 
 
@@ -45,7 +45,7 @@ class ProblemSettings:
 
 @dataclass(frozen=True)
 class OffloadPrices:
-    """What keeping a layer's saved tensors in pinned host memory costs (agoq.activations.offload), per the profile's
+    """What keeping a layer's saved tensors in pinned host memory costs (agoq.runtime.activations.offload), per the profile's
     measured host link (agoq.profiler.host_link). Offloaded layers are a prefix (layers 0..K-1 of the one stage):
     their tensors leave first in forward and are needed last in backward.
 
@@ -54,7 +54,7 @@ class OffloadPrices:
       step seconds += grad_accum x exposed + B x seconds_per_byte + K x layer_seconds   (K: layers offloaded)
       peak: offloaded layers keep nothing on the GPU at the end of forward, where what the link has not yet
             copied out is still on the GPU: + max(0, B - forward_link_bytes); backward's first prefetch starts when
-            the top layer's backward does (agoq.activations.offload), the LM head's tensors freed and its gradients
+            the top layer's backward does (agoq.runtime.activations.offload), the LM head's tensors freed and its gradients
             made, and brings back one layer before backward has freed anything: the start of backward (phase
             backward_start) adds the largest offloaded layer's bytes and the top layer's end_of_backward bytes
             (negative where the head's tensors outweigh its gradients) to the end of forward's peak, and so does

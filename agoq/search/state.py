@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from agoq.formats.profile import ProfileData
-from agoq.optim.state_bytes import check_combination
+from agoq.runtime.optim.state_bytes import check_combination
 from agoq.search.layouts import resolve_layout
 from agoq.vocabulary import GRADIENT_MODES
 
@@ -50,7 +50,7 @@ def optimizer_choices(gradient_mode: str, layout: Optional[str] = None) -> list[
 def state_parts(profile: ProfileData, mode: str, optimizer: Optional[str] = None,
                 master: Optional[str] = None) -> dict:
     """Bytes of the whole model's weights, gradients (gradient mode `mode`), masters, moments and the optimizer
-    step's transient (see agoq.optim.state_bytes), from the profile's memory section. Profiles written before it
+    step's transient (see agoq.runtime.optim.state_bytes), from the profile's memory section. Profiles written before it
     recorded `state` give masters as master_bytes, moments as optimizer_bytes_adamw / _adamw8bit and torch AdamW's
     float32 gradient copies as master_bytes."""
     if mode not in GRADIENT_MODES:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from agoq.activations.policy import KINDS
+from agoq.runtime.activations.policy import KINDS
 from agoq.formats.profile import ProfileData
 from agoq.progress import progress_bar
 from agoq.search.costs import ProblemSettings, build_problem, gradient_modes, optimizer_choices

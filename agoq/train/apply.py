@@ -7,7 +7,7 @@ order (each is a keyword-only `apply_*` function of its own):
   2. checkpointing  the layers recomputed whole in backward; it wraps whatever forward step 1 left
   3. compile        torch.compile each decoder layer on its own: it traces the forward steps 1-2 made
   4. offload        where the kept tensors live: chosen layers' saved tensors go to pinned host memory
-                    (agoq.activations.offload); it wraps each layer's call, compiled or not, from outside
+                    (agoq.runtime.activations.offload); it wraps each layer's call, compiled or not, from outside
   5. parallel       this rank's strategy (agoq.train.parallel) of the run's dims (agoq.parallel_dims): replicas,
                     shards or a pipeline stage of the model as transformed above, with the gradient storage
 
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from agoq.activations import checkpointing
-from agoq.activations.compile import compile_decoder_layers, mark_cudagraph_step
-from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
-from agoq.activations.offload import ActivationOffload, remove_offload
-from agoq.activations.offload import apply_offload as offload_layers
-from agoq.activations.policy import ActivationPolicy
+from agoq.runtime.activations import checkpointing
+from agoq.runtime.activations.compile import compile_decoder_layers, mark_cudagraph_step
+from agoq.runtime.activations.laaq import apply_activation_policy, remove_activation_policy
+from agoq.runtime.activations.offload import ActivationOffload, remove_offload
+from agoq.runtime.activations.offload import apply_offload as offload_layers
+from agoq.runtime.activations.policy import ActivationPolicy
 from agoq.train.parallel import ParallelStrategy, World, apply_parallel
 from agoq.train.plan_settings import RunSpec
 

@@ -62,7 +62,7 @@ class MemoryConfig:
     policy: str | None = None
     gradients: str | None = None
     checkpoint_all: bool = False
-    # decoder layers whose saved activations go to host memory (agoq.activations.offload): the flag's text (all,
+    # decoder layers whose saved activations go to host memory (agoq.runtime.activations.offload): the flag's text (all,
     # all-but-last, none, indices and ranges like 0-5,8), read into layer indices once (plan_settings.reconcile)
     offload: str | None = None
     host_budget: int | None = None  # bytes of pinned host memory offload may use (None: no cap; the flag is GB)

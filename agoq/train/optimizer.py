@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from agoq.optim.master_weights import MasterWeights
+from agoq.runtime.optim.master_weights import MasterWeights
 from agoq.train.config import OptimizerConfig
 from agoq.train.flat_shards import FlatShard
 
@@ -128,7 +128,7 @@ class FusedAdamW8bitStep(OptimizerStep):
     fused = True
 
     def __init__(self, params: list[torch.Tensor], optim: OptimizerConfig, seed: int):
-        from agoq.optim.adamw8bit import FusedAdamW8bit
+        from agoq.runtime.optim.adamw8bit import FusedAdamW8bit
 
         self.optimizer = FusedAdamW8bit(params, lr=optim.lr, betas=BETAS, eps=EPS, weight_decay=optim.weight_decay,
                                         masters=optim.master == "fp32", seed=seed)
@@ -142,7 +142,7 @@ class ShardedAdamWStep(OptimizerStep):
 
     def __init__(self, params: list[torch.Tensor], optim: OptimizerConfig, seed: int, quantized: bool,
                  node_size: int | None):
-        from agoq.optim.sdp4bit import SDP4BitOptimizer
+        from agoq.runtime.optim.sdp4bit import SDP4BitOptimizer
 
         self.params = params
         self.optimizer = SDP4BitOptimizer(params, lr=optim.lr, betas=BETAS, eps=EPS, weight_decay=optim.weight_decay,
@@ -178,8 +178,8 @@ class FSDPAdamW8bitStep(FusedAdamW8bitStep):
     reshardable = False
 
     def __init__(self, params: list[torch.Tensor], optim: OptimizerConfig, seed: int):
-        from agoq.comm.fsdp_weight_gather import unwrap
-        from agoq.optim.adamw8bit import FusedAdamW8bit
+        from agoq.runtime.comm.fsdp_weight_gather import unwrap
+        from agoq.runtime.optim.adamw8bit import FusedAdamW8bit
 
         self.optimizer = FusedAdamW8bit([unwrap(p).detach() for p in params], lr=optim.lr, betas=BETAS, eps=EPS,
                                         weight_decay=optim.weight_decay, masters=optim.master == "fp32", seed=seed)

@@ -109,7 +109,7 @@ class ParallelStrategy:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.qgrads = None
         if gradients == "quangrad8":
-            from agoq.comm.quangrad import QuantizedGradients
+            from agoq.runtime.comm.quangrad import QuantizedGradients
 
             self.qgrads = QuantizedGradients(self.params, overlap=self.overlaps_quantized_reduce)
 
@@ -177,7 +177,7 @@ class ParallelStrategy:
         summed in float64 (the fused step: one reduction over the stored gradients), then over the ranks."""
         grads = self.norm_tensors(grads)
         if fused:
-            from agoq.optim.fused_adamw import grad_norm_sq
+            from agoq.runtime.optim.fused_adamw import grad_norm_sq
 
             sq = grad_norm_sq(grads)
         else:
@@ -291,7 +291,7 @@ class FullyShardedDataParallel(ParallelStrategy):
     its float32 update stochastically into them. Gradients are reduce-scattered by FSDP2 in `dtype`
     (--gradients bf16) or by SDP4Bit's TLq-HS from float32 (--gradients sdp4bit, int8 inside a node of
     `node_size` ranks, int4 across). `weight_gather` "int8" (or "int4") all-gathers the weight matrices as block
-    codes and scales instead of `dtype` (agoq.comm.fsdp_weight_gather, ZeRO++'s qwZ). The activation plan or policy was applied to the layers before they
+    codes and scales instead of `dtype` (agoq.runtime.comm.fsdp_weight_gather, ZeRO++'s qwZ). The activation plan or policy was applied to the layers before they
     were sharded; checkpoints hold each rank's DTensor shards.
     """
 
@@ -301,8 +301,8 @@ class FullyShardedDataParallel(ParallelStrategy):
                  node_size: int | None, optimizer: str, master: str, weight_gather: str = "bf16"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        from agoq.comm.fsdp import default_mesh, fully_shard_quantized
-        from agoq.comm.fsdp_collectives import _require_protocol
+        from agoq.runtime.comm.fsdp import default_mesh, fully_shard_quantized
+        from agoq.runtime.comm.fsdp_collectives import _require_protocol
 
         _require_protocol()  # FSDP2's custom reduce-scatter (torch >= 2.9): a clear message before anything is sharded
         if world.size > 1:

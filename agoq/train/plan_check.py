@@ -3,7 +3,7 @@
 After each step the run knows its peak (the largest allocated bytes of any step so far, the first included: it
 compiles and allocates the optimizer state) and its step time (`steady_seconds`: the median of the second half of
 the steps so far, the steady state; a process whose compiled graphs came from Inductor's cache can run its first
-seconds of steps slower, agoq.activations.compile). Once
+seconds of steps slower, agoq.runtime.activations.compile). Once
 CHECK_STEPS steps have run (or the run ends sooner), and again at the end, it compares them with the plan's
 predictions and its budget:
 
@@ -18,7 +18,7 @@ plans from an H200 profile ran 2-6 % slower than predicted on an H100. `agoq sea
 measurements back into the search's calibration.
 
 A run on the CPU records its step against the prediction but is not warned about it: there agoq's quantization runs as
-its PyTorch reference code (agoq.quant.reference), not its GPU kernels, and the step model, which prices a layer's
+its PyTorch reference code (agoq.runtime.quant.reference), not its GPU kernels, and the step model, which prices a layer's
 options alike (agoq.search.timing), does not hold: `agoq demo`'s CPU plan ran -45 % and +120 % off its CPU profile's
 prediction in two demos. A CPU run checks that training with a plan works; its step says nothing of a GPU's.
 """

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from agoq.activations.offload import parse_offload_layers
+from agoq.runtime.activations.offload import parse_offload_layers
 from agoq.formats.plan import new_plan
 from agoq.layout import ParallelLayout, check_plan_world, plan_parallel_default, state_kind
 from agoq.train.config import JobConfig
@@ -197,7 +197,7 @@ def _num_layers(cfg: JobConfig, plan) -> int:
 
 
 def resolve_offload(cfg: JobConfig, decided: dict[str, Any], plan=None) -> Offload:
-    """The run's offload: `--offload` read into layer indices once (agoq.activations.offload.parse_offload_layers),
+    """The run's offload: `--offload` read into layer indices once (agoq.runtime.activations.offload.parse_offload_layers),
     else the plan's offloaded layers (`decided`, a list of indices, taken as it is); its host budget `--host-budget`
     (bytes), else the plan's `host_budget_bytes` where the plan's layers are offloaded. `--host-budget` for a plan
     that offloads nothing, with no `--offload`, is refused."""
@@ -306,7 +306,7 @@ def plan_for_policy(policy, model, gradients: str, micro_batch: int, seq_len: in
     `source.method` is "policy" and `source.objective` the policy's name; nothing is predicted. Validated as any
     plan is (agoq.formats.plan.new_plan); returned as its JSON data.
     """
-    from agoq.activations.saved_bytes import find_decoder_layers
+    from agoq.runtime.activations.saved_bytes import find_decoder_layers
     from agoq.models import fingerprint
 
     num_layers = len(find_decoder_layers(model))

@@ -21,7 +21,7 @@ from torch import nn
 
 from agoq.formats.plan import Plan, load_plan
 from agoq.layout import ParallelLayout
-from agoq.activations.offload import ActivationOffload
+from agoq.runtime.activations.offload import ActivationOffload
 from agoq.train.apply import Placement, apply_plan
 from agoq.train.config import JobConfig
 from agoq.train.data import Batches, BatchShape, Corpus, load_corpus
@@ -68,7 +68,7 @@ def read_plan(plan) -> tuple[Plan | None, str]:
 
 def _policy(name: str, num_layers: int, stages: int, micro_batches: int, layer_stage: list[int] | None):
     """The --policy of a run: a preset, a policy .json, or stage-aware (per-stage bits from the 1F1B counts)."""
-    from agoq.activations.policy import as_policy, stage_aware_policy
+    from agoq.runtime.activations.policy import as_policy, stage_aware_policy
     from agoq.files import read_json_object
     from agoq.schedules import in_flight
 
@@ -99,7 +99,7 @@ def _check_model(plan: Plan | None, where: str, model: nn.Module, spec: dict,
     """Refuse a plan made for another model or layer count, or a shape or pipeline this model cannot take
     (`seq_len_flag` False: the sequence length is the plan's, and is named as its field); returns the pipeline stage
     of each decoder layer (None: no pipeline)."""
-    from agoq.activations.policy import split_layers
+    from agoq.runtime.activations.policy import split_layers
 
     layers = model.config.num_hidden_layers
     layer_stage = None

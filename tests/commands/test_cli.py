@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from agoq.activations.policy import ActivationPolicy
+from agoq.runtime.activations.policy import ActivationPolicy
 from agoq.cli import main
 
 

@@ -79,7 +79,7 @@ def test_more_layers_than_the_model_has_are_refused_before_any_work(tmp_path, ca
     import random
 
     import agoq.profiler.profile
-    from agoq.activations.saved_bytes import find_decoder_layers
+    from agoq.runtime.activations.saved_bytes import find_decoder_layers
     from agoq.models import PRESETS
     from agoq.profiler.model_source import load_model
 

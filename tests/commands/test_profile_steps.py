@@ -108,7 +108,7 @@ def test_repeats_alternate_the_order_and_keep_the_least_median(seed):
 @pytest.fixture()
 def fast_compile(monkeypatch):
     """Each decoder layer compiled with the aot_eager backend: the same graphs as Inductor's input, in seconds."""
-    from agoq.activations import compile as compile_module
+    from agoq.runtime.activations import compile as compile_module
     from agoq.train import apply
 
     real = compile_module.compile_decoder_layers

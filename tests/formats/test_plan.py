@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import agoq
-from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.activations.checkpointing import apply_checkpointing
-from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.runtime.activations.checkpointing import apply_checkpointing
+from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE
 from agoq.formats.plan import SCHEMA, Plan, load_plan, plan_from_dict
 from agoq.train.apply import apply_plan, remove_plan
 from agoq.models import build, fingerprint

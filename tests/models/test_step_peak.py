@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import agoq.models.loss_chunks as loss_chunks
-from agoq.activations.activation_bytes import LayerShape
-from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
-from agoq.activations.saved_bytes import track_saved_tensors
-from agoq.comm.quangrad import QuantizedGradients
+from agoq.runtime.activations.activation_bytes import LayerShape
+from agoq.runtime.activations.laaq import apply_activation_policy, remove_activation_policy
+from agoq.runtime.activations.saved_bytes import track_saved_tensors
+from agoq.runtime.comm.quangrad import QuantizedGradients
 from agoq.models.llama import LlamaConfig, LlamaForCausalLM
 from agoq.profiler.memory import predicted_activation_bytes
 from agoq.models.step_peak import HeadShape, extra_bytes, head_peak_bytes

@@ -2,7 +2,7 @@
 
 import random
 
-from agoq.activations.policy import KEEP, KINDS, RECOMPUTE, ActivationPolicy
+from agoq.runtime.activations.policy import KEEP, KINDS, RECOMPUTE, ActivationPolicy
 from agoq.profiler.additivity import (
     QUADRATURE_FACTOR,
     QUADRATURE_FACTOR_WITH_RECOMPUTE,

@@ -5,12 +5,12 @@ import math
 
 import pandas as pd
 
-from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE
 from agoq.files import json_safe
 from agoq.formats.profile import COLUMNS, load_profile
 from agoq.models import build, fingerprint
-from agoq.quant.qtensor import quantized_nbytes
+from agoq.runtime.quant.qtensor import quantized_nbytes
 
 
 def test_json_header(tiny_profile):

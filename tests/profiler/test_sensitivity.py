@@ -5,8 +5,8 @@ import random
 
 import torch
 
-from agoq.activations.laaq import apply_activation_policy, remove_activation_policy
-from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.runtime.activations.laaq import apply_activation_policy, remove_activation_policy
+from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE
 from agoq.profiler.model_source import load_model, token_batches
 from agoq.profiler.sensitivity import (
     Measurement,

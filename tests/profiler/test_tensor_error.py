@@ -10,7 +10,7 @@ from agoq.models.llama import apply_rotary
 from agoq.profiler.model_source import token_batches
 from agoq.profiler.options import Option
 from agoq.profiler.tensor_error import measure_tensor_errors
-from agoq.quant.codebook import nf4_levels
+from agoq.runtime.quant.codebook import nf4_levels
 
 
 def _fake_quant64(x: torch.Tensor, bits: int, fmt: str, block: int) -> torch.Tensor:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
-from agoq.activations.policy import KINDS, RECOMPUTABLE, split_layers
+from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_bytes
+from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE, split_layers
 from agoq.models import build, fingerprint
 
 BITS = (8, 6, 5, 4, 3, 2)

@@ -109,7 +109,7 @@ def test_stage_memory_and_time_closed_form(tmp_path):
         nbytes = row["bytes_unshared"] if not (kind == "o_proj_input" and l in shares) else 0
         expected_layer[l] += in_flight[layer_stage[l]] * nbytes
         expected_err += 0.0 if opt == "recompute" else row["sensitivity"]  # recompute is exact
-    from agoq.activations.activation_bytes import LayerShape, predict_layer_bytes
+    from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_bytes
     from agoq.models import resolve_config
     shape = LayerShape.from_config(resolve_config(header["model"]["config"]), 2, header["settings"]["seq_len"])
     plain = sum(predict_layer_bytes(shape, None).values())
@@ -284,7 +284,7 @@ def test_recompute_adds_no_error_whatever_the_profile_measured(tmp_path):
     problem = build_problem(load_profile(folder))
     want = {(int(r.layer), r.kind, str(r.option)): (0.0 if r.option == "recompute" else r.sensitivity)
             for r in table.itertuples()}
-    from agoq.activations.policy import KINDS
+    from agoq.runtime.activations.policy import KINDS
 
     got = {(int(l), KINDS[k], o): e for l, k, o, e in zip(problem.layer, problem.kind, problem.option, problem.error)}
     assert got.keys() <= want.keys() and any(o == "recompute" for _, _, o in got), seed

@@ -12,7 +12,7 @@ import pytest
 
 from agoq.formats.profile import load_profile
 from agoq.models import build
-from agoq.optim.state_bytes import state_table
+from agoq.runtime.optim.state_bytes import state_table
 from agoq.search.costs import build_problem
 from agoq.search.knobs import KnobSpace, combinations, solve_knobs, tokens_per_second
 from agoq.search.milp import InfeasibleBudget

@@ -17,7 +17,7 @@ import pytest
 from agoq.formats.plan import plan_from_dict
 from agoq.formats.profile import load_profile
 from agoq.models import build
-from agoq.optim.state_bytes import state_table
+from agoq.runtime.optim.state_bytes import state_table
 from agoq.search.costs import build_problem
 from agoq.search.knobs import KnobSpace, combinations
 from agoq.search.memory_parts import whole_bytes

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE
 from agoq.search.costs import ChoiceProblem
 from agoq.search.milp import InfeasibleBudget, Solver
 from agoq.search.milp_model import FIRST_GAP

@@ -8,7 +8,7 @@ import pytest
 
 import agoq.search.milp_model as milp_model
 import agoq.search.milp_uniform as milp_uniform
-from agoq.activations.policy import KINDS, RECOMPUTABLE
+from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE
 from agoq.search.costs import ChoiceProblem
 from agoq.search.milp import InfeasibleBudget, Solver
 from agoq.search.milp_uniform import tie_break as ENUMERATED

@@ -158,7 +158,7 @@ def test_attention_is_kept_unless_asked_for(tmp_path):
     """Attention's quantized options are offered only with quantize_attention on (off by default, read from words
     and JSON alike): off, the search's problems have no attention option but 16 and its plans keep attention at 16
     bits at every budget; on, every measured option is back."""
-    from agoq.activations.policy import KINDS
+    from agoq.runtime.activations.policy import KINDS
     from agoq.search.costs import build_problem
     from agoq.search.knobs import budget_bounds, combinations
 

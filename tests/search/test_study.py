@@ -13,7 +13,7 @@ import random
 import optuna
 import pytest
 
-from agoq.activations.policy import KINDS
+from agoq.runtime.activations.policy import KINDS
 from agoq.cli import main
 from agoq.formats.profile import load_profile
 from agoq.search.costs import ProblemSettings, build_problem, compile_modes, optimizer_choices

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-import agoq.activations.compile as compile_module
-from agoq.activations.checkpointing import apply_checkpointing as checkpoint_layers
-from agoq.activations.laaq import apply_activation_policy
-from agoq.activations.policy import KINDS, RECOMPUTABLE, ActivationPolicy
+import agoq.runtime.activations.compile as compile_module
+from agoq.runtime.activations.checkpointing import apply_checkpointing as checkpoint_layers
+from agoq.runtime.activations.laaq import apply_activation_policy
+from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE, ActivationPolicy
 from agoq.layout import ParallelLayout
 from agoq.models import build
 from agoq.train import apply

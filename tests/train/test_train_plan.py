@@ -48,7 +48,7 @@ def _searched_plan(tmp_path):
 def compile_calls(monkeypatch):
     """Counts the layers the trainer compiles; compiles with aot_eager (Inductor's cold CPU compile of each layer
     would take most of a minute here: the same graphs, traced the same way)."""
-    import agoq.activations.compile as compile_module
+    import agoq.runtime.activations.compile as compile_module
     from agoq.train import apply
 
     calls = []
@@ -75,7 +75,7 @@ def test_a_searched_plan_trains_with_everything_it_records(tmp_path, compile_cal
 
     def spy(cfg, world):  # the model as prepare hands it over: the plan's checkpointing and policy in place
         prepared = real_prepare(cfg, world)
-        from agoq.activations.saved_bytes import find_decoder_layers
+        from agoq.runtime.activations.saved_bytes import find_decoder_layers
 
         layers = find_decoder_layers(prepared.model)
         applied.append([getattr(layer, "_agoq_checkpointed", False) for layer in layers])
@@ -201,7 +201,7 @@ def test_a_policy_run_records_the_optimizer_and_masters_it_used(tmp_path):
 
 
 def test_plan_for_policy_writes_the_optimizer_given():
-    from agoq.activations.policy import as_policy
+    from agoq.runtime.activations.policy import as_policy
     from agoq.train.plan_settings import plan_for_policy
 
     model = build("llama-tiny")
@@ -261,7 +261,7 @@ def test_compile_defaults_to_the_device_and_mode_unless_a_flag_or_plan_says():
 
 def _offloading_plan(tmp_path, offloaded=(0, 1), name="plan.json", **sections) -> Path:
     """`_plan` (layer 1 checkpointed) with `offloaded` layers and a host budget, at a batch whose saved tensors pass
-    offload's 64 KiB floor (micro-batch 4 x 131 tokens: agoq.activations.offload.MIN_BYTES)."""
+    offload's 64 KiB floor (micro-batch 4 x 131 tokens: agoq.runtime.activations.offload.MIN_BYTES)."""
     layers = [{"layer": i, "stage": 0, "checkpoint": i == 1, "offload": i in offloaded,
                "kinds": {} if i == 1 else {"norm_input": 4, "qkv_input": "recompute", "silu_input": 5}}
               for i in range(LAYERS)]
