@@ -74,6 +74,19 @@ def seed(request) -> int:
     return value
 
 
+@pytest.fixture(autouse=True)
+def compile_settings_restored():
+    """torch.compile's partitioner budget is a setting of the process (agoq.train.apply.apply_compile sets it for a
+    plan): each test ends with it as it began, so a test that profiles or trains under compile's budget does not
+    change what a later test compiles (a per-layer compiled step under budget 0.1 recomputes, and stochastic rounding
+    then draws its random numbers in another order than eager's)."""
+    import torch._functorch.config as functorch_config
+
+    before = functorch_config.activation_memory_budget
+    yield
+    functorch_config.activation_memory_budget = before
+
+
 @pytest.fixture(scope="session")
 def named_seed():
     """For fixtures shared by several tests (module or session scope), which run outside any one test's
