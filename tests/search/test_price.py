@@ -141,9 +141,16 @@ def test_a_checkpoint_measured_faster_than_keeping_is_priced_at_no_extra_time(tm
     seed, rng = fresh_rng()
     profile = _profile(tmp_path, rng)
     header = json.loads((profile.path / "profile.json").read_text())
-    for r in header["measured_steps"]["rows"]:  # a loaded CPU: every eager checkpoint-all step measured too fast
+    rows = header["measured_steps"]["rows"]
+
+    def split(r):
+        return (r["compile"], r["micro_batch"], r["grad_accum"], r["gradients"], r["optimizer"], r["master"],
+                r["activation_memory_budget"])
+
+    bf16 = {split(r): r["step_seconds"] for r in rows if r["policy"] == "bf16"}
+    for r in rows:  # a loaded CPU: every eager checkpoint-all step measured faster than bf16 at its split
         if r["compile"] == "eager" and r["policy"] == "checkpoint-all":
-            r["step_seconds"] *= rng.uniform(0.3, 0.9)
+            r["step_seconds"] = bf16[split(r)] * rng.uniform(0.5, 0.95)
     (profile.path / "profile.json").write_text(json.dumps(header))
     profile = load_profile(profile.path)
     knobs = ProblemSettings(micro_batch=2, compile_mode="eager", optimizer="adamw8bit", master="fp32")
