@@ -16,7 +16,8 @@ the loop:
   search        turn a profile and a memory budget into a plan (MILP, Optuna)
   train         train a model, in plain bf16 or with a plan, on one GPU or many (torchrun)
   dashboard     serve a web page of profiles, plans, searches and runs
-  demo          the whole loop on a tiny model on the CPU, then the dashboard command to see it
+  demo          what agoq buys on a GPU (predicted from shipped profiles), then the whole loop on a tiny model
+                on the CPU and the dashboard command to see it
 
 tools:
   activations   compare activation policies on a model: bytes kept for backward per layer and kind
