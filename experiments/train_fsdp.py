@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--transports", default="nvlink", help="nvlink, sockets or both, comma-separated")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer in every variant")
     parser.add_argument("--tiny", action="store_true", help="CPU check with gloo: llama-tiny, 12 steps")
     parser.add_argument("--out", default=str(RESULTS / "runs"))
     parser.add_argument("--name", default=None, help="results name (default train_fsdp[_TRANSPORT])")
@@ -91,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     data = tiny_shakespeare(args.data)
     common = common_args(model, data, seq_len=args.seq_len, micro_batch=args.micro_batch, steps=args.steps,
                          lr=args.lr, eval_every=eval_every, eval_batches=eval_batches, device=device)
+    if args.compile:
+        common.append("--compile")
     figures: dict = {"nproc": args.nproc, "model": model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-                     "steps": args.steps, "runs": {}, "comparisons": {}}
+                     "steps": args.steps, "compile": args.compile, "runs": {}, "comparisons": {}}
     for transport in transports:
         for variant in variants:
             figures["runs"][f"{transport}/{variant}"] = train_variant(
