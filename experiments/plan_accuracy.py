@@ -190,6 +190,20 @@ def describe(plan: dict) -> dict:
             "decision": (plan.get("decision") or {}).get("reason")}
 
 
+def chosen_alternatives(plan: dict, fastest: list[dict], always: str) -> list[dict]:
+    """The alternatives trained beside `plan`: `fastest` (the fastest fitting ones), then for each prefix of
+    `always` (comma-separated) the fastest alternative whose name starts with it, fitting or not, unless one is
+    already chosen."""
+    chosen = list(fastest)
+    for prefix in (p.strip() for p in always.split(",") if p.strip()):
+        if any(a["name"].startswith(prefix) for a in chosen):
+            continue
+        named = sorted((a for a in plan.get("alternatives") or [] if a["name"].startswith(prefix)),
+                       key=lambda a: (not a.get("fits"), -((a.get("predicted") or {}).get("tokens_per_second") or 0)))
+        chosen += named[:1]
+    return chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="probe", help="model preset or config.json, as agoq profile / train take it")
@@ -206,6 +220,10 @@ def main() -> None:
     ap.add_argument("--modes", default="default,eager", help="search modes: default, eager (--compile eager)")
     ap.add_argument("--search-args", default="", help="more `agoq search` flags for every budget, e.g. '--master any'")
     ap.add_argument("--alternatives", type=int, default=2, help="fastest fitting alternatives trained per plan")
+    ap.add_argument("--always", default="", metavar="PREFIXES",
+                    help="comma-separated alternative name prefixes trained beside every plan besides the fastest "
+                         "fitting ones, the fastest alternative of each prefix even when it does not fit (e.g. "
+                         "'ddp bf16,fsdp bf16' on a cluster: the layouts users run without agoq)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--nproc", type=int, default=1, help="train each plan under torchrun in this many processes (the "
                     "profile's world size)")
@@ -306,9 +324,9 @@ def main() -> None:
                 fitting = sorted((a for a in plan.get("alternatives") or [] if a.get("fits")),
                                  key=lambda a: -((a.get("predicted") or {}).get("tokens_per_second") or 0))
                 entry["alternatives"] = []
-                for k, alt in enumerate(fitting[:args.alternatives]):
+                for k, alt in enumerate(chosen_alternatives(plan, fitting[:args.alternatives], args.always)):
                     data = alternative_plan(plan, alt, schema_has_budget)
-                    row = {"name": alt["name"], "predicted_tokens_per_second": (alt.get("predicted") or {}).get(
+                    row = {"name": alt["name"], "fits": alt.get("fits"), "predicted_tokens_per_second": (alt.get("predicted") or {}).get(
                         "tokens_per_second")}
                     if data is None:
                         row["skipped"] = "agoq train cannot run torch.compile's activation_memory_budget from a plan"
