@@ -138,3 +138,20 @@ def test_search_what_if_refusals(two_rank_profile, tmp_path, capsys, extra, word
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_sweep_rows_are_the_plans_the_command_writes(two_rank_profile, tmp_path):
+    from agoq.search.whatif_sweep import sweep
+
+    profile = load_profile(two_rank_profile)
+    rows = sweep(profile, [1, 8], 4, "nvlink-h100+ib-ndr400", 2**30)
+    assert [(r["world_size"], r["layout"]) for r in rows] == [(1, "replicated"), (8, "replicated"), (8, "sharded"),
+                                                              (8, "fsdp")]
+    out = tmp_path / "plan.json"
+    assert _search(two_rank_profile, out, "--world-size", "8", "--node-size", "4", "--network",
+                   "nvlink-h100+ib-ndr400", "--layout", "sharded") == 0
+    plan = load_plan(out)
+    row = rows[2]
+    assert row["found"] and row["step_seconds"] == pytest.approx(plan.predicted.step_seconds, rel=1e-9)
+    assert row["tokens_per_second"] == pytest.approx(plan.decision.tokens_per_second * 8, rel=1e-9)
+    assert row["peak_bytes"] == max(plan.predicted.peak_bytes_per_stage)
