@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from agoq.units import format_bytes, parse_size
+from agoq.vocabulary import LAYOUTS
 from dashboard.figures import PALETTE, _figure
 from dashboard.markup import Page, esc, fmt_num, link, message, table
 
 MAX_WORLD = 4096
 DEFAULT_MAX_WORLD = 1024
-LAYOUTS = ("replicated", "sharded", "fsdp")
 
 
 def worlds_up_to(max_world: int) -> list[int]:

@@ -15,8 +15,8 @@ from agoq.formats.profile import ProfileData
 from agoq.search.network import Network
 from agoq.search.request import InfeasibleBudget, SearchRequest, knob_space
 from agoq.search.whatif import retarget
+from agoq.vocabulary import LAYOUTS
 
-LAYOUT_GRADIENTS = {"replicated": ("bf16", "quangrad8"), "sharded": ("sdp4bit",), "fsdp": ("bf16", "sdp4bit")}
 
 
 def plan_row(profile: ProfileData, world: int, node_size: int, network: Optional[Network | str], budget: int,
@@ -42,7 +42,7 @@ def plan_row(profile: ProfileData, world: int, node_size: int, network: Optional
 
 
 def sweep(profile: ProfileData, worlds: list[int], node_size: int, network: Optional[Network | str], budget: int,
-          layouts: tuple = ("replicated", "sharded", "fsdp")) -> list[dict]:
+          layouts: tuple = LAYOUTS) -> list[dict]:
     """`plan_row` for every world size and layout (a world of one rank has the replicated layout only)."""
     rows = []
     for world in worlds:
@@ -53,4 +53,4 @@ def sweep(profile: ProfileData, worlds: list[int], node_size: int, network: Opti
     return rows
 
 
-__all__ = ["plan_row", "sweep", "LAYOUT_GRADIENTS"]
+__all__ = ["plan_row", "sweep"]
