@@ -10,6 +10,7 @@ measured on (`agoq search --world-size N`, agoq.search.whatif), and says so.
                        bandwidth_bytes_per_second, rows, residuals per path {rms, worst} (relative), kernels
   extrapolated         which figures come from the model rather than a measurement at this size (sentences)
   check_first          what to run first on the real cluster to check the plan (agoq profile under torchrun)
+  check_then           what to do with that profile (search again from it; how to measure across nodes)
   launch               how to launch it over the nodes (MODEL, PLAN.json, HOST:PORT are placeholders)
 
 A plan without the section (every plan before 1.9, and any plan searched for its profile's own world) was made for
@@ -38,6 +39,7 @@ class WhatIf(_Part):
     fit: Optional[dict[str, Any]] = None
     extrapolated: list[str] = Field(default_factory=list)
     check_first: str
+    check_then: Optional[str] = None
     launch: Optional[str] = None
 
     @model_validator(mode="after")

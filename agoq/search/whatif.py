@@ -72,18 +72,30 @@ class WhatIf:
         return out
 
     def check_command(self, model: str) -> str:
-        """What to run first on the real cluster (one node) to check the plan: agoq profile under torchrun."""
-        return (f"torchrun --nproc-per-node {self.node_size} -m agoq.cli profile {model} --out PROFILE_DIR "
-                f"# on one node of the cluster; then agoq search --profile PROFILE_DIR --world-size {self.world} "
-                f"--node-size {self.node_size} to re-plan from its measured collectives")
+        """What to run first on the real cluster, on one of its nodes: agoq profile under torchrun, which measures
+        the node's collectives among its ranks (MODEL: the profile's model; PROFILE_DIR a placeholder)."""
+        return f"torchrun --nproc-per-node {self.node_size} -m agoq.cli profile {model} --out PROFILE_DIR"
 
-    def launch_command(self) -> str:
-        """How the plan is launched on the cluster (MODEL, PLAN.json and HOST:PORT are placeholders)."""
-        return (f"torchrun --nnodes {self.nodes} --nproc-per-node {self.node_size} --rdzv-backend c10d "
-                "--rdzv-endpoint HOST:PORT -m agoq.train MODEL --plan PLAN.json")
+    def check_then(self) -> str:
+        """What to do with that profile (and how to measure the link between nodes too)."""
+        across = (f"; to measure the link between nodes as well, run it over two nodes (torchrun --nnodes 2 "
+                  f"--nproc-per-node {self.node_size} --rdzv-endpoint HOST:PORT ...)") if self.nodes > 1 else ""
+        return (f"then plan again from it: agoq search --profile PROFILE_DIR --world-size {self.world} "
+                f"--node-size {self.node_size} (its own fitted links inside the node){across}")
 
-    def record(self) -> dict:
-        """The plan's `whatif` section (agoq.formats.plan_whatif)."""
+    def launch_command(self, plan=None) -> str:
+        """How `plan` (its derived launch line, agoq.parallel_dims.launch_of; None: agoq train's plain line) is
+        launched over the cluster's nodes (MODEL, PLAN.json and HOST:PORT are placeholders)."""
+        nodes = (f"torchrun --nnodes {self.nodes} --nproc-per-node {self.node_size} --rdzv-backend c10d "
+                 "--rdzv-endpoint HOST:PORT")
+        single = f"torchrun --nproc-per-node {self.world} "
+        line = "" if plan is None else str((plan.to_dict().get("launch") or {}).get("command") or "")
+        if line.startswith(single):
+            return nodes + " " + line[len(single):]
+        return f"{nodes} -m agoq.train MODEL --plan PLAN.json"
+
+    def record(self, plan=None) -> dict:
+        """`plan`'s `whatif` section (agoq.formats.plan_whatif)."""
         return {"measured_world_size": self.measured_world, "world_size": self.world, "node_size": self.node_size,
                 "nodes": self.nodes, "profile": self.profile_path, "measured_device": self.device,
                 "network": {"name": self.network.name, "source": self.network.source,
@@ -93,7 +105,8 @@ class WhatIf:
                                       "latency_seconds": self.network.inter.latency}},
                 "fit": None if self.fit is None else self.fit.summary(),
                 "extrapolated": self.extrapolated(), "check_first": self.check_command(self.model_spec),
-                "launch": self.launch_command()}
+                "check_then": self.check_then(),
+                "launch": self.launch_command(plan)}
 
     def lines(self) -> list[str]:
         """The printout's what-if lines."""
@@ -112,8 +125,9 @@ class WhatIf:
         out = self.lines()
         if per_rank:
             out.append(f"  cluster: {per_rank * data_ranks:,.0f} tokens/s predicted over {data_ranks} data ranks "
-                       f"({per_rank:,.0f} per rank); launch: {self.launch_command()}")
-        out.append(f"  not measured on that cluster: run first, on one of its nodes: {self.check_command(self.model_spec)}")
+                       f"({per_rank:,.0f} per rank); launch: {self.launch_command(plan)}")
+        out.append(f"  not measured on that cluster: run first, on one of its nodes: "
+                   f"{self.check_command(self.model_spec)}; {self.check_then()}")
         return out
 
 
@@ -159,7 +173,13 @@ def retarget(profile: ProfileData, world: int, node_size: Optional[int] = None,
         raise ValueError("a what-if plan re-targets data parallelism; this profile was made for pipeline stages: "
                          "profile without --pipeline-stages")
     table = profile.collectives
-    fit = fit_collectives(table) if table is not None and len(table) else None
+    fit = None
+    if table is not None and len(table):
+        try:
+            fit = fit_collectives(table)
+        except ValueError:
+            if network is None:  # the profile's own link is all there is: say why it cannot be had
+                raise
     if isinstance(network, str):
         network = parse_network(network)
     if network is None:
@@ -182,12 +202,9 @@ def mark_plans(outcome, whatif: WhatIf) -> None:
     """Every plan of a search outcome (the plan and the front's) says it is `whatif`'s (plan section `whatif`)."""
     from agoq.formats.plan_whatif import WhatIf as Section
 
-    section = Section(**whatif.record())
-    outcome.plan.whatif = section
-    for candidate in outcome.candidates:
-        plan = getattr(candidate, "plan", None)
-        if plan is not None and plan is not outcome.plan:
-            plan.whatif = section
+    plans = [outcome.plan] + [c.plan for c in outcome.candidates if getattr(c, "plan", None) is not None]
+    for plan in {id(p): p for p in plans}.values():
+        plan.whatif = Section(**whatif.record(plan))
 
 
 __all__ = ["WhatIf", "retarget", "mark_plans", "modelled_table", "default_node_size", "check_sizes", "MODEL_SIZES"]

@@ -120,6 +120,9 @@ def test_search_world_size_writes_a_plan_that_says_it_is_a_what_if(two_rank_prof
     assert "IEEE 802.3" in w.network["source"] and w.fit["rows"] > 0 and w.extrapolated
     data = json.loads(out.read_text())
     assert data["schema"] == "agoq.plan/1.9" and data["whatif"]["check_first"].startswith("torchrun")
+    assert "--world-size 16 --node-size 4" in data["whatif"]["check_then"] and "--nnodes 2" in w.check_then
+    assert data["whatif"]["launch"].startswith("torchrun --nnodes 4 --nproc-per-node 4")
+    assert data["whatif"]["launch"].endswith(data["launch"]["command"].split("--nproc-per-node 16 ", 1)[1])
     # without --world-size nothing changes: no what-if
     plain = tmp_path / "plain.json"
     assert _search(two_rank_profile, plain) == 0
