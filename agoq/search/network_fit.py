@@ -7,7 +7,8 @@ reduce-scatter, all-gather) the model's time is linear in the link's two unknown
   t = s x alpha + b x (1 / beta)      s: message steps, b: bytes one rank sends (agoq.search.network's ring terms)
 
 and alpha, 1 / beta >= 0 are fitted by non-negative least squares on the relative error (each row divided by its
-measured seconds, so a 1 MiB message counts as much as a 1 GiB one). A quantized path (quangrad8, sdp4bit) then
+measured seconds, so a 1 MiB message counts as much as a 1 GiB one); an all-reduce takes the ring's terms, then,
+refitted until the choice settles, the tree's where the fitted link runs it faster (as the model prices it). A quantized path (quangrad8, sdp4bit) then
 gets its kernels from what the wire does not explain: residual r = t - wire(t) fitted as fixed + per_value x n
 (n values; non-negative least squares, relative). `Fit.rows` holds every row's measured and modelled seconds.
 """
@@ -16,13 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
-from agoq.search.network import NCCL_PATHS, OPERATIONS, Cluster, Kernel, Link, Network, wire_seconds
+from agoq.search.network import NCCL_PATHS, OPERATIONS, WIRE_BYTES, Kernel, Link, Network
 
-_UNIT_STEPS = Link(1e300, 1.0)   # wire_seconds with this link = message steps
-_UNIT_BYTES = Link(1.0, 0.0)     # ... with this one = bytes sent
+FIT_ROUNDS = 5  # refits as the all-reduces' ring-or-tree choice settles
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -31,11 +32,22 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return nnls(a, b)[0]
 
 
-def link_features(op: str, path: str, message_bytes: float, world: int) -> tuple[float, float]:
-    """(steps, bytes) of `op` on `path` on one node of `world` ranks: its time is steps x alpha + bytes / beta."""
-    steps = wire_seconds(op, path, message_bytes, Cluster(world, world, _UNIT_STEPS, _UNIT_STEPS))
-    nbytes = wire_seconds(op, path, message_bytes, Cluster(world, world, _UNIT_BYTES, _UNIT_BYTES))
-    return steps, nbytes
+def link_features(op: str, path: str, message_bytes: float, world: int,
+                  link: Optional[Link] = None) -> tuple[float, float]:
+    """(steps, bytes) of NCCL's `op` on `path` among `world` ranks of one node: its time is steps x alpha +
+    bytes / beta. Ring terms (all-reduce 2 (P - 1) steps and 2 (P - 1) / P of the bytes, the others P - 1 and
+    (P - 1) / P), or, for an all-reduce that `link` runs faster as a tree (agoq.search.network), the tree's
+    (2 ceil(log2 P) steps, 2 x the bytes)."""
+    if path not in NCCL_PATHS:
+        raise ValueError(f"a link is fitted to NCCL's own paths ({', '.join(NCCL_PATHS)}), not {path}")
+    nbytes = message_bytes / 4.0 * WIRE_BYTES[path]
+    if op != "all_reduce":
+        return world - 1, (world - 1) / world * nbytes
+    ring = (2 * (world - 1), 2 * (world - 1) / world * nbytes)
+    tree = (2 * math.ceil(math.log2(world)), 2 * nbytes) if world > 1 else ring
+    if link is not None and link.seconds(*tree) < link.seconds(*ring):
+        return tree
+    return ring
 
 
 def fit_link(samples: list[tuple[float, float, float]]) -> Link:
@@ -110,8 +122,13 @@ def fit_collectives(table) -> Fit:
     rows = [r for r in table.to_dict("records") if int(r.get("world_size", world)) == world
             and (r["op"], r["path"]) in OPERATIONS and float(r["seconds"]) > 0]
     nccl = [r for r in rows if r["path"] in NCCL_PATHS]
-    link = fit_link([(*link_features(r["op"], r["path"], float(r["message_bytes"]), world), float(r["seconds"]))
-                     for r in nccl])
+    link = None
+    for _ in range(FIT_ROUNDS):  # ring features first; then each all-reduce as the fitted link would run it
+        features = [link_features(r["op"], r["path"], float(r["message_bytes"]), world, link) for r in nccl]
+        fitted = fit_link([(*f, float(r["seconds"])) for f, r in zip(features, nccl)])
+        if fitted == link:
+            break
+        link = fitted
     wire = Network(link, link, "fit", "fit")
     kernels = {}
     for op, path in sorted({(r["op"], r["path"]) for r in rows if r["path"] not in NCCL_PATHS}):
