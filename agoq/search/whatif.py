@@ -153,9 +153,10 @@ def check_sizes(world: int, node_size: Optional[int]) -> None:
         if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
             raise ValueError(f"--node-size must be a whole number >= 1, got {node_size!r}")
         if world % node_size:
+            near = sorted({n * node_size for n in (world // node_size, world // node_size + 1) if n >= 1})
             raise ValueError(f"--world-size {world} is not a multiple of --node-size {node_size}: every node holds "
                              f"the same number of ranks; give a world size of whole nodes (e.g. "
-                             f"{max(1, world // node_size) * node_size} or {(world // node_size + 1) * node_size})")
+                             f"{' or '.join(map(str, near))}), or another --node-size")
 
 
 def retarget(profile: ProfileData, world: int, node_size: Optional[int] = None,
