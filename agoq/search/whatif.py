@@ -13,8 +13,8 @@ What the re-targeted profile prices, per rank (the search then runs as on any pr
                  in flight by the layer sizes (agoq.search.layouts)
 
 The modelled table has the profile table's columns (op, path, world_size, message_bytes, seconds, backend
-"model") at message sizes 64 KiB .. 256 GiB, a factor 2 apart, so the table's log-log interpolation reads the model
-within a fraction of a percent. `WhatIf` records what was measured and what is extrapolated, for the plan.
+"model") at message sizes 64 KiB .. 256 GiB, a factor 2^(1/4) apart, so the table's log-log interpolation reads the
+model within a fraction of a percent (also where an all-reduce turns from tree to ring). `WhatIf` records what was measured and what is extrapolated, for the plan.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from agoq.search.network import OPERATIONS, Network
 from agoq.search.network_fit import Fit, fit_collectives
 from agoq.search.network_spec import parse_network
 
-MODEL_SIZES = tuple(1 << s for s in range(16, 39))  # 64 KiB .. 256 GiB of float32
+MODEL_SIZES = tuple(int(round(2 ** (s / 4))) // 4 * 4 for s in range(64, 153))  # 64 KiB .. 256 GiB, 2^(1/4) apart
 MODEL_PATHS = tuple(sorted(op_path for op_path in OPERATIONS if op_path[1] != "int8-weights"))  # what the search reads
 MAX_WORLD = 1 << 20
 

@@ -54,7 +54,7 @@ def test_retarget_prices_communication_from_the_network_and_shards_the_state(two
     seed, rng = fresh_rng()
     profile = load_profile(two_rank_profile)
     g = rng.choice([1, 2, 4, 8])
-    n = g * rng.randint(1, 16)
+    n = g * rng.randint(2, 16)
     intra_gbps, inter_gbps = rng.uniform(50, 500), rng.uniform(1, 50)
     intra_us, inter_us = rng.uniform(1, 10), rng.uniform(3, 30)
     spec = f"intra={intra_gbps}@{intra_us},inter={inter_gbps}@{inter_us}"
