@@ -43,8 +43,8 @@ sharded state 1/N). The plan says it is a what-if (plan "whatif": measured and p
 extrapolated, what to run first on the real cluster). Without --world-size the search plans for the profile's world.
 
 Example:  agoq search --profile runs/probe-profile --budget 30GiB --out runs/probe-plan/plan.json
-          agoq search --profile runs/probe-2gpu --budget 60GB --world-size 64 --node-size 8 \
-              --network nvlink-h100+ib-ndr400 --out runs/whatif/plan.json
+          agoq search --profile runs/probe-2gpu --budget 60GB --out runs/whatif/plan.json
+              --world-size 64 --node-size 8 --network nvlink-h100+ib-ndr400    (a what-if, one command line)
 """
 
 from __future__ import annotations
