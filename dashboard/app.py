@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dashboard import errors, pages, routes_api, routes_pages, routes_plan
+from dashboard import errors, pages, routes_api, routes_pages, routes_plan, routes_whatif
 from dashboard.access import Access, guard
 from dashboard.errors import http_errors, validation_errors
 from dashboard.limits import MAX_BODY_BYTES, BodyLimit
@@ -48,6 +48,7 @@ def create_app(root: str | os.PathLike, token: str | None = None, allowed_hosts:
     app.include_router(routes_api.router)
     app.include_router(routes_plan.router)
     app.include_router(routes_pages.router)
+    app.include_router(routes_whatif.router)  # /whatif, /api/whatif
     app.openapi = lambda: errors.document_errors(app, FastAPI.openapi(app))
     return app
 

@@ -131,6 +131,8 @@ def profile(data: dict[str, Any], start: dict[str, Any] | None = None) -> str:
                      fmt_num(s["parameters"]), esc(s["device"]), fmt_num(settings.get("micro_batch")),
                      fmt_num(settings.get("seq_len")), esc(s["date"])]]))
     planner_section(page, data["id"], start)
+    page.add(f'<p><a href="{esc(link("/whatif", id=data["id"]))}">what-if: plans for clusters this profile was not '
+             'measured on</a></p>')
     steps = (s.get("memory") or {}).get("steps") or []
     if steps:
         page.add("<h2>Measured steps</h2>")

@@ -35,7 +35,16 @@ CSV and the study.
 The printout says what the plan is and why; the notes on how the cost model was calibrated from the profile's
 measured steps are summed up in one line (all of them with --verbose; the plan file keeps them in source.notes).
 
+What-if (--world-size N, --node-size G, --network SPEC): plan for N ranks in nodes of G from a profile of fewer
+(agoq.search.whatif): compute per rank from the profile's measured steps, every collective from a latency-bandwidth
+model (NCCL's ring and tree terms, two levels: inside a node and across nodes) fitted to the profile's measured
+collectives (the fit and its residuals are printed) or on the --network links, memory per rank from the layout (a
+sharded state 1/N). The plan says it is a what-if (plan "whatif": measured and planned world, the network, what is
+extrapolated, what to run first on the real cluster). Without --world-size the search plans for the profile's world.
+
 Example:  agoq search --profile runs/probe-profile --budget 30GiB --out runs/probe-plan/plan.json
+          agoq search --profile runs/probe-2gpu --budget 60GB --out runs/whatif/plan.json
+              --world-size 64 --node-size 8 --network nvlink-h100+ib-ndr400    (a what-if, one command line)
 """
 
 from __future__ import annotations
@@ -168,11 +177,40 @@ def configure(parser: argparse.ArgumentParser) -> None:
     field("front_budgets", default=8,
           help="budgets of the MILP memory/error Pareto front (default 8; 0: none)")
     field("seed", default=0, help="seed of the Optuna sampler and the measured runs")
+    add_whatif_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--verbose", action="store_true",
                         help="print every note of the cost model's calibration (by default one line sums them up; "
                              "the plan file keeps them all in source.notes)")
     parser.set_defaults(func=run)
+
+
+def add_whatif_arguments(parser: argparse.ArgumentParser) -> None:
+    """--world-size, --node-size, --network: plan for a cluster the profile was not measured on."""
+    from agoq.search.network_spec import SPEC_HELP
+
+    parser.add_argument("--world-size", type=positive_int, default=None, metavar="N",
+                        help="plan for N ranks (a what-if from a profile of fewer; default: the profile's world)")
+    parser.add_argument("--node-size", type=positive_int, default=None, metavar="G",
+                        help="ranks per node of that cluster; N must be a multiple (default: the profiled machine's "
+                             "GPU count, at most N)")
+    parser.add_argument("--network", default=None, metavar="SPEC",
+                        help=f"the cluster's links: {SPEC_HELP} (default: the profile's own link, fitted to its "
+                             "measured collectives)")
+
+
+def whatif_profile(args: argparse.Namespace, profile):
+    """(profile, WhatIf) re-targeted as --world-size / --node-size / --network ask, or (profile, None) when none is
+    given; ValueError naming the flag otherwise."""
+    if args.world_size is None and args.node_size is None and args.network is None:
+        return profile, None
+    if args.validate or args.measure_trials:
+        raise ValueError("--validate and --measure-trials run plans on this machine: a what-if plan for another "
+                         "cluster (--world-size, --node-size, --network) cannot be run here; drop one or the other")
+    from agoq.search.whatif import retarget
+
+    world = profile.world_size if args.world_size is None else args.world_size
+    return retarget(profile, world, args.node_size, args.network)
 
 
 def read_request(args: argparse.Namespace) -> SearchRequest:
@@ -249,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
         if other:
             raise ValueError(f"--runs {' '.join(other)}: trained another model than the profile's "
                              f"({profile.model_name}, fingerprint {profile.fingerprint})")
+    profile, whatif = whatif_profile(args, profile)
     measure = None
     if request.validate or request.measure_trials:  # the search runs plans with agoq train's own step
         from agoq.train.measure import measure_plan as measure
@@ -267,6 +306,10 @@ def run(args: argparse.Namespace) -> int:
     if roomier is not None:
         said.append(roomier)
     keep_notes(outcome.plan, said)  # the search kept its own notes in the plan; these go with them
+    if whatif is not None:
+        from agoq.search.whatif import mark_plans
+
+        mark_plans(outcome, whatif)
     written = write_outputs(outcome, out)
     plan = outcome.plan
     pred = plan.predicted
@@ -327,6 +370,9 @@ def run(args: argparse.Namespace) -> int:
               f"{m.step_seconds:.4f} s, loss deviation from bf16 {m.loss_deviation:.3%}")
     if outcome.trials_total:
         print(f"  optuna: {outcome.trials_run} trial(s) run now, {outcome.trials_total} in the study")
+    if whatif is not None:
+        for line in whatif.summary_lines(plan):
+            print(line)
     print_notes(outcome.notes, said, len(measured_rows(profile.header)), args.verbose)
     print(f"wrote {written['plan']}, {written['pareto']} and {written['plans']}/")
     return 0

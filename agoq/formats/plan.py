@@ -1,4 +1,4 @@
-"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.8``, docs/formats.md).
+"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.9``, docs/formats.md).
 
 A plan says, for one model (by fingerprint), how each decoder layer keeps each tensor kind for
 backward (a bit width 2..8, 16, or "recompute"), which layers are checkpointed whole, how gradients are
@@ -19,7 +19,9 @@ layers, backward's first prefetch in flight). Since 1.6 a searched plan names th
 may be set in the backward of an offloaded layer (memory phase `offload_backward`, with its `layer` where it is
 layer 0 or 1; memory part `offload_backward`). Since 1.8 a plan gives its ranks as dimensions (`parallel`:
 replicate, shard, pipeline, tensor, ranks_per_node, engine; agoq.parallel_dims.ParallelDims), and its `launch` is
-derived from them; a plan before 1.8 has its `launch` read into them on load.
+derived from them; a plan before 1.8 has its `launch` read into them on load. Since 1.9 a plan made for a cluster its
+profile was not measured on says so (`whatif`, agoq.formats.plan_whatif: measured vs planned world, the network, what
+is extrapolated, what to run first on the real cluster).
 
     plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
     plan.activation_policy()               # what the runtime applies: agoq.train.apply.apply_plan
@@ -68,10 +70,11 @@ from agoq.formats.plan_sections import (
     TrainingSpec,
     _Part,
 )
+from agoq.formats.plan_whatif import WhatIf
 from agoq.parallel_dims import ParallelDims, launch_of
 from agoq.vocabulary import FSDP, GRADIENT_MODES, PIPELINE
 
-SCHEMA = "agoq.plan/1.8"
+SCHEMA = "agoq.plan/1.9"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
 NO_OFFLOAD_PARALLEL = (FSDP, PIPELINE)  # launch.parallel modes offload cannot run in (agoq.train.preparation)
@@ -97,6 +100,7 @@ class Plan(_Part):
     decision: Optional[Decision] = None
     alternative: Optional[Alternative] = None       # the fastest alternative that fits the budget (None: none fits)
     alternatives: list[Alternative] = Field(default_factory=list)  # every alternative priced, fitting or not
+    whatif: Optional[WhatIf] = None  # made for a cluster the profile was not measured on (1.9; None: its own world)
 
     model_config = ConfigDict(extra="allow", validate_assignment=True, populate_by_name=True)
 
@@ -345,6 +349,6 @@ def is_plan_file(path: str | os.PathLike) -> bool:
 
 __all__ = ["SCHEMA", "Plan", "LayerPlan", "ModelRef", "ActivationsSpec", "GradientsSpec", "PipelineSpec",
            "ParallelSpec", "TrainingSpec", "Predicted", "StageMemory", "Measured", "Source", "OptimizerSpec",
-           "Decision", "Alternative", "Figures", "load_plan", "plan_from_dict", "new_plan", "is_plan_file",
+           "Decision", "Alternative", "Figures", "WhatIf", "load_plan", "plan_from_dict", "new_plan", "is_plan_file",
            "GRADIENT_MODES", "SCHEDULES",
            "MEMORY_PHASES", "NO_OFFLOAD_PARALLEL"]

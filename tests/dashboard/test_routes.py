@@ -25,6 +25,7 @@ OPERATIONS = [
      "api_plan_range_api_plan_range_get"),
     ("/api/plan/save", "post", "Save the plan at a budget as ROOT/plans/NAME", ["api"],
      "api_plan_save_api_plan_save_post"),
+    ("/api/whatif", "get", "A profile's what-if plans over world sizes", ["api"], "api_whatif_api_whatif_get"),
 ]
 
 # (path, what a GET of it answers on an empty root) of the pages and static files, kept out of the document; a
@@ -35,6 +36,7 @@ HIDDEN = [
     ("/search", 400),
     ("/plan", 400),
     ("/runs", 200),
+    ("/whatif", 400),  # the what-if page of one profile
     ("/static/plotly.min.js", 200),
     ("/static/dashboard.js", 200),
     ("/static/planner.js", 200),

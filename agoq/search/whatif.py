@@ -1,0 +1,211 @@
+"""Plan for a cluster one has not profiled: a profile of W ranks re-targeted to N ranks (`agoq search --world-size N
+[--node-size G] [--network SPEC]`).
+
+What the re-targeted profile prices, per rank (the search then runs as on any profile):
+
+  compute        the profile's measured steps, unchanged: every rank runs the profiled micro-batch (and the
+                 search's micro-batch x accumulation) on its own GPU, whatever N is
+  communication  every collective the search reads (agoq.search.collective_times) from a table modelled at N
+                 ranks in nodes of G (agoq.search.network): the profile's own link fitted to its measured
+                 collectives (agoq.search.network_fit), or the --network links with the fitted kernels of the
+                 quantized paths
+  memory         the layout's dimensions at N: a sharded state is 1/N per rank (agoq.search.state), FSDP2's units
+                 in flight by the layer sizes (agoq.search.layouts)
+
+The modelled table has the profile table's columns (op, path, world_size, message_bytes, seconds, backend
+"model") at message sizes 64 KiB .. 256 GiB, a factor 2^(1/4) apart, so the table's log-log interpolation reads the
+model within a fraction of a percent (also where an all-reduce turns from tree to ring). `WhatIf` records what was measured and what is extrapolated, for the plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import pandas as pd
+
+from agoq.formats.profile import ProfileData
+from agoq.search.network import OPERATIONS, Network
+from agoq.search.network_fit import Fit, fit_collectives
+from agoq.search.network_spec import parse_network
+
+MODEL_SIZES = tuple(int(round(2 ** (s / 4))) // 4 * 4 for s in range(64, 153))  # 64 KiB .. 256 GiB, 2^(1/4) apart
+MODEL_PATHS = tuple(sorted(op_path for op_path in OPERATIONS if op_path[1] != "int8-weights"))  # what the search reads
+MAX_WORLD = 1 << 20
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """A profile measured on `measured_world` ranks re-targeted to `world` ranks in nodes of `node_size` over
+    `network` (with the `fit` of the profile's collectives, None where it measured none)."""
+
+    measured_world: int
+    world: int
+    node_size: int
+    network: Network
+    fit: Optional[Fit]
+    profile_path: str
+    device: Optional[str] = None
+    model_spec: str = "MODEL"
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.node_size
+
+    def extrapolated(self) -> list[str]:
+        """Which figures of a plan come from the model rather than from a measurement at this size."""
+        out = [f"communication: every collective at {self.world} ranks ({self.nodes} node(s) of {self.node_size}) "
+               f"from the latency-bandwidth model ({self.network.name}), the profile measured {self.measured_world}",
+               "step time and tokens/s: measured compute per rank plus the modelled communication; data ranks "
+               f"{self.world} (tokens per step scale with them)",
+               f"memory per rank: the layout's state at {self.world} ranks (sharded and fsdp: the state measured "
+               f"whole, divided by {self.world}; replicated: whole, as measured)"]
+        if self.fit is None:
+            out.append("quantized collectives (quangrad8, sdp4bit): wire time only, their kernels were not measured "
+                       "(a profile of one rank)")
+        if self.nodes > 1:
+            out.append("across nodes: no network between nodes was measured; the inter link is "
+                       + ("the profile's own link, fitted on one node" if self.network.name == "profile"
+                          else f"{self.network.inter.describe()} ({self.network.source})"))
+        return out
+
+    def check_command(self, model: str) -> str:
+        """What to run first on the real cluster, on one of its nodes: agoq profile under torchrun, which measures
+        the node's collectives among its ranks (MODEL: the profile's model; PROFILE_DIR a placeholder)."""
+        return f"torchrun --nproc-per-node {self.node_size} -m agoq.cli profile {model} --out PROFILE_DIR"
+
+    def check_then(self) -> str:
+        """What to do with that profile (and how to measure the link between nodes too)."""
+        across = (f"; to measure the link between nodes as well, run it over two nodes (torchrun --nnodes 2 "
+                  f"--nproc-per-node {self.node_size} --rdzv-endpoint HOST:PORT ...)") if self.nodes > 1 else ""
+        return (f"then plan again from it: agoq search --profile PROFILE_DIR --world-size {self.world} "
+                f"--node-size {self.node_size} (its own fitted links inside the node){across}")
+
+    def launch_command(self, plan=None) -> str:
+        """How `plan` (its derived launch line, agoq.parallel_dims.launch_of; None: agoq train's plain line) is
+        launched over the cluster's nodes (MODEL, PLAN.json and HOST:PORT are placeholders)."""
+        nodes = (f"torchrun --nnodes {self.nodes} --nproc-per-node {self.node_size} --rdzv-backend c10d "
+                 "--rdzv-endpoint HOST:PORT")
+        single = f"torchrun --nproc-per-node {self.world} "
+        line = "" if plan is None else str((plan.to_dict().get("launch") or {}).get("command") or "")
+        if line.startswith(single):
+            return nodes + " " + line[len(single):]
+        return f"{nodes} -m agoq.train MODEL --plan PLAN.json"
+
+    def record(self, plan=None) -> dict:
+        """`plan`'s `whatif` section (agoq.formats.plan_whatif)."""
+        return {"measured_world_size": self.measured_world, "world_size": self.world, "node_size": self.node_size,
+                "nodes": self.nodes, "profile": self.profile_path, "measured_device": self.device,
+                "network": {"name": self.network.name, "source": self.network.source,
+                            "intra": {"bandwidth_bytes_per_second": self.network.intra.bandwidth,
+                                      "latency_seconds": self.network.intra.latency},
+                            "inter": {"bandwidth_bytes_per_second": self.network.inter.bandwidth,
+                                      "latency_seconds": self.network.inter.latency}},
+                "fit": None if self.fit is None else self.fit.summary(),
+                "extrapolated": self.extrapolated(), "check_first": self.check_command(self.model_spec),
+                "check_then": self.check_then(),
+                "launch": self.launch_command(plan)}
+
+    def lines(self) -> list[str]:
+        """The printout's what-if lines."""
+        out = [f"what-if: planned for {self.world} ranks ({self.nodes} node(s) of {self.node_size}), measured on "
+               f"{self.measured_world}; network {self.network.describe()}"]
+        if self.fit is not None:
+            out += ["  " + line for line in self.fit.lines()]
+        out += [f"  extrapolated: {e}" for e in self.extrapolated()]
+        return out
+
+    def summary_lines(self, plan) -> list[str]:
+        """The search's printout of a what-if plan: the what-if, the cluster's tokens/s, what to run first."""
+        dims = plan.dims()
+        data_ranks = dims.data_ranks if dims is not None else self.world
+        per_rank = plan.decision.tokens_per_second if plan.decision is not None else None
+        out = self.lines()
+        if per_rank:
+            out.append(f"  cluster: {per_rank * data_ranks:,.0f} tokens/s predicted over {data_ranks} data ranks "
+                       f"({per_rank:,.0f} per rank); launch: {self.launch_command(plan)}")
+        out.append(f"  not measured on that cluster: run first, on one of its nodes: "
+                   f"{self.check_command(self.model_spec)}; {self.check_then()}")
+        return out
+
+
+def default_node_size(profile: ProfileData, world: int) -> int:
+    """The profiled machine's GPUs (hardware.count; the profile's ranks where it says none), at most `world`."""
+    count = profile.header.get("hardware", {}).get("count") or profile.world_size
+    return max(1, min(int(count), world))
+
+
+def modelled_table(network: Network, world: int, node_size: int) -> pd.DataFrame:
+    """The collectives table the search reads, modelled at `world` ranks (see the module docstring)."""
+    rows = [{"op": op, "path": path, "world_size": world, "message_bytes": size,
+             "seconds": network.seconds(op, path, float(size), world, node_size), "backend": "model"}
+            for op, path in MODEL_PATHS for size in MODEL_SIZES]
+    return pd.DataFrame(rows)
+
+
+def check_sizes(world: int, node_size: Optional[int]) -> None:
+    """ValueError naming the flag when --world-size / --node-size cannot describe a cluster."""
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"--world-size must be a whole number from 1 to {MAX_WORLD}, got {world!r}")
+    if node_size is not None:
+        if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
+            raise ValueError(f"--node-size must be a whole number >= 1, got {node_size!r}")
+        if world % node_size:
+            near = sorted({n * node_size for n in (world // node_size, world // node_size + 1) if n >= 1})
+            raise ValueError(f"--world-size {world} is not a multiple of --node-size {node_size}: every node holds "
+                             f"the same number of ranks; give a world size of whole nodes (e.g. "
+                             f"{' or '.join(map(str, near))}), or another --node-size")
+
+
+def retarget(profile: ProfileData, world: int, node_size: Optional[int] = None,
+             network: Optional[str | Network] = None) -> tuple[ProfileData, WhatIf]:
+    """`profile` re-targeted to `world` ranks in nodes of `node_size` (None: `default_node_size`) over `network` (a
+    --network SPEC or a Network; None: the profile's own link, fitted to its collectives). Returns the new
+    ProfileData (the given one is left as it is) and its WhatIf. ValueError saying what to give otherwise."""
+    check_sizes(world, node_size)
+    if node_size is None:
+        node_size = default_node_size(profile, world)
+        if world % node_size:
+            raise ValueError(f"--world-size {world} is not a multiple of the profiled machine's {node_size} GPUs "
+                             "(the default node size): give --node-size")
+    if profile.settings.get("pipeline_stages", 1) not in (None, 1):
+        raise ValueError("a what-if plan re-targets data parallelism; this profile was made for pipeline stages: "
+                         "profile without --pipeline-stages")
+    table = profile.collectives
+    fit = None
+    if table is not None and len(table):
+        try:
+            fit = fit_collectives(table)
+        except ValueError:
+            if network is None:  # the profile's own link is all there is: say why it cannot be had
+                raise
+    if isinstance(network, str):
+        network = parse_network(network)
+    if network is None:
+        if fit is None:
+            fit_collectives(table)  # raises: says to give --network
+        network = fit.network()
+    elif fit is not None:
+        network = network.with_kernels(fit.kernels)
+    header = copy.deepcopy(profile.header)
+    header["settings"] = {**header.get("settings", {}), "world_size": world}
+    target = dataclasses.replace(profile, header=header, collectives=modelled_table(network, world, node_size),
+                                 notes=list(profile.notes), cache={})
+    device = profile.header.get("hardware", {}).get("name")
+    model = profile.header.get("model", {})
+    spec = str(model.get("spec") or model.get("name") or "MODEL")
+    return target, WhatIf(profile.world_size, world, node_size, network, fit, str(profile.path), device, spec)
+
+
+def mark_plans(outcome, whatif: WhatIf) -> None:
+    """Every plan of a search outcome (the plan and the front's) says it is `whatif`'s (plan section `whatif`)."""
+    from agoq.formats.plan_whatif import WhatIf as Section
+
+    plans = [outcome.plan] + [c.plan for c in outcome.candidates if getattr(c, "plan", None) is not None]
+    for plan in {id(p): p for p in plans}.values():
+        plan.whatif = Section(**whatif.record(plan))
+
+
+__all__ = ["WhatIf", "retarget", "mark_plans", "modelled_table", "default_node_size", "check_sizes", "MODEL_SIZES"]
