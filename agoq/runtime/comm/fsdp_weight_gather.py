@@ -46,7 +46,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from agoq.runtime.quant.layout import check_arguments, num_blocks
+from agoq.runtime.comm.weight_gather_codec import WireLayout, dequantize_gather, quantize_shard, wire_layout
+from agoq.runtime.quant.layout import check_arguments
 
 DEFAULT_BLOCK = 256  # values per float32 scale: 1.6 % of int8's bytes
 
@@ -67,10 +68,12 @@ class GatherSpec:
 
     def shard_numel(self, world: int) -> tuple[int, int]:
         """(values of a padded shard, those values rounded up to whole blocks) over `world` ranks."""
-        n = self.padded_rows(world)
-        for s in self.shape[1:]:
-            n *= s
-        return n, num_blocks(n, self.block) * self.block
+        lay = self.layout(world)
+        return lay.numel, lay.padded
+
+    def layout(self, world: int) -> WireLayout:
+        """Where this weight's codes and scales sit in a rank's all-gather input over `world` ranks."""
+        return wire_layout(self.bits, self.block, self.hadamard, self.shape, world)
 
 
 # ops whose tensor results stay wrapped: views, and how FSDP2 shards, pads and moves a parameter. Not zeros_like,
@@ -137,57 +140,43 @@ class QuantizedGatherWeight(torch.Tensor):
     # ---------------------------------------------------------------- FSDP2's all-gather extension
 
     def fsdp_pre_all_gather(self, mesh):
-        """This rank's padded shard -> (codes, scales): the all-gather inputs; the world size as metadata."""
-        from agoq.runtime.quant.codec import quantize_unchecked
-
+        """This rank's padded shard -> its one all-gather input (uint8 codes, then float32 scales); the world
+        size as metadata."""
         spec, local = self._spec, self._data
-        world = mesh.size()
-        if tuple(local.shape[1:]) != spec.shape[1:]:
+        if local.shape[1:] != spec.shape[1:]:
             raise NotImplementedError(f"the quantized weight all-gather shards dim 0 only: a shard of shape "
                                       f"{tuple(local.shape)} of a {spec.shape} weight; drop FSDP2's "
                                       "shard_placement_fn or --weight-gather")
-        padded = spec.shard_numel(world)[1]
-        flat = local.detach().reshape(-1)
-        if flat.numel() != padded:
-            flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
-        if spec.hadamard:
-            from agoq.runtime.comm.hadamard import hadamard32
-
-            flat = hadamard32(flat)  # padded is a whole number of blocks, hence of 32-groups
-        q = quantize_unchecked(flat, spec.bits, spec.block, "nearest", "int", check_finite=False)
-        return (q.data, q.scales), world
+        world = mesh.size()
+        return (quantize_shard(local, spec.layout(world)),), world
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """Every rank's codes and scales -> the unsharded weight in `param_dtype` (flat, R * C values; FSDP2
-        views it in the parameter's shape); into `out` when FSDP2 passes the unsharded parameter back."""
-        codes, scales = all_gather_outputs
-        spec = self._spec
-        full = gathered_weight(codes, scales, spec, metadata, param_dtype)  # metadata: the world size
-        if out is not None:  # `.data`: the same storage, not the version autograd checks for saved tensors
-            out.data.view(-1).copy_(full)
-            return None
-        return full, (full,)
+        """Every rank's bytes -> the unsharded weight in `param_dtype` (flat, R * C values; FSDP2 views it in the
+        parameter's shape), dequantized straight into `out` when FSDP2 passes the unsharded parameter back.
+        The gathered bytes are freed at once (FSDP2 allocates them again before the next all-gather): while the
+        weight is unsharded only the weight itself is held, as with FSDP2's own gather."""
+        (gathered,) = all_gather_outputs
+        world = metadata
+        lay = self._spec.layout(world)
+        if out is None:
+            full = torch.empty(lay.total, dtype=param_dtype, device=gathered.device)
+            dequantize_gather(gathered, lay, world, full)
+            result = full, (full,)
+        else:  # `.data`: the same storage, not the version autograd checks for saved tensors
+            dequantize_gather(gathered, lay, world, out.data)
+            result = None
+        # the kernel reading them is queued on this stream, where the caching allocator alone reuses the block
+        gathered.untyped_storage().resize_(0)
+        return result
 
 
-def gathered_weight(codes: torch.Tensor, scales: torch.Tensor, spec: GatherSpec, world: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """The flat unsharded weight (R * C values in `dtype`) from the all-gathered codes and scales of `world`
-    ranks: each rank's padded chunk dequantized (and inverse-transformed), its first values laid end to end."""
-    from agoq.runtime.quant.operators import dequantize_flat
-
-    numel, padded = spec.shard_numel(world)
-    values = dequantize_flat(codes, scales, spec.bits, spec.block, world * padded, "int",
-                             torch.float32 if spec.hadamard else dtype, "auto")
-    if spec.hadamard:
-        from agoq.runtime.comm.hadamard import hadamard32
-
-        values = hadamard32(values).to(dtype)  # H is its own inverse
-    total = 1
-    for s in spec.shape:
-        total *= s
-    if padded == numel:
-        return values[:total]
-    return values.view(world, padded)[:, :numel].reshape(-1)[:total]
+def gathered_weight(gathered: torch.Tensor, spec: GatherSpec, world: int, dtype: torch.dtype) -> torch.Tensor:
+    """The flat unsharded weight (R * C values in `dtype`) from the `world` ranks' all-gather inputs laid end to
+    end: each rank's padded chunk dequantized (and inverse-transformed), its first values laid end to end."""
+    lay = spec.layout(world)
+    full = torch.empty(lay.total, dtype=dtype, device=gathered.device)
+    dequantize_gather(gathered, lay, world, full)
+    return full
 
 
 def unwrap(t: torch.Tensor) -> torch.Tensor:
