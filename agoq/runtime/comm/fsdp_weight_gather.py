@@ -5,17 +5,23 @@ dimensions) in `QuantizedGatherWeight` before `fully_shard`; FSDP2 then shards t
 and, at every unshard (forward, and backward's re-gather after `reshard_after_forward`), calls its all-gather
 hooks instead of sending the shard in `param_dtype`:
 
-- `fsdp_pre_all_gather(mesh)`: this rank's shard, zero-padded to FSDP2's padded shard of R_pad = ceil(R / W)
-  rows (R rows over W ranks, torch.chunk's split) and then to whole blocks, n_pad = ceil(R_pad * C / block)
-  * block values, block-quantized by agoq.runtime.quant (symmetric absmax, one float32 scale per `block` values,
-  nearest rounding: code q = floor(x / s + 1/2) clamped to +-qmax, s = absmax / qmax, qmax = 2**(bits-1) - 1)
-  -> the all-gather inputs (packed codes: n_pad * bits / 8 bytes; scales: 4 bytes per block). With bits=4
-  the values are Hadamard-32 transformed before quantizing (`hadamard`), so an outlier spreads over its
-  32-group instead of setting a coarse scale for its block.
-- `fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`: the W ranks' codes and scales
-  -> q * s (inverse-transformed for int4) in `param_dtype`, the first R * C values of each rank's chunk
-  laid end to end: the unsharded weight the forward and backward compute with (written into `out`, FSDP2's
-  unsharded parameter, after the first gather).
+- `fsdp_pre_all_gather(mesh)`: this rank's shard, read as FSDP2's padded shard of R_pad = ceil(R / W) rows
+  (R rows over W ranks, torch.chunk's split; the missing rows are zeros) and then whole blocks,
+  n_pad = ceil(R_pad * C / block) * block values, block-quantized (symmetric absmax, one float32 scale per
+  `block` values, nearest rounding: code q = floor(x / s + 1/2) clamped to +-qmax, s = absmax / qmax,
+  qmax = 2**(bits-1) - 1) -> ONE all-gather input: uint8, the packed codes (n_pad * bits / 8 bytes) then
+  the scales (4 bytes per block); `weight_gather_codec` gives the exact layout. With bits=4 the values are
+  Hadamard-32 transformed before quantizing (`hadamard`), so an outlier spreads over its 32-group instead of
+  setting a coarse scale for its block. On CUDA it is one fused Triton kernel (`weight_gather_triton`): the
+  padding is a masked load and the transform a product in registers, so no padded, float32 or transformed
+  copy of the shard is made; elsewhere the torch reference.
+- `fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`: the W ranks' bytes -> q * s
+  (inverse-transformed for int4) in `param_dtype`, value j of rank r at r * R_pad * C + j for j < R_pad * C
+  (the first R * C values kept): the unsharded weight the forward and backward compute with. On CUDA one
+  kernel writes it straight into `out` (FSDP2's unsharded parameter, after the first gather) with the padding
+  dropped by masked stores: no full-size temporary. The gathered bytes are then freed (FSDP2 allocates them
+  again at the next unshard), so an unsharded weight holds param_dtype's 2 bytes per value, as with FSDP2's
+  own gather, not 2 + 1.016.
 
 Per value the gathered weight differs from the sharded one by at most s / 2 (+ the rounding to param_dtype),
 s = its block's absmax / qmax (int8: absmax / 254 at worst; int4 after Hadamard: the bound holds in the
@@ -23,11 +29,14 @@ transformed domain, and the orthonormal inverse keeps each 32-group's L2 error b
 Gradients are FSDP2's own: autograd differentiates the loss at the dequantized weight, FSDP2 reduce-scatters
 that gradient (in `reduce_dtype`) into the sharded float parameter, and the optimizer steps the unquantized
 shard (the straight-through estimator of quantization-aware training, with the quantizer only on the wire).
-Bytes per gathered value: bits / 8 + 4 / block (int8, block 256: 1.016 vs bf16's 2).
+Bytes per gathered value: bits / 8 + 4 / block (int8, block 256: 1.016 vs bf16's 2; int4: 0.516). Work per
+unshard of an N-value weight on W ranks: the quantize reads N / W values and writes N / W * (bits / 8 + 4 / block)
+bytes; the dequantize reads N * (bits / 8 + 4 / block) bytes and writes 2N (bf16); int4 adds 2 x 32 multiply-adds
+per value (IEEE float32).
 
 The hook uses FSDP2's one-argument form `fsdp_pre_all_gather(self, mesh)` (torch 2.4 to at least 2.13 call
 it; the five-argument form `(mesh, outer_size, outer_stride, module, mp_policy)` requires every all-gather
-input of an unevenly sharded parameter to have the padded shard's shape, which a scales tensor cannot): the
+input of an unevenly sharded parameter to have the padded shard's shape, which a byte buffer cannot): the
 wrapper pads to FSDP2's padded shard itself, knowing the full shape it was made from. Only dim-0 sharding
 is supported, and `reshard_after_forward` must be a bool (FSDP2 does not call the hooks from its
 post-forward shards of an int `reshard_after_forward`).
@@ -35,7 +44,13 @@ post-forward shards of an int `reshard_after_forward`).
 Outside the gather the wrapper behaves as the tensor it wraps: views, chunks, copies and new tensors made
 from it (what FSDP2 does to shard and pad it) stay wrapped, in-place updates (the optimizer's) go to the
 wrapped tensor, any other operation returns a plain tensor. `unwrap(t)` gives the plain tensor (for kernels
-that need a data pointer: agoq's fused 8-bit AdamW).
+that need a data pointer: agoq's fused 8-bit AdamW). Per step the wrapper's Python dispatch runs only for the
+optimizer's in-place updates of the shards (one call per foreach or fused kernel, e.g. one for torch's fused
+AdamW): FSDP2's copy-in reads the hook's plain bytes, and forward and backward compute with the plain
+unsharded tensors the post hook writes. FSDP2's first (lazy) initialisation copies a wrapped uneven shard into
+new padded storage; `fully_shard_quantized` runs it at sharding time, so optimizers built afterwards hold the
+final local tensors (with your own `fully_shard` calls, build an optimizer that captures `unwrap(p)` after the
+first forward).
 """
 
 from __future__ import annotations
