@@ -19,7 +19,8 @@ import triton.language as tl
 from agoq.runtime.comm.weight_gather_codec import GROUP, WireLayout, hadamard_on
 from agoq.runtime.quant.triton_common import nanmax
 
-BLOCKS_PER_PROGRAM = 4  # quantize: blocks per program
+BLOCKS_PER_PROGRAM = 4  # quantize: blocks per program, at least DOT_ROWS * 32 values (tl.dot's M >= 16)
+DOT_ROWS = 16
 TILE = 2048  # dequantize: values per program (a multiple of 32 and of 2)
 
 
@@ -55,8 +56,8 @@ def _quantize_shard(x_ptr, codes_ptr, scales_ptr, h_ptr, n, nblocks, BITS: tl.co
 def _dequantize_gather(bytes_ptr, words_ptr, out_ptr, h_ptr, numel, padded, total, row_bytes, scale_word0,
                        BITS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, HADAMARD: tl.constexpr,
                        QMAX: tl.constexpr, GROUP: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)  # rank
-    j = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)  # value index in the rank's padded shard
+    r = tl.program_id(1).to(tl.int64)  # rank (grid axis 1: at most 65535)
+    j = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)  # value index in the rank's padded shard
     inside = j < padded
     if BITS == 8:
         code = tl.load(bytes_ptr + r * row_bytes + j, mask=inside, other=QMAX).to(tl.int32)
@@ -82,10 +83,10 @@ def quantize_shard_triton(local: torch.Tensor, lay: WireLayout) -> torch.Tensor:
     if flat.numel() == 0:  # a rank with no rows: keep a valid pointer (every load is masked)
         flat = out[:0].new_zeros(1, dtype=torch.float32)
     scales = out[lay.code_bytes:].view(torch.float32)
-    grid = (triton.cdiv(lay.nblocks, BLOCKS_PER_PROGRAM),)
+    bpp = max(BLOCKS_PER_PROGRAM, DOT_ROWS * GROUP // lay.block)
+    grid = (triton.cdiv(lay.nblocks, bpp),)
     _quantize_shard[grid](flat, out, scales, hadamard_on(local.device), local.numel(), lay.nblocks, BITS=lay.bits,
-                          BLOCK=lay.block, BPP=BLOCKS_PER_PROGRAM, HADAMARD=lay.hadamard, QMAX=lay.qmax, GROUP=GROUP,
-                          num_warps=4)
+                          BLOCK=lay.block, BPP=bpp, HADAMARD=lay.hadamard, QMAX=lay.qmax, GROUP=GROUP, num_warps=4)
     return out
 
 
@@ -100,7 +101,7 @@ def dequantize_gather_triton(gathered: torch.Tensor, lay: WireLayout, world: int
         return
     flat = gathered.reshape(-1)
     words = flat.view(torch.float32)
-    grid = (world, triton.cdiv(lay.numel, TILE))
+    grid = (triton.cdiv(lay.numel, TILE), world)
     _dequantize_gather[grid](flat, words, out.view(-1), hadamard_on(gathered.device), lay.numel, lay.padded,
                              lay.total, lay.nbytes, lay.code_bytes // 4, BITS=lay.bits, BLOCK=lay.block, TILE=TILE,
                              HADAMARD=lay.hadamard, QMAX=lay.qmax, GROUP=GROUP, num_warps=8)
