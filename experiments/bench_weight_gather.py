@@ -22,6 +22,7 @@ CPU check (gloo, llama-tiny, a few iterations; times are not meaningful there):
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -108,6 +109,7 @@ def _steps(model_name: str, variant: str, device: torch.device, steps: int, micr
     from agoq.train.config import OptimizerConfig
     from agoq.train.parallel import apply_parallel
 
+    gc.collect()  # the previous variant's FSDP2 modules (reference cycles through their hooks)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

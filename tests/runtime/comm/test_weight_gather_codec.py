@@ -129,3 +129,36 @@ def test_triton_kernels_match_the_reference(world, seed):
             tol = ulp * ref.abs().double() + 1e-6 * float(ref.abs().max())
             assert ((out.cpu().double() - ref.double()).abs() <= tol).all()
             assert got.isfinite().all()
+
+
+class _Mesh:
+    def __init__(self, world):
+        self.world = world
+
+    def size(self):
+        return self.world
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_hooks_write_the_closed_form_into_fsdps_parameter_and_free_the_gathered_bytes(world, seed):
+    from agoq.runtime.comm.fsdp_weight_gather import GatherSpec, QuantizedGatherWeight
+
+    g = torch.Generator().manual_seed(seed)
+    for bits, block, hadamard in CASES:
+        w = torch.randn(53, 37, generator=g)
+        spec = GatherSpec(bits, block, hadamard, tuple(w.shape))
+        inputs = []
+        for shard in _shards(w, world):  # each rank's hook, on its own shard
+            (buf,), meta = QuantizedGatherWeight(shard.clone(), spec).fsdp_pre_all_gather(_Mesh(world))
+            assert meta == world and buf.dtype == torch.uint8
+            inputs.append(buf)
+        hook = QuantizedGatherWeight(_shards(w, world)[0].clone(), spec)
+        gathered = torch.cat(inputs)
+        first, inner = hook.fsdp_post_all_gather((gathered.clone(),), world, torch.float32)  # FSDP2's first gather
+        out = torch.full(w.shape, float("nan"))  # later gathers: into FSDP2's unsharded parameter
+        assert hook.fsdp_post_all_gather((gathered,), world, torch.float32, out=out) is None
+        assert gathered.untyped_storage().nbytes() == 0  # freed once dequantized
+        ref, slack, s = _closed_form(w, world, bits, block, hadamard)
+        tol = 1e-5 * s * (2 ** (bits - 1) - 1) + slack
+        assert first.shape == (w.numel(),) and inner[0] is first
+        assert ((first.double() - ref).abs() <= tol).all() and torch.equal(out.view(-1), first)
