@@ -55,6 +55,7 @@ first forward).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +184,11 @@ class QuantizedGatherWeight(torch.Tensor):
         # the kernel reading them is queued on this stream, where the caching allocator alone reuses the block
         gathered.untyped_storage().resize_(0)
         return result
+
+
+# FSDP2 reads the pre hook's signature at every unshard of every weight (inspect.signature: ~14 us from the source,
+# ~5 us from a stored one)
+QuantizedGatherWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(QuantizedGatherWeight.fsdp_pre_all_gather)
 
 
 def gathered_weight(gathered: torch.Tensor, spec: GatherSpec, world: int, dtype: torch.dtype) -> torch.Tensor:
