@@ -15,7 +15,7 @@ experiments/results/bench_weight_gather.json (--name) through experiments/record
 
 GPU (2 x H200, well under 10 minutes each; NVLink, then NCCL's socket transport on loopback):
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 experiments/bench_weight_gather.py
-    NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo \
+    NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo \\
         torchrun --nproc-per-node 2 experiments/bench_weight_gather.py --name bench_weight_gather_sockets
 CPU check (gloo, llama-tiny, a few iterations; times are not meaningful there):
     torchrun --nproc-per-node 2 experiments/bench_weight_gather.py --tiny
