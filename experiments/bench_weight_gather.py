@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from experiments.record import write_result  # noqa: E402
+from experiments.record import write_result
 
 VARIANTS = ("bf16", "int8", "int4")
 
@@ -86,7 +86,6 @@ def _layer_unshard(model_name: str, variant: str, device: torch.device, iters: i
            "weight_values": sum(p.numel() for p in layer.parameters() if p.dim() >= 2)}
     if variant != "bf16":
         out["hooks_ms"] = statistics.median(_timed(_hooks(layer, mesh, mp.param_dtype), device, iters))
-    del model, layer
     return out
 
 
@@ -133,7 +132,6 @@ def _steps(model_name: str, variant: str, device: torch.device, steps: int, micr
     ms = statistics.median(times[2:] if len(times) > 2 else times)
     out = {"step_ms": ms, "tokens_per_s": world.size * micro_batch * seq_len / ms * 1e3,
            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
-    del strategy, optimizer, model
     return out
 
 
