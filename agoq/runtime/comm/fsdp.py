@@ -88,12 +88,28 @@ def fully_shard_quantized(model: nn.Module, *, mesh=None, blocks: Sequence[nn.Mo
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    if all_gather != "exact":
+        _settle_local_shards(model)
     if reduce_scatter == "tlq-hs":
         from agoq.runtime.comm.fsdp_collectives import use_quantized_reduce_scatter
 
         use_quantized_reduce_scatter(model, group=mesh.get_group(), node_size=node_size, hadamard=hadamard,
                                      seed=seed)
     return model
+
+
+def _settle_local_shards(model: nn.Module) -> None:
+    """Run FSDP2's per-unit lazy initialisation now rather than at the first forward. For a parameter whose
+    local tensor is a subclass (agoq's gather wrapper) and whose shard is padded, that initialisation copies the
+    shard into a new padded tensor and swaps the DTensor's local tensor: done here, an optimizer built after
+    `fully_shard_quantized` holds the local tensors FSDP2 keeps (agoq's fused 8-bit AdamW captures them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            if group is not None and hasattr(group, "lazy_init"):
+                group.lazy_init()
 
 
 __all__ = ["fully_shard_quantized", "default_mesh", "REDUCE_SCATTERS", "ALL_GATHERS"]

@@ -5,17 +5,23 @@ dimensions) in `QuantizedGatherWeight` before `fully_shard`; FSDP2 then shards t
 and, at every unshard (forward, and backward's re-gather after `reshard_after_forward`), calls its all-gather
 hooks instead of sending the shard in `param_dtype`:
 
-- `fsdp_pre_all_gather(mesh)`: this rank's shard, zero-padded to FSDP2's padded shard of R_pad = ceil(R / W)
-  rows (R rows over W ranks, torch.chunk's split) and then to whole blocks, n_pad = ceil(R_pad * C / block)
-  * block values, block-quantized by agoq.runtime.quant (symmetric absmax, one float32 scale per `block` values,
-  nearest rounding: code q = floor(x / s + 1/2) clamped to +-qmax, s = absmax / qmax, qmax = 2**(bits-1) - 1)
-  -> the all-gather inputs (packed codes: n_pad * bits / 8 bytes; scales: 4 bytes per block). With bits=4
-  the values are Hadamard-32 transformed before quantizing (`hadamard`), so an outlier spreads over its
-  32-group instead of setting a coarse scale for its block.
-- `fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`: the W ranks' codes and scales
-  -> q * s (inverse-transformed for int4) in `param_dtype`, the first R * C values of each rank's chunk
-  laid end to end: the unsharded weight the forward and backward compute with (written into `out`, FSDP2's
-  unsharded parameter, after the first gather).
+- `fsdp_pre_all_gather(mesh)`: this rank's shard, read as FSDP2's padded shard of R_pad = ceil(R / W) rows
+  (R rows over W ranks, torch.chunk's split; the missing rows are zeros) and then whole blocks,
+  n_pad = ceil(R_pad * C / block) * block values, block-quantized (symmetric absmax, one float32 scale per
+  `block` values, nearest rounding: code q = floor(x / s + 1/2) clamped to +-qmax, s = absmax / qmax,
+  qmax = 2**(bits-1) - 1) -> ONE all-gather input: uint8, the packed codes (n_pad * bits / 8 bytes) then
+  the scales (4 bytes per block); `weight_gather_codec` gives the exact layout. With bits=4 the values are
+  Hadamard-32 transformed before quantizing (`hadamard`), so an outlier spreads over its 32-group instead of
+  setting a coarse scale for its block. On CUDA it is one fused Triton kernel (`weight_gather_triton`): the
+  padding is a masked load and the transform a product in registers, so no padded, float32 or transformed
+  copy of the shard is made; elsewhere the torch reference.
+- `fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`: the W ranks' bytes -> q * s
+  (inverse-transformed for int4) in `param_dtype`, value j of rank r at r * R_pad * C + j for j < R_pad * C
+  (the first R * C values kept): the unsharded weight the forward and backward compute with. On CUDA one
+  kernel writes it straight into `out` (FSDP2's unsharded parameter, after the first gather) with the padding
+  dropped by masked stores: no full-size temporary. The gathered bytes are then freed (FSDP2 allocates them
+  again at the next unshard), so an unsharded weight holds param_dtype's 2 bytes per value, as with FSDP2's
+  own gather, not 2 + 1.016.
 
 Per value the gathered weight differs from the sharded one by at most s / 2 (+ the rounding to param_dtype),
 s = its block's absmax / qmax (int8: absmax / 254 at worst; int4 after Hadamard: the bound holds in the
@@ -23,11 +29,14 @@ transformed domain, and the orthonormal inverse keeps each 32-group's L2 error b
 Gradients are FSDP2's own: autograd differentiates the loss at the dequantized weight, FSDP2 reduce-scatters
 that gradient (in `reduce_dtype`) into the sharded float parameter, and the optimizer steps the unquantized
 shard (the straight-through estimator of quantization-aware training, with the quantizer only on the wire).
-Bytes per gathered value: bits / 8 + 4 / block (int8, block 256: 1.016 vs bf16's 2).
+Bytes per gathered value: bits / 8 + 4 / block (int8, block 256: 1.016 vs bf16's 2; int4: 0.516). Work per
+unshard of an N-value weight on W ranks: the quantize reads N / W values and writes N / W * (bits / 8 + 4 / block)
+bytes; the dequantize reads N * (bits / 8 + 4 / block) bytes and writes 2N (bf16); int4 adds 2 x 32 multiply-adds
+per value (IEEE float32).
 
 The hook uses FSDP2's one-argument form `fsdp_pre_all_gather(self, mesh)` (torch 2.4 to at least 2.13 call
 it; the five-argument form `(mesh, outer_size, outer_stride, module, mp_policy)` requires every all-gather
-input of an unevenly sharded parameter to have the padded shard's shape, which a scales tensor cannot): the
+input of an unevenly sharded parameter to have the padded shard's shape, which a byte buffer cannot): the
 wrapper pads to FSDP2's padded shard itself, knowing the full shape it was made from. Only dim-0 sharding
 is supported, and `reshard_after_forward` must be a bool (FSDP2 does not call the hooks from its
 post-forward shards of an int `reshard_after_forward`).
@@ -35,18 +44,26 @@ post-forward shards of an int `reshard_after_forward`).
 Outside the gather the wrapper behaves as the tensor it wraps: views, chunks, copies and new tensors made
 from it (what FSDP2 does to shard and pad it) stay wrapped, in-place updates (the optimizer's) go to the
 wrapped tensor, any other operation returns a plain tensor. `unwrap(t)` gives the plain tensor (for kernels
-that need a data pointer: agoq's fused 8-bit AdamW).
+that need a data pointer: agoq's fused 8-bit AdamW). Per step the wrapper's Python dispatch runs only for the
+optimizer's in-place updates of the shards (one call per foreach or fused kernel, e.g. one for torch's fused
+AdamW): FSDP2's copy-in reads the hook's plain bytes, and forward and backward compute with the plain
+unsharded tensors the post hook writes. FSDP2's first (lazy) initialisation copies a wrapped uneven shard into
+new padded storage; `fully_shard_quantized` runs it at sharding time, so optimizers built afterwards hold the
+final local tensors (with your own `fully_shard` calls, build an optimizer that captures `unwrap(p)` after the
+first forward).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from agoq.runtime.quant.layout import check_arguments, num_blocks
+from agoq.runtime.comm.weight_gather_codec import WireLayout, dequantize_gather, quantize_shard, wire_layout
+from agoq.runtime.quant.layout import check_arguments
 
 DEFAULT_BLOCK = 256  # values per float32 scale: 1.6 % of int8's bytes
 
@@ -67,10 +84,12 @@ class GatherSpec:
 
     def shard_numel(self, world: int) -> tuple[int, int]:
         """(values of a padded shard, those values rounded up to whole blocks) over `world` ranks."""
-        n = self.padded_rows(world)
-        for s in self.shape[1:]:
-            n *= s
-        return n, num_blocks(n, self.block) * self.block
+        lay = self.layout(world)
+        return lay.numel, lay.padded
+
+    def layout(self, world: int) -> WireLayout:
+        """Where this weight's codes and scales sit in a rank's all-gather input over `world` ranks."""
+        return wire_layout(self.bits, self.block, self.hadamard, self.shape, world)
 
 
 # ops whose tensor results stay wrapped: views, and how FSDP2 shards, pads and moves a parameter. Not zeros_like,
@@ -137,57 +156,48 @@ class QuantizedGatherWeight(torch.Tensor):
     # ---------------------------------------------------------------- FSDP2's all-gather extension
 
     def fsdp_pre_all_gather(self, mesh):
-        """This rank's padded shard -> (codes, scales): the all-gather inputs; the world size as metadata."""
-        from agoq.runtime.quant.codec import quantize_unchecked
-
+        """This rank's padded shard -> its one all-gather input (uint8 codes, then float32 scales); the world
+        size as metadata."""
         spec, local = self._spec, self._data
-        world = mesh.size()
-        if tuple(local.shape[1:]) != spec.shape[1:]:
+        if local.shape[1:] != spec.shape[1:]:
             raise NotImplementedError(f"the quantized weight all-gather shards dim 0 only: a shard of shape "
                                       f"{tuple(local.shape)} of a {spec.shape} weight; drop FSDP2's "
                                       "shard_placement_fn or --weight-gather")
-        padded = spec.shard_numel(world)[1]
-        flat = local.detach().reshape(-1)
-        if flat.numel() != padded:
-            flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
-        if spec.hadamard:
-            from agoq.runtime.comm.hadamard import hadamard32
-
-            flat = hadamard32(flat)  # padded is a whole number of blocks, hence of 32-groups
-        q = quantize_unchecked(flat, spec.bits, spec.block, "nearest", "int", check_finite=False)
-        return (q.data, q.scales), world
+        world = mesh.size()
+        return (quantize_shard(local, spec.layout(world)),), world
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """Every rank's codes and scales -> the unsharded weight in `param_dtype` (flat, R * C values; FSDP2
-        views it in the parameter's shape); into `out` when FSDP2 passes the unsharded parameter back."""
-        codes, scales = all_gather_outputs
-        spec = self._spec
-        full = gathered_weight(codes, scales, spec, metadata, param_dtype)  # metadata: the world size
-        if out is not None:  # `.data`: the same storage, not the version autograd checks for saved tensors
-            out.data.view(-1).copy_(full)
-            return None
-        return full, (full,)
+        """Every rank's bytes -> the unsharded weight in `param_dtype` (flat, R * C values; FSDP2 views it in the
+        parameter's shape), dequantized straight into `out` when FSDP2 passes the unsharded parameter back.
+        The gathered bytes are freed at once (FSDP2 allocates them again before the next all-gather): while the
+        weight is unsharded only the weight itself is held, as with FSDP2's own gather."""
+        (gathered,) = all_gather_outputs
+        world = metadata
+        lay = self._spec.layout(world)
+        if out is None:
+            full = torch.empty(lay.total, dtype=param_dtype, device=gathered.device)
+            dequantize_gather(gathered, lay, world, full)
+            result = full, (full,)
+        else:  # `.data`: the same storage, not the version autograd checks for saved tensors
+            dequantize_gather(gathered, lay, world, out.data)
+            result = None
+        # the kernel reading them is queued on this stream, where the caching allocator alone reuses the block
+        gathered.untyped_storage().resize_(0)
+        return result
 
 
-def gathered_weight(codes: torch.Tensor, scales: torch.Tensor, spec: GatherSpec, world: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """The flat unsharded weight (R * C values in `dtype`) from the all-gathered codes and scales of `world`
-    ranks: each rank's padded chunk dequantized (and inverse-transformed), its first values laid end to end."""
-    from agoq.runtime.quant.operators import dequantize_flat
+# FSDP2 reads the pre hook's signature at every unshard of every weight (inspect.signature: ~14 us from the source,
+# ~5 us from a stored one)
+QuantizedGatherWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(QuantizedGatherWeight.fsdp_pre_all_gather)
 
-    numel, padded = spec.shard_numel(world)
-    values = dequantize_flat(codes, scales, spec.bits, spec.block, world * padded, "int",
-                             torch.float32 if spec.hadamard else dtype, "auto")
-    if spec.hadamard:
-        from agoq.runtime.comm.hadamard import hadamard32
 
-        values = hadamard32(values).to(dtype)  # H is its own inverse
-    total = 1
-    for s in spec.shape:
-        total *= s
-    if padded == numel:
-        return values[:total]
-    return values.view(world, padded)[:, :numel].reshape(-1)[:total]
+def gathered_weight(gathered: torch.Tensor, spec: GatherSpec, world: int, dtype: torch.dtype) -> torch.Tensor:
+    """The flat unsharded weight (R * C values in `dtype`) from the `world` ranks' all-gather inputs laid end to
+    end: each rank's padded chunk dequantized (and inverse-transformed), its first values laid end to end."""
+    lay = spec.layout(world)
+    full = torch.empty(lay.total, dtype=dtype, device=gathered.device)
+    dequantize_gather(gathered, lay, world, full)
+    return full
 
 
 def unwrap(t: torch.Tensor) -> torch.Tensor:

@@ -240,6 +240,12 @@ def _train_worker(rank, world, weight_gather, seed, folder=None):
     strategy, step = _strategy(rank, world, weight_gather, seed)
     names = [n for n, _ in strategy.loss_module.named_parameters()]
     wrapped = sum(type(p.to_local()).__name__ == "QuantizedGatherWeight" for p in strategy.params)
+    def storages():
+        from agoq.runtime.comm.fsdp_weight_gather import unwrap
+
+        return [unwrap(p).untyped_storage().data_ptr() for p in strategy.params]
+
+    before = storages()  # the local tensors an optimizer built now holds (adamw8bit captures them)
     out = []
     for k in range(STEPS):
         params = {n: p.full_tensor().clone() for n, p in zip(names, strategy.loss_module.parameters())}
@@ -250,6 +256,8 @@ def _train_worker(rank, world, weight_gather, seed, folder=None):
         grads = strategy.gradients(fused=False)
         out.append((float(loss.detach()), params, {n: g.full_tensor().clone() for n, g in zip(names, grads)}))
         step.step(grads, 1.0)
+    # FSDP2's lazy initialisation (re-padding a subclass's uneven shard) ran before the optimizer was built
+    assert storages() == before
     if folder is None:
         return out, wrapped, None
     save_checkpoint(folder, STEPS, step.checkpoint_state(strategy.module), {}, rank=rank, world=world,
