@@ -17,6 +17,7 @@ GPU (2 x H200, well under 10 minutes each; NVLink, then NCCL's socket transport 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 experiments/bench_weight_gather.py
     NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo \\
         torchrun --nproc-per-node 2 experiments/bench_weight_gather.py --name bench_weight_gather_sockets
+One GPU (torchrun --nproc-per-node 1): the all-gather moves nothing, so the figures are what the hooks add.
 CPU check (gloo, llama-tiny, a few iterations; times are not meaningful there):
     torchrun --nproc-per-node 2 experiments/bench_weight_gather.py --tiny
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -167,11 +169,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from agoq.train.parallel import join_world
 
-    world = join_world("cpu" if args.tiny else None)
-    if world.size < 2:
-        print("bench_weight_gather: run it under torchrun with 2 or more processes, e.g. "
+    if "WORLD_SIZE" not in os.environ:
+        print("bench_weight_gather: run it under torchrun, e.g. "
               "torchrun --nproc-per-node 2 experiments/bench_weight_gather.py", file=sys.stderr)
         return 2
+    if int(os.environ["WORLD_SIZE"]) == 1 and not dist.is_initialized():
+        # one process: FSDP2's all-gather moves nothing, so the figures are the gather hooks' own cost
+        if not args.tiny:
+            torch.cuda.set_device(0)
+        dist.init_process_group("gloo" if args.tiny else "nccl")
+    world = join_world("cpu" if args.tiny else None)
     device = torch.device("cuda", world.local_rank) if world.backend == "nccl" else torch.device("cpu")
     figures = {"model": args.model, "world": world.size, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                "iters": args.iters, "train_steps": args.steps, "steps": {}, "layer_unshard": {},
