@@ -23,6 +23,9 @@ and the host link's seconds) and the peak per rank and stage, with the peak's pa
                  + gradients  (a > 1 measured at a0 = 1: the first micro-batch's bf16 gradients are kept through
                                the others, as agoq.search.costs counts for every accumulating bf16 step)
                  + the compiled peak margin (agoq.search.calibration)
+                 + the layout's peak margin over several ranks (agoq.search.layout_calibration)
+      and the communication is the layout's calibrated on the profile's multi-rank layout step, as for any
+      configuration of the layout (agoq.search.layout_calibration)
 
       Only the replicated layout (one process, or DDP) runs compile's budget here (agoq train applies it to the
       compiled layers of a replicated step), and bf16 gradients: other configurations are refused with ValueError.
@@ -206,9 +209,17 @@ def _budget_price(profile: ProfileData, config: Configuration, problem: ChoicePr
     transient = state_parts(profile, "bf16", *optimizer)["step_transient"] \
         - state_parts(profile, "bf16", row["optimizer"], row["master"])["step_transient"]
     kept = state_parts(profile, "bf16", *optimizer)["gradients"] if accum > 1 and a0 == 1 else 0.0
-    peak = int(float(row["peak_bytes"]) + static + max(0.0, transient) + kept + margin(profile, "compiled")[0])
+    peak = int(float(row["peak_bytes"]) + static + max(0.0, transient) + kept + margin(profile, "compiled")[0]
+               + layout_margin(problem))
     comm = float(problem.communication_seconds)
     return Price(seconds + comm, comm, [peak] * problem.num_stages)
+
+
+def layout_margin(problem: ChoiceProblem) -> float:
+    """Bytes per rank the layout's calibration on the profile's multi-rank layout step adds to every peak of the
+    layout (agoq.search.layout_calibration; 0 where it has none)."""
+    parts = problem.static_parts or {}
+    return float(parts["layout_margin"][0]) if "layout_margin" in parts else 0.0
 
 
 def problem_optimizer(profile: ProfileData, knobs: ProblemSettings) -> tuple[str, str]:
