@@ -1,4 +1,4 @@
-"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.8``, docs/formats.md).
+"""The Plan: what `agoq search` decides and `agoq train` applies (schema ``agoq.plan/1.9``, docs/formats.md).
 
 A plan says, for one model (by fingerprint), how each decoder layer keeps each tensor kind for
 backward (a bit width 2..8, 16, or "recompute"), which layers are checkpointed whole, how gradients are
@@ -19,7 +19,8 @@ layers, backward's first prefetch in flight). Since 1.6 a searched plan names th
 may be set in the backward of an offloaded layer (memory phase `offload_backward`, with its `layer` where it is
 layer 0 or 1; memory part `offload_backward`). Since 1.8 a plan gives its ranks as dimensions (`parallel`:
 replicate, shard, pipeline, tensor, ranks_per_node, engine; agoq.parallel_dims.ParallelDims), and its `launch` is
-derived from them; a plan before 1.8 has its `launch` read into them on load.
+derived from them; a plan before 1.8 has its `launch` read into them on load. Since 1.9 `parallel.weight_gather` may
+say FSDP2 gathers its weights as int8 (or int4) block codes (`agoq train --weight-gather`), which its launch says.
 
     plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
     plan.activation_policy()               # what the runtime applies: agoq.train.apply.apply_plan
@@ -71,7 +72,7 @@ from agoq.formats.plan_sections import (
 from agoq.parallel_dims import ParallelDims, launch_of
 from agoq.vocabulary import FSDP, GRADIENT_MODES, PIPELINE
 
-SCHEMA = "agoq.plan/1.8"
+SCHEMA = "agoq.plan/1.9"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
 NO_OFFLOAD_PARALLEL = (FSDP, PIPELINE)  # launch.parallel modes offload cannot run in (agoq.train.preparation)
@@ -164,7 +165,7 @@ class Plan(_Part):
             raise ValueError(f"decision.knobs.layout: the decision says layout {knob}, the plan's parallel dims are "
                              f"{dims.describe()} (layout {dims.layout}): the plan must launch what was decided; "
                              "re-run `agoq search`, or make them agree")
-        extra["launch"] = launch_of(dims, self.gradients.mode)
+        extra["launch"] = launch_of(dims, self.gradients.mode, self.parallel.weight_gather)
 
     def dims(self) -> Optional[ParallelDims]:
         """The plan's ranks as dimensions (its `parallel`, or its `launch` before 1.8); None: the plan says none

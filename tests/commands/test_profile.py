@@ -32,7 +32,7 @@ def test_profile_with_budget_and_pipeline(tmp_path, capsys):
     table = pd.read_parquet(out / "profile.parquet")
     assert set(table.option) == {"16", "4", "recompute"} and len(table) == 3 * (7 * 2 + 3)
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["schema"] == "agoq.plan/1.8" and plan["model"]["fingerprint"] == header["model"]["fingerprint"]
+    assert plan["schema"] == "agoq.plan/1.9" and plan["model"]["fingerprint"] == header["model"]["fingerprint"]
     assert len(plan["layers"]) == 3 and plan["budget_bytes"] == 64 * 1024 * 1024
 
 

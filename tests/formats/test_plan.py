@@ -268,7 +268,7 @@ def test_a_1_0_plan_loads_with_the_1_1_defaults():
         data.pop(key, None)
     data["training"].pop("compile", None)
     plan = plan_from_dict(data)
-    assert SCHEMA == "agoq.plan/1.8"
+    assert SCHEMA == "agoq.plan/1.9"
     assert plan.predicted.memory_per_stage == []
     assert (plan.optimizer.name, plan.optimizer.master, plan.training.compile) == ("adamw", "fp32", "eager")
     assert plan.decision is None and plan.alternative is None and plan.alternatives == []
@@ -347,7 +347,7 @@ def test_a_1_4_plan_with_offloaded_layers_round_trips(tmp_path):
     offload_layers() lists the offloaded layers in order, checkpointed ones too."""
     seed, rng = fresh_rng()
     data, offloaded = _offloading_plan(rng)
-    assert data["schema"] == SCHEMA == "agoq.plan/1.8"
+    assert data["schema"] == SCHEMA == "agoq.plan/1.9"
     plan = plan_from_dict(data)
     assert plan.offload_layers() == offloaded, seed
     path = plan.save(tmp_path / "plan.json")
