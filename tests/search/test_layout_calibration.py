@@ -111,3 +111,26 @@ def test_a_layout_step_of_the_other_compile_mode_calibrates_the_communication_on
     before, after = price(plain, eager), price(calibrated, eager)
     assert after.communication_seconds == pytest.approx(exposed, rel=1e-9)  # DDP's all-reduce: once per step
     assert after.peak_bytes == before.peak_bytes
+
+
+def test_search_verbose_says_how_each_layout_was_calibrated(tmp_path, seed, capsys):
+    from agoq.cli import main
+
+    rng = random.Random(seed)
+    folder = _profile(tmp_path, rng)
+    plain = load_profile(folder)
+    at = price(plain, Configuration(_measured_knobs("fsdp", "bf16", "bf16", "eager")))
+    measured = at.step_seconds - at.communication_seconds + rng.uniform(1e-3, 1e-2)
+    header = json.loads((folder / "profile.json").read_text())
+    header["layout_steps"] = {"version": 1, "world_size": 2, "rows": [{
+        "layout": "fsdp", "gradients": "bf16", "compile": "eager", "micro_batch": 3, "grad_accum": 1,
+        "optimizer": "adamw8bit", "master": "fp32", "steps": 6, "step_seconds": measured, "peak_bytes": None}]}
+    (folder / "profile.json").write_text(json.dumps(header))
+    out = tmp_path / "plan.json"
+    assert main(["search", "--profile", str(folder), "--budget", "1TB", "--layout", "fsdp", "--gradients", "bf16",
+                 "--compile", "eager", "--out", str(out), "--quiet", "--verbose"]) == 0
+    said = capsys.readouterr().err
+    assert "fsdp (bf16 gradients) communication calibrated on the profile's 2-rank layout step: it measured " \
+           f"{measured * 1e3:.4g} ms" in said, said
+    notes = json.loads(out.read_text())["source"]["notes"]
+    assert any("calibrated on the profile's 2-rank layout step" in n for n in notes)
