@@ -264,17 +264,22 @@ def _layout_steps(out: Path, header: dict, args, world_size: int, layout_steps: 
             return header
         from agoq.commands.profile_layouts import measure_layout_steps
 
-        try:
-            measured = measure_layout_steps(world_size, say=say, **layout_steps)
-        except (RuntimeError, ValueError) as e:  # the processes could not start or run: the profile stands without
-            measured = ([], [{"what": f"layout steps world_size={world_size}", "error": str(e)[-500:]}])
+        measured = measure_layout_steps(world_size, say=say, **layout_steps)
         world = world_size
     else:
         world = int(header["settings"].get("world_size") or 0)
     if world < 2:
         return header
     header = add_layout_steps(out, header, *measured, world)
-    layout_steps["journal"].unlink(missing_ok=True)
+    from agoq.commands.profile_layouts import STOPPED
+
+    stopped = [f for f in measured[1] if f["what"].startswith(STOPPED)]
+    if stopped:  # the journal is kept: --resume measures the rest
+        why = (stopped[0]["error"].strip().splitlines() or [""])[-1]
+        print(f"warning: the layout steps stopped ({why}); the profile holds the {len(measured[0])} measured "
+              f"before; `agoq profile ... --resume` with the same flags measures the rest", file=sys.stderr)
+    else:
+        layout_steps["journal"].unlink(missing_ok=True)
     return header
 
 

@@ -38,6 +38,7 @@ from typing import Callable, Optional
 from agoq.vocabulary import DDP, FSDP, SHARDED
 
 JOURNAL_NAME = "layout_steps.journal.jsonl"  # in the profile folder, while the layout steps are taken
+STOPPED = "layout steps stopped"  # a failure's `what` where the processes died: the journal is kept for --resume
 WARMUP_STEPS = 3
 MEASURED_STEPS = 6
 LAYOUTS = (  # (layout, gradients, weight gather): the module docstring's, in the order they are measured
@@ -253,21 +254,28 @@ def measure_layout_steps(world_size: int, *, model: str, layers: Optional[int], 
                          steps: int = MEASURED_STEPS, journal: Optional[Path] = None,
                          say: Callable[[str], None] = lambda text: None) -> tuple[list[dict], list[dict]]:
     """Measure the layouts of `layout_kinds` in `world_size` spawned local processes (module docstring), those in
-    `journal` for this request kept; returns (layout_steps rows, failures)."""
+    `journal` for this request kept; returns (layout_steps rows, failures). Where the processes die or cannot start,
+    the rows they journaled are returned with a failure whose `what` begins with STOPPED."""
     kinds = layout_kinds(micro_batch, compile_mode)
     request = request_of(model, layers, seq_len, micro_batch, dtype, compile_mode, world_size, seed, warmup, steps)
     found = read_journal(journal, request, kinds)
     todo = [k for i, k in enumerate(kinds) if i not in found]
+    stopped = []
     if todo:
         say(f"layout steps: {len(todo)} layout(s) over {world_size} local processes, {warmup} warm-up + {steps} "
             "measured steps each")
         with tempfile.TemporaryDirectory(prefix="agoq-layout-steps-") as tmp:
             settings = dict(model=model_spec(model, layers, tmp), seq_len=seq_len, dtype=dtype, device=device,
                             seed=seed, warmup=warmup, steps=steps)
-            for entry in spawn_on_group(world_size, todo, settings, journal, request,
-                                        use_cuda=device.startswith("cuda")):
-                found[kinds.index(entry["kind"])] = entry
-    return rows_and_failures([found[i] for i in sorted(found)])
+            try:
+                for entry in spawn_on_group(world_size, todo, settings, journal, request,
+                                            use_cuda=device.startswith("cuda")):
+                    found[kinds.index(entry["kind"])] = entry
+            except (RuntimeError, ValueError) as e:  # the processes died or could not start: what they journaled
+                found.update(read_journal(journal, request, kinds))  # before stands
+                stopped.append({"what": f"{STOPPED} world_size={world_size}", "error": str(e)[-500:]})
+    rows, failures = rows_and_failures([found[i] for i in sorted(found)])
+    return rows, failures + stopped
 
 
 def measure_layout_steps_torchrun(*, model: str, layers: Optional[int], seq_len: int, micro_batch: int, dtype: str,
@@ -295,4 +303,4 @@ def measure_layout_steps_torchrun(*, model: str, layers: Optional[int], seq_len:
 
 
 __all__ = ["layout_kinds", "layout_train_settings", "measure_on_group", "measure_layout_steps",
-           "measure_layout_steps_torchrun", "JOURNAL_NAME", "LAYOUTS", "WARMUP_STEPS", "MEASURED_STEPS"]
+           "measure_layout_steps_torchrun", "JOURNAL_NAME", "STOPPED", "LAYOUTS", "WARMUP_STEPS", "MEASURED_STEPS"]

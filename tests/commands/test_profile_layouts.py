@@ -118,3 +118,33 @@ def test_a_profile_without_layout_steps_reads_as_none_and_a_bad_section_is_refus
     (out / "profile.json").write_text(json.dumps(header))
     with pytest.raises(ValueError, match=r"layout_steps.rows\[1\].weight_gather"):
         load_profile(out)
+
+
+def test_processes_that_die_keep_what_they_journaled_for_resume(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "p"
+    rows = _fake_rows(2)
+    done = random.randrange(1, len(rows))
+
+    def dying(world_size, kinds, settings, journal, request, use_cuda=None):
+        for row in rows[:done]:  # journaled as measured, then the processes die
+            profile_layouts._append(journal, {"request": request, "kind": {k: row[k] for k in kinds[0]}, "row": row})
+        raise RuntimeError("layout steps: rank 0 left no result (exit codes [-9, -9])")
+
+    monkeypatch.setattr(profile_layouts, "spawn_on_group", dying)
+    monkeypatch.setattr("agoq.profiler.collectives.spawn_collectives", lambda *a, **k: ([], []))
+    assert main([*ARGS, "--out", str(out)]) == 0
+    assert "layout steps stopped" in capsys.readouterr().err
+    header = json.loads((out / "profile.json").read_text())
+    assert len(header["layout_steps"]["rows"]) == done
+    assert (out / profile_layouts.JOURNAL_NAME).is_file()
+    assert main([*ARGS, "--out", str(out)]) == 2  # a stopped profile is continued, not overwritten
+
+    def rest(world_size, kinds, settings, journal, request, use_cuda=None):
+        assert len(kinds) == len(rows) - done  # only what is missing
+        return [{"kind": k, "row": next(r for r in rows if all(r[f] == k[f] for f in k))} for k in kinds]
+
+    monkeypatch.setattr(profile_layouts, "spawn_on_group", rest)
+    assert main([*ARGS, "--out", str(out), "--resume"]) == 0
+    header = json.loads((out / "profile.json").read_text())
+    assert len(header["layout_steps"]["rows"]) == len(rows)
+    assert not (out / profile_layouts.JOURNAL_NAME).exists()
