@@ -147,3 +147,26 @@ def test_every_configuration_trains_the_global_batch_in_the_layout_asked(tmp_pat
             assert alt.layout == (layout if layout != "sharded" else alt.layout), (seed, layout, alt.name)
         if layout == "sharded":  # agoq's own layout: no plain alternative to fall back to
             assert plan.alternatives == [] and plan.decision.agoq, (seed, budget)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+def test_compiles_budget_pays_its_layouts_calibrated_communication_and_peak(tmp_path, seed, layout):
+    rng = random.Random(seed)
+    plain = _profile(tmp_path, rng)
+    at = price(plain, Configuration(ProblemSettings(layout=layout, gradient_mode="bf16", micro_batch=2,
+                                                    compile_mode="compiled", optimizer="adamw8bit", master="fp32")))
+    exposed, margin = rng.uniform(1e-3, 3e-2), rng.randrange(-10**5, 10**6)
+    row = {**_layout_row(layout, "bf16", "bf16", at.step_seconds - at.communication_seconds + exposed),
+           "compile": "compiled", "peak_bytes": at.peak_bytes + margin}
+    calibrated = _profile(tmp_path / "again", random.Random(seed), layout_rows=[row])
+    for mb, accum in ((2, 1), (1, 2)):
+        for b in (0.5, 0.3):
+            config = Configuration(ProblemSettings(layout=layout, gradient_mode="bf16", micro_batch=mb,
+                                                   grad_accum=accum, compile_mode="compiled"),
+                                   activation_memory_budget=b)
+            before, after = price(plain, config), price(calibrated, config)
+            comm = max(0.0, exposed + before.communication_seconds - at.communication_seconds)
+            assert after.communication_seconds == pytest.approx(comm, rel=1e-9, abs=1e-12), (seed, mb, b)
+            assert after.step_seconds == pytest.approx(before.step_seconds - before.communication_seconds + comm,
+                                                       rel=1e-9), (seed, mb, b)
+            assert abs(after.peak_bytes - (before.peak_bytes + margin)) <= 2, (seed, mb, b)
