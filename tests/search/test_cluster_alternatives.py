@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from agoq.search.price import Configuration, plan_layout, price
 from agoq.search.problem import ProblemSettings
 from agoq.search.request import InfeasibleBudget, knob_space
 from agoq.search.search import plan_from_profile
+from tests.multiprocess import run_workers
 from tests.search.synthetic_profile import write_profile
 
 
@@ -117,6 +119,11 @@ def test_the_search_picks_fsdp2_with_agoqs_int8_gather_and_train_runs_it(tmp_pat
     with pytest.raises(ValueError, match="--weight-gather int4 contradicts the plan's parallel.weight_gather int8"):
         reconcile(TrainConfig(model="llama-tiny", device="cpu", weight_gather="int4"), again, "plan.json",
                   World(0, 2, 0, 2), __import__("torch").device("cpu"))
+    # trained as planned, in two gloo processes: FSDP2 with TLq-HS and the int8 gather, without the flags
+    plan_path = tmp_path / "plan.json"
+    again.save(plan_path)
+    settings = run_workers(_train_plan, 2, str(plan_path), str(tmp_path / "run"))
+    assert settings[0]["parallel"] == "fsdp" and settings[0]["weight_gather"] == "int8", settings[0]
     # a plan of FSDP2's own gather refuses --weight-gather int8 (it was priced with bf16 gathers)
     bf16 = plan_from_profile(profile, 10**15, error_cap=None,
                              knobs=ProblemSettings(layout="fsdp", gradient_mode="sdp4bit", micro_batch=2))
@@ -124,6 +131,14 @@ def test_the_search_picks_fsdp2_with_agoqs_int8_gather_and_train_runs_it(tmp_pat
     with pytest.raises(ValueError, match="--weight-gather int8 contradicts"):
         reconcile(TrainConfig(model="llama-tiny", device="cpu", weight_gather="int8"), bf16, "plan.json",
                   World(0, 2, 0, 2), __import__("torch").device("cpu"))
+
+
+def _train_plan(rank, world, plan, out):
+    from agoq.train.trainer import TrainConfig, train
+
+    assert train(TrainConfig(model="llama-tiny", device="cpu", dtype="fp32", plan=plan, steps=2, checkpoint_every=0,
+                             eval_every=2, eval_batches=1, quiet=True, out=out)) == 0
+    return json.loads((Path(out) / "run.json").read_text())["settings"]
 
 
 @pytest.mark.parametrize("layout", ["replicated", "fsdp", "sharded"])
