@@ -283,6 +283,20 @@ def _layout_steps(out: Path, header: dict, args, world_size: int, layout_steps: 
     return header
 
 
+def _print_layout_steps(header: dict) -> None:
+    """One line per measured layout step (agoq.formats.layout_steps): its step and its largest rank's peak."""
+    from agoq.commands.profile_layouts import describe
+    from agoq.formats.layout_steps import layout_rows
+
+    rows = layout_rows(header)
+    if rows:
+        print(f"  layout steps over {header['layout_steps']['world_size']} ranks (the search calibrates each layout's "
+              "communication and peak per rank on them):")
+    for row in rows:
+        peak = f", peak {format_bytes(row['peak_bytes'])} on its largest rank" if row.get("peak_bytes") else ""
+        print(f"    {describe(row)}: {row['step_seconds'] * 1e3:.1f} ms{peak}")
+
+
 def _write_plan(out: Path, budget: int) -> str:
     """Search the profile just written for a plan within `budget` (the MILP of `agoq search`), write
     DIR/plan.json; returns a line saying so."""
@@ -408,6 +422,7 @@ def run(args: argparse.Namespace) -> int:
         if step.get("relative_error") is not None:
             text += f" ({step['relative_error']:+.1%})"
         print(text)
+    _print_layout_steps(header)
     pipe = header["pipeline"]
     if pipe["stages"] > 1:
         print(f"  pipeline {pipe['stages']} stages x {pipe['micro_batches']} micro-batches, in flight: "

@@ -81,7 +81,7 @@ def _fake_rows(world):
             for k in layout_kinds(2, "eager")]
 
 
-def test_profile_stores_the_layout_steps_and_resume_keeps_them(tmp_path, monkeypatch):
+def test_profile_stores_the_layout_steps_and_resume_keeps_them(tmp_path, monkeypatch, capsys):
     out = tmp_path / "p"
     calls = []
     rows = _fake_rows(2)
@@ -94,6 +94,10 @@ def test_profile_stores_the_layout_steps_and_resume_keeps_them(tmp_path, monkeyp
     monkeypatch.setattr("agoq.profiler.collectives.spawn_collectives", lambda *a, **k: ([], []))
     assert main([*ARGS, "--out", str(out)]) == 0
     assert len(calls) == 1 and calls[0][0] == 2
+    said = capsys.readouterr().out
+    assert "layout steps over 2 ranks" in said
+    assert f"fsdp eager step, gradients sdp4bit, weight gather int8, micro-batch 2 x 1: {rows[4]['step_seconds'] * 1e3:.1f} ms" \
+        in said
     assert calls[0][1]["micro_batch"] == 2 and calls[0][1]["seq_len"] == 11 and calls[0][1]["compile_mode"] == "eager"
     header = json.loads((out / "profile.json").read_text())
     assert header["schema"] == "agoq.profile/1.1" and header["layout_steps"]["world_size"] == 2
