@@ -152,3 +152,38 @@ def test_processes_that_die_keep_what_they_journaled_for_resume(tmp_path, monkey
     header = json.loads((out / "profile.json").read_text())
     assert len(header["layout_steps"]["rows"]) == len(rows)
     assert not (out / profile_layouts.JOURNAL_NAME).exists()
+
+
+def _under_torchrun(rank, world, journal):
+    from agoq.commands.profile_layouts import measure_layout_steps_torchrun
+
+    return measure_layout_steps_torchrun(model="llama-tiny", layers=1, seq_len=7, micro_batch=2, dtype="fp32",
+                                         device="cpu", compile_mode="eager", warmup=1, steps=1,
+                                         journal=__import__("pathlib").Path(journal) if rank == 0 else None)
+
+
+def test_under_torchrun_rank_0_tells_the_others_what_its_journal_holds(tmp_path):
+    from agoq.commands.profile_layouts import request_of
+
+    journal = tmp_path / "layout.jsonl"
+    kinds = layout_kinds(2, "eager")
+    request = request_of("llama-tiny", 1, 7, 2, "fp32", "eager", 2, 0, 1, 1)
+    held = random.sample(range(len(kinds)), len(kinds) - 2)
+    fake = {i: {**kinds[i], "policy": "bf16", "warmup_steps": 1, "steps": 1, "step_seconds": random.uniform(1, 2),
+                "peak_bytes": None, "source": "profile"} for i in held}
+    for i in held:
+        profile_layouts._append(journal, {"request": request, "kind": kinds[i], "row": fake[i]})
+    results = run_workers(_under_torchrun, 2, str(journal))
+
+    def agreed(rows):  # every figure but each rank's own step seconds (the row keeps rank 0's)
+        return [{k: v for k, v in r.items() if k != "seconds_per_step"} for r in rows]
+
+    assert agreed(results[0][0]) == agreed(results[1][0])
+    rows, failures = results[0]
+    assert not failures and [r["layout"] for r in rows] == [k["layout"] for k in kinds]
+    for i, row in enumerate(rows):
+        if i in held:  # kept from the journal, not measured again
+            assert row == fake[i]
+        else:  # measured now (a step of 7 tokens takes far less than a second)
+            assert 0 < row["step_seconds"] < 1
+    assert len(journal.read_text().splitlines()) == len(kinds)
