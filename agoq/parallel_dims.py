@@ -201,22 +201,26 @@ class ParallelDims:
         return f"{text} ({self.engine})" if self.engine else text
 
 
-def launch_line(mode: str, processes: int | str, gradients: Optional[str] = None) -> str:
+def launch_line(mode: str, processes: int | str, gradients: Optional[str] = None,
+                weight_gather: Optional[str] = None) -> str:
     """The command that launches a plan in `mode` over `processes` (MODEL and PLAN.json are placeholders): torchrun
-    for several processes, with `--gradients sdp4bit` where fsdp is to reduce-scatter by TLq-HS."""
+    for several processes, with `--gradients sdp4bit` where fsdp is to reduce-scatter by TLq-HS and
+    `--weight-gather W` where it gathers its weights as W block codes (int8, int4; None or bf16: its own)."""
     if processes == 1:
         command = "agoq train MODEL --plan PLAN.json"
     else:
         command = f"torchrun --nproc-per-node {processes} -m agoq.train MODEL --plan PLAN.json --parallel {mode}"
     if mode == FSDP and gradients == "sdp4bit":
         command += " --gradients sdp4bit"
+    if mode == FSDP and weight_gather not in (None, "bf16"):
+        command += f" --weight-gather {weight_gather}"
     return command
 
 
-def launch_of(dims: ParallelDims, gradients: Optional[str] = None) -> dict[str, Any]:
+def launch_of(dims: ParallelDims, gradients: Optional[str] = None, weight_gather: Optional[str] = None) -> dict[str, Any]:
     """A plan's `launch` as derived from its dims (what the user runs): processes, parallel mode, command."""
     return {"processes": dims.world_size, "parallel": dims.mode,
-            "command": launch_line(dims.mode, dims.world_size, gradients)}
+            "command": launch_line(dims.mode, dims.world_size, gradients, weight_gather)}
 
 
 def plan_dims(plan: Mapping[str, Any]) -> Optional[ParallelDims]:

@@ -9,7 +9,8 @@
                         measured peak of a real bf16 and agoq-paper step), pipeline in-flight counts
                         (1F1B and interleaved 1F1B, simulated), failures
   DIR/collectives.parquet  with --world-size W or under torchrun: all-reduce / reduce-scatter /
-                        all-gather times per message size for nccl-fp32, nccl-bf16, quangrad8, sdp4bit
+                        all-gather times per message size for nccl-fp32, nccl-bf16, quangrad8, sdp4bit; and in
+                        profile.json `layout_steps`: each data-parallel layout's real step on every rank
   DIR/plan.json         with --budget: a bit-width plan
 
 MODEL is a preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b; fresh weights, nothing downloaded), a
@@ -34,7 +35,9 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
+from agoq.commands.profile_layouts import JOURNAL_NAME as LAYOUT_JOURNAL_NAME
 from agoq.commands.profile_steps import JOURNAL_NAME
 from agoq.files import check_output_folder
 from agoq.units import format_bytes
@@ -150,8 +153,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", type=positive_int, default=None,
                         help="micro-batches per step M for the pipeline counts (default: 2 x stages; 1 without a pipeline)")
     parser.add_argument("--world-size", type=positive_int, default=1,
-                        help="time collectives in this many local processes (NCCL on GPUs, gloo on the CPU); "
-                             "under torchrun the launched group is used (default 1: no collectives)")
+                        help="time collectives, and a real training step of each data-parallel layout (DDP bf16 "
+                             "and quangrad8, FSDP2 bf16, TLq-HS and TLq-HS with the int8 weight gather, agoq's sharded "
+                             "SDP4Bit: the layout steps the search calibrates communication and per-rank peaks on), in "
+                             "this many local processes (NCCL on GPUs, gloo on the CPU); under torchrun the launched "
+                             "group is used (default 1: neither)")
     parser.add_argument("--collective-sizes", type=_size_list, default=None,
                         help="message sizes for collectives, e.g. 1MiB,64MiB (default 1MiB..1GiB by 4x on "
                              "GPUs, 16KiB,256KiB on the CPU)")
@@ -174,7 +180,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "--micro-batch with one and two micro-batches per step, QuanGrad's gradients, float32 "
                              "AdamW and no masters, and on a GPU agoq-paper with every layer but the last offloaded "
                              "to host memory (what offload is priced from) (agoq.commands.profile_steps); plans of a "
-                             "kind not measured are not offered; 0: none (default 6 on a GPU, 3 on the CPU)")
+                             "kind not measured are not offered; with several ranks also the steps measured of each "
+                             "layout step, after 3 warm-up steps (1 on the CPU) (agoq.commands.profile_layouts); 0: "
+                             "none (default 6 on a GPU, 3 on the CPU)")
     parser.add_argument("--measured-repeats", type=positive_int, default=None, metavar="R",
                         help="measure each kind of step R times, each pass in the other order, and keep the least "
                              "median: a step is slowed, never sped up, by what else runs, and one slowed kind "
@@ -200,8 +208,11 @@ def _under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
-def _torchrun_collectives(args, device: str) -> tuple[int, list[dict], list[dict]]:
-    """Collectives on the group torchrun launched; returns (rank, rows, failures)."""
+def _torchrun_collectives(args, device: str, layout_steps: Optional[dict]) -> tuple[int, tuple, Optional[tuple]]:
+    """Collectives on the group torchrun launched, then (with `layout_steps`: measure_layout_steps_torchrun's
+    keywords, its journal rank 0's) the layouts' multi-rank steps on it, unless rank 0 finds them complete in the
+    profile --resume continues; returns (rank, (rows, failures) of the collectives, (rows, failures) of the layout
+    steps or None)."""
     import datetime
 
     import torch
@@ -216,8 +227,74 @@ def _torchrun_collectives(args, device: str) -> tuple[int, list[dict], list[dict
     sizes = args.collective_sizes or list(GPU_SIZES if cuda else CPU_SIZES)
     rows, failures = profile_collectives(sizes, 10 if cuda else 3, progress=not args.quiet)
     rank = dist.get_rank()
+    layouts = None
+    if layout_steps is not None:
+        skip = [rank == 0 and _layout_steps_complete(args, layout_steps["journal"])]
+        dist.broadcast_object_list(skip, src=0)
+        if not skip[0]:
+            from agoq.commands.profile_layouts import measure_layout_steps_torchrun
+
+            layouts = measure_layout_steps_torchrun(**layout_steps)
     dist.destroy_process_group()
-    return rank, rows, failures
+    return rank, (rows, failures), layouts
+
+
+def _layout_steps_complete(args, journal: Path) -> bool:
+    """Whether the profile --resume continues holds its layout steps, complete (no journal of them left)."""
+    made = journal.parent / "profile.json"
+    if not args.resume or journal.is_file() or not made.is_file():
+        return False
+    import json
+
+    try:
+        return "layout_steps" in json.loads(made.read_text())
+    except ValueError:
+        return False
+
+
+def _layout_steps(out: Path, header: dict, args, world_size: int, layout_steps: dict,
+                  measured: Optional[tuple], say) -> dict:
+    """Add the layouts' multi-rank steps (agoq.commands.profile_layouts) to the profile: those measured under torchrun
+    (`measured`), or with --world-size N > 1 measured now in N local processes, unless --resume found them complete
+    or --measured-steps is 0; returns the header."""
+    from agoq.formats.profile import add_layout_steps
+
+    if measured is None:
+        if world_size < 2 or not layout_steps["steps"] or _layout_steps_complete(args, layout_steps["journal"]):
+            return header
+        from agoq.commands.profile_layouts import measure_layout_steps
+
+        measured = measure_layout_steps(world_size, say=say, **layout_steps)
+        world = world_size
+    else:
+        world = int(header["settings"].get("world_size") or 0)
+    if world < 2:
+        return header
+    header = add_layout_steps(out, header, *measured, world)
+    from agoq.commands.profile_layouts import STOPPED
+
+    stopped = [f for f in measured[1] if f["what"].startswith(STOPPED)]
+    if stopped:  # the journal is kept: --resume measures the rest
+        why = (stopped[0]["error"].strip().splitlines() or [""])[-1]
+        print(f"warning: the layout steps stopped ({why}); the profile holds the {len(measured[0])} measured "
+              f"before; `agoq profile ... --resume` with the same flags measures the rest", file=sys.stderr)
+    else:
+        layout_steps["journal"].unlink(missing_ok=True)
+    return header
+
+
+def _print_layout_steps(header: dict) -> None:
+    """One line per measured layout step (agoq.formats.layout_steps): its step and its largest rank's peak."""
+    from agoq.commands.profile_layouts import describe
+    from agoq.formats.layout_steps import layout_rows
+
+    rows = layout_rows(header)
+    if rows:
+        print(f"  layout steps over {header['layout_steps']['world_size']} ranks (the search calibrates each layout's "
+              "communication and peak per rank on them):")
+    for row in rows:
+        peak = f", peak {format_bytes(row['peak_bytes'])} on its largest rank" if row.get("peak_bytes") else ""
+        print(f"    {describe(row)}: {row['step_seconds'] * 1e3:.1f} ms{peak}")
 
 
 def _write_plan(out: Path, budget: int) -> str:
@@ -257,17 +334,9 @@ def run(args: argparse.Namespace) -> int:
     micro_batches = args.micro_batches or (1 if args.pipeline_stages == 1 else 2 * args.pipeline_stages)
     check_layers(args.model, args.layers)
     out = check_output_folder(args.out or Path("profiles") / model_name(args.model), "--out")
-    journal = out / JOURNAL_NAME
-    _check_out_folder(out, journal, args.resume, args.force)
-
-    collectives_torchrun = None
-    if _under_torchrun():
-        rank, rows, failures = _torchrun_collectives(args, device)
-        if rank != 0:
-            return 0
-        collectives_torchrun = (rows, failures)
-        if device == "cuda":
-            device = f"cuda:{torch.cuda.current_device()}"
+    journal, layout_journal = out / JOURNAL_NAME, out / LAYOUT_JOURNAL_NAME
+    for stopped in (journal, layout_journal):
+        _check_out_folder(out, stopped, args.resume, args.force)
 
     from agoq.models import PRESETS, resolve_config
 
@@ -276,6 +345,20 @@ def run(args: argparse.Namespace) -> int:
         seq_len = 4096 if device.startswith("cuda") else 64
         if args.model in PRESETS:
             seq_len = min(seq_len, resolve_config(args.model).max_position_embeddings)
+    steps = args.measured_steps if args.measured_steps is not None else (6 if device.startswith("cuda") else 3)
+    compiled = args.compile if args.compile is not None else device.startswith("cuda")
+    layout_steps = dict(model=args.model, layers=args.layers, seq_len=seq_len, micro_batch=args.micro_batch,
+                        dtype=dtype, device=device, compile_mode="compiled" if compiled else "eager", seed=args.seed,
+                        warmup=3 if device.startswith("cuda") else 1, steps=steps, journal=layout_journal)
+
+    collectives_torchrun, layouts_measured = None, None
+    if _under_torchrun():
+        rank, collectives_torchrun, layouts_measured = _torchrun_collectives(args, device,
+                                                                             layout_steps if steps else None)
+        if rank != 0:
+            return 0
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
     check_spec_fits(args.model, args.layers, device=device, dtype=dtype, seq_len=seq_len,
                     fewer_layers="--layers N to profile only the first N layers", optimizer="adamw8bit", master="fp32")
     if args.threads:
@@ -302,11 +385,9 @@ def run(args: argparse.Namespace) -> int:
             + ("its measured steps are complete" if complete else f"measured steps already in {journal.name} are kept"))
     if collectives_torchrun is not None:
         header = add_collectives(out, header, *collectives_torchrun)
-    steps = args.measured_steps if args.measured_steps is not None else (6 if device.startswith("cuda") else 3)
     if steps and not complete:
         from agoq.commands.profile_steps import measure_profile_steps
 
-        compiled = args.compile if args.compile is not None else device.startswith("cuda")
         modes = ["eager"] + (["compiled"] if compiled else [])
         repeats = args.measured_repeats or (2 if device.startswith("cuda") else 1)
         say(f"measured steps: {steps} steps of each kind the search prices plans from ({', '.join(modes)}), "
@@ -320,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: measured step {note}", file=sys.stderr)
         header = add_measured_steps(out, header, rows, failures)
         journal.unlink(missing_ok=True)
+    header = _layout_steps(out, header, args, settings.world_size, layout_steps, layouts_measured, say)
     files = header["files"]
     print(f"wrote {out / 'profile.json'} and {out / files['table']}"
           + (f" and {out / files['collectives']}" if "collectives" in files else ""))
@@ -340,6 +422,7 @@ def run(args: argparse.Namespace) -> int:
         if step.get("relative_error") is not None:
             text += f" ({step['relative_error']:+.1%})"
         print(text)
+    _print_layout_steps(header)
     pipe = header["pipeline"]
     if pipe["stages"] > 1:
         print(f"  pipeline {pipe['stages']} stages x {pipe['micro_batches']} micro-batches, in flight: "

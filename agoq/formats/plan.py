@@ -19,9 +19,10 @@ layers, backward's first prefetch in flight). Since 1.6 a searched plan names th
 may be set in the backward of an offloaded layer (memory phase `offload_backward`, with its `layer` where it is
 layer 0 or 1; memory part `offload_backward`). Since 1.8 a plan gives its ranks as dimensions (`parallel`:
 replicate, shard, pipeline, tensor, ranks_per_node, engine; agoq.parallel_dims.ParallelDims), and its `launch` is
-derived from them; a plan before 1.8 has its `launch` read into them on load. Since 1.9 a plan made for a cluster its
-profile was not measured on says so (`whatif`, agoq.formats.plan_whatif: measured vs planned world, the network, what
-is extrapolated, what to run first on the real cluster).
+derived from them; a plan before 1.8 has its `launch` read into them on load. Since 1.9 a plan made for a cluster
+its profile was not measured on says so (`whatif`, agoq.formats.plan_whatif: measured vs planned world, the
+network, what is extrapolated, what to run first on the real cluster), and `parallel.weight_gather` may say FSDP2
+gathers its weights as int8 (or int4) block codes (`agoq train --weight-gather`), which its launch says.
 
     plan = load_plan("plan.json", model)   # validates; refuses a plan made for another model
     plan.activation_policy()               # what the runtime applies: agoq.train.apply.apply_plan
@@ -168,7 +169,7 @@ class Plan(_Part):
             raise ValueError(f"decision.knobs.layout: the decision says layout {knob}, the plan's parallel dims are "
                              f"{dims.describe()} (layout {dims.layout}): the plan must launch what was decided; "
                              "re-run `agoq search`, or make them agree")
-        extra["launch"] = launch_of(dims, self.gradients.mode)
+        extra["launch"] = launch_of(dims, self.gradients.mode, self.parallel.weight_gather)
 
     def dims(self) -> Optional[ParallelDims]:
         """The plan's ranks as dimensions (its `parallel`, or its `launch` before 1.8); None: the plan says none

@@ -10,19 +10,22 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from agoq.runtime.activations.policy import KEEP, KINDS, check_setting
 from agoq.parallel_dims import ENGINES, ParallelDims
 from agoq.runtime.quant.layout import check_arguments
 from agoq.vocabulary import (
     ADAMW8BIT,
+    BF16,
     COMPILE_MODES,
     COMPILED,
     EAGER,
+    FSDP,
     GRADIENT_MODES,
     MASTERS,
     OPTIMIZERS,
+    WEIGHT_GATHERS,
 )
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
@@ -188,11 +191,25 @@ class ParallelSpec(_Part):
     tensor: int = Field(default=1, ge=1)
     ranks_per_node: Optional[int] = Field(default=None, ge=1)
     engine: Optional[Literal[ENGINES]] = None
+    # FSDP2's weight all-gather (since 1.9; `agoq train --weight-gather`): int8 / int4 block codes (ZeRO++'s qwZ);
+    # None: its own, in bf16. Only with engine fsdp2
+    weight_gather: Optional[Literal[WEIGHT_GATHERS]] = None
 
     @model_validator(mode="after")
     def _valid(self) -> "ParallelSpec":
-        self.dims()
+        dims = self.dims()
+        if self.weight_gather not in (None, BF16) and dims.mode != FSDP:
+            raise ValueError(f"parallel.weight_gather: {self.weight_gather} quantizes FSDP2's weight all-gather, and "
+                             f"these dims run {dims.mode}: drop it, or give engine fsdp2")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_default_gather(self, handler):
+        """Written without `weight_gather` where it is None (FSDP2's own gather): the dims as they were before 1.9."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("weight_gather") is None:
+            data.pop("weight_gather", None)
+        return data
 
     def dims(self) -> ParallelDims:
         """The section as ParallelDims (ValueError where its rules refuse it)."""

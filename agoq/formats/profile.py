@@ -66,6 +66,12 @@ class ProfileData:
         prices collectives, sharding and data ranks for."""
         return int(self.settings.get("world_size", 1) or 1)
 
+    def layout_steps(self) -> list[dict]:
+        """The multi-rank layout steps the profile measured (agoq.formats.layout_steps; [] where none), checked."""
+        from agoq.formats.layout_steps import layout_rows
+
+        return layout_rows(self.header, str(self.path / "profile.json"))
+
     @property
     def memory(self) -> dict[str, Any]:
         return self.header.get("memory", {})
@@ -226,4 +232,18 @@ def add_collectives(out: Path, header: dict, rows: list[dict], failures: list[di
     header["settings"] = {**header["settings"], "world_size": rows[0]["world_size"] if rows else None}
     header["failures"] = list(header["failures"]) + list(failures)
     write_json(out / "profile.json", json_safe(header))
+    return header
+
+
+def add_layout_steps(out: Path, header: dict, rows: list[dict], failures: list[dict], world_size: int) -> dict:
+    """Add the multi-rank layout steps (agoq.formats.layout_steps) measured over `world_size` ranks to a written
+    profile, replacing any before, and their failures; the header's schema becomes this agoq's (1.1, the first
+    with the section). Returns the header."""
+    from agoq.formats.layout_steps import section
+
+    header = dict(header)
+    header["schema"] = SCHEMA
+    header["layout_steps"] = section(rows, world_size)
+    header["failures"] = list(header.get("failures") or []) + list(failures)
+    write_json(Path(out) / "profile.json", json_safe(header))
     return header

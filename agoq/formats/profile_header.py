@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import math
 
+from agoq.formats.layout_steps import layout_rows
 from agoq.formats.schema import FormatError, check_schema
 
 PROFILE_SCHEMA_KIND = "agoq.profile"
 PROFILE_SCHEMA_MAJOR = 1
-SCHEMA = f"{PROFILE_SCHEMA_KIND}/{PROFILE_SCHEMA_MAJOR}"
+# 1.1: the optional `layout_steps` section (agoq.formats.layout_steps); a 1.0 profile is read as one without it
+PROFILE_SCHEMA_MINOR = 1
+SCHEMA = f"{PROFILE_SCHEMA_KIND}/{PROFILE_SCHEMA_MAJOR}.{PROFILE_SCHEMA_MINOR}"
 
 
 def check_header(header: dict, where: str) -> None:
@@ -25,9 +28,13 @@ def check_header(header: dict, where: str) -> None:
         value = header.get(name)
         if value is not None and not isinstance(value, dict):
             raise FormatError(f"{where}: {name}: must be an object or null, got {type(value).__name__}")
+    try:
+        layout_rows(header, where)
+    except ValueError as e:
+        raise FormatError(f"{e}; re-run `agoq profile` with several ranks to measure them again") from None
 
 
-OPTIONAL_SECTIONS = ("pipeline", "hardware", "software", "measured_steps")  # objects where present
+OPTIONAL_SECTIONS = ("pipeline", "hardware", "software", "measured_steps", "layout_steps")  # objects where present
 
 
 def _check_files(header: dict, where: str) -> None:

@@ -16,9 +16,10 @@ mode the profile has step times for:
                                layers' inputs (all a checkpointed layer keeps) in host memory the same way, the least
                                K that fits (the ordinary offload of checkpointed inputs; compile's
                                activation_memory_budget with offload keeps about as little)
-  torch.compile activation_memory_budget B   compiled and replicated only, measured: the profile's measured steps
-                               under a budget at the split's micro-batch, moved to the split's accumulation, the
-                               optimizer and the layout's communication (agoq.search.price)
+  torch.compile activation_memory_budget B   compiled, measured: the profile's measured steps under a budget at
+                               the split's micro-batch, moved to the split's accumulation, the optimizer and the
+                               layout's communication; under FSDP2 the FSDP2 step with every layer kept, moved by
+                               what the budget measured against the compiled bf16 step (agoq.search.price)
 
 Over several ranks each is priced in each plain layout the search was asked for: replicated (DDP) and fsdp (FSDP2);
 agoq's own sharded layout runs SDP4Bit's gradients, so it has no alternative without agoq. Every alternative goes
@@ -132,7 +133,7 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                     except ValueError:
                         continue
                     out += _per_layer_alternatives(profile, problem, knobs, budget, world)
-                    if compile_mode == "compiled" and layout == "replicated":
+                    if compile_mode == "compiled":  # DDP or FSDP2 (agoq train compiles the layers it shards)
                         out += _memory_budget_points(profile, problem, knobs, budget, world)
     return out
 

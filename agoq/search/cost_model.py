@@ -250,6 +250,9 @@ def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
                          "--world-size N)")
     if layout == "fsdp" and S > 1:
         raise ValueError(f"layout fsdp is data parallelism over one pipeline stage, the plan has {S} stages")
+    if knobs.weight_gather != "bf16" and layout != "fsdp":
+        raise ValueError(f"weight gather {knobs.weight_gather} quantizes FSDP2's weight all-gather: layout fsdp only, "
+                         f"not {layout}")
     if layout == "sharded":  # SDP4Bit's sharded step is always its own: unset knobs mean it
         optimizer, master = knobs.optimizer or "adamw8bit", knobs.master or "fp32"
         if (optimizer, master) != ("adamw8bit", "fp32"):
@@ -413,7 +416,7 @@ def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
                              "sequences: an fsdp plan's compute and optimizer step cannot be told apart")
         fb, once = split
         base = accum * fb + once / world
-        parts = fsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb)
+        parts = fsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb, knobs.weight_gather)
         comm = accum * parts["exposed"]
         ag_ms, rs_ms = parts["all_gather_layer"] * 1e3, parts["reduce_scatter_layer"] * 1e3
         notes.append(f"fsdp communication: {comm:.4g} s per step not hidden by compute (all-gather {ag_ms:.3g} ms, "

@@ -1,6 +1,7 @@
 """The calibrated cost model: `build_problem` is the ChoiceProblem of a profile under some knobs
 (agoq.search.cost_model: memory, step time and gradient error of every per-layer choice) calibrated on the profile's
-measured peaks and steps (agoq.search.calibration). The search, the one price (agoq.search.price) and the dashboard
+measured peaks and steps (agoq.search.calibration) and, over several ranks, on its layout steps
+(agoq.search.layout_calibration: each layout's exposed communication and peak per rank). The search, the one price (agoq.search.price) and the dashboard
 build their problems here.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 from agoq.formats.measured_steps import COMPILE_MODES
 from agoq.formats.profile import ProfileData
 from agoq.search.calibration import calibrate_problem
+from agoq.search.layout_calibration import calibrate_layout
 from agoq.search.cost_model import ELEM_BYTES, gradient_modes, model_problem
 from agoq.search.offload_prices import OVERLAP, offload_prices
 from agoq.search.problem import ChoiceProblem, ProblemSettings, checkpointing_only, recipe_choice, recipe_error
@@ -29,7 +31,9 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     price."""
     problem = model_problem(profile, knobs)
     if calibrate:
-        calibrate_problem(problem, profile, knobs, *problem_settings(profile, knobs))
+        settings = problem_settings(profile, knobs)
+        calibrate_problem(problem, profile, knobs, *settings)
+        calibrate_layout(problem, profile, knobs, settings[0])
     return problem
 
 

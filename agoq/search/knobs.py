@@ -121,11 +121,12 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
                             continue
                         if master not in space.masters:
                             continue
-                        out.append(replace(base, gradient_mode=mode, layout=layout, optimizer=optimizer,
-                                           master=master, compile_mode=compile_mode, micro_batch=mb,
-                                           grad_accum=batch // mb, allow_offload=space.offload,
-                                           host_budget=space.host_budget,
-                                           quantize_attention=space.quantize_attention))
+                        for gather in weight_gathers(layout, mode):
+                            out.append(replace(base, gradient_mode=mode, layout=layout, optimizer=optimizer,
+                                               master=master, compile_mode=compile_mode, micro_batch=mb,
+                                               grad_accum=batch // mb, allow_offload=space.offload,
+                                               host_budget=space.host_budget,
+                                               quantize_attention=space.quantize_attention, weight_gather=gather))
     if not out and space.layouts is not None:
         offered = sorted({lay for mode in modes for lay in layouts(world, profile.collectives, mode, stages)})
         raise ValueError(f"no layout of {', '.join(space.layouts)} is possible with this profile (it offers "
@@ -135,6 +136,13 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
         raise ValueError("no optimizer/master combination of the knob space is allowed (masters 'none' needs "
                          "adamw8bit; sdp4bit runs the 8-bit AdamW with masters)")
     return out
+
+
+def weight_gathers(layout: str, gradient_mode: str) -> tuple:
+    """FSDP2's weight all-gathers a combination may take: with agoq's TLq-HS gradients (sdp4bit) also agoq's int8
+    one (`agoq train --weight-gather int8`, agoq.runtime.comm.fsdp_weight_gather), both of agoq's quantized
+    collectives at once; otherwise FSDP2's own bf16 gather (and every other layout gathers no weights)."""
+    return ("bf16", "int8") if (layout, gradient_mode) == ("fsdp", "sdp4bit") else ("bf16",)
 
 
 def tokens_per_second(profile: ProfileData, knobs: ProblemSettings, step_seconds: float) -> float:
@@ -317,8 +325,9 @@ def knob_values(profile: ProfileData, knobs: ProblemSettings) -> dict:
     return {"gradients": knobs.gradient_mode, "layout": resolve_layout(knobs.layout, knobs.gradient_mode),
             "optimizer": optimizer, "master": master,
             "micro_batch": int(knobs.micro_batch or profile.settings.get("micro_batch", 1) or 1),
-            "grad_accum": int(knobs.grad_accum), "compile": knobs.compile_mode or profile_compile_mode(profile)}
+            "grad_accum": int(knobs.grad_accum), "compile": knobs.compile_mode or profile_compile_mode(profile),
+            **({"weight_gather": knobs.weight_gather} if knobs.weight_gather != "bf16" else {})}
 
 
 __all__ = ["KnobSpace", "KnobResult", "KnobSearch", "combinations", "solve_knobs", "binding_constraints", "budget_bounds",
-           "tokens_per_second", "knob_values", "MASTER_CHOICES"]
+           "tokens_per_second", "knob_values", "weight_gathers", "MASTER_CHOICES"]

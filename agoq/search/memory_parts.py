@@ -30,6 +30,8 @@ Parts, bytes per rank of the stage (sharded layouts: this rank's shard; agoq.sea
   calibration            what the profile's measured peaks add to the model's per-layer bytes (agoq.search.calibration)
   margin                 the margin learnt from the calibrated model's misses on the profile's measured steps
   compiled_margin        (plans of earlier versions) their compiled peak margin
+  layout_margin          over several ranks: the profile's measured layout step's peak per rank less the model's
+                         (agoq.search.layout_calibration; may be negative)
   activations            what the decoder layers keep for backward at that moment
   recomputed_layer       a checkpointed layer's rerun forward
   end_of_backward        in checkpoint_backward (and backward_start, at the top layer): what the step holds then
@@ -55,7 +57,8 @@ import math
 from agoq.formats.plan import MEMORY_PHASES as PHASES
 
 PARTS = ("weights", "gradients", "masters", "optimizer_state", "fsdp_unsharded", "backward_gradients",
-         "accumulated_gradients", "head_and_workspace", "calibration", "margin", "compiled_margin", "activations",
+         "accumulated_gradients", "head_and_workspace", "calibration", "margin", "compiled_margin", "layout_margin",
+         "activations",
          "recomputed_layer", "end_of_backward", "laaq_transient", "offload_prefetch", "offload_backward",
          "offload_backlog", "offload_floor", "optimizer_step_workspace")
 

@@ -143,7 +143,8 @@ def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
     decision = dict(data.get("decision") or {})
     knobs = decision.get("knobs", {})
     decision.update(reason=why, agoq=False, tokens_per_second=alt.predicted.tokens_per_second,
-                    knobs={**knobs, **({"layout": layout} if "layout" in knobs else {}),
+                    knobs={**{k: v for k, v in knobs.items() if k != "weight_gather"},
+                           **({"layout": layout} if "layout" in knobs else {}),
                            "gradients": "bf16", "optimizer": alt.optimizer.name,
                            "master": alt.optimizer.master, "micro_batch": alt.micro_batch,
                            "grad_accum": alt.grad_accum, "compile": alt.compile})
@@ -164,7 +165,8 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     s = profile.settings
     optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     data = {
-        "parallel": dims_for(problem.num_stages, knobs.gradient_mode, profile.world_size, knobs.layout).to_dict(),
+        "parallel": {**dims_for(problem.num_stages, knobs.gradient_mode, profile.world_size, knobs.layout).to_dict(),
+                     **({"weight_gather": knobs.weight_gather} if knobs.weight_gather != "bf16" else {})},
         "budget_bytes": int(budget_bytes) if budget_bytes is not None else None,
         "activations": {"block": int(knobs.block or s.get("block", 128)), "format": knobs.format,
                         "rounding": "nearest"},

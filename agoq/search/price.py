@@ -23,9 +23,15 @@ and the host link's seconds) and the peak per rank and stage, with the peak's pa
                  + gradients  (a > 1 measured at a0 = 1: the first micro-batch's bf16 gradients are kept through
                                the others, as agoq.search.costs counts for every accumulating bf16 step)
                  + the compiled peak margin (agoq.search.calibration)
+                 + the layout's peak margin over several ranks (agoq.search.layout_calibration)
+      and the communication is the layout's calibrated on the profile's multi-rank layout step, as for any
+      configuration of the layout (agoq.search.layout_calibration)
 
-      Only the replicated layout (one process, or DDP) runs compile's budget here (agoq train applies it to the
-      compiled layers of a replicated step), and bf16 gradients: other configurations are refused with ValueError.
+      Under FSDP2 (agoq train applies the budget to the compiled layers it then shards) the price is FSDP2's of the
+      same knobs with every layer kept, moved by what the budget measured against the compiled bf16 step of its
+      split: its recompute seconds per micro-batch and the activation bytes it saves (`_fsdp_budget_price`).
+      Replicated (one process, or DDP) and fsdp run compile's budget here, with bf16 gradients: other
+      configurations are refused with ValueError.
 
 A configuration the profile cannot price raises ValueError saying why.
 """
@@ -71,7 +77,9 @@ class Configuration:
                                 layer_stage=tuple(lp.stage for lp in plan.layers),
                                 optimizer=plan.optimizer.name, master=plan.optimizer.master, compile_mode=t.compile,
                                 layout=plan_layout(plan), allow_offload=bool(plan.offload_layers()),
-                                host_budget=getattr(plan, "host_budget_bytes", None))
+                                host_budget=getattr(plan, "host_budget_bytes", None),
+                                weight_gather=(plan.parallel.weight_gather if plan.parallel is not None else None)
+                                or "bf16")
         return cls(knobs, kinds, tuple(plan.checkpoint_layers()), tuple(plan.offload_layers()),
                    t.activation_memory_budget)
 
@@ -169,9 +177,9 @@ def _budget_price(profile: ProfileData, config: Configuration, problem: ChoicePr
     """compile's activation_memory_budget (module docstring)."""
     knobs, b = config.knobs, float(config.activation_memory_budget)
     layout = resolve_layout(knobs.layout, knobs.gradient_mode)
-    if knobs.compile_mode != "compiled" or knobs.gradient_mode != "bf16" or layout != "replicated":
-        raise ValueError("compile's activation_memory_budget is priced compiled, with bf16 gradients, replicated "
-                         f"(not {knobs.compile_mode}, {knobs.gradient_mode}, {layout})")
+    if knobs.compile_mode != "compiled" or knobs.gradient_mode != "bf16" or layout not in ("replicated", "fsdp"):
+        raise ValueError("compile's activation_memory_budget is priced compiled, with bf16 gradients, replicated or "
+                         f"fsdp (not {knobs.compile_mode}, {knobs.gradient_mode}, {layout})")
     if config.kinds or config.checkpoint_layers or config.offload_layers:
         raise ValueError("compile's activation_memory_budget decides what the layers keep: no per-layer choice "
                          "goes with it")
@@ -185,6 +193,8 @@ def _budget_price(profile: ProfileData, config: Configuration, problem: ChoicePr
                          f"micro-batch {mb}")
     row = min(rows, key=lambda r: (int(r["grad_accum"]) != accum, int(r["grad_accum"])))
     a0 = int(row["grad_accum"])
+    if layout == "fsdp":
+        return _fsdp_budget_price(profile, config, problem, row)
     seconds = sp.price(row)
     optimizer = problem_optimizer(profile, knobs)
     if a0 != accum:  # what further micro-batches cost: the bf16 steps' line at this micro-batch
@@ -206,9 +216,40 @@ def _budget_price(profile: ProfileData, config: Configuration, problem: ChoicePr
     transient = state_parts(profile, "bf16", *optimizer)["step_transient"] \
         - state_parts(profile, "bf16", row["optimizer"], row["master"])["step_transient"]
     kept = state_parts(profile, "bf16", *optimizer)["gradients"] if accum > 1 and a0 == 1 else 0.0
-    peak = int(float(row["peak_bytes"]) + static + max(0.0, transient) + kept + margin(profile, "compiled")[0])
+    peak = int(float(row["peak_bytes"]) + static + max(0.0, transient) + kept + margin(profile, "compiled")[0]
+               + layout_margin(problem))
     comm = float(problem.communication_seconds)
     return Price(seconds + comm, comm, [peak] * problem.num_stages)
+
+
+def _fsdp_budget_price(profile: ProfileData, config: Configuration, problem: ChoiceProblem, row: dict) -> Price:
+    """compile's activation_memory_budget B under FSDP2 (module docstring): the FSDP2 price of the same knobs with
+    every layer kept, moved by what B measured against the compiled bf16 step of its split (one rank):
+
+      step = step_fsdp(knobs) + accum x [T_B(m, a0) - T_bf16(m, a0)] / a0      B's recompute, per micro-batch
+      peak = max(peak_fsdp(knobs) + max(P_B - P_bf16(m, a0), -activations), the optimizer step's floor)
+                                                                              the activations B saves (at most all)
+    """
+    sp = prices(profile)
+    mb, a0, accum = int(row["micro_batch"]), int(row["grad_accum"]), int(config.knobs.grad_accum)
+    plain = sp.row("compiled", "bf16", mb, a0, "bf16", row["optimizer"], row["master"])
+    if plain is None or plain.get("peak_bytes") is None:
+        raise ValueError(f"the profile measured no compiled bf16 step at micro-batch {mb} x {a0} to move compile's "
+                         "budget step to FSDP2 from")
+    kept = price(profile, replace(config, activation_memory_budget=None), problem)
+    seconds = kept.step_seconds + accum * (sp.price(row) - sp.price(plain)) / a0
+    saved = float(row["peak_bytes"]) - float(plain["peak_bytes"])
+    floor = problem.peak_floor()
+    peaks = [int(max(p + max(saved, -float(a)), float(floor[s])))
+             for s, (p, a) in enumerate(zip(kept.peak_bytes_per_stage, kept.activation_bytes_per_stage))]
+    return Price(seconds, kept.communication_seconds, peaks)
+
+
+def layout_margin(problem: ChoiceProblem) -> float:
+    """Bytes per rank the layout's calibration on the profile's multi-rank layout step adds to every peak of the
+    layout (agoq.search.layout_calibration; 0 where it has none)."""
+    parts = problem.static_parts or {}
+    return float(parts["layout_margin"][0]) if "layout_margin" in parts else 0.0
 
 
 def problem_optimizer(profile: ProfileData, knobs: ProblemSettings) -> tuple[str, str]:

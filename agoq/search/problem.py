@@ -38,6 +38,8 @@ class ProblemSettings:
                                           # pinnable bytes)
     quantize_attention: bool = True       # offer attention's quantized options (the search's requests default to
                                           # False: agoq.search.request.KnobSpace)
+    weight_gather: str = "bf16"           # FSDP2's weight all-gather (`agoq train --weight-gather`): bf16, or int8
+                                          # block codes (layout fsdp only)
 
     def floors(self) -> dict[str, int]:
         return dict(self.floor_bits)

@@ -84,15 +84,17 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def measure_steps(cfg: JobConfig) -> StepFigures:
+def measure_steps(cfg: JobConfig, world: Optional[World] = None) -> StepFigures:
     """Run `cfg.loop.steps` optimizer steps of the run `cfg` describes, as `agoq train` runs them, in this process
-    (one process: a plan or layout that needs several is refused as `agoq train` refuses it). ValueError for
-    settings `agoq train` refuses; TrainingFailed when a step's loss or gradient norm is not finite."""
+    (one process: a plan or layout that needs several is refused as `agoq train` refuses it), or with `world` (a
+    process group every rank of which calls this with the same `cfg`) on all its ranks, each step's peak then the
+    largest of any rank's. ValueError for settings `agoq train` refuses; TrainingFailed when a step's loss or
+    gradient norm is not finite."""
     _release_memory()  # what an earlier measurement left
     # what was allocated before this run (another measurement's leftovers, the caller's tensors): not its peak
     cuda = torch.cuda.is_available() and (cfg.model.device or "cuda").startswith("cuda")
     before = torch.cuda.memory_allocated(torch.device(cfg.model.device or "cuda")) if cuda else 0
-    trainer = Trainer(prepare(cfg, World()))
+    trainer = Trainer(prepare(cfg, world if world is not None else World()))
     device = trainer.device
     offloaded = None
     try:
@@ -103,7 +105,8 @@ def measure_steps(cfg: JobConfig) -> StepFigures:
         trainer.parallel.release()
         del trainer
         _release_memory()
-    peaks = [r.peak_bytes[0] - before for r in results] if device.type == "cuda" else None
+    # every rank's peak of a step (one entry in one process): the largest
+    peaks = [max(r.peak_bytes) - before for r in results] if device.type == "cuda" else None
     return StepFigures([r.loss for r in results], [r.seconds for r in results], peaks, cfg.model.device or device.type,
                        offloaded)
 

@@ -1,7 +1,7 @@
 """Where a plan and the flags meet: the settings a run takes, its parallel layout, and what run.json records.
 
 A plan decides gradient storage, optimizer and masters, compile mode, micro-batch x accumulation, checkpointed
-layers, offloaded layers and (through its `parallel` dims) the parallel mode: unset settings take its values, and a
+layers, offloaded layers and (through its `parallel` dims) the parallel mode and FSDP2's weight all-gather: unset settings take its values, and a
 setting given otherwise is refused, naming the flag and the plan's value (`check_flags_against_plan`). The plan's
 offloaded layers (a list of layer indices) are the run's unless `--offload` is given, and its `host_budget_bytes` the
 run's host budget unless `--host-budget` is (it then bounds the plan's offload); sizes are bytes throughout (the
@@ -250,6 +250,8 @@ def reconcile(cfg: JobConfig, plan, where: str, world: World, device: torch.devi
         check_plan_world(plan, world.size, None, cfg.model.model, where)
         if parallel_cfg.parallel is None and plan_parallel_default(plan, world):
             parallel_cfg = dataclasses.replace(parallel_cfg, parallel=plan_parallel_default(plan, world))
+    if plan is not None:
+        parallel_cfg = plan_weight_gather(parallel_cfg, plan, where)
     layout = parallel_cfg.layout(world.size)
     decided = {}
     if plan is not None:
@@ -264,6 +266,20 @@ def reconcile(cfg: JobConfig, plan, where: str, world: World, device: torch.devi
     offload = resolve_offload(cfg, decided, plan)
     run_cfg = resolve_settings(cfg, decided, parallel_cfg, compile_default=compile_by_default(device, layout.mode))
     return RunSpec(run_cfg, layout, gradients, shape, offload)
+
+
+def plan_weight_gather(parallel_cfg, plan, where: str):
+    """`parallel_cfg` with FSDP2's weight all-gather the plan decides (its `parallel.weight_gather`, since 1.9; None:
+    FSDP2's own bf16 gather): a plan searched with int8 gathers runs them without --weight-gather, and a
+    --weight-gather other than the plan's (bf16 is the flag's default, so only int8 / int4 count as given) is
+    refused, naming both: the plan was priced with its own."""
+    planned = (plan.parallel.weight_gather if plan.parallel is not None else None) or "bf16"
+    given = parallel_cfg.weight_gather
+    if given not in ("bf16", planned):
+        raise ValueError(f"{where}: --weight-gather {given} contradicts the plan's parallel.weight_gather {planned} "
+                         "(it was searched and priced with that gather): drop --weight-gather to train it as it is, or "
+                         "re-run `agoq search` for what you want")
+    return dataclasses.replace(parallel_cfg, weight_gather=planned) if planned != given else parallel_cfg
 
 
 def batch_shape(cfg: JobConfig, plan, decided: dict[str, Any], layout: ParallelLayout, world: World) -> BatchShape:

@@ -16,7 +16,7 @@ from agoq.runtime.quant.qtensor import quantized_nbytes
 def test_json_header(tiny_profile):
     out, header = tiny_profile
     data = json.loads((out / "profile.json").read_text())
-    assert data["schema"] == "agoq.profile/1"
+    assert data["schema"] == "agoq.profile/1.1"
     for key in ("model", "settings", "hardware", "software", "date", "memory", "pipeline", "failures"):
         assert key in data, key
     model = build("llama-tiny")

@@ -1,0 +1,306 @@
+"""The multi-rank steps `agoq profile` measures when its world has several ranks (--world-size N, or torchrun): a
+real training step of each data-parallel layout the search prices, every rank running it, at the profile's
+micro-batch and sequence length, every layer kept whole (bf16), the fused 8-bit AdamW over float32 masters (the
+search's base knobs), one micro-batch per step, in the profile's own compile mode:
+
+  replicated  DDP with bf16 gradients; DDP with QuanGrad's 8-bit gradients (quangrad8)
+  fsdp        FSDP2 with bf16 gradients; FSDP2 with agoq's TLq-HS reduce-scatter (sdp4bit), with its own bf16
+              weight all-gather and with agoq's int8 one (`agoq train --weight-gather int8`)
+  sharded     agoq's SDP4Bit sharded step
+
+Each is `warmup` steps, then `steps` measured ones, run by `agoq train`'s own code
+(agoq.train.measure.measure_steps with the process group): its step time is the median of the measured steps on
+each rank, the largest over ranks; its peak the largest of any step on any rank (agoq.formats.layout_steps). The
+search calibrates each layout's exposed communication and per-rank peak on them (agoq.search.layout_calibration).
+A layout that fails (out of memory, a collective the backend lacks) is listed in the profile's failures.
+
+With --world-size N the steps run in N spawned local processes (NCCL, one GPU each, or gloo on the CPU), as the
+collectives are timed (agoq.profiler.collectives); under torchrun on the launched group, every rank calling
+`measure_on_group`. With a `journal`, each layout measured (or failed) is appended to it as one JSON line the moment
+it is done, beside the request it was measured for; `agoq profile --resume` reads it back and measures only the
+rest (as agoq.commands.profile_steps does for the one-rank steps).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import traceback
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+from agoq.vocabulary import DDP, FSDP, SHARDED
+
+JOURNAL_NAME = "layout_steps.journal.jsonl"  # in the profile folder, while the layout steps are taken
+STOPPED = "layout steps stopped"  # a failure's `what` where the processes died: the journal is kept for --resume
+WARMUP_STEPS = 3
+MEASURED_STEPS = 6
+LAYOUTS = (  # (layout, gradients, weight gather): the module docstring's, in the order they are measured
+    ("replicated", "bf16", "bf16"), ("replicated", "quangrad8", "bf16"),
+    ("fsdp", "bf16", "bf16"), ("fsdp", "sdp4bit", "bf16"), ("fsdp", "sdp4bit", "int8"),
+    ("sharded", "sdp4bit", "bf16"))
+PARALLEL = {"replicated": DDP, "fsdp": FSDP, "sharded": SHARDED}  # `agoq train --parallel` of each layout
+
+
+def layout_kinds(micro_batch: int, compile_mode: str) -> list[dict]:
+    """The configurations of the module docstring (agoq.formats.layout_steps KEY_FIELDS), in measuring order."""
+    return [{"layout": layout, "gradients": gradients, "weight_gather": gather, "compile": compile_mode,
+             "micro_batch": int(micro_batch), "grad_accum": 1, "optimizer": "adamw8bit", "master": "fp32"}
+            for layout, gradients, gather in LAYOUTS]
+
+
+def layout_train_settings(kind: dict, model: str, seq_len: int, dtype: str, device: str, steps: int,
+                          seed: int) -> dict:
+    """`agoq train`'s settings (agoq.train.config.TrainConfig keywords) that run one layout's step for `steps`
+    steps. agoq's sharded step is its own optimizer (SDP4Bit's sharded AdamW: 8-bit moments over float32 masters),
+    which `agoq train --parallel sharded` takes without --optimizer / --master."""
+    own = kind["layout"] == "sharded"
+    return dict(model=model, device=device, dtype=dtype, seq_len=seq_len, micro_batch=kind["micro_batch"],
+                grad_accum=kind["grad_accum"], gradients=kind["gradients"], optimizer=None if own else kind["optimizer"],
+                master=None if own else kind["master"], compile=kind["compile"] == "compiled", parallel=PARALLEL[kind["layout"]],
+                weight_gather=kind["weight_gather"], steps=steps, warmup=1, seed=seed, checkpoint_every=0,
+                quiet=True)
+
+
+def describe(kind: dict) -> str:
+    gather = f", weight gather {kind['weight_gather']}" if kind["weight_gather"] != "bf16" else ""
+    return (f"{kind['layout']} {kind['compile']} step, gradients {kind['gradients']}{gather}, micro-batch "
+            f"{kind['micro_batch']} x {kind['grad_accum']}")
+
+
+def _group_device(backend: str):
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def measure_on_group(kinds: list[dict], *, model: str, seq_len: int, dtype: str, device: str, seed: int,
+                     warmup: int = WARMUP_STEPS, steps: int = MEASURED_STEPS, measure: Optional[Callable] = None,
+                     done: Optional[Callable[[dict], None]] = None) -> list[dict]:
+    """Measure every kind on the default process group (every rank calls it with the same arguments); returns one
+    entry per kind, the same on every rank: {"kind", "row"} (an agoq.formats.layout_steps row) or {"kind",
+    "error"}. `measure(TrainConfig, World) -> StepFigures` is agoq.train.measure.measure_steps unless given;
+    `done(entry)` is called on rank 0 as each kind is done (the journal)."""
+    import torch
+    import torch.distributed as dist
+
+    from agoq.train.config import TrainConfig
+    from agoq.train.parallel import join_world
+
+    if measure is None:
+        from agoq.train.measure import measure_steps as measure
+    world = join_world(device)
+    where = _group_device(dist.get_backend())
+    out = []
+    for kind in kinds:
+        settings = layout_train_settings(kind, model, seq_len, dtype, device, warmup + steps, seed)
+        error, figures = None, None
+        try:
+            figures = measure(TrainConfig(**settings), world)
+            measured = list(figures.seconds[warmup:]) or list(figures.seconds)
+            mine = [1.0, statistics.median(measured), float(figures.max_peak_bytes or 0)]
+        except Exception as e:  # noqa: BLE001 - one layout failing (out of memory, ...) keeps the rest
+            error = f"{type(e).__name__}: {e}"[:500]
+            mine = [0.0, 0.0, 0.0]
+        ok = torch.tensor([mine[0]], dtype=torch.float64, device=where)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        largest = torch.tensor(mine[1:], dtype=torch.float64, device=where)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        if float(ok) < 1:
+            entry = {"kind": kind, "error": error or "failed on another rank"}
+        else:
+            entry = {"kind": kind, "row": {
+                **kind, "policy": "bf16", "warmup_steps": warmup, "steps": steps,
+                "step_seconds": float(largest[0]),
+                "peak_bytes": int(largest[1]) if figures.peak_bytes is not None else None,
+                "seconds_per_step": [float(t) for t in figures.seconds], "source": "profile"}}
+        out.append(entry)
+        if done is not None and dist.get_rank() == 0:
+            done(entry)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank: int, world: int, port: int, out_dir: str, kinds: list[dict], settings: dict,
+             journal: Optional[str], request: dict, use_cuda: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    tqdm.set_lock(threading.RLock())  # this process leaves by os._exit, which would strand a semaphore
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    try:
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+        done = (lambda entry: _append(Path(journal), {"request": request, **entry})) if journal else None
+        device = f"cuda:{rank}" if use_cuda else "cpu"
+        result = {"entries": measure_on_group(kinds, **{**settings, "device": device}, done=done)}
+    except BaseException:  # reported to the parent, whatever it was
+        result = {"error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        os._exit(0)  # leave without interpreter-exit destructors of communication threads
+
+
+def spawn_on_group(world_size: int, kinds: list[dict], settings: dict, journal: Optional[Path] = None,
+                   request: Optional[dict] = None, use_cuda: Optional[bool] = None) -> list[dict]:
+    """Run `measure_on_group` in `world_size` spawned local processes (NCCL, one GPU each, or gloo on the CPU);
+    returns rank 0's entries. RuntimeError when rank 0 left none."""
+    import multiprocessing
+
+    import torch
+
+    if use_cuda is None:
+        use_cuda = str(settings.get("device", "")).startswith("cuda")
+    if use_cuda and torch.cuda.device_count() < world_size:
+        raise ValueError(f"--world-size {world_size} needs {world_size} GPUs, this machine has "
+                         f"{torch.cuda.device_count()}")
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = multiprocessing.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_spawned, args=(rank, world_size, port, out_dir, kinds, settings,
+                                                    str(journal) if journal else None, request or {}, use_cuda))
+                 for rank in range(world_size)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+        path = os.path.join(out_dir, "0.json")
+        if not os.path.exists(path):
+            raise RuntimeError(f"layout steps: rank 0 left no result (exit codes {[p.exitcode for p in procs]})")
+        with open(path) as f:
+            result = json.load(f)
+    if "error" in result:
+        raise RuntimeError(f"layout steps failed on rank 0:\n{result['error']}")
+    return result["entries"]
+
+
+def _append(journal: Path, entry: dict) -> None:
+    with open(journal, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_journal(journal: Optional[Path], request: dict, kinds: list[dict]) -> dict[int, dict]:
+    """{kind index: entry} of `journal`'s lines measured for `request`; other requests' lines and a last line cut
+    short by a stop are skipped."""
+    found: dict[int, dict] = {}
+    if journal is None or not journal.is_file():
+        return found
+    for line in journal.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+            if entry.get("request") != request or entry.get("kind") not in kinds:
+                continue
+            if "row" not in entry and "error" not in entry:
+                continue
+            found[kinds.index(entry["kind"])] = {k: entry[k] for k in ("kind", "row", "error") if k in entry}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return found
+
+
+def model_spec(model: str, layers: Optional[int], folder: str) -> str:
+    """`model`, or with `layers` a config.json in `folder` of that many decoder layers (the profiled model)."""
+    if layers is None:
+        return model
+    from agoq.models import resolve_config
+
+    config = resolve_config(model).to_dict()
+    config["num_hidden_layers"] = layers
+    spec = str(Path(folder) / "model.json")
+    Path(spec).write_text(json.dumps(config))
+    return spec
+
+
+def request_of(model: str, layers: Optional[int], seq_len: int, micro_batch: int, dtype: str, compile_mode: str,
+               world_size: int, seed: int, warmup: int, steps: int) -> dict:
+    """What the layout steps were measured for (a journal line of another request is not reused)."""
+    return {"model": model, "layers": layers, "seq_len": seq_len, "micro_batch": micro_batch, "dtype": dtype,
+            "compile": compile_mode, "world_size": world_size, "seed": seed, "warmup": warmup, "steps": steps}
+
+
+def rows_and_failures(entries: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(layout_steps rows, profile failures) of measured entries."""
+    rows = [e["row"] for e in entries if "row" in e]
+    failures = [{"what": f"layout step {describe(e['kind'])}", "error": e["error"]} for e in entries if "error" in e]
+    return rows, failures
+
+
+def measure_layout_steps(world_size: int, *, model: str, layers: Optional[int], seq_len: int, micro_batch: int,
+                         dtype: str, device: str, compile_mode: str, seed: int = 0, warmup: int = WARMUP_STEPS,
+                         steps: int = MEASURED_STEPS, journal: Optional[Path] = None,
+                         say: Callable[[str], None] = lambda text: None) -> tuple[list[dict], list[dict]]:
+    """Measure the layouts of `layout_kinds` in `world_size` spawned local processes (module docstring), those in
+    `journal` for this request kept; returns (layout_steps rows, failures). Where the processes die or cannot start,
+    the rows they journaled are returned with a failure whose `what` begins with STOPPED."""
+    kinds = layout_kinds(micro_batch, compile_mode)
+    request = request_of(model, layers, seq_len, micro_batch, dtype, compile_mode, world_size, seed, warmup, steps)
+    found = read_journal(journal, request, kinds)
+    todo = [k for i, k in enumerate(kinds) if i not in found]
+    stopped = []
+    if todo:
+        say(f"layout steps: {len(todo)} layout(s) over {world_size} local processes, {warmup} warm-up + {steps} "
+            "measured steps each")
+        with tempfile.TemporaryDirectory(prefix="agoq-layout-steps-") as tmp:
+            settings = dict(model=model_spec(model, layers, tmp), seq_len=seq_len, dtype=dtype, device=device,
+                            seed=seed, warmup=warmup, steps=steps)
+            try:
+                for entry in spawn_on_group(world_size, todo, settings, journal, request,
+                                            use_cuda=device.startswith("cuda")):
+                    found[kinds.index(entry["kind"])] = entry
+            except (RuntimeError, ValueError) as e:  # the processes died or could not start: what they journaled
+                found.update(read_journal(journal, request, kinds))  # before stands
+                stopped.append({"what": f"{STOPPED} world_size={world_size}", "error": str(e)[-500:]})
+    rows, failures = rows_and_failures([found[i] for i in sorted(found)])
+    return rows, failures + stopped
+
+
+def measure_layout_steps_torchrun(*, model: str, layers: Optional[int], seq_len: int, micro_batch: int, dtype: str,
+                                  device: str, compile_mode: str, seed: int = 0, warmup: int = WARMUP_STEPS,
+                                  steps: int = MEASURED_STEPS,
+                                  journal: Optional[Path] = None) -> tuple[list[dict], list[dict]]:
+    """As measure_layout_steps, on the group torchrun launched (every rank calls it; rank 0 reads and writes the
+    journal and tells the others what is left)."""
+    import torch.distributed as dist
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    kinds = layout_kinds(micro_batch, compile_mode)
+    request = request_of(model, layers, seq_len, micro_batch, dtype, compile_mode, world_size, seed, warmup, steps)
+    found = [read_journal(journal, request, kinds) if rank == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    found = {int(i): e for i, e in found[0].items()}
+    todo = [k for i, k in enumerate(kinds) if i not in found]
+    done = (lambda entry: _append(journal, {"request": request, **entry})) if journal is not None else None
+    with tempfile.TemporaryDirectory(prefix="agoq-layout-steps-") as tmp:
+        entries = measure_on_group(todo, model=model_spec(model, layers, tmp), seq_len=seq_len, dtype=dtype,
+                                   device=device, seed=seed, warmup=warmup, steps=steps, done=done)
+    for entry in entries:
+        found[kinds.index(entry["kind"])] = entry
+    return rows_and_failures([found[i] for i in sorted(found)])
+
+
+__all__ = ["layout_kinds", "layout_train_settings", "measure_on_group", "measure_layout_steps",
+           "measure_layout_steps_torchrun", "JOURNAL_NAME", "STOPPED", "LAYOUTS", "WARMUP_STEPS", "MEASURED_STEPS"]

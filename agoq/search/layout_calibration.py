@@ -1,0 +1,126 @@
+"""Every layout calibrated on the profile's multi-rank layout steps (profile.json `layout_steps`,
+agoq.formats.layout_steps): what one GPU's calibration (agoq.search.calibration) does for the memory model and the
+measured one-rank steps, done for each data-parallel layout's communication and peak per rank.
+
+The cost model prices a layout's step as the compute the profile measured on one rank plus the communication its
+collectives table leaves exposed (agoq.search.cost_model, agoq.search.layouts): no overlap with compute is learnt
+from a real step, and DDP's buckets, FSDP2's units in flight or the sharded state are counted by model. A layout
+step is a real step of that layout on every rank, at the profile's micro-batch, one micro-batch per step, every
+layer kept, the base optimizer. For a configuration of layout D (its layout, gradient mode and weight gather) in
+compile mode c, with R the layout step of D measured in c (else in the other compile mode, for its communication
+only: the notes say so):
+
+  anchor A  = R's configuration, priced by the calibrated one-rank model (agoq.search.calibration, no layout
+              calibration): compute(A) = its step less its modelled communication comm(A), and its peak P(A)
+
+  exposed   = max(0, R.step_seconds - compute(A))                       the communication R did not hide
+  comm(X)   = max(0, exposed + comm_model(X) - comm_model(A))           X: any configuration of layout D
+  step(X)   = compute(X) + comm(X)
+
+  margin    = R.peak_bytes - P(A)                                       bytes per rank the model missed
+  peak(X)   = model peak(X) + margin                                    every phase (the end of forward, a
+                                                                        checkpointed layer's backward, the
+                                                                        optimizer step)
+
+so the calibrated price reproduces R's step (where it is no faster than compute(A)) and peak exactly at A, and moves
+by the model's deltas elsewhere: another micro-batch, accumulation (DDP's all-reduce is once per step, so its
+exposed seconds are amortized; FSDP2's all-gathers are per micro-batch, so the model's per-micro-batch exposure is
+added for each further one), per-layer choices, checkpointing, optimizers. The margin may be negative (the model
+over-counts, e.g. DDP's buckets): the peak is then predicted lower, as measured. Plans and alternatives are priced
+through this (agoq.search.costs.build_problem), so both are calibrated alike. Pipeline stages are not calibrated
+here (a layout step is one stage).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from agoq.formats.profile import ProfileData
+from agoq.search.layouts import resolve_layout
+from agoq.search.problem import ChoiceProblem, ProblemSettings
+
+
+def layout_row(profile: ProfileData, layout: str, gradient_mode: str, weight_gather: str,
+               compile_mode: str) -> Optional[dict]:
+    """The profile's layout step of (layout, gradient mode, weight gather): the one measured in `compile_mode`,
+    else one of another compile mode, else None."""
+    cache = profile.cache.setdefault("layout_rows", {})
+    if "rows" not in cache:
+        cache["rows"] = profile.layout_steps() if profile.world_size > 1 else []
+    rows = [r for r in cache["rows"] if (r["layout"], r["gradients"], r["weight_gather"])
+            == (layout, gradient_mode, weight_gather)]
+    return next((r for r in rows if r["compile"] == compile_mode), rows[0] if rows else None)
+
+
+def _row_knobs(profile: ProfileData, row: dict) -> ProblemSettings:
+    return ProblemSettings(micro_batch=row["micro_batch"], grad_accum=row["grad_accum"], gradient_mode=row["gradients"],
+                           optimizer=row["optimizer"], master=row["master"], compile_mode=row["compile"],
+                           layout=row["layout"], weight_gather=row["weight_gather"],
+                           layer_stage=(0,) * profile.num_layers, allow_offload=False)
+
+
+def anchor(profile: ProfileData, row: dict) -> Optional[dict]:
+    """{"compute_seconds", "communication_seconds", "peak_bytes"} of R's configuration priced by the calibrated
+    one-rank model (module docstring); None where the profile cannot price it (cached on the profile)."""
+    from agoq.search.calibration import calibrate_problem
+    from agoq.search.cost_model import model_problem
+
+    cache = profile.cache.setdefault("layout_anchor", {})
+    key = repr(sorted((k, v) for k, v in row.items() if not isinstance(v, list)))
+    if key not in cache:
+        cache[key] = None
+        knobs = _row_knobs(profile, row)
+        try:
+            problem = model_problem(profile, knobs)
+        except ValueError:
+            return None
+        calibrate_problem(problem, profile, knobs, row["compile"], row["micro_batch"], row["grad_accum"])
+        figures = problem.evaluate(np.nonzero(problem.keeps_16bit())[0], np.zeros(problem.num_layers, dtype=bool))
+        comm = float(problem.communication_seconds)
+        cache[key] = {"compute_seconds": float(figures["step_seconds"]) - comm, "communication_seconds": comm,
+                      "peak_bytes": float(max(figures["peak_bytes_per_stage"]))}
+    return cache[key]
+
+
+def calibrate_layout(problem: ChoiceProblem, profile: ProfileData, knobs: ProblemSettings, compile_mode: str) -> None:
+    """Calibrate `problem` (built for `knobs`, already calibrated on one rank) in place on the profile's layout step
+    of its layout (module docstring); nothing where the profile has none, or the problem has pipeline stages."""
+    if profile.world_size < 2 or problem.num_stages != 1:
+        return
+    layout = resolve_layout(knobs.layout, knobs.gradient_mode)
+    row = layout_row(profile, layout, knobs.gradient_mode, knobs.weight_gather, compile_mode)
+    if row is None:
+        return
+    a = anchor(profile, row)
+    if a is None:
+        return
+    what = (f"{layout} ({knobs.gradient_mode} gradients"
+            + (f", {knobs.weight_gather} weight gather" if knobs.weight_gather != "bf16" else "") + ")")
+    other = "" if row["compile"] == compile_mode else f" (measured {row['compile']}: its communication only)"
+    exposed = max(0.0, float(row["step_seconds"]) - a["compute_seconds"])
+    comm = max(0.0, exposed + float(problem.communication_seconds) - a["communication_seconds"])
+    problem.base_seconds = problem.base_seconds + comm - float(problem.communication_seconds)
+    problem.notes.append(
+        f"{what} communication calibrated on the profile's {profile.world_size}-rank layout step{other}: it measured "
+        f"{row['step_seconds'] * 1e3:.4g} ms where the priced compute is {a['compute_seconds'] * 1e3:.4g} ms, "
+        f"{exposed * 1e3:.4g} ms exposed (modelled {a['communication_seconds'] * 1e3:.4g} ms); here "
+        f"{comm * 1e3:.4g} ms per step (modelled {problem.communication_seconds * 1e3:.4g} ms)")
+    problem.communication_seconds = comm
+    if row["compile"] != compile_mode or row.get("peak_bytes") is None:
+        return
+    margin = float(row["peak_bytes"]) - a["peak_bytes"]
+    problem.static_bytes = problem.static_bytes + margin
+    if problem.static_parts is not None:
+        problem.static_parts["layout_margin"] = np.full(problem.num_stages, margin)
+    if problem.floor_bytes is not None:
+        problem.floor_bytes = problem.floor_bytes + margin
+        if problem.floor_parts is not None:
+            problem.floor_parts["layout_margin"] = np.full(problem.num_stages, margin)
+    problem.notes.append(f"{what} peak per rank calibrated on the profile's layout step: it peaked at "
+                         f"{int(row['peak_bytes'])} bytes on its largest rank, the model {int(a['peak_bytes'])}: "
+                         f"{int(margin):+d} bytes on every phase")
+
+
+__all__ = ["calibrate_layout", "layout_row", "anchor"]
