@@ -32,9 +32,8 @@ def random_kinds(rng):
 
 
 def random_plan_dict(rng, num_layers, fp="0123456789abcdef", stages=1):
-    layer_stage = sorted([0] * 1 + list(range(stages)) + [rng.randrange(stages) for _ in range(num_layers - stages - 1)]) \
-        if stages > 1 else [0] * num_layers
-    layer_stage = layer_stage[:num_layers]
+    # every stage holds a layer, the rest drawn: contiguous runs once sorted
+    layer_stage = sorted(list(range(stages)) + [rng.randrange(stages) for _ in range(num_layers - stages)])
     layers = []
     for i in range(num_layers):
         ckpt = rng.random() < 0.3
