@@ -219,7 +219,7 @@ def _budget_price(profile: ProfileData, config: Configuration, problem: ChoicePr
     peak = int(float(row["peak_bytes"]) + static + max(0.0, transient) + kept + margin(profile, "compiled")[0]
                + layout_margin(problem))
     comm = float(problem.communication_seconds)
-    return Price(seconds + comm, comm, [peak] * problem.num_stages)
+    return Price(_positive(seconds, b) + comm, comm, [peak] * problem.num_stages)
 
 
 def _fsdp_budget_price(profile: ProfileData, config: Configuration, problem: ChoiceProblem, row: dict) -> Price:
@@ -242,7 +242,17 @@ def _fsdp_budget_price(profile: ProfileData, config: Configuration, problem: Cho
     floor = problem.peak_floor()
     peaks = [int(max(p + max(saved, -float(a)), float(floor[s])))
              for s, (p, a) in enumerate(zip(kept.peak_bytes_per_stage, kept.activation_bytes_per_stage))]
-    return Price(seconds, kept.communication_seconds, peaks)
+    return Price(_positive(seconds, float(config.activation_memory_budget)), kept.communication_seconds, peaks)
+
+
+def _positive(seconds: float, budget: float) -> float:
+    """A compile's-budget step moved by differences of measured steps, refused where it comes out at or below
+    zero: the profile's steps disagree by more than the step itself (noise, e.g. a small model on a busy CPU)."""
+    if not seconds > 0:
+        raise ValueError(f"compile's activation_memory_budget {budget:g} prices at {seconds * 1e3:.3g} ms from the "
+                         "profile's measured steps (their differences exceed the step: measurement noise); it is "
+                         "left out")
+    return seconds
 
 
 def layout_margin(problem: ChoiceProblem) -> float:

@@ -160,3 +160,32 @@ def test_a_checkpoint_measured_faster_than_keeping_is_priced_at_no_extra_time(tm
     every = price(profile, Configuration(knobs, checkpoint_layers=tuple(range(L))))
     assert every.step_seconds == pytest.approx(kept.step_seconds, rel=1e-12), seed
     assert any("faster than bf16" in n for n in build_problem(profile, knobs).notes), seed
+
+
+def test_a_compile_budget_step_moved_below_zero_is_left_out(tmp_path):
+    """Noisy measurements (a small model on a busy CPU) can make the bf16 line fall with more micro-batches by more
+    than compile's budget step: moved there, that step prices at or below zero. It is refused (ValueError) and left
+    out of the alternatives, and the plan beside it is still made."""
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng)
+    header = json.loads((profile.path / "profile.json").read_text())
+    rows = header["measured_steps"]["rows"]
+    one, two = _step(profile, 2, 1), _step(profile, 2, 2)
+    b = rng.choice([0.5, 0.3])
+    row = _step(profile, 2, 1, budget=b)
+    bad = next(r for r in rows if r == row)
+    bad["step_seconds"] = rng.uniform(0.1, 0.9) * abs(two["step_seconds"] - one["step_seconds"])
+    next(r for r in rows if r == two)["step_seconds"] = one["step_seconds"] - (two["step_seconds"] - one["step_seconds"])
+    (profile.path / "profile.json").write_text(json.dumps(header))
+    profile = load_profile(profile.path)
+    moved = _step(profile, 2, 1, budget=b)["step_seconds"] + _step(profile, 2, 2)["step_seconds"] \
+        - _step(profile, 2, 1)["step_seconds"]
+    assert moved <= 0, seed  # the configuration this test is about
+    with pytest.raises(ValueError, match="measurement noise"):
+        price(profile, Configuration(ProblemSettings(micro_batch=2, grad_accum=2, compile_mode="compiled"),
+                                    activation_memory_budget=b))
+    priced = price_alternatives(profile, 10**15, [(2, 2)], ["compiled"])
+    assert priced and all(a.step_seconds > 0 for a in priced), seed
+    assert b not in {a.activation_memory_budget for a in priced}, seed
+    plan = plan_from_profile(profile, 10**15, error_cap=None)
+    assert plan.predicted.step_seconds > 0 and all(a.predicted.step_seconds > 0 for a in plan.alternatives), seed
