@@ -62,7 +62,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from agoq.runtime.comm.weight_gather_codec import WireLayout, dequantize_gather, quantize_shard, wire_layout
+from agoq.runtime.comm.weight_gather_codec import (WireLayout, dequantize_gather_reference, quantize_shard_reference,
+                                                   wire_layout)
 from agoq.runtime.quant.layout import check_arguments
 
 DEFAULT_BLOCK = 256  # values per float32 scale: 1.6 % of int8's bytes
@@ -231,6 +232,25 @@ def apply_weight_gather(model: nn.Module, *, bits: int = 8, block: int = DEFAULT
                 done[id(p)] = nn.Parameter(QuantizedGatherWeight(p.data, spec), requires_grad=p.requires_grad)
             module._parameters[name] = done[id(p)]
     return len(done)
+
+
+def quantize_shard(local: torch.Tensor, lay: WireLayout) -> torch.Tensor:
+    """`quantize_shard_reference`, by the fused Triton kernel on CUDA tensors."""
+    if local.is_cuda:
+        from agoq.runtime.comm.weight_gather_triton import quantize_shard_triton
+
+        return quantize_shard_triton(local, lay)
+    return quantize_shard_reference(local, lay)
+
+
+def dequantize_gather(gathered: torch.Tensor, lay: WireLayout, world: int, out: torch.Tensor) -> None:
+    """`dequantize_gather_reference`, by the fused Triton kernel on CUDA tensors."""
+    if gathered.is_cuda:
+        from agoq.runtime.comm.weight_gather_triton import dequantize_gather_triton
+
+        dequantize_gather_triton(gathered, lay, world, out)
+    else:
+        dequantize_gather_reference(gathered, lay, world, out)
 
 
 __all__ = ["apply_weight_gather", "QuantizedGatherWeight", "GatherSpec", "gathered_weight", "unwrap",

@@ -116,24 +116,4 @@ def dequantize_gather_reference(gathered: torch.Tensor, lay: WireLayout, world: 
     out.view(-1).copy_(values)
 
 
-def quantize_shard(local: torch.Tensor, lay: WireLayout) -> torch.Tensor:
-    """`quantize_shard_reference`, by the fused Triton kernel on CUDA tensors."""
-    if local.is_cuda:
-        from agoq.runtime.comm.weight_gather_triton import quantize_shard_triton
-
-        return quantize_shard_triton(local, lay)
-    return quantize_shard_reference(local, lay)
-
-
-def dequantize_gather(gathered: torch.Tensor, lay: WireLayout, world: int, out: torch.Tensor) -> None:
-    """`dequantize_gather_reference`, by the fused Triton kernel on CUDA tensors."""
-    if gathered.is_cuda:
-        from agoq.runtime.comm.weight_gather_triton import dequantize_gather_triton
-
-        dequantize_gather_triton(gathered, lay, world, out)
-    else:
-        dequantize_gather_reference(gathered, lay, world, out)
-
-
-__all__ = ["WireLayout", "wire_layout", "quantize_shard", "dequantize_gather", "quantize_shard_reference",
-           "dequantize_gather_reference"]
+__all__ = ["WireLayout", "wire_layout", "quantize_shard_reference", "dequantize_gather_reference"]
