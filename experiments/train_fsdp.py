@@ -10,7 +10,9 @@ vocabulary 32000), data (tinyshakespeare.txt, bytes), seed, batch and steps:
   fsdp_tlqhs_int4       the same with every GPU treated as a node (--node-size 1): gradients in int4
   sharded_sdp4bit       agoq's SDP4Bit sharded AdamW: TLq-HS gradients and qWD 4-bit weight differences
   fsdp_int8_gather      FSDP2 with its weight all-gather (forward and backward) in int8 blocks of 256 values
-                        (agoq train --weight-gather int8); fsdp_int8_gather_tlqhs_int4 with TLq-HS int4 too
+                        (agoq train --weight-gather int8); fsdp_int8_gather_tlqhs_int4 with TLq-HS int4 too;
+                        fsdp_int4_gather_tlqhs_int4 with the weights in int4 after Hadamard-32
+  sharded_sdp4bit_int4  agoq's sharded SDP4Bit with every GPU a node (--node-size 1): int4 on the wire
 once over NVLink and once over NCCL's socket transport on loopback (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo; AGOQ_ALLREDUCE_TRANSPORT=collectives keeps every agoq collective
 on NCCL's plain collectives, which read those variables; NCCL_NVLS_ENABLE=0 leaves NVLink multicast off).
@@ -58,6 +60,11 @@ VARIANTS = {
     "fsdp_int8_gather": ["--parallel", "fsdp", "--weight-gather", "int8"],
     "fsdp_int8_gather_tlqhs_int4": ["--parallel", "fsdp", "--weight-gather", "int8", "--gradients", "sdp4bit",
                                     "--node-size", "1"],
+    # weights gathered as 4-bit codes after Hadamard-32, gradients TLq-HS int4: the least FSDP2 traffic
+    "fsdp_int4_gather_tlqhs_int4": ["--parallel", "fsdp", "--weight-gather", "int4", "--gradients", "sdp4bit",
+                                    "--node-size", "1"],
+    # agoq's own sharded optimizer with every GPU a node: TLq-HS int4 gradients, qWD 4-bit weight differences
+    "sharded_sdp4bit_int4": ["--parallel", "sharded", "--gradients", "sdp4bit", "--node-size", "1"],
 }
 
 
