@@ -70,7 +70,8 @@ def layout_row(profile: ProfileData, layout: str, gradient_mode: str, weight_gat
     return next((r for r in rows if r["compile"] == compile_mode), rows[0] if rows else None)
 
 
-def _row_knobs(profile: ProfileData, row: dict) -> ProblemSettings:
+def row_knobs(profile: ProfileData, row: dict) -> ProblemSettings:
+    """The knobs a layout step ran (every layer kept, on one stage, nothing offloaded)."""
     return ProblemSettings(micro_batch=row["micro_batch"], grad_accum=row["grad_accum"], gradient_mode=row["gradients"],
                            optimizer=row["optimizer"], master=row["master"], compile_mode=row["compile"],
                            layout=row["layout"], weight_gather=row["weight_gather"],
@@ -87,7 +88,7 @@ def anchor(profile: ProfileData, row: dict) -> Optional[dict]:
     key = repr(sorted((k, v) for k, v in row.items() if not isinstance(v, list)))
     if key not in cache:
         cache[key] = None
-        knobs = _row_knobs(profile, row)
+        knobs = row_knobs(profile, row)
         try:
             problem = model_problem(profile, knobs)
         except ValueError:
@@ -141,4 +142,4 @@ def calibrate_layout(problem: ChoiceProblem, profile: ProfileData, knobs: Proble
                          f"{int(margin):+d} bytes on every phase")
 
 
-__all__ = ["calibrate_layout", "layout_row", "anchor"]
+__all__ = ["calibrate_layout", "layout_row", "anchor", "row_knobs"]
