@@ -186,8 +186,13 @@ def render(data: Optional[dict[str, Any]]) -> str:
             out.append(message(f"A what-if plan: made for {w['world_size']} ranks ({w['nodes']} node(s) of "
                                f"{w['node_size']}) from a profile measured on {w['measured_world_size']}; its "
                                "communication is the network model's, not a measurement.", "warn"))
-    steps = data["layout_steps"]
-    out.append("<h2>Layout steps</h2>")
+    out.append(render_steps(data["layout_steps"]))
+    return "".join(out)
+
+
+def render_steps(steps: dict[str, Any]) -> str:
+    """The layout steps section (HTML) of `layout_steps`' data (with its `profile` id), or its error."""
+    out = ["<h2>Layout steps</h2>"]
     if "error" in steps or "empty" in steps:
         out.append(message(steps.get("error") or steps.get("empty"), "error" if "error" in steps else "empty"))
         return "".join(out)
@@ -199,7 +204,7 @@ def render(data: Optional[dict[str, Any]]) -> str:
     out.append(f"<p class=meta>A real step of each layout on every one of the profile's {fmt_num(steps['world_size'])} "
                f"ranks (profile {esc(steps.get('profile'))}), beside the search's price of the same configuration: "
                "the model's, and calibrated on the step (exposed communication = the measured step less the priced "
-               "compute; the peak moved by what the model missed). Marked: this plan's layout.</p>")
+               "compute; the peak moved by what the model missed). Marked: the plan's layout.</p>")
     rows = []
     for r in steps["rows"]:
         name = f"{r['layout']} ({r['gradients']}" + (f", {r['weight_gather']} gather" if r["weight_gather"] != "bf16"
@@ -217,4 +222,5 @@ def render(data: Optional[dict[str, Any]]) -> str:
     return "".join(out)
 
 
-__all__ = ["layout", "layout_steps", "is_cluster", "mode_of", "layout_cell", "render", "WIRE", "GATHER"]
+__all__ = ["layout", "layout_steps", "is_cluster", "mode_of", "layout_cell", "render", "render_steps", "WIRE",
+           "GATHER"]

@@ -143,6 +143,8 @@ def profile(data: dict[str, Any], start: dict[str, Any] | None = None) -> str:
                         for st in steps]))
     for note in (s.get("memory") or {}).get("notes") or []:
         page.add(message(str(note), "info"))
+    if data.get("layout_steps"):
+        page.add(cluster.render_steps(data["layout_steps"]))
     for f in s.get("failures") or []:
         page.add(message(f"{f.get('what')}: {f.get('error')}", "error"))
     maps = data["maps"]

@@ -144,7 +144,11 @@ class Dashboard:
         """A profile's key figures, heat maps at `option`, error curves and collective times."""
         a = self.catalog.get("profiles", artifact_id)
         folder = self.catalog.folder(a)
-        return {"id": a.id, "summary": profiles.summary(folder),
+        summary = profiles.summary(folder)
+        steps = None  # a profile of several ranks: its layout steps priced (dashboard.cluster)
+        if int((summary.get("settings") or {}).get("world_size") or 1) > 1:
+            steps = part(lambda: {**cluster.layout_steps(folder.path, profiles.header(folder)), "profile": a.id})
+        return {"id": a.id, "summary": summary, "layout_steps": steps,
                 "maps": part(lambda: profiles.layer_kind_maps(folder, option)),
                 "curves": part(lambda: profiles.error_curves(folder)),
                 "times": part(lambda: profiles.kind_times(folder)),

@@ -129,6 +129,18 @@ def test_plan_page_shows_the_layout_and_each_layout_step_beside_its_prices(root,
             assert fmt_seconds(value) in page
 
 
+def test_the_profile_page_shows_its_layout_steps(root):
+    client = TestClient(create_app(root))
+    data = client.get("/api/profile", params={"id": "prof"}).json()
+    plan_view = client.get("/api/plan", params={"id": "ddp/plan.json"}).json()["cluster"]["layout_steps"]
+    assert [{k: v for k, v in r.items() if k != "mine"} for r in data["layout_steps"]["rows"]] == \
+        [{k: v for k, v in r.items() if k != "mine"} for r in plan_view["rows"]]
+    page = client.get("/profile", params={"id": "prof"}).text
+    assert "<h2>Layout steps</h2>" in page
+    assert all(fmt_seconds(r["model_step_seconds"]) in page for r in data["layout_steps"]["rows"])
+    assert client.get("/api/profile", params={"id": "one"}).json()["layout_steps"] is None
+
+
 def test_a_what_if_plan_shows_its_nodes_and_a_one_rank_plan_no_layout(root):
     client = TestClient(create_app(root))
     whatif = _plan(root, "whatif")["whatif"]
