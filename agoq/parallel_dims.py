@@ -12,8 +12,9 @@ A run of N ranks is a grid
   pipeline   stages of consecutive decoder layers, one rank each (1F1B)
   tensor     reserved: tensor parallelism is refused for now
 
-with `ranks_per_node` the ranks of a node (SDP4Bit's two-level reduce-scatter; None: torchrun's
-LOCAL_WORLD_SIZE). `engine` is set for a sharded state whatever the number of ranks: a sharded plan searched on a
+with `ranks_per_node` the ranks of a node for data parallelism (SDP4Bit's two-level reduce-scatter reads it; a
+replicated or FSDP2 plan keeps it as the nodes it was priced over, e.g. a what-if plan's --node-size; None:
+torchrun's LOCAL_WORLD_SIZE). `engine` is set for a sharded state whatever the number of ranks: a sharded plan searched on a
 one-rank profile has shard 1 and shards over the ranks it is launched on.
 
 What runs today (the runtime's parallel modes, agoq.vocabulary.PARALLEL_MODES), and so what `ParallelDims`
@@ -77,9 +78,9 @@ class ParallelDims:
                              "not combined; run one process per stage (replicate 1, shard 1, no engine)")
         if self.ranks_per_node is not None:
             _count("ranks_per_node", self.ranks_per_node)
-            if self.engine is None:
-                raise ValueError("parallel.ranks_per_node is for a sharded state (SDP4Bit's two-level gradient "
-                                 "reduce-scatter): drop it, or give an engine")
+            if self.pipeline > 1:
+                raise ValueError("parallel.ranks_per_node is for data-parallel ranks (the nodes their collectives "
+                                 "cross): drop it for pipeline stages")
 
     # ------------------------------------------------------------------------------------------ constructors
 

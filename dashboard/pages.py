@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dashboard import figures
+from dashboard import cluster, figures
 from dashboard.origins import overview_note
 from dashboard.formats import format_bytes as fmt_bytes
 from dashboard.markup import (Page, column_label, error_row, esc, fmt_num, fmt_seconds, fmt_time, link,
@@ -63,13 +63,14 @@ def overview(data: dict[str, Any]) -> str:
             continue
         href = link("/plan", id=p["id"])
         if "error" in p:
-            rows.append(error_row(p, href, 8))
+            rows.append(error_row(p, href, 9))
             continue
         rows.append([f'<a href="{esc(href)}">{esc(p["id"])}</a>', esc(p["model"]), fmt_bytes(p["budget_bytes"]),
+                     esc(cluster.layout_cell(p.get("layout"))),
                      fmt_bytes(p["predicted_peak_bytes"]), fmt_seconds(p["predicted_step_seconds"]),
                      fmt_num(p["predicted_grad_error"]), measured_peak(p),
                      esc(p["method"])])
-    page.add(table(["plan", "model", "budget", "predicted peak", "predicted step", "grad error",
+    page.add(table(["plan", "model", "budget", "layout", "predicted peak", "predicted step", "grad error",
                     "measured peak", "method"], rows, "No plans yet."))
     if front:
         page.add(f"<p class=meta>{len(front)} more plan(s) of searches' Pareto fronts are linked from their "
@@ -142,6 +143,8 @@ def profile(data: dict[str, Any], start: dict[str, Any] | None = None) -> str:
                         for st in steps]))
     for note in (s.get("memory") or {}).get("notes") or []:
         page.add(message(str(note), "info"))
+    if data.get("layout_steps"):
+        page.add(cluster.render_steps(data["layout_steps"]))
     for f in s.get("failures") or []:
         page.add(message(f"{f.get('what')}: {f.get('error')}", "error"))
     maps = data["maps"]
@@ -248,6 +251,7 @@ def _plan_sections(page: Page, data: dict[str, Any]) -> None:
                          fmt_bytes(mem["predicted_peak"][i] if i < len(mem["predicted_peak"]) else None),
                          *(fmt_bytes(v[i] if i < len(v) else None) for v in measured.values())]
                         for i, st in enumerate(mem["stages"])]))
+    page.add(cluster.render(data.get("cluster")))
     if data["runs"]:
         page.add("<p>Trained with this plan: " + ", ".join(
             f'<a href="{esc(link("/runs", id=r))}">{esc(r)}</a>' for r in data["runs"]) + "</p>")

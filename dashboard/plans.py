@@ -14,6 +14,7 @@ from agoq.files import json_safe
 from agoq.formats import views
 from agoq.formats.views import FormatError
 from agoq.parallel_dims import plan_dims
+from dashboard.cluster import layout
 from dashboard.formats import number
 from dashboard.profiles import stat_key
 
@@ -62,6 +63,7 @@ def summary(plan: dict[str, Any]) -> dict[str, Any]:
         "objective": source.get("objective"),
         "date": source.get("date"),
         "profiled_on": source.get("device"),  # the device the plan's profile was measured on (plan schema 1.6)
+        "layout": layout(plan),  # its ranks as dimensions, with the data ranks (dashboard.cluster)
     })
 
 

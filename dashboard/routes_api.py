@@ -56,7 +56,9 @@ def api_search(data: DashboardState, id: str = Query(..., description="search fo
             description="`bits`: layers x kinds (16, 2..8, 0 = recompute, -1 = layer checkpointed); `memory`: per "
                         "stage, the parts of the predicted peak the plan records (bytes on one rank at the phase "
                         "that sets the peak, `phases`; they add up to the peak; none for plans before schema 1.2) "
-                        "and measured peaks; `runs`: runs that trained with this plan.")
+                        "and measured peaks; `cluster` (null for one rank): the layout as dimensions with its "
+                        "data ranks, and its profile's layout steps beside their model and calibrated prices; "
+                        "`runs`: runs that trained with this plan.")
 def api_plan(data: DashboardState, id: str = Query(..., description="plan file, relative to the root")):
     return answer(lambda: data.plan(id))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agoq.formats.views import FormatError
-from dashboard import figures, plans, profiles, runs, searches, studies
+from dashboard import cluster, figures, plans, profiles, runs, searches, studies
 from dashboard.discovery import Artifact, Catalog
 
 MAX_POINTS_LIMIT = 20000
@@ -144,7 +144,11 @@ class Dashboard:
         """A profile's key figures, heat maps at `option`, error curves and collective times."""
         a = self.catalog.get("profiles", artifact_id)
         folder = self.catalog.folder(a)
-        return {"id": a.id, "summary": profiles.summary(folder),
+        summary = profiles.summary(folder)
+        steps = None  # a profile of several ranks: its layout steps priced (dashboard.cluster)
+        if int((summary.get("settings") or {}).get("world_size") or 1) > 1:
+            steps = part(lambda: {**cluster.layout_steps(folder.path, profiles.header(folder)), "profile": a.id})
+        return {"id": a.id, "summary": summary, "layout_steps": steps,
                 "maps": part(lambda: profiles.layer_kind_maps(folder, option)),
                 "curves": part(lambda: profiles.error_curves(folder)),
                 "times": part(lambda: profiles.kind_times(folder)),
@@ -155,14 +159,29 @@ class Dashboard:
         a = self.catalog.get("plans", artifact_id)
         plan = plans.read_plan(a.path)
         used_by = self._runs_with(plan)
-        profile = self._profile_for(plan)
+        found = self._profile_artifact_for(plan)
+        profile = found[1] if found else None
         summary = plans.summary(plan)
         steps = ((profile or {}).get("memory") or {}).get("steps") or []
         summary["bf16_predicted_peak_bytes"] = next(
             (s.get("predicted_peak_bytes") for s in steps if s.get("policy") == "bf16"), None)
         return {"id": a.id, "summary": summary, "bits": part(lambda: plans.bit_map(plan)),
                 "memory": part(lambda: plans.memory_breakdown(plan, used_by)),
-                "runs": sorted(used_by)}
+                "cluster": self._cluster(plan, found), "runs": sorted(used_by)}
+
+    def _cluster(self, plan: dict[str, Any], found: tuple | None) -> dict[str, Any] | None:
+        """The plan's layout as dimensions and its profile's layout steps priced (dashboard.cluster), for a plan or
+        profile of several ranks; None otherwise."""
+        shown = cluster.layout(plan)
+        header = found[1] if found else None
+        if not cluster.is_cluster(shown, header):
+            return None
+        steps: Any = {"empty": "no profile of this model under the root: its layout steps are not shown"}
+        if found:
+            folder = self.catalog.folder(found[0])
+            steps = part(lambda: cluster.layout_steps(folder.path, header, shown))
+            steps["profile"] = found[0].id
+        return {"layout": shown, "layout_steps": steps}
 
     def plan_view(self, plan: dict[str, Any]) -> dict[str, Any]:
         """What the plan page shows of a plan not saved anywhere (one the planner just solved): key figures,
@@ -242,6 +261,11 @@ class Dashboard:
     def _profile_for(self, plan: dict[str, Any]) -> dict[str, Any] | None:
         """profile.json of the model the plan is for (same fingerprint), preferring the folder the
         plan names as its source."""
+        found = self._profile_artifact_for(plan)
+        return found[1] if found else None
+
+    def _profile_artifact_for(self, plan: dict[str, Any]) -> tuple[Artifact, dict[str, Any]] | None:
+        """(the profile's artifact, its profile.json) as `_profile_for` picks it."""
         fingerprint = (plan.get("model") or {}).get("fingerprint")
         source = Path(str((plan.get("source") or {}).get("profile") or "")).name
         found = []
@@ -251,8 +275,8 @@ class Dashboard:
             except FormatError:
                 continue
             if (meta.get("model") or {}).get("fingerprint") == fingerprint:
-                found.append((a.path.name != source, a.id, meta))
-        return min(found, key=lambda f: f[:2])[2] if found else None
+                found.append((a.path.name != source, a.id, a, meta))
+        return min(found, key=lambda f: f[:2])[2:] if found else None
 
     def _runs_with(self, plan: dict[str, Any]) -> dict[str, list | None]:
         """Runs that trained with this plan (same model, budget and per-layer choices): run id ->

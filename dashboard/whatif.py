@@ -138,7 +138,7 @@ def page(profile_id: str, data: dict[str, Any], settings: dict[str, Any]) -> str
             continue
         k = r["knobs"]
         knobs = (f"{k.get('optimizer')}, micro-batch {k.get('micro_batch')} x {k.get('grad_accum')}, "
-                 f"{k.get('compile')}")
+                 f"{k.get('compile')}" + (f", {k['weight_gather']} weight gather" if k.get("weight_gather") else ""))
         cells.append([fmt_num(r["world_size"]), esc(r["layout"]), esc(r["gradients"]),
                       f"{r['tokens_per_second']:,.0f}", f"{r['step_seconds'] * 1e3:.1f} ms",
                       esc(format_bytes(r["peak_bytes"])), esc(knobs)])

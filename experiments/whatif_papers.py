@@ -68,30 +68,27 @@ def sdp4bit_step(profile, network: str, label: str, stated: str, budget: int) ->
 
 
 def zeropp_step(profile, network: str, label: str, stated: str, budget: int) -> dict:
-    """FSDP2 bf16 against FSDP2 with TLq-HS gradients and int8 weight all-gathers on 384 ranks in nodes of 16."""
-    base = plan_row(profile, 384, 16, network, budget, "fsdp", "bf16")
-    tlq = plan_row(profile, 384, 16, network, budget, "fsdp", "sdp4bit")
-    # the int8 weight all-gather is not a search knob yet: price it by putting its modelled times in place of the
-    # bf16 all-gather's in the re-targeted table the search reads
-    target, whatif = retarget(profile, 384, 16, network)
-    table = target.collectives.copy()
-    gather = (table["op"] == "all_gather") & (table["path"] == "nccl-bf16")
-    table.loc[gather, "seconds"] = [whatif.network.seconds("all_gather", "int8-weights", float(b), 384, 16)
-                                    for b in table.loc[gather, "message_bytes"]]
+    """FSDP2 bf16 against FSDP2 with TLq-HS gradients and agoq's int8 weight all-gather on 384 ranks in nodes of 16:
+    the search's FSDP2 + TLq-HS plan (the int8 gather priced on its own path of the network model,
+    agoq.search.layouts.gather_path), priced with the int8 gather and, beside it, with FSDP2's bf16 one."""
+    from agoq.search.price import Configuration, price, with_knobs
     from agoq.search.request import SearchRequest, knob_space
     from agoq.search.search import search
 
-    target.collectives = table
+    base = plan_row(profile, 384, 16, network, budget, "fsdp", "bf16")
+    target, whatif = retarget(profile, 384, 16, network)
     request = SearchRequest(budget, space=knob_space(layout="fsdp", gradients="sdp4bit"), front_budgets=0)
     plan = search(target, request, progress=False, alternatives=False).plan
-    q = float(plan.predicted.step_seconds)
-    b = base.get("step_seconds")
+    config = Configuration.of_plan(plan)
+    step = {gather: price(target, with_knobs(config, weight_gather=gather)).step_seconds for gather in ("int8", "bf16")}
+    q, b = step["int8"], base.get("step_seconds")
     return {"paper": "ZeRO++", "setup": f"384 GPUs (24 nodes of 16), {label}", "gpus": 384, "node_size": 16,
             "network": whatif.network.describe(), "network_stated": stated, "reported_speedup": 2.16,
             "baseline": "FSDP2 bf16 (ZeRO-3)", "variant": "FSDP2 + TLq-HS gradients + int8 weight all-gather",
             "baseline_seconds": b, "variant_seconds": q, "agoq_speedup": None if not b else b / q,
-            "tlq_hs_only_seconds": tlq.get("step_seconds"),
-            "agoq_speedup_tlq_hs_only": None if not (b and tlq.get("step_seconds")) else b / tlq["step_seconds"],
+            "plan_weight_gather": plan.parallel.weight_gather or "bf16",
+            "tlq_hs_only_seconds": step["bf16"],
+            "agoq_speedup_tlq_hs_only": None if not b else b / step["bf16"],
             "kind": "step"}
 
 

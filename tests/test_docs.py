@@ -20,7 +20,7 @@ FENCE = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)
 INLINE_CODE = re.compile(r"`(?:[^`\n]|\n(?!\n))+`")  # a code span may wrap, within a paragraph
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
-FLAGS_OF_OTHER_PROGRAMS = {"--nproc-per-node"}  # torchrun's
+FLAGS_OF_OTHER_PROGRAMS = {"--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint"}  # torchrun's
 
 
 def _id(path: Path) -> str:

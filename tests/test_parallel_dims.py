@@ -74,8 +74,10 @@ def test_what_does_not_run_is_refused_with_a_clear_message():
             ParallelDims(shard=bad, engine="fsdp2")
     with pytest.raises(ValueError, match="parallel.engine must be one of"):
         ParallelDims(shard=n, engine="zero3")
-    with pytest.raises(ValueError, match="ranks_per_node is for a sharded state"):
-        ParallelDims(replicate=n, ranks_per_node=1)
+    with pytest.raises(ValueError, match="ranks_per_node is for data-parallel ranks"):
+        ParallelDims(pipeline=n, ranks_per_node=1)
+    node = rng.choice(_divisors(n))  # replicas keep the nodes they were priced over (a what-if plan's)
+    assert ParallelDims(replicate=n, ranks_per_node=node).validate(n).ranks_per_node == node
     world = rng.choice([w for w in range(6, 40) if len(_divisors(w)) < w])  # one with a non-divisor below it
     node = rng.choice([d for d in range(2, world) if world % d])
     with pytest.raises(ValueError, match=f"ranks_per_node {node} does not divide"):

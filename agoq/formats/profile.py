@@ -45,6 +45,8 @@ class ProfileData:
     # runs of plans made from this profile, as agoq.formats.run.measured_against_plan reads them: what really ran,
     # which the search's calibration learns from (agoq.search.calibration); given by the caller, not stored
     runs: list[dict] = field(default_factory=list, repr=False, compare=False)
+    # the profile as measured, where this one re-targets it to another world (agoq.search.whatif); None: this one is
+    measured: Optional["ProfileData"] = field(default=None, repr=False, compare=False)
 
     def with_runs(self, runs: list[dict]) -> "ProfileData":
         """This profile with the measured `runs` of its plans as evidence: a new ProfileData (with a cache of its own,

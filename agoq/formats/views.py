@@ -3,6 +3,7 @@ format's owner (docs/formats.md) and checks it as that owner does, returning the
 
 - `read_profile_header(path)`: profile.json, its schema and required sections checked
   (agoq.formats.profile_header.check_header, as load_profile checks them);
+- `layout_steps(header)`: the multi-rank layout steps of a profile.json read above (agoq.formats.layout_steps);
 - `read_profile_table(path, columns)`: profile.parquet (or .csv) or collectives.parquet as a DataFrame;
 - `read_plan(path)`: plan.json (or any plan file), validated as agoq.formats.plan's Plan;
 - `read_run(path)`: run.json, its schema and the types of its sections checked;
@@ -38,6 +39,18 @@ def read_profile_header(path: str | os.PathLike, where: str | None = None) -> di
     header = read_versioned(path, PROFILE_SCHEMA_KIND, PROFILE_SCHEMA_MAJOR, where)
     check_header(header, where)
     return header
+
+
+def layout_steps(header: dict[str, Any], where: str = "profile.json") -> list[dict[str, Any]]:
+    """The layout steps of a profile header read by `read_profile_header` (profile.json `layout_steps`: a real step
+    of each data-parallel layout on every rank), each row checked by agoq.formats.layout_steps; [] where it has none.
+    FormatError naming the field of a malformed section."""
+    from agoq.formats.layout_steps import layout_rows
+
+    try:
+        return layout_rows(header, where)
+    except ValueError as e:
+        raise FormatError(str(e)) from None
 
 
 def read_profile_table(path: str | os.PathLike, columns: tuple[str, ...] = (), where: str | None = None):
@@ -101,5 +114,5 @@ def read_run(path: str | os.PathLike, where: str | None = None) -> dict[str, Any
     return run
 
 
-__all__ = ["FormatError", "metric_record", "read_pareto", "read_plan", "read_profile_header", "read_profile_table",
+__all__ = ["FormatError", "layout_steps", "metric_record", "read_pareto", "read_plan", "read_profile_header", "read_profile_table",
            "read_run"]

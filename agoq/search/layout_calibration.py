@@ -29,6 +29,22 @@ added for each further one), per-layer choices, checkpointing, optimizers. The m
 over-counts, e.g. DDP's buckets): the peak is then predicted lower, as measured. Plans and alternatives are priced
 through this (agoq.search.costs.build_problem), so both are calibrated alike. Pipeline stages are not calibrated
 here (a layout step is one stage).
+
+A what-if (agoq.search.whatif: a profile measured on W ranks re-targeted to N, `profile.measured` the profile as
+measured) keeps R where it was measured: the anchor is priced on the measured profile, at W ranks with the
+collectives W ranks measured, and only X is priced at N with the network model's collectives:
+
+  hidden    = comm_model_W(A) - exposed                                 what compute hid at W (negative: what the
+                                                                        model missed)
+  comm(X)   = max(0, comm_model_N(X) - hidden)                          = exposed + comm_model_N(X) - comm_model_W(A)
+  peak(X)   = model peak_N(X) + (R.peak_bytes - P_W(A))
+
+Why so: the compute per rank is the same at N (every rank runs the same micro-batch), so the seconds of
+communication it hid at W stay hidden, and what grows from W to N is the communication the network model prices
+(its ring and tree terms, the nodes crossed); the measured exposure is carried as an offset, not a ratio (a ratio
+would hide at N a share of a larger communication than the compute can cover). At N = W over the profile's own
+fitted link the what-if reproduces the plain calibration within the fit's residuals. The peak's margin is bytes the
+model missed at W (workspace, the allocator's rounding, DDP's buckets), kept as bytes per rank at N.
 """
 
 from __future__ import annotations
@@ -54,7 +70,8 @@ def layout_row(profile: ProfileData, layout: str, gradient_mode: str, weight_gat
     return next((r for r in rows if r["compile"] == compile_mode), rows[0] if rows else None)
 
 
-def _row_knobs(profile: ProfileData, row: dict) -> ProblemSettings:
+def row_knobs(profile: ProfileData, row: dict) -> ProblemSettings:
+    """The knobs a layout step ran (every layer kept, on one stage, nothing offloaded)."""
     return ProblemSettings(micro_batch=row["micro_batch"], grad_accum=row["grad_accum"], gradient_mode=row["gradients"],
                            optimizer=row["optimizer"], master=row["master"], compile_mode=row["compile"],
                            layout=row["layout"], weight_gather=row["weight_gather"],
@@ -71,7 +88,7 @@ def anchor(profile: ProfileData, row: dict) -> Optional[dict]:
     key = repr(sorted((k, v) for k, v in row.items() if not isinstance(v, list)))
     if key not in cache:
         cache[key] = None
-        knobs = _row_knobs(profile, row)
+        knobs = row_knobs(profile, row)
         try:
             problem = model_problem(profile, knobs)
         except ValueError:
@@ -87,13 +104,14 @@ def anchor(profile: ProfileData, row: dict) -> Optional[dict]:
 def calibrate_layout(problem: ChoiceProblem, profile: ProfileData, knobs: ProblemSettings, compile_mode: str) -> None:
     """Calibrate `problem` (built for `knobs`, already calibrated on one rank) in place on the profile's layout step
     of its layout (module docstring); nothing where the profile has none, or the problem has pipeline stages."""
-    if profile.world_size < 2 or problem.num_stages != 1:
+    measured = profile.measured if profile.measured is not None else profile  # a what-if's: as measured
+    if profile.world_size < 2 or measured.world_size < 2 or problem.num_stages != 1:
         return
     layout = resolve_layout(knobs.layout, knobs.gradient_mode)
-    row = layout_row(profile, layout, knobs.gradient_mode, knobs.weight_gather, compile_mode)
+    row = layout_row(measured, layout, knobs.gradient_mode, knobs.weight_gather, compile_mode)
     if row is None:
         return
-    a = anchor(profile, row)
+    a = anchor(measured, row)
     if a is None:
         return
     what = (f"{layout} ({knobs.gradient_mode} gradients"
@@ -102,11 +120,12 @@ def calibrate_layout(problem: ChoiceProblem, profile: ProfileData, knobs: Proble
     exposed = max(0.0, float(row["step_seconds"]) - a["compute_seconds"])
     comm = max(0.0, exposed + float(problem.communication_seconds) - a["communication_seconds"])
     problem.base_seconds = problem.base_seconds + comm - float(problem.communication_seconds)
+    at = "" if measured is profile else f" at {profile.world_size} ranks (the network model's)"
     problem.notes.append(
-        f"{what} communication calibrated on the profile's {profile.world_size}-rank layout step{other}: it measured "
+        f"{what} communication calibrated on the profile's {measured.world_size}-rank layout step{other}: it measured "
         f"{row['step_seconds'] * 1e3:.4g} ms where the priced compute is {a['compute_seconds'] * 1e3:.4g} ms, "
         f"{exposed * 1e3:.4g} ms exposed (modelled {a['communication_seconds'] * 1e3:.4g} ms); here "
-        f"{comm * 1e3:.4g} ms per step (modelled {problem.communication_seconds * 1e3:.4g} ms)")
+        f"{comm * 1e3:.4g} ms per step (modelled {problem.communication_seconds * 1e3:.4g} ms{at})")
     problem.communication_seconds = comm
     if row["compile"] != compile_mode or row.get("peak_bytes") is None:
         return
@@ -123,4 +142,4 @@ def calibrate_layout(problem: ChoiceProblem, profile: ProfileData, knobs: Proble
                          f"{int(margin):+d} bytes on every phase")
 
 
-__all__ = ["calibrate_layout", "layout_row", "anchor"]
+__all__ = ["calibrate_layout", "layout_row", "anchor", "row_knobs"]

@@ -58,9 +58,11 @@ from agoq.vocabulary import LAYOUT_GRADIENTS, LAYOUTS  # the layouts, the gradie
 FSDP_REDUCE_PATHS = {"bf16": "nccl-bf16", "sdp4bit": "sdp4bit"}  # reduce-scatter path per gradient mode
 FSDP_GATHER_PATH = "nccl-bf16"
 # bytes per value FSDP2's weight all-gather sends (`agoq train --weight-gather`; agoq.runtime.comm.fsdp_weight_gather:
-# bits / 8 + 4 / 256, a float32 scale per 256 values): the int8 gather is timed as the bf16 path's collective of as
-# many bytes
+# bits / 8 + 4 / 256, a float32 scale per 256 values). A quantized gather is read off its own path of the table where
+# the table has it (GATHER_PATHS: a what-if's modelled table, agoq.search.whatif, prices agoq's int8 gather by the
+# network model, its kernels included), else timed as the bf16 path's collective of as many bytes
 GATHER_BYTES = {"bf16": 2.0, "int8": 1.0 + 4.0 / 256, "int4": 0.5 + 4.0 / 256}
+GATHER_PATHS = {"int8": "int8-weights"}  # the collectives table's path of a quantized weight all-gather
 IN_FLIGHT_LAYERS = 2  # decoder layers whose bf16 weights are unsharded at once: the one computing and the prefetched
 REDUCE_BYTES = {"bf16": 2, "sdp4bit": 4}  # bytes per value of the unsharded gradients a reduce-scatter reads
 
@@ -136,6 +138,16 @@ def fsdp_in_flight_bytes(units: UnitSizes, gradient_mode: str, elem_bytes: int =
     return float(weights + REDUCE_BYTES[gradient_mode] * max(units.root, units.layer))
 
 
+def gather_path(table, weight_gather: str) -> tuple[str, float]:
+    """(path, scale) FSDP2's weight all-gather in `weight_gather` is read off the table at scale x the float32 bytes:
+    its own path (GATHER_PATHS) at scale 1 where the table has it, else the bf16 gather at its share of the bf16
+    bytes (GATHER_BYTES)."""
+    own = GATHER_PATHS.get(weight_gather)
+    if own is not None and has_collective(table, "all_gather", own):
+        return own, 1.0
+    return FSDP_GATHER_PATH, GATHER_BYTES[weight_gather] / GATHER_BYTES["bf16"]
+
+
 def fsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers: int,
                          forward_backward: float, weight_gather: str = "bf16") -> dict:
     """Seconds of FSDP2's communication not hidden by compute, per micro-batch (see the module docstring), with
@@ -149,10 +161,10 @@ def fsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers
     if weight_gather not in GATHER_BYTES:
         raise ValueError(f"weight gather must be one of {', '.join(GATHER_BYTES)}, got {weight_gather!r}")
     rs_path = FSDP_REDUCE_PATHS[gradient_mode]
-    wire = GATHER_BYTES[weight_gather] / GATHER_BYTES["bf16"]  # of the bf16 gather's bytes
-    ag_l = collective_seconds(table, FSDP_GATHER_PATH, 4.0 * units.layer * wire, ("all_gather",))
+    ag_path, wire = gather_path(table, weight_gather)
+    ag_l = collective_seconds(table, ag_path, 4.0 * units.layer * wire, ("all_gather",))
     rs_l = collective_seconds(table, rs_path, 4.0 * units.layer, ("reduce_scatter",))
-    ag_r = collective_seconds(table, FSDP_GATHER_PATH, 4.0 * units.root * wire, ("all_gather",)) if units.root else 0.0
+    ag_r = collective_seconds(table, ag_path, 4.0 * units.root * wire, ("all_gather",)) if units.root else 0.0
     rs_r = collective_seconds(table, rs_path, 4.0 * units.root, ("reduce_scatter",)) if units.root else 0.0
     if any(math.isnan(v) for v in (ag_l, rs_l, ag_r, rs_r)):
         raise ValueError("layout fsdp: a collective time could not be read off the profile's table")
@@ -163,6 +175,6 @@ def fsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers
             "reduce_scatter_root": rs_r}
 
 
-__all__ = ["LAYOUTS", "LAYOUT_GRADIENTS", "IN_FLIGHT_LAYERS", "GATHER_BYTES", "UnitSizes", "default_layout", "resolve_layout",
+__all__ = ["LAYOUTS", "LAYOUT_GRADIENTS", "IN_FLIGHT_LAYERS", "GATHER_BYTES", "GATHER_PATHS", "gather_path", "UnitSizes", "default_layout", "resolve_layout",
            "layouts", "fsdp_missing", "unit_sizes", "fsdp_in_flight_bytes",
            "fsdp_exposed_seconds"]

@@ -8,7 +8,10 @@ What the re-targeted profile prices, per rank (the search then runs as on any pr
   communication  every collective the search reads (agoq.search.collective_times) from a table modelled at N
                  ranks in nodes of G (agoq.search.network): the profile's own link fitted to its measured
                  collectives (agoq.search.network_fit), or the --network links with the fitted kernels of the
-                 quantized paths
+                 quantized paths; FSDP2's int8 weight all-gather (FSDP2 + TLq-HS + int8, a configuration the
+                 search picks) on its own path, int8-weights (agoq.search.layouts.gather_path). Where the profile
+                 measured layout steps, each layout's exposed communication is calibrated on them at the
+                 profile's W ranks and re-priced by the model from W to N (agoq.search.layout_calibration)
   memory         the layout's dimensions at N: a sharded state is 1/N per rank (agoq.search.state), FSDP2's units
                  in flight by the layer sizes (agoq.search.layouts)
 
@@ -32,7 +35,7 @@ from agoq.search.network_fit import Fit, fit_collectives
 from agoq.search.network_spec import parse_network
 
 MODEL_SIZES = tuple(int(round(2 ** (s / 4))) // 4 * 4 for s in range(64, 153))  # 64 KiB .. 256 GiB, 2^(1/4) apart
-MODEL_PATHS = tuple(sorted(op_path for op_path in OPERATIONS if op_path[1] != "int8-weights"))  # what the search reads
+MODEL_PATHS = tuple(sorted(OPERATIONS))  # what the search reads (int8-weights: FSDP2's int8 weight all-gather)
 MAX_WORLD = 1 << 20
 
 
@@ -49,6 +52,7 @@ class WhatIf:
     profile_path: str
     device: Optional[str] = None
     model_spec: str = "MODEL"
+    layout_steps: int = 0  # layout steps the profile measured (agoq.formats.layout_steps)
 
     @property
     def nodes(self) -> int:
@@ -63,8 +67,15 @@ class WhatIf:
                f"memory per rank: the layout's state at {self.world} ranks (sharded and fsdp: the state measured "
                f"whole, divided by {self.world}; replicated: whole, as measured)"]
         if self.fit is None:
-            out.append("quantized collectives (quangrad8, sdp4bit): wire time only, their kernels were not measured "
-                       "(a profile of one rank)")
+            out.append("quantized collectives (quangrad8, sdp4bit, FSDP2's int8 weight all-gather): wire time only, "
+                       "their kernels were not measured (a profile of one rank)")
+        elif ("all_gather", "int8-weights") not in self.fit.kernels:
+            out.append("FSDP2's int8 weight all-gather: wire time only, the profile's collectives do not time its "
+                       "quantize and dequantize kernels (an fsdp int8 layout step, where the profile has one, "
+                       "carries them)")
+        if self.layout_steps:
+            out.append(f"layout steps: each layout's exposed communication measured at {self.measured_world} ranks, "
+                       f"re-priced by the network model at {self.world} (the seconds compute hid there stay hidden)")
         if self.nodes > 1:
             out.append("across nodes: no network between nodes was measured; the inter link is "
                        + ("the profile's own link, fitted on one node" if self.network.name == "profile"
@@ -191,20 +202,26 @@ def retarget(profile: ProfileData, world: int, node_size: Optional[int] = None,
         network = network.with_kernels(fit.kernels)
     header = copy.deepcopy(profile.header)
     header["settings"] = {**header.get("settings", {}), "world_size": world}
+    measured = profile.measured if profile.measured is not None else profile
     target = dataclasses.replace(profile, header=header, collectives=modelled_table(network, world, node_size),
-                                 notes=list(profile.notes), cache={})
+                                 notes=list(profile.notes), cache={}, measured=measured)
     device = profile.header.get("hardware", {}).get("name")
     model = profile.header.get("model", {})
     spec = str(model.get("spec") or model.get("name") or "MODEL")
-    return target, WhatIf(profile.world_size, world, node_size, network, fit, str(profile.path), device, spec)
+    steps = len(measured.layout_steps()) if measured.world_size > 1 else 0
+    return target, WhatIf(profile.world_size, world, node_size, network, fit, str(profile.path), device, spec,
+                          steps)
 
 
 def mark_plans(outcome, whatif: WhatIf) -> None:
-    """Every plan of a search outcome (the plan and the front's) says it is `whatif`'s (plan section `whatif`)."""
+    """Every plan of a search outcome (the plan and the front's) says it is `whatif`'s (plan section `whatif`) and
+    gives the nodes it was priced over (`parallel.ranks_per_node` = the node size)."""
     from agoq.formats.plan_whatif import WhatIf as Section
 
     plans = [outcome.plan] + [c.plan for c in outcome.candidates if getattr(c, "plan", None) is not None]
     for plan in {id(p): p for p in plans}.values():
+        if plan.parallel is not None and plan.parallel.pipeline == 1:
+            plan.parallel.ranks_per_node = whatif.node_size  # the nodes the plan was priced over
         plan.whatif = Section(**whatif.record(plan))
 
 

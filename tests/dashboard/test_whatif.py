@@ -48,6 +48,9 @@ def test_whatif_api_and_page(root, tmp_path):
     page = client.get("/whatif", params=params)
     assert page.status_code == 200 and "tokens/s of the cluster" in page.text and "Not measured" in page.text
     assert f"{row['tokens_per_second']:,.0f}" in page.text
+    for r in data["rows"]:  # a plan that gathers FSDP2's weights in int8 says so
+        if r["found"] and r["knobs"].get("weight_gather"):
+            assert f"{r['knobs']['weight_gather']} weight gather" in page.text
     assert "/whatif?id=prof" in client.get("/profile", params={"id": "prof"}).text
 
 
