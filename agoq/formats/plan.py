@@ -69,12 +69,12 @@ from agoq.formats.plan_sections import (
     _Part,
 )
 from agoq.parallel_dims import ParallelDims, launch_of
-from agoq.vocabulary import FSDP, GRADIENT_MODES, PIPELINE
+from agoq.vocabulary import FSDP, GRADIENT_MODES, HSDP, PIPELINE
 
 SCHEMA = "agoq.plan/1.8"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
-NO_OFFLOAD_PARALLEL = (FSDP, PIPELINE)  # launch.parallel modes offload cannot run in (agoq.train.preparation)
+NO_OFFLOAD_PARALLEL = (FSDP, HSDP, PIPELINE)  # launch.parallel modes offload cannot run in (agoq.train.preparation)
 
 
 class Plan(_Part):

@@ -156,6 +156,7 @@ class Trainer:
 
     def save(self, step: int) -> None:
         info = {"resume": self._resume_key(), "parallel": self.prepared.layout.mode,
+                "dims": self.prepared.layout.dims.to_dict(),
                 "pipeline_stages": self.parallel.pipeline_stages, "layer_stage": self.prepared.layer_stage}
         save_checkpoint(self.cfg.checkpoint.out, step, self._state(), json_safe(info), rank=self.world.rank,
                         world=self.world.size, barrier=self.world.barrier)
@@ -163,11 +164,13 @@ class Trainer:
     def _check_layout(self, folder: Path, state: dict) -> None:
         """Refuse a checkpoint this run's layout cannot take: pipeline stages cut another way, or optimizer state
         kept per rank (fsdp's 8-bit moments, quantized per local shard) at another world size."""
-        saved_world = int(state.get("world", 1))
-        if not self.optimizer_step.reshardable and saved_world != self.world.size:
-            raise ValueError(f"the checkpoint in {folder} was written by {saved_world} processes and holds optimizer "
-                             f"state quantized per rank's shard (--parallel fsdp --optimizer adamw8bit): resume it "
-                             f"with {saved_world} processes (the state of --optimizer adamw under fsdp reshards)")
+        saved_world, dims = int(state.get("world", 1)), self.prepared.layout.dims
+        saved_shard = (state.get("dims") or {}).get("shard", dims.shard)
+        if not self.optimizer_step.reshardable and (saved_world != self.world.size or saved_shard != dims.shard):
+            raise ValueError(f"the checkpoint in {folder} was written by {saved_world} processes sharding over "
+                             f"{saved_shard} and holds optimizer state quantized per rank's shard (--parallel fsdp or "
+                             f"hsdp --optimizer adamw8bit): resume it with {saved_world} processes and the same "
+                             "--parallel and --node-size (the state of --optimizer adamw under FSDP2 reshards)")
         stages, layers = self.parallel.pipeline_stages, json_safe(self.prepared.layer_stage)
         if state.get("pipeline_stages", 1) != stages or (stages > 1 and state.get("layer_stage") != layers):
             raise ValueError(f"the checkpoint in {folder} was written by {state.get('pipeline_stages')} pipeline "

@@ -12,6 +12,7 @@ from agoq.runtime.activations.checkpointing import apply_checkpointing as checkp
 from agoq.runtime.activations.laaq import apply_activation_policy
 from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE, ActivationPolicy
 from agoq.layout import ParallelLayout
+from agoq.parallel_dims import ParallelDims
 from agoq.models import build
 from agoq.train import apply
 from agoq.train.apply import Placement, apply_plan, remove_plan
@@ -72,7 +73,7 @@ def test_each_step_once_in_order(monkeypatch):
     assert kwargs["policy"] == {"policy": policy} and kwargs["checkpointing"] == {"layers": [1]}
     assert kwargs["compile"] == {"mode": "default", "memory_budget": None}
     assert kwargs["offload"] == {"layers": (0,), "host_budget_bytes": 7}
-    assert kwargs["parallel"]["mode"] == "none" and kwargs["parallel"]["micro_batch"] == 3
+    assert kwargs["parallel"]["dims"] == ParallelDims() and kwargs["parallel"]["shape"].micro_batch == 3
     assert (kwargs["parallel"]["optimizer"], kwargs["parallel"]["master"]) == ("adamw", "fp32")
     assert applied.strategy is strategy and applied.before_micro_batch is hook
 
