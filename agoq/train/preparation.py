@@ -184,9 +184,9 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
                          place=Placement(world, device, dtype, layer_stage))
 
     # one stacked batch per step for a pipeline, split by the schedule
-    batches = Batches(corpus, shape.seq_len, shape.micro_batch, 1 if layout.pipelined else shape.grad_accum,
-                      layout.data_ranks, cfg.loop.seed)
-    if layout.pipelined:
+    batches = Batches(corpus, shape.seq_len, shape.micro_batch, 1 if dims.pipeline > 1 else shape.grad_accum,
+                      dims.data_ranks, cfg.loop.seed)
+    if dims.pipeline > 1:
         batches.micro_batch = shape.micro_batch * shape.grad_accum
     steps = cfg.loop.steps
     warmup = cfg.optim.warmup if cfg.optim.warmup is not None else min(100, max(1, steps // 10))

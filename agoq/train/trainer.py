@@ -1,4 +1,4 @@
-"""The training loop behind `agoq train`: one process, or DDP / sharded / pipeline under torchrun.
+"""The training loop behind `agoq train`: one process, or DDP / sharded / FSDP2 (fsdp, hsdp) / pipeline under torchrun.
 
 `train(TrainConfig(...))` prepares the run (`agoq.train.preparation`: the data and the model, with the plan or an
 activation policy, checkpointing, compilation and the parallel strategy applied in one ordered step,

@@ -78,6 +78,33 @@ def test_each_step_once_in_order(monkeypatch):
     assert applied.strategy is strategy and applied.before_micro_batch is hook
 
 
+def test_the_parallel_step_applies_one_function_per_dimension(monkeypatch):
+    """apply_parallel reads the run's dims, not a mode: pipeline stages -> apply_pipeline; a sharded state (FSDP2,
+    with replicas HSDP, or SDP4Bit) -> apply_shard with those dims; replicas (or one rank) -> apply_replicate; dims
+    that do not make the world are refused before anything is applied."""
+    calls = []
+    for name in ("apply_pipeline", "apply_shard", "apply_replicate"):
+        monkeypatch.setattr(apply, name, lambda model, _name=name, **kw: calls.append((_name, kw)) or _name)
+    model = torch.nn.Linear(2, 2)
+    cases = [(ParallelDims(), "apply_replicate"), (ParallelDims(replicate=4), "apply_replicate"),
+             (ParallelDims(shard=4, engine="fsdp2"), "apply_shard"),
+             (ParallelDims(shard=4, engine="sdp4bit"), "apply_shard"),
+             (ParallelDims(replicate=2, shard=3, engine="fsdp2"), "apply_shard"),
+             (ParallelDims(pipeline=4), "apply_pipeline")]
+    for dims, want in cases:
+        got = apply.apply_parallel(model, dims=dims, world=World(0, dims.world_size), device=torch.device("cpu"),
+                                   gradients="bf16", dtype=torch.float32, shape=BatchShape(8, 1, 4),
+                                   layer_stage=[0, 1, 2, 3])
+        assert got == want and calls[-1][0] == want, dims
+        if want == "apply_shard":
+            assert calls[-1][1]["dims"] is dims
+    with pytest.raises(ValueError, match="the world has 3"):
+        apply.apply_parallel(model, dims=ParallelDims(replicate=2, shard=2, engine="fsdp2"), world=World(0, 3),
+                             device=torch.device("cpu"), gradients="bf16", dtype=torch.float32,
+                             shape=BatchShape(8, 1, 1))
+    assert len(calls) == len(cases)
+
+
 def test_the_compiled_layers_are_the_policy_applied_ones(monkeypatch):
     """A random policy with one layer checkpointed, compiled (aot_eager: Inductor's cold CPU compile would take
     most of a minute) in one process: every decoder layer is compiled, holds the policy's settings (and the
