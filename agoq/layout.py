@@ -92,11 +92,11 @@ class ParallelLayout:
         if self.mode == NONE and self.world_size > 1:
             raise ValueError(f"--parallel none with {self.world_size} processes: choose ddp, sharded, fsdp or "
                              "pipeline")
-        if self.mode == HSDP and self.node_size is None:
-            ParallelDims.hybrid_of(self.world_size, None)  # says what to give
         if self.mode != NONE and self.world_size < 2:
             raise ValueError(f"--parallel {self.mode} needs several processes: launch with "
                              f"torchrun --nproc-per-node N agoq train ... --parallel {self.mode}")
+        if self.mode == HSDP and self.node_size is None:
+            ParallelDims.hybrid_of(self.world_size, None)  # says what to give
         if self.pipelined and self.pipeline_stages != self.world_size:
             raise ValueError(f"--pipeline-stages {self.pipeline_stages} but {self.world_size} processes: run one "
                              "process per stage (pipeline and data parallelism are not combined)")
