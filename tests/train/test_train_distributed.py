@@ -181,17 +181,19 @@ def test_two_processes_fsdp(tmp_path, seed):
 
 
 def test_four_processes_hsdp(tmp_path, seed):
-    """HSDP, 2 nodes of 2 ranks (FSDP2 over a 2-D mesh): bf16 (FSDP2's own; killed, then resumed), the all-reduce
+    """HSDP, 2 nodes of 2 ranks (FSDP2 over a 2-D mesh): bf16 (FSDP2's own, 2 micro-batches per rank whose
+    all-reduce across nodes FSDP2 defers to the last; killed, then resumed), the all-reduce
     across nodes in 8 bits (quangrad8) and in 4 bits after TLq-HS's int8 within the node (sdp4bit), and the int8
     weight all-gather within the node, against one process accumulating the 4 ranks' micro-batches."""
-    runs = [("hsdp_bf16", dict(parallel="hsdp", node_size=2, kill_at=4)),
+    runs = [("hsdp_bf16", dict(parallel="hsdp", node_size=2, grad_accum=2, kill_at=4)),
             ("hsdp_quangrad8", dict(parallel="hsdp", node_size=2, gradients="quangrad8")),
             ("hsdp_sdp4bit", dict(parallel="hsdp", node_size=2, gradients="sdp4bit")),
             ("hsdp_int8_gather", dict(parallel="hsdp", node_size=2, weight_gather="int8"))]
     seed %= 1000
     _run_all(tmp_path, 4, runs, seed)
     _single(tmp_path, "single", seed, grad_accum=4)
-    _exact(tmp_path / "hsdp_bf16", tmp_path / "single")
+    _single(tmp_path, "single8", seed, grad_accum=8)
+    _exact(tmp_path / "hsdp_bf16", tmp_path / "single8")
     _quantized(tmp_path / "hsdp_quangrad8", tmp_path / "single")
     _quantized(tmp_path / "hsdp_sdp4bit", tmp_path / "single", bits=4)
     _quantized(tmp_path / "hsdp_int8_gather", tmp_path / "single")
