@@ -9,11 +9,15 @@ Modes (`agoq train --parallel`):
             (sdp4bit: int8/int4 TLq-HS; bf16: exactly); it is its own optimizer
   fsdp      PyTorch's FSDP2: parameters, gradients and optimizer state 1/N per rank, gradients reduce-scattered
             by FSDP2 (bf16) or by SDP4Bit's TLq-HS (sdp4bit)
+  hsdp      FSDP2 over replicate x shard (--node-size ranks per node): the state 1/node size per rank, gradients
+            reduce-scattered within the node and all-reduced across nodes (bf16: FSDP2's own, exact; quangrad8:
+            QuanGrad's 8-bit all-reduce across; sdp4bit: TLq-HS int8 within, TLq's 4-bit all-reduce across)
   pipeline  one stage of consecutive decoder layers per rank under the 1F1B schedule (one process per stage)
 
-none and ddp keep the same per-rank state (replicated: a checkpoint of one resumes in the other); sharded and
-fsdp both shard it over the ranks (and both run sdp4bit gradients). `ParallelLayout` holds a run's mode, world
-size, pipeline stages and node size (the ranks of a node for SDP4Bit's two-level reduce-scatter) and refuses
+none and ddp keep the same per-rank state (replicated: a checkpoint of one resumes in the other); sharded, fsdp
+and hsdp shard it (and run sdp4bit gradients); fsdp and hsdp checkpoints (FSDP2's DTensors) resume in each other.
+`ParallelLayout` holds a run's mode, world size, pipeline stages and node size (the ranks of a node for SDP4Bit's
+two-level reduce-scatter; hsdp's shard ranks) and refuses
 the combinations no run can have; `ParallelLayout.dims` is the same layout as dimensions (agoq.parallel_dims:
 replicate x shard x pipeline ranks, validated against the world size), which plans carry and the search writes.
 
@@ -33,7 +37,9 @@ from agoq.parallel_dims import ParallelDims, launch_line, launch_of
 from agoq.vocabulary import (
     DDP,
     FSDP,
+    FSDP2_MODES,
     GRADIENT_MODES,
+    HSDP,
     MODE_GRADIENTS,
     NONE,
     PIPELINE,
@@ -54,14 +60,16 @@ def check_options(parallel: str | None, *, node_size: int | None = None, pipelin
         raise ValueError(f"--parallel must be one of {', '.join(MODES)}, got {parallel!r}")
     if node_size is not None and parallel not in SHARDED_MODES:
         raise ValueError("--node-size is for --parallel sharded or fsdp (SDP4Bit's two-level gradient "
-                         "reduce-scatter)")
+                         "reduce-scatter) and hsdp (the ranks that shard, replicated across nodes)")
     if pipeline_stages is not None and parallel != PIPELINE:
         raise ValueError("--pipeline-stages is for --parallel pipeline")
 
 
 def state_kind(mode: str) -> str:
-    """"replicated" (none, ddp), "sharded" (sharded, fsdp) or the mode itself: modes of one kind keep the same
-    per-rank state, so a plan searched for one runs in the other."""
+    """"replicated" (none, ddp), "sharded" (sharded, fsdp) or the mode itself (hsdp keeps 1/node size, pipeline):
+    modes of one kind keep the same per-rank state, so a plan searched for one runs in the other."""
+    if mode == HSDP:
+        return mode
     return "replicated" if mode in REPLICATED_MODES else "sharded" if mode in SHARDED_MODES else mode
 
 
@@ -87,6 +95,8 @@ class ParallelLayout:
         if self.mode != NONE and self.world_size < 2:
             raise ValueError(f"--parallel {self.mode} needs several processes: launch with "
                              f"torchrun --nproc-per-node N agoq train ... --parallel {self.mode}")
+        if self.mode == HSDP and self.node_size is None:
+            ParallelDims.hybrid_of(self.world_size, None)  # says what to give
         if self.pipelined and self.pipeline_stages != self.world_size:
             raise ValueError(f"--pipeline-stages {self.pipeline_stages} but {self.world_size} processes: run one "
                              "process per stage (pipeline and data parallelism are not combined)")
@@ -136,8 +146,9 @@ class ParallelLayout:
     @property
     def resume_state(self) -> str:
         """What a checkpoint records as its mode: one process and DDP keep the same replicated state, so their
-        checkpoints are interchangeable; every other mode resumes only in itself."""
-        return REPLICATED_STATE if self.replicated else self.mode
+        checkpoints are interchangeable, and so do fsdp and hsdp (FSDP2's DTensors by name, "fsdp"); every other
+        mode resumes only in itself."""
+        return REPLICATED_STATE if self.replicated else FSDP if self.mode in FSDP2_MODES else self.mode
 
     def check_gradients(self, gradients: str) -> None:
         """Refuse gradient storage this mode cannot run, saying which mode runs it."""
@@ -153,7 +164,8 @@ class ParallelLayout:
             raise ValueError("--parallel sharded reduces gradients with SDP4Bit (or exactly with --gradients bf16), "
                              "not with QuanGrad: use --parallel ddp for quangrad8")
         raise ValueError("--parallel fsdp reduce-scatters gradients with FSDP2 (--gradients bf16) or SDP4Bit's "
-                         "TLq-HS (--gradients sdp4bit), not with QuanGrad: use --parallel ddp for quangrad8")
+                         "TLq-HS (--gradients sdp4bit), not with QuanGrad: use --parallel ddp, or hsdp (its 8-bit "
+                         "all-reduce across nodes), for quangrad8")
 
     def check_optimizer_flag(self, optimizer: str | None) -> None:
         """Refuse `--optimizer` given as this mode cannot run it: sharded is SDP4Bit's own sharded AdamW (float32
@@ -212,7 +224,10 @@ def plan_parallel_default(plan, world) -> str | None:
 def launch_command(plan, layout: PlanLayout, model: str, plan_path: str) -> str:
     """The command that runs `plan` as searched: its `launch.command` with MODEL and PLAN.json filled in."""
     command = plan_launch(plan).get("command") if layout.processes else None
-    command = command or launch_line(layout.parallel, layout.processes or "N", plan.gradients.mode)
+    dims = plan.dims()
+    command = command or launch_line(layout.parallel, layout.processes or "N", plan.gradients.mode,
+                                     dims.weight_gather if dims is not None else None,
+                                     dims.shard if dims is not None and dims.hybrid else None)
     return command.replace("MODEL", str(model)).replace("PLAN.json", plan_path)
 
 
@@ -233,7 +248,7 @@ def check_plan_world(plan, world_size: int, parallel: str | None, model: str, pl
                      f"{launch_command(plan, layout, model, plan_path)}; or search a plan for this layout")
 
 
-__all__ = ["ParallelLayout", "MODES", "NONE", "DDP", "SHARDED", "FSDP", "PIPELINE", "REPLICATED_MODES",
+__all__ = ["ParallelLayout", "MODES", "NONE", "DDP", "SHARDED", "FSDP", "HSDP", "PIPELINE", "REPLICATED_MODES",
            "SHARDED_MODES", "GRADIENT_MODES", "MODE_GRADIENTS", "check_options", "state_kind", "launch_line",
            "PlanLayout", "ParallelDims", "plan_launch", "plan_layout", "plan_parallel_default", "launch_command",
            "check_plan_world"]

@@ -18,19 +18,21 @@ torchrun's LOCAL_WORLD_SIZE). `engine` is set for a sharded state whatever the n
 one-rank profile has shard 1 and shards over the ranks it is launched on.
 
 What runs today (the runtime's parallel modes, agoq.vocabulary.PARALLEL_MODES), and so what `ParallelDims`
-accepts: one axis > 1 at most, the others 1 (replicate and shard are not combined into HSDP, pipeline stages are
-not combined with data parallelism), and an engine only beside shard. Data ranks (ranks that read different
-batches, what the tokens of a step count) are replicate x shard; a pipeline's stages read one batch.
+accepts: one axis > 1, or replicate x shard with engine fsdp2 (HSDP: FSDP2 over a 2-D mesh, replicas across nodes
+of the shards within a node; `ranks_per_node`, when given, is the shard dimension); pipeline stages are not
+combined with data parallelism, and an engine only beside shard. Data ranks (ranks that read different batches,
+what the tokens of a step count) are replicate x shard; a pipeline's stages read one batch.
 
 Nothing heavy is imported: the search reads this module without torch (tests/test_lazy_import.py).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
-from agoq.vocabulary import DDP, FSDP, LAYOUTS, NONE, PARALLEL_MODES, PIPELINE, REPLICATED, SHARDED
+from agoq.vocabulary import BF16, DDP, FSDP, HSDP, LAYOUTS, NONE, PARALLEL_MODES, PIPELINE, REPLICATED, SDP4BIT, SHARDED
 
 SDP4BIT_ENGINE, FSDP2_ENGINE = "sdp4bit", "fsdp2"
 ENGINES = (SDP4BIT_ENGINE, FSDP2_ENGINE)  # what shards the state: agoq's SDP4Bit step, PyTorch's FSDP2
@@ -69,9 +71,10 @@ class ParallelDims:
         if self.shard > 1 and self.engine is None:
             raise ValueError(f"parallel.shard {self.shard} needs an engine that shards the state: "
                              f"{SDP4BIT_ENGINE} (agoq's sharded step) or {FSDP2_ENGINE} (PyTorch's FSDP2)")
-        if self.engine is not None and self.replicate > 1:
-            raise ValueError(f"parallel.replicate {self.replicate} with a sharded state ({self.engine}): replicas "
-                             "of shards (HSDP) are not supported yet; shard over all data ranks (replicate 1)")
+        if self.engine == SDP4BIT_ENGINE and self.replicate > 1:
+            raise ValueError(f"parallel.replicate {self.replicate} with agoq's sharded step ({self.engine}): its "
+                             "shards are not replicated; shard over all data ranks (replicate 1), or use engine "
+                             f"{FSDP2_ENGINE} for replicas of shards (HSDP)")
         if self.pipeline > 1 and (self.replicate > 1 or self.shard > 1 or self.engine is not None):
             raise ValueError(f"parallel.pipeline {self.pipeline} with data parallelism (replicate {self.replicate}, "
                              f"shard {self.shard}, engine {self.engine}): pipeline stages and data parallelism are "
@@ -81,6 +84,11 @@ class ParallelDims:
             if self.pipeline > 1:
                 raise ValueError("parallel.ranks_per_node is for data-parallel ranks (the nodes their collectives "
                                  "cross): drop it for pipeline stages")
+            if self.hybrid and self.ranks_per_node != self.shard:
+                raise ValueError(f"parallel.ranks_per_node {self.ranks_per_node} with replicate {self.replicate} x "
+                                 f"shard {self.shard} (HSDP): HSDP shards within a node and replicates across "
+                                 f"nodes, so a node holds the {self.shard} shard ranks: give ranks_per_node "
+                                 f"{self.shard} (or leave it out)")
 
     # ------------------------------------------------------------------------------------------ constructors
 
@@ -107,26 +115,47 @@ class ParallelDims:
     def of_mode(cls, mode: str, world_size: int, pipeline_stages: Optional[int] = None,
                 ranks_per_node: Optional[int] = None) -> "ParallelDims":
         """The dims of a run in the runtime's parallel mode `mode` (agoq.vocabulary.PARALLEL_MODES) over
-        `world_size` ranks: none and ddp replicate, sharded and fsdp shard (SDP4Bit, FSDP2), a pipeline has
+        `world_size` ranks: none and ddp replicate, sharded and fsdp shard (SDP4Bit, FSDP2), hsdp replicates
+        nodes of `ranks_per_node` FSDP2 shards (world / ranks_per_node replicas, at least 2), a pipeline has
         `pipeline_stages` (None: one per rank)."""
         if mode not in PARALLEL_MODES:
             raise ValueError(f"parallel mode must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
         _count("world_size", world_size)
         if mode == PIPELINE:
             return cls(pipeline=pipeline_stages or world_size)
+        if mode == HSDP:
+            return cls.hybrid_of(world_size, ranks_per_node)
         if mode in MODE_ENGINE:
             return cls(shard=world_size, engine=MODE_ENGINE[mode], ranks_per_node=ranks_per_node)
         return cls(replicate=world_size, ranks_per_node=ranks_per_node)
 
     @classmethod
+    def hybrid_of(cls, world_size: int, node_size: Optional[int]) -> "ParallelDims":
+        """HSDP's dims over `world_size` ranks in nodes of `node_size`: replicate world / node x shard node, FSDP2.
+        ValueError (the command line's words) when the node size is missing, does not divide the world, or holds
+        the whole world (that is fsdp)."""
+        if node_size is None:
+            raise ValueError("--parallel hsdp shards within a node and replicates across nodes: give the ranks of "
+                             "a node with --node-size (torchrun's LOCAL_WORLD_SIZE is used when it is set)")
+        _count("ranks_per_node", node_size)
+        if world_size % node_size:
+            raise ValueError(f"--parallel hsdp: --node-size {node_size} does not divide the world's {world_size} "
+                             "ranks: give the ranks of one node (all nodes alike)")
+        if node_size == world_size:
+            raise ValueError(f"--parallel hsdp with one node of {world_size} ranks has no replicas: that is "
+                             f"--parallel fsdp; or give a smaller --node-size to replicate across nodes")
+        return cls(replicate=world_size // node_size, shard=node_size, engine=FSDP2_ENGINE, ranks_per_node=node_size)
+
+    @classmethod
     def of_launch(cls, launch: Mapping[str, Any]) -> "ParallelDims":
         """The dims of a plan's `launch` (plans before 1.8: {processes, parallel, command}): its parallel mode
-        over its processes."""
+        over its processes (hsdp's node size read off its command's --node-size)."""
         mode = launch.get("parallel")
         processes = launch.get("processes")
         processes = 1 if processes is None else processes
+        node = re.search(r"--node-size (\d+)", str(launch.get("command") or "")) if mode == HSDP else None
         try:
-            return cls.of_mode(mode, _count("processes", processes))
+            return cls.of_mode(mode, _count("processes", processes), ranks_per_node=int(node[1]) if node else None)
         except ValueError as e:
             raise ValueError(f"launch: {e}") from None
 
@@ -155,6 +184,11 @@ class ParallelDims:
         return self.engine is not None
 
     @property
+    def hybrid(self) -> bool:
+        """Replicas of shards (HSDP): replicate > 1 with FSDP2's sharded state."""
+        return self.engine == FSDP2_ENGINE and self.replicate > 1
+
+    @property
     def layout(self) -> str:
         """The search's layout word: replicated, sharded (SDP4Bit) or fsdp (FSDP2)."""
         return ENGINE_LAYOUT[self.engine]
@@ -162,9 +196,11 @@ class ParallelDims:
     @property
     def mode(self) -> str:
         """The runtime's parallel mode (`agoq train --parallel`): pipeline for several stages, sharded or fsdp as
-        the engine, else ddp for several ranks and none for one."""
+        the engine (hsdp for FSDP2 with replicas), else ddp for several ranks and none for one."""
         if self.pipeline > 1:
             return PIPELINE
+        if self.hybrid:
+            return HSDP
         if self.engine == SDP4BIT_ENGINE:
             return SHARDED
         if self.engine == FSDP2_ENGINE:
@@ -203,17 +239,20 @@ class ParallelDims:
 
 
 def launch_line(mode: str, processes: int | str, gradients: Optional[str] = None,
-                weight_gather: Optional[str] = None) -> str:
+                weight_gather: Optional[str] = None, node_size: Optional[int] = None) -> str:
     """The command that launches a plan in `mode` over `processes` (MODEL and PLAN.json are placeholders): torchrun
-    for several processes, with `--gradients sdp4bit` where fsdp is to reduce-scatter by TLq-HS and
-    `--weight-gather W` where it gathers its weights as W block codes (int8, int4; None or bf16: its own)."""
+    for several processes, with `--gradients sdp4bit` where fsdp is to reduce-scatter by TLq-HS, `--weight-gather W`
+    where FSDP2 gathers its weights as W block codes (int8, int4; None or bf16: its own), and hsdp's `--node-size`
+    (and its quantized gradients)."""
     if processes == 1:
         command = "agoq train MODEL --plan PLAN.json"
     else:
         command = f"torchrun --nproc-per-node {processes} -m agoq.train MODEL --plan PLAN.json --parallel {mode}"
-    if mode == FSDP and gradients == "sdp4bit":
-        command += " --gradients sdp4bit"
-    if mode == FSDP and weight_gather not in (None, "bf16"):
+    if mode == HSDP:
+        command += f" --node-size {node_size or 'N'}"
+    if (mode == FSDP and gradients == SDP4BIT) or (mode == HSDP and gradients not in (None, BF16)):
+        command += f" --gradients {gradients}"
+    if mode in (FSDP, HSDP) and weight_gather not in (None, "bf16"):
         command += f" --weight-gather {weight_gather}"
     return command
 
@@ -221,7 +260,8 @@ def launch_line(mode: str, processes: int | str, gradients: Optional[str] = None
 def launch_of(dims: ParallelDims, gradients: Optional[str] = None, weight_gather: Optional[str] = None) -> dict[str, Any]:
     """A plan's `launch` as derived from its dims (what the user runs): processes, parallel mode, command."""
     return {"processes": dims.world_size, "parallel": dims.mode,
-            "command": launch_line(dims.mode, dims.world_size, gradients, weight_gather)}
+            "command": launch_line(dims.mode, dims.world_size, gradients, weight_gather,
+                                   dims.shard if dims.hybrid else None)}
 
 
 def plan_dims(plan: Mapping[str, Any]) -> Optional[ParallelDims]:

@@ -14,8 +14,10 @@ Two meanings of "compile" are kept apart by their names:
 
 Layouts and parallel modes: the search prices a plan in a layout (how the ranks keep the state: replicated,
 sharded by agoq's SDP4Bit step, or fsdp by PyTorch's FSDP2) and, with pipeline stages, one stage per process; the
-runtime runs it in a parallel mode (`agoq train --parallel`). `PARALLEL_LAYOUT` maps each parallel mode to the
-layout it runs and `parallel_mode` a plan's layout, stages and processes to the mode that launches it.
+runtime runs it in a parallel mode (`agoq train --parallel`); hsdp is FSDP2 over replicas of a node's shards
+(replicate across nodes, shard within), which the search prices as no layout of its own yet (its layout word is
+fsdp). `PARALLEL_LAYOUT` maps each parallel mode to the layout it runs and `parallel_mode` a plan's layout, stages
+and processes to the mode that launches it.
 """
 
 from __future__ import annotations
@@ -51,15 +53,19 @@ REPLICATED, SHARDED, FSDP = "replicated", "sharded", "fsdp"
 LAYOUTS = (REPLICATED, SHARDED, FSDP)  # the search's: how the ranks keep the model and optimizer state
 
 NONE, DDP, PIPELINE = "none", "ddp", "pipeline"  # the runtime's parallel modes (sharded and fsdp: as the layouts)
-PARALLEL_MODES = (NONE, DDP, SHARDED, FSDP, PIPELINE)
+HSDP = "hsdp"  # FSDP2 over a 2-D mesh: replicas across nodes of the shards within a node (--node-size ranks)
+PARALLEL_MODES = (NONE, DDP, SHARDED, FSDP, HSDP, PIPELINE)
 REPLICATED_MODES = (NONE, DDP)  # every rank keeps the whole state
-SHARDED_MODES = (SHARDED, FSDP)  # the state is 1/N per rank
+SHARDED_MODES = (SHARDED, FSDP, HSDP)  # the state is 1/N per rank (hsdp: 1/node size)
+FSDP2_MODES = (FSDP, HSDP)  # PyTorch's FSDP2 shards the state: their checkpoints (DTensors) resume in each other
 
 # the gradient storage each parallel mode runs (agoq.layout.ParallelLayout.check_gradients refuses the others)
+# (hsdp: bf16 all exact; quangrad8: exact reduce-scatter in the node, QuanGrad's 8-bit all-reduce across nodes;
+# sdp4bit: TLq-HS int8 in the node, TLq's 4-bit all-reduce across nodes)
 MODE_GRADIENTS = {NONE: REPLICA_GRADIENT_MODES, DDP: REPLICA_GRADIENT_MODES, SHARDED: (BF16, SDP4BIT),
-                  FSDP: (BF16, SDP4BIT), PIPELINE: REPLICA_GRADIENT_MODES}
+                  FSDP: (BF16, SDP4BIT), HSDP: GRADIENT_MODES, PIPELINE: REPLICA_GRADIENT_MODES}
 # the layout each parallel mode runs; a pipeline's stages are priced as replicated stages
-PARALLEL_LAYOUT = {NONE: REPLICATED, DDP: REPLICATED, SHARDED: SHARDED, FSDP: FSDP, PIPELINE: REPLICATED}
+PARALLEL_LAYOUT = {NONE: REPLICATED, DDP: REPLICATED, SHARDED: SHARDED, FSDP: FSDP, HSDP: FSDP, PIPELINE: REPLICATED}
 # the gradient storage each layout is priced with: what its parallel mode runs, except that the sharded layout is
 # agoq's SDP4Bit step with its quantized reduce-scatter (exact bf16 reduction is not priced)
 LAYOUT_GRADIENTS = {REPLICATED: MODE_GRADIENTS[DDP], SHARDED: (SDP4BIT,), FSDP: MODE_GRADIENTS[FSDP]}
@@ -85,6 +91,6 @@ def search_layout(parallel: str | None) -> str | None:
 
 __all__ = ["GRADIENT_MODES", "REPLICA_GRADIENT_MODES", "OPTIMIZERS", "MASTERS", "COMPILE_MODES", "TORCH_COMPILE_MODES",
            "CUDA_GRAPH_MODES", "TRAIN_TORCH_COMPILE_MODES", "PLAN_TORCH_COMPILE_MODE", "LAYOUTS", "PARALLEL_MODES",
-           "REPLICATED_MODES", "SHARDED_MODES", "MODE_GRADIENTS", "PARALLEL_LAYOUT", "LAYOUT_GRADIENTS",
+           "REPLICATED_MODES", "SHARDED_MODES", "FSDP2_MODES", "MODE_GRADIENTS", "PARALLEL_LAYOUT", "LAYOUT_GRADIENTS",
            "parallel_mode", "search_layout", "BF16", "QUANGRAD8", "SDP4BIT", "ADAMW", "ADAMW8BIT", "EAGER",
-           "COMPILED", "REPLICATED", "SHARDED", "FSDP", "NONE", "DDP", "PIPELINE", "WEIGHT_GATHERS"]
+           "COMPILED", "REPLICATED", "SHARDED", "FSDP", "HSDP", "NONE", "DDP", "PIPELINE", "WEIGHT_GATHERS"]

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from agoq.parallel_dims import ENGINES, ParallelDims, launch_of, plan_dims
-from agoq.vocabulary import DDP, FSDP, LAYOUTS, NONE, PARALLEL_MODES, PIPELINE, REPLICATED, SHARDED
+from agoq.parallel_dims import ParallelDims, launch_of, plan_dims
+from agoq.vocabulary import DDP, FSDP, HSDP, LAYOUTS, NONE, PARALLEL_MODES, PIPELINE, REPLICATED, SHARDED
 
 
 def fresh_rng():
@@ -19,6 +19,12 @@ def fresh_rng():
 
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _node(mode, world, rng):
+    """A node size for `mode` over `world` ranks: hsdp's (a divisor below the world, so that it has replicas), else
+    None (the mode needs none)."""
+    return rng.choice([d for d in _divisors(world) if d < world]) if mode == HSDP else None
 
 
 def test_dims_of_any_world_are_checked_against_it():
@@ -65,8 +71,21 @@ def test_what_does_not_run_is_refused_with_a_clear_message():
         ParallelDims(tensor=n)
     with pytest.raises(ValueError, match="needs an engine"):
         ParallelDims(shard=n)
-    with pytest.raises(ValueError, match=r"HSDP\) are not supported yet"):
-        ParallelDims(replicate=n, shard=rng.randint(1, 4), engine=rng.choice(ENGINES))
+    with pytest.raises(ValueError, match=r"shards are not replicated.*use engine fsdp2 for replicas of shards"):
+        ParallelDims(replicate=n, shard=rng.randint(1, 4), engine="sdp4bit")
+    shard = rng.randint(1, 4)  # FSDP2's replicas of shards (HSDP) are dims; a node is its shard ranks
+    hybrid = ParallelDims(replicate=n, shard=shard, engine="fsdp2")
+    assert hybrid.hybrid and hybrid.mode == HSDP and hybrid.world_size == hybrid.data_ranks == n * shard, seed
+    assert ParallelDims.of_mode(HSDP, n * shard, ranks_per_node=shard) == \
+        ParallelDims(replicate=n, shard=shard, engine="fsdp2", ranks_per_node=shard), seed
+    with pytest.raises(ValueError, match=r"HSDP shards within a node .* give ranks_per_node"):
+        ParallelDims(replicate=n, shard=2 * shard, engine="fsdp2", ranks_per_node=shard)
+    with pytest.raises(ValueError, match="give the ranks of a node with --node-size"):
+        ParallelDims.of_mode(HSDP, n * shard)
+    with pytest.raises(ValueError, match="one node of .* has no replicas: that is --parallel fsdp"):
+        ParallelDims.of_mode(HSDP, n, ranks_per_node=n)
+    with pytest.raises(ValueError, match="does not divide the world"):
+        ParallelDims.of_mode(HSDP, 2 * n + 1, ranks_per_node=2)
     with pytest.raises(ValueError, match="pipeline stages and data parallelism are not combined"):
         ParallelDims(pipeline=n, replicate=rng.randint(2, 4))
     for bad in (0, -n, 1.5, True, "2"):
@@ -92,9 +111,10 @@ def test_modes_and_layouts_map_through_the_dims():
     seed, rng = fresh_rng()
     for mode in PARALLEL_MODES:
         n = 1 if mode == NONE else rng.randint(2, 33)
-        dims = ParallelDims.of_mode(mode, n)
+        dims = ParallelDims.of_mode(mode, n, ranks_per_node=_node(mode, n, rng))
         assert dims.mode == mode and dims.world_size == n, (seed, mode)
-        assert ParallelDims.of_launch({"parallel": mode, "processes": n}) == dims, seed
+        bare = {"parallel": mode, "processes": n}  # hsdp's node size is read off its command
+        assert ParallelDims.of_launch(bare if mode != HSDP else launch_of(dims)) == dims, seed
         assert launch_of(dims)["parallel"] == mode and launch_of(dims)["processes"] == n, seed
     assert ParallelDims.of_mode(DDP, 1).mode == NONE  # one replica is one process
     # a sharded state searched on one rank keeps its engine: it shards over the ranks it is launched on
@@ -174,7 +194,7 @@ def test_the_dashboard_counts_the_data_ranks_of_every_layout():
     for mode in PARALLEL_MODES:
         n = 1 if mode == NONE else rng.randint(2, 17)
         training = {"micro_batch": rng.randint(1, 8), "seq_len": rng.randint(1, 512), "grad_accum": rng.randint(1, 4)}
-        dims = ParallelDims.of_mode(mode, n)
+        dims = ParallelDims.of_mode(mode, n, ranks_per_node=_node(mode, n, rng))
         ranks = 1 if mode == PIPELINE else n
         want = training["micro_batch"] * training["seq_len"] * training["grad_accum"] * ranks
         assert tokens_per_step({"training": training, "parallel": dims.to_dict()}) == want, (seed, mode)
@@ -189,8 +209,10 @@ def test_the_runtime_layout_is_the_same_dims():
     seed, rng = fresh_rng()
     for mode in PARALLEL_MODES:
         world = 1 if mode == NONE else rng.randint(2, 40)
-        layout = ParallelLayout.of(mode, world)
-        assert layout.dims == ParallelDims.of_mode(mode, world) and layout.dims.mode == mode, (seed, mode)
+        node = _node(mode, world, rng) if world > 1 else None
+        layout = ParallelLayout.of(mode, world, node_size=node)
+        assert layout.dims == ParallelDims.of_mode(mode, world, ranks_per_node=node), (seed, mode)
+        assert layout.dims.mode == mode, (seed, mode)
         assert layout.data_ranks == (1 if mode == PIPELINE else world), (seed, mode)
     world = rng.choice([6, 10, 12, 14, 15, 18, 20, 21])
     node = rng.choice([d for d in range(2, world) if world % d])

@@ -88,7 +88,7 @@ def test_the_readers_take_the_vocabulary():
     assert (measured_steps.COMPILE_MODES, measured_steps.OPTIMIZERS) == (v.COMPILE_MODES, v.OPTIMIZERS)
     for mode in v.PARALLEL_MODES:  # the runtime runs what the vocabulary says each mode runs
         world = 1 if mode == v.NONE else 2
-        layout = ParallelLayout.of(mode, world)
+        layout = ParallelLayout.of(mode, world, node_size=1 if mode == v.HSDP else None)  # hsdp: 2 nodes of 1
         for gradients in v.GRADIENT_MODES:
             runs = True
             try:

@@ -74,8 +74,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "or stage-aware (agoq-paper with per-stage bits for --parallel pipeline)")
     p.add_argument("--gradients", choices=GRADIENT_MODES, default=None,
                    help="gradient storage and all-reduce: bf16 (the parameters' dtype), "
-                        "quangrad8 (8-bit buffer and 8-bit all-reduce), sdp4bit (with --parallel sharded or fsdp: "
-                        "int8/int4 TLq-HS gradient reduce-scatter) "
+                        "quangrad8 (8-bit buffer and 8-bit all-reduce; with --parallel hsdp: the all-reduce across "
+                        "nodes in 8 bits), sdp4bit (with --parallel sharded or fsdp: int8/int4 TLq-HS gradient "
+                        "reduce-scatter; with hsdp: int8 within a node, 4-bit all-reduce across) "
                         "(default: the plan's, else bf16)")
     p.add_argument("--checkpoint-all", action="store_true",
                    help="recompute every decoder layer in backward (activation checkpointing, the usual way to fit "
@@ -137,17 +138,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", choices=PARALLEL_MODES, default=None,
                    help="how several processes share the work: ddp (replicas), sharded (agoq's SDP4Bit sharded "
                         "AdamW), fsdp (PyTorch's FSDP2, one unit per decoder layer, float32 shards with bf16 "
-                        "compute), pipeline (default: the plan's launch.parallel when it is sharded, fsdp or "
+                        "compute), hsdp (FSDP2 sharded within a node of --node-size ranks, replicated across nodes; "
+                        "--gradients quangrad8 or sdp4bit all-reduce across nodes in 8 or 4 bits), pipeline "
+                        "(default: the plan's launch.parallel when it is sharded, fsdp or "
                         "pipeline and this run has several processes, else none for one process, ddp under "
                         "torchrun)")
     p.add_argument("--pipeline-stages", type=positive_int, default=None,
                    help="pipeline stages (must equal the number of processes; default: the number of processes)")
     p.add_argument("--node-size", type=positive_int, default=None,
-                   help="ranks per node for SDP4Bit's gradient reduce-scatter (--parallel sharded, or fsdp with "
-                        "--gradients sdp4bit): int8 inside a node, int4 across "
-                        "nodes (default: torchrun's LOCAL_WORLD_SIZE; 1 treats every GPU as a node)")
+                   help="ranks per node: for SDP4Bit's gradient reduce-scatter (--parallel sharded, or fsdp with "
+                        "--gradients sdp4bit) int8 inside a node, int4 across nodes; for --parallel hsdp the ranks "
+                        "that shard the state (replicated across the world / node-size nodes) "
+                        "(default: torchrun's LOCAL_WORLD_SIZE; 1 treats every GPU as a node)")
     p.add_argument("--weight-gather", choices=WEIGHT_GATHERS, default="bf16",
-                   help="with --parallel fsdp: how FSDP2 all-gathers the weight matrices in forward and backward: "
+                   help="with --parallel fsdp or hsdp: how FSDP2 all-gathers the weight matrices in forward and "
+                        "backward: "
                         "bf16 (its own, in the compute dtype), int8 (ZeRO++'s qwZ: block-wise int8 codes with one "
                         "float32 scale per 256 values, about half of bf16's bytes; each value within half a step "
                         "of its block's absmax / 127), int4 (4-bit codes after a Hadamard-32 transform, about a "

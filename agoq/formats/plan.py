@@ -73,12 +73,12 @@ from agoq.formats.plan_sections import (
 )
 from agoq.formats.plan_whatif import WhatIf
 from agoq.parallel_dims import ParallelDims, launch_of
-from agoq.vocabulary import FSDP, GRADIENT_MODES, PIPELINE
+from agoq.vocabulary import FSDP, GRADIENT_MODES, HSDP, PIPELINE
 
 SCHEMA = "agoq.plan/1.9"
 SCHEMA_KIND = "agoq.plan"
 SCHEMA_MAJOR = 1
-NO_OFFLOAD_PARALLEL = (FSDP, PIPELINE)  # launch.parallel modes offload cannot run in (agoq.train.preparation)
+NO_OFFLOAD_PARALLEL = (FSDP, HSDP, PIPELINE)  # launch.parallel modes offload cannot run in (agoq.train.preparation)
 
 
 class Plan(_Part):

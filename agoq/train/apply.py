@@ -8,8 +8,10 @@ order (each is a keyword-only `apply_*` function of its own):
   3. compile        torch.compile each decoder layer on its own: it traces the forward steps 1-2 made
   4. offload        where the kept tensors live: chosen layers' saved tensors go to pinned host memory
                     (agoq.runtime.activations.offload); it wraps each layer's call, compiled or not, from outside
-  5. parallel       this rank's strategy (agoq.train.parallel) of the run's dims (agoq.parallel_dims): replicas,
-                    shards or a pipeline stage of the model as transformed above, with the gradient storage
+  5. parallel       this rank's strategy (agoq.train.parallel, agoq.train.fsdp_strategy) of the run's dims
+                    (agoq.parallel_dims), one `apply_*` per dimension in order: `apply_pipeline` cuts this rank's
+                    stage; else `apply_shard` shards the state (FSDP2 over replicate x shard -- HSDP with replicas
+                    -- or agoq's SDP4Bit step); else `apply_replicate` keeps replicas (DDP; one process)
 
 The activation settings come from a plan (`Plan.activation_policy()`, `Plan.checkpoint_layers()`) or from the
 flags (--policy, --checkpoint-all); the rest from the run's settings, one typed `RunSpec` (the plan and the flags
@@ -31,8 +33,12 @@ from agoq.runtime.activations.laaq import apply_activation_policy, remove_activa
 from agoq.runtime.activations.offload import ActivationOffload, remove_offload
 from agoq.runtime.activations.offload import apply_offload as offload_layers
 from agoq.runtime.activations.policy import ActivationPolicy
-from agoq.train.parallel import ParallelStrategy, World, apply_parallel
+from agoq.parallel_dims import FSDP2_ENGINE, ParallelDims
+from agoq.train.data import BatchShape
+from agoq.train.fsdp_strategy import FullyShardedDataParallel
+from agoq.train.parallel import DataParallel, ParallelStrategy, Pipelined, Sharded
 from agoq.train.plan_settings import RunSpec
+from agoq.train.world import World
 
 
 @dataclass(frozen=True)
@@ -78,13 +84,10 @@ def apply_plan(model: nn.Module, *, policy: ActivationPolicy | None = None, chec
             offloaded.begin_micro_batch()
     strategy = None
     if run is not None and place is not None:
-        dims, shape = run.layout.dims, run.shape
         strategy = apply_parallel(
-            model, mode=dims.mode, world=place.world, device=place.device, gradients=run.gradients,
-            dtype=place.dtype, micro_batch=shape.micro_batch, seq_len=shape.seq_len, grad_accum=shape.grad_accum,
-            layer_stage=place.layer_stage, node_size=dims.ranks_per_node, optimizer=run.cfg.optim.optimizer,
-            master=run.cfg.optim.master,
-            weight_gather=run.cfg.parallelism.weight_gather)
+            model, dims=run.layout.dims, world=place.world, device=place.device, gradients=run.gradients,
+            dtype=place.dtype, shape=run.shape, layer_stage=place.layer_stage, optimizer=run.cfg.optim.optimizer,
+            master=run.cfg.optim.master, weight_gather=run.cfg.parallelism.weight_gather)
     return AppliedPlan(strategy, before_micro_batch, offloaded)
 
 
@@ -130,6 +133,52 @@ def apply_compile(model: nn.Module, *, mode: str | None, memory_budget: float | 
     return lambda: mark_cudagraph_step(mode)
 
 
+def apply_parallel(model: nn.Module, *, dims: ParallelDims, world: World, device: torch.device, gradients: str,
+                   dtype: torch.dtype, shape: BatchShape, layer_stage: list[int] | None = None,
+                   optimizer: str = "adamw", master: str = "fp32", weight_gather: str = "bf16") -> ParallelStrategy:
+    """Step 5: this rank's strategy for the run's `dims` (checked against the world), one dimension at a time, in
+    order: pipeline stages, then the data ranks, sharded (shard, with its replicas) or replicated. `gradients` is
+    the gradient storage, `shape` the batch shape (a pipeline's schedule), `layer_stage` a pipeline's stage of each
+    decoder layer, `optimizer` and `master` what FSDP2's shards hold, `weight_gather` FSDP2's weight all-gather."""
+    dims.validate(world.size)
+    if dims.pipeline > 1:
+        return apply_pipeline(model, world=world, device=device, gradients=gradients, layer_stage=layer_stage,
+                              shape=shape, dtype=dtype)
+    if dims.sharded:
+        return apply_shard(model, dims=dims, world=world, device=device, gradients=gradients, dtype=dtype,
+                           optimizer=optimizer, master=master, weight_gather=weight_gather)
+    return apply_replicate(model, world=world, device=device, gradients=gradients)
+
+
+def apply_pipeline(model: nn.Module, *, world: World, device: torch.device, gradients: str,
+                   layer_stage: list[int] | None, shape: BatchShape, dtype: torch.dtype) -> ParallelStrategy:
+    """One pipeline stage per rank (1F1B over `shape.grad_accum` micro-batches): this rank keeps its decoder layers
+    (`layer_stage`) and the embeddings or head its stage needs."""
+    if layer_stage is None:
+        raise ValueError("a pipeline needs the stage of each decoder layer (Placement.layer_stage)")
+    return Pipelined(model, world=world, device=device, gradients=gradients, layer_stage=layer_stage,
+                     micro_batch=shape.micro_batch, seq_len=shape.seq_len, grad_accum=shape.grad_accum, dtype=dtype)
+
+
+def apply_shard(model: nn.Module, *, dims: ParallelDims, world: World, device: torch.device, gradients: str,
+                dtype: torch.dtype, optimizer: str = "adamw", master: str = "fp32",
+                weight_gather: str = "bf16") -> ParallelStrategy:
+    """The state sharded over `dims.shard` ranks by `dims.engine`: FSDP2 (with `dims.replicate` > 1, HSDP: replicas
+    of the shards across nodes), or agoq's SDP4Bit step (`dims.ranks_per_node`: TLq-HS's node)."""
+    if dims.engine == FSDP2_ENGINE:
+        return FullyShardedDataParallel(model, world=world, device=device, gradients=gradients, dtype=dtype,
+                                        replicate=dims.replicate, node_size=dims.ranks_per_node, optimizer=optimizer,
+                                        master=master, weight_gather=weight_gather)
+    return Sharded(model, world=world, device=device, gradients=gradients, node_size=dims.ranks_per_node)
+
+
+def apply_replicate(model: nn.Module, *, world: World, device: torch.device, gradients: str) -> ParallelStrategy:
+    """Replicas of the whole state on every rank (DDP; one process when the world is one rank)."""
+    if world.size > 1:
+        return DataParallel(model, world=world, device=device, gradients=gradients)
+    return ParallelStrategy(model, world=world, device=device, gradients=gradients)
+
+
 def remove_plan(model: nn.Module) -> None:
     """Undo steps 1-2 and 4 of `apply_plan`: no activation policy, no checkpointing, no offload."""
     remove_offload(model)
@@ -138,4 +187,5 @@ def remove_plan(model: nn.Module) -> None:
 
 
 __all__ = ["apply_plan", "apply_policy", "apply_checkpointing", "apply_offload", "apply_compile", "apply_parallel",
+           "apply_pipeline", "apply_shard", "apply_replicate",
            "remove_plan", "AppliedPlan", "Placement"]

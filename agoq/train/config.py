@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from agoq.layout import ParallelLayout, check_options
-from agoq.vocabulary import ADAMW8BIT, FSDP, MASTERS, OPTIMIZERS, PARALLEL_MODES, WEIGHT_GATHERS
+from agoq.vocabulary import ADAMW8BIT, FSDP2_MODES, MASTERS, OPTIMIZERS, PARALLEL_MODES, WEIGHT_GATHERS
 DTYPES = ("bf16", "fp32", "fp16")
 
 
@@ -126,9 +126,9 @@ class ParallelConfig:
         check_options(self.parallel, node_size=self.node_size, pipeline_stages=self.pipeline_stages)
         if self.weight_gather not in WEIGHT_GATHERS:
             raise ValueError(f"--weight-gather must be one of {', '.join(WEIGHT_GATHERS)}, got {self.weight_gather!r}")
-        if self.weight_gather != "bf16" and self.parallel not in (None, FSDP):
+        if self.weight_gather != "bf16" and self.parallel not in (None, *FSDP2_MODES):
             raise ValueError(f"--weight-gather {self.weight_gather} quantizes FSDP2's weight all-gather: it runs "
-                             f"with --parallel fsdp, not {self.parallel}")
+                             f"with --parallel fsdp or hsdp, not {self.parallel}")
 
     def layout(self, world_size: int) -> ParallelLayout:
         """The parallel layout of a run with `world_size` processes; refuses one that does not fit it."""

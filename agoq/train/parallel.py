@@ -1,6 +1,8 @@
-"""The process group and one strategy per parallel mode: what differs between one process, DDP, sharded and pipeline.
+"""One strategy per way of sharing the work: what differs between one process, DDP, sharded and pipeline (FSDP2 and
+HSDP: agoq.train.fsdp_strategy).
 
-`apply_parallel(model, mode=...)` returns the strategy of this rank. It owns the module this rank trains and
+`agoq.train.apply.apply_parallel(model, dims=...)` returns the strategy of this rank (World and join_world, the
+process group, live in agoq.train.world). It owns the module this rank trains and
 checkpoints (the whole model, or a pipeline stage), the gradient storage (QuanGrad's 8-bit buffer or the
 parameters' .grad), and every step of the loop that differs per mode: the forward and backward of a step's
 micro-batches, the reduction of the gradients, of the squared gradient norm and of a value over the ranks,
@@ -10,74 +12,18 @@ the validation loss and, for sharded runs, the optimizer (SDP4Bit's sharded Adam
 
 from __future__ import annotations
 
-import datetime
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from agoq.layout import DDP, FSDP, NONE, PIPELINE, SHARDED
+from agoq.layout import DDP, NONE, PIPELINE, SHARDED
 from agoq.models.lm_loss import chunked_lm_loss
 from agoq.train.config import OptimizerConfig
 from agoq.train.data import Batches
-from agoq.train.optimizer import OptimizerStep, build_fsdp_optimizer, build_optimizer, build_sharded_optimizer
-
-# --------------------------------------------------------------------------------------- world
-
-
-@dataclass
-class World:
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-    local_size: int = 1
-    backend: str | None = None
-    initialised_here: bool = False
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier()
-
-    def gather_ints(self, value: int, device: torch.device) -> list[int]:
-        """`value` of every rank, in rank order."""
-        if self.size == 1:
-            return [value]
-        dev = device if self.backend == "nccl" else torch.device("cpu")
-        mine = torch.tensor([value], dtype=torch.int64, device=dev)
-        out = [torch.zeros_like(mine) for _ in range(self.size)]
-        dist.all_gather(out, mine)
-        return [int(t) for t in out]
-
-    def any(self, flag: bool, device: torch.device) -> bool:
-        """True on every rank when `flag` is true on at least one (one small all-reduce; every rank calls it)."""
-        if self.size == 1:
-            return bool(flag)
-        dev = device if self.backend == "nccl" else torch.device("cpu")
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
-
-def join_world(device_hint: str | None) -> World:
-    """The process group: the existing one, one from torchrun's environment, or a single process."""
-    if dist.is_available() and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())),
-                     int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), dist.get_backend())
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1:
-        return World()
-    use_cuda = torch.cuda.is_available() and (device_hint is None or device_hint.startswith("cuda"))
-    backend = "nccl" if use_cuda else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-    return World(dist.get_rank(), dist.get_world_size(), local_rank,
-                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")), backend, True)
-
+from agoq.train.optimizer import OptimizerStep, build_optimizer, build_sharded_optimizer
+from agoq.train.world import World, join_world
 
 # --------------------------------------------------------------------------------------- strategies
 
@@ -282,65 +228,6 @@ class Sharded(ParallelStrategy):
         return sq
 
 
-class FullyShardedDataParallel(ParallelStrategy):
-    """`--parallel fsdp`: PyTorch's FSDP2, one `fully_shard` unit per decoder layer and one for the rest.
-
-    The sharded parameters are float32 (the optimizer's masters, 1/N per rank) and the layers compute in
-    `dtype` (FSDP2's MixedPrecisionPolicy: weights all-gathered in `dtype`), except with
-    --optimizer adamw8bit --master none, where the shards stay in `dtype` and the 8-bit optimizer rounds
-    its float32 update stochastically into them. Gradients are reduce-scattered by FSDP2 in `dtype`
-    (--gradients bf16) or by SDP4Bit's TLq-HS from float32 (--gradients sdp4bit, int8 inside a node of
-    `node_size` ranks, int4 across). `weight_gather` "int8" (or "int4") all-gathers the weight matrices as block
-    codes and scales instead of `dtype` (agoq.runtime.comm.fsdp_weight_gather, ZeRO++'s qwZ). The activation plan or policy was applied to the layers before they
-    were sharded; checkpoints hold each rank's DTensor shards.
-    """
-
-    mode = FSDP
-
-    def __init__(self, model: nn.Module, *, world: World, device: torch.device, gradients: str, dtype: torch.dtype,
-                 node_size: int | None, optimizer: str, master: str, weight_gather: str = "bf16"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        from agoq.runtime.comm.fsdp import default_mesh, fully_shard_quantized
-        from agoq.runtime.comm.fsdp_collectives import _require_protocol
-
-        _require_protocol()  # FSDP2's custom reduce-scatter (torch >= 2.9): a clear message before anything is sharded
-        if world.size > 1:
-            _broadcast_from_rank0(model)
-        keep_dtype = optimizer == "adamw8bit" and master == "none"
-        mp_policy = None
-        if dtype != torch.float32 and not keep_dtype:
-            for p in model.parameters():  # float32 shards: the optimizer's masters
-                p.data = p.data.float()
-            mp_policy = MixedPrecisionPolicy(param_dtype=dtype,
-                                             reduce_dtype=torch.float32 if gradients == "sdp4bit" else None)
-        self.loss_module = _LossModule(model)  # the root unit: embeddings, final norm and head
-        fully_shard_quantized(self.loss_module, mesh=default_mesh(device), mp_policy=mp_policy,
-                              reduce_scatter="tlq-hs" if gradients == "sdp4bit" else "exact", node_size=node_size,
-                              all_gather="exact" if weight_gather == "bf16" else weight_gather)
-        super().__init__(model, world=world, device=device, gradients="bf16")
-
-    def build_optimizer(self, optim: OptimizerConfig, seed: int) -> OptimizerStep:
-        return build_fsdp_optimizer(self.params, optim, seed=seed, device=self.device)
-
-    def _loss(self, ids: torch.Tensor, labels: torch.Tensor, last: bool) -> torch.Tensor:
-        return self.loss_module(ids, labels)  # every micro-batch's gradients are reduce-scattered into the shards
-
-    def gradients(self, fused: bool):
-        """The parameters' sharded gradients (DTensors; zeros where a parameter got none)."""
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-
-    def norm_tensors(self, grads):
-        return [g.to_local() for g in grads]  # FSDP2's shards are disjoint (padding excluded)
-
-    def reduce_grad_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(sq)
-        return sq
-
-    def _validation_loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_module(ids, labels).float()
-
-
 class Pipelined(ParallelStrategy):
     """`--parallel pipeline`: one stage per rank under the 1F1B schedule; one stacked batch per step."""
 
@@ -390,27 +277,4 @@ class Pipelined(ParallelStrategy):
         return self.mean_over_ranks(mean)
 
 
-def apply_parallel(model: nn.Module, *, mode: str, world: World, device: torch.device, gradients: str,
-                   dtype: torch.dtype, micro_batch: int, seq_len: int, grad_accum: int,
-                   layer_stage: list[int] | None = None, node_size: int | None = None, optimizer: str = "adamw",
-                   master: str = "fp32", weight_gather: str = "bf16") -> ParallelStrategy:
-    """This rank's strategy for `mode` (one of agoq.layout.MODES), wrapping or cutting `model` as the mode needs:
-    the last step of applying a plan (agoq.train.apply.apply_plan). `weight_gather` (bf16, int8, int4) is fsdp's."""
-    if mode == PIPELINE:
-        return Pipelined(model, world=world, device=device, gradients=gradients, layer_stage=layer_stage,
-                         micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, dtype=dtype)
-    if mode == FSDP:
-        return FullyShardedDataParallel(model, world=world, device=device, gradients=gradients, dtype=dtype,
-                                        node_size=node_size, optimizer=optimizer, master=master,
-                                        weight_gather=weight_gather)
-    if mode == SHARDED:
-        return Sharded(model, world=world, device=device, gradients=gradients, node_size=node_size)
-    if mode == DDP:
-        return DataParallel(model, world=world, device=device, gradients=gradients)
-    if mode == NONE:
-        return ParallelStrategy(model, world=world, device=device, gradients=gradients)
-    raise ValueError(f"unknown parallel mode {mode!r}")
-
-
-__all__ = ["World", "join_world", "apply_parallel", "ParallelStrategy", "DataParallel", "Sharded",
-           "FullyShardedDataParallel", "Pipelined"]
+__all__ = ["World", "join_world", "ParallelStrategy", "DataParallel", "Sharded", "Pipelined"]

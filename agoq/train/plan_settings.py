@@ -13,6 +13,7 @@ receives); `record_of_plan` and `plan_for_policy` say what run.json records as t
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from agoq.layout import ParallelLayout, check_plan_world, plan_parallel_default,
 from agoq.train.config import JobConfig
 from agoq.train.data import BatchShape
 from agoq.train.parallel import World
-from agoq.vocabulary import ADAMW, COMPILED, DDP, EAGER, NONE, PIPELINE, PLAN_TORCH_COMPILE_MODE
+from agoq.vocabulary import ADAMW, COMPILED, DDP, EAGER, HSDP, NONE, PIPELINE, PLAN_TORCH_COMPILE_MODE
 
 BATCH_DEFAULTS = {"seq_len": 256, "micro_batch": 8, "grad_accum": 1}
 # run setting -> the flag that sets it, for what a plan decides (see `plan_settings`)
@@ -252,6 +253,9 @@ def reconcile(cfg: JobConfig, plan, where: str, world: World, device: torch.devi
             parallel_cfg = dataclasses.replace(parallel_cfg, parallel=plan_parallel_default(plan, world))
     if plan is not None:
         parallel_cfg = plan_weight_gather(parallel_cfg, plan, where)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if parallel_cfg.parallel == HSDP and parallel_cfg.node_size is None and local.isdigit():
+        parallel_cfg = dataclasses.replace(parallel_cfg, node_size=int(local))  # hsdp's node: torchrun's
     layout = parallel_cfg.layout(world.size)
     decided = {}
     if plan is not None:

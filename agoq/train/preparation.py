@@ -28,7 +28,7 @@ from agoq.train.data import Batches, BatchShape, Corpus, load_corpus
 from agoq.train.device import check_budget, run_device, run_dtype
 from agoq.train.parallel import ParallelStrategy, World
 from agoq.train.plan_settings import RunSpec, plan_for_policy, reconcile, record_of_plan
-from agoq.vocabulary import FSDP, PIPELINE
+from agoq.parallel_dims import FSDP2_ENGINE
 
 
 @dataclass
@@ -168,7 +168,8 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
         policy_name = (policy_name + "+" if policy_name else "") + "checkpoint-all"
     # the offload as run: --offload's layers, else the plan's, and the host budget in bytes (plan_settings.reconcile)
     offload = list(settled.offload.layers)
-    if offload and layout.mode in (FSDP, PIPELINE):
+    dims = layout.dims
+    if offload and (dims.engine == FSDP2_ENGINE or dims.pipeline > 1):
         if settled.offload.from_plan:
             raise ValueError(f"{where}: layers[*].offload: the plan offloads layer(s) {offload}, which runs in one "
                              f"process or with --parallel ddp or sharded, not {layout.mode}: train it in one of "
@@ -176,16 +177,16 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
         raise ValueError(f"--offload runs in one process, or with --parallel ddp or sharded, not {layout.mode}: "
                          "leave --offload out, or train without it")
     weight_gather = cfg.parallelism.weight_gather
-    if weight_gather != "bf16" and layout.mode != FSDP:
+    if weight_gather != "bf16" and dims.engine != FSDP2_ENGINE:
         raise ValueError(f"--weight-gather {weight_gather} quantizes FSDP2's weight all-gather: it runs with "
-                         f"--parallel fsdp, not {layout.mode}; leave --weight-gather out or train with fsdp")
+                         f"--parallel fsdp or hsdp, not {layout.mode}; leave --weight-gather out or train with fsdp")
     applied = apply_plan(model, policy=policy, checkpoint=checkpoint, run=settled,
                          place=Placement(world, device, dtype, layer_stage))
 
     # one stacked batch per step for a pipeline, split by the schedule
-    batches = Batches(corpus, shape.seq_len, shape.micro_batch, 1 if layout.pipelined else shape.grad_accum,
-                      layout.data_ranks, cfg.loop.seed)
-    if layout.pipelined:
+    batches = Batches(corpus, shape.seq_len, shape.micro_batch, 1 if dims.pipeline > 1 else shape.grad_accum,
+                      dims.data_ranks, cfg.loop.seed)
+    if dims.pipeline > 1:
         batches.micro_batch = shape.micro_batch * shape.grad_accum
     steps = cfg.loop.steps
     warmup = cfg.optim.warmup if cfg.optim.warmup is not None else min(100, max(1, steps // 10))

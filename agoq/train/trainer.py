@@ -1,14 +1,13 @@
-"""The training loop behind `agoq train`: one process, or DDP / sharded / pipeline under torchrun.
+"""The training loop behind `agoq train`: one process, or DDP / sharded / FSDP2 (fsdp, hsdp) / pipeline under torchrun.
 
 `train(TrainConfig(...))` prepares the run (`agoq.train.preparation`: the data and the model, with the plan or an
 activation policy, checkpointing, compilation and the parallel strategy applied in one ordered step,
-`agoq.train.apply.apply_plan`; the strategy, one per mode, also holds the gradient storage, bf16 or 8-bit
-QuanGrad), builds the optimizer (`agoq.train.optimizer`: AdamW, 8-bit AdamW, or SDP4Bit's sharded AdamW), then
-runs `steps` optimizer steps (`Trainer.step`, which `agoq.train.measure` runs too),
-writing RUN_DIR/run.json, RUN_DIR/metrics.jsonl and atomic per-rank checkpoints through
-torch.distributed.checkpoint, which a run of another world size resumes (`agoq.train.checkpoint`;
-docs/formats.md, "Run"). Everything
-that can be wrong with the inputs is checked before the first step (`agoq.train.config`, then `prepare`).
+`agoq.train.apply.apply_plan`; the strategy of the run's dims also holds the gradient storage), builds the
+optimizer (`agoq.train.optimizer`: AdamW, 8-bit AdamW, or SDP4Bit's sharded AdamW), then runs `steps` optimizer
+steps (`Trainer.step`, which `agoq.train.measure` runs too), writing RUN_DIR/run.json, RUN_DIR/metrics.jsonl and
+atomic per-rank checkpoints through torch.distributed.checkpoint, which a run of another world size resumes
+(`agoq.train.checkpoint`; docs/formats.md, "Run"). Everything that can be wrong with the inputs is checked before
+the first step (`agoq.train.config`, then `prepare`).
 
 Numerics: parameters live in `dtype` (bf16 on GPUs by default); when that is not float32 the
 optimizer steps float32 master copies and writes them back rounded. The loss is the mean token
@@ -156,24 +155,26 @@ class Trainer:
 
     def save(self, step: int) -> None:
         info = {"resume": self._resume_key(), "parallel": self.prepared.layout.mode,
+                "dims": self.prepared.layout.dims.to_dict(),
                 "pipeline_stages": self.parallel.pipeline_stages, "layer_stage": self.prepared.layer_stage}
         save_checkpoint(self.cfg.checkpoint.out, step, self._state(), json_safe(info), rank=self.world.rank,
                         world=self.world.size, barrier=self.world.barrier)
 
     def _check_layout(self, folder: Path, state: dict) -> None:
         """Refuse a checkpoint this run's layout cannot take: pipeline stages cut another way, or optimizer state
-        kept per rank (fsdp's 8-bit moments, quantized per local shard) at another world size."""
-        saved_world = int(state.get("world", 1))
-        if not self.optimizer_step.reshardable and saved_world != self.world.size:
-            raise ValueError(f"the checkpoint in {folder} was written by {saved_world} processes and holds optimizer "
-                             f"state quantized per rank's shard (--parallel fsdp --optimizer adamw8bit): resume it "
-                             f"with {saved_world} processes (the state of --optimizer adamw under fsdp reshards)")
+        kept per rank (FSDP2's 8-bit moments, quantized per local shard) at another world or shard size."""
+        saved_world, dims = int(state.get("world", 1)), self.prepared.layout.dims
+        saved_shard = (state.get("dims") or {}).get("shard", dims.shard)
+        if not self.optimizer_step.reshardable and (saved_world != self.world.size or saved_shard != dims.shard):
+            raise ValueError(f"the checkpoint in {folder} was written by {saved_world} processes sharding over "
+                             f"{saved_shard} and holds optimizer state quantized per rank's shard (--parallel fsdp or "
+                             f"hsdp --optimizer adamw8bit): resume it with {saved_world} processes and the same "
+                             "--parallel and --node-size (the state of --optimizer adamw under FSDP2 reshards)")
         stages, layers = self.parallel.pipeline_stages, json_safe(self.prepared.layer_stage)
         if state.get("pipeline_stages", 1) != stages or (stages > 1 and state.get("layer_stage") != layers):
             raise ValueError(f"the checkpoint in {folder} was written by {state.get('pipeline_stages')} pipeline "
-                             f"stages (layers per stage {state.get('layer_stage')}), this run has {stages} "
-                             f"({layers}): a pipeline resumes with the same stages (same number of processes "
-                             "and plan)")
+                             f"stages (layers per stage {state.get('layer_stage')}), this run has {stages} ({layers}): "
+                             "a pipeline resumes with the same stages (same number of processes and plan)")
 
     def try_resume(self) -> int | None:
         """Load the newest complete checkpoint when --resume; returns its step (None: starting fresh).

@@ -12,6 +12,7 @@ from agoq.runtime.activations.checkpointing import apply_checkpointing as checkp
 from agoq.runtime.activations.laaq import apply_activation_policy
 from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE, ActivationPolicy
 from agoq.layout import ParallelLayout
+from agoq.parallel_dims import ParallelDims
 from agoq.models import build
 from agoq.train import apply
 from agoq.train.apply import Placement, apply_plan, remove_plan
@@ -72,9 +73,36 @@ def test_each_step_once_in_order(monkeypatch):
     assert kwargs["policy"] == {"policy": policy} and kwargs["checkpointing"] == {"layers": [1]}
     assert kwargs["compile"] == {"mode": "default", "memory_budget": None}
     assert kwargs["offload"] == {"layers": (0,), "host_budget_bytes": 7}
-    assert kwargs["parallel"]["mode"] == "none" and kwargs["parallel"]["micro_batch"] == 3
+    assert kwargs["parallel"]["dims"] == ParallelDims() and kwargs["parallel"]["shape"].micro_batch == 3
     assert (kwargs["parallel"]["optimizer"], kwargs["parallel"]["master"]) == ("adamw", "fp32")
     assert applied.strategy is strategy and applied.before_micro_batch is hook
+
+
+def test_the_parallel_step_applies_one_function_per_dimension(monkeypatch):
+    """apply_parallel reads the run's dims, not a mode: pipeline stages -> apply_pipeline; a sharded state (FSDP2,
+    with replicas HSDP, or SDP4Bit) -> apply_shard with those dims; replicas (or one rank) -> apply_replicate; dims
+    that do not make the world are refused before anything is applied."""
+    calls = []
+    for name in ("apply_pipeline", "apply_shard", "apply_replicate"):
+        monkeypatch.setattr(apply, name, lambda model, _name=name, **kw: calls.append((_name, kw)) or _name)
+    model = torch.nn.Linear(2, 2)
+    cases = [(ParallelDims(), "apply_replicate"), (ParallelDims(replicate=4), "apply_replicate"),
+             (ParallelDims(shard=4, engine="fsdp2"), "apply_shard"),
+             (ParallelDims(shard=4, engine="sdp4bit"), "apply_shard"),
+             (ParallelDims(replicate=2, shard=3, engine="fsdp2"), "apply_shard"),
+             (ParallelDims(pipeline=4), "apply_pipeline")]
+    for dims, want in cases:
+        got = apply.apply_parallel(model, dims=dims, world=World(0, dims.world_size), device=torch.device("cpu"),
+                                   gradients="bf16", dtype=torch.float32, shape=BatchShape(8, 1, 4),
+                                   layer_stage=[0, 1, 2, 3])
+        assert got == want and calls[-1][0] == want, dims
+        if want == "apply_shard":
+            assert calls[-1][1]["dims"] is dims
+    with pytest.raises(ValueError, match="the world has 3"):
+        apply.apply_parallel(model, dims=ParallelDims(replicate=2, shard=2, engine="fsdp2"), world=World(0, 3),
+                             device=torch.device("cpu"), gradients="bf16", dtype=torch.float32,
+                             shape=BatchShape(8, 1, 1))
+    assert len(calls) == len(cases)
 
 
 def test_the_compiled_layers_are_the_policy_applied_ones(monkeypatch):

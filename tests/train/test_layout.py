@@ -64,12 +64,29 @@ def _layout_value(parallel, world, pipeline_stages, node_size, gradients, optimi
     return layout.mode
 
 
+# the messages that name hsdp since it runs (the rules are the same)
+SINCE_HSDP = [("none, ddp, sharded, fsdp, pipeline", "none, ddp, sharded, fsdp, hsdp, pipeline"),
+              ("(SDP4Bit's two-level gradient reduce-scatter)", "(SDP4Bit's two-level gradient reduce-scatter) and "
+               "hsdp (the ranks that shard, replicated across nodes)"),
+              ]
+
+
+def _since_hsdp(want):
+    if want.endswith("(--gradients sdp4bit), not with QuanGrad: use --parallel ddp for quangrad8"):
+        return want.replace("use --parallel ddp for", "use --parallel ddp, or hsdp (its 8-bit all-reduce across "
+                            "nodes), for")
+    for old, new in SINCE_HSDP[:2]:
+        want = want.replace(old, new)
+    return want
+
+
 def test_every_combination_is_taken_or_refused_as_before():
-    cases = list(itertools.product([None, *MODES, "tensor"], range(1, 5), [None, 1, 2, 3], [None, 2],
+    modes = [m for m in MODES if m != "hsdp"]  # new: its own test below
+    cases = list(itertools.product([None, *modes, "tensor"], range(1, 5), [None, 1, 2, 3], [None, 2],
                                    ["bf16", "quangrad8", "sdp4bit", "fp8"], [None, "adamw", "adamw8bit"]))
     outcomes = {}
     for case in cases:
-        want = _reference(*case)
+        want = _since_hsdp(_reference(*case))
         world, node_size = case[1], case[3]
         built = _reference(*case[:4], "bf16", None)  # the layout the flags make, before gradients and optimizer
         if built in ("sharded", "fsdp") and node_size is not None and world % node_size:
@@ -80,6 +97,29 @@ def test_every_combination_is_taken_or_refused_as_before():
         assert _layout_value(*case) == want, case
         outcomes[want in MODES] = outcomes.get(want in MODES, 0) + 1
     assert outcomes[True] > 50 and outcomes[False] > 50  # the table holds both kinds
+
+
+def test_hsdp_replicates_nodes_of_shards_and_runs_every_gradient_mode():
+    """--parallel hsdp over W ranks in nodes of --node-size S: replicate W / S x shard S with FSDP2, every gradient
+    storage (bf16 exact, quangrad8 and sdp4bit across nodes); refused without a node size, with one node (fsdp) or
+    a node size that does not divide the world, and --weight-gather runs with it."""
+    for world, node in ((4, 2), (6, 3), (6, 2), (3, 1), (8, 4)):
+        layout = ParallelConfig(parallel="hsdp", node_size=node, weight_gather="int8").layout(world)
+        dims = layout.dims
+        assert (dims.replicate, dims.shard, dims.engine, dims.mode) == (world // node, node, "fsdp2", "hsdp")
+        assert layout.data_ranks == world and layout.sharded and not layout.replicated
+        assert layout.resume_state == "fsdp" and state_kind("hsdp") == "hsdp"  # resumes as fsdp; plans apart
+        for gradients in ("bf16", "quangrad8", "sdp4bit"):
+            layout.check_gradients(gradients)
+        assert "--node-size" in launch_line("hsdp", world, "sdp4bit", node)
+    with pytest.raises(ValueError, match="give the ranks of a node with --node-size"):
+        ParallelConfig(parallel="hsdp").layout(4)
+    with pytest.raises(ValueError, match="has no replicas: that is --parallel fsdp"):
+        ParallelConfig(parallel="hsdp", node_size=4).layout(4)
+    with pytest.raises(ValueError, match="does not divide the world's 6 ranks"):
+        ParallelConfig(parallel="hsdp", node_size=4).layout(6)
+    with pytest.raises(ValueError, match="--parallel hsdp needs several processes"):
+        ParallelConfig(parallel="hsdp", node_size=1).layout(1)
 
 
 @pytest.mark.parametrize("mode, world, gradients, ok", [

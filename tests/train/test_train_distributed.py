@@ -178,3 +178,25 @@ def test_two_processes_fsdp(tmp_path, seed):
     assert run["status"] == "finished" and run["resumed"][0]["step"] == 3 and run["settings"]["parallel"] == "fsdp"
     run = json.loads((tmp_path / "fsdp_int8_gather" / "run.json").read_text())
     assert run["status"] == "finished" and run["resumed"][0]["step"] == 3 and run["settings"]["weight_gather"] == "int8"
+
+
+def test_four_processes_hsdp(tmp_path, seed):
+    """HSDP, 2 nodes of 2 ranks (FSDP2 over a 2-D mesh): bf16 (FSDP2's own, 2 micro-batches per rank whose
+    all-reduce across nodes FSDP2 defers to the last; killed, then resumed), the all-reduce
+    across nodes in 8 bits (quangrad8) and in 4 bits after TLq-HS's int8 within the node (sdp4bit), and the int8
+    weight all-gather within the node, against one process accumulating the 4 ranks' micro-batches."""
+    runs = [("hsdp_bf16", dict(parallel="hsdp", node_size=2, grad_accum=2, kill_at=4)),
+            ("hsdp_quangrad8", dict(parallel="hsdp", node_size=2, gradients="quangrad8")),
+            ("hsdp_sdp4bit", dict(parallel="hsdp", node_size=2, gradients="sdp4bit")),
+            ("hsdp_int8_gather", dict(parallel="hsdp", node_size=2, weight_gather="int8"))]
+    seed %= 1000
+    _run_all(tmp_path, 4, runs, seed)
+    _single(tmp_path, "single", seed, grad_accum=4)
+    _single(tmp_path, "single8", seed, grad_accum=8)
+    _exact(tmp_path / "hsdp_bf16", tmp_path / "single8")
+    _quantized(tmp_path / "hsdp_quangrad8", tmp_path / "single")
+    _quantized(tmp_path / "hsdp_sdp4bit", tmp_path / "single", bits=4)
+    _quantized(tmp_path / "hsdp_int8_gather", tmp_path / "single")
+    run = json.loads((tmp_path / "hsdp_bf16" / "run.json").read_text())
+    assert run["status"] == "finished" and run["resumed"][0]["step"] == 3 and run["settings"]["parallel"] == "hsdp"
+    assert run["settings"]["node_size"] == 2 and run["world"]["size"] == 4

@@ -4,7 +4,8 @@ QuanGrad (`quangrad`): gradients stored and all-reduced in 8 bits (`quantized_al
 collectives or symmetric memory, `wire_rows` / `wire_triton` for the on-wire rows). SDP4Bit (`sdp4bit`):
 TLq-HS gradient reduce-scatter (Hadamard + int8 inside a node, int4 across) and qWD weight-difference
 all-gather; `fsdp_collectives` runs TLq-HS as PyTorch FSDP2's custom reduce-scatter, `fsdp_weight_gather` makes
-FSDP2's weight all-gather int8 / int4 block codes (ZeRO++'s qwZ) and `fsdp` shards a model with FSDP2 and them.
+FSDP2's weight all-gather int8 / int4 block codes (ZeRO++'s qwZ), `hsdp` all-reduces HSDP's replicas (FSDP2's
+own, QuanGrad's 8 bits or TLq's 4 bits) and `fsdp` shards a model with FSDP2 and them.
 A new collective goes here.
 """
 

@@ -40,16 +40,21 @@ def default_mesh(device: torch.device | str):
 def fully_shard_quantized(model: nn.Module, *, mesh=None, blocks: Sequence[nn.Module] | None = None,
                           mp_policy=None, reduce_scatter: str = "tlq-hs", all_gather: str = "exact",
                           node_size: int | None = None, hadamard: bool = True, seed: int = 0,
-                          reshard_after_forward: bool = True, gather_block: int | None = None) -> nn.Module:
+                          reshard_after_forward: bool = True, gather_block: int | None = None,
+                          all_reduce: str = "exact") -> nn.Module:
     """Shard `model` with FSDP2, each of `blocks` and then the root as its own unit; returns `model`.
 
-    mesh: a 1-D DeviceMesh (default: every rank of the default group, on the parameters' device type).
+    mesh: a 1-D DeviceMesh (default: every rank of the default group, on the parameters' device type), or HSDP's
+    2-D one (`agoq.runtime.comm.hsdp.hybrid_mesh`: replicate x shard): shards within its rows, and `all_reduce`
+    says how the replicas' gradients are all-reduced: "exact" (FSDP2's native HSDP), "quangrad8" or "tlq4"
+    (agoq.runtime.comm.hsdp.ReplicaAllReduce, FSDP2's all-reduce hook; the units are then sharded over the row).
     blocks: the modules to shard one by one (default: the decoder layers, modules with self_attn, mlp,
     input_layernorm and post_attention_layernorm); apply activation policies and checkpointing to them
     before calling this. mp_policy: FSDP2's MixedPrecisionPolicy (e.g. param_dtype=torch.bfloat16 with
     float32 parameters: bf16 compute, float32 sharded weights for the optimizer). reduce_scatter:
     "tlq-hs" (int8 inside a node, int4 across, Hadamard-32 when `hadamard`; `node_size` ranks per node,
-    default torchrun's LOCAL_WORLD_SIZE; `seed` seeds its stochastic rounding) or "exact" (FSDP2's own).
+    default torchrun's LOCAL_WORLD_SIZE, the whole row of a 2-D mesh; `seed` seeds its stochastic rounding) or
+    "exact" (FSDP2's own).
     all_gather: "exact" (FSDP2's, in param_dtype), "int8" or "int4" (every weight matrix gathered as block
     codes, one float32 scale per `gather_block` values, default 256; `agoq.runtime.comm.fsdp_weight_gather`). Every
     rank must call it, on the same model, after any change of the parameters' dtype.
@@ -72,8 +77,18 @@ def fully_shard_quantized(model: nn.Module, *, mesh=None, blocks: Sequence[nn.Mo
         if first is None:
             raise ValueError(f"{type(model).__name__} has no parameters to shard")
         mesh = default_mesh(first.device)
-    if mesh.ndim != 1:
-        raise ValueError(f"fully_shard_quantized shards over a 1-D DeviceMesh, got {mesh.ndim} dimensions")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard_quantized shards over a 1-D DeviceMesh (FSDP) or a 2-D one (HSDP: "
+                         f"replicate x shard), got {mesh.ndim} dimensions")
+    from agoq.runtime.comm.hsdp import ALL_REDUCES
+
+    if all_reduce not in ALL_REDUCES:
+        raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {all_reduce!r}")
+    if all_reduce != "exact" and mesh.ndim != 2:
+        raise ValueError(f"all_reduce={all_reduce!r} all-reduces the replicas of HSDP: give a 2-D mesh "
+                         "(agoq.runtime.comm.hsdp.hybrid_mesh)")
+    hooked = mesh.ndim == 2 and all_reduce != "exact"
+    shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
     if blocks is None:
         from agoq.runtime.activations.saved_bytes import find_decoder_layers
 
@@ -82,7 +97,7 @@ def fully_shard_quantized(model: nn.Module, *, mesh=None, blocks: Sequence[nn.Mo
         from agoq.runtime.comm.fsdp_weight_gather import DEFAULT_BLOCK, apply_weight_gather
 
         apply_weight_gather(model, bits=8 if all_gather == "int8" else 4, block=gather_block or DEFAULT_BLOCK)
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs = {"mesh": shard_mesh if hooked else mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for block in blocks:
@@ -93,8 +108,14 @@ def fully_shard_quantized(model: nn.Module, *, mesh=None, blocks: Sequence[nn.Mo
     if reduce_scatter == "tlq-hs":
         from agoq.runtime.comm.fsdp_collectives import use_quantized_reduce_scatter
 
-        use_quantized_reduce_scatter(model, group=mesh.get_group(), node_size=node_size, hadamard=hadamard,
-                                     seed=seed)
+        rows = shard_mesh.size()  # a row of a 2-D mesh is one node (int8 only)
+        use_quantized_reduce_scatter(model, group=shard_mesh.get_group(), node_size=rows if mesh.ndim == 2
+                                     else node_size, hadamard=hadamard, seed=seed)
+    if hooked:
+        from agoq.runtime.comm.hsdp import ReplicaAllReduce, use_replica_all_reduce
+
+        use_replica_all_reduce(model, ReplicaAllReduce(mesh[mesh.mesh_dim_names[0]].get_group(), all_reduce,
+                                                       seed=seed + 1, hadamard=hadamard))
     return model
 
 

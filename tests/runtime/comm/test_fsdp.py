@@ -148,16 +148,21 @@ def _ops_worker(rank, world):
 
 
 def _strategy_norm_worker(rank, world, mode, gradients, seed):
-    """The clip norm `agoq train` computes in `mode` after one backward of this rank's batch."""
+    """The clip norm `agoq train` computes in `mode` (hsdp: nodes of one rank) after one backward of this rank's
+    batch."""
+    from agoq.parallel_dims import ParallelDims
+    from agoq.train.apply import apply_parallel
     from agoq.train.config import OptimizerConfig
-    from agoq.train.parallel import World, _model_loss, apply_parallel
+    from agoq.train.data import BatchShape
+    from agoq.train.parallel import World, _model_loss
 
     model = build(CFG, dtype=torch.float32, seed=seed)
-    strategy = apply_parallel(model, mode=mode, world=World(rank, world, backend="gloo"), device=torch.device("cpu"),
-                              gradients=gradients, dtype=torch.float32, micro_batch=BATCH, seq_len=SEQ, grad_accum=1)
+    dims = ParallelDims.of_mode(mode, world, ranks_per_node=1 if mode == "hsdp" else None)
+    strategy = apply_parallel(model, dims=dims, world=World(rank, world, backend="gloo"), device=torch.device("cpu"),
+                              gradients=gradients, dtype=torch.float32, shape=BatchShape(SEQ, BATCH, 1))
     step = strategy.build_optimizer(OptimizerConfig(), seed=0)
     ids, labels = _batch(seed, rank)
-    loss = strategy.loss_module(ids, labels) if mode == "fsdp" else _model_loss(strategy.module, ids, labels)
+    loss = strategy.loss_module(ids, labels) if mode in ("fsdp", "hsdp") else _model_loss(strategy.module, ids, labels)
     loss.backward()
     return strategy.grad_norm(strategy.gradients(fused=step.fused), fused=step.fused)
 
@@ -170,7 +175,7 @@ def test_clip_norm_is_the_norm_of_the_averaged_gradient(seed):
     exact = _norm({n: sum(g[n] for g in per_rank) / world for n in names})
     rms_of_local = math.sqrt(sum(_norm(g) ** 2 for g in per_rank) / world)
     assert abs(rms_of_local - exact) > 0.05 * exact  # the old formula would fail below
-    for mode, gradients in (("fsdp", "bf16"), ("sharded", "bf16")):
+    for mode, gradients in (("fsdp", "bf16"), ("sharded", "bf16"), ("hsdp", "bf16")):  # hsdp: 3 replicas of 1 shard
         norms = run_workers(_strategy_norm_worker, world, mode, gradients, seed)
         assert all(n == norms[0] for n in norms)
         assert abs(norms[0] - exact) <= 1e-5 * exact, (mode, norms[0], exact)

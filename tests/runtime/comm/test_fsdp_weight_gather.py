@@ -205,13 +205,15 @@ def _batch(seed, rank, step):
 
 
 def _strategy(rank, world, weight_gather, seed):
+    from agoq.parallel_dims import ParallelDims
+    from agoq.train.apply import apply_parallel
     from agoq.train.config import OptimizerConfig
-    from agoq.train.parallel import World, apply_parallel
+    from agoq.train.data import BatchShape
+    from agoq.train.parallel import World
 
-    strategy = apply_parallel(build(CFG, dtype=torch.float32, seed=seed), mode="fsdp",
+    strategy = apply_parallel(build(CFG, dtype=torch.float32, seed=seed), dims=ParallelDims.of_mode("fsdp", world),
                               world=World(rank, world, backend="gloo"), device=torch.device("cpu"), gradients="bf16",
-                              dtype=torch.float32, micro_batch=BATCH, seq_len=SEQ, grad_accum=1,
-                              weight_gather=weight_gather)
+                              dtype=torch.float32, shape=BatchShape(SEQ, BATCH, 1), weight_gather=weight_gather)
     return strategy, strategy.build_optimizer(OptimizerConfig(lr=LR, weight_decay=0.0), seed=0)
 
 
