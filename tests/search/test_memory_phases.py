@@ -12,7 +12,9 @@ from dataclasses import replace
 import numpy as np
 
 from agoq.search import memory_phases
+from agoq.search.milp_rows import Rows
 from tests.search.memory_reference import old_memory, old_memory_parts
+from tests.search.milp_rows_reference import old_memory_matrix, old_peak_rows
 from tests.search.test_milp import random_problem
 from tests.search.test_milp_offload import with_offload
 
@@ -97,3 +99,36 @@ def test_each_phase_value_is_static_plus_its_parts(seed):
             value = memory_phases.phase_value(m["q"], winner, s, layer) + float(m["offload_floor"][s])
             assert abs(sum(parts.values()) - value) <= 1e-6 * max(1.0, abs(value)), (seed, trial, phase)
             assert peak == int(np.ceil(value - 1e-6)), (seed, trial, phase)
+
+
+def test_milp_rows_from_the_phases_are_the_former_rows(seed):
+    """The MILP's end-of-forward rows and every peak row, built from the phases (agoq.search.milp_phases), are the
+    former ones (tests/search/milp_rows_reference.py) bit for bit; except, with layers offloaded and several
+    micro-batches in flight, the k column (the backlog) of a checkpointed layer's row, which the former rows charged
+    (f - 1)/f of and the phase (the evaluator's) does not hold."""
+    rng = random.Random(seed)
+    kinds = set()
+    for trial in range(80):
+        stages = rng.choice([1, 1, 2])
+        p = random_problem(rng, layers=rng.randint(stages, 4), kinds_per_layer=rng.randint(1, 4), stages=stages)
+        p = _dressed(rng, p, offload=stages == 1 and rng.random() < 0.7)
+        if p.offload is not None and rng.random() < 0.7:
+            p = replace(p, in_flight=np.ones(1))
+        r = Rows(p)
+        laaq = p.laaq_transient()
+        mem = old_memory_matrix(r, laaq)
+        if r.offload:
+            mem[0, r.g0:r.g0 + r.L], mem[0, r.k] = -r.unit, r.unit
+        old_peak_rows(r, mem, laaq)
+        assert np.array_equal(r.memory_rows, mem), (seed, trial)
+        assert np.array_equal(r.peak_stage, r.reference_stage), (seed, trial)
+        assert np.array_equal(r.peak_offset, r.reference_offset), (seed, trial)
+        got, want = r.peak_rows.copy(), r.reference_rows.copy()
+        f = p.in_flight_counts()[0]
+        if r.offload and p.allow_checkpoint and f > 1:
+            ckpt_rows = slice(p.num_stages, p.num_stages + p.num_layers)
+            assert np.array_equal(want[ckpt_rows, r.k], np.full(p.num_layers, r.unit * (f - 1) / f)), (seed, trial)
+            want[ckpt_rows, r.k] = 0.0
+        assert np.array_equal(got, want), (seed, trial)
+        kinds.add((bool(r.offload), bool(p.allow_checkpoint)))
+    assert kinds == {(False, False), (False, True), (True, False), (True, True)}, kinds
