@@ -21,6 +21,7 @@ Quantities of a stage s (one value per stage):
   prefetch          the largest offloaded layer's host bytes (backward's first prefetch)
   top_end_of_backward  end_of_backward at the stage's top layer (the first that backward runs)
   offload_backward  OffloadPrices.backward_bytes: what an offloaded layer's backward allocates on its fetched tensors
+                    (never negative: agoq.search.calibration.offload_backward_bytes)
   nothing           0 (what a phase holds none of)
 
 Quantities of a layer l (its phase is at layer l, of stage s):
@@ -206,12 +207,20 @@ def quantities(p, chosen: np.ndarray, ckpt: np.ndarray, offload=None) -> Quantit
                       int(laaq.sum()))
 
 
+def phase_sum(phase: Phase, static, amount):
+    """static + the phase's terms, added in order: `amount(quantity)` a number or array, or a tuple of them added
+    one by one (an enumeration's quantity made of several counts' bytes: agoq.search.milp_offload_configs)."""
+    value = static
+    for term in phase.terms:
+        amounts = amount(term.quantity)
+        for addend in (amounts if isinstance(amounts, tuple) else (amounts,)):
+            value = value + addend
+    return value
+
+
 def phase_value(q: Quantities, phase: Phase, stage: int, layer: Optional[int]) -> float:
     """static_s + the phase's terms, added in order."""
-    value = q.static[stage]
-    for term in phase.terms:
-        value = value + q.value(term.quantity, stage, layer)
-    return value
+    return phase_sum(phase, q.static[stage], lambda quantity: q.value(quantity, stage, layer))
 
 
 def evaluate(p, chosen: np.ndarray, ckpt: np.ndarray, offload=None) -> dict:
@@ -288,5 +297,5 @@ def explain(p, chosen: np.ndarray, checkpoint: np.ndarray, offload=None) -> list
     return out
 
 
-__all__ = ["Term", "Phase", "PHASES", "FLOORS", "Quantities", "quantities", "phase_value", "evaluate",
+__all__ = ["Term", "Phase", "PHASES", "FLOORS", "Quantities", "quantities", "phase_sum", "phase_value", "evaluate",
            "phase_parts", "explain"]
