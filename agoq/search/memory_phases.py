@@ -1,8 +1,9 @@
 """The per-rank memory model of a step, written once as data: the phases of the step (`PHASES`), each the sum of
-named terms on top of the stage's static bytes, and the floors under them (`FLOORS`). The reference evaluator
+named terms on top of the stage's static bytes, and the floors under them (`evaluate`). The reference evaluator
 (`evaluate`, ChoiceProblem.evaluate's peaks), the explanation of a peak (`explain`, a plan's
 `predicted.memory_per_stage`: agoq.search.memory_parts) and the MILP's memory rows (agoq.search.milp_rows) are
-built from these phases; a phase added here is added to each.
+built from these phases (agoq.search.milp_phases), and so are the offload enumeration's rows and a count level's
+least bytes (agoq.search.milp_offload_configs, milp_levels, through `phase_sum`); a phase added here is added to each.
 
 All amounts are bytes on one rank of a pipeline stage s (sharded layouts: this rank's shard), f_s the micro-batches
 stage s holds in flight (ChoiceProblem.in_flight_counts), and a layer's bytes already x f_s (ChoiceProblem.memory).
@@ -101,10 +102,6 @@ PHASES = (
                                                   ("end_of_backward", "end_of_backward", NONZERO))),
         Term("laaq_transient", "laaq_transient"), Term("prefetch", "offload_prefetch", NONZERO)), at=CHECKPOINTED),
 )
-
-# the floors, after the phases: offload_floor lifts an offloading choice's peak to the measured offloading step's
-# (a part of whichever phase sets it); optimizer_step is a phase of its own (the state and the step's workspace)
-FLOORS = ("offload_floor", "optimizer_step")
 
 LAYER_QUANTITIES = ("held", "held_calibration", "rerun", "rerun_calibration", "end_of_backward", "fetched")
 
@@ -297,5 +294,5 @@ def explain(p, chosen: np.ndarray, checkpoint: np.ndarray, offload=None) -> list
     return out
 
 
-__all__ = ["Term", "Phase", "PHASES", "FLOORS", "Quantities", "quantities", "phase_sum", "phase_value", "evaluate",
+__all__ = ["Term", "Phase", "PHASES", "Quantities", "quantities", "phase_sum", "phase_value", "evaluate",
            "phase_parts", "explain"]
