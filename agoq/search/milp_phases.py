@@ -183,3 +183,15 @@ def peak_rows(rows) -> tuple:
             stages.append(s)
             offsets.append(offset)
     return out, stages, offsets
+
+
+def floor_rows(rows) -> np.ndarray:
+    """[rows, variables]: the floors the MILP states beside the phases, in bytes beyond the stage's static bytes (its
+    room): an offloading choice (o_0) peaks at no less than OffloadPrices.floor_bytes (memory_phases.evaluate's
+    offload floor). The optimizer step's floor is a least budget, checked before any solve (agoq.search.milp)."""
+    p = rows.p
+    if not rows.offload or p.offload.floor_bytes <= 0:
+        return np.zeros((0, rows.nv))
+    row = np.zeros((1, rows.nv))
+    row[0, rows.o0] = p.offload.floor_bytes - float(p.static_bytes[0])
+    return row

@@ -61,7 +61,7 @@ from scipy.optimize import Bounds, LinearConstraint
 from scipy.sparse import coo_matrix
 
 from agoq.runtime.activations.policy import KINDS
-from agoq.search.milp_phases import forward_rows, peak_rows
+from agoq.search.milp_phases import floor_rows, forward_rows, peak_rows
 from agoq.search.problem import ChoiceProblem
 
 OBJECTIVES = ("error", "time")
@@ -120,6 +120,7 @@ class Rows:
         self.peak_rows = np.vstack([mem] + rows)
         self.peak_stage = np.array(list(range(S)) + stages)
         self.peak_offset = np.array([0.0] * S + offsets)  # bytes each row's room gains (- its big M)
+        self.floor_rows = floor_rows(self)  # [rows, variables], bytes beyond stage 0's static bytes
         t = np.zeros(self.nv)
         t[:n] = p.seconds
         t[self.c0:self.c0 + L] = p.checkpoint_seconds - p.laaq_layer_seconds
@@ -266,10 +267,8 @@ class Rows:
         # memory in self.unit bytes, time in milliseconds: coefficients near 1 keep HiGHS healthy
         room = (np.asarray(budgets, float) - p.static_bytes)[self.peak_stage] - self.peak_offset
         constraints = [self.structure, LinearConstraint(self.peak_rows / self.unit, -np.inf, room / self.unit)]
-        if self.offload and p.offload.floor_bytes > 0:  # offloading any layer (o_0) peaks at no less than the floor
-            row = np.zeros((1, self.nv))
-            row[0, self.o0] = (p.offload.floor_bytes - float(p.static_bytes[0])) / self.unit
-            constraints.append(LinearConstraint(row, -np.inf, room[:1] / self.unit))
+        if len(self.floor_rows):  # offloading any layer (o_0) peaks at no less than the floor
+            constraints.append(LinearConstraint(self.floor_rows / self.unit, -np.inf, room[:1] / self.unit))
         if time_cap is not None:
             constraints.append(LinearConstraint(self.time_row[None, :] * 1e3, -np.inf, (time_cap - self.time_constant) * 1e3))
         if error_cap is not None:
