@@ -2,7 +2,8 @@
 bytes of each part at that moment, on one rank of the stage. The parts add up to the stage's predicted peak; a
 plan records them as `predicted.memory_per_stage` (docs/formats.md) and the dashboard draws them as they are.
 
-Phases (agoq.search.costs.ChoiceProblem.evaluate; the peak is the largest):
+Phases (stated once, with their terms, in agoq.search.memory_phases, whose evaluator and explanation
+ChoiceProblem.evaluate and .memory_parts use; the peak is the largest):
 
   forward_backward     the end of forward: the state, the rest of the step and every in-flight micro-batch's
                        activations, plus LAAQ's backward transient

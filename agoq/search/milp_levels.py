@@ -38,6 +38,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
 
 from agoq.search.highs import milp
+from agoq.search.memory_phases import PHASES, phase_sum
 from agoq.search.milp_offload import Enumeration
 from agoq.search.milp_uniform import tie_break
 
@@ -113,11 +114,13 @@ class Levels:
         return self.m.p.offload_seconds(offloaded, 1)["seconds"]
 
     def _least_bytes(self, n_u: int, n_c: int) -> float:
-        """The least bytes a choice with these counts keeps at the end of forward (static bytes included)."""
+        """The least bytes a choice with these counts keeps at the end of forward (static bytes included): the
+        phase's value (agoq.search.memory_phases) at each state's least bytes, nothing offloaded."""
         n_a = self.m.L - n_u - n_c
         b = self.state_bytes
-        return float(self.m.p.static_bytes[0]) + b["u"][n_u] + b["c"][n_c] + b["a"][n_a] \
-            + (float(self.m.p.laaq_transient()[0]) if n_a > 0 else 0.0)
+        least = {"activations": (b["u"][n_u], b["c"][n_c], b["a"][n_a]), "calibration": (),  # calibration: in b
+                 "laaq_transient": float(self.m.p.laaq_transient()[0]) if n_a > 0 else 0.0, "offload_backlog": 0.0}
+        return float(phase_sum(PHASES[0], float(self.m.p.static_bytes[0]), least.get))
 
     def _known(self, budget: float, error_cap: Optional[float], settled: dict) -> tuple[float, Optional[tuple]]:
         """From the answers at other budgets (same cap): the fastest seconds at a budget at least as large (no

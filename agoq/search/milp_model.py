@@ -316,9 +316,8 @@ class Model(Rows):
                                      self.structure.ub)
         cons = [structure, LinearConstraint(mem, -np.inf,
                                             -(self.p.static_bytes[self.peak_stage] + self.peak_offset) / self.unit)]
-        if self.offload and self.p.offload.floor_bytes > 0:  # offloading any layer: t >= the floor (constraints)
-            row = np.zeros((1, nv))
-            row[0, self.o0], row[0, -1] = (self.p.offload.floor_bytes - float(self.p.static_bytes[0])) / self.unit, -1.0
+        if len(self.floor_rows):  # offloading any layer: t >= the floor (constraints)
+            row = np.hstack([self.floor_rows / self.unit, -np.ones((len(self.floor_rows), 1))])
             cons.append(LinearConstraint(row, -np.inf, -float(self.p.static_bytes[0]) / self.unit))
         if time_cap is not None:
             cons.append(LinearConstraint(np.append(self.time_row, 0.0)[None, :] * 1e3, -np.inf,

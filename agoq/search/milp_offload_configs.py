@@ -43,6 +43,7 @@ from typing import Optional
 import numpy as np
 
 from agoq.runtime.activations.policy import KINDS
+from agoq.search.memory_phases import PHASES, phase_sum
 from agoq.search.milp_uniform import _alike, _nested_caps, _nested_least, settings
 
 BLOCK = 1 << 13  # settings whose per-layer errors are computed together
@@ -153,23 +154,32 @@ class Configurations:
 
     def _rows(self, n_u, n_c, K, K_u, B):
         """The module docstring's amounts for counts and bytes B (scalars or arrays, broadcast): the host bytes G,
-        the prefetched layer h, the LAAQ transient T, the end of forward E and the largest of backward's rows: the
-        start of backward E + h + e_top and an offloaded layer's backward (-inf where nothing is offloaded)."""
+        the prefetched layer h, the LAAQ transient T, the end of forward E and the largest of backward's rows (-inf
+        where nothing is offloaded): the memory phases' values (agoq.search.memory_phases.PHASES) at these counts,
+        but a checkpointed layer's (the nested capacities: `_room`)."""
         n_a, K_a = self.L - n_u - n_c, K - K_u
         G = K_u * self.U + K_a * B
         h = np.maximum(np.where(K_u > 0, self.U, 0.0), np.where(K_a > 0, B, 0.0))
         T = np.where(n_a > 0, self.T, 0.0)
         static = float(self.p.static_bytes[0])
-        end = static + (n_u - K_u) * self.U + (n_a - K_a) * B + n_c * self.C + T \
-            + np.maximum(0.0, G - self.o.forward_link_bytes)
-        d = self.o.backward_bytes
         # the two largest offloaded layers' bytes (where K >= 2): of K_u layers of U and K_a of B
         high, low = np.maximum(self.U, B), np.minimum(self.U, B)
         n_high = np.minimum(np.where(self.U >= B, K_u, K_a), 2)
         top2 = high * n_high + low * (2 - n_high)
-        back = np.maximum(end + h + self.e_top + d, static + self.e0 + h + d)
-        back = np.where(K >= 2, np.maximum(back, static + self.e1 + top2 + d), back)
-        return G, h, T, end, np.where(K > 0, back, -np.inf)
+        stage = {"activations": ((n_u - K_u) * self.U, (n_a - K_a) * B, n_c * self.C), "calibration": (),
+                 "laaq_transient": T, "offload_backlog": np.maximum(0.0, G - self.o.forward_link_bytes),
+                 "prefetch": h, "top_end_of_backward": self.e_top, "offload_backward": self.o.backward_bytes,
+                 "nothing": 0.0}
+        at = {0: {"end_of_backward": self.e0, "fetched": h}, 1: {"end_of_backward": self.e1, "fetched": top2}}
+        end = phase_sum(PHASES[0], static, stage.get)
+        back = np.full(np.broadcast(end, K).shape, -np.inf)
+        for phase in PHASES:
+            if not phase.offloading:
+                continue
+            mine = at.get(phase.layer, {})
+            value = phase_sum(phase, static, lambda q: mine[q] if q in mine else stage[q])
+            back = np.where(K > (phase.layer or 0), np.maximum(back, value), back)  # layer l offloaded: K > l
+        return G, h, T, end, back
 
     def _possible(self, budget: float) -> np.ndarray:
         """Per configuration of `bounded`, False where it cannot fit whatever its setting: its rows at the least

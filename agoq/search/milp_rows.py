@@ -44,6 +44,10 @@ exactly at the best t; OffloadPrices):
                profile's measured offloading step, OffloadPrices.floor_bytes)
   time: + seconds_per_byte g_l + accum x e + layer_seconds o_l
 
+The memory rows (the end of forward, each checkpointed layer's backward, offload's start of backward and offloaded
+layers' backward) are built from the memory phases, each phase's terms as linear forms in these variables
+(agoq.search.milp_phases, from agoq.search.memory_phases.PHASES): a phase added there is a row here.
+
 Memory rows are in `Rows.unit` bytes and the time row in seconds (scaled to milliseconds where it is a constraint):
 coefficients near 1 keep HiGHS's numerics and speed.
 """
@@ -57,6 +61,7 @@ from scipy.optimize import Bounds, LinearConstraint
 from scipy.sparse import coo_matrix
 
 from agoq.runtime.activations.policy import KINDS
+from agoq.search.milp_phases import floor_rows, forward_rows, peak_rows
 from agoq.search.problem import ChoiceProblem
 
 OBJECTIVES = ("error", "time")
@@ -100,17 +105,22 @@ class Rows:
             self._setting_rows(built)
         upper = self._upper_bounds(laaq, sixteen)
         self.integrality = np.ones(self.nv)
-        mem = self._memory_matrix(laaq)
+        mem = forward_rows(self, None)  # the end of forward, without offload's columns
         # memory rows in units that keep coefficients near 1 (HiGHS's numerics and speed), at most a MiB
         self.unit = float(min(MIB, max(1.0, 2.0 ** np.floor(np.log2(max(float(np.abs(mem).max()), 1.0) / 1e3)))))
         if self.offload:  # its bytes variables are in self.unit bytes
             self._offload_rows(built, mem, upper)
+            mem = forward_rows(self, self.unit)
         self.structure = built.matrix(self.nv)
         if not p.one_setting_per_stage:  # each layer's own choice: an option another beats everywhere is never needed
             upper[:n][dominated_options(p)] = 0.0
         self.bounds = Bounds(np.zeros(self.nv), upper)
-        self.memory_rows = mem
-        self._peak_rows(mem, laaq)
+        self.memory_rows = mem  # [stages, variables]: the end of forward (agoq.search.milp_phases)
+        rows, stages, offsets = peak_rows(self)  # every other phase's rows
+        self.peak_rows = np.vstack([mem] + rows)
+        self.peak_stage = np.array(list(range(S)) + stages)
+        self.peak_offset = np.array([0.0] * S + offsets)  # bytes each row's room gains (- its big M)
+        self.floor_rows = floor_rows(self)  # [rows, variables], bytes beyond stage 0's static bytes
         t = np.zeros(self.nv)
         t[:n] = p.seconds
         t[self.c0:self.c0 + L] = p.checkpoint_seconds - p.laaq_layer_seconds
@@ -207,87 +217,6 @@ class Rows:
         upper[self.z0:self.z0 + S] = (laaq > 0).astype(float)
         return upper
 
-    def _memory_matrix(self, laaq: np.ndarray) -> np.ndarray:
-        """[stages, variables]: the bytes each variable adds to its stage's activation memory."""
-        p, n, L, S = self.p, self.n, self.L, self.S
-        mem = np.zeros((S, self.nv))
-        stage_of_opt = p.layer_stage[p.layer]
-        np.add.at(mem, (stage_of_opt, np.arange(n)), p.memory)
-        mem[p.layer_stage, self.c0 + np.arange(L)] = p.checkpoint_memory + (
-            0.0 if p.checkpoint_calibration is None else p.checkpoint_calibration)
-        mem[p.layer_stage, self.u0 + np.arange(L)] = p.unmodified_extra + (
-            0.0 if p.unmodified_calibration is None else p.unmodified_calibration)
-        mem[p.layer_stage, self.w0 + np.arange(L)] = -p.shared_credit
-        mem[np.arange(S), self.z0 + np.arange(S)] = laaq
-        return mem
-
-    def _peak_rows(self, mem: np.ndarray, laaq: np.ndarray) -> None:
-        """peak_rows [rows, variables], peak_stage and peak_offset (bytes): every stage's memory at the end of
-        forward (`mem`), then its peaks during the backward of each layer that may be checkpointed (see
-        ChoiceProblem.evaluate) and, with offload, at the start of backward and in offloaded layers' backward."""
-        p, S, L = self.p, self.S, self.L
-        rows_l, stage_l = [], []
-        offsets = np.zeros(S + (L if p.allow_checkpoint else 0) + (3 if self.offload else 0))  # bytes per peak row
-        reserve_m = float(self.bounds_upper_h) * self.unit if self.offload else 0.0       # beyond static bytes
-        if p.allow_checkpoint:
-            self._checkpoint_peaks(mem, laaq, reserve_m, rows_l, stage_l, offsets)
-        if self.offload:
-            self._offload_peaks(mem, reserve_m, rows_l, stage_l, offsets)
-        self.peak_rows = np.vstack([mem] + rows_l) if rows_l else mem
-        self.peak_stage = np.array(list(range(S)) + stage_l)
-        self.peak_offset = offsets
-
-    def _checkpoint_peaks(self, mem: np.ndarray, laaq: np.ndarray, reserve_m: float, rows_l: list, stage_l: list,
-                          offsets: np.ndarray) -> None:
-        """The backward of each checkpointed layer: its input and rerun forward on top of the earlier layers."""
-        p, n, L, S = self.p, self.n, self.L, self.S
-        flight, extra = p.in_flight_counts(), p.recomputed()
-        owner = np.full(self.nv, -1)
-        owner[:n] = p.layer
-        owner[self.c0:self.c0 + L] = owner[self.u0:self.u0 + L] = owner[self.w0:self.w0 + L] = np.arange(L)
-        if self.offload:
-            owner[self.g0:self.g0 + L] = np.arange(L)  # an earlier layer's bytes on the host are not held
-        for l in range(L):
-            s = p.layer_stage[l]
-            row = mem[s] * (flight[s] - 1) / flight[s]
-            earlier = (owner >= 0) & (owner < l) & (p.layer_stage[np.maximum(owner, 0)] == s)
-            row = row + np.where(earlier, mem[s] / flight[s], 0.0)
-            own = p.checkpoint_memory[l] + (0.0 if p.checkpoint_calibration is None else p.checkpoint_calibration[l])
-            row[self.c0 + l] += own / flight[s] + extra[l]
-            row[self.z0 + s] = laaq[s]
-            if self.offload:  # + h where l is checkpointed: h + M c_l <= room + M (M: h's upper bound)
-                row[self.h] = self.unit
-                row[self.c0 + l] += reserve_m
-                offsets[len(rows_l) + S] = -reserve_m
-            rows_l.append(row)
-            stage_l.append(s)
-
-    def _offload_peaks(self, mem: np.ndarray, reserve_m: float, rows_l: list, stage_l: list,
-                       offsets: np.ndarray) -> None:
-        """The start of backward, where any layer is offloaded (o_0): + h and the top layer's end_of_backward bytes
-        (ChoiceProblem), and an offloaded layer's backward on top (backward's fetch-ahead fills the start's level
-        again); then the backward of offloaded layer 0 (its bytes at most h) and of layer 1 (the two largest
-        offloaded)."""
-        p, L, S = self.p, self.L, self.S
-        start = mem[0].copy()
-        start[self.h] = self.unit
-        eob, d = p.end_of_backward_bytes(), float(p.offload.backward_bytes)
-        start[self.o0] += float(eob[p.top_layers()[0]]) + d
-        rows_l.append(start)
-        stage_l.append(0)
-        at0 = np.zeros(self.nv)
-        at0[self.o0], at0[self.h] = float(eob[0]) + d, self.unit
-        rows_l.append(at0)
-        stage_l.append(0)
-        at1 = np.zeros(self.nv)
-        if L > 1:  # binding only where o_1 = 1: + M o_1 <= room + M, M the most 2 t + sum_l s_l needs
-            big = 2.0 * reserve_m
-            at1[self.o0 + 1], at1[self.t] = float(eob[1]) + d + big, 2.0 * self.unit
-            at1[self.s0:self.s0 + L] = self.unit
-            offsets[len(rows_l) + S] = -big
-        rows_l.append(at1)
-        stage_l.append(0)
-
     def _offload_rows(self, built: _RowBuilder, mem: np.ndarray, upper: np.ndarray) -> None:
         """The offload variables' rows (module docstring), their bounds and their memory coefficients."""
         p, L, n, gu = self.p, self.L, self.n, self.unit
@@ -332,18 +261,14 @@ class Rows:
         self.integrality[self.h] = self.integrality[self.e] = self.integrality[self.k] = 0
         self.integrality[self.t] = 0
         self.integrality[self.s0:self.s0 + L] = 0
-        mem[0, self.g0:self.g0 + L] = -gu
-        mem[0, self.k] = gu  # h counts at the start of backward (the peak rows), not at the end of forward
 
     def constraints(self, budgets: np.ndarray, time_cap: Optional[float], error_cap: Optional[float] = None) -> list:
         p = self.p
         # memory in self.unit bytes, time in milliseconds: coefficients near 1 keep HiGHS healthy
         room = (np.asarray(budgets, float) - p.static_bytes)[self.peak_stage] - self.peak_offset
         constraints = [self.structure, LinearConstraint(self.peak_rows / self.unit, -np.inf, room / self.unit)]
-        if self.offload and p.offload.floor_bytes > 0:  # offloading any layer (o_0) peaks at no less than the floor
-            row = np.zeros((1, self.nv))
-            row[0, self.o0] = (p.offload.floor_bytes - float(p.static_bytes[0])) / self.unit
-            constraints.append(LinearConstraint(row, -np.inf, room[:1] / self.unit))
+        if len(self.floor_rows):  # offloading any layer (o_0) peaks at no less than the floor
+            constraints.append(LinearConstraint(self.floor_rows / self.unit, -np.inf, room[:1] / self.unit))
         if time_cap is not None:
             constraints.append(LinearConstraint(self.time_row[None, :] * 1e3, -np.inf, (time_cap - self.time_constant) * 1e3))
         if error_cap is not None:
