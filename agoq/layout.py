@@ -226,7 +226,7 @@ def launch_command(plan, layout: PlanLayout, model: str, plan_path: str) -> str:
     command = plan_launch(plan).get("command") if layout.processes else None
     dims = plan.dims()
     command = command or launch_line(layout.parallel, layout.processes or "N", plan.gradients.mode,
-                                     dims.weight_gather if dims is not None else None,
+                                     plan.parallel.weight_gather if plan.parallel is not None else None,
                                      dims.shard if dims is not None and dims.hybrid else None)
     return command.replace("MODEL", str(model)).replace("PLAN.json", plan_path)
 

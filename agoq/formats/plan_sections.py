@@ -22,6 +22,7 @@ from agoq.vocabulary import (
     COMPILED,
     EAGER,
     FSDP,
+    HSDP,
     GRADIENT_MODES,
     MASTERS,
     OPTIMIZERS,
@@ -198,7 +199,7 @@ class ParallelSpec(_Part):
     @model_validator(mode="after")
     def _valid(self) -> "ParallelSpec":
         dims = self.dims()
-        if self.weight_gather not in (None, BF16) and dims.mode != FSDP:
+        if self.weight_gather not in (None, BF16) and dims.mode not in (FSDP, HSDP):
             raise ValueError(f"parallel.weight_gather: {self.weight_gather} quantizes FSDP2's weight all-gather, and "
                              f"these dims run {dims.mode}: drop it, or give engine fsdp2")
         return self
