@@ -51,6 +51,7 @@ from agoq.search.layouts import resolve_layout
 from agoq.search.problem import ChoiceProblem, ProblemSettings
 from agoq.search.state import resolve_optimizer
 from agoq.search.timing import prices
+from agoq.vocabulary import FSDP, REPLICATED
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def _budget_price(profile: ProfileData, config: Configuration, problem: ChoicePr
     """compile's activation_memory_budget (module docstring)."""
     knobs, b = config.knobs, float(config.activation_memory_budget)
     layout = resolve_layout(knobs.layout, knobs.gradient_mode)
-    if knobs.compile_mode != "compiled" or knobs.gradient_mode != "bf16" or layout not in ("replicated", "fsdp"):
+    if knobs.compile_mode != "compiled" or knobs.gradient_mode != "bf16" or layout not in (REPLICATED, FSDP):
         raise ValueError("compile's activation_memory_budget is priced compiled, with bf16 gradients, replicated or "
                          f"fsdp (not {knobs.compile_mode}, {knobs.gradient_mode}, {layout})")
     if config.kinds or config.checkpoint_layers or config.offload_layers:
@@ -193,7 +194,7 @@ def _budget_price(profile: ProfileData, config: Configuration, problem: ChoicePr
                          f"micro-batch {mb}")
     row = min(rows, key=lambda r: (int(r["grad_accum"]) != accum, int(r["grad_accum"])))
     a0 = int(row["grad_accum"])
-    if layout == "fsdp":
+    if layout == FSDP:
         return _fsdp_budget_price(profile, config, problem, row)
     seconds = sp.price(row)
     optimizer = problem_optimizer(profile, knobs)
