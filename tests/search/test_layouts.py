@@ -109,14 +109,17 @@ def test_the_search_picks_fsdp_where_only_fsdp_fits(tmp_path):
 def test_slow_collectives_and_a_generous_budget_pick_ddp(tmp_path):
     p = _profile(tmp_path, 2, link=2.9e6, seed=7)
     _, largest = budget_bounds(p)
-    found = solve_knobs(p, 3 * largest + 13)
+    # bf16 gradients: FSDP2 moves 3x the weights' bf16 bytes per micro-batch, DDP 2x once per step (with TLq-HS
+    # and the int4 gather FSDP2 moves less than DDP's all-reduce, and may be picked on any link)
+    bf16 = KnobSpace(gradient_modes=("bf16",))
+    found = solve_knobs(p, 3 * largest + 13, space=bf16)
     assert found.best.knobs.layout == "replicated"
     fsdp = [r for r in found.tried if r.knobs.layout == "fsdp"]
     assert fsdp  # priced, and slower
     assert all(r.alloc is None or r.alloc.step_seconds > found.best.alloc.step_seconds for r in fsdp)
     # the same profile over a fast link: FSDP2's communication hides under compute and its optimizer step is 1/N
     fast = _profile(tmp_path / "fast", 2, link=1e13, seed=7)
-    assert solve_knobs(fast, 3 * largest + 13).best.knobs.layout == "fsdp"
+    assert solve_knobs(fast, 3 * largest + 13, space=bf16).best.knobs.layout == "fsdp"
 
 
 def test_layouts_offered_and_refused(tmp_path):
@@ -139,7 +142,9 @@ def test_layouts_offered_and_refused(tmp_path):
     with pytest.raises(ValueError, match="one pipeline stage, the plan has 2 stages"):
         build_problem(piped, ProblemSettings(layout="fsdp"))
     assert launch_for(1, "sdp4bit", 3, "fsdp")["command"].endswith("--parallel fsdp --gradients sdp4bit")
-    assert launch_for(1, "sdp4bit", 3)["parallel"] == "sharded"
+    assert launch_for(1, "sdp4bit", 3)["parallel"] == "fsdp"  # sdp4bit gradients: FSDP2 with TLq-HS (no layout given)
+    with pytest.raises(ValueError, match="own sharded path.*was retired"):
+        launch_for(1, "sdp4bit", 3, "sharded")
     assert launch_for(1, "bf16", 1)["parallel"] == "none" and launch_for(4, "bf16", 2)["parallel"] == "pipeline"
 
 
