@@ -137,7 +137,7 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
                          "and reduce-scatter timings of its collectives table)")
     if not out:
         raise ValueError("no optimizer/master combination of the knob space is allowed (masters 'none' needs "
-                         "adamw8bit; sdp4bit runs the 8-bit AdamW with masters)")
+                         "adamw8bit)")
     return out
 
 

@@ -129,12 +129,15 @@ def save_checkpoint(run_dir: str | Path, step: int, state_dict: dict[str, Any], 
     barrier()
 
 
-def refuse_retired(folder: Path, info: dict[str, Any]) -> None:
-    """Refuse a checkpoint of agoq's retired own sharded mode (its agoq.json's parallel "sharded": SDP4Bit's flat
-    shards, which no run reads any more), saying what to run instead."""
+def refuse_retired(found: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """`found` (`find_checkpoint`'s folder and agoq.json) as it is, unless it is a checkpoint of agoq's retired own
+    sharded mode (parallel "sharded": SDP4Bit's flat shards, which no run reads any more): ValueError saying what
+    to run instead."""
+    folder, info = found
     if info.get("parallel") == SHARDED:
         raise ValueError(f"the checkpoint in {folder} was written by --parallel sharded and does not resume: "
                          f"{SHARDED_RETIRED}; start a fresh run (another --out)")
+    return found
 
 
 def saved_keys(folder: Path) -> set[str]:

@@ -179,8 +179,8 @@ class Trainer:
     def try_resume(self) -> int | None:
         """Load the newest complete checkpoint when --resume; returns its step (None: starting fresh).
 
-        A checkpoint of data-parallel or sharded training resumes at any world size with the same tokens per
-        step (--grad-accum scaled to the new number of ranks); a pipeline's with the same stages."""
+        A data-parallel checkpoint resumes at any world size with the same tokens per step; a pipeline's with
+        the same stages; one of the retired --parallel sharded is refused (agoq.train.checkpoint)."""
         world = self.world
         out = Path(self.cfg.checkpoint.out)
         found = find_checkpoint(out)
@@ -193,8 +193,7 @@ class Trainer:
             if world.rank == 0:
                 print(f"agoq train: no checkpoint in {out} yet: starting from step 0", file=sys.stderr)
             return None
-        folder, state = found
-        refuse_retired(folder, state)
+        folder, state = refuse_retired(found)
         mine = json_safe(self._resume_key())
         theirs = state.get("resume", {})
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}

@@ -122,6 +122,36 @@ def test_slow_collectives_and_a_generous_budget_pick_ddp(tmp_path):
     assert solve_knobs(fast, 3 * largest + 13, space=bf16).best.knobs.layout == "fsdp"
 
 
+def test_the_retired_sharded_layout_is_refused_naming_fsdp(tmp_path, capsys):
+    """`agoq search --layout sharded` (agoq's retired own layout): argparse's usage error (exit 2), before the
+    profile is read, naming `--layout fsdp`; the dashboard's request rule and the cost model refuse it too; a
+    two-rank profile offers sdp4bit gradients under fsdp only, a one-rank profile or one without FSDP2's timings not
+    at all, saying why."""
+    from agoq.cli import main
+    from agoq.search.request import BadField, read_field
+
+    out = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as e:
+        main(["search", "--profile", str(tmp_path / "none"), "--budget", "1GiB", "--out", str(out), "--layout",
+              "sharded"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "retired" in err and "--layout fsdp" in err and "Traceback" not in err, err
+    assert not out.exists()
+    with pytest.raises(BadField, match="retired.*layout fsdp"):
+        read_field("layout", "sharded")
+    two = load_profile(write_profile(tmp_path / "two", random.Random(3), world_size=2, collectives=True,
+                                     fsdp_collectives=True))
+    with pytest.raises(ValueError, match="own sharded path.*was retired"):
+        build_problem(two, ProblemSettings(gradient_mode="sdp4bit", layout="sharded"))
+    assert {k.layout for k in combinations(two, KnobSpace(gradient_modes=("sdp4bit",)))} == {"fsdp"}
+    one = load_profile(write_profile(tmp_path / "one", random.Random(3), world_size=1))
+    with pytest.raises(ValueError, match=r"no gradient storage of \('sdp4bit',\) has figures"):
+        combinations(one, KnobSpace(gradient_modes=("sdp4bit",)))
+    bare = load_profile(write_profile(tmp_path / "bare", random.Random(3), world_size=2, collectives=True))
+    with pytest.raises(ValueError, match="sdp4bit have no layout on this profile.*FSDP2.*reduce-scatter timings"):
+        combinations(bare, KnobSpace(gradient_modes=("sdp4bit",)))
+
+
 def test_layouts_offered_and_refused(tmp_path):
     one = load_profile(write_profile(tmp_path / "one", random.Random(1), world_size=1))
     assert {k.layout for k in combinations(one)} == {"replicated"}
