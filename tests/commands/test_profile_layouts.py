@@ -26,7 +26,7 @@ def test_every_layout_is_a_train_configuration_of_its_parallel_mode():
     assert {(k["layout"], k["gradients"], k["weight_gather"]) for k in kinds} == set(LAYOUTS)
     for kind in kinds:
         cfg = TrainConfig(**layout_train_settings(kind, "llama-tiny", 17, "fp32", "cpu", 5, 0))
-        assert cfg.parallelism.parallel == {"replicated": "ddp", "fsdp": "fsdp", "sharded": "sharded"}[kind["layout"]]
+        assert cfg.parallelism.parallel == {"replicated": "ddp", "fsdp": "fsdp"}[kind["layout"]]
         assert cfg.parallelism.weight_gather == kind["weight_gather"] and cfg.memory.gradients == kind["gradients"]
         assert (cfg.data.micro_batch, cfg.data.grad_accum, cfg.loop.steps) == (3, 1, 5) and cfg.model.compile
 
