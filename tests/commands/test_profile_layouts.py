@@ -122,6 +122,13 @@ def test_a_profile_without_layout_steps_reads_as_none_and_a_bad_section_is_refus
     (out / "profile.json").write_text(json.dumps(header))
     with pytest.raises(ValueError, match=r"layout_steps.rows\[1\].weight_gather"):
         load_profile(out)
+    # a profile measured before agoq's own sharded step was retired: that row is skipped, the others read
+    rows = _fake_rows(2)
+    retired = {**rows[0], "layout": "sharded", "gradients": "sdp4bit", "optimizer": "adamw8bit", "master": "fp32"}
+    header["layout_steps"] = {"version": 1, "world_size": 2, "rows": [*rows, retired]}
+    (out / "profile.json").write_text(json.dumps(header))
+    kept = load_profile(out).layout_steps()
+    assert kept == layout_rows({"layout_steps": {"world_size": 2, "rows": rows}}) and len(kept) == len(rows)
 
 
 def test_processes_that_die_keep_what_they_journaled_for_resume(tmp_path, monkeypatch, capsys):
