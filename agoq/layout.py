@@ -5,24 +5,23 @@ Modes (`agoq train --parallel`):
   none      one process
   ddp       replicas: every rank keeps the whole model and optimizer state; gradients all-reduced (bf16 by
             torch's DDP, quangrad8 by QuanGrad's 8-bit all-reduce)
-  sharded   agoq's SDP4Bit step: float32 masters and 8-bit moments 1/N per rank, gradients reduce-scattered
-            (sdp4bit: int8/int4 TLq-HS; bf16: exactly); it is its own optimizer
   fsdp      PyTorch's FSDP2: parameters, gradients and optimizer state 1/N per rank, gradients reduce-scattered
-            by FSDP2 (bf16) or by SDP4Bit's TLq-HS (sdp4bit)
+            by FSDP2 (bf16) or by SDP4Bit's TLq-HS (sdp4bit), weights gathered in bf16 or int8/int4 block codes
   hsdp      FSDP2 over replicate x shard (--node-size ranks per node): the state 1/node size per rank, gradients
             reduce-scattered within the node and all-reduced across nodes (bf16: FSDP2's own, exact; quangrad8:
             QuanGrad's 8-bit all-reduce across; sdp4bit: TLq-HS int8 within, TLq's 4-bit all-reduce across)
   pipeline  one stage of consecutive decoder layers per rank under the 1F1B schedule (one process per stage)
 
-none and ddp keep the same per-rank state (replicated: a checkpoint of one resumes in the other); sharded, fsdp
-and hsdp shard it (and run sdp4bit gradients); fsdp and hsdp checkpoints (FSDP2's DTensors) resume in each other.
-`ParallelLayout` holds a run's mode, world size, pipeline stages and node size (the ranks of a node for SDP4Bit's
+agoq's own sharded mode (`sharded`, SDP4Bit's sharded AdamW) was retired: it is refused with what to run instead
+(agoq.vocabulary.SHARDED_RETIRED). none and ddp keep the same per-rank state (replicated: a checkpoint of one
+resumes in the other); fsdp and hsdp shard it (and run sdp4bit gradients); fsdp and hsdp checkpoints (FSDP2's DTensors) resume in each other.
+`ParallelLayout` holds a run's mode, world size, pipeline stages and node size (the ranks of a node for TLq-HS's
 two-level reduce-scatter; hsdp's shard ranks) and refuses
 the combinations no run can have; `ParallelLayout.dims` is the same layout as dimensions (agoq.parallel_dims:
 replicate x shard x pipeline ranks, validated against the world size), which plans carry and the search writes.
 
 A plan's layout (its `parallel` dims, agoq.parallel_dims, docs/formats.md "Plan") can fix the number of processes:
-a pipeline of S stages runs S processes, one per stage; agoq's sharded step and FSDP2 shard the state over the N
+a pipeline of S stages runs S processes, one per stage; FSDP2 shards the state over the N
 ranks of the profile, so each rank holds 1/N of it. Such a plan in another number of processes would train with
 exit 0 and figures that do not apply, so it is refused with the command that launches it as searched
 (`check_plan_world`).
@@ -46,6 +45,7 @@ from agoq.vocabulary import (
     REPLICATED_MODES,
     SHARDED,
     SHARDED_MODES,
+    SHARDED_RETIRED,
 )
 from agoq.vocabulary import PARALLEL_MODES as MODES
 
@@ -56,17 +56,19 @@ def check_options(parallel: str | None, *, node_size: int | None = None, pipelin
     """The rules of `--parallel` and the options that go with it, before the number of processes is known
     (`parallel` None: not given): a known mode, --node-size only where SDP4Bit reduce-scatters, --pipeline-stages
     only for a pipeline. Raises ValueError with the command line's message."""
+    if parallel == SHARDED:
+        raise ValueError(SHARDED_RETIRED)
     if parallel is not None and parallel not in MODES:
         raise ValueError(f"--parallel must be one of {', '.join(MODES)}, got {parallel!r}")
     if node_size is not None and parallel not in SHARDED_MODES:
-        raise ValueError("--node-size is for --parallel sharded or fsdp (SDP4Bit's two-level gradient "
+        raise ValueError("--node-size is for --parallel fsdp (SDP4Bit's two-level gradient "
                          "reduce-scatter) and hsdp (the ranks that shard, replicated across nodes)")
     if pipeline_stages is not None and parallel != PIPELINE:
         raise ValueError("--pipeline-stages is for --parallel pipeline")
 
 
 def state_kind(mode: str) -> str:
-    """"replicated" (none, ddp), "sharded" (sharded, fsdp) or the mode itself (hsdp keeps 1/node size, pipeline):
+    """"replicated" (none, ddp), "sharded" (fsdp) or the mode itself (hsdp keeps 1/node size, pipeline):
     modes of one kind keep the same per-rank state, so a plan searched for one runs in the other."""
     if mode == HSDP:
         return mode
@@ -90,7 +92,7 @@ class ParallelLayout:
         if self.world_size < 1:
             raise ValueError(f"a run has at least one process, got {self.world_size}")
         if self.mode == NONE and self.world_size > 1:
-            raise ValueError(f"--parallel none with {self.world_size} processes: choose ddp, sharded, fsdp or "
+            raise ValueError(f"--parallel none with {self.world_size} processes: choose ddp, fsdp, hsdp or "
                              "pipeline")
         if self.mode != NONE and self.world_size < 2:
             raise ValueError(f"--parallel {self.mode} needs several processes: launch with "
@@ -119,7 +121,7 @@ class ParallelLayout:
 
     @property
     def sharded(self) -> bool:
-        """The optimizer state (and FSDP2's parameters) is 1/N per rank (sharded, fsdp)."""
+        """The optimizer state (and FSDP2's parameters) is 1/N per rank (fsdp, hsdp)."""
         return self.mode in SHARDED_MODES
 
     @property
@@ -158,21 +160,11 @@ class ParallelLayout:
         if gradients in self.gradient_modes:
             return
         if gradients == "sdp4bit":
-            raise ValueError("gradient mode sdp4bit is sharded data parallelism: use --parallel sharded or fsdp "
+            raise ValueError("gradient mode sdp4bit is sharded data parallelism: use --parallel fsdp or hsdp "
                              "under torchrun (or pass --gradients quangrad8 / bf16 to run it otherwise)")
-        if self.mode == SHARDED:
-            raise ValueError("--parallel sharded reduces gradients with SDP4Bit (or exactly with --gradients bf16), "
-                             "not with QuanGrad: use --parallel ddp for quangrad8")
         raise ValueError("--parallel fsdp reduce-scatters gradients with FSDP2 (--gradients bf16) or SDP4Bit's "
                          "TLq-HS (--gradients sdp4bit), not with QuanGrad: use --parallel ddp, or hsdp (its 8-bit "
                          "all-reduce across nodes), for quangrad8")
-
-    def check_optimizer_flag(self, optimizer: str | None) -> None:
-        """Refuse `--optimizer` given as this mode cannot run it: sharded is SDP4Bit's own sharded AdamW (float32
-        masters, 8-bit moments; a plan's adamw8bit with float32 masters is that step itself)."""
-        if self.mode == SHARDED and optimizer == "adamw8bit":
-            raise ValueError("--parallel sharded uses SDP4Bit's sharded AdamW (float32 master and 8-bit moments, 1/N "
-                             "per rank): --optimizer adamw8bit is for ddp, pipeline or one process")
 
 
 # ------------------------------------------------------------------------------------ what a plan's launch needs
@@ -200,16 +192,17 @@ def plan_launch(plan) -> dict:
 def plan_layout(plan) -> PlanLayout | None:
     """The layout `plan` needs a given number of processes for, or None when any number runs it (replicated).
 
-    A pipeline of S > 1 stages needs S; a sharded state (SDP4Bit or FSDP2) needs its shard ranks (several, number
-    unrecorded, where the plan was searched on one rank); a plan without dims (1.0) whose gradients are sdp4bit is
-    agoq's sharded step over an unrecorded number of ranks."""
+    A pipeline of S > 1 stages needs S; a sharded state (FSDP2) needs its shard ranks (several, number unrecorded,
+    where the plan was searched on one rank); a plan without dims (1.0) whose gradients are sdp4bit was agoq's
+    retired own sharded step: ValueError saying what to run instead."""
     dims = plan.dims()
     if plan.pipeline.stages > 1:
         return PlanLayout(PIPELINE, plan.pipeline.stages)
     if dims is not None and dims.sharded:
         return PlanLayout(dims.mode, dims.world_size if dims.world_size > 1 else None)
     if dims is None and plan.gradients.mode == "sdp4bit":
-        return PlanLayout(SHARDED, None)
+        raise ValueError(f"the plan has sdp4bit gradients and no layout (schema 1.0): it ran the own sharded "
+                         f"step. {SHARDED_RETIRED}")
     return None
 
 

@@ -7,12 +7,12 @@ A run of N ranks is a grid
 
   replicate  ranks that keep the whole model and optimizer state and all-reduce gradients (DDP; 1: one process)
   shard      ranks that keep 1/shard of the state each and reduce-scatter gradients; `engine` says what shards:
-             "sdp4bit" (agoq's sharded SDP4Bit step: float32 masters and 8-bit moments 1/N per rank) or "fsdp2"
-             (PyTorch's FSDP2: parameters, gradients and optimizer state 1/N per rank)
+             "fsdp2" (PyTorch's FSDP2 with agoq's collectives: parameters, gradients and optimizer state 1/N per
+             rank). "sdp4bit", agoq's own retired sharded step, is refused (agoq.vocabulary.SHARDED_RETIRED)
   pipeline   stages of consecutive decoder layers, one rank each (1F1B)
   tensor     reserved: tensor parallelism is refused for now
 
-with `ranks_per_node` the ranks of a node for data parallelism (SDP4Bit's two-level reduce-scatter reads it; a
+with `ranks_per_node` the ranks of a node for data parallelism (TLq-HS's two-level reduce-scatter reads it; a
 replicated or FSDP2 plan keeps it as the nodes it was priced over, e.g. a what-if plan's --node-size; None:
 torchrun's LOCAL_WORLD_SIZE). `engine` is set for a sharded state whatever the number of ranks: a sharded plan searched on a
 one-rank profile has shard 1 and shards over the ranks it is launched on.
@@ -32,13 +32,15 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
-from agoq.vocabulary import BF16, DDP, FSDP, HSDP, LAYOUTS, NONE, PARALLEL_MODES, PIPELINE, REPLICATED, SDP4BIT, SHARDED
+from agoq.vocabulary import (BF16, DDP, FSDP, HSDP, LAYOUTS, NONE, PARALLEL_MODES, PIPELINE, REPLICATED, SDP4BIT,
+                             SHARDED, SHARDED_ENGINE, SHARDED_RETIRED)
 
-SDP4BIT_ENGINE, FSDP2_ENGINE = "sdp4bit", "fsdp2"
-ENGINES = (SDP4BIT_ENGINE, FSDP2_ENGINE)  # what shards the state: agoq's SDP4Bit step, PyTorch's FSDP2
-ENGINE_LAYOUT = {None: REPLICATED, SDP4BIT_ENGINE: SHARDED, FSDP2_ENGINE: FSDP}  # the search's layout word
+FSDP2_ENGINE = "fsdp2"
+ENGINES = (FSDP2_ENGINE,)  # what shards the state: PyTorch's FSDP2 (agoq's own sdp4bit engine was retired)
+PLAN_ENGINES = (SHARDED_ENGINE, FSDP2_ENGINE)  # what a plan's parallel.engine may say: the retired one is refused
+ENGINE_LAYOUT = {None: REPLICATED, FSDP2_ENGINE: FSDP}  # the search's layout word
 LAYOUT_ENGINE = {layout: engine for engine, layout in ENGINE_LAYOUT.items()}
-MODE_ENGINE = {SHARDED: SDP4BIT_ENGINE, FSDP: FSDP2_ENGINE}  # the runtime's sharded modes
+MODE_ENGINE = {FSDP: FSDP2_ENGINE}  # the runtime's sharded modes
 
 
 def _count(name: str, value: Any) -> int:
@@ -65,16 +67,14 @@ class ParallelDims:
         if self.tensor > 1:
             raise ValueError(f"parallel.tensor {self.tensor}: tensor parallelism is not supported yet; set tensor "
                              "to 1 (use replicate, shard or pipeline ranks)")
+        if self.engine == SHARDED_ENGINE:
+            raise ValueError(f"parallel.engine {self.engine}: {SHARDED_RETIRED}")
         if self.engine is not None and self.engine not in ENGINES:
             raise ValueError(f"parallel.engine must be one of {', '.join(ENGINES)} (or none for a replicated "
                              f"state), got {self.engine!r}")
         if self.shard > 1 and self.engine is None:
             raise ValueError(f"parallel.shard {self.shard} needs an engine that shards the state: "
-                             f"{SDP4BIT_ENGINE} (agoq's sharded step) or {FSDP2_ENGINE} (PyTorch's FSDP2)")
-        if self.engine == SDP4BIT_ENGINE and self.replicate > 1:
-            raise ValueError(f"parallel.replicate {self.replicate} with agoq's sharded step ({self.engine}): its "
-                             "shards are not replicated; shard over all data ranks (replicate 1), or use engine "
-                             f"{FSDP2_ENGINE} for replicas of shards (HSDP)")
+                             f"{FSDP2_ENGINE} (PyTorch's FSDP2)")
         if self.pipeline > 1 and (self.replicate > 1 or self.shard > 1 or self.engine is not None):
             raise ValueError(f"parallel.pipeline {self.pipeline} with data parallelism (replicate {self.replicate}, "
                              f"shard {self.shard}, engine {self.engine}): pipeline stages and data parallelism are "
@@ -98,6 +98,8 @@ class ParallelDims:
         """The dims of a plan the search prices in `layout` (agoq.vocabulary.LAYOUTS) over `world_size` ranks with
         `stages` pipeline stages: a pipeline of `stages` ranks (replicated stages), else the layout's engine over
         all ranks (shard = world size), else replicas (replicate = world size)."""
+        if layout == SHARDED:
+            raise ValueError(SHARDED_RETIRED)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         _count("world_size", world_size)
@@ -115,9 +117,11 @@ class ParallelDims:
     def of_mode(cls, mode: str, world_size: int, pipeline_stages: Optional[int] = None,
                 ranks_per_node: Optional[int] = None) -> "ParallelDims":
         """The dims of a run in the runtime's parallel mode `mode` (agoq.vocabulary.PARALLEL_MODES) over
-        `world_size` ranks: none and ddp replicate, sharded and fsdp shard (SDP4Bit, FSDP2), hsdp replicates
+        `world_size` ranks: none and ddp replicate, fsdp shards (FSDP2), hsdp replicates
         nodes of `ranks_per_node` FSDP2 shards (world / ranks_per_node replicas, at least 2), a pipeline has
         `pipeline_stages` (None: one per rank)."""
+        if mode == SHARDED:
+            raise ValueError(SHARDED_RETIRED)
         if mode not in PARALLEL_MODES:
             raise ValueError(f"parallel mode must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
         _count("world_size", world_size)
@@ -190,19 +194,17 @@ class ParallelDims:
 
     @property
     def layout(self) -> str:
-        """The search's layout word: replicated, sharded (SDP4Bit) or fsdp (FSDP2)."""
+        """The search's layout word: replicated or fsdp (FSDP2)."""
         return ENGINE_LAYOUT[self.engine]
 
     @property
     def mode(self) -> str:
-        """The runtime's parallel mode (`agoq train --parallel`): pipeline for several stages, sharded or fsdp as
-        the engine (hsdp for FSDP2 with replicas), else ddp for several ranks and none for one."""
+        """The runtime's parallel mode (`agoq train --parallel`): pipeline for several stages, fsdp for FSDP2 (hsdp
+        with replicas), else ddp for several ranks and none for one."""
         if self.pipeline > 1:
             return PIPELINE
         if self.hybrid:
             return HSDP
-        if self.engine == SDP4BIT_ENGINE:
-            return SHARDED
         if self.engine == FSDP2_ENGINE:
             return FSDP
         return DDP if self.world_size > 1 else NONE
@@ -244,6 +246,8 @@ def launch_line(mode: str, processes: int | str, gradients: Optional[str] = None
     for several processes, with `--gradients sdp4bit` where fsdp is to reduce-scatter by TLq-HS, `--weight-gather W`
     where FSDP2 gathers its weights as W block codes (int8, int4; None or bf16: its own), and hsdp's `--node-size`
     (and its quantized gradients)."""
+    if mode == SHARDED:
+        raise ValueError(SHARDED_RETIRED)
     if processes == 1:
         command = "agoq train MODEL --plan PLAN.json"
     else:
@@ -275,5 +279,5 @@ def plan_dims(plan: Mapping[str, Any]) -> Optional[ParallelDims]:
     return None
 
 
-__all__ = ["ParallelDims", "ENGINES", "SDP4BIT_ENGINE", "FSDP2_ENGINE", "ENGINE_LAYOUT", "LAYOUT_ENGINE",
+__all__ = ["ParallelDims", "ENGINES", "PLAN_ENGINES", "FSDP2_ENGINE", "ENGINE_LAYOUT", "LAYOUT_ENGINE",
            "MODE_ENGINE", "launch_line", "launch_of", "plan_dims"]

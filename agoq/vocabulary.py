@@ -13,11 +13,15 @@ Two meanings of "compile" are kept apart by their names:
                        `agoq train --compile-mode`
 
 Layouts and parallel modes: the search prices a plan in a layout (how the ranks keep the state: replicated,
-sharded by agoq's SDP4Bit step, or fsdp by PyTorch's FSDP2) and, with pipeline stages, one stage per process; the
+or fsdp, sharded by PyTorch's FSDP2 with agoq's collectives) and, with pipeline stages, one stage per process; the
 runtime runs it in a parallel mode (`agoq train --parallel`); hsdp is FSDP2 over replicas of a node's shards
 (replicate across nodes, shard within), which the search prices as no layout of its own yet (its layout word is
 fsdp). `PARALLEL_LAYOUT` maps each parallel mode to the layout it runs and `parallel_mode` a plan's layout, stages
 and processes to the mode that launches it.
+
+agoq's own sharded path (layout and parallel mode "sharded": SDP4Bit's sharded AdamW over flat shards, plan engine
+"sdp4bit") was retired once FSDP2 with agoq's collectives ran faster at less memory per rank (docs/results.md):
+the word is kept only to refuse it, with `SHARDED_RETIRED` saying what to run instead.
 """
 
 from __future__ import annotations
@@ -49,32 +53,39 @@ PLAN_TORCH_COMPILE_MODE = "default"  # the torch.compile mode a compiled plan is
 
 # ------------------------------------------------------------------------------------------ layouts and modes
 
-REPLICATED, SHARDED, FSDP = "replicated", "sharded", "fsdp"
-LAYOUTS = (REPLICATED, SHARDED, FSDP)  # the search's: how the ranks keep the model and optimizer state
+REPLICATED, FSDP = "replicated", "fsdp"
+LAYOUTS = (REPLICATED, FSDP)  # the search's: how the ranks keep the model and optimizer state
+# the retired own sharded path: its layout / parallel mode word and plan engine, refused wherever they are read
+SHARDED, SHARDED_ENGINE = "sharded", "sdp4bit"
+SHARDED_RETIRED = ("agoq's own sharded path (--parallel sharded, SDP4Bit's sharded AdamW; plan engine sdp4bit) was "
+                   "retired: FSDP2 with agoq's collectives runs faster at less memory per rank. Run --parallel fsdp "
+                   "--gradients sdp4bit --weight-gather int4 --node-size 1 instead, or search a new plan with "
+                   "`agoq search --layout fsdp`")
 
-NONE, DDP, PIPELINE = "none", "ddp", "pipeline"  # the runtime's parallel modes (sharded and fsdp: as the layouts)
+NONE, DDP, PIPELINE = "none", "ddp", "pipeline"  # the runtime's parallel modes (fsdp: as the layout)
 HSDP = "hsdp"  # FSDP2 over a 2-D mesh: replicas across nodes of the shards within a node (--node-size ranks)
-PARALLEL_MODES = (NONE, DDP, SHARDED, FSDP, HSDP, PIPELINE)
+PARALLEL_MODES = (NONE, DDP, FSDP, HSDP, PIPELINE)
 REPLICATED_MODES = (NONE, DDP)  # every rank keeps the whole state
-SHARDED_MODES = (SHARDED, FSDP, HSDP)  # the state is 1/N per rank (hsdp: 1/node size)
+SHARDED_MODES = (FSDP, HSDP)  # the state is 1/N per rank (hsdp: 1/node size)
 FSDP2_MODES = (FSDP, HSDP)  # PyTorch's FSDP2 shards the state: their checkpoints (DTensors) resume in each other
 
 # the gradient storage each parallel mode runs (agoq.layout.ParallelLayout.check_gradients refuses the others)
 # (hsdp: bf16 all exact; quangrad8: exact reduce-scatter in the node, QuanGrad's 8-bit all-reduce across nodes;
 # sdp4bit: TLq-HS int8 in the node, TLq's 4-bit all-reduce across nodes)
-MODE_GRADIENTS = {NONE: REPLICA_GRADIENT_MODES, DDP: REPLICA_GRADIENT_MODES, SHARDED: (BF16, SDP4BIT),
+MODE_GRADIENTS = {NONE: REPLICA_GRADIENT_MODES, DDP: REPLICA_GRADIENT_MODES,
                   FSDP: (BF16, SDP4BIT), HSDP: GRADIENT_MODES, PIPELINE: REPLICA_GRADIENT_MODES}
 # the layout each parallel mode runs; a pipeline's stages are priced as replicated stages
-PARALLEL_LAYOUT = {NONE: REPLICATED, DDP: REPLICATED, SHARDED: SHARDED, FSDP: FSDP, HSDP: FSDP, PIPELINE: REPLICATED}
-# the gradient storage each layout is priced with: what its parallel mode runs, except that the sharded layout is
-# agoq's SDP4Bit step with its quantized reduce-scatter (exact bf16 reduction is not priced)
-LAYOUT_GRADIENTS = {REPLICATED: MODE_GRADIENTS[DDP], SHARDED: (SDP4BIT,), FSDP: MODE_GRADIENTS[FSDP]}
+PARALLEL_LAYOUT = {NONE: REPLICATED, DDP: REPLICATED, FSDP: FSDP, HSDP: FSDP, PIPELINE: REPLICATED}
+# the gradient storage each layout is priced with: what its parallel mode runs
+LAYOUT_GRADIENTS = {REPLICATED: MODE_GRADIENTS[DDP], FSDP: MODE_GRADIENTS[FSDP]}
 
 
 def parallel_mode(layout: str, stages: int, processes: int) -> str:
     """The parallel mode (`agoq train --parallel`) that runs a plan of `layout` with `stages` pipeline stages over
-    `processes` processes: pipeline for several stages, the layout's own sharded or fsdp, else ddp for several
-    processes and none for one."""
+    `processes` processes: pipeline for several stages, fsdp for its layout, else ddp for several processes and
+    none for one."""
+    if layout == SHARDED:
+        raise ValueError(SHARDED_RETIRED)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if stages > 1:
@@ -93,4 +104,4 @@ __all__ = ["GRADIENT_MODES", "REPLICA_GRADIENT_MODES", "OPTIMIZERS", "MASTERS", 
            "CUDA_GRAPH_MODES", "TRAIN_TORCH_COMPILE_MODES", "PLAN_TORCH_COMPILE_MODE", "LAYOUTS", "PARALLEL_MODES",
            "REPLICATED_MODES", "SHARDED_MODES", "FSDP2_MODES", "MODE_GRADIENTS", "PARALLEL_LAYOUT", "LAYOUT_GRADIENTS",
            "parallel_mode", "search_layout", "BF16", "QUANGRAD8", "SDP4BIT", "ADAMW", "ADAMW8BIT", "EAGER",
-           "COMPILED", "REPLICATED", "SHARDED", "FSDP", "HSDP", "NONE", "DDP", "PIPELINE", "WEIGHT_GATHERS"]
+           "COMPILED", "REPLICATED", "SHARDED", "SHARDED_ENGINE", "SHARDED_RETIRED", "FSDP", "HSDP", "NONE", "DDP", "PIPELINE", "WEIGHT_GATHERS"]

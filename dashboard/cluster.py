@@ -4,7 +4,7 @@ tokens count) and the layout steps its profile measured on several ranks beside 
 
 `layout(plan)` reads the plan's `parallel` section as written (a plan before it: its `launch`, through
 agoq.parallel_dims.plan_dims), so that it counts data ranks = replicate x shard for every layout: one process,
-DDP (replicate N), agoq's sharded step and FSDP2 (shard N) and HSDP (replicate R x shard S, FSDP2 with replicas).
+DDP (replicate N), FSDP2 (shard N) and HSDP (replicate R x shard S, FSDP2 with replicas).
 
 `layout_steps(folder, header)` prices each layout step (profile.json `layout_steps`, read by
 agoq.formats.views.layout_steps) at its own configuration by the one price (agoq.search.price): the model before
@@ -31,12 +31,12 @@ WIRE = {
     ("ddp", "bf16"): "bf16 all-reduce (NCCL), 2 bytes per value",
     ("ddp", "quangrad8"): "QuanGrad all-reduce: int8 codes + a float32 scale per 256 values (all-to-all, then "
                           "all-gather), 1.016 bytes per value",
-    ("sharded", "sdp4bit"): "TLq-HS reduce-scatter: int8 inside a node, int4 across nodes (a float32 scale per 128)",
     ("fsdp", "bf16"): "bf16 reduce-scatter (NCCL), 2 bytes per value",
     ("fsdp", "sdp4bit"): "TLq-HS reduce-scatter: int8 inside a node, int4 across nodes (a float32 scale per 128)",
     ("hsdp", "bf16"): "bf16 reduce-scatter inside a node, all-reduce of the shards across nodes",
     ("hsdp", "sdp4bit"): "TLq-HS reduce-scatter inside a node, all-reduce of the shards across nodes",
 }
+RETIRED = "sharded (retired: agoq train refuses it; run --parallel fsdp --gradients sdp4bit --weight-gather int4)"
 GATHER = {"bf16": "bf16 (FSDP2's own), 2 bytes per value",
           "int8": "int8 block codes + a float32 scale per 256 values, 1.016 bytes per value",
           "int4": "int4 block codes + a float32 scale per 256 values, 0.516 bytes per value"}
@@ -48,14 +48,14 @@ def _count(section: dict[str, Any], name: str) -> int:
 
 
 def mode_of(replicate: int, shard: int, pipeline: int, engine: Optional[str]) -> str:
-    """The runtime's parallel mode of these dimensions: pipeline, hsdp (FSDP2 with replicas), sharded (agoq's
-    SDP4Bit step), fsdp, ddp (replicas), none (one process)."""
+    """The runtime's parallel mode of these dimensions: pipeline, hsdp (FSDP2 with replicas), fsdp, ddp (replicas),
+    none (one process); a plan of agoq's retired own sharded step (engine sdp4bit) says so, as agoq train refuses it."""
     if pipeline > 1:
         return "pipeline"
     if engine == "fsdp2":
         return "hsdp" if replicate > 1 else "fsdp"
     if engine == "sdp4bit":
-        return "sharded"
+        return RETIRED
     return "ddp" if replicate * shard > 1 else "none"
 
 
@@ -87,8 +87,7 @@ def layout(plan: dict[str, Any]) -> Optional[dict[str, Any]]:
         "data_ranks": replicate * shard, "ranks_per_node": int(per_node) if per_node else None,
         "nodes": world // int(per_node) if per_node and world % int(per_node) == 0 else None,
         "engine": engine, "mode": mode, "gradients": gradients, "gradients_wire": wire,
-        "weight_gather": GATHER.get(gather, gather) if engine == "fsdp2" else
-        ("qWD: int4 weight differences + a float32 scale per 2048 values" if engine == "sdp4bit" else None),
+        "weight_gather": GATHER.get(gather, gather) if engine == "fsdp2" else None,
         "gather": gather if engine == "fsdp2" else None,
         "launch": (whatif or {}).get("launch") or (plan.get("launch") or {}).get("command"),
         "whatif": None if whatif is None else {k: whatif.get(k) for k in ("measured_world_size", "world_size",
@@ -146,7 +145,7 @@ def layout_steps(folder: Path, header: dict[str, Any], plan_layout: Optional[dic
     priced = _priced(str(folder), _signature(folder))
     mine = None
     if plan_layout is not None:
-        word = {"ddp": "replicated", "sharded": "sharded", "fsdp": "fsdp"}.get(plan_layout["mode"])
+        word = {"ddp": "replicated", "fsdp": "fsdp"}.get(plan_layout["mode"])
         mine = (word, plan_layout["gradients"], plan_layout["gather"] or "bf16")
     out = [{**{k: r.get(k) for k in KEEP}, **p, "mine": mine == (r["layout"], r["gradients"], r["weight_gather"])}
            for r, p in zip(rows, priced)]

@@ -4,8 +4,9 @@ socket transport (4 ranks, one host) beside their measured step times, and the p
 measured yet); writes experiments/results/cluster_whatif.json (docs/results.md, "What-if against 4 GPUs").
 
 Each layout as the runs trained it (`agoq train` under torchrun, probe, micro-batch 2 x 4096 tokens per rank, no
-activation quantization, AdamW with float32 masters, compiled for DDP and eager otherwise; agoq's sharded step
-runs its own 8-bit AdamW), priced by the one price (agoq.search.price) on the profile re-targeted to 4 ranks
+activation quantization, AdamW with float32 masters, compiled for DDP and eager otherwise; agoq's own sharded
+step, retired, is no longer priced: the committed cluster_whatif.json keeps its rows), priced by the one price
+(agoq.search.price) on the profile re-targeted to 4 ranks
 (agoq.search.whatif; the profile's own link, fitted to its collectives). The measured step times are those of
 /work/shared/DESIGN.md section 4.3 (2026-11-28, `experiments/train_fsdp.py` and `train_multi_gpu.py`-style runs;
 their result files are not in this repository), also predicted at 2 ranks, the profile's own world.
@@ -34,7 +35,6 @@ RUNS = {
     "ddp_quangrad8": ("replicated", "quangrad8", "adamw", "compiled", 410, 804),
     "fsdp_bf16": ("fsdp", "bf16", "adamw", "eager", 949, 1794),
     "fsdp_tlqhs": ("fsdp", "sdp4bit", "adamw", "eager", 832, 1358),
-    "sharded_sdp4bit": ("sharded", "sdp4bit", "adamw8bit", "eager", 334, 713),
 }
 
 

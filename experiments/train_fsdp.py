@@ -1,5 +1,6 @@
-"""Two GPUs: PyTorch FSDP2 in bf16 against FSDP2 with agoq's TLq-HS gradient reduce-scatter and against
-agoq's own sharded optimizer (SDP4Bit), on the ~1.1 B probe model.
+"""Two GPUs: PyTorch FSDP2 in bf16 against FSDP2 with agoq's collectives (SDP4Bit's TLq-HS gradient
+reduce-scatter, int8 / int4 weight all-gathers), on the ~1.1 B probe model. agoq's own sharded optimizer
+(SDP4Bit: variants sharded_sdp4bit, sharded_sdp4bit_int4) was retired; the committed results files keep its runs.
 
 `agoq train` runs under torchrun on the same model (the "probe" preset: hidden 2048, 16 layers, FFN 5632,
 vocabulary 32000), data (tinyshakespeare.txt, bytes), seed, batch and steps:
@@ -8,11 +9,9 @@ vocabulary 32000), data (tinyshakespeare.txt, bytes), seed, batch and steps:
   fsdp_tlqhs            the same with the gradient reduce-scatter as TLq-HS (Hadamard-32, int8 inside
                         the node; FSDP2 averages after it) from float32 gradients
   fsdp_tlqhs_int4       the same with every GPU treated as a node (--node-size 1): gradients in int4
-  sharded_sdp4bit       agoq's SDP4Bit sharded AdamW: TLq-HS gradients and qWD 4-bit weight differences
   fsdp_int8_gather      FSDP2 with its weight all-gather (forward and backward) in int8 blocks of 256 values
                         (agoq train --weight-gather int8); fsdp_int8_gather_tlqhs_int4 with TLq-HS int4 too;
                         fsdp_int4_gather_tlqhs_int4 with the weights in int4 after Hadamard-32
-  sharded_sdp4bit_int4  agoq's sharded SDP4Bit with every GPU a node (--node-size 1): int4 on the wire
 once over NVLink and once over NCCL's socket transport on loopback (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo; AGOQ_ALLREDUCE_TRANSPORT=collectives keeps every agoq collective
 on NCCL's plain collectives, which read those variables; NCCL_NVLS_ENABLE=0 leaves NVLink multicast off).
@@ -55,7 +54,6 @@ VARIANTS = {
     "fsdp_bf16": ["--parallel", "fsdp"],
     "fsdp_tlqhs": ["--parallel", "fsdp", "--gradients", "sdp4bit"],
     "fsdp_tlqhs_int4": ["--parallel", "fsdp", "--gradients", "sdp4bit", "--node-size", "1"],
-    "sharded_sdp4bit": ["--parallel", "sharded", "--gradients", "sdp4bit"],
     # FSDP2 with its weight all-gather in int8 blocks (agoq.runtime.comm.fsdp_weight_gather), alone and with TLq-HS int4
     "fsdp_int8_gather": ["--parallel", "fsdp", "--weight-gather", "int8"],
     "fsdp_int8_gather_tlqhs_int4": ["--parallel", "fsdp", "--weight-gather", "int8", "--gradients", "sdp4bit",
@@ -63,8 +61,6 @@ VARIANTS = {
     # weights gathered as 4-bit codes after Hadamard-32, gradients TLq-HS int4: the least FSDP2 traffic
     "fsdp_int4_gather_tlqhs_int4": ["--parallel", "fsdp", "--weight-gather", "int4", "--gradients", "sdp4bit",
                                     "--node-size", "1"],
-    # agoq's own sharded optimizer with every GPU a node: TLq-HS int4 gradients, qWD 4-bit weight differences
-    "sharded_sdp4bit_int4": ["--parallel", "sharded", "--gradients", "sdp4bit", "--node-size", "1"],
 }
 
 

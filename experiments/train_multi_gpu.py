@@ -1,15 +1,15 @@
-"""Two GPUs: DDP with QuanGrad against DDP bf16, sharded with SDP4Bit against sharded bf16 (exact).
+"""Two GPUs: DDP with QuanGrad against DDP bf16, FSDP2 with SDP4Bit's TLq-HS against FSDP2 bf16 (exact).
 
 Five `agoq train` runs under torchrun on the same model (experiments/train_llama_byte.json, 128 M
 parameters), data (tinyshakespeare.txt, bytes), seed and steps, each rank reading its own share of
 every step (the global batch is the same in all four):
   ddp_bf16          DDP, bf16 gradients all-reduced by NCCL
   ddp_quangrad8     8-bit gradient buffer, 8-bit all-reduce (all-to-all, fp32 sum, all-gather)
-  sharded_bf16      sharded AdamW, exact float32 reduce-scatter / all-gather
-  sharded_sdp4bit   sharded AdamW with TLq-HS gradients and qWD 4-bit weight differences (one node:
-                    gradients travel in int8)
-  sharded_sdp4bit_int4  the same with every GPU treated as a node (--node-size 1): gradients in int4,
-                    the paper's cross-node setting
+  fsdp_bf16         FSDP2, its own bf16 reduce-scatter and weight all-gather
+  fsdp_tlqhs        FSDP2 with TLq-HS gradients (one node: gradients travel in int8)
+  fsdp_int4_gather_tlqhs_int4  FSDP2 with every GPU treated as a node (--node-size 1): TLq-HS int4 gradients,
+                    weights gathered in int4 after Hadamard-32 (what replaced agoq's retired own sharded
+                    SDP4Bit optimizer, whose runs the committed results files still hold)
 once over NVLink and once over NCCL's socket transport on loopback (train_runs.SOCKETS_ENV: NCCL_P2P_DISABLE=1
 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo, and AGOQ_ALLREDUCE_TRANSPORT=collectives, without
 which agoq's 8-bit all-reduce takes its symmetric-memory transport over NVLink). Goal: the quantized runs' final validation
@@ -50,11 +50,12 @@ GOAL = 0.01
 VARIANTS = {
     "ddp_bf16": ["--parallel", "ddp"],
     "ddp_quangrad8": ["--parallel", "ddp", "--gradients", "quangrad8"],
-    "sharded_bf16": ["--parallel", "sharded"],
-    "sharded_sdp4bit": ["--parallel", "sharded", "--gradients", "sdp4bit"],
-    "sharded_sdp4bit_int4": ["--parallel", "sharded", "--gradients", "sdp4bit", "--node-size", "1"],
+    "fsdp_bf16": ["--parallel", "fsdp"],
+    "fsdp_tlqhs": ["--parallel", "fsdp", "--gradients", "sdp4bit"],
+    "fsdp_int4_gather_tlqhs_int4": ["--parallel", "fsdp", "--gradients", "sdp4bit", "--weight-gather", "int4",
+                                    "--node-size", "1"],
 }
-PAIRS = [("ddp_quangrad8", "ddp_bf16"), ("sharded_sdp4bit", "sharded_bf16"), ("sharded_sdp4bit_int4", "sharded_bf16")]
+PAIRS = [("ddp_quangrad8", "ddp_bf16"), ("fsdp_tlqhs", "fsdp_bf16"), ("fsdp_int4_gather_tlqhs_int4", "fsdp_bf16")]
 
 
 def main(argv: list[str] | None = None) -> int:

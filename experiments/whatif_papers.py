@@ -10,8 +10,8 @@ the ratio that sets a speed-up depends on tokens per rank and the network more t
 
   AGoQ      QuanGrad's 8-bit all-reduce of a 32 MB (float32) gradient on 64 A6000 (8 nodes of 8, PCIe inside) at
             200 Gb/s and 10 Gb/s per node, against NCCL's all-reduce (fp32 and bf16): a collective, not a step
-  SDP4Bit   128 H800 (16 nodes of 8): agoq's sharded step with TLq-HS + qWD against the same sharded step with
-            NCCL's bf16 reduce-scatter + all-gather (Megatron's distributed optimizer), no overlap
+  SDP4Bit   (no longer run) 128 H800: agoq's own sharded step with TLq-HS + qWD, which was retired (FSDP2 with
+            agoq's collectives replaced it); the committed whatif_papers.json keeps its rows as they were priced
   ZeRO++    384 GPUs (24 nodes of 16): FSDP2 with TLq-HS gradients and agoq's int8 weight all-gather (qwZ's
             analogue; hpZ's secondary shard is not modelled) against FSDP2 in bf16 (ZeRO-3)
 
@@ -51,22 +51,6 @@ def agoq_allreduce(profile, network: str, label: str, reported: float, stated: s
             "seconds": t, "kind": "collective"}
 
 
-def sdp4bit_step(profile, network: str, label: str, stated: str, budget: int) -> dict:
-    """agoq's sharded SDP4Bit plan on 128 ranks, and the same step with bf16 reduce-scatter + all-gather."""
-    row = plan_row(profile, 128, 8, network, budget, "sharded")
-    target, whatif = retarget(profile, 128, 8, network)
-    params = float(profile.header["model"]["parameters"])
-    quantized = collective_seconds(target.collectives, "sdp4bit", 4 * params)  # TLq-HS + qWD, as the search
-    bf16 = collective_seconds(target.collectives, "nccl-bf16", 4 * params, ("reduce_scatter", "all_gather"))
-    step = row.get("step_seconds")
-    base = None if step is None else step - quantized + bf16
-    return {"paper": "SDP4Bit", "setup": f"128 H800 (16 nodes of 8), {label}", "gpus": 128, "node_size": 8,
-            "network": whatif.network.describe(), "network_stated": stated, "reported_speedup": 4.08,
-            "baseline": "sharded step, NCCL bf16 reduce-scatter + all-gather (no overlap)",
-            "variant": "agoq sharded step, TLq-HS + qWD", "baseline_seconds": base, "variant_seconds": step,
-            "agoq_speedup": None if not step else base / step, "plan": row, "kind": "step"}
-
-
 def zeropp_step(profile, network: str, label: str, stated: str, budget: int) -> dict:
     """FSDP2 bf16 against FSDP2 with TLq-HS gradients and agoq's int8 weight all-gather on 384 ranks in nodes of 16:
     the search's FSDP2 + TLq-HS plan (the int8 gather priced on its own path of the network model,
@@ -103,11 +87,6 @@ def main(argv=None) -> int:
                        "(3.125 GB/s per GPU) assumed"),
         agoq_allreduce(profile, "intra=32@5,inter=0.15625@30", "10 Gb/s per node", 3.7,
                        "10 Gb/s stated; the rest as above"),
-        sdp4bit_step(profile, "nvlink-h800+ib-ndr400", "NVLink + 400 Gb/s InfiniBand per GPU", "GPU count stated; "
-                     "the network is our assumption (a usual H800 cluster)", 80 * GB),
-        sdp4bit_step(profile, "nvlink-h800+ethernet-25g", "NVLink + 25 GbE per node (communication-bound)",
-                     "GPU count stated; a slow network assumed to reach the paper's communication-bound setting",
-                     80 * GB),
         zeropp_step(profile, "intra=150@3,inter=12.5@10", "V100 NVLink + 100 Gb/s per GPU",
                     "GPU count stated; V100 NVLink (300 GB/s both ways) and 100 Gb/s per GPU assumed", 32 * GB),
         zeropp_step(profile, "intra=150@3,inter=0.39@30", "V100 NVLink + 25 GbE per node (low bandwidth)",

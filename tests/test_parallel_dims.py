@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from agoq.parallel_dims import ParallelDims, launch_of, plan_dims
+from agoq.parallel_dims import ParallelDims, launch_line, launch_of, plan_dims
 from agoq.vocabulary import DDP, FSDP, HSDP, LAYOUTS, NONE, PARALLEL_MODES, PIPELINE, REPLICATED, SHARDED
 
 
@@ -52,7 +52,7 @@ def test_products_that_do_not_match_the_world_are_refused():
     for _ in range(60):
         axis = rng.choice(["replicate", "shard", "pipeline"])
         n = rng.randint(1, 50)
-        dims = ParallelDims(**{axis: n}, engine="sdp4bit" if axis == "shard" else None)
+        dims = ParallelDims(**{axis: n}, engine="fsdp2" if axis == "shard" else None)
         product = 1
         for name in ("replicate", "shard", "pipeline", "tensor"):
             product *= getattr(dims, name)
@@ -71,8 +71,13 @@ def test_what_does_not_run_is_refused_with_a_clear_message():
         ParallelDims(tensor=n)
     with pytest.raises(ValueError, match="needs an engine"):
         ParallelDims(shard=n)
-    with pytest.raises(ValueError, match=r"shards are not replicated.*use engine fsdp2 for replicas of shards"):
-        ParallelDims(replicate=n, shard=rng.randint(1, 4), engine="sdp4bit")
+    with pytest.raises(ValueError, match=r"parallel.engine sdp4bit: agoq's own sharded path.*was retired.*"
+                                         r"--parallel fsdp --gradients sdp4bit --weight-gather int4 --node-size 1"):
+        ParallelDims(replicate=rng.randint(1, 4), shard=n, engine="sdp4bit")
+    for retired in (lambda: ParallelDims.of_mode(SHARDED, n), lambda: ParallelDims.of_layout(SHARDED, n),
+                    lambda: launch_line(SHARDED, n, "sdp4bit")):
+        with pytest.raises(ValueError, match="own sharded path.*was retired"):
+            retired()
     shard = rng.randint(1, 4)  # FSDP2's replicas of shards (HSDP) are dims; a node is its shard ranks
     hybrid = ParallelDims(replicate=n, shard=shard, engine="fsdp2")
     assert hybrid.hybrid and hybrid.mode == HSDP and hybrid.world_size == hybrid.data_ranks == n * shard, seed
@@ -100,9 +105,9 @@ def test_what_does_not_run_is_refused_with_a_clear_message():
     world = rng.choice([w for w in range(6, 40) if len(_divisors(w)) < w])  # one with a non-divisor below it
     node = rng.choice([d for d in range(2, world) if world % d])
     with pytest.raises(ValueError, match=f"ranks_per_node {node} does not divide"):
-        ParallelDims(shard=world, engine="sdp4bit", ranks_per_node=node).validate(world)
+        ParallelDims(shard=world, engine="fsdp2", ranks_per_node=node).validate(world)
     fine = rng.choice(_divisors(world))
-    ParallelDims(shard=world, engine="sdp4bit", ranks_per_node=fine).validate(world)
+    ParallelDims(shard=world, engine="fsdp2", ranks_per_node=fine).validate(world)
 
 
 def test_modes_and_layouts_map_through_the_dims():
@@ -118,12 +123,12 @@ def test_modes_and_layouts_map_through_the_dims():
         assert launch_of(dims)["parallel"] == mode and launch_of(dims)["processes"] == n, seed
     assert ParallelDims.of_mode(DDP, 1).mode == NONE  # one replica is one process
     # a sharded state searched on one rank keeps its engine: it shards over the ranks it is launched on
-    for layout, mode in ((SHARDED, SHARDED), (FSDP, FSDP)):
+    for layout, mode in ((FSDP, FSDP),):
         one = ParallelDims.of_layout(layout, 1)
         assert one.sharded and one.mode == mode and one.fixes_world, seed
     assert not ParallelDims.of_layout(REPLICATED, rng.randint(1, 9)).fixes_world
     with pytest.raises(ValueError, match="pipeline stages keep a replicated state"):
-        ParallelDims.of_layout(rng.choice([SHARDED, FSDP]), 4, rng.randint(2, 4))
+        ParallelDims.of_layout(FSDP, 4, rng.randint(2, 4))
 
 
 def test_a_plan_written_before_1_8_loads_into_the_dims_of_its_launch():
@@ -134,7 +139,7 @@ def test_a_plan_written_before_1_8_loads_into_the_dims_of_its_launch():
     from agoq.search.plan_builder import dims_for, launch_for
 
     seed, rng = fresh_rng()
-    for layout, gradients in ((REPLICATED, "quangrad8"), (SHARDED, "sdp4bit"), (FSDP, "bf16"), (FSDP, "sdp4bit")):
+    for layout, gradients in ((REPLICATED, "quangrad8"), (FSDP, "bf16"), (FSDP, "sdp4bit")):
         world = rng.randint(2, 24)
         data = {"schema": "agoq.plan/1.7", "model": {"name": "m", "fingerprint": "0123456789abcdef"},
                 "layers": [{"layer": i} for i in range(3)], "gradients": {"mode": gradients},
@@ -157,6 +162,16 @@ def test_a_plan_written_before_1_8_loads_into_the_dims_of_its_launch():
     assert piped.dims() == ParallelDims(pipeline=stages), seed
     assert plan_dims({"launch": {"parallel": "ddp", "processes": 3}}) == ParallelDims(replicate=3)
     assert plan_dims({"gradients": {"mode": "sdp4bit"}}) is None  # a 1.0 plan says nothing of its ranks
+    # a plan of agoq's retired own sharded step, of any schema: refused, saying what to run instead
+    base = {"model": {"name": "m", "fingerprint": "0123456789abcdef"}, "layers": [{"layer": i} for i in range(3)],
+            "gradients": {"mode": "sdp4bit"}}
+    world = rng.randint(2, 24)
+    for old in ({**base, "schema": "agoq.plan/1.7", "launch": {"processes": world, "parallel": "sharded",
+                                                               "command": "torchrun ... --parallel sharded"}},
+                {**base, "schema": "agoq.plan/1.8", "parallel": {"shard": world, "engine": "sdp4bit"}}):
+        with pytest.raises(ValueError, match=r"own sharded path.*was retired.*--parallel fsdp --gradients sdp4bit "
+                                             r"--weight-gather int4 --node-size 1"):
+            plan_from_dict(old)
 
 
 def test_a_plan_whose_decision_or_launch_contradicts_its_dims_is_refused():
@@ -217,5 +232,5 @@ def test_the_runtime_layout_is_the_same_dims():
     world = rng.choice([6, 10, 12, 14, 15, 18, 20, 21])
     node = rng.choice([d for d in range(2, world) if world % d])
     with pytest.raises(ValueError, match=f"ranks_per_node {node} does not divide"):
-        ParallelLayout.of(rng.choice([SHARDED, FSDP]), world, node_size=node)
-    ParallelLayout.of(SHARDED, world, node_size=rng.choice([d for d in _divisors(world)]))
+        ParallelLayout.of(FSDP, world, node_size=node)
+    ParallelLayout.of(FSDP, world, node_size=rng.choice([d for d in _divisors(world)]))

@@ -8,6 +8,8 @@ import sys
 import typing
 from pathlib import Path
 
+import pytest
+
 import agoq
 from agoq import vocabulary as v
 
@@ -108,8 +110,12 @@ def test_layouts_and_parallel_modes_map_both_ways():
         assert v.parallel_mode(layout, 4, 4) == v.PIPELINE
     assert set(v.PARALLEL_LAYOUT) == set(v.PARALLEL_MODES) and set(v.PARALLEL_LAYOUT.values()) == set(v.LAYOUTS)
     assert v.search_layout(None) is None and v.search_layout(v.PIPELINE) is None
-    assert [v.search_layout(m) for m in (v.NONE, v.DDP, v.SHARDED, v.FSDP)] == \
-        [v.REPLICATED, v.REPLICATED, v.SHARDED, v.FSDP]
+    assert [v.search_layout(m) for m in (v.NONE, v.DDP, v.FSDP, v.HSDP)] == \
+        [v.REPLICATED, v.REPLICATED, v.FSDP, v.FSDP]
+    # agoq's retired own sharded path: no layout or mode of it, and asking for one says what to run instead
+    assert v.SHARDED not in v.LAYOUTS + v.PARALLEL_MODES and v.search_layout(v.SHARDED) is None
+    with pytest.raises(ValueError, match="retired.*--parallel fsdp --gradients sdp4bit --weight-gather int4"):
+        v.parallel_mode(v.SHARDED, 1, 2)
     for layout, gradients in v.LAYOUT_GRADIENTS.items():  # a layout is priced only with what its modes run
         modes = [m for m, lay in v.PARALLEL_LAYOUT.items() if lay == layout]
         assert all(any(g in v.MODE_GRADIENTS[m] for m in modes) for g in gradients), layout

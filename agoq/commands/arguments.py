@@ -53,6 +53,16 @@ def non_negative_float(text: str) -> float:
     return _checked(text, float, lambda v: v >= 0, "expected a number", "expected a number >= 0")
 
 
+def not_retired(text: str) -> str:
+    """argparse type of a parallel mode or layout word: the word itself, except agoq's retired own sharded path
+    ("sharded"), which is refused with what to run instead (agoq.vocabulary.SHARDED_RETIRED)."""
+    from agoq.vocabulary import SHARDED, SHARDED_RETIRED
+
+    if text == SHARDED:
+        raise argparse.ArgumentTypeError(SHARDED_RETIRED)
+    return text
+
+
 def size_bytes(text: str) -> int:
     """argparse type: a size such as 30GiB, 1.5GB or 4096, in bytes."""
     try:

@@ -9,7 +9,7 @@ two, and print the command that shows the results in the dashboard:
   2. agoq search --budget B               -> OUT/search/    (plan.json, plan.pareto.csv, Optuna study)
      B is the predicted peak of the published LAAQ recipe (agoq-paper) on this model; the search (MILP)
      looks for the fastest plan within it, then runs the two best plans for a few steps to measure them;
-     a plan sharded over several processes (SDP4Bit or FSDP2) cannot train here, so the demo then also
+     a plan sharded over several processes (FSDP2) cannot train here, so the demo then also
      searches one replicated with QuanGrad's 8-bit gradients (-> OUT/search-one-process/) to train
   3. agoq train llama-tiny                -> OUT/runs/baseline/ (no plan: plain training, in float32 on the CPU)
      agoq train llama-tiny --plan ...     -> OUT/runs/plan/     (the same steps with the searched plan)
@@ -125,7 +125,7 @@ def run_loop(out: Path, steps: int = 40, quiet: bool = False, profile_args: list
     dims = plan_dims(plan)  # its parallel section (agoq.parallel_dims)
     parallel = dims.mode if dims is not None else None
     if parallel in SHARDED_MODES or (plan.get("gradients") or {}).get("mode") == "sdp4bit":
-        # a sharded layout (agoq's SDP4Bit or FSDP2) needs several processes, and agoq train runs a plan as it was
+        # a sharded layout (FSDP2, TLq-HS with sdp4bit gradients) needs several processes, and agoq train runs a plan as it was
         # searched: one process trains the plan searched replicated with QuanGrad's 8-bit gradients instead
         print(f"agoq demo: the plan shards over several processes ({parallel}); this single-process demo trains "
               "the plan searched with --layout replicated --gradients quangrad8 instead", file=sys.stderr)

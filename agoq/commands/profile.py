@@ -154,8 +154,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="micro-batches per step M for the pipeline counts (default: 2 x stages; 1 without a pipeline)")
     parser.add_argument("--world-size", type=positive_int, default=1,
                         help="time collectives, and a real training step of each data-parallel layout (DDP bf16 "
-                             "and quangrad8, FSDP2 bf16, TLq-HS and TLq-HS with the int8 weight gather, agoq's sharded "
-                             "SDP4Bit: the layout steps the search calibrates communication and per-rank peaks on), in "
+                             "and quangrad8, FSDP2 bf16, TLq-HS and TLq-HS with the int8 and with the int4 weight "
+                             "gather: the layout steps the search calibrates communication and per-rank peaks on), in "
                              "this many local processes (NCCL on GPUs, gloo on the CPU); under torchrun the launched "
                              "group is used (default 1: neither)")
     parser.add_argument("--collective-sizes", type=_size_list, default=None,

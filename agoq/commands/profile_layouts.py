@@ -5,8 +5,8 @@ search's base knobs), one micro-batch per step, in the profile's own compile mod
 
   replicated  DDP with bf16 gradients; DDP with QuanGrad's 8-bit gradients (quangrad8)
   fsdp        FSDP2 with bf16 gradients; FSDP2 with agoq's TLq-HS reduce-scatter (sdp4bit), with its own bf16
-              weight all-gather and with agoq's int8 one (`agoq train --weight-gather int8`)
-  sharded     agoq's SDP4Bit sharded step
+              weight all-gather and with agoq's int8 and int4 ones (`agoq train --weight-gather int8 / int4`; the
+              int4 one with TLq-HS is what replaced agoq's retired own sharded step)
 
 Each is `warmup` steps, then `steps` measured ones, run by `agoq train`'s own code
 (agoq.train.measure.measure_steps with the process group): its step time is the median of the measured steps on
@@ -35,7 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
-from agoq.vocabulary import DDP, FSDP, SHARDED
+from agoq.vocabulary import DDP, FSDP
 
 JOURNAL_NAME = "layout_steps.journal.jsonl"  # in the profile folder, while the layout steps are taken
 STOPPED = "layout steps stopped"  # a failure's `what` where the processes died: the journal is kept for --resume
@@ -44,8 +44,8 @@ MEASURED_STEPS = 6
 LAYOUTS = (  # (layout, gradients, weight gather): the module docstring's, in the order they are measured
     ("replicated", "bf16", "bf16"), ("replicated", "quangrad8", "bf16"),
     ("fsdp", "bf16", "bf16"), ("fsdp", "sdp4bit", "bf16"), ("fsdp", "sdp4bit", "int8"),
-    ("sharded", "sdp4bit", "bf16"))
-PARALLEL = {"replicated": DDP, "fsdp": FSDP, "sharded": SHARDED}  # `agoq train --parallel` of each layout
+    ("fsdp", "sdp4bit", "int4"))
+PARALLEL = {"replicated": DDP, "fsdp": FSDP}  # `agoq train --parallel` of each layout
 
 
 def layout_kinds(micro_batch: int, compile_mode: str) -> list[dict]:
@@ -58,12 +58,10 @@ def layout_kinds(micro_batch: int, compile_mode: str) -> list[dict]:
 def layout_train_settings(kind: dict, model: str, seq_len: int, dtype: str, device: str, steps: int,
                           seed: int) -> dict:
     """`agoq train`'s settings (agoq.train.config.TrainConfig keywords) that run one layout's step for `steps`
-    steps. agoq's sharded step is its own optimizer (SDP4Bit's sharded AdamW: 8-bit moments over float32 masters),
-    which `agoq train --parallel sharded` takes without --optimizer / --master."""
-    own = kind["layout"] == "sharded"
+    steps."""
     return dict(model=model, device=device, dtype=dtype, seq_len=seq_len, micro_batch=kind["micro_batch"],
-                grad_accum=kind["grad_accum"], gradients=kind["gradients"], optimizer=None if own else kind["optimizer"],
-                master=None if own else kind["master"], compile=kind["compile"] == "compiled", parallel=PARALLEL[kind["layout"]],
+                grad_accum=kind["grad_accum"], gradients=kind["gradients"], optimizer=kind["optimizer"],
+                master=kind["master"], compile=kind["compile"] == "compiled", parallel=PARALLEL[kind["layout"]],
                 weight_gather=kind["weight_gather"], steps=steps, warmup=1, seed=seed, checkpoint_every=0,
                 quiet=True)
 

@@ -121,11 +121,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
           help="gradient storage the plan may use (default any the profile prices; QuanGrad's "
                "8-bit rounding is not part of the error cap)")
     field("layout", choices=LAYOUTS, default="any",
-          help="data-parallel layout over a several-rank profile's ranks: replicated (DDP), sharded "
-               "(agoq's SDP4Bit step) or fsdp (PyTorch FSDP2, bf16 or TLq-HS reduce-scatter, with TLq-HS also "
-               "agoq's int8 weight all-gather; priced from the profile's all-gather and reduce-scatter timings, "
+          help="data-parallel layout over a several-rank profile's ranks: replicated (DDP) or fsdp (PyTorch "
+               "FSDP2, bf16 or TLq-HS reduce-scatter, with TLq-HS also agoq's int8 or int4 weight all-gather;  priced from the profile's all-gather and reduce-scatter timings, "
                "calibrated on its multi-rank layout steps where it measured them); the alternatives a plan is "
-               "compared with, and falls back to, are of this layout too (default any it prices)")
+               "compared with, and falls back to, are of this layout too (default any it prices). agoq's own "
+               "sharded layout (sharded) was retired: search --layout fsdp")
     field("optimizer", choices=OPTIMIZERS, default="any",
           help="optimizer state: adamw (float32 moments) or adamw8bit (agoq's fused 8-bit AdamW) "
                "(default any)")

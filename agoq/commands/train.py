@@ -2,8 +2,8 @@
 
 One process trains on the CPU or one GPU. Under torchrun each process is one rank:
   torchrun --nproc-per-node 2 -m agoq.train MODEL --parallel ddp       (QuanGrad with a quangrad8 plan)
-  torchrun --nproc-per-node 2 -m agoq.train MODEL --parallel sharded   (SDP4Bit with --gradients sdp4bit)
-  torchrun --nproc-per-node 2 -m agoq.train MODEL --parallel fsdp      (FSDP2; TLq-HS with --gradients sdp4bit)
+  torchrun --nproc-per-node 2 -m agoq.train MODEL --parallel fsdp      (FSDP2; TLq-HS with --gradients sdp4bit,
+                                                    its weights gathered in 4 bits with --weight-gather int4)
   torchrun --nproc-per-node 4 -m agoq.train MODEL --parallel pipeline --grad-accum 8   (1F1B, stage bits)
 
 Without --data a built-in synthetic corpus is used; a text file is read as bytes (vocabulary 256) or
@@ -26,7 +26,7 @@ With --plan the plan decides the activation bits and checkpointed layers, gradie
 master weights, compile mode (training.compile: compiled is torch.compile per decoder layer in mode default),
 micro-batch x accumulation and, under torchrun, the parallel mode of its launch: each is its flag's default. A
 flag given with another value than the plan's is refused (exit 2): drop it, or search a plan for what you want.
-A plan searched for a sharded, fsdp or pipeline layout runs only in the number of processes it was searched for
+A plan searched for an fsdp or pipeline layout runs only in the number of processes it was searched for
 (its launch.command, which the refusal prints); a replicated plan runs in any.
 --seq-len may differ (with a warning: the plan's predictions hold for its own). Plans of schema 1.0 say nothing
 of optimizer or compile and train with AdamW on float32 masters, eager.
@@ -54,6 +54,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         integer,
         non_negative_float,
         non_negative_int,
+        not_retired,
         positive_float,
         positive_int,
         positive_size_gb,
@@ -75,7 +76,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--gradients", choices=GRADIENT_MODES, default=None,
                    help="gradient storage and all-reduce: bf16 (the parameters' dtype), "
                         "quangrad8 (8-bit buffer and 8-bit all-reduce; with --parallel hsdp: the all-reduce across "
-                        "nodes in 8 bits), sdp4bit (with --parallel sharded or fsdp: int8/int4 TLq-HS gradient "
+                        "nodes in 8 bits), sdp4bit (with --parallel fsdp or hsdp: int8/int4 TLq-HS gradient "
                         "reduce-scatter; with hsdp: int8 within a node, 4-bit all-reduce across) "
                         "(default: the plan's, else bf16)")
     p.add_argument("--checkpoint-all", action="store_true",
@@ -86,7 +87,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(copied out on a side stream in forward, brought back a layer ahead in backward): all, "
                         "all-but-last (backward needs the last layer's at once), or indices and ranges like 0-5,8; "
                         "under a quantized policy or plan the packed codes travel, 4x fewer bytes than bf16 "
-                        "(one GPU, DDP or sharded; default: the plan's offloaded layers, else none; with --plan "
+                        "(one GPU or DDP; default: the plan's offloaded layers, else none; with --plan "
                         "only the plan's own)")
     p.add_argument("--host-budget", type=positive_size_gb, default=None, metavar="GB",
                    help="with --offload or a plan that offloads: the most pinned host memory it may hold, in GB "
@@ -98,7 +99,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="torch.compile each decoder layer on its own (any policy, plan or --checkpoint-all; on the "
                         "CPU too, through Inductor's C++ backend); --no-compile: eager "
                         "(default: the plan's training.compile, else on with a CUDA GPU in one process or DDP, where "
-                        "it was measured faster, and eager on the CPU and with sharded, fsdp or pipeline)")
+                        "it was measured faster, and eager on the CPU and with fsdp or pipeline)")
     p.add_argument("--compile-mode", default=None,
                    choices=TRAIN_TORCH_COMPILE_MODES,
                    help="torch.compile's mode with --compile: reduce-overhead records each layer as CUDA graphs "
@@ -128,25 +129,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--clip", type=non_negative_float, default=1.0, help="clip the gradient norm to this (0: off; default 1.0)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                    help="adamw (float32 moments) or adamw8bit (8-bit block-quantized moments, float32 update); "
-                        "--parallel sharded always uses SDP4Bit's sharded AdamW (default: the plan's optimizer.name, "
+                        "(default: the plan's optimizer.name, "
                         "else adamw)")
     p.add_argument("--master", choices=MASTERS, default=None,
                    help="with --optimizer adamw8bit and bf16 parameters: fp32 keeps float32 master weights in the "
                         "optimizer (4 bytes per parameter); none updates the bf16 parameters directly with "
                         "stochastic rounding (default: the plan's optimizer.master, else fp32; --optimizer adamw "
                         "always keeps fp32 masters)")
-    p.add_argument("--parallel", choices=PARALLEL_MODES, default=None,
-                   help="how several processes share the work: ddp (replicas), sharded (agoq's SDP4Bit sharded "
-                        "AdamW), fsdp (PyTorch's FSDP2, one unit per decoder layer, float32 shards with bf16 "
+    p.add_argument("--parallel", type=not_retired, choices=PARALLEL_MODES, default=None,
+                   help="how several processes share the work: ddp (replicas), fsdp (PyTorch's FSDP2, one unit per decoder layer, float32 shards with bf16 "
                         "compute), hsdp (FSDP2 sharded within a node of --node-size ranks, replicated across nodes; "
                         "--gradients quangrad8 or sdp4bit all-reduce across nodes in 8 or 4 bits), pipeline "
-                        "(default: the plan's launch.parallel when it is sharded, fsdp or "
+                        "(default: the plan's launch.parallel when it is fsdp, hsdp or "
                         "pipeline and this run has several processes, else none for one process, ddp under "
-                        "torchrun)")
+                        "torchrun). agoq's own sharded mode (sharded) was retired: run fsdp --gradients sdp4bit "
+                        "--weight-gather int4 --node-size 1 instead")
     p.add_argument("--pipeline-stages", type=positive_int, default=None,
                    help="pipeline stages (must equal the number of processes; default: the number of processes)")
     p.add_argument("--node-size", type=positive_int, default=None,
-                   help="ranks per node: for SDP4Bit's gradient reduce-scatter (--parallel sharded, or fsdp with "
+                   help="ranks per node: for SDP4Bit's gradient reduce-scatter (--parallel fsdp with "
                         "--gradients sdp4bit) int8 inside a node, int4 across nodes; for --parallel hsdp the ranks "
                         "that shard the state (replicated across the world / node-size nodes) "
                         "(default: torchrun's LOCAL_WORLD_SIZE; 1 treats every GPU as a node)")
@@ -248,9 +249,6 @@ def _check_size(args: argparse.Namespace) -> None:
     planned = plan is not None and plan.states_run_settings()["optimizer"]
     optimizer = args.optimizer or (plan.optimizer.name if planned else "adamw")
     master = "fp32" if optimizer == "adamw" else args.master or (plan.optimizer.master if planned else "fp32")
-    dims = plan.dims() if plan is not None else None
-    if "sharded" in (args.parallel, dims.mode if dims is not None else None):
-        optimizer, master = "adamw8bit", "none"  # SDP4Bit's sharded step keeps less: counted at the floor's least
     gradients = args.gradients or (plan.gradients.mode if plan is not None else "bf16")
     check_fits(config, device=device, dtype=dtype, seq_len=seq_len, what=f"model {args.model}",
                fewer_layers="a config.json with fewer num_hidden_layers", seq_len_from=seq_from,

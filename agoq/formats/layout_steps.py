@@ -4,7 +4,7 @@ micro-batch and sequence length, which the search calibrates each layout's expos
 on (agoq.search.layout_calibration).
 
     {"version": 1, "world_size": N, "rows": [
-     {"layout": "replicated" | "sharded" | "fsdp",   how the ranks keep the state (agoq.vocabulary.LAYOUTS)
+     {"layout": "replicated" | "fsdp",               how the ranks keep the state (agoq.vocabulary.LAYOUTS)
       "gradients": "bf16" | "quangrad8" | "sdp4bit", the gradient storage and collective (as the layout allows)
       "weight_gather": "bf16" | "int8" | "int4",     FSDP2's weight all-gather (`agoq train --weight-gather`); bf16
                                                      for the other layouts
@@ -19,14 +19,16 @@ on (agoq.search.layout_calibration).
       "source": "profile"}]}
 
 `layout_rows(header)` returns the checked rows ([] for a profile without the section: older profiles stay
-readable); `section(rows, world_size)` builds the section.
+readable); a row of agoq's retired own sharded layout ("sharded", measured by profiles before it was retired) is
+skipped, as a layout the search no longer prices. `section(rows, world_size)` builds the section.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from agoq.vocabulary import COMPILE_MODES, GRADIENT_MODES, LAYOUT_GRADIENTS, LAYOUTS, MASTERS, OPTIMIZERS, WEIGHT_GATHERS
+from agoq.vocabulary import (COMPILE_MODES, GRADIENT_MODES, LAYOUT_GRADIENTS, LAYOUTS, MASTERS, OPTIMIZERS, SHARDED,
+                             WEIGHT_GATHERS)
 
 VERSIONS = (1,)
 KEY_FIELDS = ("layout", "gradients", "weight_gather", "compile", "micro_batch", "grad_accum", "optimizer", "master")
@@ -89,6 +91,8 @@ def layout_rows(header: dict, where: str = "profile.json") -> list[dict]:
         raise ValueError(f"{where}: layout_steps.world_size: must be an integer >= 2, got {world!r}")
     rows: dict[tuple, dict] = {}
     for i, row in enumerate(section_["rows"]):
+        if isinstance(row, dict) and row.get("layout") == SHARDED:
+            continue  # the retired own sharded step: nothing prices it any more
         checked = check_row(row, f"{where}: layout_steps.rows[{i}]")
         rows[row_key(checked)] = checked
     return list(rows.values())

@@ -177,16 +177,16 @@ class Plan(_Part):
         return None if self.parallel is None else self.parallel.dims()
 
     def _offload_runs(self, stages: int) -> None:
-        """Offloaded layers only where the runtime offloads (one process, ddp or sharded), within the host budget."""
+        """Offloaded layers only where the runtime offloads (one process or ddp), within the host budget."""
         offloaded = self.offload_layers()
         if offloaded and stages > 1:
             raise ValueError(f"layers[*].offload: layer(s) {offloaded} are offloaded in a pipeline of {stages} stages; "
-                             "the runtime offloads in one process, ddp or sharded only: offload no layer, or "
+                             "the runtime offloads in one process or ddp only: offload no layer, or "
                              "make the plan for one stage")
         parallel = self.parallel.dims().mode if self.parallel is not None else None
         if offloaded and parallel in NO_OFFLOAD_PARALLEL:
             raise ValueError(f"layers[*].offload: layer(s) {offloaded} are offloaded, but the plan's parallel mode is "
-                             f"{parallel!r}; the runtime offloads in one process, ddp or sharded only: offload no "
+                             f"{parallel!r}; the runtime offloads in one process or ddp only: offload no "
                              "layer, or launch the plan in one of those modes")
         host, budget = self.predicted.host_bytes, self.host_budget_bytes
         if host is not None and budget is not None and host > budget:

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from agoq.runtime.activations.policy import KEEP, KINDS, check_setting
-from agoq.parallel_dims import ENGINES, ParallelDims
+from agoq.parallel_dims import PLAN_ENGINES, ParallelDims
 from agoq.runtime.quant.layout import check_arguments
 from agoq.vocabulary import (
     ADAMW8BIT,
@@ -183,15 +183,15 @@ class PipelineSpec(_Part):
 
 class ParallelSpec(_Part):
     """The ranks of the run as dimensions (since 1.8; agoq.parallel_dims.ParallelDims): replicate x shard x pipeline
-    x tensor ranks, the ranks of a node (None: not fixed) and what shards the state (`engine`: sdp4bit, agoq's
-    sharded step; fsdp2, PyTorch's FSDP2; None: replicated). Checked by ParallelDims' rules."""
+    x tensor ranks, the ranks of a node (None: not fixed) and what shards the state (`engine`: fsdp2, PyTorch's
+    FSDP2; None: replicated; sdp4bit, agoq's retired own sharded step, is refused saying what to run instead). Checked by ParallelDims' rules."""
 
     replicate: int = Field(default=1, ge=1)
     shard: int = Field(default=1, ge=1)
     pipeline: int = Field(default=1, ge=1)
     tensor: int = Field(default=1, ge=1)
     ranks_per_node: Optional[int] = Field(default=None, ge=1)
-    engine: Optional[Literal[ENGINES]] = None
+    engine: Optional[Literal[PLAN_ENGINES]] = None  # sdp4bit (retired): refused by ParallelDims
     # FSDP2's weight all-gather (since 1.9; `agoq train --weight-gather`): int8 / int4 block codes (ZeRO++'s qwZ);
     # None: its own, in bf16. Only with engine fsdp2
     weight_gather: Optional[Literal[WEIGHT_GATHERS]] = None

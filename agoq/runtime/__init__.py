@@ -4,5 +4,5 @@
   activations  LAAQ: activations saved for backward at a bit width per layer and kind, recomputed, checkpointed or
                offloaded to host memory
   comm         QuanGrad's 8-bit all-reduce, SDP4Bit's TLq-HS reduce-scatter and qWD all-gather, FSDP2's collectives
-  optim        fused AdamW and 8-bit AdamW, SDP4Bit's sharded optimizer, optimizer state bytes
+  optim        fused AdamW and 8-bit AdamW, optimizer state bytes
 """

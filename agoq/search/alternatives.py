@@ -21,8 +21,8 @@ mode the profile has step times for:
                                layout's communication; under FSDP2 the FSDP2 step with every layer kept, moved by
                                what the budget measured against the compiled bf16 step (agoq.search.price)
 
-Over several ranks each is priced in each plain layout the search was asked for: replicated (DDP) and fsdp (FSDP2);
-agoq's own sharded layout runs SDP4Bit's gradients, so it has no alternative without agoq. Every alternative goes
+Over several ranks each is priced in each plain layout the search was asked for: replicated (DDP) and fsdp (FSDP2).
+Every alternative goes
 through the one price of plans (agoq.search.price: the cost model of agoq.search.costs, calibrated on the profile's
 measured peaks, with the layout's exposed communication), so a plan and its alternatives are compared on one
 footing; this module only enumerates them.
@@ -113,8 +113,8 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                        host_budget: Optional[float] = None, masters=("fp32",),
                        layouts=("replicated",)) -> list[PricedAlternative]:
     """Every alternative of the module docstring at `budget` bytes (largest stage), for each (micro_batch,
-    grad_accum) of `splits`, each compile mode and each of `layouts` (replicated: one process or DDP; fsdp: FSDP2;
-    agoq's own sharded layout runs SDP4Bit's 4-bit gradients, no alternative), each priced by the one price
+    grad_accum) of `splits`, each compile mode and each of `layouts` (replicated: one process or DDP; fsdp: FSDP2),
+    each priced by the one price
     (agoq.search.price) with bf16 gradients (`offload` False: none offloads; `host_budget`: bytes offload may pin,
     None the profile's pinnable bytes; `masters`: those the search may choose, "none" adding the 8-bit AdamW without
     masters)."""

@@ -26,7 +26,7 @@ peak's parts then (agoq.search.memory_parts; the model state per rank is agoq.se
 records and the dashboard draws.
 
 Layouts over several ranks (agoq.search.layouts): replicated (DDP) keeps the whole state per rank and pays one
-gradient all-reduce per step; agoq's sharded SDP4Bit keeps 1/N of gradients, masters and moments; fsdp (FSDP2)
+gradient all-reduce per step; fsdp (FSDP2, with sdp4bit gradients agoq's TLq-HS and int8/int4 weight gather)
 keeps 1/N of everything plus the unsharded units in flight, its communication priced per micro-batch with the
 overlap that module states, and its optimizer step over 1/N of the state.
 
@@ -101,8 +101,8 @@ def _kind_bytes(shape: LayerShape, kind: str, setting, block: int) -> int:
 
 
 def _collective_seconds(profile: ProfileData, mode: str, message_bytes: float) -> float:
-    """Seconds the gradient collective of `mode` takes for `message_bytes` fp32 bytes under a replicated or agoq's
-    sharded layout (agoq.search.collective_times): bf16 and quangrad8 all-reduce (where the table has the
+    """Seconds the gradient collective of `mode` takes for `message_bytes` fp32 bytes under a replicated
+    layout (agoq.search.collective_times): bf16 and quangrad8 all-reduce (where the table has the
     all-reduce of the path; else whatever it measured on it), sdp4bit its every op (TLq-HS reduce-scatter + qWD
     all-gather). 0 without a table, NaN without rows for the path."""
     table = profile.collectives
@@ -253,13 +253,7 @@ def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     if knobs.weight_gather != "bf16" and layout != "fsdp":
         raise ValueError(f"weight gather {knobs.weight_gather} quantizes FSDP2's weight all-gather: layout fsdp only, "
                          f"not {layout}")
-    if layout == "sharded":  # SDP4Bit's sharded step is always its own: unset knobs mean it
-        optimizer, master = knobs.optimizer or "adamw8bit", knobs.master or "fp32"
-        if (optimizer, master) != ("adamw8bit", "fp32"):
-            raise ValueError("gradient mode sdp4bit runs SDP4Bit's sharded step, the fused 8-bit AdamW over float32 "
-                             f"masters: optimizer adamw8bit, masters fp32 (not {optimizer}, masters {master})")
-    else:
-        optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
+    optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     compile_mode = knobs.compile_mode or profile_compile_mode(profile)
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")

@@ -1,5 +1,4 @@
-"""The outer knobs around the per-layer MILP: gradient storage, data-parallel layout (replicated, agoq's sharded
-SDP4Bit or FSDP2, where the profile has several ranks: agoq.search.layouts), optimizer and masters, micro-batch x
+"""The outer knobs around the per-layer MILP: gradient storage, data-parallel layout (replicated or FSDP2, where the profile has several ranks: agoq.search.layouts), optimizer and masters, micro-batch x
 accumulation, compile mode. Each combination is one ChoiceProblem, solved exactly by the MILP; the best is kept.
 
 The sequences per optimizer step (global batch G = micro_batch x grad_accum) stay what the profile measured
@@ -127,6 +126,10 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
                                                grad_accum=batch // mb, allow_offload=space.offload,
                                                host_budget=space.host_budget,
                                                quantize_attention=space.quantize_attention, weight_gather=gather))
+    if not out and not any(layouts(world, profile.collectives, mode, stages) for mode in modes):
+        raise ValueError(f"gradient mode(s) {', '.join(modes)} have no layout on this profile: sdp4bit runs under "
+                         "FSDP2 (layout fsdp), which needs a profile of several ranks, one pipeline stage and the "
+                         "all-gather and reduce-scatter timings of its collectives table")
     if not out and space.layouts is not None:
         offered = sorted({lay for mode in modes for lay in layouts(world, profile.collectives, mode, stages)})
         raise ValueError(f"no layout of {', '.join(space.layouts)} is possible with this profile (it offers "
@@ -134,15 +137,16 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
                          "and reduce-scatter timings of its collectives table)")
     if not out:
         raise ValueError("no optimizer/master combination of the knob space is allowed (masters 'none' needs "
-                         "adamw8bit; sdp4bit runs the 8-bit AdamW with masters)")
+                         "adamw8bit)")
     return out
 
 
 def weight_gathers(layout: str, gradient_mode: str) -> tuple:
     """FSDP2's weight all-gathers a combination may take: with agoq's TLq-HS gradients (sdp4bit) also agoq's int8
-    one (`agoq train --weight-gather int8`, agoq.runtime.comm.fsdp_weight_gather), both of agoq's quantized
-    collectives at once; otherwise FSDP2's own bf16 gather (and every other layout gathers no weights)."""
-    return ("bf16", "int8") if (layout, gradient_mode) == ("fsdp", "sdp4bit") else ("bf16",)
+    and int4 ones (`agoq train --weight-gather int8 / int4`, agoq.runtime.comm.fsdp_weight_gather), agoq's quantized
+    collectives at once (what replaced its own sharded step); otherwise FSDP2's own bf16 gather (and every other
+    layout gathers no weights)."""
+    return ("bf16", "int8", "int4") if (layout, gradient_mode) == ("fsdp", "sdp4bit") else ("bf16",)
 
 
 def tokens_per_second(profile: ProfileData, knobs: ProblemSettings, step_seconds: float) -> float:

@@ -4,10 +4,13 @@ Layouts (world size N = the profile's `settings.world_size`):
 
   replicated  every rank keeps the whole model (DDP; one process when N = 1); gradients bf16 or quangrad8,
               all-reduced once per step (agoq.search.costs)
-  sharded     agoq's own ZeRO-style SDP4Bit step (gradient mode sdp4bit; `agoq train --parallel sharded`)
   fsdp        PyTorch's FSDP2 (`agoq train --parallel fsdp`), one unit per decoder layer and one root unit
               (embeddings, final norm, LM head); gradients reduce-scattered in bf16 (gradient mode bf16) or by
-              SDP4Bit's TLq-HS (gradient mode sdp4bit, `--gradients sdp4bit`)
+              SDP4Bit's TLq-HS (gradient mode sdp4bit, `--gradients sdp4bit`), whose weights FSDP2 then may
+              gather as agoq's int8 or int4 block codes (`--weight-gather`, priced by their wire bytes)
+
+agoq's own ZeRO-style SDP4Bit step (layout "sharded") was retired: FSDP2 with TLq-HS and the int4 weight gather
+replaced it (agoq.vocabulary.SHARDED_RETIRED); a plan of sdp4bit gradients is an fsdp plan.
 
 FSDP2 memory per rank, bytes (W, G, M, A: the whole model's bf16 weights, bf16 gradients, float32 masters and
 optimizer moments, agoq.search.state.state_parts; e: bytes per bf16 value, 2; n_root, n_layer: values of the root
@@ -53,7 +56,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 from agoq.search.collective_times import collective_seconds, has_collective
-from agoq.vocabulary import LAYOUT_GRADIENTS, LAYOUTS  # the layouts, the gradient storage each is priced with
+from agoq.vocabulary import (  # the layouts, the gradient storage each is priced with
+    FSDP,
+    LAYOUT_GRADIENTS,
+    LAYOUTS,
+    REPLICATED,
+    SDP4BIT,
+    SHARDED,
+    SHARDED_RETIRED,
+)
 
 FSDP_REDUCE_PATHS = {"bf16": "nccl-bf16", "sdp4bit": "sdp4bit"}  # reduce-scatter path per gradient mode
 FSDP_GATHER_PATH = "nccl-bf16"
@@ -68,13 +79,16 @@ REDUCE_BYTES = {"bf16": 2, "sdp4bit": 4}  # bytes per value of the unsharded gra
 
 
 def default_layout(gradient_mode: str) -> str:
-    """The layout a plan without one means: sdp4bit gradients are agoq's sharded step, the others replicated."""
-    return "sharded" if gradient_mode == "sdp4bit" else "replicated"
+    """The layout a plan without one means: sdp4bit gradients are FSDP2's with TLq-HS, the others replicated."""
+    return FSDP if gradient_mode == SDP4BIT else REPLICATED
 
 
 def resolve_layout(layout: Optional[str], gradient_mode: str) -> str:
-    """`layout` (None: `default_layout`), checked against the gradient mode; raises ValueError."""
+    """`layout` (None: `default_layout`), checked against the gradient mode; raises ValueError (the retired
+    sharded layout with what to run instead)."""
     layout = layout or default_layout(gradient_mode)
+    if layout == SHARDED:
+        raise ValueError(SHARDED_RETIRED)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if gradient_mode not in LAYOUT_GRADIENTS[layout]:
@@ -90,16 +104,13 @@ def fsdp_missing(table, gradient_mode: str) -> list[str]:
 
 
 def layouts(world_size: int, table, gradient_mode: str, stages: int = 1) -> list[str]:
-    """Layouts a plan with `gradient_mode` may take on `world_size` ranks: replicated or sharded as the mode says
-    (sharded only without pipeline stages: a pipeline's stages keep a replicated state, agoq.parallel_dims), and
-    fsdp when there are several ranks, no pipeline stages (`stages` 1) and the collectives table has FSDP2's
-    all-gather and reduce-scatter."""
-    out = [default_layout(gradient_mode)]
-    if stages > 1 and out[0] != "replicated":
-        return []
-    if world_size > 1 and stages == 1 and gradient_mode in LAYOUT_GRADIENTS["fsdp"] \
+    """Layouts a plan with `gradient_mode` may take on `world_size` ranks: replicated where the mode runs replicas
+    (bf16, quangrad8), and fsdp when there are several ranks, no pipeline stages (`stages` 1) and the collectives
+    table has FSDP2's all-gather and reduce-scatter (sdp4bit gradients: fsdp only, so none on one rank)."""
+    out = [REPLICATED] if gradient_mode in LAYOUT_GRADIENTS[REPLICATED] else []
+    if world_size > 1 and stages == 1 and gradient_mode in LAYOUT_GRADIENTS[FSDP] \
             and not fsdp_missing(table, gradient_mode):
-        out.append("fsdp")
+        out.append(FSDP)
     return out
 
 

@@ -52,8 +52,8 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
     if not link:
         return None
     if stages > 1 or layout == "fsdp":
-        notes.append("offload to host memory is not offered: the runtime offloads in one process or under DDP and "
-                     "agoq's sharded layout, not across pipeline stages or under fsdp")
+        notes.append("offload to host memory is not offered: the runtime offloads in one process or under DDP, "
+                     "not across pipeline stages or under fsdp")
         return None
     per_byte = 1.0 / float(link["d2h_bytes_per_second"]) + 1.0 / float(link["h2d_bytes_per_second"])
     L = profile.num_layers

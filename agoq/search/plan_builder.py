@@ -29,7 +29,7 @@ def now() -> str:
 
 def dims_for(stages: int, gradient_mode: str, world_size: int, layout: Optional[str] = None) -> ParallelDims:
     """A plan's ranks as dimensions (its `parallel` section, agoq.parallel_dims): pipeline stages are one process
-    each; agoq's sharded SDP4Bit and FSDP2 (`layout` fsdp; TLq-HS with sdp4bit gradients) shard over the profile's
+    each; FSDP2 (`layout` fsdp; TLq-HS with sdp4bit gradients) shards over the profile's
     world size; replicated bf16 and QuanGrad replicate over it (one process or DDP). `layout` None: the gradient
     mode's own (agoq.search.layouts.resolve_layout)."""
     return ParallelDims.of_layout(resolve_layout(layout, gradient_mode), world_size, stages)

@@ -86,7 +86,7 @@ class Configuration:
 
 
 def plan_layout(plan) -> Optional[str]:
-    """The search's layout word (agoq.search.layouts) of a plan's dims (`Plan.dims()`): fsdp, sharded or replicated
+    """The search's layout word (agoq.search.layouts) of a plan's dims (`Plan.dims()`): fsdp or replicated
     (None: the plan has none, or is a pipeline: the gradient mode's own)."""
     dims = plan.dims()
     return None if dims is None or dims.pipeline > 1 else dims.layout
@@ -178,9 +178,9 @@ def _budget_price(profile: ProfileData, config: Configuration, problem: ChoicePr
     """compile's activation_memory_budget (module docstring)."""
     knobs, b = config.knobs, float(config.activation_memory_budget)
     layout = resolve_layout(knobs.layout, knobs.gradient_mode)
-    if knobs.compile_mode != "compiled" or knobs.gradient_mode != "bf16" or layout not in (REPLICATED, FSDP):
-        raise ValueError("compile's activation_memory_budget is priced compiled, with bf16 gradients, replicated or "
-                         f"fsdp (not {knobs.compile_mode}, {knobs.gradient_mode}, {layout})")
+    if knobs.compile_mode != "compiled" or knobs.gradient_mode != "bf16":
+        raise ValueError("compile's activation_memory_budget is priced compiled, with bf16 gradients (not "
+                         f"{knobs.compile_mode}, {knobs.gradient_mode}, {layout})")
     if config.kinds or config.checkpoint_layers or config.offload_layers:
         raise ValueError("compile's activation_memory_budget decides what the layers keep: no per-layer choice "
                          "goes with it")

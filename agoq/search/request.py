@@ -26,6 +26,7 @@ from agoq.units import excerpt, format_bytes, parse_size
 from agoq.vocabulary import COMPILE_MODES as _COMPILE_MODES
 from agoq.vocabulary import GRADIENT_MODES as _GRADIENT_MODES
 from agoq.vocabulary import LAYOUTS as _LAYOUTS
+from agoq.vocabulary import SHARDED, SHARDED_RETIRED
 from agoq.vocabulary import MASTERS as _MASTERS
 from agoq.vocabulary import OPTIMIZERS as _OPTIMIZERS
 
@@ -56,7 +57,7 @@ class KnobSpace:
     agoq.search.knobs.combinations)."""
 
     gradient_modes: Optional[tuple] = None      # subset of bf16, quangrad8, sdp4bit
-    layouts: Optional[tuple] = None             # subset of replicated, sharded, fsdp (agoq.search.layouts)
+    layouts: Optional[tuple] = None             # subset of replicated, fsdp (agoq.search.layouts)
     optimizers: Optional[tuple] = None          # subset of adamw, adamw8bit
     masters: tuple = MASTER_CHOICES             # subset of fp32, none
     compile_modes: Optional[tuple] = None       # subset of eager, compiled
@@ -155,6 +156,14 @@ def _one_of(choices: tuple) -> Callable[[Any], str]:
     return read
 
 
+def _layout(value: Any) -> str:
+    """The rule of the layout: one of LAYOUTS; the retired own sharded layout is refused naming what replaced it
+    (layout fsdp: FSDP2 with TLq-HS gradients and agoq's int8 / int4 weight gather, agoq.vocabulary)."""
+    if value == SHARDED:
+        raise ValueError(f"{SHARDED_RETIRED}; the search prices it as layout fsdp with gradients sdp4bit")
+    return _one_of(LAYOUTS)(value)
+
+
 def _whole(least: int, optional: bool = False) -> Callable[[Any], Optional[int]]:
     """The rule of a whole number >= `least` (None too, when `optional`)."""
     def read(value: Any) -> Optional[int]:
@@ -210,7 +219,7 @@ RULES: dict[str, Callable[[Any], Any]] = {
     "measure_trials": _yes_no,
     # the knob space's words (SearchRequest.read makes its KnobSpace of them)
     "gradients": _one_of(GRADIENTS),
-    "layout": _one_of(LAYOUTS),
+    "layout": _layout,
     "optimizer": _one_of(OPTIMIZERS),
     "master": _one_of(MASTERS),
     "compile": _one_of(COMPILE_MODES),

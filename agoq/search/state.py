@@ -5,7 +5,6 @@ Per rank of a stage, bytes (W, G, M, A: the whole model's weights, gradients of 
 and moments; N: the profile's world size):
 
   replicated (DDP, one process)   W, G, M, A
-  sharded (agoq's SDP4Bit step)   W, G / N, M / N, A / N      (G: the bf16 gradients SDP4Bit shards)
   fsdp (FSDP2)                    W / N, G / N, M / N, A / N  (G: bf16 gradients; agoq.search.layouts)
 
 A pipeline stage keeps its layers' share of these (agoq.search.costs).
@@ -41,9 +40,8 @@ def resolve_optimizer(profile: ProfileData, optimizer: Optional[str], master: Op
 
 def optimizer_choices(gradient_mode: str, layout: Optional[str] = None) -> list[tuple[str, str]]:
     """(optimizer, master) combinations a plan may use with `gradient_mode` under `layout` (None: the mode's own;
-    agoq's sharded SDP4Bit step is the fused 8-bit AdamW over float32 masters; FSDP2 runs every combination)."""
-    if resolve_layout(layout, gradient_mode) == "sharded":
-        return [("adamw8bit", "fp32")]
+    every layout runs every combination)."""
+    resolve_layout(layout, gradient_mode)
     return [("adamw", "fp32"), ("adamw8bit", "fp32"), ("adamw8bit", "none")]
 
 
@@ -85,15 +83,15 @@ def state_per_rank(profile: ProfileData, mode: str, optimizer: Optional[str] = N
     parts = state_parts(profile, "bf16" if layout == "fsdp" else mode, optimizer, master)
     whole = {"weights": parts["weights"], "gradients": parts["gradients"], "masters": parts["masters"],
              "optimizer_state": parts["moments"]}
-    sharded = {"replicated": (), "sharded": ("gradients", "masters", "optimizer_state"), "fsdp": STATE_PARTS}[layout]
+    sharded = {"replicated": (), "fsdp": STATE_PARTS}[layout]
     return {name: value / world if name in sharded else value for name, value in whole.items()}
 
 
 def static_bytes_total(profile: ProfileData, mode: str, optimizer: Optional[str] = None,
                        master: Optional[str] = None) -> float:
     """Weights + masters + gradients + optimizer moments one rank keeps under a gradient mode's own layout and an
-    optimizer (None: the profile's measured step's; see `state_parts`): SDP4Bit (sharded data parallelism) keeps
-    1/world of masters, gradients and moments per rank."""
+    optimizer (None: the profile's measured step's; see `state_parts`): sdp4bit gradients run under FSDP2, which
+    keeps 1/world of the whole state per rank."""
     return sum(state_per_rank(profile, mode, optimizer, master).values())
 
 

@@ -6,7 +6,7 @@ agoq.train.measure.measure_plan, `agoq train`'s own step on its built-in synthet
 data or None for plain bf16, model_config=..., dtype=..., micro_batch=..., seq_len=..., grad_accum=..., steps=...,
 seed=..., device=..., gradients=...) returns {"peak_bytes": the largest step's (None where not measured, e.g. on
 a CPU), "first_step_peak_bytes", "step_seconds": the median after warm-up, "losses": [...], "device"}.
-A plan runs in one process: its pipeline stages as one model, SDP4Bit's sharded gradients (several processes) as
+A plan runs in one process: its pipeline stages as one model, FSDP2's TLq-HS gradients (several processes) as
 bf16 .grad, each said in the measured figures.
 """
 
@@ -85,7 +85,7 @@ def validate_plans(plans: list, model_config: dict, *, measure: Callable, dtype:
     `measure` (see the module docstring); writes `measured` into each plan and returns the measured dicts (a
     progress bar with `progress`)."""
     runner = runner or Runner()
-    # one process measures each plan: SDP4Bit's sharded gradients (several processes) are measured as bf16 .grad
+    # one process measures each plan: TLq-HS's sharded gradients (several processes) are measured as bf16 .grad
     jobs = [dict(plan=None if p is None else p.to_dict(), model_config=model_config, dtype=dtype,
                  micro_batch=p.training.micro_batch, seq_len=p.training.seq_len, grad_accum=p.training.grad_accum,
                  steps=steps, seed=seed, device=device, gradients="bf16" if p.gradients.mode == "sdp4bit" else None)
@@ -111,7 +111,7 @@ def validate_plans(plans: list, model_config: dict, *, measure: Callable, dtype:
             entry["peak_bytes_per_stage"] = [None] * stages
             entry["whole_model_peak_bytes"] = r["peak_bytes"]
         if plan.gradients.mode == "sdp4bit":
-            entry["gradients"] = ("measured with bf16 gradients in one process: SDP4Bit's sharded step needs several "
+            entry["gradients"] = ("measured with bf16 gradients in one process: TLq-HS under FSDP2 needs several "
                                   "processes")
         plan.measured = entry
         measured.append(entry)

@@ -64,7 +64,7 @@ class WhatIf:
                f"from the latency-bandwidth model ({self.network.name}), the profile measured {self.measured_world}",
                "step time and tokens/s: measured compute per rank plus the modelled communication; data ranks "
                f"{self.world} (tokens per step scale with them)",
-               f"memory per rank: the layout's state at {self.world} ranks (sharded and fsdp: the state measured "
+               f"memory per rank: the layout's state at {self.world} ranks (fsdp: the state measured "
                f"whole, divided by {self.world}; replicated: whole, as measured)"]
         if self.fit is None:
             out.append("quantized collectives (quangrad8, sdp4bit, FSDP2's int8 weight all-gather): wire time only, "

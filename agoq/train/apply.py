@@ -10,8 +10,8 @@ order (each is a keyword-only `apply_*` function of its own):
                     (agoq.runtime.activations.offload); it wraps each layer's call, compiled or not, from outside
   5. parallel       this rank's strategy (agoq.train.parallel, agoq.train.fsdp_strategy) of the run's dims
                     (agoq.parallel_dims), one `apply_*` per dimension in order: `apply_pipeline` cuts this rank's
-                    stage; else `apply_shard` shards the state (FSDP2 over replicate x shard -- HSDP with replicas
-                    -- or agoq's SDP4Bit step); else `apply_replicate` keeps replicas (DDP; one process)
+                    stage; else `apply_shard` shards the state (FSDP2 over replicate x shard -- HSDP with replicas);
+                    else `apply_replicate` keeps replicas (DDP; one process)
 
 The activation settings come from a plan (`Plan.activation_policy()`, `Plan.checkpoint_layers()`) or from the
 flags (--policy, --checkpoint-all); the rest from the run's settings, one typed `RunSpec` (the plan and the flags
@@ -36,7 +36,7 @@ from agoq.runtime.activations.policy import ActivationPolicy
 from agoq.parallel_dims import FSDP2_ENGINE, ParallelDims
 from agoq.train.data import BatchShape
 from agoq.train.fsdp_strategy import FullyShardedDataParallel
-from agoq.train.parallel import DataParallel, ParallelStrategy, Pipelined, Sharded
+from agoq.train.parallel import DataParallel, ParallelStrategy, Pipelined
 from agoq.train.plan_settings import RunSpec
 from agoq.train.world import World
 
@@ -163,13 +163,13 @@ def apply_pipeline(model: nn.Module, *, world: World, device: torch.device, grad
 def apply_shard(model: nn.Module, *, dims: ParallelDims, world: World, device: torch.device, gradients: str,
                 dtype: torch.dtype, optimizer: str = "adamw", master: str = "fp32",
                 weight_gather: str = "bf16") -> ParallelStrategy:
-    """The state sharded over `dims.shard` ranks by `dims.engine`: FSDP2 (with `dims.replicate` > 1, HSDP: replicas
-    of the shards across nodes), or agoq's SDP4Bit step (`dims.ranks_per_node`: TLq-HS's node)."""
-    if dims.engine == FSDP2_ENGINE:
-        return FullyShardedDataParallel(model, world=world, device=device, gradients=gradients, dtype=dtype,
-                                        replicate=dims.replicate, node_size=dims.ranks_per_node, optimizer=optimizer,
-                                        master=master, weight_gather=weight_gather)
-    return Sharded(model, world=world, device=device, gradients=gradients, node_size=dims.ranks_per_node)
+    """The state sharded over `dims.shard` ranks by `dims.engine`, FSDP2 (with `dims.replicate` > 1, HSDP: replicas
+    of the shards across nodes; `dims.ranks_per_node`: TLq-HS's node). agoq's own sharded step was retired."""
+    if dims.engine != FSDP2_ENGINE:
+        raise ValueError(f"parallel.engine {dims.engine!r}: the state is sharded by {FSDP2_ENGINE} only")
+    return FullyShardedDataParallel(model, world=world, device=device, gradients=gradients, dtype=dtype,
+                                    replicate=dims.replicate, node_size=dims.ranks_per_node, optimizer=optimizer,
+                                    master=master, weight_gather=weight_gather)
 
 
 def apply_replicate(model: nn.Module, *, world: World, device: torch.device, gradients: str) -> ParallelStrategy:

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from agoq.files import write_json
-from agoq.train.flat_shards import FlatShardLoadPlanner, FlatShardSavePlanner
+from agoq.vocabulary import SHARDED, SHARDED_RETIRED
 
 SCHEMA = "agoq.checkpoint/2"
 FOLDER = "checkpoints"
@@ -102,7 +102,7 @@ def clean_partial(run_dir: str | Path) -> None:
 
 def save_checkpoint(run_dir: str | Path, step: int, state_dict: dict[str, Any], info: dict[str, Any], *,
                     rank: int, world: int, barrier: Callable[[], None]) -> None:
-    """Save `state_dict` (a DCP state dict: tensors, DTensors, `FlatShard` pieces, picklable values) for `step`;
+    """Save `state_dict` (a DCP state dict: tensors, DTensors, picklable values) for `step`;
     every rank calls it with its own. Rank 0 records `info` (JSON) beside it and makes it the latest."""
     root = Path(run_dir) / FOLDER
     tmp = root / f".{_step_folder(step)}.tmp"
@@ -113,8 +113,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state_dict: dict[str, Any], 
     barrier()
     with warnings.catch_warnings():  # one process: DCP says it saves without a process group, as asked
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
-        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=FlatShardSavePlanner(),
-                 no_dist=_no_dist())
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=_no_dist())
     barrier()
     folder = root / _step_folder(step)
     if rank == 0:
@@ -130,23 +129,34 @@ def save_checkpoint(run_dir: str | Path, step: int, state_dict: dict[str, Any], 
     barrier()
 
 
+def refuse_retired(found: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """`found` (`find_checkpoint`'s folder and agoq.json) as it is, unless it is a checkpoint of agoq's retired own
+    sharded mode (parallel "sharded": SDP4Bit's flat shards, which no run reads any more): ValueError saying what
+    to run instead."""
+    folder, info = found
+    if info.get("parallel") == SHARDED:
+        raise ValueError(f"the checkpoint in {folder} was written by --parallel sharded and does not resume: "
+                         f"{SHARDED_RETIRED}; start a fresh run (another --out)")
+    return found
+
+
 def saved_keys(folder: Path) -> set[str]:
     """The flattened keys ("model.lm_head.weight", ...) a checkpoint folder holds."""
     return set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
 
 
 def load_checkpoint(folder: Path, state_dict: dict[str, Any]) -> None:
-    """Fill `state_dict` (built like the saved one, for this rank's layout) from `folder`: tensors and `FlatShard`
-    pieces in place, other values replaced. Every rank calls it."""
+    """Fill `state_dict` (built like the saved one, for this rank's layout) from `folder`: tensors in place,
+    other values replaced. Every rank calls it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
         try:
-            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(folder)), planner=FlatShardLoadPlanner(),
-                     no_dist=_no_dist())
+            dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=_no_dist())
         except (CheckpointException, RuntimeError, ValueError) as e:
             detail = " ".join(str(e).split())[:400]
             raise ValueError(f"the checkpoint in {folder} does not fit this run's model and optimizer ({detail}): "
                              "resume with the model and optimizer settings that wrote it") from e
 
 
-__all__ = ["SCHEMA", "find_checkpoint", "clean_partial", "save_checkpoint", "load_checkpoint", "saved_keys"]
+__all__ = ["SCHEMA", "find_checkpoint", "clean_partial", "save_checkpoint", "load_checkpoint", "saved_keys",
+           "refuse_retired"]

@@ -1,5 +1,5 @@
 """The trainer's optimizer steps: torch's AdamW on float32 masters, agoq's fused 8-bit AdamW (also on FSDP2's
-local shards), SDP4Bit's sharded AdamW.
+local shards).
 
 Each is an `OptimizerStep`: `.optimizer`, `.masters` (float32 copies kept beside the optimizer, or None),
 `.fused` (whether `step` reads the gradients as stored, QuanGrad's codes included), `step(grads, scale)`,
@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from agoq.runtime.optim.master_weights import MasterWeights
 from agoq.train.config import OptimizerConfig
-from agoq.train.flat_shards import FlatShard
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -137,39 +136,6 @@ class FusedAdamW8bitStep(OptimizerStep):
         self.optimizer.step(grads=grads, clip_scale=scale)
 
 
-class ShardedAdamWStep(OptimizerStep):
-    """SDP4Bit's sharded AdamW (float32 master and 8-bit moments, 1/N per rank); it reduces the gradients itself."""
-
-    def __init__(self, params: list[torch.Tensor], optim: OptimizerConfig, seed: int, quantized: bool,
-                 node_size: int | None):
-        from agoq.runtime.optim.sdp4bit import SDP4BitOptimizer
-
-        self.params = params
-        self.optimizer = SDP4BitOptimizer(params, lr=optim.lr, betas=BETAS, eps=EPS, weight_decay=optim.weight_decay,
-                                          quantize_gradients=quantized, quantize_weights=quantized, seed=seed,
-                                          on_nonfinite="raise", node_size=node_size)
-
-    def reduce(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's shard of the averaged gradient (one float32 tensor, in a list): what the clip norm
-        and `step` read. Non-finite values are not refused here: they reach the norm, which stops the run."""
-        return [self.optimizer.reduce_gradients(grads, check_finite=False)]
-
-    def step(self, grads, scale: float) -> None:
-        self.optimizer.apply_reduced(grads[0], scale)
-
-    def checkpoint_state(self, module: nn.Module) -> dict:
-        """The replicated model, and the optimizer's shard as `FlatShard` pieces of whole-vector tensors (master
-        weights, 8-bit moment codes and scales) beside its replicated scalars: DCP writes each rank's pieces and
-        reads back whatever piece a rank of another world size owns."""
-        opt = self.optimizer
-        pieces = {name: FlatShard(t, offset, numel) for name, (t, offset, numel) in opt.global_layout().items()}
-        return {"model": get_model_state_dict(module), "optimizer": {**opt.scalar_state(), **pieces}}
-
-    def restore(self, module: nn.Module, state: dict) -> None:
-        set_model_state_dict(module, state["model"])
-        self.optimizer.load_scalar_state(state["optimizer"])  # the pieces were loaded in place
-
-
 class FSDPAdamW8bitStep(FusedAdamW8bitStep):
     """agoq's fused 8-bit AdamW on each rank's local shards of FSDP2's parameters (plain tensors that share
     the DTensors' storage; with --weight-gather int8/int4 the plain tensors inside agoq's gather wrappers): the
@@ -223,10 +189,4 @@ def build_fsdp_optimizer(params: list[torch.Tensor], optim: OptimizerConfig, *, 
     return AdamWWithMasters(params, optim, device)
 
 
-def build_sharded_optimizer(params: list[torch.Tensor], optim: OptimizerConfig, *, seed: int, quantized: bool,
-                            node_size: int | None) -> OptimizerStep:
-    """The optimizer of `--parallel sharded` (SDP4Bit; `quantized`: int8/int4 gradients and weights)."""
-    return ShardedAdamWStep(params, optim, seed, quantized, node_size)
-
-
-__all__ = ["OptimizerStep", "build_optimizer", "build_fsdp_optimizer", "build_sharded_optimizer", "BETAS", "EPS"]
+__all__ = ["OptimizerStep", "build_optimizer", "build_fsdp_optimizer", "BETAS", "EPS"]

@@ -1,12 +1,12 @@
-"""One strategy per way of sharing the work: what differs between one process, DDP, sharded and pipeline (FSDP2 and
-HSDP: agoq.train.fsdp_strategy).
+"""One strategy per way of sharing the work: what differs between one process, DDP and pipeline (FSDP2 and HSDP:
+agoq.train.fsdp_strategy).
 
 `agoq.train.apply.apply_parallel(model, dims=...)` returns the strategy of this rank (World and join_world, the
 process group, live in agoq.train.world). It owns the module this rank trains and
 checkpoints (the whole model, or a pipeline stage), the gradient storage (QuanGrad's 8-bit buffer or the
 parameters' .grad), and every step of the loop that differs per mode: the forward and backward of a step's
 micro-batches, the reduction of the gradients, of the squared gradient norm and of a value over the ranks,
-the validation loss and, for sharded runs, the optimizer (SDP4Bit's sharded AdamW). The loop
+the validation loss and, for FSDP2, the optimizer over its sharded parameters. The loop
 (`agoq.train.trainer`) calls it without asking which mode it is.
 """
 
@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agoq.layout import DDP, NONE, PIPELINE, SHARDED
+from agoq.layout import DDP, NONE, PIPELINE
 from agoq.models.lm_loss import chunked_lm_loss
 from agoq.train.config import OptimizerConfig
 from agoq.train.data import Batches
-from agoq.train.optimizer import OptimizerStep, build_optimizer, build_sharded_optimizer
+from agoq.train.optimizer import OptimizerStep, build_optimizer
 from agoq.train.world import World, join_world
 
 # --------------------------------------------------------------------------------------- strategies
@@ -201,33 +201,6 @@ class DataParallel(ParallelStrategy):
         self.qgrads.all_reduce(average=True)
 
 
-class Sharded(ParallelStrategy):
-    """`--parallel sharded`: SDP4Bit's sharded AdamW reduces the local gradients (int8/int4, or exactly)."""
-
-    mode = SHARDED
-
-    def __init__(self, model: nn.Module, *, world: World, device: torch.device, gradients: str, node_size: int | None):
-        if world.size > 1:
-            _broadcast_from_rank0(model)
-        super().__init__(model, world=world, device=device, gradients=gradients)
-        self.quantized = gradients == "sdp4bit"
-        self.node_size = node_size
-
-    def build_optimizer(self, optim: OptimizerConfig, seed: int) -> OptimizerStep:
-        self.optimizer_step = build_sharded_optimizer(self.params, optim, seed=seed, quantized=self.quantized,
-                                                      node_size=self.node_size)
-        return self.optimizer_step
-
-    def gradients(self, fused: bool):
-        """This rank's shard of the averaged gradient, reduce-scattered (TLq-HS or exactly) by the optimizer."""
-        return self.optimizer_step.reduce(super().gradients(fused))
-
-    def reduce_grad_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
-        if self.world.size > 1:
-            dist.all_reduce(sq)  # disjoint shards of the reduced gradient: the squares add up
-        return sq
-
-
 class Pipelined(ParallelStrategy):
     """`--parallel pipeline`: one stage per rank under the 1F1B schedule; one stacked batch per step."""
 
@@ -277,4 +250,4 @@ class Pipelined(ParallelStrategy):
         return self.mean_over_ranks(mean)
 
 
-__all__ = ["World", "join_world", "ParallelStrategy", "DataParallel", "Sharded", "Pipelined"]
+__all__ = ["World", "join_world", "ParallelStrategy", "DataParallel", "Pipelined"]

@@ -127,8 +127,8 @@ def check_flags_against_plan(given: dict[str, Any], decided: dict[str, Any], pla
     """Refuse flags that contradict what the plan decides (`plan_settings`), naming each flag and the plan's value.
 
     A flag equal to the plan's value is accepted; a plan without a `launch` decides no parallel mode, and modes of
-    one state kind count as the same (`agoq.layout.state_kind`: one process and DDP replicate the state, sharded
-    and fsdp shard it and both run sdp4bit gradients). `--offload` counts as the layers it names: it must name the
+    one state kind count as the same (`agoq.layout.state_kind`: one process and DDP replicate the state, fsdp
+    shards it). `--offload` counts as the layers it names: it must name the
     plan's offloaded layers (`--offload none` those of a plan that offloads nothing)."""
     wrong = []
     for name, value in given.items():
@@ -155,7 +155,7 @@ def check_flags_against_plan(given: dict[str, Any], decided: dict[str, Any], pla
 def compile_by_default(device: torch.device, parallel: str) -> bool:
     """Whether a run compiles its decoder layers when neither a flag nor a plan says: on CUDA in one process or
     DDP, where agoq's compiled layers were measured faster than eager (experiments/bench_compile.py,
-    train_8b_alternatives.py); eager on the CPU and in the sharded, fsdp and pipeline modes."""
+    train_8b_alternatives.py); eager on the CPU and in the fsdp, hsdp and pipeline modes."""
     return device.type == "cuda" and parallel in COMPILED_BY_DEFAULT
 
 
@@ -264,8 +264,6 @@ def reconcile(cfg: JobConfig, plan, where: str, world: World, device: torch.devi
         check_plan_world(plan, world.size, layout.mode, cfg.model.model, where)
     gradients = cfg.memory.gradients or decided.get("gradients") or "bf16"  # with a plan, equal to its mode
     layout.check_gradients(gradients)
-    # a plan's adamw8bit with float32 masters under sharded is SDP4Bit's step itself; only the flag is refused
-    layout.check_optimizer_flag(cfg.optim.optimizer)
     shape = batch_shape(cfg, plan, decided, layout, world)
     offload = resolve_offload(cfg, decided, plan)
     run_cfg = resolve_settings(cfg, decided, parallel_cfg, compile_default=compile_by_default(device, layout.mode))

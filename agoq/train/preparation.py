@@ -172,9 +172,9 @@ def prepare(cfg: JobConfig, world: World) -> PreparedRun:
     if offload and (dims.engine == FSDP2_ENGINE or dims.pipeline > 1):
         if settled.offload.from_plan:
             raise ValueError(f"{where}: layers[*].offload: the plan offloads layer(s) {offload}, which runs in one "
-                             f"process or with --parallel ddp or sharded, not {layout.mode}: train it in one of "
+                             f"process or with --parallel ddp, not {layout.mode}: train it in one of "
                              "those, or re-run `agoq search` for this layout")
-        raise ValueError(f"--offload runs in one process, or with --parallel ddp or sharded, not {layout.mode}: "
+        raise ValueError(f"--offload runs in one process, or with --parallel ddp, not {layout.mode}: "
                          "leave --offload out, or train without it")
     weight_gather = cfg.parallelism.weight_gather
     if weight_gather != "bf16" and dims.engine != FSDP2_ENGINE:

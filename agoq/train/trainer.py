@@ -1,9 +1,9 @@
-"""The training loop behind `agoq train`: one process, or DDP / sharded / FSDP2 (fsdp, hsdp) / pipeline under torchrun.
+"""The training loop behind `agoq train`: one process, or DDP / FSDP2 (fsdp, hsdp) / pipeline under torchrun.
 
 `train(TrainConfig(...))` prepares the run (`agoq.train.preparation`: the data and the model, with the plan or an
 activation policy, checkpointing, compilation and the parallel strategy applied in one ordered step,
 `agoq.train.apply.apply_plan`; the strategy of the run's dims also holds the gradient storage), builds the
-optimizer (`agoq.train.optimizer`: AdamW, 8-bit AdamW, or SDP4Bit's sharded AdamW), then runs `steps` optimizer
+optimizer (`agoq.train.optimizer`: AdamW or 8-bit AdamW), then runs `steps` optimizer
 steps (`Trainer.step`, which `agoq.train.measure` runs too), writing RUN_DIR/run.json, RUN_DIR/metrics.jsonl and
 atomic per-rank checkpoints through torch.distributed.checkpoint, which a run of another world size resumes
 (`agoq.train.checkpoint`; docs/formats.md, "Run"). Everything that can be wrong with the inputs is checked before
@@ -32,7 +32,7 @@ from agoq.environment import hardware, software_versions
 from agoq.files import check_output_folder, json_safe
 from agoq.formats.run import RunRecord, read_run
 from agoq.progress import progress_bar
-from agoq.train.checkpoint import clean_partial, find_checkpoint, load_checkpoint, save_checkpoint
+from agoq.train.checkpoint import clean_partial, find_checkpoint, load_checkpoint, refuse_retired, save_checkpoint
 from agoq.train.config import OPTIMIZERS, PARALLEL_MODES, JobConfig, TrainConfig
 from agoq.train.optimizer import BETAS
 from agoq.train.plan_check import PlanCheck
@@ -179,8 +179,8 @@ class Trainer:
     def try_resume(self) -> int | None:
         """Load the newest complete checkpoint when --resume; returns its step (None: starting fresh).
 
-        A checkpoint of data-parallel or sharded training resumes at any world size with the same tokens per
-        step (--grad-accum scaled to the new number of ranks); a pipeline's with the same stages."""
+        A data-parallel checkpoint resumes at any world size with the same tokens per step; a pipeline's with
+        the same stages; one of the retired --parallel sharded is refused (agoq.train.checkpoint)."""
         world = self.world
         out = Path(self.cfg.checkpoint.out)
         found = find_checkpoint(out)
@@ -193,7 +193,7 @@ class Trainer:
             if world.rank == 0:
                 print(f"agoq train: no checkpoint in {out} yet: starting from step 0", file=sys.stderr)
             return None
-        folder, state = found
+        folder, state = refuse_retired(found)
         mine = json_safe(self._resume_key())
         theirs = state.get("resume", {})
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}

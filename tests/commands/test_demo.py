@@ -124,7 +124,7 @@ def test_budget_is_the_paper_recipes_peak(tmp_path):
                                      {"gradients": {"mode": "bf16"}, "launch": {"processes": 2, "parallel": "fsdp"}}])
 def test_loop_order_and_sharded_plan_on_one_process(monkeypatch, tmp_path, sharded):
     """The loop's command lines: profile, search at the paper recipe's peak, then two runs on the plan's
-    batch shape; a plan sharded over several processes (SDP4Bit, or FSDP2 with bf16 gradients) cannot train in
+    batch shape; a plan sharded over several processes (FSDP2 with TLq-HS or with bf16 gradients) cannot train in
     one, so the plan searched replicated with quangrad8 at the same budget is the one trained (agoq train
     refuses flags that contradict a plan)."""
     calls = []

@@ -26,7 +26,7 @@ def test_every_layout_is_a_train_configuration_of_its_parallel_mode():
     assert {(k["layout"], k["gradients"], k["weight_gather"]) for k in kinds} == set(LAYOUTS)
     for kind in kinds:
         cfg = TrainConfig(**layout_train_settings(kind, "llama-tiny", 17, "fp32", "cpu", 5, 0))
-        assert cfg.parallelism.parallel == {"replicated": "ddp", "fsdp": "fsdp", "sharded": "sharded"}[kind["layout"]]
+        assert cfg.parallelism.parallel == {"replicated": "ddp", "fsdp": "fsdp"}[kind["layout"]]
         assert cfg.parallelism.weight_gather == kind["weight_gather"] and cfg.memory.gradients == kind["gradients"]
         assert (cfg.data.micro_batch, cfg.data.grad_accum, cfg.loop.steps) == (3, 1, 5) and cfg.model.compile
 
@@ -122,6 +122,13 @@ def test_a_profile_without_layout_steps_reads_as_none_and_a_bad_section_is_refus
     (out / "profile.json").write_text(json.dumps(header))
     with pytest.raises(ValueError, match=r"layout_steps.rows\[1\].weight_gather"):
         load_profile(out)
+    # a profile measured before agoq's own sharded step was retired: that row is skipped, the others read
+    rows = _fake_rows(2)
+    retired = {**rows[0], "layout": "sharded", "gradients": "sdp4bit", "optimizer": "adamw8bit", "master": "fp32"}
+    header["layout_steps"] = {"version": 1, "world_size": 2, "rows": [*rows, retired]}
+    (out / "profile.json").write_text(json.dumps(header))
+    kept = load_profile(out).layout_steps()
+    assert kept == layout_rows({"layout_steps": {"world_size": 2, "rows": rows}}) and len(kept) == len(rows)
 
 
 def test_processes_that_die_keep_what_they_journaled_for_resume(tmp_path, monkeypatch, capsys):

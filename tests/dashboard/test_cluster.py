@@ -1,5 +1,5 @@
 """A cluster plan in the dashboard (dashboard.cluster) through FastAPI's TestClient: the layout as dimensions and the
-data ranks on the overview (ddp, sharded, fsdp, a what-if's nodes; hsdp from its parallel section), and the plan
+data ranks on the overview (ddp, fsdp, a what-if's nodes; hsdp from its parallel section), and the plan
 page's layout steps beside their prices, checked against the one price computed here."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dashboard.markup import fmt_seconds
 from tests.search.synthetic_profile import write_profile
 from tests.search.test_whatif_cluster import _with_layout_steps
 
-SEARCHES = {"ddp": ("replicated", "bf16"), "sharded": ("sharded", "sdp4bit"), "fsdp": ("fsdp", "bf16")}
+SEARCHES = {"ddp": ("replicated", "bf16"), "tlq": ("fsdp", "sdp4bit"), "fsdp": ("fsdp", "bf16")}
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +82,12 @@ def test_hsdp_and_other_sections_count_replicate_times_shard(seed):
     pipe = cluster.layout({"parallel": {"pipeline": stages}, "gradients": {"mode": "bf16"}})
     assert (pipe["mode"], pipe["data_ranks"], pipe["world_size"]) == ("pipeline", 1, stages)
     n = rng.randint(2, 64)  # a plan before schema 1.8: its launch
-    old = cluster.layout({"launch": {"processes": n, "parallel": "sharded"}, "gradients": {"mode": "sdp4bit"}})
-    assert (old["mode"], old["data_ranks"], old["shard"]) == ("sharded", n, n)
+    old = cluster.layout({"launch": {"processes": n, "parallel": "fsdp"}, "gradients": {"mode": "sdp4bit"}})
+    assert (old["mode"], old["data_ranks"], old["shard"]) == ("fsdp", n, n)
+    # agoq's retired own sharded step: its launch gives no layout, its section says it was retired
+    assert cluster.layout({"launch": {"processes": n, "parallel": "sharded"}, "gradients": {"mode": "sdp4bit"}}) is None
+    retired = cluster.layout({"parallel": {"shard": n, "engine": "sdp4bit"}, "gradients": {"mode": "sdp4bit"}})
+    assert "retired" in retired["mode"] and "--parallel fsdp" in retired["mode"] and retired["weight_gather"] is None
     assert cluster.layout({"layers": []}) is None
 
 

@@ -25,7 +25,7 @@ from tests.search.test_memory_parts import _profile, expected_state
 KNOBS = {"ddp-adamw8bit": dict(gradient_mode="bf16", layout="replicated", optimizer="adamw8bit", master="fp32"),
          "ddp-adamw": dict(gradient_mode="quangrad8", layout="replicated", optimizer="adamw", master="fp32"),
          "fsdp-adamw8bit": dict(gradient_mode="bf16", layout="fsdp", optimizer="adamw8bit", master="none"),
-         "sharded": dict(gradient_mode="sdp4bit", layout="sharded", optimizer="adamw8bit", master="fp32")}
+         "fsdp-tlqhs": dict(gradient_mode="sdp4bit", layout="fsdp", optimizer="adamw8bit", master="fp32")}
 
 
 @pytest.fixture(scope="module")

@@ -361,9 +361,11 @@ def test_a_1_4_plan_with_offloaded_layers_round_trips(tmp_path):
     # offload does not change the activation policy: a checkpointed offloaded layer is still all 16
     for i, lp in enumerate(data["layers"]):
         assert again.activation_policy().settings(i) == lp["kinds"], f"seed {seed} layer {i}"
-    # a replicated or sharded launch offloads
-    for parallel in ("none", "ddp", "sharded"):
+    # a replicated launch offloads; agoq's retired own sharded one is refused, saying what to run instead
+    for parallel in ("none", "ddp"):
         plan_from_dict({**data, "launch": {"processes": 2, "parallel": parallel}})
+    with pytest.raises(ValueError, match="own sharded path.*retired.*--parallel fsdp --gradients sdp4bit"):
+        plan_from_dict({**data, "launch": {"processes": 2, "parallel": "sharded"}})
 
 
 def test_a_1_3_plan_loads_unchanged_offloading_nothing(tmp_path):

@@ -94,12 +94,14 @@ def test_the_search_picks_fsdp2_with_agoqs_int8_gather_and_train_runs_it(tmp_pat
     rng = random.Random(seed)
     plain = _profile(tmp_path, rng, budgets=False)
     assert {k.weight_gather for k in combinations(plain, knob_space(layout="fsdp", gradients="sdp4bit"))} \
-        == {"bf16", "int8"}
+        == {"bf16", "int8", "int4"}
     assert {k.weight_gather for k in combinations(plain, knob_space(layout="fsdp", gradients="bf16"))} == {"bf16"}
     fast = price(plain, Configuration(ProblemSettings(layout="fsdp", gradient_mode="sdp4bit", micro_batch=2)))
     compute = fast.step_seconds - fast.communication_seconds
-    # measured: the int8 gather hides almost all of FSDP2's communication, its bf16 gather does not
-    rows = [_layout_row("fsdp", "sdp4bit", "int8", compute * 1.01), _layout_row("fsdp", "sdp4bit", "bf16", compute * 3)]
+    # measured: the int8 gather hides almost all of FSDP2's communication, its bf16 gather does not, and the int4
+    # one (the fewest bytes) was measured slower here: the measured step, not the bytes, decides
+    rows = [_layout_row("fsdp", "sdp4bit", "int8", compute * 1.01), _layout_row("fsdp", "sdp4bit", "bf16", compute * 3),
+            _layout_row("fsdp", "sdp4bit", "int4", compute * 2)]
     json_rows = json.loads(json.dumps(rows))
     profile = _profile(tmp_path / "again", random.Random(seed), budgets=False, layout_rows=json_rows)
     plan = plan_from_profile(profile, 10**15, error_cap=None, space=knob_space(layout="fsdp", gradients="sdp4bit",
@@ -141,7 +143,7 @@ def _train_plan(rank, world, plan, out):
     return json.loads((Path(out) / "run.json").read_text())["settings"]
 
 
-@pytest.mark.parametrize("layout", ["replicated", "fsdp", "sharded"])
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
 def test_every_configuration_trains_the_global_batch_in_the_layout_asked(tmp_path, seed, layout):
     rng = random.Random(seed)
     profile = _profile(tmp_path, rng)
@@ -156,12 +158,10 @@ def test_every_configuration_trains_the_global_batch_in_the_layout_asked(tmp_pat
         data = plan.to_dict()
         assert plan.training.micro_batch * plan.training.grad_accum == batch, (seed, layout)
         assert plan_layout(plan) == layout and data["decision"]["knobs"]["layout"] == layout, (seed, layout)
-        assert data["launch"]["parallel"] == {"replicated": "ddp", "fsdp": "fsdp", "sharded": "sharded"}[layout]
+        assert data["launch"]["parallel"] == {"replicated": "ddp", "fsdp": "fsdp"}[layout]
         for alt in plan.alternatives:
             assert alt.micro_batch * alt.grad_accum == batch, (seed, layout, alt.name)
-            assert alt.layout == (layout if layout != "sharded" else alt.layout), (seed, layout, alt.name)
-        if layout == "sharded":  # agoq's own layout: no plain alternative to fall back to
-            assert plan.alternatives == [] and plan.decision.agoq, (seed, budget)
+            assert alt.layout == layout, (seed, layout, alt.name)
 
 
 @pytest.mark.parametrize("layout", ["replicated", "fsdp"])

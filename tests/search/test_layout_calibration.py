@@ -16,7 +16,7 @@ from tests.search.synthetic_profile import write_profile
 
 # (layout, gradients, weight gather) of the layout steps drawn; fsdp with TLq-HS and the bf16 gather left unmeasured
 MEASURED = (("replicated", "bf16", "bf16"), ("replicated", "quangrad8", "bf16"), ("fsdp", "bf16", "bf16"),
-            ("fsdp", "sdp4bit", "int8"), ("sharded", "sdp4bit", "bf16"))
+            ("fsdp", "sdp4bit", "int8"), ("fsdp", "sdp4bit", "int4"))
 
 
 def _profile(tmp_path, rng):
@@ -42,7 +42,7 @@ def _measured_knobs(layout, gradients, gather, compile_mode):
 def _others(layout, gradients, gather, compile_mode, rng):
     """Other configurations of one layout: other splits, per-layer choices, checkpointing, another optimizer."""
     base = dict(compile_mode=compile_mode)
-    if layout != "sharded" and rng.random() < 0.5:
+    if rng.random() < 0.5:
         base.update(optimizer="adamw", master="fp32")
     return [Configuration(_knobs(layout, gradients, gather, micro_batch=1, grad_accum=3, **base)),
             Configuration(_knobs(layout, gradients, gather, micro_batch=3, grad_accum=2, **base),

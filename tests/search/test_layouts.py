@@ -109,14 +109,47 @@ def test_the_search_picks_fsdp_where_only_fsdp_fits(tmp_path):
 def test_slow_collectives_and_a_generous_budget_pick_ddp(tmp_path):
     p = _profile(tmp_path, 2, link=2.9e6, seed=7)
     _, largest = budget_bounds(p)
-    found = solve_knobs(p, 3 * largest + 13)
+    # bf16 gradients: FSDP2 moves 3x the weights' bf16 bytes per micro-batch, DDP 2x once per step (with TLq-HS
+    # and the int4 gather FSDP2 moves less than DDP's all-reduce, and may be picked on any link)
+    bf16 = KnobSpace(gradient_modes=("bf16",))
+    found = solve_knobs(p, 3 * largest + 13, space=bf16)
     assert found.best.knobs.layout == "replicated"
     fsdp = [r for r in found.tried if r.knobs.layout == "fsdp"]
     assert fsdp  # priced, and slower
     assert all(r.alloc is None or r.alloc.step_seconds > found.best.alloc.step_seconds for r in fsdp)
     # the same profile over a fast link: FSDP2's communication hides under compute and its optimizer step is 1/N
     fast = _profile(tmp_path / "fast", 2, link=1e13, seed=7)
-    assert solve_knobs(fast, 3 * largest + 13).best.knobs.layout == "fsdp"
+    assert solve_knobs(fast, 3 * largest + 13, space=bf16).best.knobs.layout == "fsdp"
+
+
+def test_the_retired_sharded_layout_is_refused_naming_fsdp(tmp_path, capsys):
+    """`agoq search --layout sharded` (agoq's retired own layout): argparse's usage error (exit 2), before the
+    profile is read, naming `--layout fsdp`; the dashboard's request rule and the cost model refuse it too; a
+    two-rank profile offers sdp4bit gradients under fsdp only, a one-rank profile or one without FSDP2's timings not
+    at all, saying why."""
+    from agoq.cli import main
+    from agoq.search.request import BadField, read_field
+
+    out = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as e:
+        main(["search", "--profile", str(tmp_path / "none"), "--budget", "1GiB", "--out", str(out), "--layout",
+              "sharded"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "retired" in err and "--layout fsdp" in err and "Traceback" not in err, err
+    assert not out.exists()
+    with pytest.raises(BadField, match="retired.*layout fsdp"):
+        read_field("layout", "sharded")
+    two = load_profile(write_profile(tmp_path / "two", random.Random(3), world_size=2, collectives=True,
+                                     fsdp_collectives=True))
+    with pytest.raises(ValueError, match="own sharded path.*was retired"):
+        build_problem(two, ProblemSettings(gradient_mode="sdp4bit", layout="sharded"))
+    assert {k.layout for k in combinations(two, KnobSpace(gradient_modes=("sdp4bit",)))} == {"fsdp"}
+    one = load_profile(write_profile(tmp_path / "one", random.Random(3), world_size=1))
+    with pytest.raises(ValueError, match=r"no gradient storage of \('sdp4bit',\) has figures"):
+        combinations(one, KnobSpace(gradient_modes=("sdp4bit",)))
+    bare = load_profile(write_profile(tmp_path / "bare", random.Random(3), world_size=2, collectives=True))
+    with pytest.raises(ValueError, match="sdp4bit have no layout on this profile.*FSDP2.*reduce-scatter timings"):
+        combinations(bare, KnobSpace(gradient_modes=("sdp4bit",)))
 
 
 def test_layouts_offered_and_refused(tmp_path):
@@ -139,7 +172,9 @@ def test_layouts_offered_and_refused(tmp_path):
     with pytest.raises(ValueError, match="one pipeline stage, the plan has 2 stages"):
         build_problem(piped, ProblemSettings(layout="fsdp"))
     assert launch_for(1, "sdp4bit", 3, "fsdp")["command"].endswith("--parallel fsdp --gradients sdp4bit")
-    assert launch_for(1, "sdp4bit", 3)["parallel"] == "sharded"
+    assert launch_for(1, "sdp4bit", 3)["parallel"] == "fsdp"  # sdp4bit gradients: FSDP2 with TLq-HS (no layout given)
+    with pytest.raises(ValueError, match="own sharded path.*was retired"):
+        launch_for(1, "sdp4bit", 3, "sharded")
     assert launch_for(1, "bf16", 1)["parallel"] == "none" and launch_for(4, "bf16", 2)["parallel"] == "pipeline"
 
 

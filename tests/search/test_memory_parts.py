@@ -85,14 +85,14 @@ def _choices(problem, direct: bool = False):
 
 def expected_state(profile, knobs, share: float) -> dict:
     """Weights, gradients, masters and optimizer state one rank of a stage keeps (docs/formats.md's closed form:
-    replicated whole, sharded SDP4Bit 1/N of all but the weights, FSDP2 1/N of all), from profile.json."""
+    replicated whole, FSDP2 1/N of all), from profile.json."""
     mem, world = profile.memory, profile.settings["world_size"]
     state = mem["state"]["optimizers"][f"{knobs.optimizer}/{knobs.master}"]
-    layout = knobs.layout or ("sharded" if knobs.gradient_mode == "sdp4bit" else "replicated")
+    layout = knobs.layout or ("fsdp" if knobs.gradient_mode == "sdp4bit" else "replicated")
     grads = mem["gradients_bytes_quangrad8"] if knobs.gradient_mode == "quangrad8" else mem["gradients_bytes_bf16"]
     whole = {"weights": mem["weights_bytes"], "gradients": grads, "masters": state["masters"],
              "optimizer_state": state["moments"]}
-    shards = {"replicated": (), "sharded": ("gradients", "masters", "optimizer_state"), "fsdp": tuple(whole)}[layout]
+    shards = {"replicated": (), "fsdp": tuple(whole)}[layout]
     return {k: v * share / (world if k in shards else 1) for k, v in whole.items()}
 
 
@@ -150,7 +150,7 @@ def test_parts_add_up_to_the_peak_for_every_choice(profiles):
     assert phases >= {("one rank", "forward_backward"), ("one rank", "checkpoint_backward"),
                       ("pipeline", "forward_backward"), ("pipeline", "checkpoint_backward"),
                       ("two ranks", "forward_backward"), ("two ranks", "optimizer_step")}
-    assert layouts == {"replicated", "sharded", "fsdp"}
+    assert layouts == {"replicated", "fsdp"}
     assert optimizers == {("adamw", "fp32"), ("adamw8bit", "fp32"), ("adamw8bit", "none")}
 
 

@@ -74,10 +74,11 @@ def test_retarget_prices_communication_from_the_network_and_shards_the_state(two
     assert after.communication_seconds == pytest.approx(want, rel=0.01), seed
     assert after.base_seconds - after.communication_seconds == pytest.approx(
         before.base_seconds - before.communication_seconds, rel=1e-9)
-    # a sharded state is 1/N per rank
+    # a sharded state (FSDP2's, sdp4bit gradients' own layout) is 1/N per rank; replicas keep the whole
     whole = state_parts(profile, "sdp4bit", "adamw8bit", "fp32")
     assert state_per_rank(target, "sdp4bit", "adamw8bit", "fp32")["masters"] == pytest.approx(whole["masters"] / n)
-    assert state_per_rank(target, "sdp4bit", "adamw8bit", "fp32")["weights"] == pytest.approx(whole["weights"])
+    assert state_per_rank(target, "sdp4bit", "adamw8bit", "fp32")["weights"] == pytest.approx(whole["weights"] / n)
+    assert state_per_rank(target, "bf16", "adamw8bit", "fp32")["weights"] == pytest.approx(whole["weights"])
 
 
 def test_default_network_is_the_profiles_fitted_link(two_rank_profile):
@@ -148,11 +149,10 @@ def test_sweep_rows_are_the_plans_the_command_writes(two_rank_profile, tmp_path)
 
     profile = load_profile(two_rank_profile)
     rows = sweep(profile, [1, 8], 4, "nvlink-h100+ib-ndr400", 2**30)
-    assert [(r["world_size"], r["layout"]) for r in rows] == [(1, "replicated"), (8, "replicated"), (8, "sharded"),
-                                                              (8, "fsdp")]
+    assert [(r["world_size"], r["layout"]) for r in rows] == [(1, "replicated"), (8, "replicated"), (8, "fsdp")]
     out = tmp_path / "plan.json"
     assert _search(two_rank_profile, out, "--world-size", "8", "--node-size", "4", "--network",
-                   "nvlink-h100+ib-ndr400", "--layout", "sharded") == 0
+                   "nvlink-h100+ib-ndr400", "--layout", "fsdp") == 0
     plan = load_plan(out)
     row = rows[2]
     assert row["found"] and row["step_seconds"] == pytest.approx(plan.predicted.step_seconds, rel=1e-9)

@@ -80,7 +80,7 @@ def test_each_step_once_in_order(monkeypatch):
 
 def test_the_parallel_step_applies_one_function_per_dimension(monkeypatch):
     """apply_parallel reads the run's dims, not a mode: pipeline stages -> apply_pipeline; a sharded state (FSDP2,
-    with replicas HSDP, or SDP4Bit) -> apply_shard with those dims; replicas (or one rank) -> apply_replicate; dims
+    with replicas HSDP) -> apply_shard with those dims; replicas (or one rank) -> apply_replicate; dims
     that do not make the world are refused before anything is applied."""
     calls = []
     for name in ("apply_pipeline", "apply_shard", "apply_replicate"):
@@ -88,7 +88,6 @@ def test_the_parallel_step_applies_one_function_per_dimension(monkeypatch):
     model = torch.nn.Linear(2, 2)
     cases = [(ParallelDims(), "apply_replicate"), (ParallelDims(replicate=4), "apply_replicate"),
              (ParallelDims(shard=4, engine="fsdp2"), "apply_shard"),
-             (ParallelDims(shard=4, engine="sdp4bit"), "apply_shard"),
              (ParallelDims(replicate=2, shard=3, engine="fsdp2"), "apply_shard"),
              (ParallelDims(pipeline=4), "apply_pipeline")]
     for dims, want in cases:

@@ -1,5 +1,6 @@
 """Checkpoints through torch.distributed.checkpoint: bitwise resume in one process, a save killed half-way,
-format 1 refused, FlatShard pieces resharded, and gloo runs saved by 2 processes resumed by 1 and by 4."""
+format 1 and the retired sharded mode's checkpoints refused, and a gloo run saved by 2 processes resumed by 1
+(FSDP2's resharding: tests/train/test_resume_fsdp.py)."""
 
 import json
 import os
@@ -14,7 +15,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from agoq.train import checkpoint as checkpoint_module
 from agoq.train import trainer as trainer_module
 from agoq.train.checkpoint import clean_partial, find_checkpoint, load_checkpoint, save_checkpoint
-from agoq.train.flat_shards import FlatShard
 from agoq.train.trainer import TrainConfig, train
 from tests.multiprocess import run_workers
 
@@ -32,7 +32,7 @@ def _losses(run_dir):
 
 
 def _flatten(tree, prefix=""):
-    """{dotted key: value} of a nested state dict (FlatShard values kept as they are)."""
+    """{dotted key: value} of a nested state dict."""
     if isinstance(tree, dict):
         out = {}
         for k, v in tree.items():
@@ -155,26 +155,22 @@ def test_format_1_and_foreign_checkpoints_are_refused_with_what_to_do(tmp_path):
         load_checkpoint(folder, {"model": {"no.such.weight": torch.zeros(3)}})
 
 
-def test_flat_shards_reshard_exactly_in_one_process(tmp_path, seed):
-    """One process writes a logical tensor (1237 values, float32 and uint8) as one piece and reads it back as pieces
-    at uneven offsets, empty ones included: every piece is its slice, exactly (the gloo test below writes pieces
-    from several ranks)."""
-    g = torch.Generator().manual_seed(seed)
-    n = 1237
-    logical = torch.randn(n, generator=g)
-    codes = torch.randint(0, 255, (n,), generator=g, dtype=torch.uint8)
-    save_checkpoint(tmp_path, 1, {"x": FlatShard(logical.clone(), 0, n), "c": FlatShard(codes.clone(), 0, n),
-                                  "s": 7}, {}, rank=0, world=1, barrier=lambda: None)
-    folder, _ = find_checkpoint(tmp_path)
-    for a, b in [(0, 0), (0, 385), (385, 1000), (1000, n), (17, 18)]:
-        piece, cpiece = torch.zeros(b - a), torch.zeros(b - a, dtype=torch.uint8)
-        state = {"x": FlatShard(piece, a, n), "c": FlatShard(cpiece, a, n), "s": 0}
-        load_checkpoint(folder, state)
-        assert torch.equal(piece, logical[a:b]) and torch.equal(cpiece, codes[a:b]) and state["s"] == 7
-    saved = _saved(folder, tmp_path)
-    assert torch.equal(saved["x"], logical) and torch.equal(saved["c"], codes)
-    with pytest.raises(ValueError, match="does not fit"):
-        FlatShard(torch.zeros(5), 1235, n)
+def test_a_checkpoint_of_the_retired_sharded_mode_is_refused_with_what_to_run(tmp_path, seed):
+    """A checkpoint written by --parallel sharded (agoq.json's parallel "sharded") does not resume: the message
+    says the own sharded path was retired and what to run instead; the checkpoint is left as it was."""
+    out = tmp_path / "run"
+    weights = torch.randn(7, generator=torch.Generator().manual_seed(seed))
+    save_checkpoint(out, 3, {"x": weights}, {"parallel": "sharded", "resume": {}}, rank=0, world=2,
+                    barrier=lambda: None)
+    before = sorted((out / "checkpoints").rglob("*"))
+    with pytest.raises(ValueError, match=r"--parallel sharded and does not resume.*retired.*--parallel fsdp "
+                                         r"--gradients sdp4bit --weight-gather int4 --node-size 1"):
+        train(TrainConfig(**TINY, steps=4, out=str(out), resume=True))
+    assert sorted((out / "checkpoints").rglob("*")) == before
+    folder, _ = find_checkpoint(out)
+    state = {"x": torch.zeros(7)}
+    load_checkpoint(folder, state)
+    assert torch.equal(state["x"], weights)  # the checkpoint itself is intact
 
 
 # ------------------------------------------------------------------------------------------ gloo: 2 -> 1, 2 -> 4
@@ -191,8 +187,7 @@ def _state_after_load(captured):
         step = original(self)
         if step is not None:
             flat = _flatten(self._state(ranks_saved=0))
-            captured.update({k: FlatShard(v.local.clone(), v.offset, v.numel) if isinstance(v, FlatShard) else
-                             v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in flat.items()})
+            captured.update({k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in flat.items()})
         return step
 
     trainer_module.Trainer.try_resume = recording
@@ -227,63 +222,36 @@ def _gloo_worker(rank, world, root, runs):
     return out
 
 
-def _assemble(states, key):
-    """The logical tensor of FlatShard `key` from every rank's piece (each element written exactly once)."""
-    pieces = [s[key] for s in states]
-    n = pieces[0].numel
-    whole = torch.zeros(n, dtype=pieces[0].local.dtype)
-    seen = torch.zeros(n, dtype=torch.int32)
-    for p in pieces:
-        whole[p.offset: p.offset + p.local.numel()] = p.local
-        seen[p.offset: p.offset + p.local.numel()] += 1
-    assert bool((seen == 1).all()), key
-    return whole
-
-
 def _equal_state(saved, loaded_by_rank, prefix=""):
-    """Every saved value equals what the loading ranks hold: whole tensors on every rank, pieces assembled."""
+    """Every saved value equals what the loading ranks hold (whole tensors on every rank)."""
     for k, v in loaded_by_rank[0].items():
         if k.startswith("rng."):
             continue
-        if isinstance(v, FlatShard):
-            got = _assemble(loaded_by_rank, k)
-            assert got.dtype == saved[k].dtype and torch.equal(got, saved[k]), k
-        elif isinstance(v, torch.Tensor):
+        if isinstance(v, torch.Tensor):
             for state in loaded_by_rank:
                 assert state[k].dtype == saved[k].dtype and torch.equal(state[k], saved[k]), k
         else:
             assert all(state[k] == saved[k] for state in loaded_by_rank), (k, v, saved[k])
 
 
-def test_saved_by_two_processes_resumed_by_one_and_by_four(tmp_path):
-    """DDP with the fused 8-bit AdamW (replicated 8-bit state) and sharded SDP4Bit with exact communication (8-bit
-    moments sharded unevenly) saved at step 3 by 2 gloo processes; DDP resumed by 1 process, sharded by 4, with
-    the same tokens per step: the state right after loading is the saved logical state bit for bit, and the
-    losses of steps 4-6 follow the uninterrupted 2-process run's."""
+def test_saved_by_two_processes_resumed_by_one(tmp_path):
+    """DDP with the fused 8-bit AdamW (replicated 8-bit state) saved at step 3 by 2 gloo processes and resumed by
+    1 process with the same tokens per step: the state right after loading is the saved logical state bit for
+    bit, and the losses of steps 4-6 follow the uninterrupted 2-process run's."""
     ddp = dict(parallel="ddp", dtype="bf16", optimizer="adamw8bit")
-    sharded = dict(parallel="sharded")
     root = str(tmp_path)
-    run_workers(_gloo_worker, 2, root, [("ddp_whole", ddp, None, False), ("ddp_cut", ddp, 3, False),
-                                        ("sharded_whole", sharded, None, False), ("sharded_cut", sharded, 3, False)])
-    for name in ("ddp_cut", "sharded_cut"):
-        assert find_checkpoint(tmp_path / name)[1]["world"] == 2
-        assert len(list(find_checkpoint(tmp_path / name)[0].glob("*.distcp"))) == 2  # each rank wrote its part
+    run_workers(_gloo_worker, 2, root, [("ddp_whole", ddp, None, False), ("ddp_cut", ddp, 3, False)])
+    assert find_checkpoint(tmp_path / "ddp_cut")[1]["world"] == 2
+    assert len(list(find_checkpoint(tmp_path / "ddp_cut")[0].glob("*.distcp"))) == 2  # each rank wrote its part
     saved_ddp = _saved(find_checkpoint(tmp_path / "ddp_cut")[0], tmp_path)
-    saved_sharded = _saved(find_checkpoint(tmp_path / "sharded_cut")[0], tmp_path)
 
     [one] = run_workers(_gloo_worker, 1, root, [("ddp_cut", dict(ddp, parallel="none"), None, True)])
-    four = run_workers(_gloo_worker, 4, root, [("sharded_cut", sharded, None, True)])
-    assert one["ddp_cut"][0] == 0 and all(r["sharded_cut"][0] == 0 for r in four)
+    assert one["ddp_cut"][0] == 0
     _equal_state(saved_ddp, [one["ddp_cut"][1]])
-    _equal_state(saved_sharded, [r["sharded_cut"][1] for r in four])
-    assert any(isinstance(v, FlatShard) and k.endswith("exp_avg_codes") and v.local.dtype == torch.uint8
-               for k, v in four[0]["sharded_cut"][1].items())
-
-    for cut, whole in (("ddp_cut", "ddp_whole"), ("sharded_cut", "sharded_whole")):
-        got, want = _losses(tmp_path / cut), _losses(tmp_path / whole)
-        assert got[0][:3] == want[0][:3]  # before the resume: the same 2-process run
-        for g, w in zip(got[0][3:] + got[1], want[0][3:] + want[1]):
-            assert abs(g - w) <= EXACT_LOSS_RTOL * abs(w), (cut, got, want)
-        assert len(got[0]) == 6
-    run = json.loads((tmp_path / "sharded_cut" / "run.json").read_text())
-    assert run["world"]["size"] == 4 and run["settings"]["grad_accum"] == 1 and run["resumed"][0]["step"] == 3
+    got, want = _losses(tmp_path / "ddp_cut"), _losses(tmp_path / "ddp_whole")
+    assert got[0][:3] == want[0][:3]  # before the resume: the same 2-process run
+    for g, w in zip(got[0][3:] + got[1], want[0][3:] + want[1]):
+        assert abs(g - w) <= EXACT_LOSS_RTOL * abs(w), (got, want)
+    assert len(got[0]) == 6
+    run = json.loads((tmp_path / "ddp_cut" / "run.json").read_text())
+    assert run["world"]["size"] == 1 and run["settings"]["grad_accum"] == 4 and run["resumed"][0]["step"] == 3

@@ -17,7 +17,7 @@ def test_every_command_line_flag_is_one_setting():
 
 
 def test_flat_settings_reach_their_parts():
-    cfg = TrainConfig(seq_len=32, lr=3e-4, parallel="sharded", node_size=2, out="x", steps=5, compile=True)
+    cfg = TrainConfig(seq_len=32, lr=3e-4, parallel="fsdp", node_size=2, out="x", steps=5, compile=True)
     assert (cfg.data.seq_len, cfg.optim.lr, cfg.parallelism.node_size, cfg.checkpoint.out, cfg.loop.steps) == (
         32, 3e-4, 2, "x", 5)
     assert cfg.model.compile and cfg.model.compile_mode == "default"
@@ -32,7 +32,8 @@ def test_flat_settings_reach_their_parts():
     (dict(steps=0), "--steps must be >= 1"),
     (dict(plan="p.json", policy="int8"), "give either --plan or --policy"),
     (dict(parallel="tensor"), "--parallel must be one of"),
-    (dict(node_size=2), "--node-size is for --parallel sharded"),
+    (dict(node_size=2), "--node-size is for --parallel fsdp"),
+    (dict(parallel="sharded"), "own sharded path.*was retired"),
     (dict(parallel="ddp", pipeline_stages=2), "--pipeline-stages is for --parallel pipeline"),
     (dict(device="tpu"), "--device must be cpu or cuda"),
     (dict(dtype="int8"), "--dtype must be one of"),

@@ -58,7 +58,6 @@ def _layout_value(parallel, world, pipeline_stages, node_size, gradients, optimi
     try:
         layout = ParallelConfig(parallel=parallel, pipeline_stages=pipeline_stages, node_size=node_size).layout(world)
         layout.check_gradients(gradients)
-        layout.check_optimizer_flag(optimizer)
     except ValueError as e:
         return str(e)
     return layout.mode
@@ -71,7 +70,21 @@ SINCE_HSDP = [("none, ddp, sharded, fsdp, pipeline", "none, ddp, sharded, fsdp, 
               ]
 
 
+# the messages that no longer offer agoq's own sharded mode since it was retired (the rules are the same)
+SINCE_RETIRED = [("none, ddp, sharded, fsdp, hsdp, pipeline", "none, ddp, fsdp, hsdp, pipeline"),
+                 ("--node-size is for --parallel sharded or fsdp", "--node-size is for --parallel fsdp"),
+                 ("choose ddp, sharded, fsdp or pipeline", "choose ddp, fsdp, hsdp or pipeline"),
+                 ("use --parallel sharded or fsdp under torchrun", "use --parallel fsdp or hsdp under torchrun")]
+
+
 def _since_hsdp(want):
+    want = _since_hsdp_only(want)
+    for old, new in SINCE_RETIRED:
+        want = want.replace(old, new)
+    return want
+
+
+def _since_hsdp_only(want):
     if want.endswith("(--gradients sdp4bit), not with QuanGrad: use --parallel ddp for quangrad8"):
         return want.replace("use --parallel ddp for", "use --parallel ddp, or hsdp (its 8-bit all-reduce across "
                             "nodes), for")
@@ -81,7 +94,7 @@ def _since_hsdp(want):
 
 
 def test_every_combination_is_taken_or_refused_as_before():
-    modes = [m for m in MODES if m != "hsdp"]  # new: its own test below
+    modes = [m for m in MODES if m != "hsdp"]  # new: its own test below; sharded (retired): its own test too
     cases = list(itertools.product([None, *modes, "tensor"], range(1, 5), [None, 1, 2, 3], [None, 2],
                                    ["bf16", "quangrad8", "sdp4bit", "fp8"], [None, "adamw", "adamw8bit"]))
     outcomes = {}
@@ -89,7 +102,7 @@ def test_every_combination_is_taken_or_refused_as_before():
         want = _since_hsdp(_reference(*case))
         world, node_size = case[1], case[3]
         built = _reference(*case[:4], "bf16", None)  # the layout the flags make, before gradients and optimizer
-        if built in ("sharded", "fsdp") and node_size is not None and world % node_size:
+        if built == "fsdp" and node_size is not None and world % node_size:
             # the one rule added since, by the layout's dims (agoq.parallel_dims): the ranks of a node divide the
             # world (SDP4Bit's two-level reduce-scatter refused it before, at its first collective)
             want = (f"parallel.ranks_per_node {node_size} does not divide the world's {world} ranks: give the ranks "
@@ -122,10 +135,21 @@ def test_hsdp_replicates_nodes_of_shards_and_runs_every_gradient_mode():
         ParallelConfig(parallel="hsdp", node_size=1).layout(1)
 
 
+def test_the_retired_sharded_mode_is_refused_with_what_to_run():
+    """--parallel sharded (agoq's own SDP4Bit step, retired): refused by the flags' check, the layout value and the
+    dims, each time naming the FSDP2 command that replaces it."""
+    instead = "--parallel fsdp --gradients sdp4bit --weight-gather int4 --node-size 1"
+    for make in (lambda: check_options("sharded"), lambda: ParallelLayout.of("sharded", 2),
+                 lambda: ParallelConfig(parallel="sharded", node_size=1).layout(2),
+                 lambda: launch_line("sharded", 2, "sdp4bit")):
+        with pytest.raises(ValueError, match="own sharded path.*was retired") as e:
+            make()
+        assert instead in str(e.value)
+
+
 @pytest.mark.parametrize("mode, world, gradients, ok", [
     ("none", 1, "bf16", True), ("none", 1, "quangrad8", True), ("none", 1, "sdp4bit", False),
     ("ddp", 3, "quangrad8", True), ("ddp", 3, "sdp4bit", False),
-    ("sharded", 3, "bf16", True), ("sharded", 3, "sdp4bit", True), ("sharded", 3, "quangrad8", False),
     ("fsdp", 2, "bf16", True), ("fsdp", 2, "sdp4bit", True), ("fsdp", 2, "quangrad8", False),
     ("pipeline", 4, "bf16", True), ("pipeline", 4, "quangrad8", True), ("pipeline", 4, "sdp4bit", False),
 ])
@@ -142,7 +166,6 @@ def test_gradient_storage_each_mode_runs(mode, world, gradients, ok):
 @pytest.mark.parametrize("mode, world, replicated, sharded, pipelined, data_ranks, resume_state, kind", [
     ("none", 1, True, False, False, 1, "none or ddp (replicated)", "replicated"),
     ("ddp", 5, True, False, False, 5, "none or ddp (replicated)", "replicated"),
-    ("sharded", 3, False, True, False, 3, "sharded", "sharded"),
     ("fsdp", 7, False, True, False, 7, "fsdp", "sharded"),
     ("pipeline", 3, False, False, True, 1, "pipeline", "pipeline"),
 ])
@@ -169,9 +192,8 @@ def test_the_default_mode_follows_the_processes_and_the_value_is_always_valid():
 
 
 def test_a_plan_layout_fits_its_own_state_kind():
-    for planned, run, fits in [("sharded", "fsdp", True), ("fsdp", "sharded", True), ("sharded", "sharded", True),
-                               ("fsdp", "ddp", False), ("pipeline", "pipeline", True), ("pipeline", "ddp", False),
-                               ("sharded", "none", False)]:
+    for planned, run, fits in [("fsdp", "fsdp", True), ("fsdp", "ddp", False), ("pipeline", "pipeline", True),
+                               ("pipeline", "ddp", False), ("fsdp", "none", False)]:
         assert PlanLayout(planned, 3).fits(run) is fits, (planned, run)
 
 
@@ -180,4 +202,3 @@ def test_launch_line():
     assert launch_line("ddp", 3) == "torchrun --nproc-per-node 3 -m agoq.train MODEL --plan PLAN.json --parallel ddp"
     assert launch_line("fsdp", "N", "sdp4bit").endswith("--nproc-per-node N -m agoq.train MODEL --plan PLAN.json "
                                                          "--parallel fsdp --gradients sdp4bit")
-    assert launch_line("sharded", 2, "sdp4bit").endswith("--parallel sharded")  # its own step reduces sdp4bit

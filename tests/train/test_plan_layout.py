@@ -1,4 +1,4 @@
-"""A plan whose layout needs a number of processes (a pipeline's stages, sharded or fsdp over the profile's
+"""A plan whose layout needs a number of processes (a pipeline's stages, fsdp over the profile's
 ranks) trains only in that many, and is refused elsewhere with the command that launches it; replicated plans
 run in any number (agoq.layout)."""
 
@@ -71,18 +71,27 @@ def test_a_searched_fsdp_plan_of_several_ranks_is_refused_in_one_process(tmp_pat
     assert not (out / "run.json").exists()
 
 
-@pytest.mark.parametrize("layout", ["sharded", "fsdp", "pipeline", "sdp4bit without launch"])
+def test_a_plan_of_the_retired_sharded_step_is_refused_with_what_to_run(tmp_path, capsys):
+    """sdp4bit gradients without a layout (a 1.0 plan): agoq's retired own sharded step, refused (exit 2) saying
+    what runs instead; nothing is written."""
+    plan = _plan(tmp_path, gradients="sdp4bit")
+    assert _train(plan, tmp_path / "run") == 2
+    err = capsys.readouterr().err
+    assert "own sharded path" in err and "retired" in err, err
+    assert "--parallel fsdp --gradients sdp4bit --weight-gather int4 --node-size 1" in err, err
+    assert not (tmp_path / "run" / "run.json").exists()
+
+
+@pytest.mark.parametrize("layout", ["tlq-hs", "fsdp", "pipeline"])
 def test_every_layout_that_needs_its_processes_is_refused_in_one(tmp_path, capsys, layout):
     rng = _seed()
     if layout == "pipeline":
         n = rng.randint(2, LAYERS)
         plan, parallel = _plan(tmp_path, stages=n, launch=launch_for(n, "bf16", 1)), "pipeline"
-    elif layout == "sdp4bit without launch":
-        n, plan, parallel = "N", _plan(tmp_path, gradients="sdp4bit"), "sharded"
     else:
         n = rng.randint(2, 9)
-        gradients = "sdp4bit" if layout == "sharded" else rng.choice(["bf16", "sdp4bit"])
-        plan, parallel = _plan(tmp_path, gradients=gradients, launch=launch_for(1, gradients, n, layout)), layout
+        gradients = "sdp4bit" if layout == "tlq-hs" else rng.choice(["bf16", "sdp4bit"])
+        plan, parallel = _plan(tmp_path, gradients=gradients, launch=launch_for(1, gradients, n, "fsdp")), "fsdp"
     assert _train(plan, tmp_path / "run") == 2
     err = capsys.readouterr().err
     assert f"torchrun --nproc-per-node {n} -m agoq.train llama-tiny --plan {plan} --parallel {parallel}" in err, err
@@ -94,7 +103,7 @@ def test_the_world_size_rule(tmp_path):
     layout's; replicated plans and plans without a layout pass at every size."""
     rng = _seed()
     n = rng.randint(2, 7)
-    plans = {"sharded": load_plan(_plan(tmp_path, gradients="sdp4bit", launch=launch_for(1, "sdp4bit", n),
+    plans = {"tlq-hs": load_plan(_plan(tmp_path, gradients="sdp4bit", launch=launch_for(1, "sdp4bit", n),
                                         name="s.json")),
              "fsdp": load_plan(_plan(tmp_path, launch=launch_for(1, "bf16", n, "fsdp"), name="f.json")),
              "pipeline": load_plan(_plan(tmp_path, stages=LAYERS, launch=launch_for(LAYERS, "bf16", 1),
@@ -108,7 +117,7 @@ def test_the_world_size_rule(tmp_path):
             else:
                 with pytest.raises(ValueError, match=f"this run has {size} process"):
                     check_plan_world(plan, size, None, "m", "p.json")
-    check_plan_world(plans["sharded"], n, "fsdp", "m", "p.json")  # both shard
+    check_plan_world(plans["tlq-hs"], n, "fsdp", "m", "p.json")  # sdp4bit gradients: FSDP2 with TLq-HS
     with pytest.raises(ValueError, match=f"this run has {n} processes, --parallel ddp"):
         check_plan_world(plans["fsdp"], n, "ddp", "m", "p.json")
     with pytest.raises(ValueError, match="--parallel ddp"):

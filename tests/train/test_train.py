@@ -187,7 +187,7 @@ def test_bad_inputs_are_refused_before_training(tmp_path, capsys):
         (["llama-tiny", "--parallel", "ddp"], "needs several processes"),
         (["llama-tiny", "--seq-len", "4096"], "max_position_embeddings"),
         (["llama-tiny", "--policy", "int3"], "unknown activation policy"),
-        (["llama-tiny", "--gradients", "sdp4bit"], "--parallel sharded"),
+        (["llama-tiny", "--gradients", "sdp4bit"], "use --parallel fsdp or hsdp"),
     ]
     for args, message in cases:
         out = tmp_path / "never"
@@ -195,6 +195,12 @@ def test_bad_inputs_are_refused_before_training(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and message in err and err.count("\n") == 1, (args, err)
         assert not (out / "metrics.jsonl").exists()
+    # agoq's retired own sharded mode: argparse's usage error (exit 2) saying what runs instead
+    with pytest.raises(SystemExit) as e:
+        main(["train", "llama-tiny", "--parallel", "sharded", "--quiet", "--out", str(tmp_path / "never")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "own sharded path" in err and "retired" in err, err
+    assert "--parallel fsdp --gradients sdp4bit --weight-gather int4 --node-size 1" in err, err
     # a run folder that already holds a run needs --resume
     out = tmp_path / "run"
     assert main(["train", "llama-tiny", "--seq-len", "16", "--steps", "1", "--quiet", "--out", str(out)]) == 0
@@ -334,14 +340,15 @@ def test_llama3_scaled_and_mistral_configs(tmp_path, capsys):
 
 
 def test_a_sharded_plan_says_how_to_launch_it(tmp_path, capsys):
-    """A plan searched on a several-rank profile for SDP4Bit names its launch; one process refuses it with it."""
+    """A plan searched on a several-rank profile for SDP4Bit's gradients (FSDP2 with TLq-HS) names its launch; one
+    process refuses it with it."""
     from agoq.search.plan_builder import launch_for
 
     def how(launch):
         return launch["processes"], launch["parallel"], launch["command"]
 
     torchrun = "torchrun --nproc-per-node {} -m agoq.train MODEL --plan PLAN.json --parallel {}"
-    assert how(launch_for(1, "sdp4bit", 3)) == (3, "sharded", torchrun.format(3, "sharded"))
+    assert how(launch_for(1, "sdp4bit", 3)) == (3, "fsdp", torchrun.format(3, "fsdp") + " --gradients sdp4bit")
     assert how(launch_for(4, "bf16", 1)) == (4, "pipeline", torchrun.format(4, "pipeline"))
     assert how(launch_for(1, "quangrad8", 2)) == (2, "ddp", torchrun.format(2, "ddp"))
     assert how(launch_for(1, "bf16", 1)) == (1, "none", "agoq train MODEL --plan PLAN.json")
@@ -353,7 +360,7 @@ def test_a_sharded_plan_says_how_to_launch_it(tmp_path, capsys):
     assert main(["train", "llama-tiny", "--plan", str(path), "--steps", "1", "--quiet",
                  "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "torchrun --nproc-per-node 3" in err and "--parallel sharded" in err
+    assert "torchrun --nproc-per-node 3" in err and "--parallel fsdp --gradients sdp4bit" in err
 
 
 def test_offloaded_run_trains_as_the_kept_one_and_says_what_moved(tmp_path):

@@ -1,4 +1,4 @@
-"""`agoq train` over gloo: DDP (bf16, QuanGrad), sharded (exact, SDP4Bit), 1F1B pipeline, against one process."""
+"""`agoq train` over gloo: DDP (bf16, QuanGrad), FSDP2 (exact, TLq-HS), HSDP, 1F1B pipeline, against one process."""
 
 import json
 import os
@@ -112,13 +112,12 @@ def _exact(run_dir, ref_dir):
     _close(_grad_norms(run_dir)[:2], _grad_norms(ref_dir)[:2], QUANTIZED_NORM_DIFF[8][0] / 3)
 
 
-def test_two_processes_ddp_sharded_pipeline(tmp_path, seed):
+def test_two_processes_ddp_fsdp_int4_pipeline(tmp_path, seed):
     runs = [
         ("ddp_bf16", dict(parallel="ddp")),
         ("ddp_quangrad8", dict(parallel="ddp", gradients="quangrad8", optimizer="adamw8bit")),
-        ("sharded_exact", dict(parallel="sharded")),
-        ("sharded_sdp4bit", dict(parallel="sharded", gradients="sdp4bit", kill_at=4)),  # killed, then resumed
-        ("sharded_sdp4bit_int4", dict(parallel="sharded", gradients="sdp4bit", node_size=1)),  # 2 "nodes": int4
+        # what replaced agoq's retired own sharded step: FSDP2 with TLq-HS over 2 "nodes" (int4); killed, resumed
+        ("fsdp_sdp4bit_int4", dict(parallel="fsdp", gradients="sdp4bit", node_size=1, kill_at=4)),
         ("pipeline", dict(parallel="pipeline", grad_accum=2)),
         ("pipeline_stage_bits", dict(parallel="pipeline", grad_accum=3, policy="stage-aware", gradients="quangrad8")),
     ]
@@ -127,12 +126,11 @@ def test_two_processes_ddp_sharded_pipeline(tmp_path, seed):
     # two ranks x 2 sequences read the same sequences as one process accumulating 2 micro-batches of 2
     _single(tmp_path, "single", seed, grad_accum=2)
     _single(tmp_path, "single_8bit", seed, grad_accum=2, optimizer="adamw8bit")
-    for name in ("ddp_bf16", "sharded_exact", "pipeline"):
+    for name in ("ddp_bf16", "pipeline"):
         _exact(tmp_path / name, tmp_path / "single")
     _quantized(tmp_path / "ddp_quangrad8", tmp_path / "single_8bit")
-    _quantized(tmp_path / "sharded_sdp4bit", tmp_path / "single")
-    _quantized(tmp_path / "sharded_sdp4bit_int4", tmp_path / "single", bits=4)
-    run = json.loads((tmp_path / "sharded_sdp4bit" / "run.json").read_text())
+    _quantized(tmp_path / "fsdp_sdp4bit_int4", tmp_path / "single", bits=4)
+    run = json.loads((tmp_path / "fsdp_sdp4bit_int4" / "run.json").read_text())
     assert run["status"] == "finished" and run["resumed"][0]["step"] == 3 and run["world"]["size"] == 2
     staged = json.loads((tmp_path / "pipeline_stage_bits" / "run.json").read_text())
     assert staged["settings"]["policy"] == "stage-aware-4-8"  # 1F1B, 2 stages: 2 and 1 micro-batches in flight
@@ -146,11 +144,11 @@ def test_two_processes_ddp_sharded_pipeline(tmp_path, seed):
 
 def test_three_processes_quangrad_and_sdp4bit(tmp_path, seed):
     runs = [("ddp_quangrad8", dict(parallel="ddp", gradients="quangrad8")),
-            ("sharded_sdp4bit", dict(parallel="sharded", gradients="sdp4bit"))]
+            ("fsdp_sdp4bit", dict(parallel="fsdp", gradients="sdp4bit"))]
     seed %= 1000
     _run_all(tmp_path, 3, runs, seed)
     _single(tmp_path, "single", seed, grad_accum=3)
-    for name in ("ddp_quangrad8", "sharded_sdp4bit"):
+    for name in ("ddp_quangrad8", "fsdp_sdp4bit"):
         _quantized(tmp_path / name, tmp_path / "single")
 
 

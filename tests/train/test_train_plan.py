@@ -214,21 +214,21 @@ def test_plan_for_policy_writes_the_optimizer_given():
 
 
 def test_the_plans_launch_decides_the_parallel_mode_under_torchrun(tmp_path):
-    """Under torchrun a sharded or pipeline launch is --parallel's default; one process keeps the usual default
+    """Under torchrun an fsdp or pipeline launch is --parallel's default; one process keeps the usual default
     (and the refusal that says how to launch); an explicit mode of another kind is refused."""
     from agoq.train.parallel import World
     from agoq.layout import plan_parallel_default
     from agoq.train.plan_settings import check_flags_against_plan, plan_settings
 
-    sharded = load_plan(_plan(tmp_path, gradients={"mode": "sdp4bit"}, launch={"processes": 3, "parallel": "sharded"}))
-    assert plan_parallel_default(sharded, World(size=3)) == "sharded"
+    sharded = load_plan(_plan(tmp_path, gradients={"mode": "sdp4bit"}, launch={"processes": 3, "parallel": "fsdp"}))
+    assert plan_parallel_default(sharded, World(size=3)) == "fsdp"
     assert plan_parallel_default(sharded, World()) is None
     replicated = load_plan(_plan(tmp_path, name="ddp.json", launch={"processes": 3, "parallel": "ddp"}))
     assert plan_parallel_default(replicated, World(size=3)) is None  # ddp is the default under torchrun anyway
-    decided = plan_settings(sharded, "sharded")
-    check_flags_against_plan({"parallel": "fsdp"}, decided, sharded, "p.json")  # both shard sdp4bit gradients
+    decided = plan_settings(sharded, "fsdp")
+    check_flags_against_plan({"parallel": "fsdp"}, decided, sharded, "p.json")
     with pytest.raises(ValueError,
-                       match=r"--parallel ddp contradicts the plan's parallel sharded \(shard 3 \(sdp4bit\): 3 "
+                       match=r"--parallel ddp contradicts the plan's parallel fsdp \(shard 3 \(fsdp2\): 3 "
                              r"process"):
         check_flags_against_plan({"parallel": "ddp"}, decided, sharded, "p.json")
     check_flags_against_plan({"parallel": "none"}, plan_settings(replicated, "ddp"), replicated, "p.json")
@@ -245,7 +245,7 @@ def test_compile_defaults_to_the_device_and_mode_unless_a_flag_or_plan_says():
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     for device, mode, want in [(cuda, "none", True), (cuda, "ddp", True), (cuda, "fsdp", False),
-                               (cuda, "sharded", False), (cuda, "pipeline", False), (cpu, "none", False),
+                               (cuda, "hsdp", False), (cuda, "pipeline", False), (cpu, "none", False),
                                (cpu, "ddp", False)]:
         assert compile_by_default(device, mode) is want, (device, mode)
     base = TrainConfig(model="llama-tiny", data="d.txt")

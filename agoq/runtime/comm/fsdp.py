@@ -11,8 +11,8 @@ over `model.parameters()`, `torch.distributed.checkpoint`, gradient clipping wit
 The weight all-gather is FSDP2's own (in `mp_policy.param_dtype`) with all_gather="exact", or ZeRO++'s qwZ with
 "int8" (block-wise int8 codes and float32 scales, `agoq.runtime.comm.fsdp_weight_gather`, through FSDP2's all-gather
 hooks; "int4": 4-bit codes after a Hadamard-32 transform). SDP4Bit's 4-bit weight-difference all-gather (qWD)
-needs the previous full weights on every rank and is agoq's own sharded optimizer's
-(`agoq.runtime.optim.sdp4bit.SDP4BitOptimizer`, `agoq train --parallel sharded`).
+needs the previous full weights on every rank, which FSDP2 does not keep (agoq.runtime.comm.sdp4bit has it as a
+library piece).
 """
 
 from __future__ import annotations
@@ -65,9 +65,8 @@ def fully_shard_quantized(model: nn.Module, *, mesh=None, blocks: Sequence[nn.Mo
         raise ValueError(f"reduce_scatter must be one of {', '.join(REDUCE_SCATTERS)}, got {reduce_scatter!r}")
     if all_gather not in ALL_GATHERS:
         raise NotImplementedError(f"all_gather={all_gather!r}: inside FSDP2 the weight all-gather is one of "
-                                  f"{', '.join(ALL_GATHERS)}; SDP4Bit's 4-bit weight differences (qWD) run in agoq's "
-                                  "own sharded optimizer (agoq.runtime.optim.sdp4bit.SDP4BitOptimizer / agoq train "
-                                  "--parallel sharded)")
+                                  f"{', '.join(ALL_GATHERS)}; SDP4Bit's 4-bit weight differences (qWD) need "
+                                  "every rank's previous full weights, which FSDP2 does not keep: use int4")
     if reduce_scatter == "tlq-hs":
         from agoq.runtime.comm.fsdp_collectives import _require_protocol
 

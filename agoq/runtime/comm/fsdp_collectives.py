@@ -42,8 +42,8 @@ def _require_protocol() -> None:
     if _ReduceScatter is None:
         raise RuntimeError(f"torch {torch.__version__} has no FSDP2 custom reduce-scatter "
                            "(torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter): agoq's quantized FSDP2 "
-                           f"collectives need torch >= {MIN_TORCH}; upgrade torch or use agoq's own sharded "
-                           "optimizer (agoq train --parallel sharded --gradients sdp4bit)")
+                           f"collectives need torch >= {MIN_TORCH}; upgrade torch, or run "
+                           "FSDP2's own exact reduce-scatter (--gradients bf16)")
 
 
 _Base = _ReduceScatter if _ReduceScatter is not None else object

@@ -10,8 +10,9 @@ largest shard, S = ceil(G / W) * 128 values, so all collectives move equal-sized
 - `tlq_hs_reduce_scatter`: TLq-HS, the gradient reduce-scatter in two levels (int8 inside a node,
   int4 across nodes, Hadamard-32 to flatten outliers); `exact_reduce_scatter` is the fp32 reference.
 - `qwd_all_gather`: qWD, the weight all-gather of 4-bit *differences* to the previous weights, which
-  every rank (the owner too) applies, so replicas stay bit-identical.
-- `agoq.runtime.optim.sdp4bit.SDP4BitOptimizer`: the sharded AdamW that uses both.
+  every rank (the owner too) applies, so replicas stay bit-identical. agoq's own sharded optimizer that used it
+  was retired (FSDP2 gathers weights as block codes: agoq.runtime.comm.fsdp_weight_gather); it stays a library
+  piece that the collective benchmarks (agoq.profiler.collectives, experiments/bench_sdp4bit.py) measure.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Optimizer state: float32 master weights, AdamW with 8-bit moments, and SDP4Bit's sharded AdamW.
+"""Optimizer state: float32 master weights and AdamW with 8-bit moments.
 A new optimizer goes here."""
 
 from agoq.lazy import lazy_exports
@@ -8,7 +8,6 @@ _HOMES = {  # public name -> the module that defines it
     "FusedAdamW8bit": "agoq.runtime.optim.adamw8bit",
     "grad_norm_sq": "agoq.runtime.optim.fused_adamw",
     "MasterWeights": "agoq.runtime.optim.master_weights",
-    "SDP4BitOptimizer": "agoq.runtime.optim.sdp4bit",
 }
 
 __all__ = list(_HOMES)
