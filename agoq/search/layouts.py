@@ -73,7 +73,7 @@ FSDP_GATHER_PATH = "nccl-bf16"
 # the table has it (GATHER_PATHS: a what-if's modelled table, agoq.search.whatif, prices agoq's int8 gather by the
 # network model, its kernels included), else timed as the bf16 path's collective of as many bytes
 GATHER_BYTES = {"bf16": 2.0, "int8": 1.0 + 4.0 / 256, "int4": 0.5 + 4.0 / 256}
-GATHER_PATHS = {"int8": "int8-weights"}  # the collectives table's path of a quantized weight all-gather
+GATHER_PATHS = {"int8": "int8-weights", "int4": "int4-weights"}  # the collectives table's path of a quantized gather
 IN_FLIGHT_LAYERS = 2  # decoder layers whose bf16 weights are unsharded at once: the one computing and the prefetched
 REDUCE_BYTES = {"bf16": 2, "sdp4bit": 4}  # bytes per value of the unsharded gradients a reduce-scatter reads
 

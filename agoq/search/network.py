@@ -35,6 +35,7 @@ Paths (`message_bytes`: the float32 bytes of the whole tensor, 4 per value, as t
   sdp4bit all_gather     qWD: int4 weight differences + a float32 scale per 2048 values, all-gathered
   int8-weights all_gather agoq's FSDP2 weight all-gather in int8 (ZeRO++'s qwZ; agoq.runtime.comm.fsdp_weight_gather):
                          1 + 4/256 bytes per value
+  int4-weights all_gather the same in int4 after Hadamard-32: 0.5 + 4/256 bytes per value
 
 A quantized path also quantizes and dequantizes: `kernel` seconds per value (and a fixed `kernel_fixed`), fitted
 from the profile's own timings of that path (0 where the profile measured none). The wire formats here are the
@@ -57,13 +58,14 @@ WIRE_BYTES = {
     "sdp4bit-inter": 0.5 + 4.0 / GRADIENT_GROUP,      # TLq-HS's int4 level
     "sdp4bit-weights": 0.5 + 4.0 / WEIGHT_BLOCK,      # qWD
     "int8-weights": 1.0 + 4.0 / WEIGHT_GATHER_BLOCK,
+    "int4-weights": 0.5 + 4.0 / WEIGHT_GATHER_BLOCK,
 }
 NCCL_PATHS = ("nccl-fp32", "nccl-bf16")
 OPERATIONS = {  # (op, path) this model prices
     ("all_reduce", "nccl-fp32"), ("reduce_scatter", "nccl-fp32"), ("all_gather", "nccl-fp32"),
     ("all_reduce", "nccl-bf16"), ("reduce_scatter", "nccl-bf16"), ("all_gather", "nccl-bf16"),
     ("all_reduce", "quangrad8"), ("reduce_scatter", "sdp4bit"), ("all_gather", "sdp4bit"),
-    ("all_gather", "int8-weights"),
+    ("all_gather", "int8-weights"), ("all_gather", "int4-weights"),
 }
 
 
@@ -190,8 +192,8 @@ def wire_seconds(op: str, path: str, message_bytes: float, c: Cluster) -> float:
             + all_to_all(c.inter, c.nodes, values / c.node_size * WIRE_BYTES["sdp4bit-inter"])
     if (op, path) == ("all_gather", "sdp4bit"):
         return all_gather(c, values * WIRE_BYTES["sdp4bit-weights"])
-    if (op, path) == ("all_gather", "int8-weights"):
-        return all_gather(c, values * WIRE_BYTES["int8-weights"])
+    if op == "all_gather" and path in ("int8-weights", "int4-weights"):
+        return all_gather(c, values * WIRE_BYTES[path])
     raise ValueError(f"no network model of {op} on {path} (known: "
                      f"{', '.join(sorted(f'{o} {p}' for o, p in OPERATIONS))})")
 

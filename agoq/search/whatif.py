@@ -35,7 +35,7 @@ from agoq.search.network_fit import Fit, fit_collectives
 from agoq.search.network_spec import parse_network
 
 MODEL_SIZES = tuple(int(round(2 ** (s / 4))) // 4 * 4 for s in range(64, 153))  # 64 KiB .. 256 GiB, 2^(1/4) apart
-MODEL_PATHS = tuple(sorted(OPERATIONS))  # what the search reads (int8-weights: FSDP2's int8 weight all-gather)
+MODEL_PATHS = tuple(sorted(OPERATIONS))  # what the search reads (int8-/int4-weights: FSDP2's quantized gathers)
 MAX_WORLD = 1 << 20
 
 
@@ -69,10 +69,12 @@ class WhatIf:
         if self.fit is None:
             out.append("quantized collectives (quangrad8, sdp4bit, FSDP2's int8 weight all-gather): wire time only, "
                        "their kernels were not measured (a profile of one rank)")
-        elif ("all_gather", "int8-weights") not in self.fit.kernels:
-            out.append("FSDP2's int8 weight all-gather: wire time only, the profile's collectives do not time its "
-                       "quantize and dequantize kernels (an fsdp int8 layout step, where the profile has one, "
-                       "carries them)")
+        else:
+            for bits in ("int8", "int4"):
+                if ("all_gather", f"{bits}-weights") not in self.fit.kernels:
+                    out.append(f"FSDP2's {bits} weight all-gather: wire time only, the profile's collectives do not "
+                               "time its quantize and dequantize kernels (an fsdp layout step gathering so, where "
+                               "the profile has one, carries them)")
         if self.layout_steps:
             out.append(f"layout steps: each layout's exposed communication measured at {self.measured_world} ranks, "
                        f"re-priced by the network model at {self.world} (the seconds compute hid there stay hidden)")

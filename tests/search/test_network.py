@@ -177,6 +177,7 @@ def test_wire_bytes_are_the_runtimes_formats():
     assert WIRE_BYTES["sdp4bit-weights"] == sdp4bit.WEIGHT_BITS / 8 + 4 / sdp4bit.WEIGHT_BLOCK
     assert WIRE_BYTES["quangrad8"] == 1 + 4 / quantized_allreduce.DEFAULT_BLOCK
     assert WIRE_BYTES["int8-weights"] == 1 + 4 / fsdp_weight_gather.DEFAULT_BLOCK
+    assert WIRE_BYTES["int4-weights"] == 0.5 + 4 / fsdp_weight_gather.DEFAULT_BLOCK
 
 
 def test_quantized_paths_send_fewer_bytes_across_nodes():

@@ -26,9 +26,10 @@ def _ring(link: Link, p: int, nbytes: float) -> float:
     return 0.0 if p == 1 else (p - 1) * link.latency + (p - 1) / p * nbytes / link.bandwidth
 
 
-def _int8_gather(intra: Link, inter: Link, n: int, g: int, message_bytes: float) -> float:
-    """By hand: the two-level all-gather of int8 codes + a float32 scale per 256 values (inter first, over 1/g)."""
-    nbytes = message_bytes / 4 * (1 + 4 / 256)
+def _int8_gather(intra: Link, inter: Link, n: int, g: int, message_bytes: float, code_bytes: float = 1.0) -> float:
+    """By hand: the two-level all-gather of int8 codes (`code_bytes` per value: 0.5 for int4) + a float32 scale per
+    256 values (inter first, over 1/g)."""
+    nbytes = message_bytes / 4 * (code_bytes + 4 / 256)
     return _ring(inter, n // g, nbytes / g) + _ring(intra, g, nbytes)
 
 
@@ -59,7 +60,10 @@ def test_the_int8_weight_gather_is_priced_by_the_network_model(two_rank, seed):
     size = 4.0 * rng.randint(10**5, 10**9)
     got = collective_seconds(target.collectives, "int8-weights", size, ("all_gather",))
     assert got == pytest.approx(_int8_gather(intra, inter, n, g, size), rel=0.01), seed
+    got4 = collective_seconds(target.collectives, "int4-weights", size, ("all_gather",))
+    assert got4 == pytest.approx(_int8_gather(intra, inter, n, g, size, 0.5), rel=0.01), seed
     assert any("int8 weight all-gather: wire time only" in e for e in whatif.extrapolated())
+    assert any("int4 weight all-gather: wire time only" in e for e in whatif.extrapolated())
     # FSDP2's exposed communication reads it, and its kernels where the network has them
     kernel = Kernel(rng.uniform(1e-5, 1e-4), rng.uniform(1e-11, 1e-9))
     table = modelled_table(whatif.network.with_kernels({**whatif.network.kernels,
