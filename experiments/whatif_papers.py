@@ -10,8 +10,9 @@ the ratio that sets a speed-up depends on tokens per rank and the network more t
 
   AGoQ      QuanGrad's 8-bit all-reduce of a 32 MB (float32) gradient on 64 A6000 (8 nodes of 8, PCIe inside) at
             200 Gb/s and 10 Gb/s per node, against NCCL's all-reduce (fp32 and bf16): a collective, not a step
-  SDP4Bit   (no longer run) 128 H800: agoq's own sharded step with TLq-HS + qWD, which was retired (FSDP2 with
-            agoq's collectives replaced it); the committed whatif_papers.json keeps its rows as they were priced
+  SDP4Bit   128 H800 (16 nodes of 8): FSDP2 with TLq-HS gradients and agoq's int4 weight all-gather (agoq's
+            sharded layout since its own sharded step, TLq-HS + qWD, was retired; qWD sends each weight's 4-bit
+            difference once per step where FSDP2 gathers 4-bit weights twice) against FSDP2 in bf16
   ZeRO++    384 GPUs (24 nodes of 16): FSDP2 with TLq-HS gradients and agoq's int8 weight all-gather (qwZ's
             analogue; hpZ's secondary shard is not modelled) against FSDP2 in bf16 (ZeRO-3)
 
@@ -51,24 +52,26 @@ def agoq_allreduce(profile, network: str, label: str, reported: float, stated: s
             "seconds": t, "kind": "collective"}
 
 
-def zeropp_step(profile, network: str, label: str, stated: str, budget: int) -> dict:
-    """FSDP2 bf16 against FSDP2 with TLq-HS gradients and agoq's int8 weight all-gather on 384 ranks in nodes of 16:
-    the search's FSDP2 + TLq-HS plan (the int8 gather priced on its own path of the network model,
-    agoq.search.layouts.gather_path), priced with the int8 gather and, beside it, with FSDP2's bf16 one."""
+def fsdp_step(profile, paper: str, gpus: int, node: int, network: str, label: str, stated: str, budget: int,
+              gather: str, reported: float) -> dict:
+    """FSDP2 bf16 against FSDP2 with TLq-HS gradients and agoq's `gather` weight all-gather on `gpus` ranks in nodes
+    of `node`: the search's FSDP2 + TLq-HS plan (the gather priced on its own path of the network model,
+    agoq.search.layouts.gather_path), priced with `gather` and, beside it, with FSDP2's bf16 one."""
     from agoq.search.price import Configuration, price, with_knobs
     from agoq.search.request import SearchRequest, knob_space
     from agoq.search.search import search
 
-    base = plan_row(profile, 384, 16, network, budget, "fsdp", "bf16")
-    target, whatif = retarget(profile, 384, 16, network)
+    base = plan_row(profile, gpus, node, network, budget, "fsdp", "bf16")
+    target, whatif = retarget(profile, gpus, node, network)
     request = SearchRequest(budget, space=knob_space(layout="fsdp", gradients="sdp4bit"), front_budgets=0)
     plan = search(target, request, progress=False, alternatives=False).plan
     config = Configuration.of_plan(plan)
-    step = {gather: price(target, with_knobs(config, weight_gather=gather)).step_seconds for gather in ("int8", "bf16")}
-    q, b = step["int8"], base.get("step_seconds")
-    return {"paper": "ZeRO++", "setup": f"384 GPUs (24 nodes of 16), {label}", "gpus": 384, "node_size": 16,
-            "network": whatif.network.describe(), "network_stated": stated, "reported_speedup": 2.16,
-            "baseline": "FSDP2 bf16 (ZeRO-3)", "variant": "FSDP2 + TLq-HS gradients + int8 weight all-gather",
+    step = {g: price(target, with_knobs(config, weight_gather=g)).step_seconds for g in (gather, "bf16")}
+    q, b = step[gather], base.get("step_seconds")
+    return {"paper": paper, "setup": f"{gpus} GPUs ({gpus // node} nodes of {node}), {label}", "gpus": gpus,
+            "node_size": node, "network": whatif.network.describe(), "network_stated": stated,
+            "reported_speedup": reported, "baseline": "FSDP2 bf16 (ZeRO-3)",
+            "variant": f"FSDP2 + TLq-HS gradients + {gather} weight all-gather",
             "baseline_seconds": b, "variant_seconds": q, "agoq_speedup": None if not b else b / q,
             "plan_weight_gather": plan.parallel.weight_gather or "bf16",
             "tlq_hs_only_seconds": step["bf16"],
@@ -87,10 +90,16 @@ def main(argv=None) -> int:
                        "(3.125 GB/s per GPU) assumed"),
         agoq_allreduce(profile, "intra=32@5,inter=0.15625@30", "10 Gb/s per node", 3.7,
                        "10 Gb/s stated; the rest as above"),
-        zeropp_step(profile, "intra=150@3,inter=12.5@10", "V100 NVLink + 100 Gb/s per GPU",
-                    "GPU count stated; V100 NVLink (300 GB/s both ways) and 100 Gb/s per GPU assumed", 32 * GB),
-        zeropp_step(profile, "intra=150@3,inter=0.39@30", "V100 NVLink + 25 GbE per node (low bandwidth)",
-                    "GPU count stated; a low-bandwidth network assumed", 32 * GB),
+        fsdp_step(profile, "SDP4Bit", 128, 8, "nvlink-h800+ib-ndr400", "NVLink + 400 Gb/s InfiniBand per GPU",
+                  "GPU count stated; the network is our assumption (a usual H800 cluster)", 32 * GB, "int4", 4.08),
+        fsdp_step(profile, "SDP4Bit", 128, 8, "nvlink-h800+ethernet-25g", "NVLink + 25 GbE per node "
+                  "(communication-bound)", "GPU count stated; a slow network assumed to reach the paper's "
+                  "communication-bound setting", 32 * GB, "int4", 4.08),
+        fsdp_step(profile, "ZeRO++", 384, 16, "intra=150@3,inter=12.5@10", "V100 NVLink + 100 Gb/s per GPU",
+                  "GPU count stated; V100 NVLink (300 GB/s both ways) and 100 Gb/s per GPU assumed", 32 * GB, "int8",
+                  2.16),
+        fsdp_step(profile, "ZeRO++", 384, 16, "intra=150@3,inter=0.39@30", "V100 NVLink + 25 GbE per node (low "
+                  "bandwidth)", "GPU count stated; a low-bandwidth network assumed", 32 * GB, "int8", 2.16),
     ]
     print(f"what-if from {args.profile} (compute: the probe's, 953M parameters, 2 x 4096 tokens per rank)")
     print(f"{'paper':8} {'setup':60} {'reported':>9} {'agoq what-if':>13}")
