@@ -23,6 +23,11 @@ the prediction; plan tokens/s >= 0.98 x the fastest alternative measured at the 
 GPU, the probe (one H200; about 8 minutes for 4 budgets):
   python experiments/plan_accuracy.py --model probe --micro-batch 2 --seq-len 4096 --data TEXT --budgets 4
 Split over several calls: --work DIR keeps the profile and runs, --only I,J runs those budget indices.
+GPU, a cluster (2 H200s over NCCL's socket transport; the profile runs with --world-size 2 and measures each
+layout's real step, the plans and DDP / FSDP2 bf16 trained beside them under torchrun):
+  python experiments/plan_accuracy.py --model probe --micro-batch 2 --seq-len 4096 --data TEXT --nproc 2 \
+    --transport sockets --budget-list 14GB,18GB,24GB --modes default --always "DDP compiled bf16,FSDP2 eager bf16" \
+    --steps 30 --work work/c2 --name cluster_plans_2gpu_sockets
 CPU smoke (tiny model, no compile): python experiments/plan_accuracy.py --smoke
 Writes experiments/results/NAME.json (--name, default plan_accuracy_MODEL) after every budget.
 """
@@ -275,6 +280,8 @@ def main() -> None:
             cmd = AGOQ + ["profile", args.model, "--device", device, "--out", str(profile_dir), "--quiet",
                           "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len)]
             cmd += (["--layers", str(args.layers)] if args.layers else []) + args.profile_args.split()
+            if args.nproc > 1 and "--world-size" not in cmd:  # the ranks the plans run on, their layout steps
+                cmd += ["--world-size", str(args.nproc)]
             figures["profile_run"] = run(cmd, work / "profile.log")
             if figures["profile_run"]["code"]:
                 write_result(name, figures)
