@@ -44,6 +44,10 @@ runs unmodified and keeps what the plain model keeps (float32 norm statistics an
 and with attention and o_proj_input both at 16 the o_proj input is a view of attention's output, so it
 costs nothing (`shared_credit`). Both are computed with the runtime's byte predictor from the profile's
 model config.
+
+`model_problem` reads top to bottom as its steps: resolve the knobs, the offered rows and their arrays, the 16-bit
+corrections, checkpointing, the static bytes, LAAQ's transient and the optimizer step's peak (agoq.search.cost_memory),
+and the step's seconds with the layout's communication.
 """
 
 from __future__ import annotations
