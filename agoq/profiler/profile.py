@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -155,25 +156,27 @@ def _measure_sensitivities(settings: ProfileSettings, model, batches, measuremen
     return ray_measure(job, list(by_layer.values()), address, progress.update)
 
 
-def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress: bool = True,
-                 say=print) -> dict:
-    """Measure the model of `settings` and write the Profile folder `out_dir`; returns profile.json's dict."""
-    check_bits_formats(settings.bits, settings.formats)
-    import time
+class _Laps:
+    """Seconds per phase of making a profile: lap(name) records the seconds since the previous lap (or the start)."""
 
-    started = time.perf_counter()
-    phase = {"t": started}
-    timings: dict[str, float] = {}
+    def __init__(self):
+        self.started = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
 
-    def lap(name: str) -> None:
+    def lap(self, name: str) -> None:
         now = time.perf_counter()
-        timings[name] = now - phase["t"]
-        phase["t"] = now
+        self.seconds[name] = now - self.last
+        self.last = now
 
-    out = Path(out_dir)
-    failures: list[dict] = []
-    bar = _Progress(progress)
-    device = torch.device(settings.device)
+    def total(self) -> dict[str, float]:
+        """The phases' seconds and "total", the seconds since the start."""
+        self.seconds["total"] = time.perf_counter() - self.started
+        return self.seconds
+
+
+def _load(settings: ProfileSettings, device: torch.device):
+    """(model, its decoder layers' count, the layer's tensor shapes at micro-batch x seq_len, the token batches, the
+    options {kind: [options]} of --bits and --formats); ValueError for a --seq-len beyond the model's positions."""
     model = load_model(settings.spec, dtype=settings.dtype, device=settings.device, seed=settings.seed,
                        num_layers=settings.layers)
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -184,20 +187,23 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
     batches = token_batches(vocab_size(model), settings.batches, settings.micro_batch, settings.seq_len,
                             settings.seed, device)
     options = {k: kind_options(k, settings.bits, settings.formats) for k in KINDS}
-    lap("load")
-    repeats = settings.timing_repeats or (5 if device.type == "cuda" else 1)
+    return model, num_layers, shape, batches, options
 
-    # tensor errors on the tensors LAAQ keeps
-    say(f"profiling {model_name(settings.spec)}: {num_layers} layers, micro-batch {settings.micro_batch} x "
-        f"{settings.seq_len} tokens, {settings.dtype} on {settings.device}")
-    errors: dict = {}
+
+def _tensor_errors(model, batches, options: dict, block: int, failures: list) -> dict:
+    """The quantization error of each (layer, kind, option, format) on the tensors LAAQ keeps ({} where it failed)."""
     try:
-        errors = measure_tensor_errors(model, batches, options, settings.block)
+        return measure_tensor_errors(model, batches, options, block)
     except Exception as e:  # noqa: BLE001
         failures.append({"what": "tensor quantization errors", "error": _short(e)})
-    lap("tensor_errors")
+        return {}
 
-    # kernel and recompute times, once per (kind, option): every layer has the same shapes
+
+def _kernel_times(model, shape, options: dict, block: int, device: torch.device, repeats: int, bar: _Progress,
+                  failures: list) -> dict:
+    """{(kind, option, format): (quantize s, dequantize s, rerun s)}, measured once per (kind, option) since every
+    layer has the same shapes: a quantized option's kernels (and, for attention, the attention forward its backward
+    reruns; NaN otherwise), a recompute option's rerun only (NaN, NaN, s). Failures are listed and left out."""
     times: dict[tuple[str, str, str], tuple[float, float, float]] = {}
     per_kind = [(k, o) for k in KINDS for o in options[k] if o.option != "16"]
     bar.start(len(per_kind), "kernel times")
@@ -206,7 +212,7 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
         try:
             if opt.quantized:
                 dtype = next(model.parameters()).dtype
-                q, d = quantize_times(kind_shapes(shape, kind), opt, settings.block, dtype, device, repeats)
+                q, d = quantize_times(kind_shapes(shape, kind), opt, block, dtype, device, repeats)
                 rerun = nan
                 if kind == "attention":  # quantized q, k, v: backward reruns the attention forward
                     rerun = attention_rerun_time(kind_shapes(shape, kind), dtype, device, repeats)
@@ -218,31 +224,33 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
             failures.append({"what": f"kernel time kind={kind} option={opt.label}", "error": _short(e)})
         bar.update()
     bar.close()
+    return times
+
+
+def _step_timing(model, batch, device: torch.device, repeats: int, laps: _Laps, failures: list) -> dict:
+    """profile.json "timing": each layer's forward seconds, and on CUDA the host link (pinned copies each way under
+    compute, for pricing activation offload); laps "kernel_times" and, on CUDA, "host_link"."""
     timing: dict = {}
     try:
-        timing["layer_forward_seconds"] = layer_forward_seconds(model, batches[0], repeats)
+        timing["layer_forward_seconds"] = layer_forward_seconds(model, batch, repeats)
     except Exception as e:  # noqa: BLE001
         failures.append({"what": "layer forward times", "error": _short(e)})
-    lap("kernel_times")
-    if device.type == "cuda":  # pinned copies each way under compute, for pricing activation offload
+    laps.lap("kernel_times")
+    if device.type == "cuda":
         try:
             timing["host_link"] = measure_host_link(device)
         except Exception as e:  # noqa: BLE001
             failures.append({"what": "host link", "error": _short(e)})
-        lap("host_link")
+        laps.lap("host_link")
+    return timing
 
-    # sensitivities
-    measurements = [Measurement(layer, k, o.option, o.format) for layer in range(num_layers) for k in KINDS
-                    for o in options[k]]
-    runs = sum(1 for m in measurements if m.option != "16")
-    say(f"sensitivity: {runs} measurements x {settings.batches} batches ({settings.sensitivity_method})")
-    bar.start(len(measurements), "sensitivity")
-    sensitivity_notes: dict = {}
-    results = _measure_sensitivities(settings, model, batches, measurements, bar, say, sensitivity_notes)
-    bar.close()
-    lap("sensitivity")
+
+def _table_rows(measurements: list[Measurement], results: list[dict], options: dict, shape, errors: dict,
+                times: dict, block: int, failures: list) -> list[dict]:
+    """profile.parquet's rows, one per measured (layer, kind, option, format): bytes, tensor error, sensitivity and
+    extra seconds per layer (quantize + dequantize + rerun for a quantized option, the rerun for recompute, 0 for
+    16). A measurement without a sensitivity or a time is listed in `failures` and left out."""
     by_key = {(r["layer"], r["kind"], r["option"], r["format"]): r for r in results}
-
     rows = []
     for m in measurements:
         r = by_key.get((m.layer, m.kind, m.option, m.format))
@@ -250,7 +258,7 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
             failures.append({"what": m.describe(), "error": (r or {}).get("error", "not measured")})
             continue
         opt = next(o for o in options[m.kind] if o.option == m.option and o.format == m.format)
-        nbytes, unshared = option_bytes(shape, m.kind, opt, settings.block)
+        nbytes, unshared = option_bytes(shape, m.kind, opt, block)
         q, d, rc = times.get((m.kind, m.option, m.format), (math.nan, math.nan, math.nan))
         if opt.option == "16":
             err, extra = 0.0, 0.0
@@ -266,36 +274,83 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
                      "sqnr_db": sqnr_db(err) if math.isfinite(err) else math.nan, "sensitivity": r["sensitivity"],
                      "extra_seconds": extra, "quantize_seconds": q, "dequantize_seconds": d,
                      "recompute_seconds": rc})
+    return rows
 
-    say("memory: a real step in bf16 and agoq-paper")
+
+def _memory(model, shape, num_layers: int, batch, device: torch.device, failures: list) -> dict:
+    """profile.json "memory": a real step in bf16 and agoq-paper (agoq.profiler.memory), measured with nothing of
+    the sensitivity runs left allocated."""
     import gc
 
-    gc.collect()  # nothing of the sensitivity runs may stay allocated while peaks are measured
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    memory = memory_section(model, shape, num_layers, batches[0], failures=failures)
-    pipeline = pipeline_summary(settings.pipeline_stages, settings.micro_batches, num_layers)
-    lap("memory")
+    return memory_section(model, shape, num_layers, batch, failures=failures)
 
+
+def _collectives(settings: ProfileSettings, device: torch.device, progress: bool, say, failures: list):
+    """The collectives table's rows over settings.world_size local processes (agoq.profiler.collectives)."""
+    from agoq.profiler.collectives import spawn_collectives
+
+    say(f"collectives: {settings.world_size} local processes")
+    try:
+        collectives, coll_failures = spawn_collectives(settings.world_size, settings.collective_sizes,
+                                                       use_cuda=device.type == "cuda", progress=progress)
+        failures += coll_failures
+        return collectives
+    except Exception as e:  # noqa: BLE001
+        failures.append({"what": f"collectives world_size={settings.world_size}", "error": _short(e)})
+        return None
+
+
+def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress: bool = True,
+                 say=print) -> dict:
+    """Measure the model of `settings` and write the Profile folder `out_dir`; returns profile.json's dict.
+
+    In order: load the model, the tensor errors, the kernel and recompute times, the layer forward (and host link)
+    times, the sensitivities, the memory of real steps and the collectives, each phase's seconds in "seconds"."""
+    check_bits_formats(settings.bits, settings.formats)
+    laps = _Laps()
+    failures: list[dict] = []
+    bar = _Progress(progress)
+    device = torch.device(settings.device)
+    model, num_layers, shape, batches, options = _load(settings, device)
+    laps.lap("load")
+    repeats = settings.timing_repeats or (5 if device.type == "cuda" else 1)
+
+    say(f"profiling {model_name(settings.spec)}: {num_layers} layers, micro-batch {settings.micro_batch} x "
+        f"{settings.seq_len} tokens, {settings.dtype} on {settings.device}")
+    errors = _tensor_errors(model, batches, options, settings.block, failures)
+    laps.lap("tensor_errors")
+    times = _kernel_times(model, shape, options, settings.block, device, repeats, bar, failures)
+    timing = _step_timing(model, batches[0], device, repeats, laps, failures)
+
+    measurements = [Measurement(layer, k, o.option, o.format) for layer in range(num_layers) for k in KINDS
+                    for o in options[k]]
+    runs = sum(1 for m in measurements if m.option != "16")
+    say(f"sensitivity: {runs} measurements x {settings.batches} batches ({settings.sensitivity_method})")
+    bar.start(len(measurements), "sensitivity")
+    sensitivity_notes: dict = {}
+    results = _measure_sensitivities(settings, model, batches, measurements, bar, say, sensitivity_notes)
+    bar.close()
+    laps.lap("sensitivity")
+    rows = _table_rows(measurements, results, options, shape, errors, times, settings.block, failures)
+
+    say("memory: a real step in bf16 and agoq-paper")
+    memory = _memory(model, shape, num_layers, batches[0], device, failures)
+    pipeline = pipeline_summary(settings.pipeline_stages, settings.micro_batches, num_layers)
+    laps.lap("memory")
     collectives = None
     if settings.world_size > 1:
-        from agoq.profiler.collectives import spawn_collectives
+        collectives = _collectives(settings, device, progress, say, failures)
+        laps.lap("collectives")
 
-        say(f"collectives: {settings.world_size} local processes")
-        try:
-            collectives, coll_failures = spawn_collectives(settings.world_size, settings.collective_sizes,
-                                                           use_cuda=device.type == "cuda", progress=progress)
-            failures += coll_failures
-        except Exception as e:  # noqa: BLE001
-            failures.append({"what": f"collectives world_size={settings.world_size}", "error": _short(e)})
-        lap("collectives")
-    timings["total"] = time.perf_counter() - started
     replayed = sum(1 for m in measurements if settings.sensitivity_method == "replay" and m.kind in REPLAYABLE
                    and m.format in ("int", "nf4"))
     counts = {"sensitivity_runs": runs, "replayed": replayed, "policy_runs": runs - replayed,
               "batches": settings.batches}
-    return write_profile(out, settings, model, num_layers, rows, memory, pipeline, failures, collectives,
-                         extra={"seconds": timings, "counts": counts, "sensitivity": sensitivity_notes,
+    return write_profile(Path(out_dir), settings, model, num_layers, rows, memory, pipeline, failures, collectives,
+                         extra={"seconds": laps.total(), "counts": counts, "sensitivity": sensitivity_notes,
                                 "timing": timing})
 
 

@@ -44,11 +44,16 @@ runs unmodified and keeps what the plain model keeps (float32 norm statistics an
 and with attention and o_proj_input both at 16 the o_proj input is a view of attention's output, so it
 costs nothing (`shared_credit`). Both are computed with the runtime's byte predictor from the profile's
 model config.
+
+`model_problem` reads top to bottom as its steps: resolve the knobs, the offered rows and their arrays, the 16-bit
+corrections, checkpointing, the static bytes, LAAQ's transient and the optimizer step's peak (agoq.search.cost_memory),
+and the step's seconds with the layout's communication.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -58,18 +63,14 @@ from agoq.runtime.activations.activation_bytes import LayerShape, predict_layer_
 from agoq.runtime.activations.policy import KEEP, KINDS, RECOMPUTE
 from agoq.formats.measured_steps import COMPILE_MODES
 from agoq.formats.profile import ProfileData
-from agoq.models.step_peak import head_and_workspace_bytes, head_peak_bytes, head_shape_of, removed_copy_bytes
+from agoq.models.step_peak import head_peak_bytes
 from agoq.search.collective_times import collective_seconds, has_collective
-from agoq.search.layouts import fsdp_exposed_seconds, fsdp_in_flight_bytes, resolve_layout, unit_sizes
+from agoq.search.cost_memory import end_of_backward, laaq_transient, optimizer_floor, stage_share, static_bytes
+from agoq.search.layouts import fsdp_exposed_seconds, resolve_layout, unit_sizes
 from agoq.search.offload_prices import offload_prices
 from agoq.search.problem import ChoiceProblem, ProblemSettings
 from agoq.search.timing import EAGER_SPREAD_NOTE, prices, profile_compile_mode
-from agoq.search.state import (
-    measured_with,
-    resolve_optimizer,
-    state_parts,
-    state_per_rank,
-)
+from agoq.search.state import resolve_optimizer
 
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -188,47 +189,40 @@ def _step_times(profile: ProfileData, knobs: ProblemSettings, compile_mode: str,
     return {"base": base, "laaq": laaq, "checkpoint": checkpoint}
 
 
-def _end_of_backward(profile: ProfileData, gradient_mode: str, accum: int, layout: str, gradient_bytes: float,
-                     stages: np.ndarray, head_bytes: float) -> np.ndarray:
-    """[L] what the backward of checkpointed layer l holds beyond the end of forward's static bytes, in bytes.
+@dataclass(frozen=True)
+class _Run:
+    """What a plan under given knobs runs, resolved against the profile: micro-batch (`mb`, sequences) and block
+    size against the profiled ones, their layer shapes (None: no usable model config), each layer's pipeline stage,
+    the micro-batches in flight per stage, the layout, optimizer, masters and compile mode."""
+    mb: int
+    profiled_mb: int
+    accum: int
+    block: int
+    block0: int
+    shape: Optional[LayerShape]
+    shape0: Optional[LayerShape]
+    stages: np.ndarray
+    in_flight: list
+    layout: str
+    optimizer: str
+    master: str
+    compile_mode: str
+    elem: int
 
-    By then the LM head's tensors (`head_bytes`, counted at the end of forward) are freed, and with bf16 gradients
-    and one micro-batch per step the gradients backward has made exist: the head's and final norm's, and those of
-    layers l..L-1 (the end of forward's static bytes count the gradients as the calibration step found them, not
-    made yet). QuanGrad's 8-bit buffer and accumulated bf16 gradients are in the static bytes already. The layers'
-    share of `gradient_bytes` (the stage's) follows the model config's parameter counts; without a usable config
-    every gradient is counted as made (an upper bound)."""
-    L = len(stages)
-    made = np.zeros(L)
-    if gradient_mode == "bf16" and accum == 1 and layout != "fsdp":
-        made[:] = 1.0
-        config = profile.model_config() or {}
-        try:
-            units = unit_sizes(config, int(profile.header["model"].get("parameters") or 0), L)
-        except ValueError:
-            units = None
-        if units is not None and units.layer > 0:
-            embedding = 0 if config.get("tie_word_embeddings") else \
-                int(config.get("vocab_size") or 0) * int(config.get("hidden_size") or 0)
-            head = max(0, units.root - embedding)
-            for l in range(L):
-                same = stages == stages[l]
-                later = int((same & (np.arange(L) >= l)).sum())
-                total = units.layer * int(same.sum()) + (units.root if stages[l] == stages.max() else 0)
-                made[l] = (units.layer * later + (head if stages[l] == stages.max() else 0)) / max(total, 1)
-    share = np.bincount(stages, minlength=int(stages.max()) + 1) / L
-    return made * gradient_bytes * share[stages] - head_bytes
+    @property
+    def num_stages(self) -> int:
+        return int(self.stages.max()) + 1
+
+    @property
+    def flight(self) -> np.ndarray:
+        """[L] micro-batches in flight at each layer's stage."""
+        return np.array([self.in_flight[s] for s in self.stages], dtype=float)
 
 
-def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings()) -> ChoiceProblem:
-    """The ChoiceProblem of a profile under `knobs` (see the module docstring for the cost models), before its
-    calibration on the profile's measured peaks (agoq.search.calibration; agoq.search.costs.build_problem does both).
-    Raises ValueError for knobs the profile cannot price."""
-    notes: list[str] = []
-    L = profile.num_layers
+def _resolve(profile: ProfileData, knobs: ProblemSettings) -> _Run:
+    """The knobs resolved against the profile; ValueError, saying what to change, for knobs it cannot price."""
     profiled_micro_batch = int(profile.settings.get("micro_batch", 1) or 1)
     mb = knobs.micro_batch or profiled_micro_batch
-    accum = int(knobs.grad_accum)
     block0 = int(profile.settings.get("block", 128) or 128)
     block = knobs.block or block0
     shape0, shape = _layer_shape(profile, profiled_micro_batch), _layer_shape(profile, mb)
@@ -244,8 +238,7 @@ def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
         raise ValueError(f"gradient mode {knobs.gradient_mode!r} needs figures the profile lacks "
                          f"(available: {', '.join(gradient_modes(profile))})")
     layout = resolve_layout(knobs.layout, knobs.gradient_mode)
-    world = profile.world_size
-    if layout == "fsdp" and world < 2:
+    if layout == "fsdp" and profile.world_size < 2:
         raise ValueError("layout fsdp shards over several ranks: the profile was made for one (profile with "
                          "--world-size N)")
     if layout == "fsdp" and S > 1:
@@ -257,178 +250,172 @@ def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     compile_mode = knobs.compile_mode or profile_compile_mode(profile)
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
-    times = _step_times(profile, knobs, compile_mode, mb, accum, optimizer, master, notes)
-    if block != block0:
-        notes.append(f"sensitivities were measured at block {block0}; at block {block} the same values are used")
+    elem = ELEM_BYTES.get(str(profile.settings.get("dtype", "bf16")), 2)
+    return _Run(mb, profiled_micro_batch, int(knobs.grad_accum), block, block0, shape, shape0, stages, in_flight,
+                layout, optimizer, master, compile_mode, elem)
+
+
+def _offered_rows(profile: ProfileData, knobs: ProblemSettings, run: _Run, laaq_measured: bool,
+                  notes: list) -> pd.DataFrame:
+    """The option rows a plan may choose from (`_option_rows`, cached per profile, format, floors, block and
+    attention), only the 16-bit ones where no LAAQ step was measured at these knobs."""
+    if run.block != run.block0:
+        notes.append(f"sensitivities were measured at block {run.block0}; at block {run.block} the same values are "
+                     "used")
     if not knobs.quantize_attention:
         notes.append("attention is kept at 16 bits, as in agoq-paper: the profile measures sensitivities on fresh "
                      "weights, where attention's are far lower than after training (--quantize-attention on offers "
                      "its bit widths)")
-    key = (id(profile.table), knobs.format, tuple(sorted(knobs.floors().items())), block0, knobs.quantize_attention)
+    key = (id(profile.table), knobs.format, tuple(sorted(knobs.floors().items())), run.block0,
+           knobs.quantize_attention)
     cached = profile.cache.setdefault("option_rows", {})  # one profile's rows per format, floors, attention
     if key not in cached:
-        cached[key] = _option_rows(profile, knobs, shape0, block0)
+        cached[key] = _option_rows(profile, knobs, run.shape0, run.block0)
     rows = cached[key]
-    if times["laaq"] is None:
-        rows = rows[rows["option"] == "16"].copy()
+    return rows if laaq_measured else rows[rows["option"] == "16"].copy()
 
+
+def _byte_scale(run: _Run):
+    """scale(kind, option): a kind's bytes at the plan's micro-batch and block over its bytes at the profiled ones
+    (the runtime's byte predictor; 1 where they are the profiled ones or the profile has no model config)."""
     cache: dict = {}
 
     def scale(kind: str, option: str) -> float:
-        if shape0 is None or (mb == profiled_micro_batch and block == block0):
+        if run.shape0 is None or (run.mb == run.profiled_mb and run.block == run.block0):
             return 1.0
         key = (kind, option)
         if key not in cache:
             setting = RECOMPUTE if option == "recompute" else int(option)
-            before = _kind_bytes(shape0, kind, setting, block0)
-            cache[key] = _kind_bytes(shape, kind, setting, block) / before if before else 0.0
+            before = _kind_bytes(run.shape0, kind, setting, run.block0)
+            cache[key] = _kind_bytes(run.shape, kind, setting, run.block) / before if before else 0.0
         return cache[key]
+    return scale
 
+
+def _layer_options(rows: pd.DataFrame, run: _Run, scale) -> dict:
+    """The per-(layer, kind) options' arrays: layer, kind (index in KINDS), option (str), memory (bytes per micro-batch
+    x the layer's stage's micro-batches in flight), seconds (0: a layer's options are priced by its layer's dQ, the
+    module docstring) and error (the measured sensitivity, 0 for recompute)."""
     layer = rows["layer"].to_numpy(int)
     kinds, row_bytes = rows["kind"].tolist(), rows["bytes"].tolist()  # lists: iterating the columns is slower
-    kind = np.array([KINDS.index(k) for k in kinds])
     option = [str(o) for o in rows["option"].tolist()]
     per_mb = np.array([b * scale(k, o) for b, k, o in zip(row_bytes, kinds, option)], dtype=float)
-    flight = np.array([in_flight[s] for s in stages], dtype=float)
-    memory = per_mb * flight[layer]
-    seconds = np.zeros(len(rows))  # a layer's options are priced by its layer's dQ (the module docstring)
     # recompute rebuilds the tensor from its stored source by the forward's own function: exact (bit for bit on the
-    # CPU, tests/runtime/activations/test_laaq.py). What the profile measured for it is the floor of any measurement that
-    # reruns forward and backward on a GPU (nondeterministic backward kernels), not an error of the option
+    # CPU, tests/runtime/activations/test_laaq.py). What the profile measured for it is the floor of any measurement
+    # that reruns forward and backward on a GPU (nondeterministic backward kernels), not an error of the option
     error = np.where(np.array(option) == RECOMPUTE, 0.0, rows["sensitivity"].to_numpy(float))
+    return {"layer": layer, "kind": np.array([KINDS.index(k) for k in kinds]), "option": option,
+            "memory": per_mb * run.flight[layer], "seconds": np.zeros(len(rows)), "error": error}
 
-    unmodified = np.zeros(L)
-    credit = np.zeros(L)
-    if shape is not None:
-        plain = sum(predict_layer_bytes(shape, None, block).values())
-        sixteen: dict[int, dict[str, float]] = {}  # per layer, its kinds' bytes at 16
-        for l, k, o, b in zip(layer, kinds, option, row_bytes):
-            if o == "16":
-                sixteen.setdefault(int(l), {})[k] = b * scale(k, "16")
-        for l in range(L):
-            by_kind = sixteen.get(l, {})
-            credit[l] = by_kind.get("o_proj_input", 0.0) * flight[l]
-            if len(by_kind) == len(KINDS):
-                unmodified[l] = max(0.0, plain - (sum(by_kind.values()) - by_kind.get("o_proj_input", 0.0))) * flight[l]
-    else:
+
+def _sixteen_corrections(rows: pd.DataFrame, run: _Run, scale, L: int, notes: list):
+    """([L] unmodified_extra, [L] shared_credit) in bytes (the module docstring): a layer with every kind at 16 keeps
+    the plain layer's bytes less its kinds' sum (o_proj_input's aside), and o_proj_input at 16 is credited while
+    attention is 16; both x the stage's micro-batches in flight. Zeros without a model config."""
+    unmodified, credit = np.zeros(L), np.zeros(L)
+    if run.shape is None:
         notes.append("no model config in the profile: layers left all at 16 bits are costed as the sum of their kinds")
+        return unmodified, credit
+    flight = run.flight
+    plain = sum(predict_layer_bytes(run.shape, None, run.block).values())
+    sixteen: dict[int, dict[str, float]] = {}  # per layer, its kinds' bytes at 16
+    for l, k, o, b in zip(rows["layer"].to_numpy(int), rows["kind"].tolist(), [str(o) for o in rows["option"].tolist()],
+                          rows["bytes"].tolist()):
+        if o == "16":
+            sixteen.setdefault(int(l), {})[k] = b * scale(k, "16")
+    for l in range(L):
+        by_kind = sixteen.get(l, {})
+        credit[l] = by_kind.get("o_proj_input", 0.0) * flight[l]
+        if len(by_kind) == len(KINDS):
+            unmodified[l] = max(0.0, plain - (sum(by_kind.values()) - by_kind.get("o_proj_input", 0.0))) * flight[l]
+    return unmodified, credit
 
-    # a checkpointed layer reruns the unmodified forward in backward, keeping what the plain layer keeps
-    recompute = np.full(L, float(sum(predict_layer_bytes(shape, None, block).values()))) if shape is not None else None
-    hidden = shape.hidden if shape is not None else None
-    elem = ELEM_BYTES.get(str(profile.settings.get("dtype", "bf16")), 2)
+
+def _checkpoint_prices(profile: ProfileData, knobs: ProblemSettings, run: _Run, seconds: Optional[float], L: int,
+                       notes: list) -> dict:
+    """Whole-layer checkpointing: a checkpointed layer keeps its input (tokens x hidden x element bytes x in flight)
+    and reruns the unmodified forward in backward, holding what the plain layer keeps ("recompute", [L] bytes; None
+    without a model config); it costs `seconds` per layer (the measured checkpoint-all step; 0 where not measured).
+    Offered where allowed, the hidden size known and the step measured."""
+    recompute = np.full(L, float(sum(predict_layer_bytes(run.shape, None, run.block).values()))) \
+        if run.shape is not None else None
+    hidden = run.shape.hidden if run.shape is not None else None
     if hidden is None:
         config = profile.model_config() or {}
         hidden = config.get("hidden_size")
-    tokens = mb * int(profile.settings.get("seq_len", 1))
-    checkpoint_memory = np.array([tokens * hidden * elem * flight[l] for l in range(L)], dtype=float) \
+    tokens = run.mb * int(profile.settings.get("seq_len", 1))
+    flight = run.flight
+    memory = np.array([tokens * hidden * run.elem * flight[l] for l in range(L)], dtype=float) \
         if hidden else np.zeros(L)
-    allow_ckpt = knobs.allow_checkpoint and bool(hidden) and times["checkpoint"] is not None
-    checkpoint_seconds = np.full(L, times["checkpoint"] if times["checkpoint"] is not None else 0.0)
+    allow = knobs.allow_checkpoint and bool(hidden) and seconds is not None
     if not hidden and knobs.allow_checkpoint:
         notes.append("no hidden size in the profile: whole-layer checkpointing is not offered")
+    return {"memory": memory, "seconds": np.full(L, seconds if seconds is not None else 0.0), "allow": allow,
+            "recompute": recompute}
 
-    share = np.bincount(stages, minlength=S) / L
-    units = None
-    state = state_per_rank(profile, knobs.gradient_mode, optimizer, master, layout)  # bytes per rank
-    state_total = sum(state.values())
-    static_parts = {name: value * share for name, value in state.items()}  # {part: [S] bytes}
-    if layout == "fsdp":
-        units = unit_sizes(profile.model_config(), int(profile.header["model"].get("parameters") or 0), L)
-        in_flight_weights = fsdp_in_flight_bytes(units, knobs.gradient_mode)
-        static_parts["fsdp_unsharded"] = in_flight_weights * share
-        notes.append(f"fsdp over {world} ranks: {int(state_total)} bytes of sharded state per rank and "
-                     f"{int(in_flight_weights)} bytes of unsharded weights and gradients in flight "
-                     "(agoq.search.layouts)")
-    calibrated = measured_with(profile)
-    grads_calibrated = state_parts(profile, calibrated["gradients"], optimizer, master)["gradients"]
-    if knobs.gradient_mode == "quangrad8" and calibrated["gradients"] != "quangrad8":
-        # fixed_bytes was calibrated on a step whose bf16 gradients mostly did not exist yet at its fwd + bwd peak
-        # (fixed = measured - predicted counts that as a credit); QuanGrad's buffer is allocated before the step,
-        # while backward still produces each bf16 gradient: the peak keeps the calibrated step's gradients and
-        # the buffer too
-        static_parts["backward_gradients"] = grads_calibrated * share
-        notes.append(f"QuanGrad's 8-bit gradient buffer is counted on top of the {calibrated['gradients']} gradients "
-                     "the profile's fixed bytes were calibrated with (+"
-                     f"{int(grads_calibrated)} bytes at the fwd + bwd peak)")
-    elif knobs.gradient_mode == "bf16" and accum > 1 and calibrated["gradients"] == "bf16":
-        # the calibration step's peak came before backward made any gradient; from the second micro-batch on,
-        # the gradients of the earlier ones are kept while the next one runs forward and backward
-        static_parts["accumulated_gradients"] = state["gradients"] * share
-        notes.append(f"with {accum} micro-batches per step the gradients of the first are kept through the others' "
-                     f"forward and backward (+{int(state['gradients'])} bytes at the fwd + bwd peak)")
-    # besides the layers' activations a step holds what embedding, final norm, head and loss keep
-    # (outside_activation_bytes) and the calibrated rest (fixed_bytes: logits' gradient, workspace)
-    outside = float(profile.memory.get("outside_activation_bytes") or 0)
-    fixed_bytes = profile.memory.get("fixed_bytes")
-    if fixed_bytes is None:  # not calibrated (no allocator statistics where it was profiled)
-        notes.append("this profile was made on a device without allocator statistics (the CPU), so the memory "
-                     "model could not measure the step's workspace (temporaries): predicted peaks count only "
-                     "weights, gradients, optimizer state, activations and the LM head's modelled tensors "
-                     f"(at least the {int(outside)} bytes kept outside the decoder layers); profile on the GPU you "
-                     "will train on for peaks you can budget by")
-    # the eager step's peak is the chunked loss's forward (agoq.models.step_peak): the head's tensors at this
-    # micro-batch and the calibrated workspace (the gradient storage there is the QuanGrad correction above)
-    head = head_shape_of(profile.memory, profile.model_config(), profiled_micro_batch,
-                         int(profile.settings.get("seq_len", 1)), elem)
-    static_parts["head_and_workspace"] = np.full(S, head_and_workspace_bytes(profile.memory, head, mb,
-                                                                          profiled_micro_batch))
-    older = removed_copy_bytes(profile.memory, head)
-    if older > 0:
-        notes.append(f"this profile was measured while the LM loss held {int(older)} bytes more at its peak (a "
-                     "float32 copy of each chunk's weight gradient, since removed): a compiled plan whose peak "
-                     "is the loss's forward may be predicted up to that much high; run `agoq profile` again to "
-                     "plan with that memory")
-    static = sum(static_parts.values())
-    end_of_backward = _end_of_backward(profile, knobs.gradient_mode, accum, layout, state["gradients"], stages,
-                                       float(head_peak_bytes(head.with_micro_batch(mb))) if head is not None else 0.0)
-    # LAAQ's backward holds dequantized copies the memory model does not list: the agoq-paper step's
-    # measured fwd + bwd peak beyond its prediction (both from the profile) is taken as that transient
-    laaq = None
-    paper = next((st for st in profile.memory.get("steps", []) or [] if st.get("policy") == "agoq-paper"), {})
-    measured_fb = paper.get("measured_peak_bytes_forward_backward")
-    predicted_fb = paper.get("predicted_peak_bytes_forward_backward")
-    if measured_fb is not None and predicted_fb is not None:
-        over = max(0.0, float(measured_fb) - float(predicted_fb)) * (mb / profiled_micro_batch)
-        laaq = np.full(S, over)
-        notes.append(f"LAAQ backward transient of {int(over)} bytes per stage, from the profile's agoq-paper step")
-    fixed_opt = profile.memory.get("fixed_bytes_optimizer_step")
-    floor, floor_parts = None, None
-    if fixed_opt is not None:  # the optimizer step's peak: weights, gradients, state and its temporaries
-        # fixed_opt was measured with the profile's optimizer: its transient is swapped for this optimizer's
-        transient = state_parts(profile, knobs.gradient_mode, optimizer, master)["step_transient"] \
-            - state_parts(profile, knobs.gradient_mode, calibrated["optimizer"], calibrated["master"])["step_transient"]
-        floor_parts = {name: value * share for name, value in state.items()}
-        floor_parts["optimizer_step_workspace"] = (float(fixed_opt) + transient) * share
-        floor = sum(floor_parts.values())
-    params = float(profile.header["model"].get("parameters") or 0)
-    base = times["base"]
-    if layout == "fsdp":  # FSDP2: each rank steps 1/N of the state; its collectives overlap each layer's compute
-        split = prices(profile).split_parts(compile_mode, mb, "bf16", optimizer, master)
+
+def _step_seconds(profile: ProfileData, knobs: ProblemSettings, run: _Run, base: float, units, L: int,
+                  notes: list) -> tuple[float, float]:
+    """(compute seconds, exposed communication seconds) of the bf16 step at these knobs.
+
+    replicated: the measured step `base` and one gradient collective of 4 bytes per parameter per step.
+    fsdp (FSDP2): accum x fb + once / N (each rank steps 1/N of the state; fb, once: the measured step's forward +
+    backward and its once-per-step rest) and accum x the communication each micro-batch does not hide behind the
+    layers' compute (agoq.search.layouts.fsdp_exposed_seconds). Communication the profile has no timing for is 0."""
+    if run.layout == "fsdp":
+        split = prices(profile).split_parts(run.compile_mode, run.mb, "bf16", run.optimizer, run.master)
         if split is None:
-            raise ValueError(f"the profile measured no {compile_mode} steps of one and two micro-batches of {mb} "
-                             "sequences: an fsdp plan's compute and optimizer step cannot be told apart")
+            raise ValueError(f"the profile measured no {run.compile_mode} steps of one and two micro-batches of "
+                             f"{run.mb} sequences: an fsdp plan's compute and optimizer step cannot be told apart")
         fb, once = split
-        base = accum * fb + once / world
+        base = run.accum * fb + once / profile.world_size
         parts = fsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb, knobs.weight_gather)
-        comm = accum * parts["exposed"]
+        comm = run.accum * parts["exposed"]
         ag_ms, rs_ms = parts["all_gather_layer"] * 1e3, parts["reduce_scatter_layer"] * 1e3
         notes.append(f"fsdp communication: {comm:.4g} s per step not hidden by compute (all-gather {ag_ms:.3g} ms, "
                      f"reduce-scatter {rs_ms:.3g} ms per layer and micro-batch)")
     else:
+        params = float(profile.header["model"].get("parameters") or 0)
         comm = _collective_seconds(profile, knobs.gradient_mode, params * 4) if params else 0.0
     if math.isnan(comm):
         notes.append(f"no collective timing for gradient mode {knobs.gradient_mode}: communication not counted")
         comm = 0.0
-    problem = ChoiceProblem(layer, kind, option, memory, seconds, error, stages, checkpoint_memory,
-                            checkpoint_seconds, allow_ckpt, unmodified, credit, static, base + comm, 1.0, notes,
-                            floor, np.array(in_flight[:S], dtype=float), recompute, laaq, times["laaq"] or 0.0,
-                            static_parts, floor_parts, one_setting_per_stage=compile_mode == "compiled",
-                            end_of_backward=end_of_backward,
-                            offload=offload_prices(profile, knobs, base + comm, accum, S, layout, notes,
-                                                   compile_mode, mb),
-                            communication_seconds=float(comm))
-    return problem
+    return base, comm
+
+
+def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings()) -> ChoiceProblem:
+    """The ChoiceProblem of a profile under `knobs` (see the module docstring for the cost models), before its
+    calibration on the profile's measured peaks (agoq.search.calibration; agoq.search.costs.build_problem does both).
+    Raises ValueError for knobs the profile cannot price."""
+    notes: list[str] = []
+    L = profile.num_layers
+    run = _resolve(profile, knobs)
+    S = run.num_stages
+    times = _step_times(profile, knobs, run.compile_mode, run.mb, run.accum, run.optimizer, run.master, notes)
+    rows = _offered_rows(profile, knobs, run, times["laaq"] is not None, notes)
+    scale = _byte_scale(run)
+    options = _layer_options(rows, run, scale)
+    unmodified, credit = _sixteen_corrections(rows, run, scale, L, notes)
+    ckpt = _checkpoint_prices(profile, knobs, run, times["checkpoint"], L, notes)
+
+    units = unit_sizes(profile.model_config(), int(profile.header["model"].get("parameters") or 0), L) \
+        if run.layout == "fsdp" else None
+    static_parts, state, head = static_bytes(profile, knobs.gradient_mode, run.optimizer, run.master, run.layout,
+                                             run.accum, run.stages, units, run.elem, run.mb, notes)
+    head_bytes = float(head_peak_bytes(head.with_micro_batch(run.mb))) if head is not None else 0.0
+    backward = end_of_backward(profile, knobs.gradient_mode, run.accum, run.layout, state["gradients"], run.stages,
+                               head_bytes)
+    laaq = laaq_transient(profile, run.mb, S, notes)
+    floor, floor_parts = optimizer_floor(profile, knobs.gradient_mode, run.optimizer, run.master, state,
+                                         stage_share(run.stages))
+    base, comm = _step_seconds(profile, knobs, run, times["base"], units, L, notes)
+    offload = offload_prices(profile, knobs, base + comm, run.accum, S, run.layout, notes, run.compile_mode, run.mb)
+    return ChoiceProblem(options["layer"], options["kind"], options["option"], options["memory"], options["seconds"],
+                         options["error"], run.stages, ckpt["memory"], ckpt["seconds"], ckpt["allow"], unmodified,
+                         credit, sum(static_parts.values()), base + comm, 1.0, notes, floor,
+                         np.array(run.in_flight[:S], dtype=float), ckpt["recompute"], laaq, times["laaq"] or 0.0,
+                         static_parts, floor_parts, one_setting_per_stage=run.compile_mode == "compiled",
+                         end_of_backward=backward, offload=offload, communication_seconds=float(comm))
 
 
 __all__ = ["model_problem", "gradient_modes", "ELEM_BYTES"]
