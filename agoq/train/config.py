@@ -172,6 +172,11 @@ class LoopConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise ValueError(f"--eval-every must be >= 1 (steps between evaluations; leave it unset for a tenth of "
+                             f"--steps), got {self.eval_every}")
+        if self.eval_batches < 1:
+            raise ValueError(f"--eval-batches must be >= 1, got {self.eval_batches}")
 
 
 @dataclass(frozen=True, kw_only=True)

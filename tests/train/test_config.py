@@ -51,3 +51,11 @@ def test_parallel_mode_follows_the_number_of_processes():
         ParallelConfig(parallel="none").mode_for(2)
     with pytest.raises(ValueError, match="--pipeline-stages 3 but 2 processes"):
         ParallelConfig(parallel="pipeline", pipeline_stages=3).mode_for(2)
+
+
+@pytest.mark.parametrize("field,value", [("eval_every", 0), ("eval_every", -3), ("eval_batches", 0)])
+def test_a_loop_from_python_refuses_what_the_command_line_refuses(field, value):
+    """`train(TrainConfig(...))` from Python gets the command line's refusal (the loop would divide by
+    eval_every, or evaluate on no batch), naming the flag and the value."""
+    with pytest.raises(ValueError, match=f"--{field.replace('_', '-')} must be >= 1.*got {value}"):
+        TrainConfig(model="llama-tiny", device="cpu", **{field: value})
