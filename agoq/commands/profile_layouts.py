@@ -23,15 +23,10 @@ rest (as agoq.commands.profile_steps does for the one-rank steps).
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import socket
 import statistics
 import tempfile
-import threading
-import traceback
-import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -124,73 +119,24 @@ def measure_on_group(kinds: list[dict], *, model: str, seq_len: int, dtype: str,
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned(rank: int, world: int, port: int, out_dir: str, kinds: list[dict], settings: dict,
-             journal: Optional[str], request: dict, use_cuda: bool) -> None:
-    import torch
-    import torch.distributed as dist
-    from tqdm import tqdm
-
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    tqdm.set_lock(threading.RLock())  # this process leaves by os._exit, which would strand a semaphore
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    if use_cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)
-    try:
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=300))
-        done = (lambda entry: _append(Path(journal), {"request": request, **entry})) if journal else None
-        device = f"cuda:{rank}" if use_cuda else "cpu"
-        result = {"entries": measure_on_group(kinds, **{**settings, "device": device}, done=done)}
-    except BaseException:  # reported to the parent, whatever it was
-        result = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(result, f)
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    finally:
-        os._exit(0)  # leave without interpreter-exit destructors of communication threads
+def _measure_rank(rank: int, kinds: list[dict], settings: dict, journal: Optional[str], request: dict,
+                  use_cuda: bool) -> dict:
+    """One rank's part of `spawn_on_group` (agoq.profiler.local_group runs it in the joined group)."""
+    done = (lambda entry: _append(Path(journal), {"request": request, **entry})) if journal else None
+    device = f"cuda:{rank}" if use_cuda else "cpu"
+    return {"entries": measure_on_group(kinds, **{**settings, "device": device}, done=done)}
 
 
 def spawn_on_group(world_size: int, kinds: list[dict], settings: dict, journal: Optional[Path] = None,
                    request: Optional[dict] = None, use_cuda: Optional[bool] = None) -> list[dict]:
     """Run `measure_on_group` in `world_size` spawned local processes (NCCL, one GPU each, or gloo on the CPU);
     returns rank 0's entries. RuntimeError when rank 0 left none."""
-    import multiprocessing
-
-    import torch
+    from agoq.profiler.local_group import run_on_local_group  # agoq.profiler imports torch: not at start-up
 
     if use_cuda is None:
         use_cuda = str(settings.get("device", "")).startswith("cuda")
-    if use_cuda and torch.cuda.device_count() < world_size:
-        raise ValueError(f"--world-size {world_size} needs {world_size} GPUs, this machine has "
-                         f"{torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_spawned, args=(rank, world_size, port, out_dir, kinds, settings,
-                                                    str(journal) if journal else None, request or {}, use_cuda))
-                 for rank in range(world_size)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
-        path = os.path.join(out_dir, "0.json")
-        if not os.path.exists(path):
-            raise RuntimeError(f"layout steps: rank 0 left no result (exit codes {[p.exitcode for p in procs]})")
-        with open(path) as f:
-            result = json.load(f)
-    if "error" in result:
-        raise RuntimeError(f"layout steps failed on rank 0:\n{result['error']}")
+    result = run_on_local_group(_measure_rank, (kinds, settings, str(journal) if journal else None, request or {},
+                                                use_cuda), world_size, use_cuda, "layout steps")
     return result["entries"]
 
 

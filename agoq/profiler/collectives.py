@@ -15,21 +15,14 @@ existing group (under torchrun), every rank calling it.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import socket
-import tempfile
-import threading
-import traceback
 import warnings
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from agoq.profiler.kernel_time import median_seconds
 from agoq.progress import progress_bar
+from agoq.profiler.local_group import run_on_local_group
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 PATHS = ("nccl-fp32", "nccl-bf16", "quangrad8", "sdp4bit")
@@ -108,68 +101,20 @@ def profile_collectives(sizes: list[int], iters: int = 5, progress: bool = False
     return rows, failures
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned(rank: int, world: int, port: int, out_dir: str, sizes: list[int], iters: int, use_cuda: bool,
-             progress: bool) -> None:
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch renames collectives across versions
-    # a thread lock for progress bars: this process leaves by os._exit, which would strand a semaphore
-    tqdm.set_lock(threading.RLock())
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if use_cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)
-    result: dict
-    try:
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=300))
-        rows, failures = profile_collectives(sizes, iters, progress=progress)
-        result = {"rows": rows, "failures": failures}
-    except BaseException:  # reported to the parent, whatever it was
-        result = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(result, f)
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    finally:
-        os._exit(0)  # leave without interpreter-exit destructors of communication threads
+def _collect_rank(rank: int, sizes: list[int], iters: int, progress: bool) -> dict:
+    """One rank's part of `spawn_collectives` (agoq.profiler.local_group runs it in the joined group)."""
+    rows, failures = profile_collectives(sizes, iters, progress=progress)
+    return {"rows": rows, "failures": failures}
 
 
 def spawn_collectives(world_size: int, sizes: list[int] | None = None, iters: int | None = None,
                       use_cuda: bool | None = None, progress: bool = False) -> tuple[list[dict], list[dict]]:
     """Start `world_size` local processes (NCCL, one GPU each, or gloo on the CPU) and time the
     collectives (rank 0 shows a progress bar with `progress`); returns (rows, failures)."""
-    import multiprocessing
-
     if use_cuda is None:
         use_cuda = torch.cuda.is_available()
-    if use_cuda and torch.cuda.device_count() < world_size:
-        raise ValueError(f"--world-size {world_size} needs {world_size} GPUs, this machine has "
-                         f"{torch.cuda.device_count()}")
     sizes = list(sizes or (GPU_SIZES if use_cuda else CPU_SIZES))
     iters = iters or (10 if use_cuda else 3)
-    with tempfile.TemporaryDirectory() as out_dir:
-        # plain processes, results through files: no queues or semaphores left behind at exit
-        ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_spawned, args=(rank, world_size, port, out_dir, sizes, iters, use_cuda, progress))
-                 for rank in range(world_size)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
-        path = os.path.join(out_dir, "0.json")
-        if not os.path.exists(path):
-            codes = [proc.exitcode for proc in procs]
-            raise RuntimeError(f"collective profiling: rank 0 left no result (exit codes {codes})")
-        with open(path) as f:
-            result = json.load(f)
-    if "error" in result:
-        raise RuntimeError(f"collective profiling failed on rank 0:\n{result['error']}")
+    result = run_on_local_group(_collect_rank, (sizes, iters, progress), world_size, use_cuda,
+                                "collective profiling")
     return result["rows"], result["failures"]
