@@ -44,6 +44,7 @@ def timed_measure(cfg: TrainConfig) -> dict:
     seconds = []
     for step in range(cfg.loop.steps):
         seconds.append(trainer.step(step).seconds)
+    trainer.close()
     trainer.parallel.release()
     del trainer
     timed_release(parts, "after")

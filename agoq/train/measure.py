@@ -102,6 +102,7 @@ def measure_steps(cfg: JobConfig, world: Optional[World] = None) -> StepFigures:
         if trainer.prepared.offload is not None:
             offloaded = sum(trainer.prepared.offload.stats.bytes_per_layer.values())
     finally:
+        trainer.close()
         trainer.parallel.release()
         del trainer
         _release_memory()

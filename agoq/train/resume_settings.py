@@ -17,7 +17,7 @@ FIXED_SETTINGS = ("seq_len", "micro_batch", "tokens_per_step", "optimizer", "mas
                   "policy", "dtype", "seed", "data_sha256", "tokenizer")
 # settings that name a file whose content a fixed setting pins: the file may move (same content), never change
 PINNED_BY_CONTENT = {"data": "data_sha256"}
-# the pipeline's cut, which the checkpoint's layout fixes (Trainer._check_layout)
+# the pipeline's cut, which the checkpoint's layout fixes (check_layout)
 LAYOUT_SETTINGS = ("pipeline_stages", "layer_stage")
 UNCHANGEABLE = (*FIXED_SETTINGS, *PINNED_BY_CONTENT, *LAYOUT_SETTINGS, "fingerprint", "model")
 
@@ -70,3 +70,22 @@ def difference(name: str, old, new, old_data: str | None, new_data: str) -> str:
 
 __all__ = ["DERIVED_SETTINGS", "FIXED_SETTINGS", "PINNED_BY_CONTENT", "LAYOUT_SETTINGS", "UNCHANGEABLE",
            "check_override", "changed_settings", "difference"]
+
+
+def check_layout(folder, state: dict, *, world_size: int, dims, reshardable: bool, stages: int, layer_stage) -> None:
+    """Refuse (ValueError) a checkpoint (its `state`: world, dims, pipeline_stages, layer_stage) that a run of
+    `world_size` processes over `dims` (agoq.parallel_dims.ParallelDims), `stages` pipeline stages and `layer_stage`
+    cannot take: pipeline stages cut another way, or optimizer state kept per rank (not `reshardable`: FSDP2's 8-bit
+    moments, quantized per local shard) at another world or shard size."""
+    saved_world = int(state.get("world", 1))
+    saved_shard = (state.get("dims") or {}).get("shard", dims.shard)
+    if not reshardable and (saved_world != world_size or saved_shard != dims.shard):
+        raise ValueError(f"the checkpoint in {folder} was written by {saved_world} processes sharding over "
+                         f"{saved_shard} and holds optimizer state quantized per rank's shard (--parallel fsdp or "
+                         f"hsdp --optimizer adamw8bit): resume it with {saved_world} processes and the same "
+                         "--parallel and --node-size (the state of --optimizer adamw under FSDP2 reshards)")
+    if state.get("pipeline_stages", 1) != stages or (stages > 1 and state.get("layer_stage") != layer_stage):
+        raise ValueError(f"the checkpoint in {folder} was written by {state.get('pipeline_stages')} pipeline "
+                         f"stages (layers per stage {state.get('layer_stage')}), this run has {stages} "
+                         f"({layer_stage}): a pipeline resumes with the same stages (same number of processes and "
+                         "plan)")

@@ -32,13 +32,14 @@ from agoq.environment import hardware, software_versions
 from agoq.files import check_output_folder, json_safe
 from agoq.formats.run import RunRecord, read_run
 from agoq.progress import progress_bar
+from agoq.train import collector
 from agoq.train.checkpoint import clean_partial, find_checkpoint, load_checkpoint, refuse_retired, save_checkpoint
 from agoq.train.config import OPTIMIZERS, PARALLEL_MODES, JobConfig, TrainConfig
 from agoq.train.optimizer import BETAS
 from agoq.train.plan_check import PlanCheck
 from agoq.train.parallel import World, join_world
 from agoq.train.preparation import PreparedRun, prepare
-from agoq.train.resume_settings import FIXED_SETTINGS, changed_settings, check_override, difference
+from agoq.train.resume_settings import FIXED_SETTINGS, changed_settings, check_layout, check_override, difference
 from agoq.train.stopping import RunFolderBusy, RunLock, StopSignals
 
 
@@ -91,6 +92,7 @@ class Trainer:
         self.module = self.parallel.module
         self.optimizer_step = self.parallel.build_optimizer(self.cfg.optim, self.cfg.loop.seed)
         self.optimizer = self.optimizer_step.optimizer
+        self._frozen = False  # the objects the first step left are frozen out of the collector (agoq.train.collector)
 
     # ---------------------------------------------------------------- run description
 
@@ -160,22 +162,6 @@ class Trainer:
         save_checkpoint(self.cfg.checkpoint.out, step, self._state(), json_safe(info), rank=self.world.rank,
                         world=self.world.size, barrier=self.world.barrier)
 
-    def _check_layout(self, folder: Path, state: dict) -> None:
-        """Refuse a checkpoint this run's layout cannot take: pipeline stages cut another way, or optimizer state
-        kept per rank (FSDP2's 8-bit moments, quantized per local shard) at another world or shard size."""
-        saved_world, dims = int(state.get("world", 1)), self.prepared.layout.dims
-        saved_shard = (state.get("dims") or {}).get("shard", dims.shard)
-        if not self.optimizer_step.reshardable and (saved_world != self.world.size or saved_shard != dims.shard):
-            raise ValueError(f"the checkpoint in {folder} was written by {saved_world} processes sharding over "
-                             f"{saved_shard} and holds optimizer state quantized per rank's shard (--parallel fsdp or "
-                             f"hsdp --optimizer adamw8bit): resume it with {saved_world} processes and the same "
-                             "--parallel and --node-size (the state of --optimizer adamw under FSDP2 reshards)")
-        stages, layers = self.parallel.pipeline_stages, json_safe(self.prepared.layer_stage)
-        if state.get("pipeline_stages", 1) != stages or (stages > 1 and state.get("layer_stage") != layers):
-            raise ValueError(f"the checkpoint in {folder} was written by {state.get('pipeline_stages')} pipeline "
-                             f"stages (layers per stage {state.get('layer_stage')}), this run has {stages} ({layers}): "
-                             "a pipeline resumes with the same stages (same number of processes and plan)")
-
     def try_resume(self) -> int | None:
         """Load the newest complete checkpoint when --resume; returns its step (None: starting fresh).
 
@@ -208,7 +194,9 @@ class Trainer:
         if old_data is not None and old_data != new_data and world.rank == 0:
             print(f"agoq train: the data is read from {new_data} now (the run began on {old_data}; the same "
                   "content)", file=sys.stderr)
-        self._check_layout(folder, state)
+        check_layout(folder, state, world_size=self.world.size, dims=self.prepared.layout.dims,
+                     reshardable=self.optimizer_step.reshardable, stages=self.parallel.pipeline_stages,
+                     layer_stage=json_safe(self.prepared.layer_stage))
         self.changed = changed_settings(json_safe(self._settings()), old_settings, self.cfg.checkpoint.override, out)
         if self.changed and world.rank == 0:
             print("agoq train: resuming with changed settings (--override): "
@@ -278,6 +266,8 @@ class Trainer:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
         reserved = int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+        if not self._frozen:  # after the step, outside its time: what the warm-up built is kept from collections
+            self._frozen = collector.freeze_after_warmup()
         return StepResult(loss, norm, lr, seconds, self.world.gather_ints(_peak_bytes(device), device), reserved)
 
     # ---------------------------------------------------------------- the run
@@ -295,11 +285,19 @@ class Trainer:
             raise busy or RunFolderBusy(f"{self.cfg.checkpoint.out} is in use by another agoq train (see rank 0)")
         return lock
 
+    def close(self) -> None:
+        """Give what the first step froze back to the collector (agoq.train.collector.thaw), so that this run's model
+        and optimizer can be freed once dropped."""
+        if self._frozen:
+            collector.thaw()
+            self._frozen = False
+
     def run(self) -> int:
         lock = self._lock_run_folder()
         try:
             return self._run()
         finally:
+            self.close()
             if self.record is not None:
                 self.record.stop_heartbeat()
             if lock is not None:
