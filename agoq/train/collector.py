@@ -9,11 +9,13 @@ object then alive moves to the permanent generation, which collections skip. Lat
 later steps make, and cyclic garbage made by steps is collected as before. `thaw` (the trainer done: its model and
 optimizer may sit in reference cycles) moves them back, so the next collection can free them.
 
-Measured on one H200 (`experiments/results/profile_steps_cost*.json`, the probe): an eager step of micro-batch 1
-with every layer checkpointed ran 112-113 ms in a fresh process and 141-145 ms once the same process had compiled
-the model (its collections traversing the compiled code); with the process's objects frozen it ran 100-104 ms
-there. Whether it runs is the same in `agoq train` and in the steps `agoq profile` measures (both step through
-agoq.train.trainer.Trainer), so the prices the search learns from those steps hold for the runs.
+Measured on one H200 (the probe): the profile's measured steps spent about 1.2 s per kind of step collecting between
+kinds, a full traversal of what earlier compilations left, and 0.45 s with the trainer freezing (16 kinds x 2
+passes: 113.6 s, then 94.3; `experiments/results/profile_steps_cost*.json`). A tight-budget plan's step (compiled,
+QuanGrad, micro-batch 1 x 2, 8 layers offloaded), 60 steps, did not move beyond its run-to-run spread: 155.9 and
+136.8 ms frozen, 149.4 and 144.4 ms not (`train_gc_probe_10.2GB.json`). Whether it runs is the same in `agoq train`
+and in the steps `agoq profile` measures (both step through agoq.train.trainer.Trainer), so the prices the search
+learns from those steps hold for the runs.
 
 AGOQ_GC_FREEZE=0 leaves the collector alone (to compare).
 """
