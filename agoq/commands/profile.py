@@ -186,7 +186,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measured-repeats", type=positive_int, default=None, metavar="R",
                         help="measure each kind of step R times, each pass in the other order, and keep the least "
                              "median: a step is slowed, never sped up, by what else runs, and one slowed kind "
-                             "misprices every plan priced from it (default 2 on a GPU, 1 on the CPU)")
+                             "misprices every plan priced from it (default: eager kinds 2 on a GPU, compiled kinds "
+                             "once, whose passes agree within a few per cent; 1 on the CPU)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the profile in --out made with the same model and flags: keep its profile.json "
                              "and the measured steps already done (each is saved the moment it is measured, in "
@@ -390,12 +391,15 @@ def run(args: argparse.Namespace) -> int:
 
         modes = ["eager"] + (["compiled"] if compiled else [])
         repeats = args.measured_repeats or (2 if device.startswith("cuda") else 1)
+        compiled_repeats = args.measured_repeats or 1  # agoq.commands.profile_steps: compiled kinds agree in one
         say(f"measured steps: {steps} steps of each kind the search prices plans from ({', '.join(modes)}), "
-            f"{repeats} pass{'es' if repeats > 1 else ''}")
+            f"{repeats} pass{'es' if repeats > 1 else ''}"
+            + (f" (compiled: {compiled_repeats})" if compiled and compiled_repeats != repeats else ""))
         rows, failures, notes = measure_profile_steps(args.model, layers=args.layers, seq_len=seq_len,
                                                       micro_batch=args.micro_batch, dtype=dtype, device=device,
                                                       compile_modes=modes, steps=steps, seed=args.seed,
-                                                      repeats=repeats, progress=not args.quiet,
+                                                      repeats=repeats, compiled_repeats=compiled_repeats,
+                                                      progress=not args.quiet,
                                                       offload_layers=_offload_layers(header), journal=journal)
         for note in notes:
             print(f"warning: measured step {note}", file=sys.stderr)

@@ -18,12 +18,17 @@ this process, on the built-in corpus, writing nothing), at every kind of step a 
     micro-batch 1, 10 layers offloaded: +24 % at one micro-batch per step, +72-96 % at four)
 
 Each is `steps` optimizer steps: its step time the median after the first, its peak the largest of any step (the
-first, which compiles and allocates, included). With `repeats` R > 1 every kind is measured R times, each pass in
-the other order (forward, reversed, ...), and the row keeps the least of its medians: a GPU step is slowed, never
-sped up, by what else the process or the machine does (a collection, a stalled host thread), and the search adds
-and subtracts these rows, so one slowed kind would misprice every plan priced from it. The medians of all passes
-are kept in the row (`repeat_step_seconds`); kinds whose passes differ by more than SPREAD_WARNING are returned as
-notes. A kind that fails (out of memory, a compiler error) is listed in the profile's failures and left out: the
+first, which compiles and allocates, included). With `repeats` R > 1 every eager kind is measured R times (and every
+compiled one `compiled_repeats` times, by default R too), each pass in the other order (forward, reversed, ...), and
+the row keeps the least of its medians: a GPU step is slowed, never sped up, by what else the process or the
+machine does (a stalled host thread, another process), and the search adds and subtracts these rows, so one slowed
+kind would misprice every plan priced from it. The medians of all passes are kept in the row
+(`repeat_step_seconds`); kinds whose passes differ by more than SPREAD_WARNING are returned as notes. `agoq
+profile` on a GPU measures eager kinds twice and compiled kinds once: on one H200 (the probe, 16 kinds x 2 passes,
+`experiments/results/profile_steps_cost*.json`) compiled kinds' two passes agreed within 5 % (most within 2 %),
+and the search prices a compiled step from its fastest steady step (agoq.search.timing), while eager kinds at
+micro-batch 1, whose step the host sets, differed by up to 24 % and are priced from the mean of their passes. The
+second pass of the compiled kinds cost about 65 s of a profile (their layers compiled again). A kind that fails (out of memory, a compiler error) is listed in the profile's failures and left out: the
 search does not offer plans of that kind.
 
 With a `journal` file, each measured pass of a kind (or its failure) is appended to it as one JSON line, flushed to
@@ -122,12 +127,13 @@ def _append(journal: Path, entry: dict) -> None:
 
 def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, micro_batch: int, dtype: str,
                           device: str, compile_modes: list[str], steps: int, seed: int = 0, repeats: int = 1,
-                          progress: bool = True, offload_layers: Optional[int] = None,
+                          compiled_repeats: Optional[int] = None, progress: bool = True,
+                          offload_layers: Optional[int] = None,
                           measure: Optional[Callable] = None,
                           journal: Optional[Path] = None) -> tuple[list[dict], list[dict], list[str]]:
     """Measure every kind of `step_kinds` on `model` (a preset or config.json; with `layers`, that many decoder
-    layers) `repeats` times (see the module docstring; `offload_layers` K adds the offloading kinds); returns (rows
-    of agoq.formats.measured_steps, failures, notes on kinds whose passes disagree). `measure(TrainConfig) ->
+    layers) `repeats` times, its compiled kinds `compiled_repeats` times (None: `repeats`) (see the module
+    docstring; `offload_layers` K adds the offloading kinds); returns (rows of agoq.formats.measured_steps, failures, notes on kinds whose passes disagree). `measure(TrainConfig) ->
     StepFigures` is agoq.train.measure.measure_steps unless given. With `journal`, what it holds for this request is
     kept and each pass measured now is added to it (module docstring)."""
     from agoq.progress import progress_bar
@@ -135,9 +141,12 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
 
     if measure is None:
         from agoq.train.measure import measure_steps as measure
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    compiled_repeats = repeats if compiled_repeats is None else compiled_repeats
+    if repeats < 1 or compiled_repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats} and {compiled_repeats} (compiled)")
     kinds = step_kinds(micro_batch, compile_modes, offload_layers=offload_layers)
+    passes_of = [compiled_repeats if kind["compile"] == "compiled" else repeats for kind in kinds]
+    repeats = max(passes_of)
     request = {"model": model, "layers": layers, "seq_len": seq_len, "micro_batch": micro_batch, "dtype": dtype,
                "device": device, "compile_modes": list(compile_modes), "steps": steps, "seed": seed,
                "offload_layers": offload_layers}
@@ -152,10 +161,12 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
             config["num_hidden_layers"] = layers
             spec = str(Path(tmp) / "model.json")
             Path(spec).write_text(json.dumps(config))
-        bar = progress_bar(total=len(kinds) * repeats, desc="measured steps", unit="kind", enabled=progress)
+        bar = progress_bar(total=sum(passes_of), desc="measured steps", unit="kind", enabled=progress)
         for r in range(repeats):
             order = range(len(kinds)) if r % 2 == 0 else range(len(kinds) - 1, -1, -1)
             for i in order:
+                if r >= passes_of[i]:  # a kind measured fewer times (compiled_repeats)
+                    continue
                 if i in errors or passes[r][i] is not None:  # failed once (not tried again), or in the journal
                     bar.update(1)
                     continue
@@ -174,7 +185,7 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
         if i in errors:
             failures.append({"what": f"measured step {_describe(kind)}", "error": errors[i]})
             continue
-        measured = [p[i] for p in passes]
+        measured = [p[i] for p in passes[:passes_of[i]]]
         medians = [f.median_seconds for f in measured]
         best = measured[medians.index(min(medians))]
         peaks = [f.max_peak_bytes for f in measured if f.max_peak_bytes is not None]
@@ -184,7 +195,7 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
                "seconds_per_step": list(best.seconds), "source": "profile"}
         if kind.get("offload_layers"):
             row["offloaded_bytes"] = int(getattr(best, "offloaded_bytes", None) or 0)
-        if repeats > 1:
+        if passes_of[i] > 1:
             row["repeat_step_seconds"] = medians
             if len(peaks) == len(measured):  # each pass's largest step peak: their spread is the peak's own
                 row["repeat_peak_bytes"] = [int(v) for v in peaks]

@@ -105,6 +105,49 @@ def test_repeats_alternate_the_order_and_keep_the_least_median(seed):
     assert len(notes) == noted
 
 
+def test_compiled_kinds_take_their_own_number_of_passes(seed):
+    """With compiled_repeats C below repeats R, each compiled kind is measured C times and each eager kind R times:
+    the passes after the C-th skip the compiled kinds and keep the eager ones' order (reversed in odd passes); a
+    row keeps the least of its kind's medians, with the repeat lists only where it was measured more than once."""
+    import random
+    import statistics
+
+    rng = random.Random(seed)
+    repeats, compiled_repeats = rng.choice([(2, 1), (3, 1), (3, 2)])
+    kinds = step_kinds(2, ["eager", "compiled"])
+    order, figures = [], {}
+
+    def measure(cfg):
+        k = (*_kind_key(cfg), bool(cfg.model.compile), cfg.model.activation_memory_budget, cfg.memory.offload)
+        order.append(k)
+        seconds = [rng.uniform(0.5, 2.0)] + [rng.uniform(0.01, 0.2) for _ in range(3)]
+        f = SimpleNamespace(seconds=seconds, median_seconds=statistics.median(seconds[1:]),
+                            max_peak_bytes=rng.randrange(10**6, 10**9), first_peak_bytes=rng.randrange(10**6, 10**9))
+        figures.setdefault(k, []).append(f)
+        return f
+
+    rows, failures, _ = measure_profile_steps("llama-tiny", layers=None, seq_len=17, micro_batch=2, dtype="fp32",
+                                              device="cpu", compile_modes=["eager", "compiled"], steps=4,
+                                              repeats=repeats, compiled_repeats=compiled_repeats, progress=False,
+                                              measure=measure)
+    compiled = [k["compile"] == "compiled" for k in kinds]
+    n = len(kinds)
+    first = order[:n]
+    assert not failures and len(rows) == n and len(set(first)) == n
+    passes = [compiled_repeats if c else repeats for c in compiled]
+    assert len(order) == sum(passes)
+    expected = []  # the order of every pass after the first: alternately reversed, kinds past their passes left out
+    for r in range(1, repeats):
+        pass_order = range(n) if r % 2 == 0 else range(n - 1, -1, -1)
+        expected += [first[i] for i in pass_order if r < passes[i]]
+    assert order[n:] == expected
+    for row, key, p in zip(rows, first, passes):
+        medians = [f.median_seconds for f in figures[key]]
+        assert len(medians) == p
+        assert row["step_seconds"] == min(medians)
+        assert ("repeat_step_seconds" in row) == (p > 1)
+
+
 @pytest.fixture()
 def fast_compile(monkeypatch):
     """Each decoder layer compiled with the aot_eager backend: the same graphs as Inductor's input, in seconds."""
