@@ -84,6 +84,10 @@ class WhatIf:
                     out.append(f"FSDP2's {bits} weight all-gather: wire time only, the profile's collectives do not "
                                "time its quantize and dequantize kernels (an fsdp layout step gathering so, where "
                                "the profile has one, carries them)")
+        if 1 < self.node_size < self.world:
+            out.append("hsdp (FSDP2 within a node, replicas across): its communication is the network model's, no "
+                       "layout step calibrates it; TLq's 4-bit all-reduce across nodes (sdp4bit gradients) by its "
+                       "wire time only")
         if self.layout_steps:
             out.append(f"layout steps: each layout's exposed communication measured at {self.measured_world} ranks, "
                        f"re-priced by the network model at {self.world} (the seconds compute hid there stay hidden)")
