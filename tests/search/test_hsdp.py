@@ -69,6 +69,10 @@ def _hsdp_by_hand(network, mode: str, s: int, r: int, root: int, layer: int, num
         if mode == "bf16":
             rs = _ring(ai, bi, s, 2.0 * n)
             ar = _all_reduce(ae, be, r, 2.0 * n / s)  # the node's shard, bf16, one rank per node
+        elif mode == "quangrad8":  # FSDP2's float32 reduce-scatter; QuanGrad's all-to-all + all-gather across
+            rs = _ring(ai, bi, s, 4.0 * n)
+            ar = 2 * _ring(ae, be, r, n / s * (1 + 4 / 256)) + _kernel(network, "all_reduce", "quangrad8",
+                                                                        4.0 * n / s)
         else:  # sdp4bit: TLq-HS's int8 all-to-all in the node, TLq's 4-bit all-to-all + all-gather across nodes
             rs = _ring(ai, bi, s, n * (1 + 4 / 128)) + _kernel(network, "reduce_scatter", "sdp4bit", 4.0 * n)
             ar = 2 * _ring(ae, be, r, n / s * (0.5 + 4 / 128)) + _kernel(network, "all_reduce", "tlq4", 4.0 * n / s)
@@ -99,7 +103,7 @@ def test_hsdp_prices_the_closed_form_and_keeps_a_nodes_share_of_the_state(two_ra
     target, whatif = retarget(profile, s * r, s, spec)
     assert target.node_size == s and target.world_size == s * r, seed
     units = unit_sizes(profile.model_config(), int(profile.header["model"]["parameters"]), profile.num_layers)
-    for mode in ("bf16", "sdp4bit"):
+    for mode in ("bf16", "quangrad8", "sdp4bit"):
         accum = rng.randint(1, 3)
         knobs = ProblemSettings(gradient_mode=mode, layout="hsdp", optimizer="adamw8bit", master="fp32",
                                 micro_batch=2, grad_accum=accum)
@@ -122,6 +126,28 @@ def test_hsdp_prices_the_closed_form_and_keeps_a_nodes_share_of_the_state(two_ra
         g = 2 if mode == "bf16" else 4
         flight = 2 * (units.root + 2 * units.layer) + g * max(units.root, units.layer)
         assert float(problem.static_parts["fsdp_unsharded"][0]) == pytest.approx(flight), seed
+        assert "backward_gradients" not in problem.static_parts, seed  # no QuanGrad buffer under FSDP2
+
+
+def test_hsdp_groups_leave_fsdp_and_ddp_prices_as_they_were(two_rank_profile):
+    """The modelled table's HSDP groups (rows of "node" and "replicas") change no fsdp or replicated price: priced
+    again on the table's "world" rows alone, without the group column, every figure is the same, bit for bit."""
+    import dataclasses
+
+    seed, rng = fresh_rng()
+    profile = load_profile(two_rank_profile)
+    s = rng.randint(2, 6)
+    target, _ = retarget(profile, s * rng.randint(2, 6), s, "nvlink-h100+roce-100g")
+    table = target.collectives
+    assert set(table["group"]) == {"world", "node", "replicas"}, seed
+    plain = dataclasses.replace(target, collectives=table[table["group"] == "world"].drop(columns="group")
+                                .reset_index(drop=True), cache={})
+    for layout, mode in (("fsdp", "bf16"), ("fsdp", "sdp4bit"), ("replicated", "bf16"), ("replicated", "quangrad8")):
+        knobs = ProblemSettings(gradient_mode=mode, layout=layout, optimizer="adamw8bit", master="fp32",
+                                micro_batch=2, grad_accum=rng.randint(1, 2))
+        a, b = price(target, Configuration(knobs)), price(plain, Configuration(knobs))
+        assert (a.step_seconds, a.communication_seconds, a.peak_bytes_per_stage) == \
+            (b.step_seconds, b.communication_seconds, b.peak_bytes_per_stage), (seed, layout, mode)
 
 
 def test_hsdp_is_offered_only_where_the_ranks_span_nodes(two_rank_profile):
