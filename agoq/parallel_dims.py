@@ -38,8 +38,8 @@ from agoq.vocabulary import (BF16, DDP, FSDP, HSDP, LAYOUTS, NONE, PARALLEL_MODE
 FSDP2_ENGINE = "fsdp2"
 ENGINES = (FSDP2_ENGINE,)  # what shards the state: PyTorch's FSDP2 (agoq's own sdp4bit engine was retired)
 PLAN_ENGINES = (SHARDED_ENGINE, FSDP2_ENGINE)  # what a plan's parallel.engine may say: the retired one is refused
-ENGINE_LAYOUT = {None: REPLICATED, FSDP2_ENGINE: FSDP}  # the search's layout word
-LAYOUT_ENGINE = {layout: engine for engine, layout in ENGINE_LAYOUT.items()}
+ENGINE_LAYOUT = {None: REPLICATED, FSDP2_ENGINE: FSDP}  # the search's layout word (replicas of FSDP2's: hsdp)
+LAYOUT_ENGINE = {**{layout: engine for engine, layout in ENGINE_LAYOUT.items()}, HSDP: FSDP2_ENGINE}
 MODE_ENGINE = {FSDP: FSDP2_ENGINE}  # the runtime's sharded modes
 
 
@@ -96,8 +96,9 @@ class ParallelDims:
     def of_layout(cls, layout: str, world_size: int, stages: int = 1,
                   ranks_per_node: Optional[int] = None) -> "ParallelDims":
         """The dims of a plan the search prices in `layout` (agoq.vocabulary.LAYOUTS) over `world_size` ranks with
-        `stages` pipeline stages: a pipeline of `stages` ranks (replicated stages), else the layout's engine over
-        all ranks (shard = world size), else replicas (replicate = world size)."""
+        `stages` pipeline stages: a pipeline of `stages` ranks (replicated stages), else hsdp's replicas of the
+        shards of a node of `ranks_per_node` (`hybrid_of`), else the layout's engine over all ranks (shard = world
+        size), else replicas (replicate = world size)."""
         if layout == SHARDED:
             raise ValueError(SHARDED_RETIRED)
         if layout not in LAYOUTS:
@@ -108,6 +109,8 @@ class ParallelDims:
                 raise ValueError(f"layout {layout} with {stages} pipeline stages: pipeline stages keep a replicated "
                                  "state (one process per stage); search the pipeline with layout replicated")
             return cls(pipeline=stages)
+        if layout == HSDP:
+            return cls.hybrid_of(world_size, ranks_per_node)
         engine = LAYOUT_ENGINE[layout]
         if engine is None:
             return cls(replicate=world_size)
@@ -194,8 +197,8 @@ class ParallelDims:
 
     @property
     def layout(self) -> str:
-        """The search's layout word: replicated or fsdp (FSDP2)."""
-        return ENGINE_LAYOUT[self.engine]
+        """The search's layout word: replicated, fsdp (FSDP2) or hsdp (FSDP2's replicas across nodes)."""
+        return HSDP if self.hybrid else ENGINE_LAYOUT[self.engine]
 
     @property
     def mode(self) -> str:

@@ -12,12 +12,12 @@ Two meanings of "compile" are kept apart by their names:
   TORCH_COMPILE_MODES  torch.compile's own `mode=` argument when compiled ("default", "reduce-overhead", ...);
                        `agoq train --compile-mode`
 
-Layouts and parallel modes: the search prices a plan in a layout (how the ranks keep the state: replicated,
-or fsdp, sharded by PyTorch's FSDP2 with agoq's collectives) and, with pipeline stages, one stage per process; the
-runtime runs it in a parallel mode (`agoq train --parallel`); hsdp is FSDP2 over replicas of a node's shards
-(replicate across nodes, shard within), which the search prices as no layout of its own yet (its layout word is
-fsdp). `PARALLEL_LAYOUT` maps each parallel mode to the layout it runs and `parallel_mode` a plan's layout, stages
-and processes to the mode that launches it.
+Layouts and parallel modes: the search prices a plan in a layout (how the ranks keep the state: replicated;
+fsdp, sharded over every rank by PyTorch's FSDP2 with agoq's collectives; or hsdp, FSDP2 over replicas of a node's
+shards: replicate across nodes, shard within, offered where the ranks span nodes) and, with pipeline stages, one
+stage per process; the runtime runs it in a parallel mode (`agoq train --parallel`) of the same word.
+`PARALLEL_LAYOUT` maps each parallel mode to the layout it runs and `parallel_mode` a plan's layout, stages and
+processes to the mode that launches it.
 
 agoq's own sharded path (layout and parallel mode "sharded": SDP4Bit's sharded AdamW over flat shards, plan engine
 "sdp4bit") was retired once FSDP2 with agoq's collectives ran faster at less memory per rank (docs/results.md):
@@ -54,7 +54,9 @@ PLAN_TORCH_COMPILE_MODE = "default"  # the torch.compile mode a compiled plan is
 # ------------------------------------------------------------------------------------------ layouts and modes
 
 REPLICATED, FSDP = "replicated", "fsdp"
-LAYOUTS = (REPLICATED, FSDP)  # the search's: how the ranks keep the model and optimizer state
+HSDP = "hsdp"  # FSDP2 over a 2-D mesh: replicas across nodes of the shards within a node (--node-size ranks)
+LAYOUTS = (REPLICATED, FSDP, HSDP)  # the search's: how the ranks keep the model and optimizer state
+FSDP2_LAYOUTS = (FSDP, HSDP)  # the layouts PyTorch's FSDP2 runs (units all-gathered, gradients reduce-scattered)
 # the retired own sharded path: its layout / parallel mode word and plan engine, refused wherever they are read
 SHARDED, SHARDED_ENGINE = "sharded", "sdp4bit"
 SHARDED_RETIRED = ("agoq's own sharded path (--parallel sharded, SDP4Bit's sharded AdamW; plan engine sdp4bit) was "
@@ -62,8 +64,7 @@ SHARDED_RETIRED = ("agoq's own sharded path (--parallel sharded, SDP4Bit's shard
                    "--gradients sdp4bit --weight-gather int4 --node-size 1 instead, or search a new plan with "
                    "`agoq search --layout fsdp`")
 
-NONE, DDP, PIPELINE = "none", "ddp", "pipeline"  # the runtime's parallel modes (fsdp: as the layout)
-HSDP = "hsdp"  # FSDP2 over a 2-D mesh: replicas across nodes of the shards within a node (--node-size ranks)
+NONE, DDP, PIPELINE = "none", "ddp", "pipeline"  # the runtime's parallel modes (fsdp, hsdp: as the layouts)
 PARALLEL_MODES = (NONE, DDP, FSDP, HSDP, PIPELINE)
 REPLICATED_MODES = (NONE, DDP)  # every rank keeps the whole state
 SHARDED_MODES = (FSDP, HSDP)  # the state is 1/N per rank (hsdp: 1/node size)
@@ -75,15 +76,15 @@ FSDP2_MODES = (FSDP, HSDP)  # PyTorch's FSDP2 shards the state: their checkpoint
 MODE_GRADIENTS = {NONE: REPLICA_GRADIENT_MODES, DDP: REPLICA_GRADIENT_MODES,
                   FSDP: (BF16, SDP4BIT), HSDP: GRADIENT_MODES, PIPELINE: REPLICA_GRADIENT_MODES}
 # the layout each parallel mode runs; a pipeline's stages are priced as replicated stages
-PARALLEL_LAYOUT = {NONE: REPLICATED, DDP: REPLICATED, FSDP: FSDP, HSDP: FSDP, PIPELINE: REPLICATED}
+PARALLEL_LAYOUT = {NONE: REPLICATED, DDP: REPLICATED, FSDP: FSDP, HSDP: HSDP, PIPELINE: REPLICATED}
 # the gradient storage each layout is priced with: what its parallel mode runs
-LAYOUT_GRADIENTS = {REPLICATED: MODE_GRADIENTS[DDP], FSDP: MODE_GRADIENTS[FSDP]}
+LAYOUT_GRADIENTS = {REPLICATED: MODE_GRADIENTS[DDP], FSDP: MODE_GRADIENTS[FSDP], HSDP: MODE_GRADIENTS[HSDP]}
 
 
 def parallel_mode(layout: str, stages: int, processes: int) -> str:
     """The parallel mode (`agoq train --parallel`) that runs a plan of `layout` with `stages` pipeline stages over
-    `processes` processes: pipeline for several stages, fsdp for its layout, else ddp for several processes and
-    none for one."""
+    `processes` processes: pipeline for several stages, fsdp and hsdp for their layouts, else ddp for several
+    processes and none for one."""
     if layout == SHARDED:
         raise ValueError(SHARDED_RETIRED)
     if layout not in LAYOUTS:
@@ -101,7 +102,8 @@ def search_layout(parallel: str | None) -> str | None:
 
 
 __all__ = ["GRADIENT_MODES", "REPLICA_GRADIENT_MODES", "OPTIMIZERS", "MASTERS", "COMPILE_MODES", "TORCH_COMPILE_MODES",
-           "CUDA_GRAPH_MODES", "TRAIN_TORCH_COMPILE_MODES", "PLAN_TORCH_COMPILE_MODE", "LAYOUTS", "PARALLEL_MODES",
+           "CUDA_GRAPH_MODES", "TRAIN_TORCH_COMPILE_MODES", "PLAN_TORCH_COMPILE_MODE", "LAYOUTS", "FSDP2_LAYOUTS",
+           "PARALLEL_MODES",
            "REPLICATED_MODES", "SHARDED_MODES", "FSDP2_MODES", "MODE_GRADIENTS", "PARALLEL_LAYOUT", "LAYOUT_GRADIENTS",
            "parallel_mode", "search_layout", "BF16", "QUANGRAD8", "SDP4BIT", "ADAMW", "ADAMW8BIT", "EAGER",
            "COMPILED", "REPLICATED", "SHARDED", "SHARDED_ENGINE", "SHARDED_RETIRED", "FSDP", "HSDP", "NONE", "DDP", "PIPELINE", "WEIGHT_GATHERS"]

@@ -33,8 +33,12 @@ WIRE = {
                           "all-gather), 1.016 bytes per value",
     ("fsdp", "bf16"): "bf16 reduce-scatter (NCCL), 2 bytes per value",
     ("fsdp", "sdp4bit"): "TLq-HS reduce-scatter: int8 inside a node, int4 across nodes (a float32 scale per 128)",
-    ("hsdp", "bf16"): "bf16 reduce-scatter inside a node, all-reduce of the shards across nodes",
-    ("hsdp", "sdp4bit"): "TLq-HS reduce-scatter inside a node, all-reduce of the shards across nodes",
+    ("hsdp", "bf16"): "bf16 reduce-scatter inside a node, bf16 all-reduce of the shards across nodes (FSDP2's own, "
+                      "once per step)",
+    ("hsdp", "quangrad8"): "float32 reduce-scatter inside a node, QuanGrad's 8-bit all-reduce of the shards across "
+                           "nodes",
+    ("hsdp", "sdp4bit"): "TLq-HS int8 reduce-scatter inside a node, TLq's 4-bit all-reduce of the shards across "
+                         "nodes (a float32 scale per 128)",
 }
 RETIRED = "sharded (retired: agoq train refuses it; run --parallel fsdp --gradients sdp4bit --weight-gather int4)"
 GATHER = {"bf16": "bf16 (FSDP2's own), 2 bytes per value",

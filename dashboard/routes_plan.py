@@ -41,8 +41,8 @@ class PlanRequest(BaseModel):
                                                            "`agoq search --time-cap` (omitted or null: its default)")
     error_cap: StrictInt | StrictFloat | StrictStr | None = Field(None, description='a gradient error, "recipe" or "none", as '
                                                             "`agoq search --error-cap` (omitted or null: its default)")
-    layout: StrictStr | None = Field(None, description='"replicated", "fsdp" or "any", as `agoq search '
-                                                       '--layout` (omitted or null: any)')
+    layout: StrictStr | None = Field(None, description='"replicated", "fsdp", "hsdp" (where the ranks span nodes) '
+                                                       'or "any", as `agoq search --layout` (omitted or null: any)')
     gradients: StrictStr | None = Field(None, description='"bf16", "quangrad8", "sdp4bit" or "any", as `agoq search '
                                                           '--gradients` (omitted or null: any)')
 

@@ -34,7 +34,9 @@ def test_dims_of_any_world_are_checked_against_it():
     for _ in range(40):
         world = rng.randint(1, 97)
         for layout in LAYOUTS:
-            dims = ParallelDims.of_layout(layout, world)
+            if layout == HSDP and world == 1:  # replicas of shards need two ranks at least
+                continue
+            dims = ParallelDims.of_layout(layout, world, ranks_per_node=_node(layout, world, rng))
             assert dims.world_size == world and dims.validate(world) is dims, seed
             assert dims.layout == layout, seed
             assert dims.data_ranks == world, seed  # every rank of a replicated or sharded state reads its own data
@@ -183,14 +185,14 @@ def test_a_plan_whose_decision_or_launch_contradicts_its_dims_is_refused():
     seed, rng = fresh_rng()
     world = rng.randint(2, 16)
     layout = rng.choice(LAYOUTS)
-    dims = ParallelDims.of_layout(layout, world)
+    dims = ParallelDims.of_layout(layout, world, ranks_per_node=_node(layout, world, rng))
     base = {"schema": "agoq.plan/1.8", "model": {"name": "m", "fingerprint": "0123456789abcdef"},
             "layers": [{"layer": i} for i in range(3)], "parallel": dims.to_dict()}
     plan_from_dict({**base, "decision": {"knobs": {"layout": layout}}})
     other = rng.choice([lay for lay in LAYOUTS if lay != layout])
     with pytest.raises(ValueError, match=rf"decision\.knobs\.layout: the decision says layout {other}"):
         plan_from_dict({**base, "decision": {"knobs": {"layout": other}}})
-    wrong = launch_of(ParallelDims.of_layout(layout, world + 1))
+    wrong = launch_of(ParallelDims.of_layout(layout, world + 1, ranks_per_node=1 if layout == HSDP else None))
     with pytest.raises(ValueError, match=r"launch: .* contradicts the plan's parallel dims"):
         plan_from_dict({**base, "launch": wrong})
     with pytest.raises(ValueError, match=r"parallel: .*tensor parallelism is not supported yet"):

@@ -111,7 +111,7 @@ def test_layouts_and_parallel_modes_map_both_ways():
     assert set(v.PARALLEL_LAYOUT) == set(v.PARALLEL_MODES) and set(v.PARALLEL_LAYOUT.values()) == set(v.LAYOUTS)
     assert v.search_layout(None) is None and v.search_layout(v.PIPELINE) is None
     assert [v.search_layout(m) for m in (v.NONE, v.DDP, v.FSDP, v.HSDP)] == \
-        [v.REPLICATED, v.REPLICATED, v.FSDP, v.FSDP]
+        [v.REPLICATED, v.REPLICATED, v.FSDP, v.HSDP]
     # agoq's retired own sharded path: no layout or mode of it, and asking for one says what to run instead
     assert v.SHARDED not in v.LAYOUTS + v.PARALLEL_MODES and v.search_layout(v.SHARDED) is None
     with pytest.raises(ValueError, match="retired.*--parallel fsdp --gradients sdp4bit --weight-gather int4"):

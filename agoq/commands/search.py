@@ -39,8 +39,9 @@ What-if (--world-size N, --node-size G, --network SPEC): plan for N ranks in nod
 (agoq.search.whatif): compute per rank from the profile's measured steps, every collective from a latency-bandwidth
 model (NCCL's ring and tree terms, two levels: inside a node and across nodes) fitted to the profile's measured
 collectives (the fit and its residuals are printed) or on the --network links, memory per rank from the layout (a
-sharded state 1/N). The plan says it is a what-if (plan "whatif": measured and planned world, the network, what is
-extrapolated, what to run first on the real cluster). Without --world-size the search plans for the profile's world.
+sharded state 1/N; hsdp's, offered over several nodes, 1/G: sharded within a node, replicated across). The plan
+says it is a what-if (plan "whatif": measured and planned world, the network, what is extrapolated, what to run first
+on the real cluster). Without --world-size the search plans for the profile's world.
 
 Example:  agoq search --profile runs/probe-profile --budget 30GiB --out runs/probe-plan/plan.json
           agoq search --profile runs/probe-2gpu --budget 60GB --out runs/whatif/plan.json
@@ -121,11 +122,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
           help="gradient storage the plan may use (default any the profile prices; QuanGrad's "
                "8-bit rounding is not part of the error cap)")
     field("layout", choices=LAYOUTS, default="any",
-          help="data-parallel layout over a several-rank profile's ranks: replicated (DDP) or fsdp (PyTorch "
-               "FSDP2, bf16 or TLq-HS reduce-scatter, with TLq-HS also agoq's int8 or int4 weight all-gather;  priced from the profile's all-gather and reduce-scatter timings, "
-               "calibrated on its multi-rank layout steps where it measured them); the alternatives a plan is "
-               "compared with, and falls back to, are of this layout too (default any it prices). agoq's own "
-               "sharded layout (sharded) was retired: search --layout fsdp")
+          help="data-parallel layout over a several-rank profile's ranks: replicated (DDP), fsdp (PyTorch "
+               "FSDP2, bf16 or TLq-HS reduce-scatter, with TLq-HS also agoq's int8 or int4 weight all-gather; priced "
+               "from the profile's all-gather and reduce-scatter timings, calibrated on its multi-rank layout steps "
+               "where it measured them) or hsdp (FSDP2 sharded within a node, its shards all-reduced across nodes "
+               "exactly, by QuanGrad's 8 bits or TLq's 4; offered only where the ranks span nodes: a what-if with "
+               "--world-size N --node-size S, 1 < S < N; launched as --parallel hsdp --node-size S); the "
+               "alternatives a plan is compared with, and falls back to, are of this layout too (default any it "
+               "prices). agoq's own sharded layout (sharded) was retired: search --layout fsdp")
     field("optimizer", choices=OPTIMIZERS, default="any",
           help="optimizer state: adamw (float32 moments) or adamw8bit (agoq's fused 8-bit AdamW) "
                "(default any)")

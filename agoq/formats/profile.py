@@ -68,6 +68,13 @@ class ProfileData:
         prices collectives, sharding and data ranks for."""
         return int(self.settings.get("world_size", 1) or 1)
 
+    @property
+    def node_size(self) -> int:
+        """Ranks of one node among the world's (`settings.node_size`, which a what-if re-targeted profile sets to its
+        --node-size, agoq.search.whatif; else the whole world: a profile measured on one machine): the search offers
+        HSDP (replicas across nodes of shards within one) only where it is below the world."""
+        return int(self.settings.get("node_size") or self.world_size)
+
     def layout_steps(self) -> list[dict]:
         """The multi-rank layout steps the profile measured (agoq.formats.layout_steps; [] where none), checked."""
         from agoq.formats.layout_steps import layout_rows

@@ -21,7 +21,8 @@ mode the profile has step times for:
                                layout's communication; under FSDP2 the FSDP2 step with every layer kept, moved by
                                what the budget measured against the compiled bf16 step (agoq.search.price)
 
-Over several ranks each is priced in each plain layout the search was asked for: replicated (DDP) and fsdp (FSDP2).
+Over several ranks each is priced in each plain layout the search was asked for: replicated (DDP), fsdp (FSDP2)
+and, where the ranks span nodes, hsdp (FSDP2's native HSDP: bf16 gradients, its exact all-reduce across nodes).
 Every alternative goes
 through the one price of plans (agoq.search.price: the cost model of agoq.search.costs, calibrated on the profile's
 measured peaks, with the layout's exposed communication), so a plan and its alternatives are compared on one
@@ -70,7 +71,7 @@ class PricedAlternative:
     memory_per_stage: Optional[list] = None            # the peak's parts (agoq.search.memory_parts; None: measured)
     host_bytes: Optional[int] = None                   # with offloaded layers: what they keep on the host per micro-batch
     offload_link_seconds: Optional[float] = None       # and the host link's seconds per step, out and back
-    layout: str = "replicated"                         # replicated (one process or DDP) or fsdp (FSDP2)
+    layout: str = "replicated"                         # replicated (one process or DDP), fsdp (FSDP2) or hsdp
     communication_seconds: float = 0.0                 # of the step, the layout's exposed collectives
 
     def as_plan_field(self, plan_tokens_per_second: Optional[float] = None) -> dict:
@@ -104,7 +105,9 @@ def _label(compile_mode: str, what: str, optimizer: str, mb: int, accum: int, ma
     return f"{compile_mode} {what}, {OPTIMIZER_NAMES[optimizer]}{masters}{split}"
 
 
-LAYOUT_NAMES = {"replicated": "DDP", "fsdp": "FSDP2"}  # the layouts a user runs without agoq, over several ranks
+# the layouts a user runs without agoq, over several ranks (HSDP: FSDP2's own, bf16 with its exact all-reduce across
+# nodes, where the ranks span nodes)
+LAYOUT_NAMES = {"replicated": "DDP", "fsdp": "FSDP2", "hsdp": "HSDP"}
 PLAIN_LAYOUTS = tuple(LAYOUT_NAMES)
 
 
@@ -113,7 +116,8 @@ def price_alternatives(profile: ProfileData, budget: float, splits: list[tuple[i
                        host_budget: Optional[float] = None, masters=("fp32",),
                        layouts=("replicated",)) -> list[PricedAlternative]:
     """Every alternative of the module docstring at `budget` bytes (largest stage), for each (micro_batch,
-    grad_accum) of `splits`, each compile mode and each of `layouts` (replicated: one process or DDP; fsdp: FSDP2),
+    grad_accum) of `splits`, each compile mode and each of `layouts` (replicated: one process or DDP; fsdp: FSDP2;
+    hsdp: FSDP2 over replicas across nodes),
     each priced by the one price
     (agoq.search.price) with bf16 gradients (`offload` False: none offloads; `host_budget`: bytes offload may pin,
     None the profile's pinnable bytes; `masters`: those the search may choose, "none" adding the 8-bit AdamW without

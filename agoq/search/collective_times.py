@@ -6,6 +6,11 @@ whatever dtype travels). Between measured sizes the time is interpolated linearl
 beyond them it is extrapolated along the nearest two points' slope (one point: proportional to the bytes).
 Several ops of one path at one size add up (a path measured as two collectives, e.g. SDP4Bit's reduce-scatter and
 its all-gather, is their sum).
+
+Groups: a table may time one collective over several groups of ranks (column `group`; a table without the column
+is all "world"): "world", every rank (what the profile measured, or a what-if's N ranks); and, in a what-if's
+modelled table over several nodes (agoq.search.whatif), "node", the ranks of one node, and "replicas", one rank per
+node, which HSDP's collectives run over (agoq.search.hsdp). Every read is of one group, "world" unless asked.
 """
 
 from __future__ import annotations
@@ -17,15 +22,27 @@ import numpy as np
 import pandas as pd
 
 
-def has_collective(table: Optional[pd.DataFrame], op: str, path: str) -> bool:
-    """Whether the table measured `op` on `path`."""
+WORLD = "world"  # the group of every rank (module docstring)
+
+
+def of_group(table: Optional[pd.DataFrame], group: str = WORLD) -> Optional[pd.DataFrame]:
+    """The table's rows of `group` (a table without a `group` column is all "world")."""
+    if table is None or "group" not in table.columns:
+        return table if group == WORLD else None
+    return table[table["group"] == group]
+
+
+def has_collective(table: Optional[pd.DataFrame], op: str, path: str, *, group: str = WORLD) -> bool:
+    """Whether the table measured `op` on `path` over `group`."""
+    table = of_group(table, group)
     return table is not None and bool(len(table)) and bool(((table["path"] == path) & (table["op"] == op)).any())
 
 
 def collective_seconds(table: Optional[pd.DataFrame], path: str, message_bytes: float,
-                       ops: Optional[tuple] = None) -> float:
-    """Seconds of the collectives `ops` (None: every op the table has) of `path` for `message_bytes` float32 bytes;
-    NaN when the table has no such rows."""
+                       ops: Optional[tuple] = None, *, group: str = WORLD) -> float:
+    """Seconds of the collectives `ops` (None: every op the table has) of `path` over `group` for `message_bytes`
+    float32 bytes; NaN when the table has no such rows."""
+    table = of_group(table, group)
     if table is None or not len(table):
         return float("nan")
     rows = table[table["path"] == path]
@@ -48,4 +65,4 @@ def collective_seconds(table: Optional[pd.DataFrame], path: str, message_bytes: 
     return float(math.exp(ys[anchor] + slope * (x - xs[anchor])))
 
 
-__all__ = ["collective_seconds", "has_collective"]
+__all__ = ["collective_seconds", "has_collective", "of_group", "WORLD"]

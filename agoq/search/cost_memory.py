@@ -16,6 +16,7 @@ from agoq.formats.profile import ProfileData
 from agoq.models.step_peak import head_and_workspace_bytes, head_shape_of, removed_copy_bytes
 from agoq.search.layouts import fsdp_in_flight_bytes, unit_sizes
 from agoq.search.state import measured_with, state_parts, state_per_rank
+from agoq.vocabulary import FSDP2_LAYOUTS, HSDP
 
 
 def stage_share(stages: np.ndarray) -> np.ndarray:
@@ -38,13 +39,16 @@ def static_bytes(profile: ProfileData, gradient_mode: str, optimizer: str, maste
     profiled_micro_batch = int(profile.settings.get("micro_batch", 1) or 1)
     state = state_per_rank(profile, gradient_mode, optimizer, master, layout)  # bytes per rank
     parts = {name: value * share for name, value in state.items()}  # {part: [S] bytes}
-    if layout == "fsdp":
+    if layout in FSDP2_LAYOUTS:
         in_flight_weights = fsdp_in_flight_bytes(units, gradient_mode)
         parts["fsdp_unsharded"] = in_flight_weights * share
-        notes.append(f"fsdp over {profile.world_size} ranks: {int(sum(state.values()))} bytes of sharded state per "
+        ranks = profile.node_size if layout == HSDP else profile.world_size
+        notes.append(f"{layout} sharded over {ranks} ranks: {int(sum(state.values()))} bytes of sharded state per "
                      f"rank and {int(in_flight_weights)} bytes of unsharded weights and gradients in flight "
                      "(agoq.search.layouts)")
-    parts.update(_gradient_corrections(profile, gradient_mode, optimizer, master, accum, state, share, notes))
+    # under FSDP2 quangrad8 is hsdp's cross-node all-reduce of FSDP2's own sharded gradients: no 8-bit buffer
+    mode = "sdp4bit" if layout in FSDP2_LAYOUTS and gradient_mode == "quangrad8" else gradient_mode
+    parts.update(_gradient_corrections(profile, mode, optimizer, master, accum, state, share, notes))
     _note_uncalibrated(profile, notes)
     # the eager step's peak is the chunked loss's forward (agoq.models.step_peak): the head's tensors at this
     # micro-batch and the calibrated workspace (the gradient storage there is the QuanGrad correction above)
@@ -108,7 +112,7 @@ def end_of_backward(profile: ProfileData, gradient_mode: str, accum: int, layout
     every gradient is counted as made (an upper bound)."""
     L = len(stages)
     made = np.zeros(L)
-    if gradient_mode == "bf16" and accum == 1 and layout != "fsdp":
+    if gradient_mode == "bf16" and accum == 1 and layout not in FSDP2_LAYOUTS:
         made[:] = 1.0
         config = profile.model_config() or {}
         try:

@@ -28,7 +28,9 @@ records and the dashboard draws.
 Layouts over several ranks (agoq.search.layouts): replicated (DDP) keeps the whole state per rank and pays one
 gradient all-reduce per step; fsdp (FSDP2, with sdp4bit gradients agoq's TLq-HS and int8/int4 weight gather)
 keeps 1/N of everything plus the unsharded units in flight, its communication priced per micro-batch with the
-overlap that module states, and its optimizer step over 1/N of the state.
+overlap that module states, and its optimizer step over 1/N of the state; hsdp (FSDP2 over replicas across
+nodes of a node's S shards, agoq.search.hsdp) the same within the node, 1/S, plus the all-reduce of each unit's
+shard across nodes.
 
 Gradients: fixed bytes are calibrated on a bf16-gradient step, at whose fwd + bwd peak most gradients did not exist
 yet. QuanGrad's buffer is allocated before the step, so a quangrad8 plan's fwd + bwd peak counts the buffer on top
@@ -67,6 +69,8 @@ from agoq.models.step_peak import head_peak_bytes
 from agoq.search.collective_times import collective_seconds, has_collective
 from agoq.search.cost_memory import end_of_backward, laaq_transient, optimizer_floor, stage_share, static_bytes
 from agoq.search.layouts import fsdp_exposed_seconds, resolve_layout, unit_sizes
+from agoq.search.hsdp import hsdp_exposed_seconds, hsdp_refusal
+from agoq.vocabulary import FSDP2_LAYOUTS
 from agoq.search.offload_prices import offload_prices
 from agoq.search.problem import ChoiceProblem, ProblemSettings
 from agoq.search.timing import EAGER_SPREAD_NOTE, prices, profile_compile_mode
@@ -241,11 +245,15 @@ def _resolve(profile: ProfileData, knobs: ProblemSettings) -> _Run:
     if layout == "fsdp" and profile.world_size < 2:
         raise ValueError("layout fsdp shards over several ranks: the profile was made for one (profile with "
                          "--world-size N)")
+    if layout == "hsdp":
+        refusal = hsdp_refusal(profile.world_size, profile.node_size, profile.collectives, knobs.gradient_mode, S)
+        if refusal:
+            raise ValueError(f"layout hsdp is not offered here: {refusal}")
     if layout == "fsdp" and S > 1:
         raise ValueError(f"layout fsdp is data parallelism over one pipeline stage, the plan has {S} stages")
-    if knobs.weight_gather != "bf16" and layout != "fsdp":
-        raise ValueError(f"weight gather {knobs.weight_gather} quantizes FSDP2's weight all-gather: layout fsdp only, "
-                         f"not {layout}")
+    if knobs.weight_gather != "bf16" and layout not in FSDP2_LAYOUTS:
+        raise ValueError(f"weight gather {knobs.weight_gather} quantizes FSDP2's weight all-gather: layout fsdp or "
+                         f"hsdp only, not {layout}")
     optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     compile_mode = knobs.compile_mode or profile_compile_mode(profile)
     if compile_mode not in COMPILE_MODES:
@@ -361,19 +369,29 @@ def _step_seconds(profile: ProfileData, knobs: ProblemSettings, run: _Run, base:
     replicated: the measured step `base` and one gradient collective of 4 bytes per parameter per step.
     fsdp (FSDP2): accum x fb + once / N (each rank steps 1/N of the state; fb, once: the measured step's forward +
     backward and its once-per-step rest) and accum x the communication each micro-batch does not hide behind the
-    layers' compute (agoq.search.layouts.fsdp_exposed_seconds). Communication the profile has no timing for is 0."""
-    if run.layout == "fsdp":
+    layers' compute (agoq.search.layouts.fsdp_exposed_seconds); hsdp: accum x fb + once / S (the node's ranks) and
+    agoq.search.hsdp.hsdp_exposed_seconds per step. Communication the profile has no timing for is 0."""
+    if run.layout in FSDP2_LAYOUTS:
         split = prices(profile).split_parts(run.compile_mode, run.mb, "bf16", run.optimizer, run.master)
         if split is None:
             raise ValueError(f"the profile measured no {run.compile_mode} steps of one and two micro-batches of "
-                             f"{run.mb} sequences: an fsdp plan's compute and optimizer step cannot be told apart")
+                             f"{run.mb} sequences: an {run.layout} plan's compute and optimizer step cannot be told "
+                             "apart")
         fb, once = split
-        base = run.accum * fb + once / profile.world_size
-        parts = fsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb, knobs.weight_gather)
-        comm = run.accum * parts["exposed"]
+        if run.layout == "hsdp":  # sharded within a node (agoq.search.hsdp)
+            base = run.accum * fb + once / profile.node_size
+            parts = hsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb, run.accum,
+                                         knobs.weight_gather)
+            comm = parts["exposed"]
+        else:
+            base = run.accum * fb + once / profile.world_size
+            parts = fsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb, knobs.weight_gather)
+            comm = run.accum * parts["exposed"]
         ag_ms, rs_ms = parts["all_gather_layer"] * 1e3, parts["reduce_scatter_layer"] * 1e3
-        notes.append(f"fsdp communication: {comm:.4g} s per step not hidden by compute (all-gather {ag_ms:.3g} ms, "
-                     f"reduce-scatter {rs_ms:.3g} ms per layer and micro-batch)")
+        across = f", all-reduce across nodes {parts['all_reduce_layer'] * 1e3:.3g} ms" if "all_reduce_layer" in parts \
+            else ""
+        notes.append(f"{run.layout} communication: {comm:.4g} s per step not hidden by compute (all-gather "
+                     f"{ag_ms:.3g} ms, reduce-scatter {rs_ms:.3g} ms{across} per layer and micro-batch)")
     else:
         params = float(profile.header["model"].get("parameters") or 0)
         comm = _collective_seconds(profile, knobs.gradient_mode, params * 4) if params else 0.0
@@ -399,7 +417,7 @@ def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     ckpt = _checkpoint_prices(profile, knobs, run, times["checkpoint"], L, notes)
 
     units = unit_sizes(profile.model_config(), int(profile.header["model"].get("parameters") or 0), L) \
-        if run.layout == "fsdp" else None
+        if run.layout in FSDP2_LAYOUTS else None
     static_parts, state, head = static_bytes(profile, knobs.gradient_mode, run.optimizer, run.master, run.layout,
                                              run.accum, run.stages, units, run.elem, run.mb, notes)
     head_bytes = float(head_peak_bytes(head.with_micro_batch(run.mb))) if head is not None else 0.0

@@ -1,4 +1,5 @@
-"""The outer knobs around the per-layer MILP: gradient storage, data-parallel layout (replicated or FSDP2, where the profile has several ranks: agoq.search.layouts), optimizer and masters, micro-batch x
+"""The outer knobs around the per-layer MILP: gradient storage, data-parallel layout (replicated, or FSDP2 where the
+profile has several ranks, and HSDP where they span nodes: agoq.search.layouts), optimizer and masters, micro-batch x
 accumulation, compile mode. Each combination is one ChoiceProblem, solved exactly by the MILP; the best is kept.
 
 The sequences per optimizer step (global batch G = micro_batch x grad_accum) stay what the profile measured
@@ -44,11 +45,13 @@ from agoq.search.costs import (
     profile_compile_mode,
     resolve_optimizer,
 )
+from agoq.search.hsdp import hsdp_refusal
 from agoq.search.layouts import layouts, resolve_layout
 from agoq.search.milp import Allocation, Solver, resolve_time_cap
 from agoq.search.milp_model import FIRST_GAP
 from agoq.search.request import MASTER_CHOICES, InfeasibleBudget, KnobSpace
 from agoq.units import format_bytes_apart
+from agoq.vocabulary import FSDP2_LAYOUTS, HSDP
 
 
 @dataclass
@@ -96,7 +99,7 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
     if not compiles:
         raise ValueError(f"the profile has step times for compile mode(s) {', '.join(compile_modes(profile))}, not "
                          f"{', '.join(space.compile_modes or ())}")
-    world = profile.world_size
+    world, node = profile.world_size, profile.node_size
     stages = len(set(base.layer_stage)) if base.layer_stage is not None else max(profile.layer_stage()) + 1
     profiled = int(profile.settings.get("micro_batch", 1) or 1)
     batch = int(space.global_batch or profiled)
@@ -112,7 +115,7 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
     for compile_mode in compiles:
         for mb in sorted(sizes, reverse=True):
             for mode in modes:
-                for layout in layouts(world, profile.collectives, mode, stages):
+                for layout in layouts(world, profile.collectives, mode, stages, node_size=node):
                     if space.layouts is not None and layout not in space.layouts:
                         continue
                     for optimizer, master in optimizer_choices(mode, layout):
@@ -126,15 +129,20 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
                                                grad_accum=batch // mb, allow_offload=space.offload,
                                                host_budget=space.host_budget,
                                                quantize_attention=space.quantize_attention, weight_gather=gather))
-    if not out and not any(layouts(world, profile.collectives, mode, stages) for mode in modes):
+    if not out and not any(layouts(world, profile.collectives, mode, stages, node_size=node) for mode in modes):
         raise ValueError(f"gradient mode(s) {', '.join(modes)} have no layout on this profile: sdp4bit runs under "
                          "FSDP2 (layout fsdp), which needs a profile of several ranks, one pipeline stage and the "
                          "all-gather and reduce-scatter timings of its collectives table")
     if not out and space.layouts is not None:
-        offered = sorted({lay for mode in modes for lay in layouts(world, profile.collectives, mode, stages)})
+        offered = sorted({lay for mode in modes
+                          for lay in layouts(world, profile.collectives, mode, stages, node_size=node)})
+        reasons = [hsdp_refusal(world, node, profile.collectives, mode, stages) for mode in modes] \
+            if HSDP in space.layouts else []
+        why = "; ".join(dict.fromkeys(r for r in reasons if r))
         raise ValueError(f"no layout of {', '.join(space.layouts)} is possible with this profile (it offers "
                          f"{', '.join(offered)}; fsdp needs several ranks, one pipeline stage and the all-gather "
-                         "and reduce-scatter timings of its collectives table)")
+                         "and reduce-scatter timings of its collectives table"
+                         + (f"; hsdp is not offered: {why}" if why else "") + ")")
     if not out:
         raise ValueError("no optimizer/master combination of the knob space is allowed (masters 'none' needs "
                          "adamw8bit)")
@@ -142,11 +150,11 @@ def combinations(profile: ProfileData, space: KnobSpace = KnobSpace(),
 
 
 def weight_gathers(layout: str, gradient_mode: str) -> tuple:
-    """FSDP2's weight all-gathers a combination may take: with agoq's TLq-HS gradients (sdp4bit) also agoq's int8
-    and int4 ones (`agoq train --weight-gather int8 / int4`, agoq.runtime.comm.fsdp_weight_gather), agoq's quantized
-    collectives at once (what replaced its own sharded step); otherwise FSDP2's own bf16 gather (and every other
-    layout gathers no weights)."""
-    return ("bf16", "int8", "int4") if (layout, gradient_mode) == ("fsdp", "sdp4bit") else ("bf16",)
+    """FSDP2's weight all-gathers a combination may take (fsdp; hsdp, within the node): with agoq's TLq-HS
+    gradients (sdp4bit) also agoq's int8 and int4 ones (`agoq train --weight-gather int8 / int4`,
+    agoq.runtime.comm.fsdp_weight_gather), agoq's quantized collectives at once (what replaced its own sharded
+    step); otherwise FSDP2's own bf16 gather (and every other layout gathers no weights)."""
+    return ("bf16", "int8", "int4") if layout in FSDP2_LAYOUTS and gradient_mode == "sdp4bit" else ("bf16",)
 
 
 def tokens_per_second(profile: ProfileData, knobs: ProblemSettings, step_seconds: float) -> float:

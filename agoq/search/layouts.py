@@ -8,6 +8,10 @@ Layouts (world size N = the profile's `settings.world_size`):
               (embeddings, final norm, LM head); gradients reduce-scattered in bf16 (gradient mode bf16) or by
               SDP4Bit's TLq-HS (gradient mode sdp4bit, `--gradients sdp4bit`), whose weights FSDP2 then may
               gather as agoq's int8 or int4 block codes (`--weight-gather`, priced by their wire bytes)
+  hsdp        FSDP2 over replicate R x shard S (`agoq train --parallel hsdp --node-size S`): sharded within a node
+              of S ranks as fsdp is over all, the node's shard of each unit's gradients then all-reduced across the
+              R nodes; offered only where the ranks span nodes, 1 < S < N (a what-if's --node-size), priced in
+              agoq.search.hsdp
 
 agoq's own ZeRO-style SDP4Bit step (layout "sharded") was retired: FSDP2 with TLq-HS and the int4 weight gather
 replaced it (agoq.vocabulary.SHARDED_RETIRED); a plan of sdp4bit gradients is an fsdp plan.
@@ -55,9 +59,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from agoq.search.collective_times import collective_seconds, has_collective
+from agoq.search.collective_times import WORLD, collective_seconds, has_collective
 from agoq.vocabulary import (  # the layouts, the gradient storage each is priced with
     FSDP,
+    HSDP,
     LAYOUT_GRADIENTS,
     LAYOUTS,
     REPLICATED,
@@ -75,7 +80,8 @@ FSDP_GATHER_PATH = "nccl-bf16"
 GATHER_BYTES = {"bf16": 2.0, "int8": 1.0 + 4.0 / 256, "int4": 0.5 + 4.0 / 256}
 GATHER_PATHS = {"int8": "int8-weights", "int4": "int4-weights"}  # the collectives table's path of a quantized gather
 IN_FLIGHT_LAYERS = 2  # decoder layers whose bf16 weights are unsharded at once: the one computing and the prefetched
-REDUCE_BYTES = {"bf16": 2, "sdp4bit": 4}  # bytes per value of the unsharded gradients a reduce-scatter reads
+# bytes per value of the unsharded gradients a reduce-scatter reads (quangrad8: hsdp's, FSDP2's exact one from float32)
+REDUCE_BYTES = {"bf16": 2, "quangrad8": 4, "sdp4bit": 4}
 
 
 def default_layout(gradient_mode: str) -> str:
@@ -103,15 +109,58 @@ def fsdp_missing(table, gradient_mode: str) -> list[str]:
     return [f"{op} {path}" for op, path in need if not has_collective(table, op, path)]
 
 
-def layouts(world_size: int, table, gradient_mode: str, stages: int = 1) -> list[str]:
-    """Layouts a plan with `gradient_mode` may take on `world_size` ranks: replicated where the mode runs replicas
-    (bf16, quangrad8), and fsdp when there are several ranks, no pipeline stages (`stages` 1) and the collectives
-    table has FSDP2's all-gather and reduce-scatter (sdp4bit gradients: fsdp only, so none on one rank)."""
+def layouts(world_size: int, table, gradient_mode: str, stages: int = 1, *,
+            node_size: Optional[int] = None) -> list[str]:
+    """Layouts a plan with `gradient_mode` may take on `world_size` ranks in nodes of `node_size` (None: one node):
+    replicated where the mode runs replicas (bf16, quangrad8), fsdp when there are several ranks, no pipeline stages
+    (`stages` 1) and the collectives table has FSDP2's all-gather and reduce-scatter (sdp4bit gradients: fsdp only,
+    so none on one rank), and hsdp where the ranks span nodes, 1 < node_size < world_size, and the table times its
+    collectives over a node and over the replicas (`hsdp_refusal` says why not; priced in agoq.search.hsdp)."""
     out = [REPLICATED] if gradient_mode in LAYOUT_GRADIENTS[REPLICATED] else []
     if world_size > 1 and stages == 1 and gradient_mode in LAYOUT_GRADIENTS[FSDP] \
             and not fsdp_missing(table, gradient_mode):
         out.append(FSDP)
+    if hsdp_refusal(world_size, node_size, table, gradient_mode, stages) is None:
+        out.append(HSDP)
     return out
+
+
+# ------------------------------------------------------------------------------ hsdp: where it is offered
+
+NODE, REPLICAS = "node", "replicas"  # the collectives table's groups HSDP runs over (agoq.search.collective_times)
+HSDP_REDUCE_PATHS = {"bf16": "nccl-bf16", "quangrad8": "nccl-fp32", "sdp4bit": "sdp4bit"}  # in the node
+HSDP_ALL_REDUCE_PATHS = {"bf16": "nccl-bf16", "quangrad8": "quangrad8", "sdp4bit": "tlq4"}  # across nodes
+HSDP_GATHER_PATH = "nccl-bf16"
+
+
+def hsdp_missing(table, gradient_mode: str) -> list[str]:
+    """The collectives (op path over group) an hsdp plan with `gradient_mode` needs that the table lacks."""
+    need = [("all_gather", HSDP_GATHER_PATH, NODE), ("reduce_scatter", HSDP_REDUCE_PATHS[gradient_mode], NODE),
+            ("all_reduce", HSDP_ALL_REDUCE_PATHS[gradient_mode], REPLICAS)]
+    return [f"{op} {path} over the {group} group" for op, path, group in need
+            if not has_collective(table, op, path, group=group)]
+
+
+def hsdp_refusal(world_size: int, node_size: Optional[int], table, gradient_mode: str,
+                 stages: int = 1) -> Optional[str]:
+    """Why layout hsdp is not offered (None: it is; agoq.search.hsdp's module docstring)."""
+    if node_size is None or node_size >= world_size:
+        return (f"the {world_size} rank(s) do not span nodes (one node of {node_size or world_size}): hsdp replicates "
+                "across nodes; plan a cluster of several nodes with --world-size N --node-size S (1 < S < N)")
+    if node_size <= 1:
+        return ("nodes of one rank leave nothing to shard within a node (that is layout replicated): give "
+                "--node-size S > 1")
+    if world_size % node_size:
+        return f"--node-size {node_size} does not divide the world's {world_size} ranks"
+    if stages != 1:
+        return f"hsdp is data parallelism over one pipeline stage, the profile has {stages}"
+    if gradient_mode not in LAYOUT_GRADIENTS[HSDP]:
+        return f"hsdp runs gradient mode(s) {', '.join(LAYOUT_GRADIENTS[HSDP])}, not {gradient_mode}"
+    missing = hsdp_missing(table, gradient_mode)
+    if missing:
+        return (f"the collectives table lacks {', '.join(missing)} (a what-if's modelled table has them: give "
+                "--world-size and --node-size)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -149,12 +198,12 @@ def fsdp_in_flight_bytes(units: UnitSizes, gradient_mode: str, elem_bytes: int =
     return float(weights + REDUCE_BYTES[gradient_mode] * max(units.root, units.layer))
 
 
-def gather_path(table, weight_gather: str) -> tuple[str, float]:
-    """(path, scale) FSDP2's weight all-gather in `weight_gather` is read off the table at scale x the float32 bytes:
-    its own path (GATHER_PATHS) at scale 1 where the table has it, else the bf16 gather at its share of the bf16
-    bytes (GATHER_BYTES)."""
+def gather_path(table, weight_gather: str, *, group: str = WORLD) -> tuple[str, float]:
+    """(path, scale) FSDP2's weight all-gather in `weight_gather` over `group` (agoq.search.collective_times) is read
+    off the table at scale x the float32 bytes: its own path (GATHER_PATHS) at scale 1 where the table has it, else
+    the bf16 gather at its share of the bf16 bytes (GATHER_BYTES)."""
     own = GATHER_PATHS.get(weight_gather)
-    if own is not None and has_collective(table, "all_gather", own):
+    if own is not None and has_collective(table, "all_gather", own, group=group):
         return own, 1.0
     return FSDP_GATHER_PATH, GATHER_BYTES[weight_gather] / GATHER_BYTES["bf16"]
 
@@ -188,4 +237,5 @@ def fsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers
 
 __all__ = ["LAYOUTS", "LAYOUT_GRADIENTS", "IN_FLIGHT_LAYERS", "GATHER_BYTES", "GATHER_PATHS", "gather_path", "UnitSizes", "default_layout", "resolve_layout",
            "layouts", "fsdp_missing", "unit_sizes", "fsdp_in_flight_bytes",
-           "fsdp_exposed_seconds"]
+           "fsdp_exposed_seconds", "NODE", "REPLICAS", "HSDP_REDUCE_PATHS", "HSDP_ALL_REDUCE_PATHS", "hsdp_missing",
+           "hsdp_refusal"]

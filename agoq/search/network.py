@@ -36,6 +36,9 @@ Paths (`message_bytes`: the float32 bytes of the whole tensor, 4 per value, as t
   int8-weights all_gather agoq's FSDP2 weight all-gather in int8 (ZeRO++'s qwZ; agoq.runtime.comm.fsdp_weight_gather):
                          1 + 4/256 bytes per value
   int4-weights all_gather the same in int4 after Hadamard-32: 0.5 + 4/256 bytes per value
+  tlq4 all_reduce        HSDP's 4-bit all-reduce of the replicas (agoq.runtime.comm.hsdp.tlq_all_reduce): an
+                         all-to-all of int4 codes + a float32 scale per 128 values (0.5 + 4/128 bytes per value), then
+                         an all-gather of the requantized sums (same bytes)
 
 A quantized path also quantizes and dequantizes: `kernel` seconds per value (and a fixed `kernel_fixed`), fitted
 from the profile's own timings of that path (0 where the profile measured none). The wire formats here are the
@@ -59,13 +62,14 @@ WIRE_BYTES = {
     "sdp4bit-weights": 0.5 + 4.0 / WEIGHT_BLOCK,      # qWD
     "int8-weights": 1.0 + 4.0 / WEIGHT_GATHER_BLOCK,
     "int4-weights": 0.5 + 4.0 / WEIGHT_GATHER_BLOCK,
+    "tlq4": 0.5 + 4.0 / GRADIENT_GROUP,               # HSDP's 4-bit all-reduce across nodes
 }
 NCCL_PATHS = ("nccl-fp32", "nccl-bf16")
 OPERATIONS = {  # (op, path) this model prices
     ("all_reduce", "nccl-fp32"), ("reduce_scatter", "nccl-fp32"), ("all_gather", "nccl-fp32"),
     ("all_reduce", "nccl-bf16"), ("reduce_scatter", "nccl-bf16"), ("all_gather", "nccl-bf16"),
     ("all_reduce", "quangrad8"), ("reduce_scatter", "sdp4bit"), ("all_gather", "sdp4bit"),
-    ("all_gather", "int8-weights"), ("all_gather", "int4-weights"),
+    ("all_gather", "int8-weights"), ("all_gather", "int4-weights"), ("all_reduce", "tlq4"),
 }
 
 
@@ -184,8 +188,8 @@ def wire_seconds(op: str, path: str, message_bytes: float, c: Cluster) -> float:
     if path in NCCL_PATHS:
         nbytes = values * WIRE_BYTES[path]
         return {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather}[op](c, nbytes)
-    if (op, path) == ("all_reduce", "quangrad8"):
-        nbytes = values * WIRE_BYTES["quangrad8"]
+    if op == "all_reduce" and path in ("quangrad8", "tlq4"):
+        nbytes = values * WIRE_BYTES[path]
         return flat_all_to_all(c, nbytes) + all_gather(c, nbytes)
     if (op, path) == ("reduce_scatter", "sdp4bit"):
         return all_to_all(c.intra, c.node_size, values * WIRE_BYTES["sdp4bit-intra"]) \

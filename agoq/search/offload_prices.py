@@ -9,6 +9,7 @@ from typing import Optional
 from agoq.formats.profile import ProfileData
 from agoq.search.problem import OffloadPrices, ProblemSettings
 from agoq.search.timing import EAGER_SPREAD_NOTE, prices
+from agoq.vocabulary import FSDP2_LAYOUTS
 
 OVERLAP = 1.0  # the share of a micro-batch's step the host link's copies may run under (offload_prices)
 
@@ -17,7 +18,7 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
                    layout: str, notes: list, compile_mode: str, micro_batch: int) -> Optional[OffloadPrices]:
     """What offload costs under these knobs (agoq.search.problem.OffloadPrices), None where it is not offered: not
     asked for, no host link in the profile (a CPU profile, or one made before agoq measured it), or a layout the
-    runtime cannot offload in (pipeline stages, fsdp).
+    runtime cannot offload in (pipeline stages, fsdp, hsdp).
 
     The window per micro-batch is this step per micro-batch (OVERLAP of it) less the first layer (its own backward
     is the last, with nothing after it to hide a copy under): a layer's copy out runs under the forward of the
@@ -51,9 +52,9 @@ def offload_prices(profile: ProfileData, knobs: ProblemSettings, base_seconds: f
     link = profile.host_link
     if not link:
         return None
-    if stages > 1 or layout == "fsdp":
+    if stages > 1 or layout in FSDP2_LAYOUTS:
         notes.append("offload to host memory is not offered: the runtime offloads in one process or under DDP, "
-                     "not across pipeline stages or under fsdp")
+                     "not across pipeline stages or under fsdp or hsdp")
         return None
     per_byte = 1.0 / float(link["d2h_bytes_per_second"]) + 1.0 / float(link["h2d_bytes_per_second"])
     L = profile.num_layers

@@ -17,6 +17,7 @@ from agoq.search.costs import (
     resolve_optimizer,
 )
 from agoq.search.layouts import resolve_layout
+from agoq.vocabulary import HSDP
 from agoq.search.milp import Allocation
 from agoq.search.price import plan_layout
 from agoq.search.timing import prices
@@ -27,18 +28,22 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def dims_for(stages: int, gradient_mode: str, world_size: int, layout: Optional[str] = None) -> ParallelDims:
+def dims_for(stages: int, gradient_mode: str, world_size: int, layout: Optional[str] = None, *,
+             node_size: Optional[int] = None) -> ParallelDims:
     """A plan's ranks as dimensions (its `parallel` section, agoq.parallel_dims): pipeline stages are one process
     each; FSDP2 (`layout` fsdp; TLq-HS with sdp4bit gradients) shards over the profile's
-    world size; replicated bf16 and QuanGrad replicate over it (one process or DDP). `layout` None: the gradient
+    world size; hsdp replicates world / node_size nodes of node_size FSDP2 shards (replicate x shard, fsdp2);
+    replicated bf16 and QuanGrad replicate over it (one process or DDP). `layout` None: the gradient
     mode's own (agoq.search.layouts.resolve_layout)."""
-    return ParallelDims.of_layout(resolve_layout(layout, gradient_mode), world_size, stages)
+    return ParallelDims.of_layout(resolve_layout(layout, gradient_mode), world_size, stages,
+                                  ranks_per_node=node_size if layout == HSDP else None)
 
 
-def launch_for(stages: int, gradient_mode: str, world_size: int, layout: Optional[str] = None) -> dict:
+def launch_for(stages: int, gradient_mode: str, world_size: int, layout: Optional[str] = None, *,
+               node_size: Optional[int] = None) -> dict:
     """How a plan must be launched, as derived from its dims (`dims_for`): processes, `agoq train --parallel` mode
     and the command line (MODEL and PLAN.json are placeholders; agoq.parallel_dims.launch_of)."""
-    return launch_of(dims_for(stages, gradient_mode, world_size, layout), gradient_mode)
+    return launch_of(dims_for(stages, gradient_mode, world_size, layout, node_size=node_size), gradient_mode)
 
 
 def profiled_device(profile) -> Optional[str]:
@@ -135,10 +140,10 @@ def plan_of_alternative(plan: Plan, why: str, profile: ProfileData) -> Plan:
                 data["predicted"][name] = getattr(alt.predicted, name)
     else:
         data.pop("host_budget_bytes", None)
-    layout = getattr(alt, "layout", None) or "replicated"  # the alternative's own layout: DDP or FSDP2
+    layout = getattr(alt, "layout", None) or "replicated"  # the alternative's own layout: DDP, FSDP2 or HSDP
     dims = plan.dims()
     world = 1 if dims is None else dims.data_ranks if stages == 1 else dims.world_size
-    data["parallel"] = dims_for(stages, "bf16", world, layout).to_dict()
+    data["parallel"] = dims_for(stages, "bf16", world, layout, node_size=profile.node_size).to_dict()
     data.pop("launch", None)  # derived from the dims
     decision = dict(data.get("decision") or {})
     knobs = decision.get("knobs", {})
@@ -165,7 +170,8 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
     s = profile.settings
     optimizer, master = resolve_optimizer(profile, knobs.optimizer, knobs.master)
     data = {
-        "parallel": {**dims_for(problem.num_stages, knobs.gradient_mode, profile.world_size, knobs.layout).to_dict(),
+        "parallel": {**dims_for(problem.num_stages, knobs.gradient_mode, profile.world_size, knobs.layout,
+                                node_size=profile.node_size).to_dict(),
                      **({"weight_gather": knobs.weight_gather} if knobs.weight_gather != "bf16" else {})},
         "budget_bytes": int(budget_bytes) if budget_bytes is not None else None,
         "activations": {"block": int(knobs.block or s.get("block", 128)), "format": knobs.format,

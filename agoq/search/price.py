@@ -30,7 +30,7 @@ and the host link's seconds) and the peak per rank and stage, with the peak's pa
       Under FSDP2 (agoq train applies the budget to the compiled layers it then shards) the price is FSDP2's of the
       same knobs with every layer kept, moved by what the budget measured against the compiled bf16 step of its
       split: its recompute seconds per micro-batch and the activation bytes it saves (`_fsdp_budget_price`).
-      Replicated (one process, or DDP) and fsdp run compile's budget here, with bf16 gradients: other
+      Replicated (one process, or DDP), fsdp and hsdp run compile's budget here, with bf16 gradients: other
       configurations are refused with ValueError.
 
 A configuration the profile cannot price raises ValueError saying why.
@@ -51,7 +51,7 @@ from agoq.search.layouts import resolve_layout
 from agoq.search.problem import ChoiceProblem, ProblemSettings
 from agoq.search.state import resolve_optimizer
 from agoq.search.timing import prices
-from agoq.vocabulary import FSDP, REPLICATED
+from agoq.vocabulary import FSDP2_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Configuration:
 
 
 def plan_layout(plan) -> Optional[str]:
-    """The search's layout word (agoq.search.layouts) of a plan's dims (`Plan.dims()`): fsdp or replicated
+    """The search's layout word (agoq.search.layouts) of a plan's dims (`Plan.dims()`): replicated, fsdp or hsdp
     (None: the plan has none, or is a pipeline: the gradient mode's own)."""
     dims = plan.dims()
     return None if dims is None or dims.pipeline > 1 else dims.layout
@@ -194,7 +194,7 @@ def _budget_price(profile: ProfileData, config: Configuration, problem: ChoicePr
                          f"micro-batch {mb}")
     row = min(rows, key=lambda r: (int(r["grad_accum"]) != accum, int(r["grad_accum"])))
     a0 = int(row["grad_accum"])
-    if layout == FSDP:
+    if layout in FSDP2_LAYOUTS:
         return _fsdp_budget_price(profile, config, problem, row)
     seconds = sp.price(row)
     optimizer = problem_optimizer(profile, knobs)

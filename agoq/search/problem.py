@@ -31,7 +31,7 @@ class ProblemSettings:
     optimizer: Optional[str] = None       # adamw (float32 moments) or adamw8bit (fused; None: the profile's step's)
     master: Optional[str] = None          # fp32 or none (float32 masters; None: the profile's step's)
     compile_mode: Optional[str] = None    # "eager" or "compiled" (None: the profile's own mode)
-    layout: Optional[str] = None          # replicated or fsdp (agoq.search.layouts; None: the gradient
+    layout: Optional[str] = None          # replicated, fsdp or hsdp (agoq.search.layouts; None: the gradient
                                           # mode's own, fsdp for sdp4bit, else replicated)
     allow_offload: bool = True            # offer keeping layers' saved tensors in pinned host memory (where the
                                           # profile measured the host link and the layout can run it)
@@ -40,7 +40,7 @@ class ProblemSettings:
     quantize_attention: bool = True       # offer attention's quantized options (the search's requests default to
                                           # False: agoq.search.request.KnobSpace)
     weight_gather: str = "bf16"           # FSDP2's weight all-gather (`agoq train --weight-gather`): bf16, int8 or int4
-                                          # block codes (layout fsdp only)
+                                          # block codes (layouts fsdp, hsdp)
 
     def floors(self) -> dict[str, int]:
         return dict(self.floor_bits)

@@ -2,10 +2,11 @@
 profile's memory section, under a gradient storage, an optimizer with its masters, and a data-parallel layout.
 
 Per rank of a stage, bytes (W, G, M, A: the whole model's weights, gradients of the gradient storage, masters
-and moments; N: the profile's world size):
+and moments; N: the profile's world size, S: its node size, ProfileData.node_size):
 
   replicated (DDP, one process)   W, G, M, A
   fsdp (FSDP2)                    W / N, G / N, M / N, A / N  (G: bf16 gradients; agoq.search.layouts)
+  hsdp (FSDP2, R x S)             W / S, G / S, M / S, A / S  (sharded within a node; agoq.search.hsdp)
 
 A pipeline stage keeps its layers' share of these (agoq.search.costs).
 """
@@ -17,7 +18,7 @@ from typing import Optional
 from agoq.formats.profile import ProfileData
 from agoq.runtime.optim.state_bytes import check_combination
 from agoq.search.layouts import resolve_layout
-from agoq.vocabulary import GRADIENT_MODES
+from agoq.vocabulary import FSDP2_LAYOUTS, GRADIENT_MODES, HSDP
 
 OLD_MEASURED_WITH = {"optimizer": "adamw", "master": "fp32", "gradients": "bf16"}  # profiles before the fused step
 STATE_PARTS = ("weights", "gradients", "masters", "optimizer_state")  # the plan's names (docs/formats.md)
@@ -79,12 +80,12 @@ def state_per_rank(profile: ProfileData, mode: str, optimizer: Optional[str] = N
     """{weights, gradients, masters, optimizer_state}: bytes of the model state one rank keeps under `layout` (None:
     the gradient mode's own), from `state_parts` (see the module docstring)."""
     layout = resolve_layout(layout, mode)
-    world = profile.world_size
-    parts = state_parts(profile, "bf16" if layout == "fsdp" else mode, optimizer, master)
+    ranks = profile.node_size if layout == HSDP else profile.world_size  # the ranks one copy is sharded over
+    parts = state_parts(profile, "bf16" if layout in FSDP2_LAYOUTS else mode, optimizer, master)
     whole = {"weights": parts["weights"], "gradients": parts["gradients"], "masters": parts["masters"],
              "optimizer_state": parts["moments"]}
-    sharded = {"replicated": (), "fsdp": STATE_PARTS}[layout]
-    return {name: value / world if name in sharded else value for name, value in whole.items()}
+    sharded = STATE_PARTS if layout in FSDP2_LAYOUTS else ()
+    return {name: value / ranks if name in sharded else value for name, value in whole.items()}
 
 
 def static_bytes_total(profile: ProfileData, mode: str, optimizer: Optional[str] = None,

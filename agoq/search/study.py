@@ -124,7 +124,8 @@ class KnobSpace:
         # storage may take, so its choices are the same in every trial; a trial whose storage cannot take the
         # layout it drew runs its storage's own
         self.world = profile.world_size
-        self._layouts_of = {m: [lay for lay in layouts(self.world, profile.collectives, m, self.stages)
+        self._layouts_of = {m: [lay for lay in layouts(self.world, profile.collectives, m, self.stages,
+                                                       node_size=profile.node_size)
                                 if layouts_allowed is None or lay in layouts_allowed] for m in self.modes}
         self.modes = [m for m in self.modes if self._layouts_of[m]]
         if not self.modes:

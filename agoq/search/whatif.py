@@ -12,12 +12,17 @@ What the re-targeted profile prices, per rank (the search then runs as on any pr
                  search picks) on its own path, int8-weights (agoq.search.layouts.gather_path). Where the profile
                  measured layout steps, each layout's exposed communication is calibrated on them at the
                  profile's W ranks and re-priced by the model from W to N (agoq.search.layout_calibration)
-  memory         the layout's dimensions at N: a sharded state is 1/N per rank (agoq.search.state), FSDP2's units
-                 in flight by the layer sizes (agoq.search.layouts)
+  memory         the layout's dimensions at N: a sharded state is 1/N per rank (hsdp's 1/G, agoq.search.state),
+                 FSDP2's units in flight by the layer sizes (agoq.search.layouts)
 
 The modelled table has the profile table's columns (op, path, world_size, message_bytes, seconds, backend
 "model") at message sizes 64 KiB .. 256 GiB, a factor 2^(1/4) apart, so the table's log-log interpolation reads the
-model within a fraction of a percent (also where an all-reduce turns from tree to ring). `WhatIf` records what was measured and what is extrapolated, for the plan.
+model within a fraction of a percent (also where an all-reduce turns from tree to ring), and a column `group`
+(agoq.search.collective_times): "world", every path over the N ranks in nodes of G; and where the ranks span nodes
+(1 < G < N), the groups HSDP runs its collectives over (agoq.search.hsdp): "node", every path over the G ranks of
+one node (Cluster(G, G), intra link only), and "replicas", every path over the N / G ranks of one shard, one per
+node (Cluster(N / G, 1), inter link only). The re-targeted profile's `settings.node_size` is G. `WhatIf` records
+what was measured and what is extrapolated, for the plan.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Optional
 import pandas as pd
 
 from agoq.formats.profile import ProfileData
+from agoq.search.collective_times import WORLD
+from agoq.search.layouts import NODE, REPLICAS
 from agoq.search.network import OPERATIONS, Network
 from agoq.search.network_fit import Fit, fit_collectives
 from agoq.search.network_spec import parse_network
@@ -65,7 +72,9 @@ class WhatIf:
                "step time and tokens/s: measured compute per rank plus the modelled communication; data ranks "
                f"{self.world} (tokens per step scale with them)",
                f"memory per rank: the layout's state at {self.world} ranks (fsdp: the state measured "
-               f"whole, divided by {self.world}; replicated: whole, as measured)"]
+               f"whole, divided by {self.world}; "
+               + (f"hsdp: divided by the node's {self.node_size}; " if 1 < self.node_size < self.world else "")
+               + "replicated: whole, as measured)"]
         if self.fit is None:
             out.append("quantized collectives (quangrad8, sdp4bit, FSDP2's int8 weight all-gather): wire time only, "
                        "their kernels were not measured (a profile of one rank)")
@@ -75,6 +84,10 @@ class WhatIf:
                     out.append(f"FSDP2's {bits} weight all-gather: wire time only, the profile's collectives do not "
                                "time its quantize and dequantize kernels (an fsdp layout step gathering so, where "
                                "the profile has one, carries them)")
+        if 1 < self.node_size < self.world:
+            out.append("hsdp (FSDP2 within a node, replicas across): its communication is the network model's, no "
+                       "layout step calibrates it; TLq's 4-bit all-reduce across nodes (sdp4bit gradients) by its "
+                       "wire time only")
         if self.layout_steps:
             out.append(f"layout steps: each layout's exposed communication measured at {self.measured_world} ranks, "
                        f"re-priced by the network model at {self.world} (the seconds compute hid there stay hidden)")
@@ -151,10 +164,15 @@ def default_node_size(profile: ProfileData, world: int) -> int:
 
 
 def modelled_table(network: Network, world: int, node_size: int) -> pd.DataFrame:
-    """The collectives table the search reads, modelled at `world` ranks (see the module docstring)."""
-    rows = [{"op": op, "path": path, "world_size": world, "message_bytes": size,
-             "seconds": network.seconds(op, path, float(size), world, node_size), "backend": "model"}
-            for op, path in MODEL_PATHS for size in MODEL_SIZES]
+    """The collectives table the search reads, modelled at `world` ranks in nodes of `node_size`, with HSDP's groups
+    where the ranks span nodes (see the module docstring)."""
+    groups = [(WORLD, world, node_size)]
+    if 1 < node_size < world:
+        groups += [(NODE, node_size, node_size), (REPLICAS, world // node_size, 1)]
+    rows = [{"op": op, "path": path, "world_size": ranks, "message_bytes": size,
+             "seconds": network.seconds(op, path, float(size), ranks, size_of_node), "backend": "model",
+             "group": group}
+            for group, ranks, size_of_node in groups for op, path in MODEL_PATHS for size in MODEL_SIZES]
     return pd.DataFrame(rows)
 
 
@@ -203,7 +221,7 @@ def retarget(profile: ProfileData, world: int, node_size: Optional[int] = None,
     elif fit is not None:
         network = network.with_kernels(fit.kernels)
     header = copy.deepcopy(profile.header)
-    header["settings"] = {**header.get("settings", {}), "world_size": world}
+    header["settings"] = {**header.get("settings", {}), "world_size": world, "node_size": node_size}
     measured = profile.measured if profile.measured is not None else profile
     target = dataclasses.replace(profile, header=header, collectives=modelled_table(network, world, node_size),
                                  notes=list(profile.notes), cache={}, measured=measured)

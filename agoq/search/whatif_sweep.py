@@ -15,8 +15,7 @@ from agoq.formats.profile import ProfileData
 from agoq.search.network import Network
 from agoq.search.request import InfeasibleBudget, SearchRequest, knob_space
 from agoq.search.whatif import retarget
-from agoq.vocabulary import LAYOUTS
-
+from agoq.vocabulary import HSDP, LAYOUTS
 
 
 def plan_row(profile: ProfileData, world: int, node_size: int, network: Optional[Network | str], budget: int,
@@ -43,11 +42,12 @@ def plan_row(profile: ProfileData, world: int, node_size: int, network: Optional
 
 def sweep(profile: ProfileData, worlds: list[int], node_size: int, network: Optional[Network | str], budget: int,
           layouts: tuple = LAYOUTS) -> list[dict]:
-    """`plan_row` for every world size and layout (a world of one rank has the replicated layout only)."""
+    """`plan_row` for every world size and layout (a world of one rank has the replicated layout only; hsdp only
+    where the world spans nodes, more ranks than `node_size`)."""
     rows = []
     for world in worlds:
         for layout in layouts:
-            if world == 1 and layout != "replicated":
+            if (world == 1 and layout != "replicated") or (layout == HSDP and world <= node_size):
                 continue
             rows.append(plan_row(profile, world, node_size, network, budget, layout))
     return rows

@@ -31,7 +31,8 @@ def test_whatif_api_and_page(root, tmp_path):
     assert data["worlds"] == [2, 4, 8, 16] and data["node_size"] == 4 and data["measured_world_size"] == 2
     assert "ConnectX-7" in data["network"]["source"] and data["fit"]["rows"] > 0
     rows = {(row["world_size"], row["layout"]): row for row in data["rows"]}
-    assert set(rows) == {(w, lay) for w in (2, 4, 8, 16) for lay in ("replicated", "fsdp")}
+    assert set(rows) == {(w, lay) for w in (2, 4, 8, 16) for lay in ("replicated", "fsdp")} | {
+        (w, "hsdp") for w in (8, 16)}  # hsdp where the ranks span nodes of 4
     # a row is the plan the command writes at that size
     out = tmp_path / "plan.json"
     assert main(["search", "--profile", str(root / "prof"), "--budget", "1GiB", "--out", str(out), "--quiet",
@@ -45,6 +46,7 @@ def test_whatif_api_and_page(root, tmp_path):
     # sharded state (FSDP2): memory per rank falls with the world size
     sharded = [rows[(w, "fsdp")]["peak_bytes"] for w in (2, 4, 8, 16) if rows[(w, "fsdp")]["found"]]
     assert sharded == sorted(sharded, reverse=True) and len(sharded) == 4
+    assert all(rows[(w, "hsdp")]["found"] and rows[(w, "hsdp")]["knobs"]["layout"] == "hsdp" for w in (8, 16))
     page = client.get("/whatif", params=params)
     assert page.status_code == 200 and "tokens/s of the cluster" in page.text and "Not measured" in page.text
     assert f"{row['tokens_per_second']:,.0f}" in page.text

@@ -149,7 +149,8 @@ def test_sweep_rows_are_the_plans_the_command_writes(two_rank_profile, tmp_path)
 
     profile = load_profile(two_rank_profile)
     rows = sweep(profile, [1, 8], 4, "nvlink-h100+ib-ndr400", 2**30)
-    assert [(r["world_size"], r["layout"]) for r in rows] == [(1, "replicated"), (8, "replicated"), (8, "fsdp")]
+    assert [(r["world_size"], r["layout"]) for r in rows] == [(1, "replicated"), (8, "replicated"), (8, "fsdp"),
+                                                             (8, "hsdp")]  # 8 ranks span nodes of 4
     out = tmp_path / "plan.json"
     assert _search(two_rank_profile, out, "--world-size", "8", "--node-size", "4", "--network",
                    "nvlink-h100+ib-ndr400", "--layout", "fsdp") == 0
