@@ -60,6 +60,7 @@ from agoq.search.layouts import (  # what hsdp is offered with (layouts.hsdp_ref
 )
 from agoq.vocabulary import BF16
 
+
 def hsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers: int, forward_backward: float,
                          grad_accum: int, weight_gather: str = "bf16") -> dict:
     """Seconds per step of HSDP's communication not hidden by compute (module docstring), with its parts per micro-
