@@ -261,7 +261,8 @@ def _layout_steps(out: Path, header: dict, args, world_size: int, layout_steps: 
     from agoq.formats.profile import add_layout_steps
 
     if measured is None:
-        if world_size < 2 or not layout_steps["steps"] or _layout_steps_complete(args, layout_steps["journal"]):
+        if (world_size == 1 and args.pipeline_stages > 1) or not layout_steps["steps"] \
+                or _layout_steps_complete(args, layout_steps["journal"]):
             return header
         from agoq.commands.profile_layouts import measure_layout_steps
 
@@ -269,7 +270,7 @@ def _layout_steps(out: Path, header: dict, args, world_size: int, layout_steps: 
         world = world_size
     else:
         world = int(header["settings"].get("world_size") or 0)
-    if world < 2:
+    if world < 1:
         return header
     header = add_layout_steps(out, header, *measured, world)
     from agoq.commands.profile_layouts import STOPPED

@@ -43,11 +43,12 @@ LAYOUTS = (  # (layout, gradients, weight gather): the module docstring's, in th
 PARALLEL = {"replicated": DDP, "fsdp": FSDP}  # `agoq train --parallel` of each layout
 
 
-def layout_kinds(micro_batch: int, compile_mode: str) -> list[dict]:
-    """The configurations of the module docstring (agoq.formats.layout_steps KEY_FIELDS), in measuring order."""
+def layout_kinds(micro_batch: int, compile_mode: str, world_size: int = 2) -> list[dict]:
+    """The configurations of the module docstring (agoq.formats.layout_steps KEY_FIELDS), in measuring order; at
+    `world_size` 1 the fsdp ones only (one-rank FSDP2: DDP of one process is no DDP)."""
     return [{"layout": layout, "gradients": gradients, "weight_gather": gather, "compile": compile_mode,
              "micro_batch": int(micro_batch), "grad_accum": 1, "optimizer": "adamw8bit", "master": "fp32"}
-            for layout, gradients, gather in LAYOUTS]
+            for layout, gradients, gather in LAYOUTS if world_size > 1 or layout == "fsdp"]
 
 
 def layout_train_settings(kind: dict, model: str, seq_len: int, dtype: str, device: str, steps: int,
@@ -95,7 +96,8 @@ def measure_on_group(kinds: list[dict], *, model: str, seq_len: int, dtype: str,
         settings = layout_train_settings(kind, model, seq_len, dtype, device, warmup + steps, seed)
         error, figures = None, None
         try:
-            figures = measure(TrainConfig(**settings), world)
+            cfg = TrainConfig(**settings)
+            figures = measure(cfg.one_rank_fsdp() if world.size == 1 else cfg, world)
             measured = list(figures.seconds[warmup:]) or list(figures.seconds)
             mine = [1.0, statistics.median(measured), float(figures.max_peak_bytes or 0)]
         except Exception as e:  # noqa: BLE001 - one layout failing (out of memory, ...) keeps the rest
@@ -200,14 +202,15 @@ def measure_layout_steps(world_size: int, *, model: str, layers: Optional[int], 
     """Measure the layouts of `layout_kinds` in `world_size` spawned local processes (module docstring), those in
     `journal` for this request kept; returns (layout_steps rows, failures). Where the processes die or cannot start,
     the rows they journaled are returned with a failure whose `what` begins with STOPPED."""
-    kinds = layout_kinds(micro_batch, compile_mode)
+    kinds = layout_kinds(micro_batch, compile_mode, world_size)
     request = request_of(model, layers, seq_len, micro_batch, dtype, compile_mode, world_size, seed, warmup, steps)
     found = read_journal(journal, request, kinds)
     todo = [k for i, k in enumerate(kinds) if i not in found]
     stopped = []
     if todo:
-        say(f"layout steps: {len(todo)} layout(s) over {world_size} local processes, {warmup} warm-up + {steps} "
-            "measured steps each")
+        where = (f"over {world_size} local processes" if world_size > 1 else
+                 "in one local process (one-rank FSDP2: its own cost)")
+        say(f"layout steps: {len(todo)} layout(s) {where}, {warmup} warm-up + {steps} measured steps each")
         with tempfile.TemporaryDirectory(prefix="agoq-layout-steps-") as tmp:
             settings = dict(model=model_spec(model, layers, tmp), seq_len=seq_len, dtype=dtype, device=device,
                             seed=seed, warmup=warmup, steps=steps)
