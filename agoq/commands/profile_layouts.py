@@ -1,4 +1,4 @@
-"""The multi-rank steps `agoq profile` measures when its world has several ranks (--world-size N, or torchrun): a
+"""The layout steps `agoq profile` measures: when its world has several ranks (--world-size N, or torchrun), a
 real training step of each data-parallel layout the search prices, every rank running it, at the profile's
 micro-batch and sequence length, every layer kept whole (bf16), the fused 8-bit AdamW over float32 masters (the
 search's base knobs), one micro-batch per step, in the profile's own compile mode:
@@ -13,6 +13,15 @@ Each is `warmup` steps, then `steps` measured ones, run by `agoq train`'s own co
 each rank, the largest over ranks; its peak the largest of any step on any rank (agoq.formats.layout_steps). The
 search calibrates each layout's exposed communication and per-rank peak on them (agoq.search.layout_calibration).
 A layout that fails (out of memory, a collective the backend lacks) is listed in the profile's failures.
+
+On one rank (no --world-size, not torchrun), the fsdp kinds only, in one spawned local process (NCCL on the GPU,
+gloo on the CPU): one-rank FSDP2, FSDP2 in a group of one process (agoq.layout.ParallelLayout.one_rank, which only
+this module sets; `agoq train` refuses fsdp in one process). It moves nothing between ranks, so its step less the
+one-process step is FSDP2's own cost: the copies in and out of every unit's all-gather and reduce-scatter, its hooks,
+the int8/int4 weight gathers' quantize and dequantize kernels (TLq-HS's reduce-scatter of one rank returns the
+gradient unquantized, agoq.runtime.comm.sdp4bit.tlq_hs: its kernels are not in it). A what-if re-targeted from the
+profile to N ranks carries it into its fsdp prices (agoq.search.layout_calibration); the one-GPU profile's own plans
+do not use it (DDP of one process is no DDP, and fsdp needs several ranks).
 
 With --world-size N the steps run in N spawned local processes (NCCL, one GPU each, or gloo on the CPU), as the
 collectives are timed (agoq.profiler.collectives); under torchrun on the launched group, every rank calling

@@ -263,7 +263,7 @@ def test_a_one_gpu_profile_measures_its_fsdp_layout_steps_and_resume_adds_them_t
     one_rank = ARGS[:-2]  # no --world-size
     assert main([*one_rank, "--out", str(out)]) == 0
     assert [c[0] for c in calls] == [1] and calls[0][1]["steps"] == 1
-    assert "layout steps over 1 ranks" in capsys.readouterr().out
+    assert "layout steps in one process (one-rank FSDP2: its own cost" in capsys.readouterr().out
     header = json.loads((out / "profile.json").read_text())
     assert header["layout_steps"]["world_size"] == 1 and load_profile(out).layout_steps() == layout_rows(
         {"layout_steps": {"world_size": 1, "rows": rows}})
