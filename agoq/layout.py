@@ -16,10 +16,11 @@ agoq's own sharded mode (`sharded`, SDP4Bit's sharded AdamW) was retired: it is 
 (agoq.vocabulary.SHARDED_RETIRED). none and ddp keep the same per-rank state (replicated: a checkpoint of one
 resumes in the other); fsdp and hsdp shard it (and run sdp4bit gradients); fsdp and hsdp checkpoints (FSDP2's DTensors) resume in each other.
 `ParallelLayout` holds a run's mode, world size, pipeline stages and node size (the ranks of a node for TLq-HS's
-two-level reduce-scatter; hsdp's shard ranks) and refuses
-the combinations no run can have (fsdp in one process among them: `one_rank` lifts that refusal for fsdp only, for
-`agoq profile`'s measurement of FSDP2's own cost on one GPU, agoq.commands.profile_layouts; no flag sets it); `ParallelLayout.dims` is the same layout as dimensions (agoq.parallel_dims:
-replicate x shard x pipeline ranks, validated against the world size), which plans carry and the search writes.
+two-level reduce-scatter; hsdp's shard ranks) and refuses the combinations no run can have (fsdp in one process
+among them: `one_rank` lifts that refusal for fsdp only, for `agoq profile`'s measurement of FSDP2's own cost on
+one GPU, agoq.commands.profile_layouts; no flag sets it); `ParallelLayout.dims` is the same layout as dimensions
+(agoq.parallel_dims: replicate x shard x pipeline ranks, validated against the world size), which plans carry and
+the search writes.
 
 A plan's layout (its `parallel` dims, agoq.parallel_dims, docs/formats.md "Plan") can fix the number of processes:
 a pipeline of S stages runs S processes, one per stage; FSDP2 shards the state over the N

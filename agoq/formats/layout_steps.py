@@ -25,8 +25,9 @@ row at world_size 1 is refused (DDP of one process is no DDP).
       "source": "profile"}]}
 
 `layout_rows(header)` returns the checked rows ([] for a profile without the section: older profiles, and one-GPU
-profiles made before one-rank FSDP2 was measured, stay readable); a row of agoq's retired own sharded layout ("sharded", measured by profiles before it was retired) is
-skipped, as a layout the search no longer prices. `section(rows, world_size)` builds the section.
+profiles made before one-rank FSDP2 was measured, stay readable); a row of agoq's retired own sharded layout
+("sharded", measured by profiles before it was retired) is skipped, as a layout the search no longer prices.
+`section(rows, world_size)` builds the section.
 """
 
 from __future__ import annotations
@@ -130,4 +131,5 @@ def find(rows: list[dict], **key: Optional[Any]) -> Optional[dict]:
     return next((r for r in rows if row_key(r) == want), None)
 
 
-__all__ = ["layout_rows", "section", "check_row", "check_world", "ONE_RANK_LAYOUT", "row_key", "find", "KEY_FIELDS", "VERSIONS"]
+__all__ = ["layout_rows", "section", "check_row", "check_world", "ONE_RANK_LAYOUT", "row_key", "find", "KEY_FIELDS",
+           "VERSIONS"]

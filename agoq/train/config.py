@@ -2,9 +2,11 @@
 
 Each part's fields are named exactly like the command-line flags (`--seq-len` is `DataConfig.seq_len`),
 so `TrainConfig(**flags)` can take the settings flat, as `agoq train` and the tests give them, and hand
-each keyword to the part that owns it. Every check that needs nothing but the settings runs when a part
-is built (`__post_init__`), with the message the command line prints; what needs the process group or
-the data (the parallel mode under torchrun, the plan's batch shape) is checked by `prepare`.
+each keyword to the part that owns it. One field is no flag and no flat setting: `ParallelConfig.one_rank_fsdp`
+(one-rank FSDP2, `agoq profile`'s measurement of FSDP2's own cost), set only by `JobConfig.one_rank_fsdp()`.
+Every check that needs nothing but the settings runs when a part is built (`__post_init__`), with the message
+the command line prints; what needs the process group or the data (the parallel mode under torchrun, the
+plan's batch shape) is checked by `prepare`.
 """
 
 from __future__ import annotations
