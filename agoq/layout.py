@@ -86,9 +86,8 @@ class ParallelLayout:
     `one_rank`: one-rank FSDP2, the profile's measurement of FSDP2's own cost (its copies in and out of every
     unit's all-gather and reduce-scatter, its hooks, the int8/int4 gathers' kernels; TLq-HS of one rank returns the
     gradient unquantized) on one GPU: fsdp in a group of one process is allowed (the state 1/1 per rank, collectives
-    over one rank). Only
-    agoq.commands.profile_layouts sets it (agoq.train.config.JobConfig.one_rank_fsdp); `agoq train` refuses fsdp
-    in one process."""
+    over one rank). Only agoq.commands.profile_layouts sets it (agoq.train.config.JobConfig.one_rank_fsdp); `agoq
+    train` refuses fsdp in one process."""
 
     mode: str = NONE
     world_size: int = 1
