@@ -16,9 +16,11 @@ agoq's own sharded mode (`sharded`, SDP4Bit's sharded AdamW) was retired: it is 
 (agoq.vocabulary.SHARDED_RETIRED). none and ddp keep the same per-rank state (replicated: a checkpoint of one
 resumes in the other); fsdp and hsdp shard it (and run sdp4bit gradients); fsdp and hsdp checkpoints (FSDP2's DTensors) resume in each other.
 `ParallelLayout` holds a run's mode, world size, pipeline stages and node size (the ranks of a node for TLq-HS's
-two-level reduce-scatter; hsdp's shard ranks) and refuses
-the combinations no run can have; `ParallelLayout.dims` is the same layout as dimensions (agoq.parallel_dims:
-replicate x shard x pipeline ranks, validated against the world size), which plans carry and the search writes.
+two-level reduce-scatter; hsdp's shard ranks) and refuses the combinations no run can have (fsdp in one process
+among them: `one_rank` lifts that refusal for fsdp only, for `agoq profile`'s measurement of FSDP2's own cost on
+one GPU, agoq.commands.profile_layouts; no flag sets it); `ParallelLayout.dims` is the same layout as dimensions
+(agoq.parallel_dims: replicate x shard x pipeline ranks, validated against the world size), which plans carry and
+the search writes.
 
 A plan's layout (its `parallel` dims, agoq.parallel_dims, docs/formats.md "Plan") can fix the number of processes:
 a pipeline of S stages runs S processes, one per stage; FSDP2 shards the state over the N
@@ -79,12 +81,19 @@ def state_kind(mode: str) -> str:
 class ParallelLayout:
     """A run's parallel layout: its mode, processes (`world_size`), pipeline stages (the processes of a pipeline,
     else 1) and the ranks per node of SDP4Bit's reduce-scatter (None: torchrun's LOCAL_WORLD_SIZE). Built only
-    valid: ValueError (the command line's message) otherwise."""
+    valid: ValueError (the command line's message) otherwise.
+
+    `one_rank`: one-rank FSDP2, the profile's measurement of FSDP2's own cost (its copies in and out of every
+    unit's all-gather and reduce-scatter, its hooks, the int8/int4 gathers' kernels; TLq-HS of one rank returns the
+    gradient unquantized) on one GPU: fsdp in a group of one process is allowed (the state 1/1 per rank, collectives
+    over one rank). Only agoq.commands.profile_layouts sets it (agoq.train.config.JobConfig.one_rank_fsdp); `agoq
+    train` refuses fsdp in one process."""
 
     mode: str = NONE
     world_size: int = 1
     pipeline_stages: int = 1
     node_size: int | None = None
+    one_rank: bool = False
 
     def __post_init__(self) -> None:
         check_options(self.mode, node_size=self.node_size,
@@ -94,7 +103,7 @@ class ParallelLayout:
         if self.mode == NONE and self.world_size > 1:
             raise ValueError(f"--parallel none with {self.world_size} processes: choose ddp, fsdp, hsdp or "
                              "pipeline")
-        if self.mode != NONE and self.world_size < 2:
+        if self.mode != NONE and self.world_size < 2 and not (self.one_rank and self.mode == FSDP):
             raise ValueError(f"--parallel {self.mode} needs several processes: launch with "
                              f"torchrun --nproc-per-node N agoq train ... --parallel {self.mode}")
         if self.mode == HSDP and self.node_size is None:
@@ -106,13 +115,13 @@ class ParallelLayout:
 
     @classmethod
     def of(cls, parallel: str | None, world_size: int, *, pipeline_stages: int | None = None,
-           node_size: int | None = None) -> ParallelLayout:
+           node_size: int | None = None, one_rank: bool = False) -> ParallelLayout:
         """The layout of a run of `world_size` processes given `--parallel` (None: none for one process, ddp under
-        torchrun), `--pipeline-stages` (None: one per process) and `--node-size`."""
+        torchrun), `--pipeline-stages` (None: one per process) and `--node-size`; `one_rank` as the class says."""
         mode = parallel or (NONE if world_size == 1 else DDP)
         if pipeline_stages is None:
             pipeline_stages = world_size if mode == PIPELINE else 1
-        return cls(mode, world_size, pipeline_stages, node_size)
+        return cls(mode, world_size, pipeline_stages, node_size, one_rank)
 
     @property
     def replicated(self) -> bool:

@@ -10,7 +10,8 @@
                         (1F1B and interleaved 1F1B, simulated), failures
   DIR/collectives.parquet  with --world-size W or under torchrun: all-reduce / reduce-scatter /
                         all-gather times per message size for nccl-fp32, nccl-bf16, quangrad8, sdp4bit; and in
-                        profile.json `layout_steps`: each data-parallel layout's real step on every rank
+                        profile.json `layout_steps`: each data-parallel layout's real step on every rank (on one
+                        rank: FSDP2's steps in one process, its own cost, which a what-if plan carries)
   DIR/plan.json         with --budget: a bit-width plan
 
 MODEL is a preset (llama-tiny, probe, llama-3.2-1b, llama-3-8b; fresh weights, nothing downloaded), a
@@ -180,8 +181,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "--micro-batch with one and two micro-batches per step, QuanGrad's gradients, float32 "
                              "AdamW and no masters, and on a GPU agoq-paper with every layer but the last offloaded "
                              "to host memory (what offload is priced from) (agoq.commands.profile_steps); plans of a "
-                             "kind not measured are not offered; with several ranks also the steps measured of each "
-                             "layout step, after 3 warm-up steps (1 on the CPU) (agoq.commands.profile_layouts); 0: "
+                             "kind not measured are not offered; also the steps measured of each layout step, after 3 "
+                             "warm-up steps (1 on the CPU): with several ranks every layout's, with one the fsdp ones "
+                             "in one process (FSDP2's own cost, for a what-if: agoq search --world-size N) "
+                             "(agoq.commands.profile_layouts); 0: "
                              "none (default 6 on a GPU, 3 on the CPU)")
     parser.add_argument("--measured-repeats", type=positive_int, default=None, metavar="R",
                         help="measure each kind of step R times, each pass in the other order, and keep the least "
@@ -255,13 +258,15 @@ def _layout_steps_complete(args, journal: Path) -> bool:
 
 def _layout_steps(out: Path, header: dict, args, world_size: int, layout_steps: dict,
                   measured: Optional[tuple], say) -> dict:
-    """Add the layouts' multi-rank steps (agoq.commands.profile_layouts) to the profile: those measured under torchrun
-    (`measured`), or with --world-size N > 1 measured now in N local processes, unless --resume found them complete
+    """Add the layouts' steps (agoq.commands.profile_layouts) to the profile: those measured under torchrun
+    (`measured`), or measured now in --world-size N local processes (N = 1: one-rank FSDP2's, the fsdp kinds in one
+    spawned process; not for a pipeline's profile, which no what-if re-targets), unless --resume found them complete
     or --measured-steps is 0; returns the header."""
     from agoq.formats.profile import add_layout_steps
 
     if measured is None:
-        if world_size < 2 or not layout_steps["steps"] or _layout_steps_complete(args, layout_steps["journal"]):
+        if (world_size == 1 and args.pipeline_stages > 1) or not layout_steps["steps"] \
+                or _layout_steps_complete(args, layout_steps["journal"]):
             return header
         from agoq.commands.profile_layouts import measure_layout_steps
 
@@ -269,7 +274,7 @@ def _layout_steps(out: Path, header: dict, args, world_size: int, layout_steps: 
         world = world_size
     else:
         world = int(header["settings"].get("world_size") or 0)
-    if world < 2:
+    if world < 1:
         return header
     header = add_layout_steps(out, header, *measured, world)
     from agoq.commands.profile_layouts import STOPPED
@@ -290,8 +295,12 @@ def _print_layout_steps(header: dict) -> None:
     from agoq.formats.layout_steps import layout_rows
 
     rows = layout_rows(header)
-    if rows:
-        print(f"  layout steps over {header['layout_steps']['world_size']} ranks (the search calibrates each layout's "
+    world = header.get("layout_steps", {}).get("world_size")
+    if rows and world == 1:
+        print("  layout steps in one process (one-rank FSDP2: its own cost, which a what-if plan for several ranks "
+              "carries, agoq search --world-size N):")
+    elif rows:
+        print(f"  layout steps over {world} ranks (the search calibrates each layout's "
               "communication and peak per rank on them):")
     for row in rows:
         peak = f", peak {format_bytes(row['peak_bytes'])} on its largest rank" if row.get("peak_bytes") else ""

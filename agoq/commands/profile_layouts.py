@@ -1,4 +1,4 @@
-"""The multi-rank steps `agoq profile` measures when its world has several ranks (--world-size N, or torchrun): a
+"""The layout steps `agoq profile` measures: when its world has several ranks (--world-size N, or torchrun), a
 real training step of each data-parallel layout the search prices, every rank running it, at the profile's
 micro-batch and sequence length, every layer kept whole (bf16), the fused 8-bit AdamW over float32 masters (the
 search's base knobs), one micro-batch per step, in the profile's own compile mode:
@@ -13,6 +13,15 @@ Each is `warmup` steps, then `steps` measured ones, run by `agoq train`'s own co
 each rank, the largest over ranks; its peak the largest of any step on any rank (agoq.formats.layout_steps). The
 search calibrates each layout's exposed communication and per-rank peak on them (agoq.search.layout_calibration).
 A layout that fails (out of memory, a collective the backend lacks) is listed in the profile's failures.
+
+On one rank (no --world-size, not torchrun), the fsdp kinds only, in one spawned local process (NCCL on the GPU,
+gloo on the CPU): one-rank FSDP2, FSDP2 in a group of one process (agoq.layout.ParallelLayout.one_rank, which only
+this module sets; `agoq train` refuses fsdp in one process). It moves nothing between ranks, so its step less the
+one-process step is FSDP2's own cost: the copies in and out of every unit's all-gather and reduce-scatter, its hooks,
+the int8/int4 weight gathers' quantize and dequantize kernels (TLq-HS's reduce-scatter of one rank returns the
+gradient unquantized, agoq.runtime.comm.sdp4bit.tlq_hs: its kernels are not in it). A what-if re-targeted from the
+profile to N ranks carries it into its fsdp prices (agoq.search.layout_calibration); the one-GPU profile's own plans
+do not use it (DDP of one process is no DDP, and fsdp needs several ranks).
 
 With --world-size N the steps run in N spawned local processes (NCCL, one GPU each, or gloo on the CPU), as the
 collectives are timed (agoq.profiler.collectives); under torchrun on the launched group, every rank calling
@@ -43,11 +52,12 @@ LAYOUTS = (  # (layout, gradients, weight gather): the module docstring's, in th
 PARALLEL = {"replicated": DDP, "fsdp": FSDP}  # `agoq train --parallel` of each layout
 
 
-def layout_kinds(micro_batch: int, compile_mode: str) -> list[dict]:
-    """The configurations of the module docstring (agoq.formats.layout_steps KEY_FIELDS), in measuring order."""
+def layout_kinds(micro_batch: int, compile_mode: str, world_size: int = 2) -> list[dict]:
+    """The configurations of the module docstring (agoq.formats.layout_steps KEY_FIELDS), in measuring order; at
+    `world_size` 1 the fsdp ones only (one-rank FSDP2: DDP of one process is no DDP)."""
     return [{"layout": layout, "gradients": gradients, "weight_gather": gather, "compile": compile_mode,
              "micro_batch": int(micro_batch), "grad_accum": 1, "optimizer": "adamw8bit", "master": "fp32"}
-            for layout, gradients, gather in LAYOUTS]
+            for layout, gradients, gather in LAYOUTS if world_size > 1 or layout == "fsdp"]
 
 
 def layout_train_settings(kind: dict, model: str, seq_len: int, dtype: str, device: str, steps: int,
@@ -95,7 +105,8 @@ def measure_on_group(kinds: list[dict], *, model: str, seq_len: int, dtype: str,
         settings = layout_train_settings(kind, model, seq_len, dtype, device, warmup + steps, seed)
         error, figures = None, None
         try:
-            figures = measure(TrainConfig(**settings), world)
+            cfg = TrainConfig(**settings)
+            figures = measure(cfg.one_rank_fsdp() if world.size == 1 else cfg, world)
             measured = list(figures.seconds[warmup:]) or list(figures.seconds)
             mine = [1.0, statistics.median(measured), float(figures.max_peak_bytes or 0)]
         except Exception as e:  # noqa: BLE001 - one layout failing (out of memory, ...) keeps the rest
@@ -200,14 +211,15 @@ def measure_layout_steps(world_size: int, *, model: str, layers: Optional[int], 
     """Measure the layouts of `layout_kinds` in `world_size` spawned local processes (module docstring), those in
     `journal` for this request kept; returns (layout_steps rows, failures). Where the processes die or cannot start,
     the rows they journaled are returned with a failure whose `what` begins with STOPPED."""
-    kinds = layout_kinds(micro_batch, compile_mode)
+    kinds = layout_kinds(micro_batch, compile_mode, world_size)
     request = request_of(model, layers, seq_len, micro_batch, dtype, compile_mode, world_size, seed, warmup, steps)
     found = read_journal(journal, request, kinds)
     todo = [k for i, k in enumerate(kinds) if i not in found]
     stopped = []
     if todo:
-        say(f"layout steps: {len(todo)} layout(s) over {world_size} local processes, {warmup} warm-up + {steps} "
-            "measured steps each")
+        where = (f"over {world_size} local processes" if world_size > 1 else
+                 "in one local process (one-rank FSDP2: its own cost)")
+        say(f"layout steps: {len(todo)} layout(s) {where}, {warmup} warm-up + {steps} measured steps each")
         with tempfile.TemporaryDirectory(prefix="agoq-layout-steps-") as tmp:
             settings = dict(model=model_spec(model, layers, tmp), seq_len=seq_len, dtype=dtype, device=device,
                             seed=seed, warmup=warmup, steps=steps)

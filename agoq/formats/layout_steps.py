@@ -1,7 +1,13 @@
-"""The profile's multi-rank layout steps (profile.json `layout_steps`, docs/formats.md; profile schema 1.1): a real
-training step of each data-parallel layout, every rank of the profile's world running it, at the profile's
-micro-batch and sequence length, which the search calibrates each layout's exposed communication and per-rank peak
-on (agoq.search.layout_calibration).
+"""The profile's layout steps (profile.json `layout_steps`, docs/formats.md; profile schema 1.1): a real training
+step of each data-parallel layout, every rank of the profile's world running it, at the profile's micro-batch and
+sequence length, which the search calibrates each layout's exposed communication and per-rank peak on
+(agoq.search.layout_calibration).
+
+A profile of one rank (world_size 1) holds fsdp rows only: one-rank FSDP2, FSDP2 in a group of one process, which
+moves nothing between ranks, so its step less the one-process compute is FSDP2's own cost (the copies in and out of
+every unit's all-gather and reduce-scatter, its hooks, the int8/int4 weight gathers' quantize and dequantize
+kernels); a what-if re-targeted from that profile carries it into its fsdp prices (agoq.search.whatif). A replicated
+row at world_size 1 is refused (DDP of one process is no DDP).
 
     {"version": 1, "world_size": N, "rows": [
      {"layout": "replicated" | "fsdp",               how the ranks keep the state (agoq.vocabulary.LAYOUTS)
@@ -18,9 +24,10 @@ on (agoq.search.layout_calibration).
       "seconds_per_step": [...],                      rank 0's seconds of every step run (warm-up included)
       "source": "profile"}]}
 
-`layout_rows(header)` returns the checked rows ([] for a profile without the section: older profiles stay
-readable); a row of agoq's retired own sharded layout ("sharded", measured by profiles before it was retired) is
-skipped, as a layout the search no longer prices. `section(rows, world_size)` builds the section.
+`layout_rows(header)` returns the checked rows ([] for a profile without the section: older profiles, and one-GPU
+profiles made before one-rank FSDP2 was measured, stay readable); a row of agoq's retired own sharded layout
+("sharded", measured by profiles before it was retired) is skipped, as a layout the search no longer prices.
+`section(rows, world_size)` builds the section.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from agoq.vocabulary import (COMPILE_MODES, GRADIENT_MODES, LAYOUT_GRADIENTS, LA
                              WEIGHT_GATHERS)
 
 VERSIONS = (1,)
+ONE_RANK_LAYOUT = "fsdp"  # the layout a profile of one rank measures (one-rank FSDP2)
 KEY_FIELDS = ("layout", "gradients", "weight_gather", "compile", "micro_batch", "grad_accum", "optimizer", "master")
 
 
@@ -87,21 +95,33 @@ def layout_rows(header: dict, where: str = "profile.json") -> list[dict]:
         raise ValueError(f"{where}: layout_steps.version {section_.get('version')!r} is newer than this agoq reads "
                          f"({', '.join(map(str, VERSIONS))}): upgrade agoq, or profile again with this one")
     world = section_.get("world_size")
-    if not _is_int(world, 2):
-        raise ValueError(f"{where}: layout_steps.world_size: must be an integer >= 2, got {world!r}")
+    if not _is_int(world, 1):
+        raise ValueError(f"{where}: layout_steps.world_size: must be an integer >= 1, got {world!r}")
     rows: dict[tuple, dict] = {}
     for i, row in enumerate(section_["rows"]):
         if isinstance(row, dict) and row.get("layout") == SHARDED:
             continue  # the retired own sharded step: nothing prices it any more
-        checked = check_row(row, f"{where}: layout_steps.rows[{i}]")
+        checked = check_world(check_row(row, f"{where}: layout_steps.rows[{i}]"), world,
+                              f"{where}: layout_steps.rows[{i}]")
         rows[row_key(checked)] = checked
     return list(rows.values())
 
 
+def check_world(row: dict, world_size: int, where: str) -> dict:
+    """`row` where a world of `world_size` ranks measures its layout (one rank: fsdp only, one-rank FSDP2);
+    ValueError naming the layout otherwise."""
+    if world_size == 1 and row["layout"] != ONE_RANK_LAYOUT:
+        raise ValueError(f"{where}.layout: a layout step of one rank is one-rank FSDP2 ({ONE_RANK_LAYOUT}), got "
+                         f"{row['layout']} (its data parallelism needs several ranks)")
+    return row
+
+
 def section(rows: list[dict], world_size: int) -> dict:
-    """The `layout_steps` section holding `rows` (each checked), measured over `world_size` ranks."""
+    """The `layout_steps` section holding `rows` (each checked), measured over `world_size` ranks (1: fsdp rows
+    only)."""
     return {"version": VERSIONS[-1], "world_size": int(world_size),
-            "rows": [check_row(r, f"layout_steps.rows[{i}]") for i, r in enumerate(rows)]}
+            "rows": [check_world(check_row(r, f"layout_steps.rows[{i}]"), int(world_size), f"layout_steps.rows[{i}]")
+                     for i, r in enumerate(rows)]}
 
 
 def find(rows: list[dict], **key: Optional[Any]) -> Optional[dict]:
@@ -111,4 +131,5 @@ def find(rows: list[dict], **key: Optional[Any]) -> Optional[dict]:
     return next((r for r in rows if row_key(r) == want), None)
 
 
-__all__ = ["layout_rows", "section", "check_row", "row_key", "find", "KEY_FIELDS", "VERSIONS"]
+__all__ = ["layout_rows", "section", "check_row", "check_world", "ONE_RANK_LAYOUT", "row_key", "find", "KEY_FIELDS",
+           "VERSIONS"]

@@ -31,7 +31,7 @@ def check_header(header: dict, where: str) -> None:
     try:
         layout_rows(header, where)
     except ValueError as e:
-        raise FormatError(f"{e}; re-run `agoq profile` with several ranks to measure them again") from None
+        raise FormatError(f"{e}; re-run `agoq profile` to measure them again") from None
 
 
 OPTIONAL_SECTIONS = ("pipeline", "hardware", "software", "measured_steps", "layout_steps")  # objects where present

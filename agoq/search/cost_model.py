@@ -212,6 +212,7 @@ class _Run:
     master: str
     compile_mode: str
     elem: int
+    one_rank: bool = False  # one-rank FSDP2 (model_problem's `one_rank`): fsdp at one rank, nothing communicated
 
     @property
     def num_stages(self) -> int:
@@ -223,8 +224,11 @@ class _Run:
         return np.array([self.in_flight[s] for s in self.stages], dtype=float)
 
 
-def _resolve(profile: ProfileData, knobs: ProblemSettings) -> _Run:
-    """The knobs resolved against the profile; ValueError, saying what to change, for knobs it cannot price."""
+def _resolve(profile: ProfileData, knobs: ProblemSettings, one_rank: bool = False) -> _Run:
+    """The knobs resolved against the profile; ValueError, saying what to change, for knobs it cannot price.
+    `one_rank` (model_problem's) lets layout fsdp with bf16 or sdp4bit gradients be priced on a profile of one
+    rank."""
+    one_rank = one_rank and profile.world_size == 1
     profiled_micro_batch = int(profile.settings.get("micro_batch", 1) or 1)
     mb = knobs.micro_batch or profiled_micro_batch
     block0 = int(profile.settings.get("block", 128) or 128)
@@ -238,11 +242,11 @@ def _resolve(profile: ProfileData, knobs: ProblemSettings) -> _Run:
     in_flight = profile.in_flight(knobs.schedule)
     if len(in_flight) < S:
         raise ValueError(f"the profile has in-flight counts for {len(in_flight)} stage(s), the plan uses {S}")
-    if knobs.gradient_mode not in gradient_modes(profile):
+    if knobs.gradient_mode not in gradient_modes(profile) and not (one_rank and knobs.gradient_mode == "sdp4bit"):
         raise ValueError(f"gradient mode {knobs.gradient_mode!r} needs figures the profile lacks "
                          f"(available: {', '.join(gradient_modes(profile))})")
     layout = resolve_layout(knobs.layout, knobs.gradient_mode)
-    if layout == "fsdp" and profile.world_size < 2:
+    if layout == "fsdp" and profile.world_size < 2 and not one_rank:
         raise ValueError("layout fsdp shards over several ranks: the profile was made for one (profile with "
                          "--world-size N)")
     if layout == "hsdp":
@@ -260,7 +264,7 @@ def _resolve(profile: ProfileData, knobs: ProblemSettings) -> _Run:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
     elem = ELEM_BYTES.get(str(profile.settings.get("dtype", "bf16")), 2)
     return _Run(mb, profiled_micro_batch, int(knobs.grad_accum), block, block0, shape, shape0, stages, in_flight,
-                layout, optimizer, master, compile_mode, elem)
+                layout, optimizer, master, compile_mode, elem, one_rank and layout == "fsdp")
 
 
 def _offered_rows(profile: ProfileData, knobs: ProblemSettings, run: _Run, laaq_measured: bool,
@@ -370,7 +374,8 @@ def _step_seconds(profile: ProfileData, knobs: ProblemSettings, run: _Run, base:
     fsdp (FSDP2): accum x fb + once / N (each rank steps 1/N of the state; fb, once: the measured step's forward +
     backward and its once-per-step rest) and accum x the communication each micro-batch does not hide behind the
     layers' compute (agoq.search.layouts.fsdp_exposed_seconds); hsdp: accum x fb + once / S (the node's ranks) and
-    agoq.search.hsdp.hsdp_exposed_seconds per step. Communication the profile has no timing for is 0."""
+    agoq.search.hsdp.hsdp_exposed_seconds per step; one-rank FSDP2 (`run.one_rank`): accum x fb + once and no
+    communication (one rank moves nothing). Communication the profile has no timing for is 0."""
     if run.layout in FSDP2_LAYOUTS:
         split = prices(profile).split_parts(run.compile_mode, run.mb, "bf16", run.optimizer, run.master)
         if split is None:
@@ -383,6 +388,9 @@ def _step_seconds(profile: ProfileData, knobs: ProblemSettings, run: _Run, base:
             parts = hsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb, run.accum,
                                          knobs.weight_gather)
             comm = parts["exposed"]
+        elif run.one_rank:
+            notes.append("one-rank FSDP2: no communication (the anchor of a what-if's fsdp calibration)")
+            return run.accum * fb + once, 0.0
         else:
             base = run.accum * fb + once / profile.world_size
             parts = fsdp_exposed_seconds(profile.collectives, knobs.gradient_mode, units, L, fb, knobs.weight_gather)
@@ -401,13 +409,16 @@ def _step_seconds(profile: ProfileData, knobs: ProblemSettings, run: _Run, base:
     return base, comm
 
 
-def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings()) -> ChoiceProblem:
+def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings(), *,
+                  one_rank: bool = False) -> ChoiceProblem:
     """The ChoiceProblem of a profile under `knobs` (see the module docstring for the cost models), before its
     calibration on the profile's measured peaks (agoq.search.calibration; agoq.search.costs.build_problem does both).
-    Raises ValueError for knobs the profile cannot price."""
+    Raises ValueError for knobs the profile cannot price. `one_rank`: on a profile of one rank, layout fsdp is priced
+    as one-rank FSDP2 (the whole state on the one rank, no collectives), the anchor of a what-if's calibration on a
+    one-rank layout step (agoq.search.layout_calibration); the search never plans it (fsdp needs several ranks)."""
     notes: list[str] = []
     L = profile.num_layers
-    run = _resolve(profile, knobs)
+    run = _resolve(profile, knobs, one_rank)
     S = run.num_stages
     times = _step_times(profile, knobs, run.compile_mode, run.mb, run.accum, run.optimizer, run.master, notes)
     rows = _offered_rows(profile, knobs, run, times["laaq"] is not None, notes)

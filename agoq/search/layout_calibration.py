@@ -1,4 +1,4 @@
-"""Every layout calibrated on the profile's multi-rank layout steps (profile.json `layout_steps`,
+"""Every layout calibrated on the profile's layout steps (profile.json `layout_steps`,
 agoq.formats.layout_steps): what one GPU's calibration (agoq.search.calibration) does for the memory model and the
 measured one-rank steps, done for each data-parallel layout's communication and peak per rank.
 
@@ -45,6 +45,23 @@ communication it hid at W stay hidden, and what grows from W to N is the communi
 would hide at N a share of a larger communication than the compute can cover). At N = W over the profile's own
 fitted link the what-if reproduces the plain calibration within the fit's residuals. The peak's margin is bytes the
 model missed at W (workspace, the allocator's rounding, DDP's buckets), kept as bytes per rank at N.
+
+A profile of one GPU (W = 1) measures the fsdp layout steps as one-rank FSDP2 (FSDP2 in a group of one process,
+agoq.commands.profile_layouts): its own plans are priced as before (fsdp is not offered at one rank, nothing is
+calibrated), and a what-if re-targeted from it to N anchors its fsdp prices there. The anchor is priced at W = 1
+without collectives (agoq.search.cost_model.model_problem's `one_rank`: the whole state on one rank, compute(A) =
+fwd + bwd + the optimizer step of the whole state, seconds), so comm_model_1(A) = 0 and
+
+  exposed   = max(0, R.step_seconds - compute(A))                       FSDP2's own cost per step, seconds: the
+                                                                        copies in and out of every unit's
+                                                                        all-gather and reduce-scatter, its hooks,
+                                                                        the int8/int4 gathers' quantize and
+                                                                        dequantize kernels
+  comm(X)   = comm_model_N(X) + exposed                                 (hidden = -exposed: nothing was hidden)
+  peak(X)   = model peak_N(X) + (R.peak_bytes - P_1(A))                 bytes per rank
+
+TLq-HS's reduce-scatter of one rank returns the gradient as it is (agoq.runtime.comm.sdp4bit.tlq_hs), so the
+sdp4bit rows carry FSDP2's own cost but not TLq-HS's quantize and Hadamard kernels (its wire time is the model's).
 """
 
 from __future__ import annotations
@@ -64,7 +81,7 @@ def layout_row(profile: ProfileData, layout: str, gradient_mode: str, weight_gat
     else one of another compile mode, else None."""
     cache = profile.cache.setdefault("layout_rows", {})
     if "rows" not in cache:
-        cache["rows"] = profile.layout_steps() if profile.world_size > 1 else []
+        cache["rows"] = profile.layout_steps()  # at one rank: one-rank FSDP2's (agoq.formats.layout_steps)
     rows = [r for r in cache["rows"] if (r["layout"], r["gradients"], r["weight_gather"])
             == (layout, gradient_mode, weight_gather)]
     return next((r for r in rows if r["compile"] == compile_mode), rows[0] if rows else None)
@@ -80,7 +97,8 @@ def row_knobs(profile: ProfileData, row: dict) -> ProblemSettings:
 
 def anchor(profile: ProfileData, row: dict) -> Optional[dict]:
     """{"compute_seconds", "communication_seconds", "peak_bytes"} of R's configuration priced by the calibrated
-    one-rank model (module docstring); None where the profile cannot price it (cached on the profile)."""
+    one-rank model (module docstring; on a profile of one rank, one-rank FSDP2: no communication); None where the
+    profile cannot price it (cached on the profile)."""
     from agoq.search.calibration import calibrate_problem
     from agoq.search.cost_model import model_problem
 
@@ -90,7 +108,7 @@ def anchor(profile: ProfileData, row: dict) -> Optional[dict]:
         cache[key] = None
         knobs = row_knobs(profile, row)
         try:
-            problem = model_problem(profile, knobs)
+            problem = model_problem(profile, knobs, one_rank=profile.world_size == 1)
         except ValueError:
             return None
         calibrate_problem(problem, profile, knobs, row["compile"], row["micro_batch"], row["grad_accum"])
@@ -105,7 +123,7 @@ def calibrate_layout(problem: ChoiceProblem, profile: ProfileData, knobs: Proble
     """Calibrate `problem` (built for `knobs`, already calibrated on one rank) in place on the profile's layout step
     of its layout (module docstring); nothing where the profile has none, or the problem has pipeline stages."""
     measured = profile.measured if profile.measured is not None else profile  # a what-if's: as measured
-    if profile.world_size < 2 or measured.world_size < 2 or problem.num_stages != 1:
+    if profile.world_size < 2 or problem.num_stages != 1:  # a profile of one rank plans no fsdp: nothing to calibrate
         return
     layout = resolve_layout(knobs.layout, knobs.gradient_mode)
     row = layout_row(measured, layout, knobs.gradient_mode, knobs.weight_gather, compile_mode)
@@ -121,8 +139,10 @@ def calibrate_layout(problem: ChoiceProblem, profile: ProfileData, knobs: Proble
     comm = max(0.0, exposed + float(problem.communication_seconds) - a["communication_seconds"])
     problem.base_seconds = problem.base_seconds + comm - float(problem.communication_seconds)
     at = "" if measured is profile else f" at {profile.world_size} ranks (the network model's)"
+    step = (f"one-rank layout step (FSDP2 in one process: its own cost){other}" if measured.world_size == 1 else
+            f"{measured.world_size}-rank layout step{other}")
     problem.notes.append(
-        f"{what} communication calibrated on the profile's {measured.world_size}-rank layout step{other}: it measured "
+        f"{what} communication calibrated on the profile's {step}: it measured "
         f"{row['step_seconds'] * 1e3:.4g} ms where the priced compute is {a['compute_seconds'] * 1e3:.4g} ms, "
         f"{exposed * 1e3:.4g} ms exposed (modelled {a['communication_seconds'] * 1e3:.4g} ms); here "
         f"{comm * 1e3:.4g} ms per step (modelled {problem.communication_seconds * 1e3:.4g} ms{at})")

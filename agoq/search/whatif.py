@@ -11,7 +11,10 @@ What the re-targeted profile prices, per rank (the search then runs as on any pr
                  quantized paths; FSDP2's int8 weight all-gather (FSDP2 + TLq-HS + int8, a configuration the
                  search picks) on its own path, int8-weights (agoq.search.layouts.gather_path). Where the profile
                  measured layout steps, each layout's exposed communication is calibrated on them at the
-                 profile's W ranks and re-priced by the model from W to N (agoq.search.layout_calibration)
+                 profile's W ranks and re-priced by the model from W to N (agoq.search.layout_calibration); a
+                 profile of one GPU measures one-rank FSDP2 (W = 1), whose step less the one-process compute is
+                 FSDP2's own cost per step (seconds), added to the model's communication at N:
+                 comm(X) = comm_model_N(X) + (R.step_seconds - compute(A))
   memory         the layout's dimensions at N: a sharded state is 1/N per rank (hsdp's 1/G, agoq.search.state),
                  FSDP2's units in flight by the layer sizes (agoq.search.layouts)
 
@@ -79,8 +82,10 @@ class WhatIf:
                + (f"hsdp: divided by the node's {self.node_size}; " if 1 < self.node_size < self.world else "")
                + "replicated: whole, as measured)"]
         if self.fit is None:
+            carried = (" (the one-rank fsdp layout steps carry FSDP2's int8/int4 gathers' kernels, not TLq-HS's, "
+                       "which one rank does not run)" if self.layout_steps and self.measured_world == 1 else "")
             out.append("quantized collectives (quangrad8, sdp4bit, FSDP2's int8 weight all-gather): wire time only, "
-                       "their kernels were not measured (a profile of one rank)")
+                       f"their kernels were not measured (a profile of one rank){carried}")
         else:
             for bits in ("int8", "int4"):
                 if ("all_gather", f"{bits}-weights") not in self.fit.kernels:
@@ -91,7 +96,11 @@ class WhatIf:
             out.append("hsdp (FSDP2 within a node, replicas across): its communication is the network model's, no "
                        "layout step calibrates it; TLq's 4-bit all-reduce across nodes (sdp4bit gradients) by its "
                        "wire time only")
-        if self.layout_steps:
+        if self.layout_steps and self.measured_world == 1:
+            out.append(f"layout steps: FSDP2's own cost per step measured in one process ({self.layout_steps} "
+                       "one-rank fsdp step(s): the step less the one-process compute), added to the network "
+                       f"model's communication at {self.world} ranks")
+        elif self.layout_steps:
             out.append(f"layout steps: each layout's exposed communication measured at {self.measured_world} ranks, "
                        f"re-priced by the network model at {self.world} (the seconds compute hid there stay hidden)")
         if self.nodes > 1:
@@ -231,7 +240,7 @@ def retarget(profile: ProfileData, world: int, node_size: Optional[int] = None,
     device = profile.header.get("hardware", {}).get("name")
     model = profile.header.get("model", {})
     spec = str(model.get("spec") or model.get("name") or "MODEL")
-    steps = len(measured.layout_steps()) if measured.world_size > 1 else 0
+    steps = len(measured.layout_steps())  # at one rank: one-rank FSDP2's (agoq.search.layout_calibration)
     return target, WhatIf(profile.world_size, world, node_size, network, fit, str(profile.path), device, spec,
                           steps)
 

@@ -2,13 +2,16 @@
 
 Each part's fields are named exactly like the command-line flags (`--seq-len` is `DataConfig.seq_len`),
 so `TrainConfig(**flags)` can take the settings flat, as `agoq train` and the tests give them, and hand
-each keyword to the part that owns it. Every check that needs nothing but the settings runs when a part
-is built (`__post_init__`), with the message the command line prints; what needs the process group or
-the data (the parallel mode under torchrun, the plan's batch shape) is checked by `prepare`.
+each keyword to the part that owns it. One field is no flag and no flat setting: `ParallelConfig.one_rank_fsdp`
+(one-rank FSDP2, `agoq profile`'s measurement of FSDP2's own cost), set only by `JobConfig.one_rank_fsdp()`.
+Every check that needs nothing but the settings runs when a part is built (`__post_init__`), with the message
+the command line prints; what needs the process group or the data (the parallel mode under torchrun, the
+plan's batch shape) is checked by `prepare`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -121,6 +124,9 @@ class ParallelConfig:
     pipeline_stages: int | None = None
     node_size: int | None = None
     weight_gather: str = "bf16"  # FSDP2's weight all-gather: bf16 (its own), int8 or int4 (block codes)
+    # one-rank FSDP2: the profile's measurement of FSDP2's own cost (agoq.layout.ParallelLayout.one_rank); no flag,
+    # not a flat setting: only JobConfig.one_rank_fsdp sets it
+    one_rank_fsdp: bool = field(default=False, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         check_options(self.parallel, node_size=self.node_size, pipeline_stages=self.pipeline_stages)
@@ -133,7 +139,7 @@ class ParallelConfig:
     def layout(self, world_size: int) -> ParallelLayout:
         """The parallel layout of a run with `world_size` processes; refuses one that does not fit it."""
         return ParallelLayout.of(self.parallel, world_size, pipeline_stages=self.pipeline_stages,
-                                 node_size=self.node_size)
+                                 node_size=self.node_size, one_rank=self.one_rank_fsdp)
 
     def mode_for(self, world_size: int) -> str:
         """The parallel mode of a run with `world_size` processes (`layout`'s)."""
@@ -199,7 +205,7 @@ class JobConfig:
     @classmethod
     def flag_names(cls) -> list[str]:
         """Every setting's name, one per command-line flag (what `TrainConfig` takes as keywords)."""
-        return [f.name for part in fields(cls) for f in fields(part.default_factory)]
+        return [f.name for part in fields(cls) for f in fields(part.default_factory) if f.metadata.get("flag", True)]
 
     @classmethod
     def from_flags(cls, **flags) -> JobConfig:
@@ -212,6 +218,12 @@ class JobConfig:
             kind = part.default_factory
             parts[part.name] = kind(**{f.name: flags[f.name] for f in fields(kind) if f.name in flags})
         return cls(**parts)
+
+    def one_rank_fsdp(self) -> JobConfig:
+        """This run as one-rank FSDP2 (agoq.layout.ParallelLayout.one_rank): --parallel fsdp allowed in a group of
+        one process, for `agoq profile`'s measurement of FSDP2's own cost on one GPU (agoq.commands.profile_layouts);
+        other modes are unchanged."""
+        return dataclasses.replace(self, parallelism=dataclasses.replace(self.parallelism, one_rank_fsdp=True))
 
 
 def TrainConfig(**flags) -> JobConfig:

@@ -110,7 +110,7 @@ def test_profile_stores_the_layout_steps_and_resume_keeps_them(tmp_path, monkeyp
 def test_a_profile_without_layout_steps_reads_as_none_and_a_bad_section_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr("agoq.profiler.collectives.spawn_collectives", lambda *a, **k: ([], []))
     out = tmp_path / "p"
-    assert main([*ARGS[:-2], "--out", str(out)]) == 0
+    assert main([*ARGS[:-2], "--measured-steps", "0", "--out", str(out)]) == 0  # measured steps off: no layout steps
     header = json.loads((out / "profile.json").read_text())
     assert "layout_steps" not in header and load_profile(out).layout_steps() == []
     header["schema"] = "agoq.profile/1"  # an older profile
@@ -121,6 +121,20 @@ def test_a_profile_without_layout_steps_reads_as_none_and_a_bad_section_is_refus
     header["layout_steps"] = {"version": 1, "world_size": 2, "rows": bad}
     (out / "profile.json").write_text(json.dumps(header))
     with pytest.raises(ValueError, match=r"layout_steps.rows\[1\].weight_gather"):
+        load_profile(out)
+    # one rank measures one-rank FSDP2 only: a replicated row of one rank is refused, fsdp rows read
+    one = _fake_rows(2)
+    header["layout_steps"] = {"version": 1, "world_size": 1, "rows": one}
+    (out / "profile.json").write_text(json.dumps(header))
+    with pytest.raises(ValueError, match=r"layout_steps.rows\[0\].layout: a layout step of one rank is one-rank FSDP2"):
+        load_profile(out)
+    fsdp = [r for r in one if r["layout"] == "fsdp"]
+    header["layout_steps"] = {"version": 1, "world_size": 1, "rows": fsdp}
+    (out / "profile.json").write_text(json.dumps(header))
+    assert load_profile(out).layout_steps() == layout_rows({"layout_steps": {"world_size": 1, "rows": fsdp}})
+    header["layout_steps"] = {"version": 1, "world_size": 0, "rows": fsdp}
+    (out / "profile.json").write_text(json.dumps(header))
+    with pytest.raises(ValueError, match="layout_steps.world_size: must be an integer >= 1"):
         load_profile(out)
     # a profile measured before agoq's own sharded step was retired: that row is skipped, the others read
     rows = _fake_rows(2)
@@ -194,3 +208,80 @@ def test_under_torchrun_rank_0_tells_the_others_what_its_journal_holds(tmp_path)
         else:  # measured now (a step of 7 tokens takes far less than a second)
             assert 0 < row["step_seconds"] < 1
     assert len(journal.read_text().splitlines()) == len(kinds)
+
+
+def test_one_process_measures_fsdp2s_own_cost_and_resumes_from_the_journal(tmp_path, monkeypatch):
+    journal = tmp_path / "layout.jsonl"
+    kw = dict(model="llama-tiny", layers=1, seq_len=9, micro_batch=2, dtype="fp32", device="cpu",
+              compile_mode="eager", warmup=1, steps=1, journal=journal)
+    rows, failures = measure_layout_steps(1, **kw)  # one spawned process, gloo
+    assert not failures
+    fsdp = [k for k in LAYOUTS if k[0] == "fsdp"]  # DDP of one process is no DDP
+    assert [(r["layout"], r["gradients"], r["weight_gather"]) for r in rows] == fsdp
+    for row in rows:
+        assert row["step_seconds"] > 0 and row["peak_bytes"] is None and len(row["seconds_per_step"]) == 2
+    assert layout_rows({"layout_steps": {"world_size": 1, "rows": rows}}) == rows
+    assert len(journal.read_text().splitlines()) == len(fsdp)
+
+    def spawned(*a, **k):
+        raise _MeasuredAgain()
+
+    monkeypatch.setattr(profile_layouts, "spawn_on_group", spawned)
+    assert measure_layout_steps(1, **kw) == (rows, [])  # resumed: nothing left to measure
+    with pytest.raises(_MeasuredAgain):  # the two-rank request does not reuse the one-rank lines
+        measure_layout_steps(2, **kw)
+
+
+def test_train_refuses_fsdp_in_one_process_and_only_the_profile_lifts_it(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(["train", "llama-tiny", "--parallel", "fsdp", "--steps", "2", "--quiet", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--parallel fsdp needs several processes: launch with torchrun" in err and "Traceback" not in err
+    assert not (out / "metrics.jsonl").exists()
+    with pytest.raises(TypeError, match="unknown training setting"):  # not a flat setting, no flag
+        TrainConfig(parallel="fsdp", one_rank_fsdp=True)
+    cfg = TrainConfig(parallel="fsdp")
+    with pytest.raises(ValueError, match="--parallel fsdp needs several processes"):
+        cfg.parallelism.layout(1)
+    assert cfg.one_rank_fsdp().parallelism.layout(1).mode == "fsdp"
+    for mode in ("ddp", "pipeline"):  # one_rank lifts the refusal for fsdp only
+        with pytest.raises(ValueError, match=f"--parallel {mode} needs several processes"):
+            TrainConfig(parallel=mode).one_rank_fsdp().parallelism.layout(1)
+
+
+def test_a_one_gpu_profile_measures_its_fsdp_layout_steps_and_resume_adds_them_to_an_older_one(tmp_path,
+                                                                                                monkeypatch, capsys):
+    out = tmp_path / "p"
+    rows = [r for r in _fake_rows(1) if r["layout"] == "fsdp"]
+    calls = []
+
+    def measured(world_size, **kw):
+        calls.append((world_size, kw))
+        return rows, []
+
+    monkeypatch.setattr(profile_layouts, "measure_layout_steps", measured)
+    one_rank = ARGS[:-2]  # no --world-size
+    assert main([*one_rank, "--out", str(out)]) == 0
+    assert [c[0] for c in calls] == [1] and calls[0][1]["steps"] == 1
+    assert "layout steps in one process (one-rank FSDP2: its own cost" in capsys.readouterr().out
+    header = json.loads((out / "profile.json").read_text())
+    assert header["layout_steps"]["world_size"] == 1 and load_profile(out).layout_steps() == layout_rows(
+        {"layout_steps": {"world_size": 1, "rows": rows}})
+    # a one-GPU profile made before one-rank FSDP2 was measured: --resume measures just the layout steps
+    del header["layout_steps"]
+    (out / "profile.json").write_text(json.dumps(header))
+    import agoq.commands.profile_steps as profile_steps
+
+    def steps_again(*a, **k):
+        raise _MeasuredAgain()
+
+    monkeypatch.setattr(profile_steps, "measure_profile_steps", steps_again)
+    assert main([*one_rank, "--out", str(out), "--resume"]) == 0
+    assert [c[0] for c in calls] == [1, 1]
+    again = json.loads((out / "profile.json").read_text())
+    assert again["layout_steps"]["world_size"] == 1 and again["measured_steps"] == header["measured_steps"]
+    assert main([*one_rank, "--out", str(out), "--resume"]) == 0
+    assert len(calls) == 2  # complete: not measured again
+    # measured steps off: no layout steps either
+    assert main([*one_rank, "--measured-steps", "0", "--out", str(tmp_path / "q")]) == 0
+    assert len(calls) == 2 and "layout_steps" not in json.loads((tmp_path / "q" / "profile.json").read_text())

@@ -18,6 +18,15 @@ ARGS = ["profile", "llama-tiny", "--device", "cpu", "--seq-len", "29", "--micro-
         "--formats", "int", "--batches", "1", "--quiet", "--measured-steps", "2"]
 
 
+@pytest.fixture(autouse=True)
+def no_layout_steps(monkeypatch):
+    """These tests are of the one-rank measured steps: the one-rank FSDP2 layout steps a one-GPU profile also takes
+    (one spawned process; tests/commands/test_profile_layouts.py tests them) are left out, to keep the tests fast."""
+    from agoq.commands import profile_layouts
+
+    monkeypatch.setattr(profile_layouts, "measure_layout_steps", lambda world_size, **kw: ([], []))
+
+
 @pytest.mark.parametrize("micro_batch", [1, 2, 6])
 def test_step_kinds_are_every_split_policy_and_knob(micro_batch):
     kinds = step_kinds(micro_batch, ["eager", "compiled"])
