@@ -17,7 +17,9 @@ The runs' TLq-HS variants ran with --node-size 1 (each rank its own node: TLq's 
 
 Writes experiments/results/NAME.json (default whatif_one_gpu): rows {name, predicted_step_seconds,
 measured_step_seconds, predicted_tokens_per_second, measured_tokens_per_second, relative_error} and the profile's
-layout steps it was calibrated on (none: a profile without them).
+layout steps it was calibrated on (none: a profile without them). A row the search would not offer (FSDP2's int8
+gather with bf16 gradients: quantized gathers come with TLq-HS) says so (`offered_by_search`): the profile measures
+no layout step of it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agoq.formats.profile import load_profile  # noqa: E402
+from agoq.search.knobs import weight_gathers  # noqa: E402
 from agoq.search.network_fit import fit_collectives  # noqa: E402
 from agoq.search.price import Configuration, price  # noqa: E402
 from agoq.search.problem import ProblemSettings  # noqa: E402
@@ -80,6 +83,7 @@ def main(argv=None) -> int:
         p = price(target, Configuration(knobs))
         measured = run["measured_step_seconds"]
         rows.append({**run, "node_size": node_size, "network": whatif.network.describe(),
+                     "offered_by_search": run["weight_gather"] in weight_gathers("fsdp", run["gradients"]),
                      "predicted_step_seconds": p.step_seconds,
                      "predicted_communication_seconds": p.communication_seconds,
                      "predicted_tokens_per_second": 2 * TOKENS_PER_RANK / p.step_seconds,
@@ -88,7 +92,8 @@ def main(argv=None) -> int:
     print(f"{'run':72} {'predicted':>10} {'measured':>10} {'tok/s error':>12}")
     for r in rows:
         print(f"{r['name']:72} {r['predicted_step_seconds'] * 1e3:>8.1f}ms {r['measured_step_seconds'] * 1e3:>8.1f}ms "
-              f"{r['relative_error']:>+12.1%}")
+              f"{r['relative_error']:>+12.1%}" + ("" if r["offered_by_search"] else "  (not a configuration the "
+                                                  "search offers: no layout step of it)"))
     from experiments.record import write_result
 
     steps = profile.layout_steps() if hasattr(profile, "layout_steps") else []
