@@ -146,6 +146,8 @@ def layout_steps(folder: Path, header: dict[str, Any], plan_layout: Optional[dic
     section = header.get("layout_steps") or {}
     if not rows:
         return {"world_size": section.get("world_size"), "rows": []}
+    if section.get("world_size") == 1:  # one process running FSDP2: a what-if's anchor, no price on one rank
+        return json_safe({"world_size": 1, "rows": [{**{k: r.get(k) for k in KEEP}, "mine": False} for r in rows]})
     priced = _priced(str(folder), _signature(folder))
     mine = None
     if plan_layout is not None:
@@ -203,6 +205,15 @@ def render_steps(steps: dict[str, Any]) -> str:
         out.append(message(f"The profile {steps.get('profile')} measured no layout steps (agoq profile under "
                            "torchrun, or with --world-size N, measures a real step of each layout): each layout is "
                            "priced by the model alone.", "empty"))
+        return "".join(out)
+    if steps["world_size"] == 1:
+        out.append("<p class=meta>One process running FSDP2 (profile " + esc(steps.get("profile")) + "): FSDP2's own "
+                   "cost per step (its copies and hooks, the quantized gathers' kernels), which a what-if plan for "
+                   "several ranks carries (agoq search --world-size N); a plan on one rank does not shard.</p>")
+        out.append(table(["layout", "compile", "micro-batch", "measured step", "measured peak"], [
+            [esc(f"{r['layout']} ({r['gradients']}" + (f", {r['weight_gather']} gather" if r["weight_gather"] != "bf16"
+                                                        else "") + ")"), esc(r["compile"]), fmt_num(r["micro_batch"]),
+             fmt_seconds(r["step_seconds"]), format_bytes(r["peak_bytes"])] for r in steps["rows"]]))
         return "".join(out)
     out.append(f"<p class=meta>A real step of each layout on every one of the profile's {fmt_num(steps['world_size'])} "
                f"ranks (profile {esc(steps.get('profile'))}), beside the search's price of the same configuration: "

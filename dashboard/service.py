@@ -145,8 +145,9 @@ class Dashboard:
         a = self.catalog.get("profiles", artifact_id)
         folder = self.catalog.folder(a)
         summary = profiles.summary(folder)
-        steps = None  # a profile of several ranks: its layout steps priced (dashboard.cluster)
-        if int((summary.get("settings") or {}).get("world_size") or 1) > 1:
+        steps = None  # a profile of several ranks: its layout steps priced; of one: its one-process FSDP2 steps
+        if int((summary.get("settings") or {}).get("world_size") or 1) > 1 or profiles.header(folder).get(
+                "layout_steps"):
             steps = part(lambda: {**cluster.layout_steps(folder.path, profiles.header(folder)), "profile": a.id})
         return {"id": a.id, "summary": summary, "layout_steps": steps,
                 "maps": part(lambda: profiles.layer_kind_maps(folder, option)),

@@ -156,3 +156,23 @@ def test_a_what_if_plan_shows_its_nodes_and_a_one_rank_plan_no_layout(root):
     single = client.get("/api/plan", params={"id": "single/plan.json"}).json()
     assert single["cluster"] is None
     assert "<h2>Layout</h2>" not in client.get("/plan", params={"id": "single/plan.json"}).text
+
+
+def test_a_one_gpu_profiles_one_rank_layout_steps_are_shown_measured_not_priced(tmp_path, seed):
+    """A one-GPU profile's layout steps (one process running FSDP2: a what-if's anchor) are listed with their
+    measured step and peak, and no price or error (fsdp is not priced on one rank)."""
+    from tests.search.test_whatif_one_rank import _one_gpu_profile, _row, _with_layout_steps as one_rank_steps
+
+    rng = random.Random(seed)
+    folder = _one_gpu_profile(tmp_path / "one", rng)
+    kinds = [("fsdp", "bf16", "bf16"), ("fsdp", "sdp4bit", "int8"), ("fsdp", "sdp4bit", "int4")]
+    rows = [_row(k, "eager", rng.uniform(0.01, 0.2), rng.randrange(10**6, 10**8)) for k in kinds]
+    one_rank_steps(folder, rows)
+    client = TestClient(create_app(tmp_path))
+    data = client.get("/api/profile", params={"id": "one"}).json()["layout_steps"]
+    assert data["world_size"] == 1
+    assert [r["step_seconds"] for r in data["rows"]] == [r["step_seconds"] for r in rows]
+    assert all("error" not in r and "calibrated_step_seconds" not in r for r in data["rows"])
+    page = client.get("/profile", params={"id": "one"}).text
+    assert "One process running FSDP2" in page and "class=bad" not in page
+    assert all(fmt_seconds(r["step_seconds"]) in page for r in rows)
