@@ -64,10 +64,40 @@ def measured_runs() -> list[dict]:
     return out
 
 
+def link_spec(network) -> str:
+    """--network SPEC of a Network's two links (GB/s @ us)."""
+    return ",".join(f"{level}={link.bandwidth / 1e9:.6g}@{link.latency * 1e6:.6g}"
+                    for level, link in (("intra", network.intra), ("inter", network.inter)))
+
+
+def searched_plan(profile: str, network: str, budget: str) -> dict:
+    """`agoq search` at `budget` for 2 ranks in one node over `network`: the plan's knobs, predicted step and the
+    alternative it was compared with."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        subprocess.run([sys.executable, "-m", "agoq.cli", "search", "--profile", profile, "--budget", budget,
+                        "--world-size", "2", "--node-size", "2", "--network", network, "--out", str(out), "--quiet"],
+                       check=True, capture_output=True, text=True)
+        plan = json.loads(out.read_text())
+    alt = plan.get("alternative") or {}
+    dims = plan["parallel"]
+    return {"network": network, "parallel": dims, "gradients": plan["gradients"]["mode"],
+            "optimizer": plan["optimizer"], "training": plan["training"], "decision": plan.get("decision"),
+            "what": (f"{'fsdp' if dims.get('shard', 1) > 1 else 'ddp'} {plan['training']['compile']}, gradients "
+                     f"{plan['gradients']['mode']}, weight gather {dims.get('weight_gather') or 'bf16'}, "
+                     f"{plan['optimizer']['name']}"),
+            "step_seconds": plan["predicted"]["step_seconds"], "alternative": alt.get("name"),
+            "alternative_step_seconds": (alt.get("predicted") or {}).get("step_seconds")}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default=str(RESULTS / "profiles" / "probe-h200-1129"))
     ap.add_argument("--name", default="whatif_one_gpu")
+    ap.add_argument("--budget", default="20GB", help="the budget per GPU of the plans searched on each network")
     args = ap.parse_args(argv)
     profile = load_profile(args.profile)
     if profile.world_size != 1:
@@ -94,11 +124,16 @@ def main(argv=None) -> int:
         print(f"{r['name']:72} {r['predicted_step_seconds'] * 1e3:>8.1f}ms {r['measured_step_seconds'] * 1e3:>8.1f}ms "
               f"{r['relative_error']:>+12.1%}" + ("" if r["offered_by_search"] else "  (not a configuration the "
                                                   "search offers: no layout step of it)"))
+    plans = {transport: searched_plan(args.profile, network, args.budget) for transport, network in
+             (("nvlink", "nvlink-h100"), ("sockets", link_spec(networks["sockets"])))}
+    for transport, plan in plans.items():
+        print(f"{transport}: the plan at {args.budget}: {plan['what']}, predicted {plan['step_seconds'] * 1e3:.1f} ms; "
+              f"its alternative {plan['alternative']} {plan['alternative_step_seconds'] * 1e3:.1f} ms")
     from experiments.record import write_result
 
     steps = profile.layout_steps() if hasattr(profile, "layout_steps") else []
     path = write_result(args.name, {"profile": str(Path(args.profile).resolve().relative_to(ROOT)),
-                                    "profile_layout_steps": steps, "rows": rows})
+                                    "profile_layout_steps": steps, "rows": rows, "plans": plans})
     print(f"wrote {path}")
     return 0
 
