@@ -21,19 +21,11 @@ from agoq.search.price import Configuration, price
 from agoq.search.state import state_parts, state_per_rank
 from agoq.search.timing import prices
 from agoq.search.whatif import retarget
-from tests.search.synthetic_profile import write_profile
 
 
 def fresh_rng():
     seed = random.getrandbits(32)  # seeded per test: tests/conftest.py
     return seed, random.Random(seed)
-
-
-@pytest.fixture
-def two_rank_profile(tmp_path):
-    _, rng = fresh_rng()
-    return write_profile(tmp_path / "profile", rng, micro_batch=2, seq_len=40, world_size=2, collectives=True,
-                         fsdp_collectives=True, link_bytes_per_second=rng.uniform(2e9, 2e10))
 
 
 # ------------------------------------------------------------------------ the closed form, by hand, float64

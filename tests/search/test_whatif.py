@@ -24,13 +24,6 @@ def fresh_rng():
     return seed, random.Random(seed)
 
 
-@pytest.fixture
-def two_rank_profile(tmp_path):
-    _, rng = fresh_rng()
-    return write_profile(tmp_path / "profile", rng, micro_batch=2, seq_len=40, world_size=2, collectives=True,
-                         fsdp_collectives=True, link_bytes_per_second=rng.uniform(2e9, 2e10))
-
-
 def _ring_all_reduce(link: Link, p: int, b: float) -> float:
     """By hand: the faster of the ring (2(p-1) steps, 2(p-1)/p of the bytes) and the tree (2 log2 p, 2x)."""
     if p == 1:
