@@ -44,16 +44,15 @@ none): its communication is the network model's.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 from agoq.search.collective_times import collective_seconds
 from agoq.search.layouts import (  # what hsdp is offered with (layouts.hsdp_refusal) and reads its collectives by
-    GATHER_BYTES,
     HSDP_ALL_REDUCE_PATHS,
     HSDP_REDUCE_PATHS,
     NODE,
     REPLICAS,
     UnitSizes,
+    check_weight_gather,
     gather_path,
     hsdp_missing,
     hsdp_refusal,
@@ -70,8 +69,7 @@ def hsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers
     if missing:
         raise ValueError(f"layout hsdp with {gradient_mode} gradients needs the collective timings of "
                          f"{', '.join(missing)}: plan it as a what-if over several nodes (--world-size, --node-size)")
-    if weight_gather not in GATHER_BYTES:
-        raise ValueError(f"weight gather must be one of {', '.join(GATHER_BYTES)}, got {weight_gather!r}")
+    check_weight_gather(weight_gather)
     shard = float(table.loc[table["group"] == NODE, "world_size"].iloc[0])  # S: the node's ranks
     ag_path, wire = gather_path(table, weight_gather, group=NODE)
     rs_path, ar_path = HSDP_REDUCE_PATHS[gradient_mode], HSDP_ALL_REDUCE_PATHS[gradient_mode]

@@ -208,6 +208,12 @@ def gather_path(table, weight_gather: str, *, group: str = WORLD) -> tuple[str, 
     return FSDP_GATHER_PATH, GATHER_BYTES[weight_gather] / GATHER_BYTES["bf16"]
 
 
+def check_weight_gather(weight_gather: str) -> None:
+    """ValueError unless `weight_gather` is one of GATHER_BYTES' wire formats."""
+    if weight_gather not in GATHER_BYTES:
+        raise ValueError(f"weight gather must be one of {', '.join(GATHER_BYTES)}, got {weight_gather!r}")
+
+
 def fsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers: int,
                          forward_backward: float, weight_gather: str = "bf16") -> dict:
     """Seconds of FSDP2's communication not hidden by compute, per micro-batch (see the module docstring), with
@@ -218,8 +224,7 @@ def fsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers
     if missing:
         raise ValueError(f"layout fsdp with {gradient_mode} gradients needs the profile's collective timings of "
                          f"{', '.join(missing)} (agoq profile with several ranks measures them)")
-    if weight_gather not in GATHER_BYTES:
-        raise ValueError(f"weight gather must be one of {', '.join(GATHER_BYTES)}, got {weight_gather!r}")
+    check_weight_gather(weight_gather)
     rs_path = FSDP_REDUCE_PATHS[gradient_mode]
     ag_path, wire = gather_path(table, weight_gather)
     ag_l = collective_seconds(table, ag_path, 4.0 * units.layer * wire, ("all_gather",))
@@ -237,5 +242,5 @@ def fsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers
 
 __all__ = ["LAYOUTS", "LAYOUT_GRADIENTS", "IN_FLIGHT_LAYERS", "GATHER_BYTES", "GATHER_PATHS", "gather_path", "UnitSizes", "default_layout", "resolve_layout",
            "layouts", "fsdp_missing", "unit_sizes", "fsdp_in_flight_bytes",
-           "fsdp_exposed_seconds", "NODE", "REPLICAS", "HSDP_REDUCE_PATHS", "HSDP_ALL_REDUCE_PATHS", "hsdp_missing",
+           "fsdp_exposed_seconds", "check_weight_gather", "NODE", "REPLICAS", "HSDP_REDUCE_PATHS", "HSDP_ALL_REDUCE_PATHS", "hsdp_missing",
            "hsdp_refusal"]
