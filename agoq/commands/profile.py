@@ -7,7 +7,7 @@
                         quantize/dequantize or recompute time the option adds
   DIR/profile.json      model fingerprint, settings, hardware, versions, memory model (predicted vs
                         measured peak of a real bf16 and agoq-paper step), pipeline in-flight counts
-                        (1F1B and interleaved 1F1B, simulated), failures
+                        (1F1B and interleaved 1F1B, simulated), failures, the quantized collectives' kernels
   DIR/collectives.parquet  with --world-size W or under torchrun: all-reduce / reduce-scatter /
                         all-gather times per message size for nccl-fp32, nccl-bf16, quangrad8, sdp4bit; and in
                         profile.json `layout_steps`: each data-parallel layout's real step on every rank (on one

@@ -8,7 +8,9 @@ What the re-targeted profile prices, per rank (the search then runs as on any pr
   communication  every collective the search reads (agoq.search.collective_times) from a table modelled at N
                  ranks in nodes of G (agoq.search.network): the profile's own link fitted to its measured
                  collectives (agoq.search.network_fit), or the --network links with the fitted kernels of the
-                 quantized paths; FSDP2's int8 weight all-gather (FSDP2 + TLq-HS + int8, a configuration the
+                 quantized paths (`timed_kernels`: a path no measured collective gave a kernel, every path of a
+                 one-GPU profile, takes the kernels the profile timed in one process, profile.json
+                 collective_kernels); FSDP2's int8 weight all-gather (FSDP2 + TLq-HS + int8, a configuration the
                  search picks) on its own path, int8-weights (agoq.search.layouts.gather_path). Where the profile
                  measured layout steps, each layout's exposed communication is calibrated on them at the
                  profile's W ranks and re-priced by the model from W to N (agoq.search.layout_calibration); a
