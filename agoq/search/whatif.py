@@ -91,7 +91,9 @@ class WhatIf:
                        + (f" on {self.timed_device}" if self.timed_device else "")
                        + " (the profile's collective_kernels, fixed + per value fitted over its sizes); the wire "
                        + ("from the profile's fitted link" if self.network.name == "profile"
-                          else f"from the network ({self.network.name})"))
+                          else f"from the network ({self.network.name})")
+                       + ("; timed for 2 ranks of one node, so TLq-HS's int4 level across nodes is not in them"
+                          if self.nodes > 1 and ("reduce_scatter", "sdp4bit") in self.timed_kernels else ""))
         if self.fit is None:
             carried = (" (the one-rank fsdp layout steps carry FSDP2's int8/int4 gathers' kernels, not TLq-HS's, "
                        "which one rank does not run)" if self.layout_steps and self.measured_world == 1 else "")
