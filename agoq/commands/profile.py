@@ -7,7 +7,7 @@
                         quantize/dequantize or recompute time the option adds
   DIR/profile.json      model fingerprint, settings, hardware, versions, memory model (predicted vs
                         measured peak of a real bf16 and agoq-paper step), pipeline in-flight counts
-                        (1F1B and interleaved 1F1B, simulated), failures
+                        (1F1B and interleaved 1F1B, simulated), failures, the quantized collectives' kernels
   DIR/collectives.parquet  with --world-size W or under torchrun: all-reduce / reduce-scatter /
                         all-gather times per message size for nccl-fp32, nccl-bf16, quangrad8, sdp4bit; and in
                         profile.json `layout_steps`: each data-parallel layout's real step on every rank (on one
@@ -38,6 +38,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from agoq.commands.profile_kernels import collective_kernels_stage
 from agoq.commands.profile_layouts import JOURNAL_NAME as LAYOUT_JOURNAL_NAME
 from agoq.commands.profile_steps import JOURNAL_NAME
 from agoq.files import check_output_folder
@@ -415,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
         header = add_measured_steps(out, header, rows, failures)
         journal.unlink(missing_ok=True)
     header = _layout_steps(out, header, args, settings.world_size, layout_steps, layouts_measured, say)
+    header = collective_kernels_stage(out, header, device, args.resume, args.quiet, say)
     files = header["files"]
     print(f"wrote {out / 'profile.json'} and {out / files['table']}"
           + (f" and {out / files['collectives']}" if "collectives" in files else ""))

@@ -81,6 +81,13 @@ class ProfileData:
 
         return layout_rows(self.header, str(self.path / "profile.json"))
 
+    def collective_kernels(self) -> list[dict]:
+        """The quantized collectives' kernels timed in one process (agoq.formats.collective_kernels; [] where the
+        profile has none), checked: rows {op, path, message_bytes, seconds}."""
+        from agoq.formats.collective_kernels import kernel_rows
+
+        return kernel_rows(self.header, str(self.path / "profile.json"))
+
     @property
     def memory(self) -> dict[str, Any]:
         return self.header.get("memory", {})
@@ -195,6 +202,7 @@ def load_profile(path: str | Path) -> ProfileData:
     if coll_path.is_file():
         collectives = read_profile_table(coll_path)
     data = ProfileData(folder, header, table, collectives)
+    data.collective_kernels()  # a malformed section is refused here, naming its field
     stages = data.layer_stage()
     if len(stages) != data.num_layers:
         raise ValueError(f"{header_path}: pipeline.layer_stage: {len(stages)} entries for {data.num_layers} layers")
@@ -254,5 +262,16 @@ def add_layout_steps(out: Path, header: dict, rows: list[dict], failures: list[d
     header["schema"] = SCHEMA
     header["layout_steps"] = section(rows, world_size)
     header["failures"] = list(header.get("failures") or []) + list(failures)
+    write_json(Path(out) / "profile.json", json_safe(header))
+    return header
+
+
+def add_collective_kernels(out: Path, header: dict, section: dict) -> dict:
+    """Add the collective kernels' `section` (agoq.formats.collective_kernels.section) to a written profile,
+    replacing any before (an additive section: the schema stays). Returns the header."""
+    from agoq.formats.collective_kernels import NAME, kernel_rows
+
+    header = {**header, NAME: section}
+    kernel_rows(header, "collective_kernels")  # checked before it is written
     write_json(Path(out) / "profile.json", json_safe(header))
     return header

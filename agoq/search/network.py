@@ -40,8 +40,9 @@ Paths (`message_bytes`: the float32 bytes of the whole tensor, 4 per value, as t
                          all-to-all of int4 codes + a float32 scale per 128 values (0.5 + 4/128 bytes per value), then
                          an all-gather of the requantized sums (same bytes)
 
-A quantized path also quantizes and dequantizes: `kernel` seconds per value (and a fixed `kernel_fixed`), fitted
-from the profile's own timings of that path (0 where the profile measured none). The wire formats here are the
+A quantized path also quantizes and dequantizes: `Kernel` seconds per value (and fixed seconds), fitted from the
+profile's own timings of that path: its measured collectives' residual beyond the wire, else its kernels timed in
+one process (profile.json collective_kernels; 0 where the profile has neither). The wire formats here are the
 runtime's (tests check the constants against it); this module imports no torch.
 """
 

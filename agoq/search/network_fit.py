@@ -72,6 +72,15 @@ def fit_kernel(samples: list[tuple[float, float]]) -> Kernel:
     return Kernel(float(fixed), float(per_value))
 
 
+def fit_timed_kernels(rows: list[dict]) -> dict:
+    """{(op, path): Kernel} of a profile's collective kernels timed in one process (agoq.formats.collective_kernels
+    rows {op, path, message_bytes, seconds}): per path, seconds = fixed + per_value x n (n = message_bytes / 4
+    values) by `fit_kernel` (the whole time is the kernels': no wire)."""
+    paths = sorted({(r["op"], r["path"]) for r in rows})
+    return {key: fit_kernel([(float(r["message_bytes"]) / 4.0, float(r["seconds"]), float(r["seconds"]))
+                             for r in rows if (r["op"], r["path"]) == key]) for key in paths}
+
+
 @dataclass
 class Fit:
     """A link fitted to a profile's collectives on `world` ranks (one node), the quantized paths' kernels and every
@@ -149,4 +158,4 @@ def fit_collectives(table) -> Fit:
     return Fit(link, world, kernels, out)
 
 
-__all__ = ["Fit", "fit_collectives", "fit_link", "fit_kernel", "link_features"]
+__all__ = ["Fit", "fit_collectives", "fit_link", "fit_kernel", "fit_timed_kernels", "link_features"]

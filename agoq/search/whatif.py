@@ -8,7 +8,9 @@ What the re-targeted profile prices, per rank (the search then runs as on any pr
   communication  every collective the search reads (agoq.search.collective_times) from a table modelled at N
                  ranks in nodes of G (agoq.search.network): the profile's own link fitted to its measured
                  collectives (agoq.search.network_fit), or the --network links with the fitted kernels of the
-                 quantized paths; FSDP2's int8 weight all-gather (FSDP2 + TLq-HS + int8, a configuration the
+                 quantized paths (`timed_kernels`: a path no measured collective gave a kernel, every path of a
+                 one-GPU profile, takes the kernels the profile timed in one process, profile.json
+                 collective_kernels); FSDP2's int8 weight all-gather (FSDP2 + TLq-HS + int8, a configuration the
                  search picks) on its own path, int8-weights (agoq.search.layouts.gather_path). Where the profile
                  measured layout steps, each layout's exposed communication is calibrated on them at the
                  profile's W ranks and re-priced by the model from W to N (agoq.search.layout_calibration); a
@@ -41,7 +43,7 @@ from agoq.formats.profile import ProfileData
 from agoq.search.collective_times import WORLD
 from agoq.search.layouts import NODE, REPLICAS
 from agoq.search.network import OPERATIONS, Network
-from agoq.search.network_fit import Fit, fit_collectives
+from agoq.search.network_fit import Fit, fit_collectives, fit_timed_kernels
 from agoq.search.network_spec import parse_network
 
 # 1 KiB .. 256 GiB, 2^(1/4) apart: a message below the table is extrapolated along its first two sizes' slope, which
@@ -66,6 +68,8 @@ class WhatIf:
     device: Optional[str] = None
     model_spec: str = "MODEL"
     layout_steps: int = 0  # layout steps the profile measured (agoq.formats.layout_steps)
+    timed_kernels: tuple = ()  # (op, path) whose kernels come from the profile's one-process timing
+    timed_device: Optional[str] = None  # where they were timed (agoq.formats.collective_kernels)
 
     @property
     def nodes(self) -> int:
@@ -81,21 +85,36 @@ class WhatIf:
                f"whole, divided by {self.world}; "
                + (f"hsdp: divided by the node's {self.node_size}; " if 1 < self.node_size < self.world else "")
                + "replicated: whole, as measured)"]
+        if self.timed_kernels:
+            out.append("quantized collectives' kernels (" + ", ".join(f"{o} {p}" for o, p in self.timed_kernels)
+                       + f"): the runtime's quantize / Hadamard / dequantize kernels timed in one process"
+                       + (f" on {self.timed_device}" if self.timed_device else "")
+                       + " (the profile's collective_kernels, fixed + per value fitted over its sizes); the wire "
+                       + ("from the profile's fitted link" if self.network.name == "profile"
+                          else f"from the network ({self.network.name})")
+                       + ("; timed for 2 ranks of one node, so TLq-HS's int4 level across nodes is not in them"
+                          if self.nodes > 1 and ("reduce_scatter", "sdp4bit") in self.timed_kernels else ""))
         if self.fit is None:
             carried = (" (the one-rank fsdp layout steps carry FSDP2's int8/int4 gathers' kernels, not TLq-HS's, "
                        "which one rank does not run)" if self.layout_steps and self.measured_world == 1 else "")
-            out.append("quantized collectives (quangrad8, sdp4bit, FSDP2's int8 weight all-gather): wire time only, "
-                       f"their kernels were not measured (a profile of one rank){carried}")
+            if not self.timed_kernels:
+                out.append("quantized collectives (quangrad8, sdp4bit, FSDP2's int8 weight all-gather): wire time "
+                           f"only, their kernels were not measured (a profile of one rank){carried}")
+            elif carried:
+                out.append(f"FSDP2's weight all-gathers{carried}: a gather a one-rank layout step measured takes no "
+                           "timed kernel (its step carries it)")
         else:
             for bits in ("int8", "int4"):
-                if ("all_gather", f"{bits}-weights") not in self.fit.kernels:
+                key = ("all_gather", f"{bits}-weights")
+                if key not in self.fit.kernels and key not in self.timed_kernels:
                     out.append(f"FSDP2's {bits} weight all-gather: wire time only, the profile's collectives do not "
                                "time its quantize and dequantize kernels (an fsdp layout step gathering so, where "
                                "the profile has one, carries them)")
         if 1 < self.node_size < self.world:
+            tlq4 = ("all_reduce", "tlq4") in self.network.kernels
             out.append("hsdp (FSDP2 within a node, replicas across): its communication is the network model's, no "
                        "layout step calibrates it; TLq's 4-bit all-reduce across nodes (sdp4bit gradients) by its "
-                       "wire time only")
+                       + ("wire time and its timed kernels" if tlq4 else "wire time only"))
         if self.layout_steps and self.measured_world == 1:
             out.append(f"layout steps: FSDP2's own cost per step measured in one process ({self.layout_steps} "
                        "one-rank fsdp step(s): the step less the one-process compute), added to the network "
@@ -232,6 +251,9 @@ def retarget(profile: ProfileData, world: int, node_size: Optional[int] = None,
         network = fit.network()
     elif fit is not None:
         network = network.with_kernels(fit.kernels)
+    timed = timed_kernels(profile, network.kernels)
+    if timed:  # paths no measured collective gave a kernel: the one-process timing's
+        network = network.with_kernels({**timed, **network.kernels})
     header = copy.deepcopy(profile.header)
     header["settings"] = {**header.get("settings", {}), "world_size": world, "node_size": node_size}
     measured = profile.measured if profile.measured is not None else profile
@@ -241,8 +263,26 @@ def retarget(profile: ProfileData, world: int, node_size: Optional[int] = None,
     model = profile.header.get("model", {})
     spec = str(model.get("spec") or model.get("name") or "MODEL")
     steps = len(measured.layout_steps())  # at one rank: one-rank FSDP2's (agoq.search.layout_calibration)
+    timed_on = (profile.header.get("collective_kernels") or {}).get("device") if timed else None
     return target, WhatIf(profile.world_size, world, node_size, network, fit, str(profile.path), device, spec,
-                          steps)
+                          steps, tuple(sorted(timed)), timed_on)
+
+
+def timed_kernels(profile: ProfileData, fitted: dict) -> dict:
+    """{(op, path): Kernel} of the profile's collective kernels timed in one process (agoq.formats.collective_kernels,
+    fitted by agoq.search.network_fit.fit_timed_kernels) for the paths `fitted` (kernels measured inside real
+    collectives, which win) lacks; {} for a profile without them. A profile of one rank whose layout steps measured
+    an fsdp step gathering its weights in int8 / int4 keeps that gather's kernels out: the step carries them
+    (agoq.search.layout_calibration)."""
+    rows = profile.collective_kernels()
+    if not rows:
+        return {}
+    measured = profile.measured if profile.measured is not None else profile
+    carried = set()
+    if measured.world_size == 1:
+        carried = {("all_gather", f"{r['weight_gather']}-weights") for r in measured.layout_steps()
+                   if r.get("layout") == "fsdp" and r.get("weight_gather") not in (None, "bf16")}
+    return {key: k for key, k in fit_timed_kernels(rows).items() if key not in fitted and key not in carried}
 
 
 def mark_plans(outcome, whatif: WhatIf) -> None:
@@ -257,4 +297,4 @@ def mark_plans(outcome, whatif: WhatIf) -> None:
         plan.whatif = Section(**whatif.record(plan))
 
 
-__all__ = ["WhatIf", "retarget", "mark_plans", "modelled_table", "default_node_size", "check_sizes", "MODEL_SIZES"]
+__all__ = ["WhatIf", "retarget", "timed_kernels", "mark_plans", "modelled_table", "default_node_size", "check_sizes", "MODEL_SIZES"]

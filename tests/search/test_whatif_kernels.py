@@ -1,0 +1,140 @@
+"""A what-if from a profile with the quantized collectives' kernels timed in one process (profile.json
+`collective_kernels`, agoq.formats.collective_kernels): each quantized path priced at its wire time plus the timed
+kernel where no measured collective gave one (agoq.search.whatif.retarget), wire time only without the section, and
+an older profile priced bit for bit as before."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from agoq.formats.collective_kernels import PATHS
+from agoq.formats.profile import load_profile
+from agoq.search.collective_times import collective_seconds
+from agoq.search.network import Kernel, WIRE_BYTES
+from agoq.search.network_fit import fit_collectives, fit_timed_kernels
+from agoq.search.network_spec import parse_network
+from agoq.search.whatif import MODEL_SIZES, modelled_table, retarget
+from tests.search.synthetic_profile import write_profile
+
+SPEC = "nvlink-h100+ib-ndr400"
+
+
+def _affine_kernels(rng) -> dict:
+    """Fresh (fixed seconds, seconds per value) per path."""
+    return {key: (rng.uniform(5e-6, 5e-5), rng.uniform(1e-11, 1e-9)) for key in PATHS}
+
+
+def _with_section(folder, kernels: dict, rng, layout_rows=None):
+    """Add a collective_kernels section whose rows lie exactly on each path's fixed + per_value x n."""
+    sizes = sorted(4 * rng.randrange(10**4, 10**7) for _ in range(3))
+    header = json.loads((folder / "profile.json").read_text())
+    header["collective_kernels"] = {
+        "version": 1, "world_size": 2, "node_size": 2, "device": "test-gpu", "repeats": 5,
+        "rows": [{"op": op, "path": path, "message_bytes": b, "seconds": f + p * b / 4}
+                 for (op, path), (f, p) in kernels.items() for b in sizes]}
+    if layout_rows is not None:
+        header["schema"] = "agoq.profile/1.1"
+        header["layout_steps"] = {"version": 1, "world_size": 1, "rows": layout_rows}
+    (folder / "profile.json").write_text(json.dumps(header))
+    return folder
+
+
+def _tlq_hs_wire(network, world: int, node: int, message_bytes: float) -> float:
+    """By hand: int8 all-to-all over the node's G ranks, then int4 all-to-all over the M nodes of the 1/G."""
+    values, nodes = message_bytes / 4, world // node
+    intra, inter = network.intra, network.inter
+    inside = (node - 1) * intra.latency + (node - 1) / node * values * (1 + 4 / 128) / intra.bandwidth
+    across = (nodes - 1) * inter.latency + (nodes - 1) / nodes * values / node * (0.5 + 4 / 128) / inter.bandwidth
+    return inside + across
+
+
+def test_a_one_rank_profile_prices_tlq_hs_by_wire_plus_its_timed_kernel(tmp_path, seed):
+    rng = random.Random(seed)
+    kernels = _affine_kernels(rng)
+    bare = load_profile(write_profile(tmp_path / "bare", rng, micro_batch=2, seq_len=40))
+    timed = load_profile(_with_section(write_profile(tmp_path / "timed", rng, micro_batch=2, seq_len=40),
+                                       kernels, rng))
+    network = parse_network(SPEC)
+    world, node = 8 * rng.randrange(2, 5), 8
+    size = MODEL_SIZES[rng.randrange(20, len(MODEL_SIZES) - 20)]
+    fixed, per_value = kernels[("reduce_scatter", "sdp4bit")]
+    wire = _tlq_hs_wire(network, world, node, size)
+    for profile, want in ((timed, wire + fixed + per_value * size / 4), (bare, wire)):
+        target, whatif = retarget(profile, world, node, SPEC)
+        got = collective_seconds(target.collectives, "sdp4bit", size, ("reduce_scatter",))
+        assert got == pytest.approx(want, rel=1e-9)
+    target, whatif = retarget(timed, world, node, SPEC)
+    assert set(whatif.timed_kernels) == set(PATHS) and whatif.fit is None
+    notes = " ".join(whatif.extrapolated())
+    assert "timed in one process on test-gpu" in notes and "wire time only" not in notes
+    assert any("wire time only" in e for e in retarget(bare, world, node, SPEC)[1].extrapolated())
+
+
+def test_timed_kernels_are_fitted_per_path(seed):
+    rng = random.Random(seed)
+    kernels = _affine_kernels(rng)
+    sizes = sorted(rng.randrange(10**4, 10**8) * 4 for _ in range(3))
+    exact = [{"op": o, "path": p, "message_bytes": b, "seconds": f + v * b / 4}
+             for (o, p), (f, v) in kernels.items() for b in sizes]
+    fitted = fit_timed_kernels(exact)
+    for key, (f, v) in kernels.items():  # rows on a line give that line back
+        assert fitted[key].fixed == pytest.approx(f, rel=1e-6) and fitted[key].per_value == pytest.approx(v, rel=1e-6)
+    # noisy rows: the kernel is the least-squares line of the relative error (numpy's, where it is non-negative)
+    noisy = [{**r, "seconds": r["seconds"] * rng.uniform(0.8, 1.25)} for r in exact]
+    fitted = fit_timed_kernels(noisy)
+    for key in kernels:
+        mine = [r for r in noisy if (r["op"], r["path"]) == key]
+        a = np.array([[1 / r["seconds"], r["message_bytes"] / 4 / r["seconds"]] for r in mine])
+        solution = np.linalg.lstsq(a, np.ones(len(mine)), rcond=None)[0]
+        if (solution >= 0).all():
+            assert fitted[key].fixed == pytest.approx(solution[0], rel=1e-6, abs=1e-12)
+            assert fitted[key].per_value == pytest.approx(solution[1], rel=1e-6)
+        for r in mine:  # within its fit: no row off by more than the noise put in
+            assert fitted[key].seconds(r["message_bytes"]) == pytest.approx(r["seconds"], rel=0.6)
+
+
+def test_an_older_profile_prices_as_before_bit_for_bit(tmp_path, seed):
+    rng = random.Random(seed)
+    profile = load_profile(write_profile(tmp_path / "old", rng, micro_batch=2, seq_len=40))
+    assert profile.collective_kernels() == []
+    world, node = 16, 8
+    target, whatif = retarget(profile, world, node, SPEC)
+    assert whatif.timed_kernels == () and whatif.network.kernels == {}
+    assert target.collectives.equals(modelled_table(parse_network(SPEC), world, node))
+
+
+def test_a_multi_rank_fit_keeps_its_kernels_and_fills_only_missing_paths(tmp_path, seed):
+    rng = random.Random(seed)
+    kernels = _affine_kernels(rng)
+    folder = write_profile(tmp_path / "two", rng, micro_batch=2, seq_len=40, world_size=2, collectives=True,
+                           fsdp_collectives=True, link_bytes_per_second=rng.uniform(2e9, 2e10))
+    profile = load_profile(_with_section(folder, kernels, rng))
+    fit = fit_collectives(profile.collectives)
+    target, whatif = retarget(profile, 16, 8, SPEC)
+    timed = fit_timed_kernels(profile.collective_kernels())
+    for key in PATHS:
+        assert whatif.network.kernels[key] == (fit.kernels[key] if key in fit.kernels else timed[key])
+    assert set(whatif.timed_kernels) == set(PATHS) - set(fit.kernels)
+    assert target.collectives.equals(modelled_table(parse_network(SPEC).with_kernels({**timed, **fit.kernels}),
+                                                    16, 8))
+
+
+def test_a_gather_a_one_rank_layout_step_measured_takes_no_timed_kernel(tmp_path, seed):
+    rng = random.Random(seed)
+    row = {"layout": "fsdp", "gradients": "sdp4bit", "weight_gather": "int8", "compile": "eager", "policy": "bf16",
+           "micro_batch": 2, "grad_accum": 1, "optimizer": "adamw8bit", "master": "fp32", "warmup_steps": 1,
+           "steps": 3, "step_seconds": 0.07, "peak_bytes": None, "source": "profile"}
+    folder = _with_section(write_profile(tmp_path / "p", rng, micro_batch=2, seq_len=40), _affine_kernels(rng),
+                           rng, layout_rows=[row])
+    _, whatif = retarget(load_profile(folder), 16, 8, SPEC)
+    assert ("all_gather", "int8-weights") not in whatif.network.kernels  # the step carries its kernels
+    assert ("all_gather", "int4-weights") in whatif.network.kernels
+    assert ("reduce_scatter", "sdp4bit") in whatif.timed_kernels
+
+
+def test_wire_bytes_are_the_models(seed):
+    """The hand-written TLq-HS wire above uses the model's own bytes per value (a check of the check)."""
+    assert WIRE_BYTES["sdp4bit-intra"] == 1 + 4 / 128 and WIRE_BYTES["sdp4bit-inter"] == 0.5 + 4 / 128
+    assert Kernel(1.0, 2.0).seconds(8.0) == 5.0
