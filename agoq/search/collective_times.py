@@ -11,6 +11,12 @@ Groups: a table may time one collective over several groups of ranks (column `gr
 is all "world"): "world", every rank (what the profile measured, or a what-if's N ranks); and, in a what-if's
 modelled table over several nodes (agoq.search.whatif), "node", the ranks of one node, and "replicas", one rank per
 node, which HSDP's collectives run over (agoq.search.hsdp). Every read is of one group, "world" unless asked.
+
+Kernels: a what-if's modelled table may say, in a column `kernel_seconds`, how much of a row's seconds is the
+collective's own compute on the GPU (a quantized path's quantize / Hadamard / dequantize kernels timed in one
+process, agoq.search.whatif): `kernel_seconds` reads it, linearly in the bytes (the kernels' time is fixed + per
+value), 0 where the table has no such column or row. The layouts do not hide that part under compute
+(agoq.search.layouts).
 """
 
 from __future__ import annotations
@@ -65,4 +71,28 @@ def collective_seconds(table: Optional[pd.DataFrame], path: str, message_bytes: 
     return float(math.exp(ys[anchor] + slope * (x - xs[anchor])))
 
 
-__all__ = ["collective_seconds", "has_collective", "of_group", "WORLD"]
+def kernel_seconds(table: Optional[pd.DataFrame], path: str, message_bytes: float, ops: Optional[tuple] = None, *,
+                   group: str = WORLD) -> float:
+    """Seconds of the collectives' own kernels (column `kernel_seconds`, module docstring) of `ops` on `path` over
+    `group` for `message_bytes` float32 bytes: linear in the bytes between the table's sizes and beyond them along
+    the nearest two; 0 where the table gives none."""
+    table = of_group(table, group)
+    if table is None or not len(table) or "kernel_seconds" not in table.columns:
+        return 0.0
+    rows = table[table["path"] == path]
+    if ops is not None and "op" in rows.columns:
+        rows = rows[rows["op"].isin(ops)]
+    per_size = rows.groupby("message_bytes")["kernel_seconds"].sum().sort_index()
+    if not len(per_size) or not (per_size.to_numpy(float) > 0).any():
+        return 0.0
+    xs, ys = per_size.index.to_numpy(float), per_size.to_numpy(float)
+    if len(xs) == 1:
+        return float(ys[0] * message_bytes / xs[0])
+    i = 0 if message_bytes <= xs[0] else len(xs) - 2 if message_bytes >= xs[-1] else None
+    if i is None:
+        return float(np.interp(message_bytes, xs, ys))
+    slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+    return float(max(0.0, ys[i] + slope * (message_bytes - xs[i])))
+
+
+__all__ = ["collective_seconds", "kernel_seconds", "has_collective", "of_group", "WORLD"]

@@ -33,6 +33,9 @@ counted one after the other (the intra and inter links could overlap them: this 
              + L x max(0, ag(n_layer) + rs(n_layer) + a x ar(n_layer) - 2 fb / (3 L))  backward
              + 2 ag(n_root) + rs(n_root) + a x ar(n_root)                            the root unit's, not hidden
 
+  (a collective's own kernels, where the table gives them, are taken out of what may hide and added whole, as
+  for fsdp: agoq.search.layouts)
+
   communication = (accum - 1) x exposed(0) + exposed(1)     bf16: the all-reduce on the last micro-batch only
                 = accum x exposed(1)                        quangrad8, sdp4bit: every micro-batch
   step = accum x fb + optimizer seconds / S + communication
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import math
 
-from agoq.search.collective_times import collective_seconds
+from agoq.search.collective_times import collective_seconds, kernel_seconds
 from agoq.search.layouts import (  # what hsdp is offered with (layouts.hsdp_refusal) and reads its collectives by
     HSDP_ALL_REDUCE_PATHS,
     HSDP_REDUCE_PATHS,
@@ -85,11 +88,17 @@ def hsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers
     ag_r, rs_r, ar_r = times(units.root)
     if any(math.isnan(v) for v in (ag_l, rs_l, ar_l, ag_r, rs_r, ar_r)):
         raise ValueError("layout hsdp: a collective time could not be read off the collectives table")
+    # the collectives' own kernels where the table gives them: never hidden (agoq.search.layouts)
+    n = units.layer
+    k_ag = min(ag_l, kernel_seconds(table, ag_path, 4.0 * n * wire, ("all_gather",), group=NODE))
+    k_rs = min(rs_l, kernel_seconds(table, rs_path, 4.0 * n, ("reduce_scatter",), group=NODE))
+    k_ar = min(ar_l, kernel_seconds(table, ar_path, 4.0 * n / shard, ("all_reduce",), group=REPLICAS))
     layer_fb = max(0.0, forward_backward) / num_layers
 
     def exposed(a: float) -> float:
-        forward = max(0.0, ag_l - layer_fb / 3.0)
-        backward = max(0.0, ag_l + rs_l + a * ar_l - 2.0 * layer_fb / 3.0)
+        forward = max(0.0, ag_l - k_ag - layer_fb / 3.0) + k_ag
+        backward = max(0.0, ag_l - k_ag + rs_l - k_rs + a * (ar_l - k_ar) - 2.0 * layer_fb / 3.0) \
+            + k_ag + k_rs + a * k_ar
         return num_layers * (forward + backward) + 2.0 * ag_r + rs_r + a * ar_r
 
     accum = int(grad_accum)

@@ -50,6 +50,12 @@ reduce-scatters its gradients (FSDP2 reduces every micro-batch). With ag(n), rs(
                                                                                  this layer's backward
                           + 2 ag(n_root) + rs(n_root)                            the root unit's, not hidden
 
+Where the table gives a collective's own kernels (k: a quantized path's quantize / Hadamard / dequantize, timed in
+one process for a what-if; agoq.search.collective_times.kernel_seconds) they are taken out of what may hide and
+added whole: ag - k_ag in the max terms, + k_ag (forward) + k_ag + k_rs (backward) per layer. Those kernels run on
+the SMs the layers' compute needs; the wire's time is what NCCL overlaps. (A multi-rank profile's measured table
+has no kernel part: its kernels hide with the rest, and its layout step calibrates what did not.)
+
   step = grad_accum x (fb + exposed per micro-batch) + optimizer seconds / N
 """
 
@@ -59,7 +65,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from agoq.search.collective_times import WORLD, collective_seconds, has_collective
+from agoq.search.collective_times import WORLD, collective_seconds, has_collective, kernel_seconds
 from agoq.vocabulary import (  # the layouts, the gradient storage each is priced with
     FSDP,
     HSDP,
@@ -233,11 +239,15 @@ def fsdp_exposed_seconds(table, gradient_mode: str, units: UnitSizes, num_layers
     rs_r = collective_seconds(table, rs_path, 4.0 * units.root, ("reduce_scatter",)) if units.root else 0.0
     if any(math.isnan(v) for v in (ag_l, rs_l, ag_r, rs_r)):
         raise ValueError("layout fsdp: a collective time could not be read off the profile's table")
+    # the collectives' own kernels where the table gives them (agoq.search.collective_times): never hidden
+    k_ag = min(ag_l, kernel_seconds(table, ag_path, 4.0 * units.layer * wire, ("all_gather",)))
+    k_rs = min(rs_l, kernel_seconds(table, rs_path, 4.0 * units.layer, ("reduce_scatter",)))
     layer_fb = max(0.0, forward_backward) / num_layers
-    exposed = num_layers * (max(0.0, ag_l - layer_fb / 3.0) + max(0.0, ag_l + rs_l - 2.0 * layer_fb / 3.0)) \
+    exposed = num_layers * (max(0.0, ag_l - k_ag - layer_fb / 3.0) + k_ag
+                            + max(0.0, ag_l - k_ag + rs_l - k_rs - 2.0 * layer_fb / 3.0) + k_ag + k_rs) \
         + 2.0 * ag_r + rs_r
     return {"exposed": exposed, "all_gather_layer": ag_l, "reduce_scatter_layer": rs_l, "all_gather_root": ag_r,
-            "reduce_scatter_root": rs_r}
+            "reduce_scatter_root": rs_r, "kernels_layer": k_ag + k_rs}
 
 
 __all__ = ["LAYOUTS", "LAYOUT_GRADIENTS", "IN_FLIGHT_LAYERS", "GATHER_BYTES", "GATHER_PATHS", "gather_path", "UnitSizes", "default_layout", "resolve_layout",

@@ -87,7 +87,7 @@ class WhatIf:
                + "replicated: whole, as measured)"]
         if self.timed_kernels:
             out.append("quantized collectives' kernels (" + ", ".join(f"{o} {p}" for o, p in self.timed_kernels)
-                       + f"): the runtime's quantize / Hadamard / dequantize kernels timed in one process"
+                       + "): the runtime's quantize / Hadamard / dequantize kernels timed in one process"
                        + (f" on {self.timed_device}" if self.timed_device else "")
                        + " (the profile's collective_kernels, fixed + per value fitted over its sizes); the wire "
                        + ("from the profile's fitted link" if self.network.name == "profile"
@@ -194,15 +194,19 @@ def default_node_size(profile: ProfileData, world: int) -> int:
     return max(1, min(int(count), world))
 
 
-def modelled_table(network: Network, world: int, node_size: int) -> pd.DataFrame:
+def modelled_table(network: Network, world: int, node_size: int, compute_kernels: tuple = ()) -> pd.DataFrame:
     """The collectives table the search reads, modelled at `world` ranks in nodes of `node_size`, with HSDP's groups
-    where the ranks span nodes (see the module docstring)."""
+    where the ranks span nodes (see the module docstring). For the (op, path) in `compute_kernels` (the kernels timed
+    in one process) the column `kernel_seconds` gives their part of the seconds, which the layouts price as compute,
+    not hidden (agoq.search.collective_times)."""
     groups = [(WORLD, world, node_size)]
     if 1 < node_size < world:
         groups += [(NODE, node_size, node_size), (REPLICAS, world // node_size, 1)]
     rows = [{"op": op, "path": path, "world_size": ranks, "message_bytes": size,
              "seconds": network.seconds(op, path, float(size), ranks, size_of_node), "backend": "model",
-             "group": group}
+             "group": group,
+             "kernel_seconds": network.kernels[(op, path)].seconds(float(size))
+             if (op, path) in compute_kernels and (op, path) in network.kernels and ranks > 1 else 0.0}
             for group, ranks, size_of_node in groups for op, path in MODEL_PATHS for size in MODEL_SIZES]
     return pd.DataFrame(rows)
 
@@ -257,7 +261,8 @@ def retarget(profile: ProfileData, world: int, node_size: Optional[int] = None,
     header = copy.deepcopy(profile.header)
     header["settings"] = {**header.get("settings", {}), "world_size": world, "node_size": node_size}
     measured = profile.measured if profile.measured is not None else profile
-    target = dataclasses.replace(profile, header=header, collectives=modelled_table(network, world, node_size),
+    table = modelled_table(network, world, node_size, tuple(timed))
+    target = dataclasses.replace(profile, header=header, collectives=table,
                                  notes=list(profile.notes), cache={}, measured=measured)
     device = profile.header.get("hardware", {}).get("name")
     model = profile.header.get("model", {})

@@ -118,7 +118,7 @@ def test_a_multi_rank_fit_keeps_its_kernels_and_fills_only_missing_paths(tmp_pat
         assert whatif.network.kernels[key] == (fit.kernels[key] if key in fit.kernels else timed[key])
     assert set(whatif.timed_kernels) == set(PATHS) - set(fit.kernels)
     assert target.collectives.equals(modelled_table(parse_network(SPEC).with_kernels({**timed, **fit.kernels}),
-                                                    16, 8))
+                                                    16, 8, tuple(sorted(whatif.timed_kernels))))
 
 
 def test_a_gather_a_one_rank_layout_step_measured_takes_no_timed_kernel(tmp_path, seed):
@@ -138,3 +138,31 @@ def test_wire_bytes_are_the_models(seed):
     """The hand-written TLq-HS wire above uses the model's own bytes per value (a check of the check)."""
     assert WIRE_BYTES["sdp4bit-intra"] == 1 + 4 / 128 and WIRE_BYTES["sdp4bit-inter"] == 0.5 + 4 / 128
     assert Kernel(1.0, 2.0).seconds(8.0) == 5.0
+
+
+def test_fsdps_price_takes_the_timed_kernels_out_of_what_hides(tmp_path, seed):
+    """FSDP2 with TLq-HS, priced from a what-if's table whose TLq-HS kernels were timed in one process: where the
+    layers' compute hides every wire, the exposed time is the layers' kernels, L x k_rs (k_rs = fixed + per value x
+    a layer's values, from the section) plus the root's collectives; with no compute to hide under, it is the same
+    as the table without its kernel column (the kernels are part of each collective's seconds)."""
+    from agoq.search.layouts import fsdp_exposed_seconds, unit_sizes
+
+    rng = random.Random(seed)
+    kernels = _affine_kernels(rng)
+    profile = load_profile(_with_section(write_profile(tmp_path / "timed", rng, micro_batch=2, seq_len=40),
+                                         kernels, rng))
+    world = rng.choice([3, 5, 6])
+    target, whatif = retarget(profile, world, world, SPEC)
+    assert ("reduce_scatter", "sdp4bit") in whatif.timed_kernels
+    table = target.collectives
+    bare = table.drop(columns=["kernel_seconds"])
+    units = unit_sizes(profile.model_config(), int(profile.header["model"]["parameters"]), profile.num_layers)
+    L = profile.num_layers
+    fixed, per_value = kernels[("reduce_scatter", "sdp4bit")]
+    k_rs = fixed + per_value * units.layer  # the float32 message of a layer: 4 x its values, per_value per value
+    hidden = fsdp_exposed_seconds(table, "sdp4bit", units, L, 1e6)  # compute far longer than any collective
+    root = 2 * hidden["all_gather_root"] + hidden["reduce_scatter_root"]
+    assert hidden["exposed"] == pytest.approx(L * k_rs + root, rel=1e-6)
+    assert fsdp_exposed_seconds(bare, "sdp4bit", units, L, 1e6)["exposed"] == pytest.approx(root, rel=1e-9)
+    assert fsdp_exposed_seconds(table, "sdp4bit", units, L, 0.0)["exposed"] == pytest.approx(
+        fsdp_exposed_seconds(bare, "sdp4bit", units, L, 0.0)["exposed"], rel=1e-9)
