@@ -15,23 +15,12 @@ from agoq.cli import main
 from agoq.formats.profile import load_profile
 from agoq.search.layout_calibration import anchor
 from agoq.search.price import Configuration, price
-from agoq.search.problem import ProblemSettings
 from agoq.search.whatif import retarget
 from tests.search.synthetic_profile import write_profile
+from tests.search.test_whatif_cluster import _knobs, _measured_knobs as _measured  # a layout step's knobs
 
 KINDS = (("fsdp", "bf16", "bf16"), ("fsdp", "sdp4bit", "bf16"), ("fsdp", "sdp4bit", "int8"),
          ("fsdp", "sdp4bit", "int4"))  # agoq.commands.profile_layouts measures these at one rank
-
-
-def _knobs(layout, gradients, gather, **kw):
-    return ProblemSettings(layout=layout, gradient_mode=gradients, weight_gather=gather, layer_stage=(0, 0, 0),
-                           allow_offload=False, **kw)
-
-
-def _measured(layout, gradients, gather, compile_mode):
-    """The configuration a layout step runs: the profile's micro-batch, one per step, the fused 8-bit AdamW."""
-    return _knobs(layout, gradients, gather, micro_batch=3, grad_accum=1, optimizer="adamw8bit", master="fp32",
-                  compile_mode=compile_mode)
 
 
 def _one_gpu_profile(folder, rng):
