@@ -13,18 +13,12 @@ def unit_values(header: dict) -> tuple[int, int]:
     """(one decoder layer's values, the root unit's values) of the profiled model, from its config and parameter
     count (the model's config counts as agoq.models does); where the config gives none, the profile's weights split
     evenly over its layers and a root of the same size."""
-    import dataclasses
-
-    from agoq.models import resolve_config
+    from agoq.models.config import unit_values as model_unit_values
 
     model = header.get("model") or {}
     layers = max(1, int(model.get("num_layers") or 1))
-    parameters = int(model.get("parameters") or 0)
     try:
-        cfg = resolve_config(dict(model.get("config") or {}))
-        one = dataclasses.replace(cfg, num_hidden_layers=1).num_parameters()
-        layer = dataclasses.replace(cfg, num_hidden_layers=2).num_parameters() - one
-        root = parameters - layers * layer if parameters else one - layer
+        layer, root = model_unit_values(model.get("config") or {}, int(model.get("parameters") or 0), layers)
         return max(1, layer), max(1, root)
     except (ValueError, TypeError, NotImplementedError, AttributeError):
         weights = int((header.get("memory") or {}).get("weights_bytes") or 0) // 2 or 1 << 16

@@ -269,3 +269,13 @@ def resolve_config(spec: ModelSpec) -> LlamaConfig:
     raise TypeError(
         f"model spec must be a preset name, a config.json path, a dict or a LlamaConfig, "
         f"got {type(spec).__name__}")
+
+def unit_values(config: dict, parameters: int, num_layers: int) -> tuple[int, int]:
+    """(one decoder layer's parameters, the rest's: embeddings, final norm and LM head, FSDP2's root unit) of the
+    model `config` (a config dict `resolve_config` takes): a layer is the model of two layers less the model of one;
+    the rest is `parameters` less `num_layers` layers (0 parameters: the one-layer model less its layer). Raises what
+    `resolve_config` raises for a config it cannot read (ValueError, TypeError, NotImplementedError)."""
+    cfg = resolve_config(dict(config))
+    one = dataclasses.replace(cfg, num_hidden_layers=1).num_parameters()
+    layer = dataclasses.replace(cfg, num_hidden_layers=2).num_parameters() - one
+    return layer, (int(parameters) - num_layers * layer if parameters else one - layer)

@@ -182,18 +182,12 @@ def unit_sizes(config: Optional[dict], parameters: int, num_layers: int) -> Unit
     root is `parameters` - num_layers x layer. Raises ValueError without a usable config."""
     if not config:
         raise ValueError("layout fsdp needs the model config in the profile (the size of a decoder layer)")
-    import dataclasses
-
-    from agoq.models import resolve_config
+    from agoq.models.config import unit_values
 
     try:
-        cfg = resolve_config(dict(config))
-        one = dataclasses.replace(cfg, num_hidden_layers=1).num_parameters()
-        two = dataclasses.replace(cfg, num_hidden_layers=2).num_parameters()
+        layer, root = unit_values(config, parameters, num_layers)
     except (ValueError, TypeError, NotImplementedError) as e:
         raise ValueError(f"layout fsdp: the profile's model config gives no layer size ({e})") from None
-    layer = two - one
-    root = int(parameters) - num_layers * layer if parameters else one - layer
     return UnitSizes(root=max(0, root), layer=layer)
 
 
