@@ -137,6 +137,7 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
     StepFigures` is agoq.train.measure.measure_steps unless given. With `journal`, what it holds for this request is
     kept and each pass measured now is added to it (module docstring)."""
     from agoq.progress import progress_bar
+    from agoq.train import collector
     from agoq.train.config import TrainConfig
 
     if measure is None:
@@ -162,23 +163,24 @@ def measure_profile_steps(model: str, *, layers: Optional[int], seq_len: int, mi
             spec = str(Path(tmp) / "model.json")
             Path(spec).write_text(json.dumps(config))
         bar = progress_bar(total=sum(passes_of), desc="measured steps", unit="kind", enabled=progress)
-        for r in range(repeats):
-            order = range(len(kinds)) if r % 2 == 0 else range(len(kinds) - 1, -1, -1)
-            for i in order:
-                if r >= passes_of[i]:  # a kind measured fewer times (compiled_repeats)
-                    continue
-                if i in errors or passes[r][i] is not None:  # failed once (not tried again), or in the journal
+        with collector.hold():  # one full collection per kind, not three (agoq.train.collector)
+            for r in range(repeats):
+                order = range(len(kinds)) if r % 2 == 0 else range(len(kinds) - 1, -1, -1)
+                for i in order:
+                    if r >= passes_of[i]:  # a kind measured fewer times (compiled_repeats)
+                        continue
+                    if i in errors or passes[r][i] is not None:  # failed once (not tried again), or in the journal
+                        bar.update(1)
+                        continue
+                    settings = train_settings(kinds[i], spec, seq_len, dtype, device, steps, seed)
+                    try:
+                        passes[r][i] = measure(TrainConfig(**settings))
+                    except Exception as e:  # noqa: BLE001 - one kind failing (out of memory, ...) keeps the rest
+                        errors[i] = f"{type(e).__name__}: {e}"[:500]
+                    if journal is not None:
+                        _append(journal, {"request": request, "kind": kinds[i], "pass": r,
+                                          **({"error": errors[i]} if i in errors else {"figures": passes[r][i].to_dict()})})
                     bar.update(1)
-                    continue
-                settings = train_settings(kinds[i], spec, seq_len, dtype, device, steps, seed)
-                try:
-                    passes[r][i] = measure(TrainConfig(**settings))
-                except Exception as e:  # noqa: BLE001 - one kind failing (out of memory, ...) keeps the rest
-                    errors[i] = f"{type(e).__name__}: {e}"[:500]
-                if journal is not None:
-                    _append(journal, {"request": request, "kind": kinds[i], "pass": r,
-                                      **({"error": errors[i]} if i in errors else {"figures": passes[r][i].to_dict()})})
-                bar.update(1)
         bar.close()
     rows, failures, notes = [], [], []
     for i, kind in enumerate(kinds):

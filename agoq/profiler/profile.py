@@ -327,7 +327,8 @@ def make_profile(settings: ProfileSettings, out_dir: str | os.PathLike, progress
 
     measurements = [Measurement(layer, k, o.option, o.format) for layer in range(num_layers) for k in KINDS
                     for o in options[k]]
-    runs = sum(1 for m in measurements if m.option != "16")
+    exact = settings.sensitivity_method == "replay"  # recompute: 0, not run (agoq.profiler.sensitivity.measure_chunk)
+    runs = sum(1 for m in measurements if m.option != "16" and not (exact and m.option == "recompute"))
     say(f"sensitivity: {runs} measurements x {settings.batches} batches ({settings.sensitivity_method})")
     bar.start(len(measurements), "sensitivity")
     sensitivity_notes: dict = {}

@@ -150,7 +150,11 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
 
     method "replay": quantized options of the kinds LAAQ keeps raw are measured by replaying backward
     from one kept reference forward per batch (agoq.profiler.replay; the same numbers, much cheaper);
-    attention and recompute options, and everything with method "policy", run their real policy.
+    attention options, and everything with method "policy", run their real policy. Recompute options rebuild
+    bit for bit the 16-bit tensor they would have kept (tests/profiler/test_sensitivity.py checks it on the CPU), so
+    their sensitivity is 0 and method "replay" does not run them (a policy run measures only the backward's
+    run-to-run noise, about 0.008 on one H200 for 96 full steps of the probe); the search takes 0 for them in any
+    case (agoq.search.cost_model).
     Each result is a dict with the measurement's fields plus `sensitivity` and `bytes_measured` (what
     the saved-tensor tracker counted for that layer and kind on a real forward with the option), or
     `error` (the measurement failed: out of memory or an exception). `notes`, if given, receives
@@ -166,6 +170,11 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
                 and m.format in ("int", "nf4")]
     for m in measurements:
         if m in replayed:
+            continue
+        if method == "replay" and m.option == RECOMPUTE:  # exact by construction: not run (docstring)
+            errors[m] = [0.0]
+            if progress is not None:
+                progress(1)
             continue
         try:
             errors[m] = [meter.measure(m)]

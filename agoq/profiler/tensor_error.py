@@ -4,7 +4,9 @@ One forward pass per batch runs with every kind routed through LAAQ's stash (the
 forward values do not depend on the policy), and `observe_kept_tensors` hands each tensor to us
 before it is quantized: exactly the tensors the runtime would store. Each is quantized and
 dequantized with every option; squared errors and squared norms are summed per (layer, kind, option)
-over all its tensors and batches, so the reported error is ||x' - x|| / ||x|| over the lot.
+over all its tensors and batches, so the reported error is ||x' - x|| / ||x|| over the lot. The sums stay on the
+device until the end (one read, not one synchronisation per tensor and option: most of this phase's 13.5 s on one
+H200 for the probe, `experiments/results/profile_time_before.json`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,18 @@ from agoq.profiler.options import Option
 from agoq.runtime.quant.codec import dequantize, quantize
 
 
-def squared_error(x: torch.Tensor, option: Option, block: int, x64: torch.Tensor | None = None) -> float:
-    """Sum of squared quantization errors of x under `option`, in float64 (`x64`: x.double(), if at hand)."""
+def squared_error_tensor(x: torch.Tensor, option: Option, block: int,
+                         x64: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of squared quantization errors of x under `option`, in float64, as a 0-d tensor on x's device (no
+    synchronisation: `measure_tensor_errors` reads all of them once) (`x64`: x.double(), if at hand)."""
     q = quantize(x, option.bits, block, "nearest", option.format, check_finite=False)
     x64 = x.double() if x64 is None else x64
-    return (dequantize(q).double() - x64).pow(2).sum().item()
+    return (dequantize(q).double() - x64).pow(2).sum()
+
+
+def squared_error(x: torch.Tensor, option: Option, block: int, x64: torch.Tensor | None = None) -> float:
+    """Sum of squared quantization errors of x under `option`, in float64 (`x64`: x.double(), if at hand)."""
+    return squared_error_tensor(x, option, block, x64).item()
 
 
 def sqnr_db(rel_error: float) -> float:
@@ -44,7 +53,7 @@ def measure_tensor_errors(model: nn.Module, batches: list[torch.Tensor], options
 
     `options[kind]` lists the options to measure (non-quantized ones are skipped).
     """
-    sums: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    sums: dict[tuple, list] = defaultdict(lambda: [0.0, 0.0])  # float64 0-d tensors once added to
     layer_now: list[int] = []
     handles = []
 
@@ -63,11 +72,11 @@ def measure_tensor_errors(model: nn.Module, batches: list[torch.Tensor], options
             return
         x = t.detach()
         x64 = x.double()
-        norm = x64.pow(2).sum().item()
+        norm = x64.pow(2).sum()
         for option in quantized:
             acc = sums[(layer_now[-1], kind, option.option, option.format)]
-            acc[0] += squared_error(x, option, block, x64)
-            acc[1] += norm
+            acc[0] = acc[0] + squared_error_tensor(x, option, block, x64)
+            acc[1] = acc[1] + norm
 
     apply_activation_policy(model, "int8")
     try:
@@ -78,4 +87,6 @@ def measure_tensor_errors(model: nn.Module, batches: list[torch.Tensor], options
         remove_activation_policy(model)
         for h in handles:
             h.remove()
-    return {key: (e / n) ** 0.5 if n > 0 else 0.0 for key, (e, n) in sums.items()}
+    keys = list(sums)  # every sum read back in one transfer
+    values = torch.stack([torch.stack(sums[k]) for k in keys]).cpu().tolist() if keys else []
+    return {key: (e / n) ** 0.5 if n > 0 else 0.0 for key, (e, n) in zip(keys, values)}

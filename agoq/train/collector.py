@@ -17,15 +17,24 @@ QuanGrad, micro-batch 1 x 2, 8 layers offloaded), 60 steps, did not move beyond 
 and in the steps `agoq profile` measures (both step through agoq.train.trainer.Trainer), so the prices the search
 learns from those steps hold for the runs.
 
+Several trainers in one process (the kinds of step `agoq profile` measures, agoq.train.measure.measure_steps) each
+collect the one before away: a full collection per kind, and with the trainer's own freeze undone at its close every
+one of them traverses the whole heap (about 0.37 s on one H200's host: 136 of them, 50.5 s of a 434 s profile,
+`experiments/results/profile_time_before.json`). Inside `hold()`, `collect` freezes what survives each collection:
+the next ones traverse only what came after, so a sequence of trainers pays one full traversal per trainer (the one
+after its thaw, which frees it). Leaving the hold gives everything back to the collector.
+
 AGOQ_GC_FREEZE=0 leaves the collector alone (to compare).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 
 ENV = "AGOQ_GC_FREEZE"
+_holds = 0  # nested hold() contexts now open
 
 
 def enabled() -> bool:
@@ -42,9 +51,31 @@ def freeze_after_warmup() -> bool:
     return True
 
 
+def collect() -> None:
+    """A full collection; inside `hold()` (and with freezing on) what survives it is frozen, so that later
+    collections skip it."""
+    gc.collect()
+    if _holds and enabled():
+        gc.freeze()
+
+
+@contextlib.contextmanager
+def hold():
+    """While open, `collect` freezes what survives it (module docstring); on leaving the outermost hold every frozen
+    object goes back to the collector."""
+    global _holds
+    _holds += 1
+    try:
+        yield
+    finally:
+        _holds -= 1
+        if not _holds and enabled():
+            gc.unfreeze()
+
+
 def thaw() -> None:
     """Give every frozen object back to the collector (the oldest generation): the next collection may free them."""
     gc.unfreeze()
 
 
-__all__ = ["freeze_after_warmup", "thaw", "enabled", "ENV"]
+__all__ = ["freeze_after_warmup", "thaw", "collect", "hold", "enabled", "ENV"]

@@ -18,7 +18,6 @@ median over the steps after the first (warm-up: compilation, first allocations).
 
 from __future__ import annotations
 
-import gc
 import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -26,6 +25,7 @@ from typing import Any, Optional
 import torch
 
 from agoq.formats.plan import Plan, new_plan, plan_from_dict
+from agoq.train import collector
 from agoq.train.config import JobConfig, TrainConfig
 from agoq.train.parallel import World
 from agoq.train.preparation import prepare
@@ -78,8 +78,8 @@ class StepFigures:
 
 
 def _release_memory() -> None:
-    gc.collect()  # a model under checkpointing or LAAQ sits in reference cycles
-    torch._dynamo.reset()  # compiled layers' code caches hold their modules
+    torch._dynamo.reset()  # compiled layers' code caches hold their modules: dropped before the collection
+    collector.collect()  # a model under checkpointing or LAAQ sits in reference cycles
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -58,3 +58,40 @@ def test_off_switch_freezes_nothing_and_changes_no_loss(monkeypatch):
     losses_on = [on.step(i).loss for i in range(3)]
     on.close()
     assert losses_on == losses_off
+
+
+def test_hold_frees_each_measured_run_and_gives_everything_back(monkeypatch):
+    """Inside collector.hold() (the profile's sequence of measured steps), the survivors of each collection are
+    frozen, yet every run measured is freed once dropped, and leaving the hold unfreezes everything."""
+    from agoq.train.measure import measure_steps
+
+    monkeypatch.delenv(collector.ENV, raising=False)
+    refs = []
+    real_prepare = __import__("agoq.train.measure", fromlist=["prepare"]).prepare
+
+    def keep_ref(cfg, world):
+        prepared = real_prepare(cfg, world)
+        refs.append(weakref.ref(prepared.model))
+        return prepared
+
+    monkeypatch.setattr("agoq.train.measure.prepare", keep_ref)
+    cfg = dict(model="llama-tiny", device="cpu", dtype="fp32", seq_len=11, micro_batch=2, grad_accum=1, steps=2,
+               warmup=1, checkpoint_every=0, quiet=True, checkpoint_all=True)
+    with collector.hold():
+        first = measure_steps(TrainConfig(**cfg, seed=3))
+        assert gc.get_freeze_count() > 0  # the survivors of the release are frozen
+        second = measure_steps(TrainConfig(**cfg, seed=3))
+        assert all(ref() is None for ref in refs)  # each model, in reference cycles, was freed all the same
+        cycle = _Node()
+        cycle.other = _Node()
+        cycle.other.other = cycle  # a cycle made inside the hold is still collected
+        probe = weakref.ref(cycle.other)
+        del cycle
+        collector.collect()
+        assert probe() is None
+    assert gc.get_freeze_count() == 0
+    assert first.losses == second.losses
+
+
+class _Node:
+    other = None

@@ -43,6 +43,22 @@ from agoq.runtime.activations.saved_bytes import find_decoder_layers
 from agoq.vocabulary import CUDA_GRAPH_MODES, TORCH_COMPILE_MODES
 
 
+def allow_cached_autograd_functions() -> None:
+    """Let AOT autograd's cache keep graphs that hold LAAQ's autograd functions (a setting of the process).
+
+    Dynamo traces each torch.autograd.Function into the layer's graph as one higher-order op carrying its forward
+    and backward graphs, so the cache key covers both; torch still leaves such graphs out of its cache unless
+    `torch._functorch.config.autograd_cache_allow_custom_autograd_functions` is set, and every compiled layer under
+    LAAQ then runs AOT autograd again in each new process or model. With it set, a later model of the same layer
+    graph loads it: on one H200 the probe's offloading step (agoq-paper's layers) took its first step in 1.91 s
+    instead of 4.31, with the same losses (`experiments/results/compile_cache_probe_*.json`). The environment
+    variable TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD, where set, still decides."""
+    import torch._functorch.config as functorch
+
+    if hasattr(functorch, "autograd_cache_allow_custom_autograd_functions"):
+        functorch.autograd_cache_allow_custom_autograd_functions = True
+
+
 def compile_decoder_layers(model: nn.Module, mode: str | None = None, **options) -> int:
     """Compile each decoder layer of `model` on its own (`nn.Module.compile(mode=mode, **options)`, e.g.
     backend="inductor"); the embedding, final norm and loss stay eager. `mode` is torch.compile's (None or
@@ -63,6 +79,7 @@ def compile_decoder_layers(model: nn.Module, mode: str | None = None, **options)
     layers = find_decoder_layers(model)
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 2 * len(layers) + 8)
+    allow_cached_autograd_functions()
     for layer in layers:
         layer.compile(**options)
     return len(layers)
