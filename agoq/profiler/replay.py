@@ -13,6 +13,11 @@ what LAAQ would have restored. Layers above L and the LM head are not recomputed
 
 partial_* being the gradients of all parameters from layer L's output down (the same computation for
 both, so rounding in the untouched part cancels exactly), and ||g_ref|| the full reference gradient.
+For the kinds in LOCAL_KINDS (kept only as a projection's input, read in backward only by that
+projection's weight gradient) every gradient below layer L is the reference's, so partial_* is taken
+over layer L's own parameters only: one layer's backward per option instead of those of layers L..0
+(the same number up to the floating-point noise of the lower layers: none where backward is
+deterministic).
 This applies to quantized options of the kinds LAAQ keeps raw at 16 bits; attention (whose 16-bit path
 is torch's fused attention, not LAAQ's) and recompute options run the real policy instead
 (`SensitivityMeter`). tests/profiler/test_replay.py checks both give the same numbers.
@@ -34,6 +39,20 @@ from agoq.profiler.model_source import next_token_loss
 from agoq.runtime.quant.codec import dequantize, quantize
 
 REPLAYABLE = ("norm_input", "qkv_input", "o_proj_input", "ffn1_input", "silu_input", "ffn2_input")
+
+LOCAL_KINDS = frozenset({"qkv_input", "o_proj_input", "ffn1_input", "ffn2_input"})
+"""The replayable kinds whose error cannot leave their layer.
+
+Each is kept only as the input x of projections y = x W^T + b (qkv_input: the attention norm's output,
+input of q, k, v; o_proj_input; ffn1_input: the MLP norm's output, input of gate and up; ffn2_input:
+silu(gate) * up, input of down). LAAQ's backward (agoq/runtime/activations/laaq.py: _NormLinears,
+_StoredLinear, _SwiGLUDown) reads that tensor only for dW = dy^T x; the gradient sent down,
+dx = dy W (and through the norm, RMSNorm's backward of the norm *input* with that dx), never reads it.
+So substituting dequantize(quantize(x)) changes layer L's weight gradients dW and nothing else: every
+gradient below layer L is the reference's bit for bit. Not local: norm_input (RMSNorm's backward reads
+its input to form the input gradient) and silu_input (SiLU's derivative at gate, and up, form the
+gradients of gate and up, which flow down through the projections and the norm).
+"""
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -112,47 +131,68 @@ class ReplaySession:
         self.ref_grads = list(grads[: len(self.params)])
         self.dy = list(grads[len(self.params):])
         self.ref_norm2 = sum(g.float().pow(2).sum().item() for g in self.ref_grads if g is not None)
-        self._partial_ref: tuple[int, list] | None = None
+        self._layer_params = [[p for p in layer.parameters() if p.requires_grad] for layer in layers]
+        # the reference partial of one layer per scope (False: from layer L down; True: layer L's own)
+        self._partial_ref: dict[bool, tuple[int, list]] = {}
 
-    def _partial(self, layer: int) -> list:
-        return list(torch.autograd.grad(self.outputs[layer], self.params, self.dy[layer], retain_graph=True,
+    def _partial(self, layer: int, local: bool = False) -> list:
+        """Gradients with dy_L at layer `layer`'s output: of all parameters, or (`local`) of that layer's own."""
+        params = self._layer_params[layer] if local else self.params
+        return list(torch.autograd.grad(self.outputs[layer], params, self.dy[layer], retain_graph=True,
                                         allow_unused=True))
 
-    def noise_floor(self, layer: int) -> float:
-        """The error of replaying layer `layer` with nothing substituted: 0 where backward is
-        deterministic; any other value is the run-to-run noise in every replayed sensitivity."""
-        if self._partial_ref is None or self._partial_ref[0] != layer:
-            self._partial_ref = (layer, self._partial(layer))
-        return self._relative(self._partial(layer))
+    def _reference(self, layer: int, local: bool) -> list:
+        cached = self._partial_ref.get(local)
+        if cached is None or cached[0] != layer:
+            target, self._target = self._target, None
+            try:
+                cached = self._partial_ref[local] = (layer, self._partial(layer, local))
+            finally:
+                self._target = target
+        return cached[1]
 
-    def _relative(self, got: list) -> float:
+    def noise_floor(self, layer: int, local: bool = False) -> float:
+        """The error of replaying layer `layer` (its own parameters only if `local`, as `error` does for
+        LOCAL_KINDS) with nothing substituted: 0 where backward is deterministic; any other value is the
+        run-to-run noise in every sensitivity replayed that way."""
+        ref = self._reference(layer, local)
+        return self._relative(self._partial(layer, local), ref)
+
+    def _relative(self, got: list, ref: list) -> float:
         diff2 = torch.zeros((), dtype=torch.float64, device=self.outputs[0].device)
-        for g, r in zip(got, self._partial_ref[1]):
+        for g, r in zip(got, ref):
             if g is None and r is None:
                 continue
             g = g.float() if g is not None else torch.zeros_like(r, dtype=torch.float32)
             diff2 += (g - (r.float() if r is not None else 0.0)).pow(2).sum().double()
         return (diff2.item() / self.ref_norm2) ** 0.5 if self.ref_norm2 > 0 else 0.0
 
-    def error(self, layer: int, kind: str, bits: int, fmt: str) -> float:
-        """Relative L2 error of all weight gradients when only (layer, kind) is kept at `bits` (`fmt`)."""
+    def replay(self, layer: int, kind: str, bits: int, fmt: str, local: bool | None = None) -> tuple[list, list]:
+        """(gradients with (layer, kind) kept at `bits` (`fmt`), the reference's), over layer `layer`'s own
+        parameters if `local` (default: whether `kind` is in LOCAL_KINDS), else over all parameters
+        (`self.params`; None for those the partial backward does not reach)."""
         if kind not in REPLAYABLE:
             raise ValueError(f"{kind} cannot be replayed; measure it with its policy")
         if (layer, kind) not in self.tagged:
             raise RuntimeError(f"replay found no kept tensor of layer {layer} kind {kind}")
-        if self._partial_ref is None or self._partial_ref[0] != layer:
-            self._target = None
-            self._partial_ref = (layer, self._partial(layer))
+        local = kind in LOCAL_KINDS if local is None else local
+        ref = self._reference(layer, local)
         self._target = (layer, kind, bits, fmt if bits == 4 else "int")
         self._substituted = 0
         try:
-            got = self._partial(layer)
+            got = self._partial(layer, local)
         finally:
             self._target = None
         if self._substituted == 0:
             raise RuntimeError(f"replay of layer {layer} kind {kind}: backward never read the kept tensor")
-        return self._relative(got)
+        return got, ref
+
+    def error(self, layer: int, kind: str, bits: int, fmt: str, _full: bool = False) -> float:
+        """Relative L2 error of all weight gradients when only (layer, kind) is kept at `bits` (`fmt`).
+        `_full`: replay from layer L down even for LOCAL_KINDS (the same number; for tests)."""
+        got, ref = self.replay(layer, kind, bits, fmt, local=False if _full else None)
+        return self._relative(got, ref)
 
     def close(self) -> None:
         """Free the kept graph."""
-        self.outputs, self.dy, self.ref_grads, self._partial_ref = [], [], [], None
+        self.outputs, self.dy, self.ref_grads, self._partial_ref = [], [], [], {}

@@ -30,7 +30,7 @@ from agoq.profiler.model_source import (
     token_batches,
     vocab_size,
 )
-from agoq.profiler.replay import REPLAYABLE, ReplaySession
+from agoq.profiler.replay import LOCAL_KINDS, REPLAYABLE, ReplaySession
 
 NORM_SIDE = ("norm_input", "qkv_input", "ffn1_input")
 
@@ -198,9 +198,10 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
                 if progress is not None:
                     progress(step * len(group))
                 continue
-            for layer in sorted({m.layer for m in group}) if notes is not None else []:
+            scopes = sorted({(m.layer, m.kind in LOCAL_KINDS) for m in group})  # as session.error replays them
+            for layer, local in scopes if notes is not None else []:
                 try:
-                    floor = session.noise_floor(layer)
+                    floor = session.noise_floor(layer, local)
                     notes["replay_noise_floor"] = max(notes.get("replay_noise_floor", 0.0), floor)
                 except Exception:  # noqa: BLE001 - a diagnostic only
                     pass

@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from agoq.profiler.model_source import load_model, token_batches
 from agoq.profiler.replay import REPLAYABLE
@@ -45,3 +46,95 @@ def test_measurements_replay_cannot_run_fall_back_to_their_policy(monkeypatch):
     got = measure_chunk(meter, ms, notes=notes)
     assert [r["sensitivity"] for r in got] == pytest.approx(expected, rel=1e-6)
     assert notes["replay_fallbacks"] == 1 and notes["replay_noise_floor"] == 0.0
+
+
+def _sessions(dtype: str, rng: random.Random):
+    """(a random llama-tiny, kind -> the replay session of one random batch under that kind's reference)."""
+    from agoq.profiler.replay import ReplaySession
+    from agoq.profiler.sensitivity import measurement_policy, reference_kind
+
+    model = load_model("llama-tiny", dtype=dtype, seed=rng.randint(0, 999))
+    (ids,) = token_batches(256, 1, 2, rng.randint(11, 29), rng.randint(0, 999), "cpu")
+    sessions = {}
+
+    def for_kind(kind: str):
+        reference = reference_kind(kind)
+        if reference not in sessions:
+            sessions[reference] = ReplaySession(model, ids, measurement_policy(None, reference, 64))
+        return sessions[reference]
+    return model, for_kind
+
+
+def _options(rng: random.Random) -> list[tuple[int, str]]:
+    return [(rng.randint(2, 8), "int"), (4, "nf4")]
+
+
+def test_local_replay_equals_full_replay_fp32(seed):
+    from agoq.profiler.replay import LOCAL_KINDS
+
+    rng = random.Random(seed)
+    _, session_of = _sessions("fp32", rng)
+    for kind in sorted(LOCAL_KINDS):
+        layer, session = rng.randrange(3), session_of(kind)
+        for bits, fmt in _options(rng):
+            local = session.error(layer, kind, bits, fmt)
+            full = session.error(layer, kind, bits, fmt, _full=True)
+            assert full > 0, (layer, kind, bits, fmt)
+            assert local == pytest.approx(full, rel=1e-6, abs=0), (layer, kind, bits, fmt)
+    assert session.noise_floor(layer, local=True) == 0.0
+
+
+def test_local_replay_equals_policy_run_bf16(seed):
+    """In bf16 the local replay gives the sensitivity of running the option's policy, as the full one does."""
+    from agoq.profiler.replay import LOCAL_KINDS
+
+    rng = random.Random(seed)
+    model = load_model("llama-tiny", dtype="bf16", seed=rng.randint(0, 999))
+    meter = SensitivityMeter(model, token_batches(256, 2, 2, rng.randint(11, 29), rng.randint(0, 999), "cpu"),
+                             block=64)
+    ms = [Measurement(rng.randrange(3), kind, str(bits), fmt) for kind in sorted(LOCAL_KINDS)
+          for bits, fmt in _options(rng)]
+    replayed = measure_chunk(meter, ms, method="replay")
+    for m, r in zip(ms, replayed):
+        assert r["sensitivity"] == pytest.approx(meter.measure(m), rel=1e-5, abs=0), m
+
+
+def _moved_outside_layer(session, model, layer: int, kind: str, bits: int, fmt: str) -> list[str]:
+    """Names of the parameters outside `layer` whose full-replay gradient differs from the reference's."""
+    from agoq.runtime.activations.saved_bytes import find_decoder_layers
+
+    got, ref = session.replay(layer, kind, bits, fmt, local=False)
+    inside = {id(p) for p in find_decoder_layers(model)[layer].parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    moved = []
+    for p, g, r in zip(session.params, got, ref):
+        if id(p) in inside or (g is None and r is None):
+            continue
+        if g is None or r is None or not torch.equal(g, r):
+            moved.append(names[id(p)])
+    return moved
+
+
+def test_local_kinds_change_no_gradient_outside_their_layer(seed):
+    from agoq.profiler.replay import LOCAL_KINDS
+
+    rng = random.Random(seed)
+    model, session_of = _sessions("fp32", rng)
+    for kind in sorted(LOCAL_KINDS):
+        layer = rng.randrange(1, 3)  # a layer with layers below it
+        bits, fmt = rng.choice(_options(rng))
+        assert _moved_outside_layer(session_of(kind), model, layer, kind, bits, fmt) == [], (layer, kind, bits, fmt)
+
+
+@pytest.mark.parametrize("kind", ["norm_input", "silu_input"])
+def test_other_kinds_change_gradients_below_their_layer(seed, kind):
+    """The kinds left out of LOCAL_KINDS must be: their substitution reaches the layers below."""
+    from agoq.profiler.replay import LOCAL_KINDS
+
+    assert kind not in LOCAL_KINDS
+    rng = random.Random(seed)
+    model, session_of = _sessions("fp32", rng)
+    layer = rng.randrange(1, 3)
+    moved = _moved_outside_layer(session_of(kind), model, layer, kind, rng.randint(2, 4), "int")
+    below = [n for n in moved if any(f"layers.{i}." in n for i in range(layer))]
+    assert below, f"{kind} at layer {layer} changed no gradient below it"
