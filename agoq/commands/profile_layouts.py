@@ -93,6 +93,7 @@ def measure_on_group(kinds: list[dict], *, model: str, seq_len: int, dtype: str,
     import torch
     import torch.distributed as dist
 
+    from agoq.train import collector
     from agoq.train.config import TrainConfig
     from agoq.train.parallel import join_world
 
@@ -101,32 +102,33 @@ def measure_on_group(kinds: list[dict], *, model: str, seq_len: int, dtype: str,
     world = join_world(device)
     where = _group_device(dist.get_backend())
     out = []
-    for kind in kinds:
-        settings = layout_train_settings(kind, model, seq_len, dtype, device, warmup + steps, seed)
-        error, figures = None, None
-        try:
-            cfg = TrainConfig(**settings)
-            figures = measure(cfg.one_rank_fsdp() if world.size == 1 else cfg, world)
-            measured = list(figures.seconds[warmup:]) or list(figures.seconds)
-            mine = [1.0, statistics.median(measured), float(figures.max_peak_bytes or 0)]
-        except Exception as e:  # noqa: BLE001 - one layout failing (out of memory, ...) keeps the rest
-            error = f"{type(e).__name__}: {e}"[:500]
-            mine = [0.0, 0.0, 0.0]
-        ok = torch.tensor([mine[0]], dtype=torch.float64, device=where)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        largest = torch.tensor(mine[1:], dtype=torch.float64, device=where)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        if float(ok) < 1:
-            entry = {"kind": kind, "error": error or "failed on another rank"}
-        else:
-            entry = {"kind": kind, "row": {
-                **kind, "policy": "bf16", "warmup_steps": warmup, "steps": steps,
-                "step_seconds": float(largest[0]),
-                "peak_bytes": int(largest[1]) if figures.peak_bytes is not None else None,
-                "seconds_per_step": [float(t) for t in figures.seconds], "source": "profile"}}
-        out.append(entry)
-        if done is not None and dist.get_rank() == 0:
-            done(entry)
+    with collector.hold():  # one full collection per layout, not three (agoq.train.collector)
+        for kind in kinds:
+            settings = layout_train_settings(kind, model, seq_len, dtype, device, warmup + steps, seed)
+            error, figures = None, None
+            try:
+                cfg = TrainConfig(**settings)
+                figures = measure(cfg.one_rank_fsdp() if world.size == 1 else cfg, world)
+                measured = list(figures.seconds[warmup:]) or list(figures.seconds)
+                mine = [1.0, statistics.median(measured), float(figures.max_peak_bytes or 0)]
+            except Exception as e:  # noqa: BLE001 - one layout failing (out of memory, ...) keeps the rest
+                error = f"{type(e).__name__}: {e}"[:500]
+                mine = [0.0, 0.0, 0.0]
+            ok = torch.tensor([mine[0]], dtype=torch.float64, device=where)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            largest = torch.tensor(mine[1:], dtype=torch.float64, device=where)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            if float(ok) < 1:
+                entry = {"kind": kind, "error": error or "failed on another rank"}
+            else:
+                entry = {"kind": kind, "row": {
+                    **kind, "policy": "bf16", "warmup_steps": warmup, "steps": steps,
+                    "step_seconds": float(largest[0]),
+                    "peak_bytes": int(largest[1]) if figures.peak_bytes is not None else None,
+                    "seconds_per_step": [float(t) for t in figures.seconds], "source": "profile"}}
+            out.append(entry)
+            if done is not None and dist.get_rank() == 0:
+                done(entry)
     return out
 
 

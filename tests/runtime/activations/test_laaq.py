@@ -590,3 +590,43 @@ def test_hf_default_config_training_forward_applies_policy():
     for i in range(cfg.num_hidden_layers):
         expect = sum(predict_layer_bytes(shape, policy.settings(i), policy.block).values())
         assert abs(got[i] - expect) <= 0.02 * expect, f"seed {seed} layer {i}: measured {got[i]}, predicted {expect}"
+
+
+class _DropoutLayer(torch.nn.Module):
+    """A decoder-like layer that draws random numbers (dropout) and says nothing about it."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.self_attn = torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Dropout(0.5)
+        self.input_layernorm = torch.nn.Identity()
+        self.post_attention_layernorm = torch.nn.Identity()
+
+    def forward(self, x):
+        return self.mlp(self.self_attn(x))
+
+
+def test_checkpointing_a_layer_that_draws_random_numbers_replays_them(seed):
+    """Layers that do not declare `draws_random_numbers = False` keep torch's RNG-state restoring: their gradients
+    under checkpointing equal the unmodified run's with the same generator state (a dropout mask drawn anew in the
+    rerun would not)."""
+    torch.manual_seed(seed)
+    width = 13
+    model = torch.nn.Sequential(_DropoutLayer(width), _DropoutLayer(width))
+    x = torch.randn(5, width)
+
+    def grads():
+        torch.manual_seed(seed + 1)
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads()
+    apply_checkpointing(model)
+    checkpointed = grads()
+    remove_checkpointing(model)
+    for a, b in zip(plain, checkpointed):
+        assert torch.equal(a, b)
+    from agoq.runtime.activations.saved_bytes import find_decoder_layers
+
+    assert type(find_decoder_layers(build("llama-tiny", seed=seed % 97))[0]).draws_random_numbers is False
