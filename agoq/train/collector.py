@@ -21,8 +21,12 @@ Several trainers in one process (the kinds of step `agoq profile` measures, agoq
 collect the one before away: a full collection per kind, and with the trainer's own freeze undone at its close every
 one of them traverses the whole heap (about 0.37 s on one H200's host: 136 of them, 50.5 s of a 434 s profile,
 `experiments/results/profile_time_before.json`). Inside `hold()`, `collect` freezes what survives each collection:
-the next ones traverse only what came after, so a sequence of trainers pays one full traversal per trainer (the one
-after its thaw, which frees it). Leaving the hold gives everything back to the collector.
+the next ones traverse only what came after. A trainer inside a hold does not freeze after its first step: undoing
+that freeze at its close would give the collector the whole heap back, and the next collection, which frees the
+trainer, would traverse all of it (one such per kind: 26.5 s of a 288 s profile, `profile_time_after.json`). So
+what a trainer makes stays with the collector, the collection after it frees it without traversing the frozen
+rest, and its steps' collections traverse only what came after the hold's last freeze (the process's imports and
+earlier kinds' leftovers stay frozen). Leaving the hold gives everything back to the collector.
 
 AGOQ_GC_FREEZE=0 leaves the collector alone (to compare).
 """
@@ -43,8 +47,9 @@ def enabled() -> bool:
 
 
 def freeze_after_warmup() -> bool:
-    """Collect, then freeze every object alive now (after the first step); returns whether it froze."""
-    if not enabled():
+    """Collect, then freeze every object alive now (after the first step); returns whether it froze. Inside a
+    `hold()` it does neither (module docstring)."""
+    if not enabled() or _holds:
         return False
     gc.collect()
     gc.freeze()

@@ -82,6 +82,17 @@ def test_hold_frees_each_measured_run_and_gives_everything_back(monkeypatch):
         assert gc.get_freeze_count() > 0  # the survivors of the release are frozen
         second = measure_steps(TrainConfig(**cfg, seed=3))
         assert all(ref() is None for ref in refs)  # each model, in reference cycles, was freed all the same
+        frozen = gc.get_freeze_count()
+        trainer = _trainer(seed=5)
+        trainer.step(0)
+        assert gc.get_freeze_count() <= frozen  # inside a hold the trainer freezes nothing of its own (frozen
+        # objects may die)
+        model_ref = weakref.ref(trainer.prepared.model)
+        trainer.close()
+        trainer.parallel.release()
+        del trainer
+        collector.collect()
+        assert model_ref() is None
         cycle = _Node()
         cycle.other = _Node()
         cycle.other.other = cycle  # a cycle made inside the hold is still collected
