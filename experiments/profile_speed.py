@@ -52,9 +52,10 @@ def _timed(fn, cuda: bool) -> float:
 
 
 def unit_costs(settings: ProfileSettings) -> dict:
-    """Seconds of the three kinds of work a profile repeats: a full fwd+bwd under a policy (attention
-    and recompute options), a kept reference forward + backward (one per batch and reference), and one
-    replayed partial backward from the middle layer (every other option)."""
+    """Seconds of the kinds of work a profile repeats: a full fwd+bwd under a policy (options replay cannot
+    run), a kept reference forward + backward (one per batch and reference), one replayed partial backward
+    from the middle layer (every other option), and the last two for attention, whose session reruns
+    attention in backward (laaq.rerun_kept_attention)."""
     cuda = settings.device == "cuda"
     model = load_model(settings.spec, dtype=settings.dtype, device=settings.device, num_layers=settings.layers)
     ids = token_batches(vocab_size(model), 1, settings.micro_batch, settings.seq_len, 0, settings.device)[0]
@@ -76,11 +77,19 @@ def unit_costs(settings: ProfileSettings) -> dict:
         replays.append(_timed(lambda: box["s"].error(middle, "silu_input", 4, "int"), cuda))
         replays.append(_timed(lambda: box["s"].error(middle, "norm_input", 3, "int"), cuda))
         box["s"].close()
+    attention_sessions, attention_replays = [], []
+    for _ in range(3):
+        box = {}
+        attention_sessions.append(_timed(lambda box=box: box.update(s=ReplaySession(model, ids, policy,
+                                                                                      attention=True)), cuda))
+        attention_replays.append(_timed(lambda box=box: box["s"].error(middle, "attention", 4, "int"), cuda))
+        box["s"].close()
     del model
     if cuda:
         torch.cuda.empty_cache()
     return {"policy_step": statistics.median(steps[1:]), "reference": statistics.median(sessions[1:]),
-            "replay": statistics.median(replays[2:])}
+            "replay": statistics.median(replays[2:]), "attention_reference": statistics.median(attention_sessions[1:]),
+            "attention_replay": statistics.median(attention_replays[1:])}
 
 
 def main() -> None:
@@ -105,12 +114,14 @@ def main() -> None:
     per_kind = {k: [o for o in kind_options(k, settings.bits, settings.formats) if o.option != "16"] for k in KINDS}
     replay_runs = num_layers * sum(len([o for o in opts if o.quantized]) for k, opts in per_kind.items()
                                    if k in REPLAYABLE)
+    attention_runs = num_layers * len([o for o in per_kind["attention"] if o.quantized])
     policy_runs = num_layers * sum(len(opts) for opts in per_kind.values()) - replay_runs
     runs = replay_runs + policy_runs
     costs = unit_costs(settings)
     b = settings.batches
     predicted = b * (policy_runs * costs["policy_step"] + 2 * costs["policy_step"]  # policy runs + their reference
-                     + 2 * costs["reference"] + replay_runs * costs["replay"] * (1 + 1 / 6))  # + partial references
+                     + 2 * costs["reference"] + (replay_runs - attention_runs) * costs["replay"] * (1 + 1 / 6)
+                     + costs["attention_reference"] + attention_runs * costs["attention_replay"] * (1 + 1 / 6))
     fwd_bwd = (policy_runs + 2) * b
     print(f"{args.model}: {num_layers} layers, {runs} sensitivity measurements x {b} batch(es): {policy_runs} by "
           f"policy (fwd+bwd {costs['policy_step'] * 1e3:.1f} ms), {replay_runs} replayed (partial bwd "

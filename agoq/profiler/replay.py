@@ -18,12 +18,22 @@ projection's weight gradient) every gradient below layer L is the reference's, s
 over layer L's own parameters only: one layer's backward per option instead of those of layers L..0
 (the same number up to the floating-point noise of the lower layers: none where backward is
 deterministic).
-This applies to quantized options of the kinds LAAQ keeps raw at 16 bits; attention (whose 16-bit path
-is torch's fused attention, not LAAQ's) and recompute options run the real policy instead
-(`SensitivityMeter`). tests/profiler/test_replay.py checks both give the same numbers.
+This applies to quantized options of the kinds LAAQ keeps raw at 16 bits. Attention at 16 bits is
+torch's fused attention, which keeps its own tensors, so a session built with `attention=True` runs its
+reference forward under laaq.rerun_kept_attention: every layer keeps q, k, v raw in LAAQ's attention
+function, whose backward reruns attention from them (torch.func.vjp) -- the same function and values a
+b-bit option runs in layer L, and for the 16-bit layers the same values as the fused attention's own
+backward (one forward, one backward of the same kernel on the same inputs). Substituting
+dequantize(quantize(x)) for each of q, k and v (same bits, block, rounding and format) is then exactly what
+the option's policy restores. Attention is not local: dq, dk, dv flow to the layers below. Because that
+session reruns attention in every layer's backward, the profiler builds it only for the attention
+measurements (agoq.profiler.sensitivity.measure_chunk). Recompute options are not replayed
+(`SensitivityMeter`). tests/profiler/test_replay.py checks replay and policy runs give the same numbers.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -32,13 +42,15 @@ from agoq.runtime.activations.laaq import (
     apply_activation_policy,
     observe_kept_tensors,
     remove_activation_policy,
+    rerun_kept_attention,
 )
 from agoq.runtime.activations.policy import KEEP, ActivationPolicy
 from agoq.runtime.activations.saved_bytes import find_decoder_layers
 from agoq.profiler.model_source import next_token_loss
 from agoq.runtime.quant.codec import dequantize, quantize
 
-REPLAYABLE = ("norm_input", "qkv_input", "o_proj_input", "ffn1_input", "silu_input", "ffn2_input")
+REPLAYABLE = ("norm_input", "qkv_input", "o_proj_input", "ffn1_input", "silu_input", "ffn2_input", "attention")
+"""The kinds whose quantized options are replayed; "attention" only by a session built with attention=True."""
 
 LOCAL_KINDS = frozenset({"qkv_input", "o_proj_input", "ffn1_input", "ffn2_input"})
 """The replayable kinds whose error cannot leave their layer.
@@ -60,10 +72,13 @@ def _key(t: torch.Tensor) -> tuple:
 
 
 class ReplaySession:
-    """One reference forward of one batch, kept for replaying backward with one tensor kind substituted."""
+    """One reference forward of one batch, kept for replaying backward with one tensor kind substituted.
 
-    def __init__(self, model: nn.Module, ids: torch.Tensor, reference: ActivationPolicy):
-        self.model = model
+    `attention`: run the forward under laaq.rerun_kept_attention so that attention can be replayed too
+    (every layer's backward then reruns attention: slower for the other kinds, same numbers)."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor, reference: ActivationPolicy, attention: bool = False):
+        self.model, self.attention = model, attention
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.block = reference.block
         self._target: tuple | None = None  # (layer, kind, bits, format) being substituted
@@ -116,7 +131,8 @@ class ReplaySession:
 
         apply_activation_policy(model, reference)
         try:
-            with observe_kept_tensors(observe), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            rerun = rerun_kept_attention() if attention else contextlib.nullcontext()
+            with rerun, observe_kept_tensors(observe), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 loss = next_token_loss(model, ids)
         finally:
             remove_activation_policy(model)  # the recorded graph keeps its own functions
@@ -173,6 +189,8 @@ class ReplaySession:
         (`self.params`; None for those the partial backward does not reach)."""
         if kind not in REPLAYABLE:
             raise ValueError(f"{kind} cannot be replayed; measure it with its policy")
+        if kind == "attention" and not self.attention:
+            raise ValueError("attention is replayed only by a ReplaySession built with attention=True")
         if (layer, kind) not in self.tagged:
             raise RuntimeError(f"replay found no kept tensor of layer {layer} kind {kind}")
         local = kind in LOCAL_KINDS if local is None else local

@@ -148,9 +148,11 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
                   method: str = "replay", notes: dict | None = None) -> list[dict]:
     """Measure every sensitivity of `measurements` on the meter's model and batches.
 
-    method "replay": quantized options of the kinds LAAQ keeps raw are measured by replaying backward
-    from one kept reference forward per batch (agoq.profiler.replay; the same numbers, much cheaper);
-    attention options, and everything with method "policy", run their real policy. Recompute options rebuild
+    method "replay": quantized options of every kind in REPLAYABLE are measured by replaying backward
+    from one kept reference forward per batch (agoq.profiler.replay; the same numbers, much cheaper): one
+    session per reference kind, and for attention its own session, whose forward keeps q, k, v raw
+    (laaq.rerun_kept_attention), so that the other kinds' replays do not pay for rerunning attention in
+    backward. Everything with method "policy" runs its real policy. Recompute options rebuild
     bit for bit the 16-bit tensor they would have kept (tests/profiler/test_sensitivity.py checks it on the CPU), so
     their sensitivity is 0 and method "replay" does not run them (a policy run measures only the backward's
     run-to-run noise, about 0.008 on one H200 for 96 full steps of the probe); the search takes 0 for them in any
@@ -184,11 +186,13 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
             progress(1)
     meter.release()  # the policy runs' reference gradients; replays keep their own
     fallback: list[Measurement] = []  # replay could not run them: measured by their policy instead
-    for reference in sorted({reference_kind(m.kind) for m in replayed}):
-        group = sorted((m for m in replayed if reference_kind(m.kind) == reference), key=lambda m: m.layer)
+    for reference, attention in sorted({(reference_kind(m.kind), m.kind == "attention") for m in replayed}):
+        group = sorted((m for m in replayed if reference_kind(m.kind) == reference
+                        and (m.kind == "attention") == attention), key=lambda m: m.layer)
         for ids in meter.batches:
             try:
-                session = ReplaySession(meter.model, ids, measurement_policy(None, reference, meter.block))
+                session = ReplaySession(meter.model, ids, measurement_policy(None, reference, meter.block),
+                                        attention=attention)
             except Exception as e:  # noqa: BLE001
                 for m in group:
                     if _is_oom(e):

@@ -24,6 +24,8 @@ def test_oom_is_recorded_and_the_profile_completes(tmp_path, monkeypatch):
     def replayed(self, layer, kind, bits, fmt):
         if layer == 1 and kind == "silu_input" and bits == 4:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if layer == 0 and kind == "attention" and bits == 2:  # not out of memory: falls back to its policy run
+            raise RuntimeError("replay broke")
         return real_replay(self, layer, kind, bits, fmt)
 
     def step(model, ids, policy):

@@ -18,8 +18,11 @@ def test_replay_equals_policy_runs(dtype, seed):
                              block=64)
     ms = [Measurement(rng.randrange(3), kind, str(bits), fmt) for kind in REPLAYABLE
           for bits, fmt in ((2, "int"), (4, "nf4"), (rng.choice([3, 5, 6, 8]), "int"))]
+    assert "attention" in REPLAYABLE
     by_policy = [meter.measure(m) for m in ms]
-    replayed = measure_chunk(meter, ms, method="replay")
+    notes = {}
+    replayed = measure_chunk(meter, ms, method="replay", notes=notes)
+    assert "replay_fallbacks" not in notes  # every measurement was replayed, none ran its policy
     by_policy_chunk = measure_chunk(meter, ms, method="policy")
     assert [r["sensitivity"] for r in by_policy_chunk] == by_policy
     for m, r, p in zip(ms, replayed, by_policy):
@@ -138,3 +141,67 @@ def test_other_kinds_change_gradients_below_their_layer(seed, kind):
     moved = _moved_outside_layer(session_of(kind), model, layer, kind, rng.randint(2, 4), "int")
     below = [n for n in moved if any(f"layers.{i}." in n for i in range(layer))]
     assert below, f"{kind} at layer {layer} changed no gradient below it"
+
+
+def _attention_calls(monkeypatch) -> list:
+    """Records the setting of every call of LAAQ's attention function (which still runs)."""
+    from agoq.runtime.activations import laaq
+
+    calls, real = [], laaq._QuantizedAttention.apply
+    monkeypatch.setattr(laaq._QuantizedAttention, "apply",
+                        lambda q, k, v, cfg, setting, kw: calls.append(setting) or real(q, k, v, cfg, setting, kw))
+    return calls
+
+
+def _loss_and_grads(model, ids):
+    from agoq.profiler.model_source import next_token_loss
+
+    model.zero_grad(set_to_none=True)
+    loss = next_token_loss(model, ids)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_rerun_kept_attention_switch_is_scoped_and_exact(seed, monkeypatch):
+    """Outside the switch a 16-bit attention runs the fused attention (LAAQ's function is not called, nothing
+    of attention is observed); under it LAAQ's function keeps q, k, v and the loss and gradients are the same."""
+    from agoq.profiler.sensitivity import measurement_policy
+    from agoq.runtime.activations.laaq import (
+        apply_activation_policy,
+        observe_kept_tensors,
+        remove_activation_policy,
+        rerun_kept_attention,
+    )
+    from agoq.runtime.activations.policy import KEEP
+
+    rng = random.Random(seed)
+    model = load_model("llama-tiny", dtype="fp32", seed=rng.randint(0, 999))
+    (ids,) = token_batches(256, 1, 2, rng.randint(11, 29), rng.randint(0, 999), "cpu")
+    calls = _attention_calls(monkeypatch)
+    seen = []
+    apply_activation_policy(model, measurement_policy(None, "qkv_input", 64))  # every layer in LAAQ, attention 16
+    try:
+        with observe_kept_tensors(lambda kind, t, setting: seen.append((kind, setting))):
+            loss, grads = _loss_and_grads(model, ids)
+            assert calls == [] and not any(kind == "attention" for kind, _ in seen)
+            with rerun_kept_attention():
+                loss_switched, grads_switched = _loss_and_grads(model, ids)
+            assert calls == [KEEP] * 3 and [s for k, s in seen if k == "attention"] == [KEEP] * 9
+            calls.clear()
+            _loss_and_grads(model, ids)  # the switch is off again once left
+            assert calls == []
+    finally:
+        remove_activation_policy(model)
+    torch.testing.assert_close(loss_switched, loss, rtol=1e-6, atol=0)
+    assert len(grads_switched) == len(grads)
+    for g, r in zip(grads_switched, grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_attention_needs_a_session_built_for_it(seed):
+    rng = random.Random(seed)
+    _, session_of = _sessions("fp32", rng)
+    with pytest.raises(ValueError, match="attention=True"):
+        session_of("attention").error(rng.randrange(3), "attention", 4, "int")

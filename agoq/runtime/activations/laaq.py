@@ -49,6 +49,22 @@ def observe_kept_tensors(callback):
         _observers.remove(callback)
 
 
+_rerun_attention: list = []  # one entry per open `rerun_kept_attention`
+
+
+@contextlib.contextmanager
+def rerun_kept_attention():
+    """While inside, a LAAQ layer whose attention is kept at 16 bits stores q, k, v raw through
+    `_QuantizedAttention` (backward reruns attention from them: the values of the fused attention's own
+    backward) instead of calling the fused attention directly, so the observers see q, k and v. It uses
+    more time in backward. For measuring, not training (agoq.profiler.replay)."""
+    _rerun_attention.append(True)
+    try:
+        yield
+    finally:
+        _rerun_attention.pop()
+
+
 class _Stash:
     """Collects tensors to save for backward, each kept raw or as a QTensor, and restores them."""
 
@@ -296,7 +312,7 @@ def laaq_layer_forward(parts: _LayerParts, settings: dict, cfg: QuantConfig, x: 
     sdpa_kwargs = {"is_causal": True} if attn_mask is None else {"attn_mask": attn_mask}
     if Hkv != H:
         sdpa_kwargs["enable_gqa"] = True
-    if settings["attention"] == KEEP:
+    if settings["attention"] == KEEP and not _rerun_attention:
         with scope("attention"):
             y = F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs)
     else:
