@@ -148,8 +148,6 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm transformer block: attention then MLP, each with a residual."""
 
-    draws_random_numbers = False  # no dropout: checkpointing need not restore the RNG state (agoq.runtime.activations)
-
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
