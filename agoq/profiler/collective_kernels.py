@@ -16,6 +16,13 @@ int8 level only):
                              (stochastic, 128-blocks) of the whole tensor for the G local peers, dequantize and sum
                              the G pieces; where W > G, int4 codes of the node's 1/G for the W / G nodes, dequantize
                              and sum; inverse Hadamard of this rank's shard
+  reduce_scatter             TLq-HS's int4 level across nodes on its own (tlq_hs's step 2), which the representative
+    sdp4bit-int4-level       one node never runs: the n values taken as the node's sums (the node's 1/G of a tensor
+                             G x larger, as if it were the whole), rows [M, n / M] for M = W / G nodes (M = INT4_NODES
+                             where the ranks are one node); int4 codes (stochastic, 128-blocks) of the M rows, dequantize
+                             and sum them into this rank's shard. Its Hadamard-32 and inverse are the int8 level's
+                             (timed in reduce_scatter sdp4bit); a what-if adds this kernel at the node's 1/G of the
+                             message where the ranks span nodes (agoq.search.network)
   all_gather sdp4bit         qWD (sdp4bit.qwd_all_gather): the shard's difference to the previous weights, int4
                              codes (2048-blocks, stochastic); dequantize the W gathered shards, add to the weights
   all_gather int8-weights    FSDP2's weight gather (agoq.runtime.comm.fsdp_weight_gather): quantize this rank's
@@ -29,8 +36,7 @@ On a GPU these are the runtime's CUDA kernels (Triton where it has them) timed w
 (`median_seconds`), on the CPU the same code's torch references with the host clock. Seconds are the median of
 `repeats` runs after a warm-up. `fit` makes them a Kernel(fixed, per_value) per path (agoq.search.network_fit): the
 per-value cost is what the what-if scales to other message sizes; the representative W and G set the fraction of
-the tensor each step touches (1/W, 1/G: across nodes TLq-HS also quantizes the node's 1/G to int4, which this
-one-node timing leaves out).
+the tensor each step touches (1/W, 1/G; TLq-HS's int4 level across nodes, over the node's 1/G, is its own case).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from agoq.profiler.kernel_time import median_seconds
 from agoq.progress import progress_bar
 
 WORLD, NODE_SIZE = 2, 2  # the representative ranks (see the module docstring)
+INT4_NODES = 2  # the nodes TLq-HS's int4 level is timed over where the representative ranks are one node
 GATHER_COLUMNS = 64  # columns of the weight matrix FSDP2's gather timing shards by rows
 
 
@@ -93,6 +100,17 @@ def _tlq_hs(flat: torch.Tensor, world: int, node_size: int):
             node_sum = rows
         total = _exchange_locally(node_sum, INTER_BITS, 2).sum(dim=0) if nodes > 1 else node_sum[0]
         return inverse_hadamard32(total)[: end - start].contiguous()
+    return run
+
+
+def _tlq_hs_int4_level(flat: torch.Tensor, world: int, node_size: int):
+    from agoq.runtime.comm.sdp4bit import INTER_BITS, _grouped, _to_padded
+
+    nodes = world // node_size if world > node_size else INT4_NODES
+    node_sum = _to_padded(_grouped(flat), nodes)  # [M, S]: the node's sums, one row per node (made by the int8 level)
+
+    def run():
+        return _exchange_locally(node_sum, INTER_BITS, 2).sum(dim=0)  # this rank's shard, summed over the M nodes
     return run
 
 
@@ -163,6 +181,7 @@ def _tlq4(flat: torch.Tensor, world: int, node_size: int):
 # (op, path) -> make(flat, world, node_size) -> run(): one timed run, returning what the collective would (as if
 # every rank held `flat`)
 CASES = {("all_reduce", "quangrad8"): _quangrad8, ("reduce_scatter", "sdp4bit"): _tlq_hs,
+         ("reduce_scatter", "sdp4bit-int4-level"): _tlq_hs_int4_level,
          ("all_gather", "sdp4bit"): _qwd, ("all_gather", "int8-weights"): _weight_gather(8),
          ("all_gather", "int4-weights"): _weight_gather(4), ("all_reduce", "tlq4"): _tlq4}
 
@@ -203,4 +222,4 @@ def time_collective_kernels(sizes: list[int], device: torch.device | str, repeat
     return rows
 
 
-__all__ = ["PATHS", "WORLD", "NODE_SIZE", "message_sizes", "time_collective_kernels"]
+__all__ = ["PATHS", "WORLD", "NODE_SIZE", "INT4_NODES", "message_sizes", "time_collective_kernels"]

@@ -42,8 +42,18 @@ Paths (`message_bytes`: the float32 bytes of the whole tensor, 4 per value, as t
 
 A quantized path also quantizes and dequantizes: `Kernel` seconds per value (and fixed seconds), fitted from the
 profile's own timings of that path: its measured collectives' residual beyond the wire, else its kernels timed in
-one process (profile.json collective_kernels; 0 where the profile has neither). The wire formats here are the
-runtime's (tests check the constants against it); this module imports no torch.
+one process (profile.json collective_kernels; 0 where the profile has neither). Both were run on one node, so TLq-HS's
+kernel K8 is its int8 level's (Hadamard-32, int8 codes of the whole tensor, dequantize and sum, inverse Hadamard);
+its int4 level across nodes is timed on its own, INT4_LEVEL = (reduce_scatter, sdp4bit-int4-level), as K4 over the
+values it touches. TLq-HS's reduce-scatter of n = message_bytes / 4 values on N ranks in nodes of G costs, in seconds,
+
+  wire + K8(n) + K4(n / G)     where the ranks span nodes of more than one rank (1 < G < N)
+  wire + K8(n)                 one node (G = N: no int4 level), or one rank per node (G = 1: no int8 level, and the
+                               int4 level quantizes the same n values once, which K8 prices)
+
+K(n) = fixed + per_value x n; K4(n / G) is Kernel.seconds(message_bytes / G). Where the kernels have no K4 (a profile
+of collective_kernels version 1, kernels fitted to measured collectives) nothing is added (agoq.search.whatif's notes
+say so). The wire formats here are the runtime's (tests check the constants against it); this module imports no torch.
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
+
+from agoq.formats.collective_kernels import INT4_LEVEL
 
 # bytes per value on the wire, per (path, part); see the module docstring
 GRADIENT_GROUP, WEIGHT_BLOCK, ALLREDUCE_BLOCK, WEIGHT_GATHER_BLOCK = 128, 2048, 256, 256
@@ -230,11 +242,24 @@ class Network:
 
     def seconds(self, op: str, path: str, message_bytes: float, world: int, node_size: int) -> float:
         """Seconds of `op` on `path` for `message_bytes` float32 bytes on `world` ranks in nodes of `node_size`:
-        the wire's time plus the path's kernels (none for one rank: nothing is sent or quantized)."""
+        the wire's time plus the path's kernels (`kernel_parts`; none for one rank: nothing is sent or quantized)."""
         if world <= 1:
             return 0.0
-        kernel = self.kernels.get((op, path), Kernel())
-        return wire_seconds(op, path, message_bytes, self.cluster(world, node_size)) + kernel.seconds(message_bytes)
+        kernels = sum((s for _, s in self.kernel_parts(op, path, message_bytes, world, node_size)), 0.0)
+        return wire_seconds(op, path, message_bytes, self.cluster(world, node_size)) + kernels
+
+    def kernel_parts(self, op: str, path: str, message_bytes: float, world: int, node_size: int) -> list:
+        """[((op, path) of `kernels`, seconds)]: the kernels `op` on `path` runs for `message_bytes` float32 bytes on
+        `world` ranks in nodes of `node_size` (G): its own Kernel at message_bytes where `kernels` has it; for TLq-HS's
+        reduce-scatter (reduce_scatter, sdp4bit) over ranks spanning nodes of more than one rank (1 < G < N), also
+        its int4 level's, kernels[INT4_LEVEL].seconds(message_bytes / G) (the node's 1/G of the values), where
+        `kernels` has it (the module docstring's formula). [] for one rank."""
+        if world <= 1:
+            return []
+        parts = [((op, path), self.kernels[(op, path)].seconds(message_bytes))] if (op, path) in self.kernels else []
+        if (op, path) == ("reduce_scatter", "sdp4bit") and 1 < node_size < world and INT4_LEVEL in self.kernels:
+            parts.append((INT4_LEVEL, self.kernels[INT4_LEVEL].seconds(message_bytes / node_size)))
+        return parts
 
     def with_kernels(self, kernels: dict) -> "Network":
         return replace(self, kernels=dict(kernels))
@@ -243,6 +268,6 @@ class Network:
         return f"{self.name}: intra {self.intra.describe()}, inter {self.inter.describe()} ({self.source})"
 
 
-__all__ = ["Link", "Cluster", "Kernel", "Network", "WIRE_BYTES", "OPERATIONS", "NCCL_PATHS", "wire_seconds",
+__all__ = ["Link", "Cluster", "Kernel", "Network", "INT4_LEVEL", "WIRE_BYTES", "OPERATIONS", "NCCL_PATHS", "wire_seconds",
            "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "tree_all_reduce", "all_to_all",
            "all_reduce", "reduce_scatter", "all_gather", "flat_all_to_all"]

@@ -42,7 +42,7 @@ import pandas as pd
 from agoq.formats.profile import ProfileData
 from agoq.search.collective_times import WORLD
 from agoq.search.layouts import NODE, REPLICAS
-from agoq.search.network import OPERATIONS, Network
+from agoq.search.network import INT4_LEVEL, OPERATIONS, Network
 from agoq.search.network_fit import Fit, fit_collectives, fit_timed_kernels
 from agoq.search.network_spec import parse_network
 
@@ -91,9 +91,8 @@ class WhatIf:
                        + (f" on {self.timed_device}" if self.timed_device else "")
                        + " (the profile's collective_kernels, fixed + per value fitted over its sizes); the wire "
                        + ("from the profile's fitted link" if self.network.name == "profile"
-                          else f"from the network ({self.network.name})")
-                       + ("; timed for 2 ranks of one node, so TLq-HS's int4 level across nodes is not in them"
-                          if self.nodes > 1 and ("reduce_scatter", "sdp4bit") in self.timed_kernels else ""))
+                          else f"from the network ({self.network.name})"))
+        out += self._int4_level_notes()
         if self.fit is None:
             carried = (" (the one-rank fsdp layout steps carry FSDP2's int8/int4 gathers' kernels, not TLq-HS's, "
                        "which one rank does not run)" if self.layout_steps and self.measured_world == 1 else "")
@@ -127,6 +126,22 @@ class WhatIf:
                        + ("the profile's own link, fitted on one node" if self.network.name == "profile"
                           else f"{self.network.inter.describe()} ({self.network.source})"))
         return out
+
+    def _int4_level_notes(self) -> list[str]:
+        """What prices the kernels of TLq-HS's int4 level across nodes (agoq.search.network's formula), where the
+        ranks span nodes."""
+        if self.nodes <= 1:
+            return []
+        if self.node_size == 1:
+            return ["TLq-HS with one rank per node runs its int4 level only: its kernels are priced by the int8 "
+                    "level's (reduce_scatter sdp4bit) over the same values, quantized once"]
+        if INT4_LEVEL in self.network.kernels:
+            return [f"TLq-HS's int4 level across nodes: its own kernels ({INT4_LEVEL[0]} {INT4_LEVEL[1]}, timed in "
+                    f"one process) over the node's 1/{self.node_size} of the values, added to the int8 level's"]
+        return ["TLq-HS's int4-level kernels are not in the price: its int4 level across nodes (quantize, dequantize "
+                f"and sum the node's 1/{self.node_size} of the values) was not timed (a profile whose "
+                "collective_kernels are version 1, or none, or kernels fitted to collectives measured on one node); "
+                "its wire is; a profile made by this agoq times it"]
 
     def check_command(self, model: str) -> str:
         """What to run first on the real cluster, on one of its nodes: agoq profile under torchrun, which measures
@@ -197,16 +212,17 @@ def default_node_size(profile: ProfileData, world: int) -> int:
 def modelled_table(network: Network, world: int, node_size: int, compute_kernels: tuple = ()) -> pd.DataFrame:
     """The collectives table the search reads, modelled at `world` ranks in nodes of `node_size`, with HSDP's groups
     where the ranks span nodes (see the module docstring). For the (op, path) in `compute_kernels` (the kernels timed
-    in one process) the column `kernel_seconds` gives their part of the seconds, which the layouts price as compute,
-    not hidden (agoq.search.collective_times)."""
+    in one process; TLq-HS's int4 level's counts in its reduce-scatter, Network.kernel_parts) the column
+    `kernel_seconds` gives their part of the seconds, which the layouts price as compute, not hidden
+    (agoq.search.collective_times)."""
     groups = [(WORLD, world, node_size)]
     if 1 < node_size < world:
         groups += [(NODE, node_size, node_size), (REPLICAS, world // node_size, 1)]
     rows = [{"op": op, "path": path, "world_size": ranks, "message_bytes": size,
              "seconds": network.seconds(op, path, float(size), ranks, size_of_node), "backend": "model",
              "group": group,
-             "kernel_seconds": network.kernels[(op, path)].seconds(float(size))
-             if (op, path) in compute_kernels and (op, path) in network.kernels and ranks > 1 else 0.0}
+             "kernel_seconds": sum((s for key, s in network.kernel_parts(op, path, float(size), ranks, size_of_node)
+                                    if key in compute_kernels), 0.0)}
             for group, ranks, size_of_node in groups for op, path in MODEL_PATHS for size in MODEL_SIZES]
     return pd.DataFrame(rows)
 

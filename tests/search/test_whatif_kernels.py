@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from agoq.formats.collective_kernels import PATHS
+from agoq.formats.collective_kernels import INT4_LEVEL, PATHS, PATHS_V1
 from agoq.formats.profile import load_profile
 from agoq.search.collective_times import collective_seconds
 from agoq.search.network import Kernel, WIRE_BYTES
@@ -26,14 +26,16 @@ def _affine_kernels(rng) -> dict:
     return {key: (rng.uniform(5e-6, 5e-5), rng.uniform(1e-11, 1e-9)) for key in PATHS}
 
 
-def _with_section(folder, kernels: dict, rng, layout_rows=None):
-    """Add a collective_kernels section whose rows lie exactly on each path's fixed + per_value x n."""
+def _with_section(folder, kernels: dict, rng, layout_rows=None, version=2):
+    """Add a collective_kernels section of `version` whose rows lie exactly on each path's fixed + per_value x n
+    (version 1: only its paths, no int4 level)."""
     sizes = sorted(4 * rng.randrange(10**4, 10**7) for _ in range(3))
     header = json.loads((folder / "profile.json").read_text())
     header["collective_kernels"] = {
-        "version": 1, "world_size": 2, "node_size": 2, "device": "test-gpu", "repeats": 5,
+        "version": version, "world_size": 2, "node_size": 2, "device": "test-gpu", "repeats": 5,
         "rows": [{"op": op, "path": path, "message_bytes": b, "seconds": f + p * b / 4}
-                 for (op, path), (f, p) in kernels.items() for b in sizes]}
+                 for (op, path), (f, p) in kernels.items() if version > 1 or (op, path) in PATHS_V1
+                 for b in sizes]}
     if layout_rows is not None:
         header["schema"] = "agoq.profile/1.1"
         header["layout_steps"] = {"version": 1, "world_size": 1, "rows": layout_rows}
@@ -50,18 +52,25 @@ def _tlq_hs_wire(network, world: int, node: int, message_bytes: float) -> float:
     return inside + across
 
 
-def test_a_one_rank_profile_prices_tlq_hs_by_wire_plus_its_timed_kernel(tmp_path, seed):
+def test_a_one_rank_profile_prices_tlq_hs_by_wire_plus_its_timed_kernels(tmp_path, seed):
+    """Across nodes: wire + K8(n) + K4(n / G) from a version 2 section; K8(n) alone from a version 1 one (whose
+    notes say the int4 level's kernels are not in the price); the wire alone without the section."""
     rng = random.Random(seed)
     kernels = _affine_kernels(rng)
     bare = load_profile(write_profile(tmp_path / "bare", rng, micro_batch=2, seq_len=40))
     timed = load_profile(_with_section(write_profile(tmp_path / "timed", rng, micro_batch=2, seq_len=40),
                                        kernels, rng))
+    older = load_profile(_with_section(write_profile(tmp_path / "v1", rng, micro_batch=2, seq_len=40),
+                                       kernels, rng, version=1))
     network = parse_network(SPEC)
     world, node = 8 * rng.randrange(2, 5), 8
     size = MODEL_SIZES[rng.randrange(20, len(MODEL_SIZES) - 20)]
     fixed, per_value = kernels[("reduce_scatter", "sdp4bit")]
+    fixed4, per_value4 = kernels[INT4_LEVEL]
     wire = _tlq_hs_wire(network, world, node, size)
-    for profile, want in ((timed, wire + fixed + per_value * size / 4), (bare, wire)):
+    int8 = fixed + per_value * size / 4
+    int4 = fixed4 + per_value4 * size / 4 / node  # the node's 1/G of the n values
+    for profile, want in ((timed, wire + int8 + int4), (older, wire + int8), (bare, wire)):
         target, whatif = retarget(profile, world, node, SPEC)
         got = collective_seconds(target.collectives, "sdp4bit", size, ("reduce_scatter",))
         assert got == pytest.approx(want, rel=1e-9)
@@ -69,7 +78,13 @@ def test_a_one_rank_profile_prices_tlq_hs_by_wire_plus_its_timed_kernel(tmp_path
     assert set(whatif.timed_kernels) == set(PATHS) and whatif.fit is None
     notes = " ".join(whatif.extrapolated())
     assert "timed in one process on test-gpu" in notes and "wire time only" not in notes
+    assert "TLq-HS's int4 level across nodes: its own kernels" in notes and "not in the price" not in notes
+    _, whatif = retarget(older, world, node, SPEC)
+    assert set(whatif.timed_kernels) == set(PATHS_V1)
+    assert "TLq-HS's int4-level kernels are not in the price" in " ".join(whatif.extrapolated())
     assert any("wire time only" in e for e in retarget(bare, world, node, SPEC)[1].extrapolated())
+    _, whatif = retarget(timed, node, node, SPEC)  # one node: no int4 level, nothing said of it
+    assert "TLq-HS's int4" not in " ".join(whatif.extrapolated())
 
 
 def test_timed_kernels_are_fitted_per_path(seed):
