@@ -18,11 +18,12 @@ int8 level only):
                              and sum; inverse Hadamard of this rank's shard
   reduce_scatter             TLq-HS's int4 level across nodes on its own (tlq_hs's step 2), which the representative
     sdp4bit-int4-level       one node never runs: the n values taken as the node's sums (the node's 1/G of a tensor
-                             G x larger, as if it were the whole), rows [M, n / M] for M = W / G nodes (M = INT4_NODES
-                             where the ranks are one node); int4 codes (stochastic, 128-blocks) of the M rows, dequantize
-                             and sum them into this rank's shard. Its Hadamard-32 and inverse are the int8 level's
-                             (timed in reduce_scatter sdp4bit); a what-if adds this kernel at the node's 1/G of the
-                             message where the ranks span nodes (agoq.search.network)
+                             G x larger, as if it were the whole: `message_bytes` = 4 n counts the values this level
+                             touches), rows [M, n / M] for M = W / G nodes (M = INT4_NODES where the ranks are one
+                             node); int4 codes (stochastic, 128-blocks) of the M rows, dequantize and sum them into
+                             this rank's shard. Its Hadamard-32 and inverse are the int8 level's (timed in
+                             reduce_scatter sdp4bit); a what-if adds this kernel at the node's 1/G of the message
+                             where the ranks span nodes (agoq.search.network)
   all_gather sdp4bit         qWD (sdp4bit.qwd_all_gather): the shard's difference to the previous weights, int4
                              codes (2048-blocks, stochastic); dequantize the W gathered shards, add to the weights
   all_gather int8-weights    FSDP2's weight gather (agoq.runtime.comm.fsdp_weight_gather): quantize this rank's

@@ -268,6 +268,7 @@ class Network:
         return f"{self.name}: intra {self.intra.describe()}, inter {self.inter.describe()} ({self.source})"
 
 
-__all__ = ["Link", "Cluster", "Kernel", "Network", "INT4_LEVEL", "WIRE_BYTES", "OPERATIONS", "NCCL_PATHS", "wire_seconds",
+__all__ = ["Link", "Cluster", "Kernel", "Network", "INT4_LEVEL", "WIRE_BYTES", "OPERATIONS", "NCCL_PATHS",
+           "wire_seconds",
            "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "tree_all_reduce", "all_to_all",
            "all_reduce", "reduce_scatter", "all_gather", "flat_all_to_all"]

@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from agoq.formats.collective_kernels import PATHS
-from agoq.profiler.collective_kernels import CASES, GATHER_COLUMNS, message_sizes, time_collective_kernels
+from agoq.formats.collective_kernels import INT4_LEVEL, PATHS
+from agoq.profiler.collective_kernels import CASES, GATHER_COLUMNS, INT4_NODES, message_sizes, time_collective_kernels
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,3 +45,28 @@ def test_each_local_sequence_gives_its_collectives_result(seed):
     assert _relative(got[("all_gather", "sdp4bit")], 1.001 * flat) < 1e-3  # every shard's new weights
     for key, tolerance in ((("all_gather", "int8-weights"), 0.01), (("all_gather", "int4-weights"), 0.2)):
         assert got[key].dtype == torch.bfloat16 and _relative(got[key], flat) < tolerance, key
+
+
+def test_the_int4_level_sums_the_nodes_rows_in_int4_codes(seed):
+    """TLq-HS's int4 level on its own (reduce_scatter sdp4bit-int4-level): the n values are the node's sums, one row
+    per node (M = W / G; INT4_NODES where the ranks are one node); what this rank sends each node stands in for what
+    that node sends it, so the level gives the sum of the M rows, each rounded stochastically to int4 codes of its
+    128-blocks: every value within the sum of the rows' steps (absmax / 7 per block) of the exact sum, and a lone
+    non-zero row comes back on its own int4 grid exactly."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for world, node_size in ((2, 2), (2 * rng.randrange(3, 6), 2)):
+        nodes = world // node_size if world > node_size else INT4_NODES
+        width = 128 * rng.randrange(5, 17)  # this rank's shard, whole 128-blocks
+        rows = torch.randn(nodes, width, generator=gen) * torch.rand(nodes, 1, generator=gen).add(0.1)
+        got = CASES[INT4_LEVEL](rows.reshape(-1), world, node_size)()
+        exact = rows.sum(dim=0)
+        assert got.shape == exact.shape and torch.isfinite(got).all()
+        steps = (rows.view(nodes, -1, 128).abs().amax(dim=2, keepdim=True) / 7).expand(-1, -1, 128)
+        bound = steps.sum(dim=0).reshape(-1)
+        assert ((got - exact).abs() <= bound * (1 + 1e-5) + 1e-7).all()
+        assert 0.02 < _relative(got, exact) < 0.3  # int4 rounding, well above int8's (about 0.005)
+        alone = torch.zeros_like(rows)
+        alone[rng.randrange(nodes)] = rows[0]
+        grid = CASES[INT4_LEVEL](alone.reshape(-1), world, node_size)().view(-1, 128) / steps[0]
+        assert (grid - grid.round()).abs().max() < 1e-4 and grid.abs().max() <= 7 + 1e-4
