@@ -132,9 +132,10 @@ class WhatIf:
         ranks span nodes."""
         if self.nodes <= 1:
             return []
-        if self.node_size == 1:
+        if self.node_size == 1:  # no int8 level: K8 prices the int4 level's one quantization of the same values
             return ["TLq-HS with one rank per node runs its int4 level only: its kernels are priced by the int8 "
-                    "level's (reduce_scatter sdp4bit) over the same values, quantized once"]
+                    "level's (reduce_scatter sdp4bit) over the same values, quantized once"] \
+                if ("reduce_scatter", "sdp4bit") in self.network.kernels else []
         if INT4_LEVEL in self.network.kernels:
             return [f"TLq-HS's int4 level across nodes: its own kernels ({INT4_LEVEL[0]} {INT4_LEVEL[1]}, timed in "
                     f"one process) over the node's 1/{self.node_size} of the values, added to the int8 level's"]

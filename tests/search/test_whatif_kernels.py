@@ -181,3 +181,29 @@ def test_fsdps_price_takes_the_timed_kernels_out_of_what_hides(tmp_path, seed):
     assert fsdp_exposed_seconds(bare, "sdp4bit", units, L, 1e6)["exposed"] == pytest.approx(root, rel=1e-9)
     assert fsdp_exposed_seconds(table, "sdp4bit", units, L, 0.0)["exposed"] == pytest.approx(
         fsdp_exposed_seconds(bare, "sdp4bit", units, L, 0.0)["exposed"], rel=1e-9)
+
+
+def test_a_multi_rank_fit_without_the_int4_level_adds_none_and_says_so(tmp_path, seed):
+    """Kernels fitted to collectives measured on one node hold TLq-HS's int8 level only: across nodes its
+    reduce-scatter is the wire + the fitted K8(n), and the notes say the int4 level's kernels are not in the price;
+    with a version 2 section the timed K4(n / G) is added to that fitted K8."""
+    rng = random.Random(seed)
+    folder = write_profile(tmp_path / "two", rng, micro_batch=2, seq_len=40, world_size=2, collectives=True,
+                           fsdp_collectives=True, link_bytes_per_second=rng.uniform(2e9, 2e10))
+    profile = load_profile(folder)
+    fit = fit_collectives(profile.collectives)
+    assert ("reduce_scatter", "sdp4bit") in fit.kernels
+    node = rng.choice([2, 4, 8])
+    world, size = node * rng.randrange(2, 5), MODEL_SIZES[rng.randrange(20, len(MODEL_SIZES) - 20)]
+    k8 = fit.kernels[("reduce_scatter", "sdp4bit")].seconds(size)
+    wire = _tlq_hs_wire(parse_network(SPEC), world, node, size)
+    target, whatif = retarget(profile, world, node, SPEC)
+    assert collective_seconds(target.collectives, "sdp4bit", size, ("reduce_scatter",)) == pytest.approx(
+        wire + k8, rel=1e-9)
+    assert "TLq-HS's int4-level kernels are not in the price" in " ".join(whatif.extrapolated())
+    kernels = _affine_kernels(rng)
+    target, whatif = retarget(load_profile(_with_section(folder, kernels, rng)), world, node, SPEC)
+    fixed4, per_value4 = kernels[INT4_LEVEL]
+    assert collective_seconds(target.collectives, "sdp4bit", size, ("reduce_scatter",)) == pytest.approx(
+        wire + k8 + fixed4 + per_value4 * size / 4 / node, rel=1e-9)
+    assert "not in the price" not in " ".join(whatif.extrapolated())
