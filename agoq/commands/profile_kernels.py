@@ -1,7 +1,8 @@
 """`agoq profile`'s collective-kernels stage: the quantized collectives' own kernels timed in this process
 (agoq.profiler.collective_kernels) at three message sizes spanning the model's FSDP2 units (one decoder layer, the
 root unit), written to profile.json `collective_kernels` (agoq.formats.collective_kernels). Rank 0 runs it (under
-torchrun too); `--resume` of a profile without the section adds it, of one with it keeps it.
+torchrun too); `--resume` of a profile without the section, or with an older version of it (which lacks a path this
+agoq times), adds it; of one with it keeps it.
 """
 
 from __future__ import annotations
@@ -33,13 +34,17 @@ def collective_kernels_stage(out: Path, header: dict, device: str, resume: bool,
     import torch
 
     from agoq.files import json_safe, write_json
-    from agoq.formats.collective_kernels import NAME, section
+    from agoq.formats.collective_kernels import NAME, VERSIONS, section
     from agoq.formats.profile import add_collective_kernels
     from agoq.profiler.collective_kernels import NODE_SIZE, WORLD, message_sizes, time_collective_kernels
 
     if resume and header.get(NAME):
-        say(f"--resume: the collective kernels in {out / 'profile.json'} are kept")
-        return header
+        version = (header.get(NAME) or {}).get("version") if isinstance(header.get(NAME), dict) else None
+        if version == VERSIONS[-1]:
+            say(f"--resume: the collective kernels in {out / 'profile.json'} are kept")
+            return header
+        say(f"--resume: the collective kernels in {out / 'profile.json'} are of version {version}, without every "
+            f"path this agoq times: timed again")
     cuda = device.startswith("cuda")
     repeats = 10 if cuda else 3
     sizes = message_sizes(*unit_values(header))

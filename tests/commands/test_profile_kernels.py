@@ -42,3 +42,13 @@ def test_a_profile_times_the_kernels_and_resume_adds_them_to_an_older_one(tmp_pa
     assert {k: v for k, v in added.items() if k != "collective_kernels"} == header  # nothing else changed
     assert main(["profile", "llama-tiny", *FAST, "--resume", "--out", str(out)]) == 0
     assert json.loads((out / "profile.json").read_text()) == added  # kept, not timed again
+
+    old = json.loads(json.dumps(added))  # a version 1 section: no int4 level, timed again by --resume
+    old["collective_kernels"]["version"] = 1
+    old["collective_kernels"]["rows"] = [r for r in old["collective_kernels"]["rows"]
+                                         if r["path"] != "sdp4bit-int4-level"]
+    (out / "profile.json").write_text(json.dumps(old))
+    assert main(["profile", "llama-tiny", *FAST, "--resume", "--out", str(out)]) == 0
+    again = json.loads((out / "profile.json").read_text())
+    assert again["collective_kernels"]["version"] == 2
+    assert {(r["op"], r["path"]) for r in again["collective_kernels"]["rows"]} == set(PATHS)
