@@ -182,11 +182,19 @@ class ChoiceProblem:
         return len(self.static_bytes)
 
     def groups(self) -> dict[tuple[int, int], np.ndarray]:
-        """(layer, kind index) -> indices of its options."""
+        """(layer, kind index) -> indices of its options (read-only arrays: worked out once per problem, as pricing
+        one plan asks for them hundreds of times)."""
+        cached = self.__dict__.get("_groups")
+        if cached is not None and cached[0] is self.layer and cached[1] is self.kind:
+            return dict(cached[2])
         out: dict[tuple[int, int], list[int]] = {}
         for i, (l, k) in enumerate(zip(self.layer, self.kind)):
             out.setdefault((int(l), int(k)), []).append(i)
-        return {g: np.array(v) for g, v in out.items()}
+        groups = {g: np.array(v) for g, v in out.items()}
+        for v in groups.values():
+            v.flags.writeable = False
+        self.__dict__["_groups"] = (self.layer, self.kind, groups)
+        return dict(groups)
 
     def keeps_16bit(self) -> np.ndarray:
         """Boolean mask of the '16' options."""
