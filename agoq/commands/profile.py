@@ -145,9 +145,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="random token batches (fixed seeds) that errors and sensitivities average over "
                              "(default 2)")
     parser.add_argument("--sensitivity", choices=("replay", "policy"), default="replay",
-                        help="how sensitivities are measured: replay (one forward per batch, then for each option "
-                             "only the backward below its layer, with the tensor quantized; the same numbers) or "
-                             "policy (a full forward + backward under each option's policy) (default replay)")
+                        help="how sensitivities are measured: replay (one forward per batch, then per option only the "
+                             "backward below its layer with the tensor quantized, the same numbers; recompute options "
+                             "0, exact) or policy (a full forward + backward per option's policy) (default replay)")
     parser.add_argument("--seed", type=integer, default=0, help="seed of the weights and batches (default 0)")
     parser.add_argument("--budget", type=request_field("budget"), default=None,
                         help="memory budget per GPU, e.g. 30GiB: also write DIR/plan.json")

@@ -38,8 +38,9 @@ def collective_kernels_stage(out: Path, header: dict, device: str, resume: bool,
     from agoq.formats.profile import add_collective_kernels
     from agoq.profiler.collective_kernels import NODE_SIZE, WORLD, message_sizes, time_collective_kernels
 
-    if resume and header.get(NAME):
-        version = (header.get(NAME) or {}).get("version") if isinstance(header.get(NAME), dict) else None
+    kept = header.get(NAME)
+    if resume and kept:
+        version = kept.get("version") if isinstance(kept, dict) else None
         if version == VERSIONS[-1]:
             say(f"--resume: the collective kernels in {out / 'profile.json'} are kept")
             return header

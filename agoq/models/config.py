@@ -270,6 +270,7 @@ def resolve_config(spec: ModelSpec) -> LlamaConfig:
         f"model spec must be a preset name, a config.json path, a dict or a LlamaConfig, "
         f"got {type(spec).__name__}")
 
+
 def unit_values(config: dict, parameters: int, num_layers: int) -> tuple[int, int]:
     """(one decoder layer's parameters, the rest's: embeddings, final norm and LM head, FSDP2's root unit) of the
     model `config` (a config dict `resolve_config` takes): a layer is the model of two layers less the model of one;

@@ -5,8 +5,8 @@ Each (op, path) runs exactly the runtime's kernels, in the order its collective 
 of n values (`message_bytes` = 4 n, the whole tensor as the collectives table counts it), as if the data exchanged
 with the peers came back: what this rank sent to its peers stands in for what they sent to it (same shapes, same
 codes; the very data where every rank's shards are equal, which the tests use to check each sequence against its
-collective's result), so every dequantize and sum sees tensors of the real collective's shapes. The ranks: a representative
-`world` of W ranks in nodes of G (default 2 ranks in one node, what a 2-rank run does; one node, so TLq-HS runs its
+collective's result), so every dequantize and sum sees tensors of the real collective's shapes. The ranks: a
+representative `world` of W ranks in nodes of G (default 2 ranks in one node, what a 2-rank run does; one node, so TLq-HS runs its
 int8 level only):
 
   all_reduce quangrad8       (agoq.runtime.comm.quantized_allreduce, wire_rows) quantize the tensor into W rows of

@@ -152,11 +152,11 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
     from one kept reference forward per batch (agoq.profiler.replay; the same numbers, much cheaper): one
     session per reference kind, and for attention its own session, whose forward keeps q, k, v raw
     (laaq.rerun_kept_attention), so that the other kinds' replays do not pay for rerunning attention in
-    backward. Everything with method "policy" runs its real policy. Recompute options rebuild
-    bit for bit the 16-bit tensor they would have kept (tests/profiler/test_sensitivity.py checks it on the CPU), so
-    their sensitivity is 0 and method "replay" does not run them (a policy run measures only the backward's
-    run-to-run noise, about 0.008 on one H200 for 96 full steps of the probe); the search takes 0 for them in any
-    case (agoq.search.cost_model).
+    backward. Everything with method "policy" runs its real policy. Recompute options rebuild bit for bit
+    the 16-bit tensor they would have kept (tests/profiler/test_sensitivity.py checks it on the CPU), so their
+    sensitivity is 0 and method "replay" does not run them (a policy run measures only the backward's run-to-run
+    noise, about 0.008 on one H200 for 96 full steps of the probe); the search takes 0 for them in any case
+    (agoq.search.cost_model).
     Each result is a dict with the measurement's fields plus `sensitivity` and `bytes_measured` (what
     the saved-tensor tracker counted for that layer and kind on a real forward with the option), or
     `error` (the measurement failed: out of memory or an exception). `notes`, if given, receives

@@ -5,8 +5,9 @@ forward values do not depend on the policy), and `observe_kept_tensors` hands ea
 before it is quantized: exactly the tensors the runtime would store. Each is quantized and
 dequantized with every option; squared errors and squared norms are summed per (layer, kind, option)
 over all its tensors and batches, so the reported error is ||x' - x|| / ||x|| over the lot. The sums stay on the
-device until the end (one read, not one synchronisation per tensor and option: most of this phase's 13.5 s on one
-H200 for the probe, `experiments/results/profile_time_before.json`).
+device until the end (one read, not one synchronisation per tensor and option); on one H200 the probe's phase took
+13.5 s with a read each, 10.3 and 11.7 s without (`experiments/results/profile_time_*.json`,
+`plan_accuracy_probe_profile_fast.json`): the reads were not most of it.
 """
 
 from __future__ import annotations
@@ -28,18 +29,12 @@ from agoq.profiler.options import Option
 from agoq.runtime.quant.codec import dequantize, quantize
 
 
-def squared_error_tensor(x: torch.Tensor, option: Option, block: int,
-                         x64: torch.Tensor | None = None) -> torch.Tensor:
+def squared_error(x: torch.Tensor, option: Option, block: int, x64: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of squared quantization errors of x under `option`, in float64, as a 0-d tensor on x's device (no
     synchronisation: `measure_tensor_errors` reads all of them once) (`x64`: x.double(), if at hand)."""
     q = quantize(x, option.bits, block, "nearest", option.format, check_finite=False)
     x64 = x.double() if x64 is None else x64
     return (dequantize(q).double() - x64).pow(2).sum()
-
-
-def squared_error(x: torch.Tensor, option: Option, block: int, x64: torch.Tensor | None = None) -> float:
-    """Sum of squared quantization errors of x under `option`, in float64 (`x64`: x.double(), if at hand)."""
-    return squared_error_tensor(x, option, block, x64).item()
 
 
 def sqnr_db(rel_error: float) -> float:
@@ -75,7 +70,7 @@ def measure_tensor_errors(model: nn.Module, batches: list[torch.Tensor], options
         norm = x64.pow(2).sum()
         for option in quantized:
             acc = sums[(layer_now[-1], kind, option.option, option.format)]
-            acc[0] = acc[0] + squared_error_tensor(x, option, block, x64)
+            acc[0] = acc[0] + squared_error(x, option, block, x64)
             acc[1] = acc[1] + norm
 
     apply_activation_policy(model, "int8")

@@ -191,10 +191,11 @@ def _offload_alternative(profile: ProfileData, problem, config: Configuration, w
     host budget ([] when none does).
 
     Offloading one more layer moves that layer's saved bytes to the host: the GPU peak does not rise and the host
-    bytes do not fall as K grows (on the committed H200 and H100 profiles, every K of 110 such calls at four
-    budgets each; tests/search/test_alternatives.py checks the least K against every K). So K is found by
-    bisection over 1..L, about log2(L) + 1 prices where a scan took up to L (most calls, at a budget none fits,
-    priced all 16 of the probe's: half of a plan request's time)."""
+    bytes do not fall as K grows (every K of 110 such calls, two committed profiles at four budgets each; on 143
+    calls over three profiles at six budgets the bisection gave the scan's alternatives; the least K is checked
+    against every K in tests/search/test_alternatives.py). So K is found by bisection over 1..L, about
+    log2(L) + 1 prices where a scan took up to L (most calls, at a budget none fits, priced all 16 of the probe's:
+    half of a plan request's time)."""
     L = problem.num_layers
     priced: dict[int, PricedAlternative] = {}
 

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 from agoq.formats.collective_kernels import INT4_LEVEL
 
@@ -269,6 +268,5 @@ class Network:
 
 
 __all__ = ["Link", "Cluster", "Kernel", "Network", "INT4_LEVEL", "WIRE_BYTES", "OPERATIONS", "NCCL_PATHS",
-           "wire_seconds",
-           "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "tree_all_reduce", "all_to_all",
+           "wire_seconds", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "tree_all_reduce", "all_to_all",
            "all_reduce", "reduce_scatter", "all_gather", "flat_all_to_all"]
