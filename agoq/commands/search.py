@@ -113,9 +113,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
           help="largest predicted step time allowed: seconds, 'checkpoint' (no slower than the "
                "fastest full-or-selective activation checkpointing that fits the budget; no cap "
                "when none fits) or 'none' (default none). With --objective error and no cap, "
-               "the least error prefers recomputation, which has none")
+               "the least error prefers recomputation, which has none from a 16-bit source")
     field("error_cap", default=DEFAULT_ERROR_CAP, metavar="ERROR|recipe|none",
-          help="largest predicted gradient error allowed (sum of sensitivities, relative L2): a "
+          help="largest predicted gradient error allowed (sum of sensitivities, relative L2; a kind "
+               "recomputed from a quantized source counts its own at the source's bits): a "
                "number, 'recipe' (the predicted error of the published agoq-paper recipe on this "
                f"profile) or 'none' (default {DEFAULT_ERROR_CAP})")
     field("gradients", choices=GRADIENTS, default="any",

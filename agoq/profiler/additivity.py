@@ -25,7 +25,7 @@ at b bits (in the policy's format at 4 bits):
 So a recompute option of K in layer i counts s(i, K, b) when S is stored at b bits, 0 when S is at 16 (the
 sources are never themselves recomputable). If the table has no such row (the profile did not measure K at
 b bits), S's own term s(i, S, b) counts a second time instead. The same terms feed both "quadrature"
-and "sum".
+and "sum"; the search counts the same term in its predicted error (agoq.search.recompute_error).
 
 Measured on llama-tiny (3 layers, fp32, 2 batches of 2 x 20..40 tokens, random mixes of 2, 3, 5, 8 bits and
 16, with or without recompute among the choices, plus one policy recomputing every recomputable kind of one

@@ -18,7 +18,9 @@ layer is checkpointed, in which case none is (the layer then keeps only its inpu
                       graph; eager, the layer's fused functions cost what the agoq-paper step measured whatever its
                       bits (a plan quantizing one kind per layer measured 127.1 ms where the agoq-paper step
                       measured 127.8 and the kernel times summed per option had priced it at 109.6)
-  error             = sum of the chosen options' measured sensitivities (0 for 16, recompute, checkpoint)
+  error             = sum of the chosen options' measured sensitivities (0 for 16, recompute, checkpoint), plus
+                      for each kind recomputed from a source stored at b bits the kind's own sensitivity at b bits
+                      (agoq.search.recompute_error: pairs of options)
 
 A stage's peak is the largest of the end of forward (above), the backward of each checkpointed layer and the
 optimizer step (the state and its workspace); `ChoiceProblem.memory_parts` gives the phase that sets it and the
@@ -73,15 +75,13 @@ from agoq.search.hsdp import hsdp_exposed_seconds, hsdp_refusal
 from agoq.vocabulary import FSDP2_LAYOUTS
 from agoq.search.offload_prices import offload_prices
 from agoq.search.problem import ChoiceProblem, ProblemSettings
+from agoq.search.recompute_error import recompute_pairs
 from agoq.search.timing import EAGER_SPREAD_NOTE, prices, profile_compile_mode
 from agoq.search.state import resolve_optimizer
 
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 COMM_PATHS = {"bf16": "nccl-bf16", "quangrad8": "quangrad8", "sdp4bit": "sdp4bit"}
-
-
-# ------------------------------------------------------------------------------------------------
 
 
 def _layer_shape(profile: ProfileData, micro_batch: int) -> Optional[LayerShape]:
@@ -308,13 +308,12 @@ def _layer_options(rows: pd.DataFrame, run: _Run, scale) -> dict:
     """The per-(layer, kind) options' arrays: layer, kind (index in KINDS), option (str), memory (bytes per micro-batch
     x the layer's stage's micro-batches in flight), seconds (0: a layer's options are priced by its layer's dQ, the
     module docstring) and error (the measured sensitivity, 0 for recompute)."""
-    layer = rows["layer"].to_numpy(int)
-    kinds, row_bytes = rows["kind"].tolist(), rows["bytes"].tolist()  # lists: iterating the columns is slower
+    layer, kinds, row_bytes = rows["layer"].to_numpy(int), rows["kind"].tolist(), rows["bytes"].tolist()  # (lists)
     option = [str(o) for o in rows["option"].tolist()]
     per_mb = np.array([b * scale(k, o) for b, k, o in zip(row_bytes, kinds, option)], dtype=float)
-    # recompute rebuilds the tensor from its stored source by the forward's own function: exact (bit for bit on the
-    # CPU, tests/runtime/activations/test_laaq.py). What the profile measured for it is the floor of any measurement
-    # that reruns forward and backward on a GPU (nondeterministic backward kernels), not an error of the option
+    # recompute rebuilds the tensor from its 16-bit source exactly (bit for bit on the CPU, tests/runtime/activations/
+    # test_laaq.py; what a GPU profile read is the noise of nondeterministic backward kernels); from a quantized source
+    # it carries the source's error: pairs of options (agoq.search.recompute_error)
     error = np.where(np.array(option) == RECOMPUTE, 0.0, rows["sensitivity"].to_numpy(float))
     return {"layer": layer, "kind": np.array([KINDS.index(k) for k in kinds]), "option": option,
             "memory": per_mb * run.flight[layer], "seconds": np.zeros(len(rows)), "error": error}
@@ -444,7 +443,8 @@ def model_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
                          credit, sum(static_parts.values()), base + comm, 1.0, notes, floor,
                          np.array(run.in_flight[:S], dtype=float), ckpt["recompute"], laaq, times["laaq"] or 0.0,
                          static_parts, floor_parts, one_setting_per_stage=run.compile_mode == "compiled",
-                         end_of_backward=backward, offload=offload, communication_seconds=float(comm))
+                         end_of_backward=backward, offload=offload, communication_seconds=float(comm),
+                         **recompute_pairs(profile, knobs.format, options))
 
 
 __all__ = ["model_problem", "gradient_modes", "ELEM_BYTES"]

@@ -67,7 +67,7 @@ class Solver:
                                     else p.unmodified_calibration[layers],
                                     checkpoint_calibration=None if p.checkpoint_calibration is None
                                     else p.checkpoint_calibration[layers],
-                                    one_setting_per_stage=p.one_setting_per_stage)
+                                    one_setting_per_stage=p.one_setting_per_stage, **p.pairs_within(idx))
                 model = Model(sub)
                 model.tie_break = self.tie_break
                 self._stages.append((model, idx, layers))

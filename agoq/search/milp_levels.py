@@ -16,7 +16,8 @@ for seconds without proving its optimum. Visiting the levels fastest first, with
   1. a bound, no solve: the static bytes plus the n_u, n_c and n_a least per-layer bytes of each state
      (unmodified, checkpointed, under LAAQ at its smallest options); no choice with those counts keeps less (each
      state's cheapest layers are taken, even where a layer would count twice). Likewise the n_a least per-layer
-     errors (a layer under LAAQ has at least one option not at 16) against the error cap;
+     errors (a layer under LAAQ has at least one option not at 16; pairs of options only add to them) against the
+     error cap;
   2. the linear relaxation with the counts fixed (milliseconds);
   3. the MILP with the counts fixed and no objective: the first choice that fits settles the level.
   Where the layers are alike, agoq.search.milp_uniform's enumeration of the level's LAAQ settings replaces 2 and 3:

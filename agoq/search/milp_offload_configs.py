@@ -44,7 +44,7 @@ import numpy as np
 
 from agoq.runtime.activations.policy import KINDS
 from agoq.search.memory_phases import PHASES, phase_sum
-from agoq.search.milp_uniform import _alike, _nested_caps, _nested_least, settings
+from agoq.search.milp_uniform import _alike, _nested_caps, _nested_least, setting_errors, settings
 
 BLOCK = 1 << 13  # settings whose per-layer errors are computed together
 
@@ -226,10 +226,7 @@ class Configurations:
         return self.E[:, ys]
 
     def _errors(self, ys: np.ndarray) -> np.ndarray:
-        e = np.zeros((self.L, len(ys)))
-        for j, k in enumerate(self.kinds):
-            e += self.alike["errors"][k][:, self.choice[ys, j]]
-        return e
+        return setting_errors(self.alike, self.choice, ys, self.L)
 
     def least_error(self, budget: float, n_u: int, n_c: int, K: int, K_u: int, ys: np.ndarray,
                     layers: bool = False):
@@ -259,7 +256,8 @@ class Configurations:
 
     def error_bound(self, n_u: int, n_c: int, K: int, K_u: int, ys: np.ndarray) -> np.ndarray:
         """A lower bound on each setting's least error, kind by kind: the K_a least of each kind's option within the
-        prefix plus the n_a - K_a least above it (no more than the least of the layers' sums)."""
+        prefix plus the n_a - K_a least above it (no more than the least of the layers' sums, which pairs of options
+        only raise: agoq.search.milp_uniform.setting_errors)."""
         n_a, K_a = self.L - n_u - n_c, K - K_u
         key = (K, K_a, n_a)
         if key not in self._bounds:

@@ -44,6 +44,22 @@ exactly at the best t; OffloadPrices):
                profile's measured offloading step, OffloadPrices.floor_bytes)
   time: + seconds_per_byte g_l + accum x e + layer_seconds o_l
 
+Gradient error: sum_i error_i x_i + sum_q t_q p_q, with one continuous p_q in [0, 1] per pair q of options whose
+joint choice adds t_q > 0 (ChoiceProblem.pair_options: a recompute option r and a quantized option b of its source
+kind in the same layer, agoq.search.recompute_error), and
+
+  p_q <= x_b,   sum_{q of r} p_q >= x_r - sum_{o of S not paired with r} x_o - c_l     (S: r's source kind)
+
+Where r is chosen its layer is not checkpointed and S's one option is 16, unpaired, or the b of one of r's pairs, so
+the second row asks sum_q p_q >= x_b of that pair, and the first bounds every other p_q by its x_b = 0: p_q >= the
+product x_r x_b, and no p_q need be more. With S's row (sum_{o of S} x_o + c_l = 1) the two rows give
+p_q >= x_r + x_b - 1 (the product's usual bound) and more in the linear relaxation (x_r = 1/2 with two of S's
+options at 1/2 each: p_q >= 1/2 in all, where that bound gives 0 each); plan requests on two H200 probe profiles at
+their tightest budgets took 1.8 s with these rows, 2.3-2.9 s with that bound instead (2-core CPU). p_q appears in
+the error only, with t_q > 0, so where the error is minimised it settles at the product, and under an error cap any
+p_q above it only tightens the cap; `rounded` sets it to the product. A pair with an option that can never be chosen
+(`dominated_options`) has no variable.
+
 The memory rows (the end of forward, each checkpointed layer's backward, offload's start of backward and offloaded
 layers' backward) are built from the memory phases, each phase's terms as linear forms in these variables
 (agoq.search.milp_phases, from agoq.search.memory_phases.PHASES): a phase added there is a row here.
@@ -93,7 +109,9 @@ class Rows:
     def __init__(self, p: ChoiceProblem):
         n, L, S = len(p.option), p.num_layers, p.num_stages
         self.p, self.n, self.L, self.S = p, n, L, S
-        self._number_variables()
+        # each layer's own choice: an option another beats everywhere is never needed (bounded to 0 below)
+        never = dominated_options(p) if not p.one_setting_per_stage else np.zeros(n, dtype=bool)
+        self._number_variables(never)
         laaq = p.laaq_transient()
         built = _RowBuilder()
         self.groups = p.groups()
@@ -103,8 +121,11 @@ class Rows:
         self._layer_rows(built, laaq, sixteen)
         if self.settings_of:
             self._setting_rows(built)
+        if self.nq:
+            self._pair_rows(built, never)
         upper = self._upper_bounds(laaq, sixteen)
         self.integrality = np.ones(self.nv)
+        self.integrality[self.q0:self.q0 + self.nq] = 0
         mem = forward_rows(self, None)  # the end of forward, without offload's columns
         # memory rows in units that keep coefficients near 1 (HiGHS's numerics and speed), at most a MiB
         self.unit = float(min(MIB, max(1.0, 2.0 ** np.floor(np.log2(max(float(np.abs(mem).max()), 1.0) / 1e3)))))
@@ -112,8 +133,7 @@ class Rows:
             self._offload_rows(built, mem, upper)
             mem = forward_rows(self, self.unit)
         self.structure = built.matrix(self.nv)
-        if not p.one_setting_per_stage:  # each layer's own choice: an option another beats everywhere is never needed
-            upper[:n][dominated_options(p)] = 0.0
+        upper[:n][never] = 0.0
         self.bounds = Bounds(np.zeros(self.nv), upper)
         self.memory_rows = mem  # [stages, variables]: the end of forward (agoq.search.milp_phases)
         rows, stages, offsets = peak_rows(self)  # every other phase's rows
@@ -133,10 +153,12 @@ class Rows:
         self.time_constant = p.base_seconds + L * p.laaq_layer_seconds  # step seconds = time_constant + t @ x
         e = np.zeros(self.nv)
         e[:n] = p.error
+        e[self.q0:self.q0 + self.nq] = self.pair_t
         self.error_row = e
 
-    def _number_variables(self) -> None:
-        """The variables' positions: x, c, u, w, z, y, then offload's o, g, h, e, k, t, s (when offered)."""
+    def _number_variables(self, never: np.ndarray) -> None:
+        """The variables' positions: x, c, u, w, z, y, then offload's o, g, h, e, k, t, s (when offered), then the
+        pairs' p (those whose options can both be chosen: not `never`)."""
         p, n, L, S = self.p, self.n, self.L, self.S
         # y: each stage's one setting of every kind for its layers under LAAQ (p.one_setting_per_stage)
         self.settings_of = {}
@@ -154,6 +176,11 @@ class Rows:
             self.h, self.e, self.k = self.nv + 2 * L, self.nv + 2 * L + 1, self.nv + 2 * L + 2
             self.t, self.s0 = self.nv + 2 * L + 3, self.nv + 2 * L + 4
             self.nv += 3 * L + 4
+        pairs, error = p.pairs()
+        live = (error > 0) & ~never[pairs[:, 0]] & ~never[pairs[:, 1]]
+        self.pair_x, self.pair_t = pairs[live], error[live]  # [q, 2] option indices, [q] their error
+        self.q0, self.nq = self.nv, int(live.sum())
+        self.nv += self.nq
 
     def _layer_rows(self, built: _RowBuilder, laaq: np.ndarray, sixteen_by_layer: dict) -> None:
         """Per layer: u_l (all at 16), z_s (its stage runs LAAQ's functions) and w_l (o_proj's input shared)."""
@@ -184,6 +211,21 @@ class Rows:
                 for i in s16:
                     if p.kind[i] in (att, oproj):
                         built.add([self.w0 + l, i], [1.0, -1.0], -np.inf, 0.0)
+
+    def _pair_rows(self, built: _RowBuilder, never: np.ndarray) -> None:
+        """Each pair's p at the product of its two options (module docstring): p_q <= x_b, and per recompute option r,
+        sum_q p_q >= x_r - (its source's other options, 16 among them, and the layer's checkpoint)."""
+        p = self.p
+        by_recompute: dict[int, list[int]] = {}
+        for q, (r, b) in enumerate(self.pair_x):
+            built.add([self.q0 + q, int(b)], [1.0, -1.0], -np.inf, 0.0)
+            by_recompute.setdefault(int(r), []).append(q)
+        for r, qs in by_recompute.items():
+            l, paired = int(p.layer[r]), {int(self.pair_x[q, 1]) for q in qs}
+            source = self.groups[(l, int(p.kind[self.pair_x[qs[0], 1]]))]
+            others = [int(i) for i in source if int(i) not in paired and not never[i]]
+            built.add([self.q0 + q for q in qs] + [r] + others + [self.c0 + l],
+                      [1.0] * len(qs) + [-1.0] + [1.0] * (len(others) + 1), 0.0, np.inf)
 
     def _setting_rows(self, built: _RowBuilder) -> None:
         """One setting per (stage, kind): sum_o y = 1, and |x_i - y| <= u_l + c_l."""
@@ -285,8 +327,12 @@ class Rows:
         return float(self.rows(objective)[0] @ self.rounded(x))
 
     def rounded(self, x: np.ndarray) -> np.ndarray:
-        """A solution with its integer variables rounded (HiGHS returns them within its tolerance)."""
-        return np.where(self.integrality > 0, np.round(x), x)
+        """A solution with its integer variables rounded (HiGHS returns them within its tolerance) and each pair's p
+        at the product of its two options (no more error than the choice has)."""
+        x = np.where(self.integrality > 0, np.round(x), x)
+        if self.nq:
+            x[self.q0:self.q0 + self.nq] = np.maximum(0.0, x[self.pair_x[:, 0]] + x[self.pair_x[:, 1]] - 1.0)
+        return x
 
 
 def _sixteen_by_layer(p: ChoiceProblem) -> dict[int, list[int]]:
@@ -304,18 +350,46 @@ def dominated_options(p: ChoiceProblem) -> np.ndarray:
     o_proj's input, depends only on which kinds are at 16), so swapping it for that one changes as many tensors and
     costs no more of anything: the optimum of either objective, and its tie-break, never needs it. (Where a stage
     takes one setting, an option's error differs by layer: agoq.search.milp_uniform prunes those.) On the H100 probe
-    profile's eager QuanGrad combination, 303 of 736 options; its MILP at the smallest budget 1.08 -> 0.81 s."""
+    profile's eager QuanGrad combination, 303 of 736 options; its MILP at the smallest budget 1.08 -> 0.81 s.
+
+    Pairs (ChoiceProblem.pair_options) make an option's error depend on another kind's choice: a recompute option
+    brings between its own error (the source at 16) and that plus its largest pair's, so it beats another option
+    only with the largest, and is beaten by its own alone; a source's quantized option also brings each recompute
+    of its kind its pair's error, so it beats another only where each of those is no larger too. "Strictly" is then:
+    where the other is not as good the other way round (with ranges, two options can be no worse than each other
+    only where both are one value and equal)."""
     out = np.zeros(len(p.option), dtype=bool)
     sixteen = p.keeps_16bit()
-    for idx in p.groups().values():
+    low, high, carried = pair_bounds(p)
+    for group, idx in p.groups().items():
         idx = idx[~sixteen[idx]]
         if len(idx) < 2:
             continue
-        b, t, e = p.memory[idx], p.seconds[idx], p.error[idx]
-        no_worse = (b[None, :] <= b[:, None]) & (t[None, :] <= t[:, None]) & (e[None, :] <= e[:, None])  # [o, j]
-        better = (b[None, :] < b[:, None]) | (t[None, :] < t[:, None]) | (e[None, :] < e[:, None])
+        b, t, lo, hi = p.memory[idx], p.seconds[idx], low[idx], high[idx]
+        no_worse = (b[None, :] <= b[:, None]) & (t[None, :] <= t[:, None]) & (hi[None, :] <= lo[:, None])  # [o, j]
+        back = (b[:, None] <= b[None, :]) & (t[:, None] <= t[None, :]) & (hi[:, None] <= lo[None, :])  # o as good
+        for c in carried.get(group, ()):  # [n] the error option j brings one recompute: no more than o's
+            v = c[idx]
+            no_worse &= v[None, :] <= v[:, None]
+            back &= v[:, None] <= v[None, :]
         first = np.arange(len(idx))[None, :] < np.arange(len(idx))[:, None]  # j listed before o
-        beaten = no_worse & (better | first)
+        beaten = no_worse & (~back | first)  # j no worse, and better somewhere or the same and listed first
         np.fill_diagonal(beaten, False)
         out[idx[beaten.any(axis=1)]] = True
     return out
+
+
+def pair_bounds(p: ChoiceProblem) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Per option, the least and the most error it brings whatever the other kinds' choice ([n], [n]: its own error,
+    and for a recompute option its own plus its largest pair's), and per source's (layer, kind index) a list with, for
+    each recompute option paired with its options, [n] the error each option brings that recompute (its pair's, else
+    0)."""
+    low = np.asarray(p.error, float)
+    high = low.copy()
+    pairs, error = p.pairs()
+    carried: dict = {}
+    for (r, b), e in zip(pairs, error):
+        high[r] = max(high[r], low[r] + e)
+        mine = carried.setdefault((int(p.layer[b]), int(p.kind[b])), {})
+        mine.setdefault(int(r), np.zeros(len(low)))[b] = e
+    return low, high, {group: list(by_r.values()) for group, by_r in carried.items()}

@@ -7,7 +7,8 @@ a decoder of one shape), a choice of the fastest step's level without checkpoint
 set A of its n_a layers under LAAQ (the other n_u = L - n_a run unmodified), and
 
     bytes  = static + n_u x B_16 + n_a x B(y) + the LAAQ transient        (the same for every A)
-    error  = sum over l in A of e_l(y),   e_l(y) = sum_k error(l, k, y_k)
+    error  = sum over l in A of e_l(y),   e_l(y) = sum_k error(l, k, y_k) + sum_{K recomputed in y} pair(l, K, y_S)
+                                          (pair: the error K's source S at y_S brings it, ChoiceProblem.pair_options)
     changed tensors = n_a x (kinds of y not at 16)
 
 so for each y the least error is that of the n_a layers with the least e_l(y).
@@ -91,20 +92,63 @@ def _find_alike(m) -> Optional[dict]:
         if not np.array_equal(mem[idx], bytes_of[k]):
             return None
     errors = {k: np.stack([p.error[index[(l, k)]] for l in range(m.L)]) for k in kinds}  # [L, options]
-    return {"kinds": kinds, "options": options, "index": index, "bytes": bytes_of, "errors": errors}
+    return {"kinds": kinds, "options": options, "index": index, "bytes": bytes_of, "errors": errors,
+            "pairs": _alike_pairs(p, kinds, options, index, m.L)}
+
+
+def _alike_pairs(p, kinds: list, options: dict, index: dict, L: int) -> dict:
+    """The pairs of options (ChoiceProblem.pair_options) by kind: recomputed kind K -> (its source kind S, the
+    position of K's recompute option, [L, options of S] the error each of S's options adds in each layer where K is
+    recomputed: 0 for those in no pair)."""
+    position = {}
+    for (_l, k), idx in index.items():
+        position.update({int(i): o for o, i in enumerate(idx)})
+    out: dict = {}
+    pairs, error = p.pairs()
+    for (r, b), e in zip(pairs, error):
+        K, S = int(p.kind[r]), int(p.kind[b])
+        entry = out.setdefault(K, (S, position[int(r)], np.zeros((L, len(options[S])))))
+        entry[2][int(p.layer[b]), position[int(b)]] = e
+    return out
+
+
+def setting_errors(alike: dict, choice: np.ndarray, ys: np.ndarray, L: int) -> np.ndarray:
+    """[L, settings]: each layer's error under LAAQ at each setting `ys` (rows of `choice`, option positions per kind):
+    its kinds' errors, and for each kind recomputed in the setting the error its source's option there brings it
+    (ChoiceProblem.pair_options)."""
+    kinds = alike["kinds"]
+    e = np.zeros((L, len(ys)))
+    for j, k in enumerate(kinds):
+        e += alike["errors"][k][:, choice[ys, j]]
+    for K, (S, recompute, added) in alike["pairs"].items():
+        on = choice[ys, kinds.index(K)] == recompute
+        e += np.where(on[None, :], added[:, choice[ys, kinds.index(S)]], 0.0)
+    return e
 
 
 def dominated(alike: dict, k: int, o: int, sixteen: int) -> bool:
     """Whether option `o` of kind `k` (not at 16) keeps no fewer bytes and no less error in any layer than another
     option not at 16, and strictly more somewhere or is listed after it: in any setting, swapping it for that one
-    keeps no more bytes, no more error in any layer and as many changed tensors, so it is never needed."""
+    keeps no more bytes, no more error in any layer and as many changed tensors, so it is never needed. With pairs
+    (agoq.search.milp_rows.dominated_options): a recompute option beats another only with its largest pair's error
+    added, and a source's option beats another only where the error it brings each recompute is no larger too."""
     if o == sixteen:
         return False
     b, e = alike["bytes"][k], alike["errors"][k]
+    high = e.copy()  # the most error each option brings, whatever its source's option
+    carried = []  # [L, options of k]: the error each of k's options brings a recompute of another kind
+    for K, (S, recompute, added) in alike["pairs"].items():
+        if K == k:
+            high[:, recompute] += added.max(axis=1)
+        if S == k:
+            carried.append(added)
+
+    def no_worse(j: int, i: int) -> bool:  # option j as good as option i whatever the other kinds' choice
+        return bool(b[j] <= b[i] and np.all(high[:, j] <= e[:, i])
+                    and all(np.all(c[:, j] <= c[:, i]) for c in carried))
+
     for j in range(len(b)):
-        if j in (o, sixteen) or b[j] > b[o] or np.any(e[:, j] > e[:, o]):
-            continue
-        if b[j] < b[o] or np.any(e[:, j] < e[:, o]) or j < o:
+        if j not in (o, sixteen) and no_worse(j, o) and (not no_worse(o, j) or j < o):
             return True
     return False
 
@@ -285,10 +329,7 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
     height = np.arange(L)[:, None]
 
     def errors(ys: np.ndarray) -> np.ndarray:  # [L, settings]: each layer's error at each setting
-        e = np.zeros((L, len(ys)))
-        for j, k in enumerate(kinds):
-            e += alike["errors"][k][:, choice[ys, j]]
-        return e
+        return setting_errors(alike, choice, ys, L)
 
     def valued(total: np.ndarray, ys: np.ndarray) -> np.ndarray:
         value = error_weight * total + change_weight * (n_a * non16[ys] + n_c)
@@ -297,7 +338,8 @@ def tie_break(m, best_seconds: float, counts: list, budgets: np.ndarray, error_c
         return value
 
     # a lower bound on every setting's value, kind by kind: the n_a least errors of each kind's option, summed over
-    # the kinds (no more than the n_a least of the layers' sums); exact values only where the bound could win
+    # the kinds (no more than the n_a least of the layers' sums, which pairs only raise); exact values only where the
+    # bound could win
     least_of = {k: np.sort(alike["errors"][k], axis=0)[:n_a].sum(axis=0) for k in kinds}  # [options] per kind
     bound_total = np.zeros(len(candidates))
     for j, k in enumerate(kinds):

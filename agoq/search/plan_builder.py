@@ -189,7 +189,7 @@ def build_plan(profile: ProfileData, problem: ChoiceProblem, alloc: Allocation, 
                       "step_seconds": float(alloc.step_seconds),
                       "grad_error": float(alloc.grad_error),
                       # errors of several choices add about in quadrature (docs/formats.md); the sum bounds it
-                      "grad_error_quadrature": float(np.sqrt(np.sum(problem.error[alloc.chosen] ** 2)))},
+                      "grad_error_quadrature": float(np.sqrt(np.sum(problem.error_terms(alloc.chosen) ** 2)))},
         "measured": None,
         "source": {"method": method, "objective": objective, "profile": str(profile.path), "date": now(),
                    "device": profiled_device(profile)},

@@ -102,7 +102,7 @@ class ChoiceProblem:
     option: list               # [n] "16", "8", ..., "recompute"
     memory: np.ndarray         # [n] bytes option i adds to its stage's peak (already x in-flight)
     seconds: np.ndarray        # [n] seconds option i adds per step
-    error: np.ndarray          # [n] gradient error option i adds
+    error: np.ndarray          # [n] gradient error option i adds (and pairs of options more: pair_error)
     layer_stage: np.ndarray    # [L] stage of each layer
     checkpoint_memory: np.ndarray   # [L] bytes a checkpointed layer adds (its input x in-flight)
     checkpoint_seconds: np.ndarray  # [L] seconds a checkpointed layer adds (its forward, again)
@@ -138,6 +138,43 @@ class ChoiceProblem:
                                          # (compiled: one graph for them, beside the unmodified and checkpointed)
     offload: Optional[OffloadPrices] = None  # None: offload is not offered
     communication_seconds: float = 0.0  # of base_seconds, what the layout's collectives leave exposed per step
+    # error added by pairs of options chosen together (agoq.search.recompute_error): [m, 2] option indices, a recompute
+    # option and a quantized option of its source kind in the same layer, and [m] the error the pair adds (> 0)
+    pair_options: Optional[np.ndarray] = None
+    pair_error: Optional[np.ndarray] = None
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """([m, 2] option indices, [m] error) of `pair_options` and `pair_error` (empty when none)."""
+        if self.pair_options is None or self.pair_error is None or len(self.pair_error) == 0:
+            return np.zeros((0, 2), dtype=int), np.zeros(0)
+        return np.asarray(self.pair_options, dtype=int).reshape(-1, 2), np.asarray(self.pair_error, float)
+
+    def error_terms(self, chosen: np.ndarray) -> np.ndarray:
+        """Per chosen option (in `chosen`'s order), its gradient error term: its own error, and for a recompute
+        option whose source's quantized option is chosen too, that pair's error (agoq.search.recompute_error). The
+        terms of agoq.profiler.additivity.error_terms, one per (layer, kind) of the layers not checkpointed."""
+        chosen = np.asarray(chosen, dtype=int)
+        terms = np.asarray(self.error, float)[chosen].copy()
+        pairs, error = self.pairs()
+        if len(error) and len(chosen):
+            position = np.full(len(self.option), -1)
+            position[chosen] = np.arange(len(chosen))
+            both = (position[pairs[:, 0]] >= 0) & (position[pairs[:, 1]] >= 0)
+            np.add.at(terms, position[pairs[both, 0]], error[both])
+        return terms
+
+    def grad_error(self, chosen: np.ndarray) -> float:
+        """The predicted gradient error of a choice: the sum of its `error_terms`."""
+        return float(self.error_terms(chosen).sum())
+
+    def pairs_within(self, idx: np.ndarray) -> dict:
+        """`pair_options` and `pair_error` of the problem made of the options `idx` (in that order): the pairs whose
+        two options are both in it, renumbered (keywords for ChoiceProblem or dataclasses.replace)."""
+        pairs, error = self.pairs()
+        position = np.full(len(self.option), -1)
+        position[np.asarray(idx, dtype=int)] = np.arange(len(idx))
+        kept = (position[pairs[:, 0]] >= 0) & (position[pairs[:, 1]] >= 0)
+        return {"pair_options": position[pairs[kept]].reshape(-1, 2), "pair_error": error[kept]}
 
     def laaq_transient(self) -> np.ndarray:
         """Per stage, what the backward of a layer under LAAQ's functions holds beyond the memory model
@@ -242,7 +279,7 @@ class ChoiceProblem:
         seconds = self.base_seconds + float(self.seconds[chosen].sum()) + float(self.checkpoint_seconds[ckpt].sum()) \
             + self.laaq_layer_seconds * m["laaq_layers"] + link["seconds"]
         return {"peak_bytes_per_stage": m["peak"], "step_seconds": seconds,
-                "grad_error": float(self.error[chosen].sum()),
+                "grad_error": self.grad_error(chosen),
                 "activation_bytes_per_stage": [int(round(a)) for a in m["activations"]],
                 "peak_phase_per_stage": m["phase"], "host_bytes": int(np.ceil(host)),
                 "offload_link_seconds": link["link_seconds"], "offload_exposed_seconds": link["exposed_seconds"]}
@@ -266,7 +303,7 @@ def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:
     idx = np.nonzero(keep)[0]
     return replace(problem, layer=problem.layer[idx], kind=problem.kind[idx], option=[problem.option[i] for i in idx],
                    memory=problem.memory[idx], seconds=problem.seconds[idx], error=problem.error[idx],
-                   notes=list(problem.notes), offload=None)
+                   notes=list(problem.notes), offload=None, **problem.pairs_within(idx))
 
 
 def recipe_choice(problem: ChoiceProblem) -> Optional[np.ndarray]:
@@ -287,6 +324,7 @@ def recipe_choice(problem: ChoiceProblem) -> Optional[np.ndarray]:
 
 
 def recipe_error(problem: ChoiceProblem) -> Optional[float]:
-    """The predicted gradient error of the published recipe (see `recipe_choice`); None when unavailable."""
+    """The predicted gradient error of the published recipe (see `recipe_choice`), as any choice's
+    (ChoiceProblem.grad_error: with its recomputes' terms from their 4-bit or wider sources); None when unavailable."""
     chosen = recipe_choice(problem)
-    return None if chosen is None else float(problem.error[chosen].sum())
+    return None if chosen is None else problem.grad_error(chosen)

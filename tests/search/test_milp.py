@@ -20,8 +20,10 @@ def fresh_rng():
 
 def random_problem(rng, layers, kinds_per_layer, stages=1):
     """A problem with random costs; kinds include attention and o_proj_input so the shared-input credit and
-    the unmodified-layer surcharge are exercised."""
-    kinds = ["attention", "o_proj_input", "qkv_input", "silu_input"][:kinds_per_layer]
+    the unmodified-layer surcharge are exercised, or (half the time) recomputable kinds with their sources, so that
+    a recompute from a quantized source adds its pair's error (ChoiceProblem.pair_options)."""
+    kinds = rng.choice([["attention", "o_proj_input", "qkv_input", "silu_input"],
+                        ["norm_input", "qkv_input", "silu_input", "ffn2_input"]])[:kinds_per_layer]
     layer, kind, option, memory, seconds, error = [], [], [], [], [], []
     for l in range(layers):
         for k in kinds:
@@ -42,6 +44,7 @@ def random_problem(rng, layers, kinds_per_layer, stages=1):
                     memory.append(big * b / 16 + rng.uniform(0, 3))
                     seconds.append(rng.uniform(0.05, 0.3))
                     error.append(rng.uniform(0.01, 0.1) * 2.0 ** (4 - b))
+    pairs = random_pairs(rng, layer, kind, option)
     stage_of = np.array(sorted(rng.randrange(stages) for _ in range(layers)))
     stage_of[:stages] = np.arange(stages) if layers >= stages else stage_of[:stages]
     stage_of = np.sort(stage_of)
@@ -56,7 +59,23 @@ def random_problem(rng, layers, kinds_per_layer, stages=1):
         in_flight=np.array([rng.randint(1, 3) for _ in range(stages)], float),
         recompute_bytes=np.array([rng.randint(100, 400) for _ in range(layers)], float),
         laaq_transient_bytes=np.array([rng.randint(10, 120) for _ in range(stages)], float) if rng.random() < 0.6
-        else None)
+        else None, **pairs)
+
+
+def random_pairs(rng, layer, kind, option) -> dict:
+    """Pairs of options (ChoiceProblem.pair_options, pair_error): each recompute option with each quantized option of
+    its source kind in its layer, the error a rebuild from the source at b bits adds about 0.01-0.1 x 2^(4 - b) (as
+    a sensitivity at b bits), or none (a pair of 0 is left out) a fifth of the time."""
+    pairs, terms = [], []
+    for r, o in enumerate(option):
+        if o != "recompute":
+            continue
+        source = KINDS.index(RECOMPUTABLE[KINDS[kind[r]]])
+        for b, ob in enumerate(option):
+            if layer[b] == layer[r] and kind[b] == source and ob not in ("16", "recompute") and rng.random() < 0.8:
+                pairs.append((r, b))
+                terms.append(rng.uniform(0.01, 0.1) * 2.0 ** (4 - int(ob)))
+    return {"pair_options": np.array(pairs, dtype=int).reshape(-1, 2), "pair_error": np.array(terms, float)}
 
 
 def brute_force(p: ChoiceProblem):

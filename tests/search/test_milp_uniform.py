@@ -12,7 +12,7 @@ from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE
 from agoq.search.costs import ChoiceProblem
 from agoq.search.milp import InfeasibleBudget, Solver
 from agoq.search.milp_uniform import tie_break as ENUMERATED
-from tests.search.test_milp import fresh_rng, one_setting_combos
+from tests.search.test_milp import fresh_rng, one_setting_combos, random_pairs
 
 
 
@@ -27,9 +27,10 @@ def lexicographic_best(fits):
 
 def alike_problem(rng, layers: int, kinds: int) -> ChoiceProblem:
     """A compiled problem (options cost no seconds, one setting per stage) whose layers keep alike bytes; each
-    layer's errors its own."""
+    layer's errors its own (and those of recomputing from a quantized source: pairs of options)."""
     names = rng.choice([["qkv_input", "ffn2_input", "attention"],  # two kinds to recompute: ties in error
-                        ["attention", "o_proj_input", "qkv_input"]])[:kinds]  # the shared-input credit
+                        ["attention", "o_proj_input", "qkv_input"],  # the shared-input credit
+                        ["norm_input", "qkv_input", "attention"]])[:kinds]  # a recompute from its source
     options = {k: ["16"] + rng.sample(["8", "5", "4", "3", "2"], rng.randint(1, 2)) for k in names}
     bytes_of = {k: {"16": rng.uniform(50, 150)} for k in names}
     for k in names:
@@ -51,7 +52,8 @@ def alike_problem(rng, layers: int, kinds: int) -> ChoiceProblem:
         np.full(layers, rng.uniform(1, 4)), rng.random() < 0.5, np.full(layers, float(rng.randint(0, 30))),
         np.full(layers, float(rng.randint(0, 20))), np.array([float(rng.randint(100, 200))]), 1.0,
         in_flight=np.ones(1), recompute_bytes=np.full(layers, float(rng.randint(100, 400))),
-        laaq_transient_bytes=np.array([float(rng.randint(10, 120))]) if rng.random() < 0.6 else None)
+        laaq_transient_bytes=np.array([float(rng.randint(10, 120))]) if rng.random() < 0.6 else None,
+        **random_pairs(rng, layer, kind, option))
     p.laaq_layer_seconds = rng.uniform(0.01, 0.5)
     p.one_setting_per_stage = True
     return p
