@@ -62,6 +62,16 @@ def main() -> int:
     _timed(steps, "measure_profile_steps", "stage: measured steps")
     _timed(layouts, "measure_layout_steps", "stage: layout steps")
     _timed(profile_command, "collective_kernels_stage", "stage: collective kernels")
+    import agoq.profiler.replay as replay
+    import agoq.profiler.sensitivity as sensitivity
+
+    _timed(replay.ReplaySession, "__init__", "sensitivity: replay session (reference forward, dy)", sync=True)
+    _timed(replay.ReplaySession, "noise_floor", "sensitivity: noise floors (nothing substituted)")
+    _timed(replay.ReplaySession, "_reference", "sensitivity: reference partials", sync=True)
+    _timed(replay.ReplaySession, "error", "sensitivity: replays (incl. their reference partials)")
+    _timed(sensitivity, "_measured_bytes", "sensitivity: bytes measured (forwards with options)", sync=True)
+    _timed(sensitivity.SensitivityMeter, "measure", "sensitivity: policy runs", sync=True)
+    _timed(profiler, "_tensor_errors", "stage: tensor errors", sync=True)
     _timed(measure, "measure_steps", "kind: whole measure_steps")
     _timed(measure, "_release_memory", "kind: release memory (gc, dynamo reset, empty_cache)")
     _timed(measure, "prepare", "kind: prepare (data, model, plan applied)")
