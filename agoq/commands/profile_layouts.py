@@ -145,9 +145,9 @@ def one_rank_here(kinds: list[dict], settings: dict, journal: Optional[Path] = N
                   request: Optional[dict] = None) -> list[dict]:
     """Run `measure_on_group` in this process on a process group of one: the group in place if there is one of one
     rank, else one made on an in-memory store (NCCL on the GPU, gloo on the CPU) and destroyed after. A spawned
-    process would pay its start, its imports and a cold compiler (on one H200 about a third of the probe's 32 s
-    of one-rank layout steps). RuntimeError inside a group of several ranks (their steps are `spawn_on_group`'s or
-    torchrun's)."""
+    process paid its start, its imports and a cold compiler: on one H100 the probe's one-rank layout steps took
+    30.9-32.8 s spawned, 12.1-12.3 s here (experiments/results/profile_time_*h100*.json). RuntimeError inside a
+    group of several ranks (their steps are `spawn_on_group`'s or torchrun's)."""
     import torch.distributed as dist
 
     done = (lambda entry: _append(journal, {"request": request or {}, **entry})) if journal else None
@@ -286,4 +286,5 @@ def measure_layout_steps_torchrun(*, model: str, layers: Optional[int], seq_len:
 
 
 __all__ = ["layout_kinds", "layout_train_settings", "measure_on_group", "measure_layout_steps",
-           "measure_layout_steps_torchrun", "one_rank_here", "JOURNAL_NAME", "STOPPED", "LAYOUTS", "WARMUP_STEPS", "MEASURED_STEPS"]
+           "measure_layout_steps_torchrun", "one_rank_here", "JOURNAL_NAME", "STOPPED", "LAYOUTS", "WARMUP_STEPS",
+           "MEASURED_STEPS"]
