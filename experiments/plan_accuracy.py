@@ -28,6 +28,7 @@ layout's real step, the plans and DDP / FSDP2 bf16 trained beside them under tor
   python experiments/plan_accuracy.py --model probe --micro-batch 2 --seq-len 4096 --data TEXT --nproc 2 \
     --transport sockets --budget-list 14GB,18GB,24GB --modes default --always "DDP compiled bf16,FSDP2 eager bf16" \
     --steps 30 --work work/c2 --name cluster_plans_2gpu_sockets
+4 GPUs as 2 nodes of 2 (NVLink in a pair, the socket between pairs): --nproc 4 --transport nodes.
 CPU smoke (tiny model, no compile): python experiments/plan_accuracy.py --smoke
 Writes experiments/results/NAME.json (--name, default plan_accuracy_MODEL) after every budget.
 """
@@ -143,10 +144,11 @@ def alternative_plan(plan: dict, alt: dict, schema_has_budget: bool) -> dict | N
 
 
 def train(model: str, plan_path: Path, run_dir: Path, data: str, steps: int, device: str, log: Path) -> dict:
-    launcher = AGOQ + ["train"] if LAUNCH["nproc"] == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={LAUNCH['nproc']}",
-         "-m", "agoq.train"]  # the plan's own launch line (agoq.layout.launch_line)
-    cmd = launcher + [model, "--plan", str(plan_path), "--steps", str(steps), "--out", str(run_dir),
+    from experiments.train_runs import launcher
+
+    # the plan's own launch line (agoq.layout.launch_line); over emulated nodes each rank through their wrapper
+    start = AGOQ + ["train"] if LAUNCH["nproc"] == 1 else launcher(LAUNCH["nproc"], LAUNCH.get("transport"))
+    cmd = start + [model, "--plan", str(plan_path), "--steps", str(steps), "--out", str(run_dir),
                   "--eval-every", str(steps), "--eval-batches", "1", "--checkpoint-every", "0", "--quiet",
                   "--device", device]
     if data:
@@ -232,8 +234,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--nproc", type=int, default=1, help="train each plan under torchrun in this many processes (the "
                     "profile's world size)")
-    ap.add_argument("--transport", choices=("nvlink", "sockets"), default="nvlink",
-                    help="with --nproc: NCCL over NVLink, or its socket transport on loopback (a network)")
+    ap.add_argument("--transport", choices=("nvlink", "sockets", "nodes"), default="nvlink",
+                    help="with --nproc: NCCL over NVLink, or its socket transport on loopback (a network), or "
+                         "nodes: the GPUs as nodes of 2 (experiments/emulated_nodes.py), NVLink inside a node and "
+                         "the socket between nodes; the profile then runs under torchrun")
     ap.add_argument("--data", default=None, help="text file to train on (default: the built-in synthetic corpus)")
     ap.add_argument("--work", default=None, help="folder for profile, plans and runs (default: a temporary one)")
     ap.add_argument("--name", default=None, help="results name (default plan_accuracy_MODEL)")
@@ -245,7 +249,7 @@ def main() -> None:
     if args.nproc > 1:
         from experiments.train_runs import transport_env
 
-        LAUNCH.update(nproc=args.nproc, env=transport_env(args.transport))
+        LAUNCH.update(nproc=args.nproc, env=transport_env(args.transport), transport=args.transport)
     import torch
 
     from agoq.formats.plan import TrainingSpec
@@ -280,7 +284,11 @@ def main() -> None:
             cmd = AGOQ + ["profile", args.model, "--device", device, "--out", str(profile_dir), "--quiet",
                           "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len)]
             cmd += (["--layers", str(args.layers)] if args.layers else []) + args.profile_args.split()
-            if args.nproc > 1 and "--world-size" not in cmd:  # the ranks the plans run on, their layout steps
+            if args.nproc > 1 and args.transport == "nodes":  # each rank in its node: under torchrun
+                from experiments.train_runs import launcher
+
+                cmd = launcher(args.nproc, "nodes", "agoq.cli") + cmd[len(AGOQ):]
+            elif args.nproc > 1 and "--world-size" not in cmd:  # the ranks the plans run on, their layout steps
                 cmd += ["--world-size", str(args.nproc)]
             figures["profile_run"] = run(cmd, work / "profile.log")
             if figures["profile_run"]["code"]:

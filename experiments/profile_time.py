@@ -7,7 +7,8 @@ trainer closed).
 
 Everything after `--` is `agoq profile`'s own arguments. Writes experiments/results/NAME.json: the profile's total
 seconds, its own phase seconds (profile.json "seconds"), the stages' seconds and the step parts' (calls, seconds),
-and for each measured kind its first step and its later steps.
+and for each measured kind its first step and its later steps. With --whole-process the command runs as a process
+of its own and only its wall clock is taken (interpreter start-up and imports included).
 """
 
 from __future__ import annotations
@@ -47,9 +48,22 @@ def _timed(owner, attribute: str, label: str, sync: bool = False) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", default="profile_time")
+    parser.add_argument("--whole-process", action="store_true",
+                        help="time `python -m agoq.cli profile ...` as a process of its own, start-up and imports "
+                             "included, as a user meets it (no stage timers)")
     parser.add_argument("profile_args", nargs=argparse.REMAINDER, help="-- then agoq profile's arguments")
     args = parser.parse_args()
     profile_args = [a for a in args.profile_args if a != "--"]
+    if args.whole_process:
+        import subprocess
+
+        start = time.perf_counter()
+        code = subprocess.run([sys.executable, "-m", "agoq.cli", "profile", *profile_args]).returncode
+        total = time.perf_counter() - start
+        print(f"total {total:.1f} s (whole process)")
+        figures = {"exit_code": code, "total_seconds": total, "whole_process": True, "profile_args": profile_args}
+        print(f"wrote {write_result(args.name, figures)}")
+        return code
 
     import agoq.commands.profile as profile_command
     import agoq.commands.profile_layouts as layouts
@@ -62,6 +76,16 @@ def main() -> int:
     _timed(steps, "measure_profile_steps", "stage: measured steps")
     _timed(layouts, "measure_layout_steps", "stage: layout steps")
     _timed(profile_command, "collective_kernels_stage", "stage: collective kernels")
+    import agoq.profiler.replay as replay
+    import agoq.profiler.sensitivity as sensitivity
+
+    _timed(replay.ReplaySession, "__init__", "sensitivity: replay session (reference forward, dy)", sync=True)
+    _timed(replay.ReplaySession, "noise_floor", "sensitivity: noise floors (nothing substituted)")
+    _timed(replay.ReplaySession, "_reference", "sensitivity: reference partials", sync=True)
+    _timed(replay.ReplaySession, "error", "sensitivity: replays (incl. their reference partials)")
+    _timed(sensitivity, "_measured_bytes", "sensitivity: bytes measured (forwards with options)", sync=True)
+    _timed(sensitivity.SensitivityMeter, "measure", "sensitivity: policy runs", sync=True)
+    _timed(profiler, "_tensor_errors", "stage: tensor errors", sync=True)
     _timed(measure, "measure_steps", "kind: whole measure_steps")
     _timed(measure, "_release_memory", "kind: release memory (gc, dynamo reset, empty_cache)")
     _timed(measure, "prepare", "kind: prepare (data, model, plan applied)")

@@ -12,6 +12,8 @@ vocabulary 32000), data (tinyshakespeare.txt, bytes), seed, batch and steps:
   fsdp_int8_gather      FSDP2 with its weight all-gather (forward and backward) in int8 blocks of 256 values
                         (agoq train --weight-gather int8); fsdp_int8_gather_tlqhs_int4 with TLq-HS int4 too;
                         fsdp_int4_gather_tlqhs_int4 with the weights in int4 after Hadamard-32
+(on 4 processes as 2 nodes of 2, --transports nodes: fsdp_tlqhs_nodes, fsdp_int4_gather_tlqhs_nodes, hsdp_bf16,
+hsdp_quangrad8, hsdp_sdp4bit, hsdp_sdp4bit_int8_gather; experiments/emulated_nodes.py)
 once over NVLink and once over NCCL's socket transport on loopback (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo; AGOQ_ALLREDUCE_TRANSPORT=collectives keeps every agoq collective
 on NCCL's plain collectives, which read those variables; NCCL_NVLS_ENABLE=0 leaves NVLink multicast off).
@@ -26,6 +28,9 @@ experiments/results/runs/.
 GPU (2 x H200; one transport per command, each well under 10 minutes at the defaults):
     python experiments/train_fsdp.py --transports nvlink
     python experiments/train_fsdp.py --transports sockets --steps 100
+GPU (4 x H200 as 2 nodes of 2):
+    python experiments/train_fsdp.py --transports nodes --nproc 4 --variants fsdp_bf16,fsdp_tlqhs_nodes,\
+      fsdp_int4_gather_tlqhs_nodes,hsdp_bf16,hsdp_quangrad8,hsdp_sdp4bit,hsdp_sdp4bit_int8_gather
 CPU check (gloo, llama-tiny, 12 steps; the transports collapse to one):
     python experiments/train_fsdp.py --tiny
 """
@@ -61,6 +66,16 @@ VARIANTS = {
     # weights gathered as 4-bit codes after Hadamard-32, gradients TLq-HS int4: the least FSDP2 traffic
     "fsdp_int4_gather_tlqhs_int4": ["--parallel", "fsdp", "--weight-gather", "int4", "--gradients", "sdp4bit",
                                     "--node-size", "1"],
+    # nodes of 2 ranks (--transports nodes, 4 processes: 2 nodes of 2): TLq-HS int8 inside a node, int4 across, and
+    # HSDP (shards within a node, replicas across) with FSDP2's exact all-reduce or its quantized ones across nodes
+    "fsdp_tlqhs_nodes": ["--parallel", "fsdp", "--gradients", "sdp4bit", "--node-size", "2"],
+    "fsdp_int4_gather_tlqhs_nodes": ["--parallel", "fsdp", "--weight-gather", "int4", "--gradients", "sdp4bit",
+                                     "--node-size", "2"],
+    "hsdp_bf16": ["--parallel", "hsdp", "--node-size", "2"],
+    "hsdp_quangrad8": ["--parallel", "hsdp", "--node-size", "2", "--gradients", "quangrad8"],
+    "hsdp_sdp4bit": ["--parallel", "hsdp", "--node-size", "2", "--gradients", "sdp4bit"],
+    "hsdp_sdp4bit_int8_gather": ["--parallel", "hsdp", "--node-size", "2", "--gradients", "sdp4bit",
+                                 "--weight-gather", "int8"],
 }
 
 
@@ -74,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--transports", default="nvlink", help="nvlink, sockets or both, comma-separated")
+    parser.add_argument("--transports", default="nvlink",
+                        help="nvlink, sockets, nodes (2 nodes of 2: --nproc 4), comma-separated")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer in every variant")
     parser.add_argument("--tiny", action="store_true", help="CPU check with gloo: llama-tiny, 12 steps")
     parser.add_argument("--out", default=str(RESULTS / "runs"))

@@ -33,19 +33,32 @@ def tiny_shakespeare(explicit: str | None) -> str:
     raise SystemExit("tinyshakespeare.txt not found in ../shared/data or shared/data: pass --data PATH")
 
 
-def run_train(args: list[str], nproc: int = 1, env: dict | None = None, log: Path | None = None) -> float:
-    """Run agoq train with `args` (in `nproc` processes under torchrun when > 1; eager unless `args` say
-    --compile); returns wall seconds.
+def launcher(nproc: int, transport: str | None = None, module: str = "agoq.train",
+             node_size: int | None = None) -> list[str]:
+    """The command line that runs `python -m module` in `nproc` processes (torchrun when > 1); over transport
+    "nodes" each rank goes through experiments/emulated_nodes.py, in nodes of `node_size` ranks (default
+    EMULATED_NODE_SIZE)."""
+    if nproc <= 1:
+        return [sys.executable, "-m", module]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    if transport == "nodes":
+        size = node_size or EMULATED_NODE_SIZE
+        if nproc % size or size == nproc:
+            raise SystemExit(f"--transport nodes: {nproc} processes do not make several nodes of {size}")
+        return torchrun + [str(ROOT / "experiments" / "emulated_nodes.py"), "--node-size", str(size), "-m", module]
+    return torchrun + ["-m", module]
+
+
+def run_train(args: list[str], nproc: int = 1, env: dict | None = None, log: Path | None = None,
+              transport: str | None = None) -> float:
+    """Run agoq train with `args` (in `nproc` processes under torchrun when > 1, over `transport` as `launcher`
+    says; eager unless `args` say --compile); returns wall seconds.
 
     Raises SystemExit with the command's tail of output when it fails.
     """
     if "--compile" not in args and "--no-compile" not in args:
         args = [*args, "--no-compile"]  # eager unless asked: the recorded comparisons were made eager
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "agoq.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "agoq.train", *args]
+    cmd = launcher(nproc, transport) + list(args)
     print("$ " + " ".join(cmd), flush=True)
     start = time.perf_counter()
     full_env = {**os.environ, **(env or {})}
@@ -108,11 +121,15 @@ def relative_difference(a: float, b: float) -> float:
 NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0"}
 SOCKETS_ENV = {**NVLINK_ENV, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket",
                "NCCL_SOCKET_IFNAME": "lo", "AGOQ_ALLREDUCE_TRANSPORT": "collectives"}
+# One host as nodes of EMULATED_NODE_SIZE GPUs (transport "nodes", experiments/emulated_nodes.py: one NCCL_HOSTID per
+# node): NVLink inside a node, NCCL's socket transport on loopback between nodes; agoq's collectives on NCCL.
+NODES_ENV = {**NVLINK_ENV, "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo", "AGOQ_ALLREDUCE_TRANSPORT": "collectives"}
+EMULATED_NODE_SIZE = 2
 
 
 def transport_env(transport: str) -> dict:
-    """The environment of a run over `transport` (nvlink, sockets, or gloo on the CPU)."""
-    return {"sockets": SOCKETS_ENV, "nvlink": NVLINK_ENV}.get(transport, {})
+    """The environment of a run over `transport` (nvlink, sockets, nodes, or gloo on the CPU)."""
+    return {"sockets": SOCKETS_ENV, "nvlink": NVLINK_ENV, "nodes": NODES_ENV}.get(transport, {})
 
 
 def common_args(model: str, data: str, *, seq_len: int, micro_batch: int, steps: int, lr: float, eval_every: int,
@@ -131,7 +148,7 @@ def train_variant(common: list[str], extra: list[str], run_dir: Path, *, nproc: 
     if run_dir.exists():
         shutil.rmtree(run_dir)
     env = transport_env(transport)
-    wall = run_train(common + extra + ["--out", str(run_dir)], nproc=nproc, env=env)
+    wall = run_train(common + extra + ["--out", str(run_dir)], nproc=nproc, env=env, transport=transport)
     drop_checkpoint(run_dir)
     return {**summarize(run_dir), "wall_seconds": wall, "transport": transport, "env": env}
 

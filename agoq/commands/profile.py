@@ -260,8 +260,8 @@ def _layout_steps_complete(args, journal: Path) -> bool:
 def _layout_steps(out: Path, header: dict, args, world_size: int, layout_steps: dict,
                   measured: Optional[tuple], say) -> dict:
     """Add the layouts' steps (agoq.commands.profile_layouts) to the profile: those measured under torchrun
-    (`measured`), or measured now in --world-size N local processes (N = 1: one-rank FSDP2's, the fsdp kinds in one
-    spawned process; not for a pipeline's profile, which no what-if re-targets), unless --resume found them complete
+    (`measured`), or measured now in --world-size N local processes (N = 1: one-rank FSDP2's, the fsdp kinds in this
+    process; not for a pipeline's profile, which no what-if re-targets), unless --resume found them complete
     or --measured-steps is 0; returns the header."""
     from agoq.formats.profile import add_layout_steps
 

@@ -14,8 +14,9 @@ each rank, the largest over ranks; its peak the largest of any step on any rank 
 search calibrates each layout's exposed communication and per-rank peak on them (agoq.search.layout_calibration).
 A layout that fails (out of memory, a collective the backend lacks) is listed in the profile's failures.
 
-On one rank (no --world-size, not torchrun), the fsdp kinds only, in one spawned local process (NCCL on the GPU,
-gloo on the CPU): one-rank FSDP2, FSDP2 in a group of one process (agoq.layout.ParallelLayout.one_rank, which only
+On one rank (no --world-size, not torchrun), the fsdp kinds only, in this process, in a process group of one
+(NCCL on the GPU, gloo on the CPU, on an in-memory store: no port) made for them and destroyed after: one-rank
+FSDP2, FSDP2 in a group of one process (agoq.layout.ParallelLayout.one_rank, which only
 this module sets; `agoq train` refuses fsdp in one process). It moves nothing between ranks, so its step less the
 one-process step is FSDP2's own cost: the copies in and out of every unit's all-gather and reduce-scatter, its hooks,
 the int8/int4 weight gathers' quantize and dequantize kernels (TLq-HS's reduce-scatter of one rank returns the
@@ -140,6 +141,28 @@ def _measure_rank(rank: int, kinds: list[dict], settings: dict, journal: Optiona
     return {"entries": measure_on_group(kinds, **{**settings, "device": device}, done=done)}
 
 
+def one_rank_here(kinds: list[dict], settings: dict, journal: Optional[Path] = None,
+                  request: Optional[dict] = None) -> list[dict]:
+    """Run `measure_on_group` in this process on a process group of one: the group in place if there is one of one
+    rank, else one made on an in-memory store (NCCL on the GPU, gloo on the CPU) and destroyed after. A spawned
+    process paid its start, its imports and a cold compiler: on one H100 the probe's one-rank layout steps took
+    30.9-32.8 s spawned, 12.1-12.3 s here (experiments/results/profile_time_*h100*.json). RuntimeError inside a
+    group of several ranks (their steps are `spawn_on_group`'s or torchrun's)."""
+    import torch.distributed as dist
+
+    done = (lambda entry: _append(journal, {"request": request or {}, **entry})) if journal else None
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(f"one-rank layout steps inside a group of {dist.get_world_size()} ranks")
+        return measure_on_group(kinds, **settings, done=done)
+    use_cuda = str(settings.get("device", "")).startswith("cuda")
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return measure_on_group(kinds, **settings, done=done)
+    finally:
+        dist.destroy_process_group()
+
+
 def spawn_on_group(world_size: int, kinds: list[dict], settings: dict, journal: Optional[Path] = None,
                    request: Optional[dict] = None, use_cuda: Optional[bool] = None) -> list[dict]:
     """Run `measure_on_group` in `world_size` spawned local processes (NCCL, one GPU each, or gloo on the CPU);
@@ -210,9 +233,9 @@ def measure_layout_steps(world_size: int, *, model: str, layers: Optional[int], 
                          dtype: str, device: str, compile_mode: str, seed: int = 0, warmup: int = WARMUP_STEPS,
                          steps: int = MEASURED_STEPS, journal: Optional[Path] = None,
                          say: Callable[[str], None] = lambda text: None) -> tuple[list[dict], list[dict]]:
-    """Measure the layouts of `layout_kinds` in `world_size` spawned local processes (module docstring), those in
-    `journal` for this request kept; returns (layout_steps rows, failures). Where the processes die or cannot start,
-    the rows they journaled are returned with a failure whose `what` begins with STOPPED."""
+    """Measure the layouts of `layout_kinds` in `world_size` spawned local processes (one: in this process; module
+    docstring), those in `journal` for this request kept; returns (layout_steps rows, failures). Where the processes
+    die or cannot start, the rows they journaled are returned with a failure whose `what` begins with STOPPED."""
     kinds = layout_kinds(micro_batch, compile_mode, world_size)
     request = request_of(model, layers, seq_len, micro_batch, dtype, compile_mode, world_size, seed, warmup, steps)
     found = read_journal(journal, request, kinds)
@@ -220,14 +243,16 @@ def measure_layout_steps(world_size: int, *, model: str, layers: Optional[int], 
     stopped = []
     if todo:
         where = (f"over {world_size} local processes" if world_size > 1 else
-                 "in one local process (one-rank FSDP2: its own cost)")
+                 "in this process (one-rank FSDP2: its own cost)")
         say(f"layout steps: {len(todo)} layout(s) {where}, {warmup} warm-up + {steps} measured steps each")
         with tempfile.TemporaryDirectory(prefix="agoq-layout-steps-") as tmp:
             settings = dict(model=model_spec(model, layers, tmp), seq_len=seq_len, dtype=dtype, device=device,
                             seed=seed, warmup=warmup, steps=steps)
             try:
-                for entry in spawn_on_group(world_size, todo, settings, journal, request,
-                                            use_cuda=device.startswith("cuda")):
+                entries = (one_rank_here(todo, settings, journal, request) if world_size == 1 else
+                           spawn_on_group(world_size, todo, settings, journal, request,
+                                          use_cuda=device.startswith("cuda")))
+                for entry in entries:
                     found[kinds.index(entry["kind"])] = entry
             except (RuntimeError, ValueError) as e:  # the processes died or could not start: what they journaled
                 found.update(read_journal(journal, request, kinds))  # before stands
@@ -261,4 +286,5 @@ def measure_layout_steps_torchrun(*, model: str, layers: Optional[int], seq_len:
 
 
 __all__ = ["layout_kinds", "layout_train_settings", "measure_on_group", "measure_layout_steps",
-           "measure_layout_steps_torchrun", "JOURNAL_NAME", "STOPPED", "LAYOUTS", "WARMUP_STEPS", "MEASURED_STEPS"]
+           "measure_layout_steps_torchrun", "one_rank_here", "JOURNAL_NAME", "STOPPED", "LAYOUTS", "WARMUP_STEPS",
+           "MEASURED_STEPS"]

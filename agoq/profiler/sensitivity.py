@@ -161,7 +161,7 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
     the saved-tensor tracker counted for that layer and kind on a real forward with the option), or
     `error` (the measurement failed: out of memory or an exception). `notes`, if given, receives
     "replay_noise_floor": the largest error of a replay with nothing quantized (0 when backward is
-    deterministic).
+    deterministic), at each session's highest layer (`_note_noise_floor`).
     """
     if method not in ("replay", "policy"):
         raise ValueError(f"method must be 'replay' or 'policy', got {method!r}")
@@ -202,13 +202,6 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
                 if progress is not None:
                     progress(step * len(group))
                 continue
-            scopes = sorted({(m.layer, m.kind in LOCAL_KINDS) for m in group})  # as session.error replays them
-            for layer, local in scopes if notes is not None else []:
-                try:
-                    floor = session.noise_floor(layer, local)
-                    notes["replay_noise_floor"] = max(notes.get("replay_noise_floor", 0.0), floor)
-                except Exception:  # noqa: BLE001 - a diagnostic only
-                    pass
             for m in group:
                 if m not in failed and m not in fallback:
                     try:
@@ -220,6 +213,8 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
                             fallback.append(m)
                 if progress is not None:
                     progress(step)
+            if notes is not None:
+                _note_noise_floor(session, group, notes)
             session.close()
             del session
     for m in fallback:
@@ -239,6 +234,20 @@ def measure_chunk(meter: SensitivityMeter, measurements: list[Measurement], prog
             out.append({**asdict(m), "sensitivity": sum(errors[m]) / len(errors[m]),
                         "bytes_measured": kept.get((m.kind, m.option, m.format), {}).get(m.layer)})
     return out
+
+
+def _note_noise_floor(session: ReplaySession, group: list[Measurement], notes: dict) -> None:
+    """notes["replay_noise_floor"]: the largest error of a replay with nothing substituted, taken for each scope
+    the group replays (from layer L down, or layer L's own parameters) at its highest layer only: the replay from
+    the top runs every backward kernel a lower one runs, and the session still holds that layer's reference
+    partial (the group runs by layer). A floor at every layer cost a replay per layer and scope."""
+    for local in sorted({m.kind in LOCAL_KINDS for m in group}):
+        layer = max(m.layer for m in group if (m.kind in LOCAL_KINDS) == local)
+        try:
+            floor = session.noise_floor(layer, local)
+            notes["replay_noise_floor"] = max(notes.get("replay_noise_floor", 0.0), floor)
+        except Exception:  # noqa: BLE001 - a diagnostic only
+            pass
 
 
 def _measured_bytes(meter: SensitivityMeter, measurements: list[Measurement]) -> dict:

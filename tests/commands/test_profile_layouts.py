@@ -214,7 +214,10 @@ def test_one_process_measures_fsdp2s_own_cost_and_resumes_from_the_journal(tmp_p
     journal = tmp_path / "layout.jsonl"
     kw = dict(model="llama-tiny", layers=1, seq_len=9, micro_batch=2, dtype="fp32", device="cpu",
               compile_mode="eager", warmup=1, steps=1, journal=journal)
-    rows, failures = measure_layout_steps(1, **kw)  # one spawned process, gloo
+    import torch.distributed as dist
+
+    rows, failures = measure_layout_steps(1, **kw)  # in this process, a gloo group of one
+    assert not dist.is_initialized()  # the group made for the steps is gone
     assert not failures
     fsdp = [k for k in LAYOUTS if k[0] == "fsdp"]  # DDP of one process is no DDP
     assert [(r["layout"], r["gradients"], r["weight_gather"]) for r in rows] == fsdp
@@ -227,6 +230,7 @@ def test_one_process_measures_fsdp2s_own_cost_and_resumes_from_the_journal(tmp_p
         raise _MeasuredAgain()
 
     monkeypatch.setattr(profile_layouts, "spawn_on_group", spawned)
+    monkeypatch.setattr(profile_layouts, "one_rank_here", spawned)
     assert measure_layout_steps(1, **kw) == (rows, [])  # resumed: nothing left to measure
     with pytest.raises(_MeasuredAgain):  # the two-rank request does not reuse the one-rank lines
         measure_layout_steps(2, **kw)

@@ -157,7 +157,7 @@ def test_stage_memory_and_time_closed_form(tmp_path):
         earlier = sum(expected_layer[j] for j in range(l) if layer_stage[j] == s)
         during = static[s] + (n - 1) / n * activations[s] + earlier / n + expected_layer[l] / n + plain \
             + end_of_backward
-        expected_mem[s] = max(expected_mem[s], during); print("DBG", during, problem.static_parts, problem.end_of_backward, problem._memory(np.array(chosen), ckpt)["checkpoint_peak"])
+        expected_mem[s] = max(expected_mem[s], during)
     floor = (static_bytes_total(profile, mode) + header["memory"]["fixed_bytes_optimizer_step"]) \
         * counts / L
     expected_mem = np.maximum(expected_mem, floor)  # the optimizer step's peak
