@@ -165,6 +165,7 @@ def settings(m, alike: dict):
     useful = [np.array([o for o in range(len(options[k])) if not dominated(alike, k, o, sixteen[k])]) for k in kinds]
     grids = np.meshgrid(*useful, indexing="ij")
     choice = np.stack([g.ravel() for g in grids], axis=1)  # [settings, kinds] option positions
+    choice = choice[~_beaten_by_recompute(alike, choice, useful, sixteen)]
     per_layer = np.zeros(len(choice))
     non16 = np.zeros(len(choice))
     for j, k in enumerate(kinds):
@@ -176,6 +177,25 @@ def settings(m, alike: dict):
         per_layer += np.where(both, float(m.memory_rows[0][m.w0]), 0.0)
     m._uniform_settings = (choice, per_layer, non16)
     return m._uniform_settings
+
+
+def _beaten_by_recompute(alike: dict, choice: np.ndarray, useful: list, sixteen: dict) -> np.ndarray:
+    """[settings] bool: settings that store a recomputable kind K at some bits where the same setting with K
+    recomputed instead keeps no more bytes and no more error in any layer, given its source's option in the setting
+    (ChoiceProblem.pair_options): never needed, as `dominated`'s options, but jointly with the source (a recompute
+    from a source at fewer bits than K's own carries more error than K stored). Ties keep the recompute."""
+    kinds, out = alike["kinds"], np.zeros(len(choice), dtype=bool)
+    for K, (S, recompute, added) in alike["pairs"].items():
+        jK, jS = kinds.index(K), kinds.index(S)
+        if recompute not in useful[jK]:
+            continue
+        b, e = alike["bytes"][K], alike["errors"][K]  # [options of K], [L, options of K]
+        # [options of K, options of S]: K recomputed from S at that option is as good as K stored at this one
+        beaten = (b[recompute] <= b)[:, None] & np.all(e[:, recompute, None, None] + added[:, None, :]
+                                                       <= e[:, :, None], axis=0)
+        beaten[[recompute, sixteen[K]], :] = False
+        out |= beaten[choice[:, jK], choice[:, jS]]
+    return out
 
 
 def _cap_below(per_layer: np.ndarray, room: float, L: int) -> np.ndarray:

@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 import agoq.search.milp_model as milp_model
+import agoq.search.milp_uniform as milp_uniform
 from agoq.formats.profile import load_profile
 from agoq.profiler.additivity import error_terms, predicted_error
 from agoq.runtime.activations.policy import KEEP, KINDS, RECOMPUTABLE, ActivationPolicy, stage_aware_policy
@@ -328,3 +329,42 @@ def test_the_kinds_row_is_the_one_the_search_prices_and_the_sources_where_missin
     out = recompute_pairs(Profile(), "nf4", options)
     got = {tuple(int(i) for i in pair): t for pair, t in zip(out["pair_options"], out["pair_error"])}
     assert got == {(5, 1): s["q4nf"], (5, 2): s["q3"], (5, 3): s["n2"]}  # at 2 bits: no qkv_input row, the source's
+
+
+def test_settings_a_recompute_beats_are_not_enumerated():
+    """Compiled alike layers (agoq.search.milp_uniform.settings): of the settings of the kinds' useful options, those
+    left out are exactly the ones storing qkv_input at some bits where the same setting with qkv_input recomputed
+    keeps no more bytes and, given norm_input's option in it, no more error in any layer (by hand from the problem's
+    own options and pairs); and some are left out."""
+    seed, rng = fresh_rng()
+    left_out = 0
+    for trial in range(12):
+        while True:
+            p = alike_problem(rng, layers=rng.randint(2, 4), kinds=2)
+            if len(p.pairs()[1]) and KINDS.index("norm_input") in set(p.kind) and "recompute" in p.option:
+                break
+        m = milp_model.Model(p)
+        alike = milp_uniform._alike(m)
+        kinds, options = alike["kinds"], alike["options"]
+        choice = milp_uniform.settings(m, alike)[0]
+        got = {tuple(options[k][o] for k, o in zip(kinds, row)) for row in choice}
+        useful = [[options[k][o] for o in range(len(options[k]))
+                   if not milp_uniform.dominated(alike, k, o, options[k].index("16"))] for k in kinds]
+        at = {(int(p.layer[i]), KINDS[p.kind[i]], p.option[i]): i for i in range(len(p.option))}
+        term = {(int(p.layer[r]), p.option[b]): float(t) for (r, b), t in zip(*p.pairs())}
+        qkv, norm = kinds.index(KINDS.index("qkv_input")), kinds.index(KINDS.index("norm_input"))
+
+        def beaten(setting) -> bool:
+            o, s = setting[qkv], setting[norm]
+            if o in ("16", "recompute") or "recompute" not in useful[qkv]:
+                return False
+            mine, rec = at[(0, "qkv_input", o)], at[(0, "qkv_input", "recompute")]
+            return p.memory[rec] <= p.memory[mine] and all(
+                p.error[at[(l, "qkv_input", "recompute")]] + term.get((l, s), 0.0) <= p.error[at[(l, "qkv_input", o)]]
+                for l in range(p.num_layers))
+
+        every = set(itertools.product(*useful))
+        want = {s for s in every if not beaten(s)}
+        assert got == want, f"seed {seed} trial {trial}"
+        left_out += len(every) - len(got)
+    assert left_out > 0, f"seed {seed}: no setting was left out in 12 problems"
