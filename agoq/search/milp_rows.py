@@ -58,7 +58,9 @@ options at 1/2 each: p_q >= 1/2 in all, where that bound gives 0 each); plan req
 their tightest budgets took 1.8 s with these rows, 2.3-2.9 s with that bound instead (2-core CPU). p_q appears in
 the error only, with t_q > 0, so where the error is minimised it settles at the product, and under an error cap any
 p_q above it only tightens the cap; `rounded` sets it to the product. A pair with an option that can never be chosen
-(`dominated_options`) has no variable.
+(`dominated_options`) has no variable. One variable per recompute option instead (E_r >= sum_b t_rb x_b - T_r (1 - x_r),
+T_r its largest t_rb) was tried: 48 variables against 288 on the probe, but a weaker relaxation; its tightest
+requests took 1.2 s against 1.4 s on one H200 profile and 2.2 s against 1.4 s on the H100 one.
 
 The memory rows (the end of forward, each checkpointed layer's backward, offload's start of backward and offloaded
 layers' backward) are built from the memory phases, each phase's terms as linear forms in these variables
