@@ -304,3 +304,42 @@ def test_count_priced_levels_equal_brute_force(one_setting):
             assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), where
             assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
             assert alloc.gap == 0.0 and max(alloc.peak_bytes_per_stage) <= budget, where
+
+
+def test_checkpointing_levels_take_one_solve_per_count_of_checkpointed_layers(monkeypatch):
+    """The checkpointing alternatives' problems (every kind at 16: a layer runs unmodified, under LAAQ's functions or
+    checkpointed), compiled pricing with LAAQ's functions the faster, at budgets across their range: the fastest
+    choice and its least error as brute force's, found with at most one solve per count of checkpointed layers
+    (agoq.search.milp_levels: the fast levels that fit no choice are not relaxed and solved one by one)."""
+    import agoq.search.milp_levels as milp_levels
+    from agoq.search.problem import checkpointing_only
+
+    solves = []
+
+    def counting(*args, **kwargs):
+        solves.append(1)
+        return milp_levels_milp(*args, **kwargs)
+
+    milp_levels_milp = milp_levels.milp
+    monkeypatch.setattr(milp_levels, "milp", counting)
+    seed, rng = fresh_rng()
+    for trial in range(4):
+        p = checkpointing_only(random_problem(rng, layers=rng.choice([4, 5]), kinds_per_layer=rng.choice([2, 3])))
+        p.allow_checkpoint = True
+        p.seconds[:] = 0.0
+        p.checkpoint_seconds[:] = rng.uniform(0.5, 3.0)
+        p.laaq_layer_seconds = rng.uniform(-0.3, -0.01)
+        everything = [f for _, f in brute_force(p)]
+        peaks = sorted(max(f["peak_bytes_per_stage"]) for f in everything)
+        for budget in (peaks[0], rng.uniform(peaks[0], peaks[-1]), rng.uniform(peaks[0], peaks[-1]), peaks[-1]):
+            fits = [f for f in everything if max(f["peak_bytes_per_stage"]) <= budget]
+            best = min(f["step_seconds"] for f in fits)
+            least_error = min(f["grad_error"] for f in fits if f["step_seconds"] <= best + 1e-9 * abs(best) + 1e-12)
+            solver = Solver(p)
+            assert solver._model.levels is not None
+            solves.clear()
+            alloc = solver.solve(budget, "time")
+            where = f"seed {seed} trial {trial} budget {budget}"
+            assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), where
+            assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
+            assert len(solves) <= p.num_layers + 1, f"{where}: {len(solves)} solves for {p.num_layers + 1} counts"

@@ -54,6 +54,9 @@ def _problem(rng, checkpoint: bool, falls: bool):
         p = replace(p, offload=replace(p.offload, backward_bytes=0.0))
     if np.isfinite(p.offload.forward_link_bytes):  # whole bytes, as every other amount (a peak is rounded up)
         p = replace(p, offload=replace(p.offload, forward_link_bytes=float(round(p.offload.forward_link_bytes))))
+    # the measured offloading step's floor too: a fractional one fits a budget above it that its rounded peak
+    # does not (seen: floor 1188.74 against a budget of 1188.92)
+    p = replace(p, offload=replace(p.offload, floor_bytes=float(np.ceil(p.offload.floor_bytes))))
     if rng.random() < 0.5:  # a cheaper link and no floor: offloading wins more often
         p = replace(p, offload=replace(p.offload, link_seconds_per_byte=p.offload.link_seconds_per_byte / 10,
                                        seconds_per_byte=p.offload.seconds_per_byte / 10, floor_bytes=0.0))
