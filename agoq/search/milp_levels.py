@@ -141,8 +141,7 @@ class Levels:
             return True
         return error_cap is not None and self.least_error[n_a] > error_cap * (1 + RELATIVE) + 1e-15
 
-    def _count_rows(self, n_u: Optional[int], n_c: int, most_u: Optional[int] = None) -> LinearConstraint:
-        """sum_l c_l = n_c, and n_u <= sum_l u_l <= most_u (default n_u; no row on u where n_u is None)."""
+    def _count_rows(self, n_u: Optional[int], n_c: int) -> LinearConstraint:
         m = self.m
         rows = np.zeros((2, m.nv))
         rows[0, m.c0:m.c0 + m.L] = 1.0
@@ -150,7 +149,7 @@ class Levels:
         hi = [n_c, np.inf]
         if n_u is not None:
             rows[1, m.u0:m.u0 + m.L] = 1.0
-            lo[1], hi[1] = n_u, n_u if most_u is None else most_u
+            lo[1] = hi[1] = n_u
         return LinearConstraint(rows, lo, hi)
 
     def tied_counts(self, seconds: float) -> list[tuple[Optional[int], int]]:
@@ -184,7 +183,6 @@ class Levels:
         cons = m.constraints(budgets, None, error_cap)
         found, found_seconds = None, None
         floor, fits = self._known(float(budgets[0]), error_cap, settled)
-        fastest_of: dict = {}  # n_c -> (its fastest level's n_u that some choice meets, that choice) or None
         for seconds, n_u, n_c in self.levels:
             if seconds < floor - abs(floor) * RELATIVE:
                 continue
@@ -199,17 +197,6 @@ class Levels:
                 if n_u is not None else None
             if res is not None and res.x is None:
                 continue  # no choice of the level fits: every LAAQ setting was enumerated
-            if res is None and n_u is not None:
-                if n_c not in fastest_of:
-                    left = None if time_limit is None else time_limit - (time.perf_counter() - start)
-                    if left is not None and left <= 0:
-                        return None
-                    fastest_of[n_c] = self._fastest_of(cons, bounds, n_u, n_c, left)
-                    if fastest_of[n_c] == "unsettled":
-                        return None
-                if fastest_of[n_c] is None or fastest_of[n_c][0] != n_u:
-                    continue  # no choice with this n_c, or none at this level: its fastest is slower
-                res = fastest_of[n_c][1]
             if res is None:
                 counts = self._count_rows(n_u, n_c)
                 relaxed = milp(np.zeros(m.nv), constraints=cons + [counts], integrality=np.zeros(m.nv), bounds=bounds)
@@ -233,25 +220,6 @@ class Levels:
         found.message = "optimal: the fastest step-time level that some choice meets"
         found.seconds = found_seconds
         return found
-
-    def _fastest_of(self, cons: list, bounds, n_u: int, n_c: int, time_limit: Optional[float]):
-        """(n_u, the choice) of the fastest level with this n_c that some choice meets, among those visited from
-        n_u's on (consecutive counts: at a fixed n_c a level's seconds are linear in n_u), or None: one MILP with
-        the step time as its objective in place of a feasibility MILP per level (the linear relaxation with the
-        counts fixed is weak where a layer kept whole fits only fractionally: the checkpointing alternatives at a
-        loose budget visited 50 levels whose relaxations had a choice and whose MILPs had none). "unsettled" where
-        `time_limit` came first."""
-        m = self.m
-        order = [u for _t, u, c in self.levels if c == n_c and u is not None]
-        ahead = order[order.index(n_u):]
-        rows = self._count_rows(min(ahead), n_c, max(ahead))
-        res = milp(m.time_row, constraints=cons + [rows], integrality=m.integrality, bounds=bounds,
-                   options={"mip_rel_gap": 0.0, **({"time_limit": time_limit} if time_limit is not None else {})})
-        if res.status == 2:
-            return None
-        if res.status != 0 or res.x is None:
-            return "unsettled"
-        return int(round(float(res.x[m.u0:m.u0 + m.L].sum()))), res
 
     def _fastest_offloading(self, budgets: np.ndarray, error_cap: Optional[float],
                             time_limit: Optional[float]) -> Optional[OptimizeResult]:
