@@ -66,6 +66,25 @@ def every_choice(p: ChoiceProblem) -> list[tuple[dict, int]]:
             for chosen, ckpt in one_setting_combos(p)]
 
 
+def solve_as_brute_force(solver, everything: list, budget: float, cap, where: str):
+    """Solve for the most tokens/s at `budget` under error cap `cap` and check the answer against `everything`
+    ([(figures, changed tensors)] of every choice): the fastest step, then the least error, then the fewest changed
+    tensors, within the budget; InfeasibleBudget where none fits. Returns the allocation (None where none fits)."""
+    fits = [(f, n) for f, n in everything if max(f["peak_bytes_per_stage"]) <= budget
+            and (cap is None or f["grad_error"] <= cap + 1e-12)]
+    if not fits:
+        with pytest.raises(InfeasibleBudget):
+            solver.solve(budget, "time", error_cap=cap)
+        return None
+    best, least_error, fewest = lexicographic_best(fits)
+    alloc = solver.solve(budget, "time", error_cap=cap)
+    assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), where
+    assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
+    assert int((~solver.problem.keeps_16bit()[alloc.chosen]).sum() + alloc.checkpoint.sum()) == fewest, where
+    assert max(alloc.peak_bytes_per_stage) <= budget, where
+    return alloc
+
+
 def _check_against_brute_force(monkeypatch, make, trials: int) -> list:
     """Solve `trials` problems from `make(rng)` at budgets across their range against brute force (the fastest step,
     then the least error, then the fewest changed tensors); returns, per enumeration, ((n_u, n_c), answered)."""
@@ -91,20 +110,7 @@ def _check_against_brute_force(monkeypatch, make, trials: int) -> list:
         for budget in (low, rng.uniform(low, high), rng.uniform(low, high), rng.uniform(low, (low + high) / 2),
                        rng.uniform(low, (low + high) / 2), high):
             cap = rng.uniform(min(errors), max(errors)) if rng.random() < 0.4 else None
-            fits = [(f, n) for f, n in everything if max(f["peak_bytes_per_stage"]) <= budget
-                    and (cap is None or f["grad_error"] <= cap + 1e-12)]
-            where = f"seed {seed} trial {trial} budget {budget} cap {cap}"
-            if not fits:
-                with pytest.raises(InfeasibleBudget):
-                    solver.solve(budget, "time", error_cap=cap)
-                continue
-            best, least_error, fewest = lexicographic_best(fits)
-            alloc = solver.solve(budget, "time", error_cap=cap)
-            assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), where
-            assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
-            changed = int((~p.keeps_16bit()[alloc.chosen]).sum() + alloc.checkpoint.sum())
-            assert changed == fewest, where
-            assert max(alloc.peak_bytes_per_stage) <= budget, where
+            solve_as_brute_force(solver, everything, budget, cap, f"seed {seed} trial {trial} budget {budget} cap {cap}")
     return [(counts, answered, seed) for counts, answered in used]
 
 
