@@ -74,8 +74,12 @@ class Solver:
         return self._stages
 
     def _budgets(self, budget) -> np.ndarray:
+        """Per-stage budgets in whole bytes, rounded down: a choice's peak is reported in whole bytes rounded up
+        (ChoiceProblem.evaluate), so it fits a budget B exactly when its exact bytes fit floor(B). The MILP's rows
+        compare exact bytes; at B itself they would pick a choice of 738.07 bytes for a budget of 738.27, which
+        then reports 739 and is over."""
         b = np.asarray(budget, dtype=float)
-        return np.full(self.problem.num_stages, float(b)) if b.ndim == 0 else b
+        return np.floor(np.full(self.problem.num_stages, float(b)) if b.ndim == 0 else b)
 
     def least_memory(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None,
                      time_limit: Optional[float] = None) -> Optional[Allocation]:

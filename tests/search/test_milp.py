@@ -304,3 +304,25 @@ def test_count_priced_levels_equal_brute_force(one_setting):
             assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), where
             assert alloc.grad_error == pytest.approx(least_error, rel=1e-6, abs=1e-9), where
             assert alloc.gap == 0.0 and max(alloc.peak_bytes_per_stage) <= budget, where
+
+
+def test_a_budget_between_a_choices_exact_and_whole_bytes():
+    """A choice's peak is reported in whole bytes rounded up: at a budget a little above the exact bytes of the best
+    choice (here: every tensor at 16 bits, no error) but below their whole bytes, that choice is over, and the next
+    best (8 bits, d = 1.1-1.5 bytes less) fits. The solver must find it, not a worse one (4 bits): solving against the
+    budget itself, then asking again below the reported peak, lost it."""
+    seed, rng = fresh_rng()
+    for trial in range(5):
+        big, f, d = float(rng.randint(200, 900)), rng.uniform(0.05, 0.3), rng.uniform(1.1, 1.5)
+        memory = np.array([big + f, big + f - d, big / 4 + f])  # 16, 8 and 4 bits: exact bytes, not whole
+        error = np.array([0.0, rng.uniform(0.01, 0.1), rng.uniform(0.2, 1.0)])
+        p = ChoiceProblem(np.zeros(3, int), np.full(3, KINDS.index("qkv_input")), ["16", "8", "4"], memory,
+                          np.zeros(3), error, np.zeros(1, int), np.full(1, 10.0), np.ones(1), False, np.zeros(1),
+                          np.zeros(1), np.array([float(rng.randint(100, 200))]), 1.0)
+        exact = [p.static_bytes[0] + m for m in memory]  # one layer, nothing else kept: its end of forward
+        peaks = [p.evaluate(np.array([i]), np.zeros(1, bool))["peak_bytes_per_stage"][0] for i in range(3)]
+        assert peaks == [int(np.ceil(e)) for e in exact], f"seed {seed}: the peak is the end of forward"
+        budget = exact[0] + rng.uniform(0.01, 0.05)  # above 16 bits' exact bytes, below its whole bytes
+        alloc = Solver(p).solve(budget, "error")
+        assert [p.option[i] for i in alloc.chosen] == ["8"], f"seed {seed} trial {trial} budget {budget}"
+        assert alloc.peak_bytes_per_stage[0] <= budget
