@@ -102,6 +102,14 @@ class Solver:
         -inf when HiGHS gives no answer (no bound)."""
         return self._model.relaxed_bound(self._budgets(budget), objective, time_cap, error_cap)
 
+    def improves(self, budget, objective: str, value: float, *, time_cap: Optional[float] = None,
+                 error_cap: Optional[float] = None, time_limit: float = PRIMARY_SECONDS) -> bool:
+        """Whether some choice under `budget` and the caps beats `value` on the first objective (step seconds for
+        "time", gradient error for "error"), as far as `time_limit` seconds of search find: a question cheaper
+        than `solve` (no optimum, no ties, no search past the limit; a relaxation that cannot beat `value` answers
+        it without a solve). False where nothing better was found."""
+        return self._model.improves(self._budgets(budget), objective, value, time_cap, error_cap, time_limit)
+
     def solve(self, budget, objective: str = "error", time_cap: Optional[float] = None,
               time_limit: Optional[float] = None, error_cap: Optional[float] = None,
               tie_limit: Optional[float] = None) -> Allocation:

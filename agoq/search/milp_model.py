@@ -85,15 +85,22 @@ class Model(Rows):
         self.levels = Levels(self) if count_priced(self) else None  # step time as a count (agoq.search.milp_levels)
 
     def solve_first_objective(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
-                              time_limit: Optional[float] = None, error_cap: Optional[float] = None):
-        """The exact optimum of the first objective (scipy's OptimizeResult; x None when infeasible)."""
-        key = (np.asarray(budgets, float).tobytes(), objective, time_cap, time_limit, error_cap)
+                              time_limit: Optional[float] = None, error_cap: Optional[float] = None,
+                              patient: bool = True):
+        """The exact optimum of the first objective (scipy's OptimizeResult; x None when infeasible). Where
+        `time_limit` stops the search before any choice is found, it searches on (the whole MILP, without the
+        limit), unless not `patient`: then x None and status 1 (none found in time)."""
+        key = (np.asarray(budgets, float).tobytes(), objective, time_cap, time_limit, error_cap, patient)
         if key in self._first:  # solved already (first objective alone, then again with its ties broken)
             return self._first[key]
+        stopped = OptimizeResult(x=None, status=1, success=False, fun=None, mip_gap=None,
+                                 message=f"no choice found within the time limit ({time_limit} s)")
         if objective == "time" and time_cap is None and self.levels is not None:
             res = self.levels.fastest(budgets, error_cap, time_limit)
             if res is not None:
                 return self._keep_first(key, res)
+            if not patient:
+                return stopped
             # the time limit came before a level was settled: the whole MILP, for as long again, keeps its best found
         primary, _ = self.rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
@@ -111,8 +118,10 @@ class Model(Rows):
                 known.append((budget, frozenset(visit) - set(res.bounds_by_prefix)))
                 del known[:-64]  # a long-lived solver (the dashboard's service) keeps its last answers only
                 return self._keep_first(key, res)
+            if not patient:
+                return stopped
         res = milp(primary / scale, options=options, **args)
-        if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
+        if res.x is None and res.status == 1 and patient:  # the time limit came before any choice: search on
             res = milp(primary / scale, options={"mip_rel_gap": FIRST_GAP}, **args)
         if res.x is None and res.status == 2 and self.offload:
             # HiGHS's presolve can misjudge offload's big-M rows as infeasible where a choice meets them exactly
@@ -337,6 +346,33 @@ class Model(Rows):
         if res.x is None:
             return None
         return self.allocation(res.x[:-1], gap=primary_gap(res))
+
+    def improves(self, budgets: np.ndarray, objective: str, value: float, time_cap: Optional[float],
+                 error_cap: Optional[float], time_limit: float) -> bool:
+        """Whether some choice within `budgets` and the caps has a first objective below `value` (step seconds or
+        gradient error), as far as `time_limit` seconds of search find. None does where the linear relaxation's
+        optimum is not below it (no solve); else, where the levels answer exactly (compiled plans), their fastest
+        choice; else any choice with `value` as one more cap: the first found ends the search (an optimum is not
+        asked for). Not searched on past the time limit: False where no choice was found by then."""
+        bound = self.relaxed_bound(budgets, objective, time_cap, error_cap)
+        if bound is None or bound >= value:
+            return False
+        if objective == "time" and time_cap is None and self.levels is not None and (
+                not self.offload or Enumeration.build(self) is not None):
+            res = self.solve_first_objective(budgets, objective, None, time_limit, error_cap, patient=False)
+        else:
+            if objective == "time":
+                time_cap = value if time_cap is None else min(time_cap, value)
+            else:
+                error_cap = value if error_cap is None else min(error_cap, value)
+            cons, zero, options = self.constraints(budgets, time_cap, error_cap), np.zeros(self.nv), {
+                "time_limit": time_limit}
+            res = self.over_prefixes(zero, cons, self.bounds, options, time_limit) if self.offload else milp(
+                zero, constraints=cons, integrality=self.integrality, bounds=self.bounds, options=options)
+        if res is None or res.x is None:
+            return False
+        found = self.allocation(res.x)
+        return (found.grad_error if objective == "error" else found.step_seconds) < value
 
     def relaxed_bound(self, budgets: np.ndarray, objective: str, time_cap: Optional[float],
                       error_cap: Optional[float]) -> Optional[float]:

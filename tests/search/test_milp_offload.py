@@ -19,6 +19,7 @@ from agoq.search.problem import OffloadPrices
 from agoq.search.request import KnobSpace
 from agoq.search.search import plan_from_profile
 from tests.search.synthetic_profile import add_offload_rows, write_profile
+from tests.search.test_milp import brute_force as kept_brute_force
 from tests.search.test_milp import random_problem
 
 
@@ -325,3 +326,36 @@ def test_an_offloading_plan_with_knobs_its_offload_price_never_ran_says_so():
             assert (f"{len(plan.checkpoint_layers())} checkpointed layer(s)" in notes[0]) == checkpointed, budget
         seen[bool(notes)] += 1
     assert seen[True] >= 1, "a budget 10.35-10.55 GB gives an offloading plan with checkpointed layers"
+
+
+def test_improves_equals_brute_force():
+    """Solver.improves (is there a choice under the budget and the caps better than a value?) against brute force,
+    with and without offload (one MILP per offloaded prefix, the first choice found ends it), at values just below,
+    at and just above the best that fits, and a random one between the best and the worst; some problems priced by
+    counts (every option 0 s: the levels answer where nothing is offloaded)."""
+    seed, rng = fresh_rng()
+    for trial in range(8):
+        p = replace(random_problem(rng, layers=3, kinds_per_layer=2, stages=1), in_flight=np.ones(1))
+        if trial % 2:
+            p.seconds[:] = 0.0
+            p.checkpoint_seconds[:] = rng.uniform(0.5, 3.0)
+        p = with_offload(rng, p) if rng.random() < 0.6 else p
+        everything = brute_force(p) if p.offload is not None else [(f, None) for _, f in kept_brute_force(p)]
+        solver = Solver(p)
+        peaks = [max(f["peak_bytes_per_stage"]) for f, _ in everything]
+        for budget in (min(peaks), rng.uniform(min(peaks), max(peaks)), max(peaks)):
+            for objective, key in (("time", "step_seconds"), ("error", "grad_error")):
+                other = "grad_error" if key == "step_seconds" else "step_seconds"
+                values = [f[other] for f, _ in everything]
+                cap = rng.uniform(min(values), max(values)) if rng.random() < 0.4 else None
+                caps = {"error_cap" if other == "grad_error" else "time_cap": cap}
+                fits = [f[key] for f, _ in everything if max(f["peak_bytes_per_stage"]) <= budget
+                        and (cap is None or f[other] <= cap * (1 + 1e-9) + 1e-12)]
+                if not fits:
+                    assert not solver.improves(budget, objective, np.inf, **caps)
+                    continue
+                best, worst = min(fits), max(fits)
+                for value in (best * (1 - 1e-3) - 1e-6, best, best * (1 + 1e-3) + 1e-6, rng.uniform(best, worst)):
+                    want = any(v < value for v in fits)
+                    got = solver.improves(budget, objective, value, **caps)
+                    assert got == want, f"seed {seed} trial {trial} budget {budget} {objective} {caps} {value}"
