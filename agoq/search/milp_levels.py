@@ -85,12 +85,18 @@ class Levels:
         least_a = np.zeros(L)      # bytes of a layer under LAAQ at its smallest options (less the shared credit)
         sixteen = np.zeros(L)      # bytes of the layer's options at 16
         least_err = np.full(L, np.inf)  # the least error of a layer under LAAQ (one option not at 16)
+        modifiable = np.zeros(L, dtype=bool)  # layers with an option not at 16: the only ones that can be under LAAQ
         for (l, _k), idx in model.groups.items():
             least_a[l] += float(p.memory[idx].min())
             sixteen[l] += float(p.memory[idx][is16[idx]].sum())
             other = idx[~is16[idx]]
             if len(other):
                 least_err[l] = min(least_err[l], float(p.error[other].min()))
+                modifiable[l] = True
+        # more layers under LAAQ than can be is no choice; the linear relaxation does not see it (u_l >= 1 - K c_l
+        # lets half-checkpointed layers off): with every option at 16 (the checkpointing alternatives) it found
+        # ~50 such levels feasible on the H100 probe profile's largest budget, and a MILP proved each infeasible
+        self.most_under_laaq = int(modifiable.sum())
         least_a -= p.shared_credit
         self.state_bytes = {  # per state, its per-layer bytes in ascending order, as prefix sums
             "u": np.concatenate([[0.0], np.cumsum(np.sort(sixteen + p.unmodified_extra + unmod_cal - p.shared_credit))]),
@@ -137,7 +143,7 @@ class Levels:
         if n_u is None:  # u free: only the checkpointed layers' count is known
             return False
         n_a = self.m.L - n_u - n_c
-        if self._least_bytes(n_u, n_c) > budget * (1 + RELATIVE) + 1.0:
+        if n_a > self.most_under_laaq or self._least_bytes(n_u, n_c) > budget * (1 + RELATIVE) + 1.0:
             return True
         return error_cap is not None and self.least_error[n_a] > error_cap * (1 + RELATIVE) + 1e-15
 

@@ -352,7 +352,7 @@ class Model(Rows):
         """Whether some choice within `budgets` and the caps has a first objective below `value` (step seconds or
         gradient error), as far as `time_limit` seconds of search find. None does where the linear relaxation's
         optimum is not below it (no solve); else, where the levels answer exactly (compiled plans), their fastest
-        choice; else any choice with `value` as one more cap: the first found ends the search (an optimum is not
+        choice; else any choice with `value` as one more cap, the first found ending the search (an optimum is not
         asked for). Not searched on past the time limit: False where no choice was found by then."""
         bound = self.relaxed_bound(budgets, objective, time_cap, error_cap)
         if bound is None or bound >= value:
@@ -365,10 +365,14 @@ class Model(Rows):
                 time_cap = value if time_cap is None else min(time_cap, value)
             else:
                 error_cap = value if error_cap is None else min(error_cap, value)
-            cons, zero, options = self.constraints(budgets, time_cap, error_cap), np.zeros(self.nv), {
-                "time_limit": time_limit}
-            res = self.over_prefixes(zero, cons, self.bounds, options, time_limit) if self.offload else milp(
-                zero, constraints=cons, integrality=self.integrality, bounds=self.bounds, options=options)
+            # the objective steers HiGHS (and orders the offloaded prefixes, best relaxation first) to a choice
+            # below `value`; a gap this wide ends each solve, and the prefixes, at the first choice found
+            primary, _ = self.rows(objective)
+            c = primary / max(float(np.abs(primary).max()), 1e-30)
+            cons, options = self.constraints(budgets, time_cap, error_cap), {"time_limit": time_limit,
+                                                                             "mip_rel_gap": 1e9}
+            res = self.over_prefixes(c, cons, self.bounds, options, time_limit) if self.offload else milp(
+                c, constraints=cons, integrality=self.integrality, bounds=self.bounds, options=options)
         if res is None or res.x is None:
             return False
         found = self.allocation(res.x)

@@ -326,3 +326,32 @@ def test_a_budget_between_a_choices_exact_and_whole_bytes():
         alloc = Solver(p).solve(budget, "error")
         assert [p.option[i] for i in alloc.chosen] == ["8"], f"seed {seed} trial {trial} budget {budget}"
         assert alloc.peak_bytes_per_stage[0] <= budget
+
+
+def test_checkpointing_alone_equals_brute_force_and_rules_out_laaq_levels():
+    """The checkpointing alternatives (agoq.search.problem.checkpointing_only: every option at 16, a layer kept or
+    checkpointed whole) priced by counts: no layer can be under LAAQ, so every level with one is ruled out before
+    any solve (its linear relaxation lets half-checkpointed layers off), and the fastest checkpointing that fits is
+    brute force's."""
+    from agoq.search.problem import checkpointing_only
+
+    seed, rng = fresh_rng()
+    for trial in range(4):
+        p = random_problem(rng, layers=rng.choice([3, 4]), kinds_per_layer=2)
+        p.seconds[:] = 0.0
+        p.checkpoint_seconds[:] = rng.uniform(0.5, 3.0)
+        p.laaq_layer_seconds = rng.uniform(0.01, 0.5)  # the layer's time is a count: the levels answer
+        p.allow_checkpoint = True
+        q = checkpointing_only(p)
+        solver = Solver(q)
+        levels = solver._model.levels
+        assert levels is not None and levels.most_under_laaq == 0, f"seed {seed}"
+        L = q.num_layers
+        assert all(levels._bound_fails(np.inf, n_u, n_c, None) for _, n_u, n_c in levels.levels if n_u + n_c < L)
+        everything = [f for _, f in brute_force(q)]
+        peaks = [max(f["peak_bytes_per_stage"]) for f in everything]
+        for budget in (min(peaks), rng.uniform(min(peaks), max(peaks)), max(peaks)):
+            best = min(f["step_seconds"] for f in everything if max(f["peak_bytes_per_stage"]) <= budget)
+            alloc = solver.solve(budget, "time")
+            assert alloc.step_seconds == pytest.approx(best, rel=1e-9, abs=1e-12), f"seed {seed} trial {trial}"
+            assert max(alloc.peak_bytes_per_stage) <= budget, f"seed {seed} trial {trial}"
