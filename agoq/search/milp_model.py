@@ -93,14 +93,12 @@ class Model(Rows):
         key = (np.asarray(budgets, float).tobytes(), objective, time_cap, time_limit, error_cap, patient)
         if key in self._first:  # solved already (first objective alone, then again with its ties broken)
             return self._first[key]
-        stopped = OptimizeResult(x=None, status=1, success=False, fun=None, mip_gap=None,
-                                 message=f"no choice found within the time limit ({time_limit} s)")
         if objective == "time" and time_cap is None and self.levels is not None:
             res = self.levels.fastest(budgets, error_cap, time_limit)
             if res is not None:
                 return self._keep_first(key, res)
             if not patient:
-                return stopped
+                return _stopped(time_limit)
             # the time limit came before a level was settled: the whole MILP, for as long again, keeps its best found
         primary, _ = self.rows(objective)
         scale = max(float(np.abs(primary).max()), 1e-30)
@@ -119,7 +117,7 @@ class Model(Rows):
                 del known[:-64]  # a long-lived solver (the dashboard's service) keeps its last answers only
                 return self._keep_first(key, res)
             if not patient:
-                return stopped
+                return _stopped(time_limit)
         res = milp(primary / scale, options=options, **args)
         if res.x is None and res.status == 1 and patient:  # the time limit came before any choice: search on
             res = milp(primary / scale, options={"mip_rel_gap": FIRST_GAP}, **args)
@@ -400,6 +398,12 @@ class Model(Rows):
             return -np.inf
         value = float(primary @ res.x)
         return value + self.time_constant if objective == "time" else value
+
+
+def _stopped(time_limit: Optional[float]) -> OptimizeResult:
+    """The answer of an impatient first-objective solve that the time limit stopped before any choice."""
+    return OptimizeResult(x=None, status=1, success=False, fun=None, mip_gap=None,
+                          message=f"no choice found within the time limit ({time_limit} s)")
 
 
 def primary_gap(result) -> float:

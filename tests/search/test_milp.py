@@ -11,6 +11,7 @@ from agoq.runtime.activations.policy import KINDS, RECOMPUTABLE
 from agoq.search.costs import ChoiceProblem
 from agoq.search.milp import InfeasibleBudget, Solver
 from agoq.search.milp_model import FIRST_GAP
+from agoq.search.problem import checkpointing_only
 
 
 def fresh_rng():
@@ -333,8 +334,6 @@ def test_checkpointing_alone_equals_brute_force_and_rules_out_laaq_levels():
     checkpointed whole) priced by counts: no layer can be under LAAQ, so every level with one is ruled out before
     any solve (its linear relaxation lets half-checkpointed layers off), and the fastest checkpointing that fits is
     brute force's."""
-    from agoq.search.problem import checkpointing_only
-
     seed, rng = fresh_rng()
     for trial in range(4):
         p = random_problem(rng, layers=rng.choice([3, 4]), kinds_per_layer=2)
