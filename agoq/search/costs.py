@@ -7,6 +7,11 @@ build their problems here.
 
 from __future__ import annotations
 
+import copy
+import threading
+
+import numpy as np
+
 from agoq.formats.measured_steps import COMPILE_MODES
 from agoq.formats.profile import ProfileData
 from agoq.search.calibration import calibrate_problem
@@ -24,16 +29,53 @@ from agoq.search.state import (
 from agoq.search.timing import EAGER_SPREAD_NOTE, compile_modes, profile_compile_mode
 
 
+KEEP_PROBLEMS = 64  # problems a profile keeps, the last built (a request on the probe's profiles builds about 25;
+#                    requests that fix other knobs, e.g. a host budget, build others), 0.3 MB each with their rows
+_EVICTING = threading.Lock()
+
+
 def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings(), *,
                   calibrate: bool = True) -> ChoiceProblem:
     """The ChoiceProblem of a profile under `knobs` (agoq.search.cost_model), calibrated on the profile's measured
     peaks (agoq.search.calibration) unless `calibrate` is False. Raises ValueError for knobs the profile cannot
-    price."""
+    price.
+
+    Built once per profile, knobs and `calibrate`, and kept in the profile's cache: one search asks for the same
+    knobs several times (the plan, its alternatives, its binding constraints), and the plan service's profiles live
+    across requests (0.28 s of a request on the probe's profiles was building problems). Every caller gets the same
+    object, its arrays read-only: a caller that needs a changed problem makes its own (dataclasses.replace)."""
+    built = profile.cache.setdefault("problems", {})
+    key = (knobs, calibrate)
+    kept = built.get(key)
+    if kept is None:
+        try:
+            kept = _sealed(_build_problem(profile, knobs, calibrate))
+        except ValueError as e:
+            kept = e
+        with _EVICTING:  # the plan service's threads share its profiles
+            built[key] = kept
+            while len(built) > KEEP_PROBLEMS:
+                built.pop(next(iter(built)))
+    if isinstance(kept, ValueError):
+        raise copy.copy(kept)  # a fresh exception each time (one raised twice would carry both tracebacks)
+    return kept
+
+
+def _build_problem(profile: ProfileData, knobs: ProblemSettings, calibrate: bool) -> ChoiceProblem:
     problem = model_problem(profile, knobs)
     if calibrate:
         settings = problem_settings(profile, knobs)
         calibrate_problem(problem, profile, knobs, *settings)
         calibrate_layout(problem, profile, knobs, settings[0])
+    return problem
+
+
+def _sealed(problem: ChoiceProblem) -> ChoiceProblem:
+    """`problem` with its arrays (and those of its dicts of parts) made read-only: shared by every caller."""
+    for value in vars(problem).values():
+        for array in (value.values() if isinstance(value, dict) else [value]):
+            if isinstance(array, np.ndarray):
+                array.flags.writeable = False
     return problem
 
 

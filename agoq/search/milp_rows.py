@@ -109,6 +109,17 @@ class Rows:
     """The MILP's variables and matrices for one problem; budgets and objective are filled in per solve."""
 
     def __init__(self, p: ChoiceProblem):
+        """The rows of `p`, built once per problem (ChoiceProblem.derived) and shared, read-only, by its solvers."""
+        self.__dict__.update(p.derived("milp_rows", lambda: self._built(p)))
+
+    def _built(self, p: ChoiceProblem) -> dict:
+        self._build(p)
+        for value in vars(self).values():
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+        return dict(vars(self))
+
+    def _build(self, p: ChoiceProblem) -> None:
         n, L, S = len(p.option), p.num_layers, p.num_stages
         self.p, self.n, self.L, self.S = p, n, L, S
         # each layer's own choice: an option another beats everywhere is never needed (bounded to 0 below)

@@ -5,8 +5,9 @@ gradient error). agoq.search.costs builds a ChoiceProblem from a profile; the MI
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -218,6 +219,18 @@ class ChoiceProblem:
     def num_stages(self) -> int:
         return len(self.static_bytes)
 
+    def derived(self, name: str, make: Callable[[], Any]) -> Any:
+        """What `make()` derives from this problem (its MILP's rows, its checkpointing-only twin), made once and kept
+        while every field is still the object it was made from: the search's problems are built once per profile and
+        knobs (agoq.search.costs) and solved by every solver of a request, and of later ones in the plan service."""
+        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        kept = self.__dict__.get("_derived", {}).get(name)
+        if kept is not None and all(a is b for a, b in zip(kept[0], fields)):
+            return kept[1]
+        value = make()
+        self.__dict__.setdefault("_derived", {})[name] = (fields, value)  # the fields held: no id of theirs reused
+        return value
+
     def groups(self) -> dict[tuple[int, int], np.ndarray]:
         """(layer, kind index) -> indices of its options (read-only arrays: worked out once per problem, as pricing
         one plan asks for them hundreds of times)."""
@@ -299,11 +312,14 @@ __all__ = ["ProblemSettings", "ChoiceProblem", "OffloadPrices"]
 def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:
     """The same problem where each layer either keeps everything (16) or is checkpointed whole: the
     full-or-selective activation checkpointing that agoq competes with (nothing offloaded)."""
-    keep = np.array([o == "16" for o in problem.option])
-    idx = np.nonzero(keep)[0]
-    return replace(problem, layer=problem.layer[idx], kind=problem.kind[idx], option=[problem.option[i] for i in idx],
-                   memory=problem.memory[idx], seconds=problem.seconds[idx], error=problem.error[idx],
-                   notes=list(problem.notes), offload=None, **problem.pairs_within(idx))
+    def twin() -> ChoiceProblem:
+        idx = np.nonzero(problem.keeps_16bit())[0]
+        return replace(problem, layer=problem.layer[idx], kind=problem.kind[idx],
+                       option=[problem.option[i] for i in idx], memory=problem.memory[idx],
+                       seconds=problem.seconds[idx], error=problem.error[idx], notes=list(problem.notes), offload=None,
+                       **problem.pairs_within(idx))
+
+    return problem.derived("checkpointing_only", twin)
 
 
 def recipe_choice(problem: ChoiceProblem) -> Optional[np.ndarray]:

@@ -2,6 +2,7 @@
 llama-tiny, closed-form stage memory and step time, micro-batch / block rescaling against a profile written
 at the new size, and the profile reader's errors."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -17,6 +18,7 @@ from agoq.runtime.activations.policy import RECOMPUTABLE
 from agoq.train.apply import apply_plan, remove_plan
 from agoq.formats.profile import load_profile
 from agoq.models import build
+from agoq.search import costs
 from agoq.search.costs import (
     ProblemSettings,
     build_problem,
@@ -27,6 +29,7 @@ from agoq.search.costs import (
 from agoq.search.milp import Solver
 from agoq.search.search import plan_from_profile
 from tests.search.synthetic_profile import write_profile
+from tests.search.test_milp import random_problem
 
 
 def fresh_rng():
@@ -331,3 +334,71 @@ def test_a_profile_of_the_older_loss_says_so(tmp_path, seed):
         profile.cache.clear()
         notes = [n for n in build_problem(profile).notes if "LM loss held" in n]
         assert notes == ([] if said is None else [notes[0]]) and (said is None or f"held {said} bytes" in notes[0])
+
+
+def _same_problem(a, b) -> bool:
+    """Field by field equal (arrays by value, dicts of arrays too)."""
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, dict) and isinstance(y, dict):
+            if x.keys() != y.keys() or not all(np.array_equal(x[k], y[k]) for k in x):
+                return False
+        elif isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if not np.array_equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def test_problems_built_once_per_knobs_equal_a_fresh_build_and_read_only(tmp_path, monkeypatch):
+    """build_problem keeps what it built in the profile's cache: the same object for the same knobs, equal to a
+    build from a freshly loaded profile, its arrays read-only; knobs the profile cannot price raise a fresh error
+    each time; a profile keeps only the last KEEP_PROBLEMS."""
+    seed, rng = fresh_rng()
+    folder = write_profile(tmp_path / "p", rng, num_layers=rng.randint(2, 5), micro_batch=2)
+    profile = load_profile(folder)
+    knobs = [ProblemSettings(), ProblemSettings(gradient_mode="quangrad8"), ProblemSettings(optimizer="adamw8bit"),
+             ProblemSettings(allow_checkpoint=False), ProblemSettings(micro_batch=1)]
+    rng.shuffle(knobs)
+    for k in knobs:
+        first = build_problem(profile, k)
+        assert build_problem(profile, k) is first, f"seed {seed}: {k} built again"
+        assert _same_problem(first, build_problem(load_profile(folder), k)), f"seed {seed}: {k} kept differs"
+        with pytest.raises(ValueError, match="read-only"):
+            first.memory[0] += 1.0
+    unpriced = ProblemSettings(micro_batch=rng.choice([5, 7, 9]))
+    errors = []
+    for _ in range(2):
+        with pytest.raises(ValueError, match="measured no") as raised:
+            build_problem(profile, unpriced)
+        errors.append(raised.value)
+    assert errors[0] is not errors[1] and str(errors[0]) == str(errors[1])
+    monkeypatch.setattr(costs, "KEEP_PROBLEMS", 3)
+    again = load_profile(folder)
+    kept = [build_problem(again, k) for k in knobs]
+    assert len(again.cache["problems"]) == 3
+    assert build_problem(again, knobs[-1]) is kept[-1], f"seed {seed}: the last built is kept"
+    assert build_problem(again, knobs[0]) is not kept[0], f"seed {seed}: the first built is dropped"
+
+
+def test_rows_and_checkpointing_twin_made_once_and_again_when_a_field_changes():
+    """A problem's MILP rows and its checkpointing-only twin are made once (ChoiceProblem.derived) and shared by its
+    solvers; reassigning a field makes them again, and the answers equal those of a fresh copy of the problem."""
+    seed, rng = fresh_rng()
+    p = random_problem(rng, layers=rng.randint(2, 5), kinds_per_layer=rng.randint(2, 4))
+    a, b = Solver(p), Solver(p)
+    assert a._model.time_row is b._model.time_row and a._model.structure is b._model.structure
+    assert checkpointing_only(p) is checkpointing_only(p)
+    twin = checkpointing_only(p)
+    p.seconds = p.seconds * rng.uniform(1.5, 3.0)  # reassigned: what was derived from the old seconds is stale
+    c = Solver(p)
+    assert c._model.time_row is not a._model.time_row and checkpointing_only(p) is not twin
+    fresh = Solver(dataclasses.replace(p))
+    low = fresh.smallest_budget()
+    high = max(fresh.solve(math.inf, "time").peak_bytes_per_stage)
+    budget = rng.uniform(low, high)
+    for objective in ("time", "error"):
+        mine, theirs = c.solve(budget, objective), fresh.solve(budget, objective)
+        assert mine.step_seconds == pytest.approx(theirs.step_seconds, rel=1e-6), f"seed {seed} {objective}"
+        assert mine.grad_error == pytest.approx(theirs.grad_error, rel=1e-6, abs=1e-12), f"seed {seed} {objective}"

@@ -87,7 +87,7 @@ def test_leaving_them_out_changes_no_answer(objective, monkeypatch):
         pruned = Solver(p)
         with monkeypatch.context() as patch:  # every option offered (and every pair of options given its variable)
             patch.setattr(milp_rows, "dominated_options", lambda q: np.zeros(len(q.option), dtype=bool))
-            whole = Solver(p)
+            whole = Solver(replace(p))  # another object: a problem's rows are built once, then kept
         assert whole._model.nq == len(p.pairs()[1]) and not (whole._model.bounds.ub[:whole._model.n] == 0).any()
         low = pruned.smallest_budget()
         high = max(whole.solve(np.inf, "error").peak_bytes_per_stage)
