@@ -45,6 +45,7 @@ from agoq.search.costs import (
     profile_compile_mode,
     resolve_optimizer,
 )
+from agoq.search.highs import lp_pool
 from agoq.search.hsdp import hsdp_refusal
 from agoq.search.layouts import layouts, resolve_layout
 from agoq.search.milp import Allocation, Solver, resolve_time_cap
@@ -188,6 +189,7 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
     refused: list[InfeasibleBudget] = []  # why each combination that was solved does not fit
     bounded: list[tuple[float, int, KnobResult]] = []
     hopeless: list[KnobResult] = []  # does not fit (its relaxation, or its MILP): solved to say why only if none fits
+    relaxing: list[tuple[int, KnobResult]] = []  # to be bounded by their linear relaxations
     for i, (knobs, problem) in enumerate(built):
         same = [q for k, q in built if k is not knobs and (k.micro_batch, k.compile_mode) == (knobs.micro_batch,
                                                                                               knobs.compile_mode)]
@@ -203,7 +205,13 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             tried.append(result)
             continue
         result.solver = Solver(problem, tie_break=False)  # the first objective only; the winner's ties broken below
-        bound = result.solver.relaxed_bound(budget, objective, result.time_cap, error_cap) if prune else -np.inf
+        relaxing.append((i, result))
+
+    def relaxed(item):  # one LP each, two at a time (HiGHS releases the GIL; relaxed_bound uses no pool itself)
+        r = item[1]
+        return r.solver.relaxed_bound(budget, objective, r.time_cap, error_cap) if prune else -np.inf
+
+    for (i, result), bound in zip(relaxing, lp_pool().map(relaxed, relaxing)):
         if bound is None:
             hopeless.append(result)
         else:
