@@ -35,12 +35,10 @@ class Enumeration(Configurations):
 
     @classmethod
     def build(cls, m) -> Optional["Enumeration"]:
-        cached = getattr(m, "_offload_enumeration", False)
-        if cached is not False:
-            return cached
-        out = cls._build(m)
-        m._offload_enumeration = out
-        return out
+        """The enumeration of `m`'s problem, built once per problem (ChoiceProblem.derived): every model of a problem
+        has the same rows, and what it fills in as it goes (each setting's errors, the configurations in bound
+        order) is the problem's too."""
+        return m.p.derived("offload_enumeration", lambda: cls._build(m))
 
 
     def _settings_of(self, n_u: int, n_c: int, K: int, K_u: int, budget: float, row: float, limit: float,

@@ -147,7 +147,8 @@ class Configurations:
             K_a = K - K_u
             least = row + self.link(K_u * self.U + K_a * self.B[0], K) if len(configs) else np.zeros(0)
             order = np.lexsort((K_u, K, n_c, n_u, least))
-            self._position = {c[:4]: i for i, c in enumerate(configs)}  # (set first: `_configs` says both are)
+            self._position = {c[:4]: i for i, c in enumerate(configs)}  # (set first: `_configs` says all three are)
+            self._columns = (n_u[order], n_c[order], K[order], K_u[order])  # `bounded`'s order, as arrays
             self._configs = [(float(least[i]), int(n_u[i]), int(n_c[i]), int(K[i]), int(K_u[i]), float(row[i]))
                              for i in order]
         return self._configs
@@ -185,10 +186,9 @@ class Configurations:
         """Per configuration of `bounded`, False where it cannot fit whatever its setting: its rows at the least
         bytes a setting keeps (they only rise with B), every checkpointed layer with no layer under LAAQ below it.
         A necessary condition, with a little slack: the exact rows decide the rest."""
-        configs = self.bounded()
-        if not configs:
+        if not self.bounded():
             return np.zeros(0, dtype=bool)
-        _, n_u, n_c, K, K_u, _ = (np.array(c, float) for c in zip(*configs))
+        n_u, n_c, K, K_u = self._columns
         G, h, T, end, start = self._rows(n_u, n_c, K, K_u, np.where(self.L - n_u - n_c > 0, self.B[0], 0.0))
         slack = self.tolerance + 1e-9 * abs(budget) + 1.0
         ok = (end <= budget + slack) & (start <= budget + slack) & (G <= self.o.host_budget_bytes * (1 + 1e-9) + 1.0)
