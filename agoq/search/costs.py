@@ -10,15 +10,20 @@ from __future__ import annotations
 import copy
 import threading
 
-import numpy as np
-
 from agoq.formats.measured_steps import COMPILE_MODES
 from agoq.formats.profile import ProfileData
 from agoq.search.calibration import calibrate_problem
 from agoq.search.layout_calibration import calibrate_layout
 from agoq.search.cost_model import ELEM_BYTES, gradient_modes, model_problem
 from agoq.search.offload_prices import OVERLAP, offload_prices
-from agoq.search.problem import ChoiceProblem, ProblemSettings, checkpointing_only, recipe_choice, recipe_error
+from agoq.search.problem import (
+    ChoiceProblem,
+    ProblemSettings,
+    checkpointing_only,
+    read_only,
+    recipe_choice,
+    recipe_error,
+)
 from agoq.search.state import (
     measured_with,
     optimizer_choices,
@@ -49,7 +54,8 @@ def build_problem(profile: ProfileData, knobs: ProblemSettings = ProblemSettings
     kept = built.get(key)
     if kept is None:
         try:
-            kept = _sealed(_build_problem(profile, knobs, calibrate))
+            kept = _build_problem(profile, knobs, calibrate)
+            read_only(vars(kept))  # shared by every caller
         except ValueError as e:
             kept = e
         with _EVICTING:  # the plan service's threads share its profiles
@@ -67,15 +73,6 @@ def _build_problem(profile: ProfileData, knobs: ProblemSettings, calibrate: bool
         settings = problem_settings(profile, knobs)
         calibrate_problem(problem, profile, knobs, *settings)
         calibrate_layout(problem, profile, knobs, settings[0])
-    return problem
-
-
-def _sealed(problem: ChoiceProblem) -> ChoiceProblem:
-    """`problem` with its arrays (and those of its dicts of parts) made read-only: shared by every caller."""
-    for value in vars(problem).values():
-        for array in (value.values() if isinstance(value, dict) else [value]):
-            if isinstance(array, np.ndarray):
-                array.flags.writeable = False
     return problem
 
 

@@ -80,7 +80,7 @@ from scipy.sparse import coo_matrix
 
 from agoq.runtime.activations.policy import KINDS
 from agoq.search.milp_phases import floor_rows, forward_rows, peak_rows
-from agoq.search.problem import ChoiceProblem
+from agoq.search.problem import ChoiceProblem, read_only
 
 OBJECTIVES = ("error", "time")
 MIB = float(2**20)
@@ -114,9 +114,7 @@ class Rows:
 
     def _built(self, p: ChoiceProblem) -> dict:
         self._build(p)
-        for value in vars(self).values():
-            if isinstance(value, np.ndarray):
-                value.flags.writeable = False
+        read_only(vars(self))
         return dict(vars(self))
 
     def _build(self, p: ChoiceProblem) -> None:

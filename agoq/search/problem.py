@@ -234,17 +234,15 @@ class ChoiceProblem:
     def groups(self) -> dict[tuple[int, int], np.ndarray]:
         """(layer, kind index) -> indices of its options (read-only arrays: worked out once per problem, as pricing
         one plan asks for them hundreds of times)."""
-        cached = self.__dict__.get("_groups")
-        if cached is not None and cached[0] is self.layer and cached[1] is self.kind:
-            return dict(cached[2])
+        return dict(self.derived("groups", self._groups))
+
+    def _groups(self) -> dict[tuple[int, int], np.ndarray]:
         out: dict[tuple[int, int], list[int]] = {}
         for i, (l, k) in enumerate(zip(self.layer, self.kind)):
             out.setdefault((int(l), int(k)), []).append(i)
         groups = {g: np.array(v) for g, v in out.items()}
-        for v in groups.values():
-            v.flags.writeable = False
-        self.__dict__["_groups"] = (self.layer, self.kind, groups)
-        return dict(groups)
+        read_only(groups)
+        return groups
 
     def keeps_16bit(self) -> np.ndarray:
         """Boolean mask of the '16' options."""
@@ -307,6 +305,14 @@ class ChoiceProblem:
         return [stage_entry(s, phase, layer, parts, peak) for s, (phase, layer, parts, peak) in enumerate(explained)]
 
 __all__ = ["ProblemSettings", "ChoiceProblem", "OffloadPrices"]
+
+
+def read_only(values: dict) -> None:
+    """Make the arrays among `values` (and among those of its dicts) read-only: what is shared, not to be changed."""
+    for value in values.values():
+        for array in (value.values() if isinstance(value, dict) else [value]):
+            if isinstance(array, np.ndarray):
+                array.flags.writeable = False
 
 
 def checkpointing_only(problem: ChoiceProblem) -> ChoiceProblem:
