@@ -325,23 +325,28 @@ def offload_backward_bytes(profile: ProfileData, compile_mode: str, micro_batch:
     if row is None:
         return None
     cache = profile.cache.setdefault("offload_backward", {})
-    if key not in cache:
-        cache[key] = None
-        problem = _corrected_row_problem(profile, row)
-        if problem is None:
-            return None
-        choice = _choice(problem, "agoq-paper")
-        layers = int(row.get("offload_layers") or 0)
-        if problem.offload is not None and choice is not None and 0 < layers <= problem.num_layers:
-            problem.offload = replace(problem.offload, backward_bytes=0.0, floor_bytes=0.0)
-            m = problem._memory(*choice, np.arange(problem.num_layers) < layers)
-            level = float(m["level_at_offloaded"][0])
-            if np.isfinite(level):
-                passes = [float(v) for v in row.get("repeat_peak_bytes") or []]
-                spread = max(OFFLOAD_SPREAD_FLOOR * float(row["peak_bytes"]),
-                             max(passes) - min(passes) if passes else 0.0)
-                cache[key] = max(0.0, float(row["peak_bytes"]) - level) + spread
+    if key not in cache:  # made whole, then kept: threads share the profile (a placeholder would be read as "none")
+        cache[key] = _offload_backward(profile, row)
     return None if cache[key] is None else (cache[key], row)
+
+
+def _offload_backward(profile: ProfileData, row: dict) -> Optional[float]:
+    """offload_backward_bytes' figure for the offloading step `row`, uncached (None where it cannot be priced)."""
+    problem = _corrected_row_problem(profile, row)
+    if problem is None:
+        return None
+    choice = _choice(problem, "agoq-paper")
+    layers = int(row.get("offload_layers") or 0)
+    if problem.offload is None or choice is None or not 0 < layers <= problem.num_layers:
+        return None
+    problem.offload = replace(problem.offload, backward_bytes=0.0, floor_bytes=0.0)
+    m = problem._memory(*choice, np.arange(problem.num_layers) < layers)
+    level = float(m["level_at_offloaded"][0])
+    if not np.isfinite(level):
+        return None
+    passes = [float(v) for v in row.get("repeat_peak_bytes") or []]
+    spread = max(OFFLOAD_SPREAD_FLOOR * float(row["peak_bytes"]), max(passes) - min(passes) if passes else 0.0)
+    return max(0.0, float(row["peak_bytes"]) - level) + spread
 
 
 def calibrate_problem(problem: ChoiceProblem, profile: ProfileData, knobs: ProblemSettings, compile_mode: str,

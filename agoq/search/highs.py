@@ -1,5 +1,6 @@
-"""HiGHS through scipy: `milp` (scipy.optimize.milp without HiGHS's stray output line) and a small thread pool for
-independent LPs. The MILP's modules (agoq.search.milp_model, milp_levels) solve through these."""
+"""HiGHS through scipy: `milp` (scipy.optimize.milp without HiGHS's stray output line), a small thread pool for
+independent LPs, and threads for whole searches beside the caller's (`side_pool`, kept quiet by `quiet_stdout`).
+The MILP's modules (agoq.search.milp_model, milp_levels) solve through these."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from scipy.optimize import milp as _scipy_milp
 
@@ -33,21 +35,38 @@ def milp(c, **kwargs):
 
 def _quiet_milp(c, **kwargs):
     """scipy.optimize.milp with descriptor 1 pointed at /dev/null in the main thread (see `milp`)."""
-    if threading.current_thread() is not threading.main_thread():
+    with quiet_stdout():
         return _scipy_milp(c, **kwargs)
+
+
+@contextmanager
+def quiet_stdout():
+    """Descriptor 1 pointed at /dev/null while the block runs, in the main thread only (elsewhere: nothing), for
+    HiGHS's stray line (see `milp`) from this thread's solves and from those of the threads working for it
+    meanwhile (`side_pool`). Python's own output is flushed before and after: text written to sys.stdout in the
+    block but not yet flushed is written after it; what the block flushes itself is lost, so a block holds solves,
+    not prints. Blocks nest."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     try:
         sys.stdout.flush()
         saved = os.dup(1)
     except (OSError, ValueError, AttributeError):  # no descriptor 1 to protect (closed, or replaced streams)
-        return _scipy_milp(c, **kwargs)
+        yield
+        return
     try:
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, 1)
         os.close(null)
-        return _scipy_milp(c, **kwargs)
+        yield
     finally:
         os.dup2(saved, 1)
         os.close(saved)
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 _POOL = None
@@ -65,4 +84,20 @@ def lp_pool() -> ThreadPoolExecutor:
         return _POOL[1]
 
 
-__all__ = ["milp", "lp_pool"]
+_SIDE = None
+
+
+def side_pool() -> ThreadPoolExecutor:
+    """Threads (one per core, up to two: two requests of the plan service at once) for a whole search that runs
+    beside its caller's and is not needed until the caller's ends (a plan's alternatives, agoq.search.search): HiGHS
+    releases the GIL, so its solves fill the core that one MILP of the caller's leaves idle. Their own LPs go to
+    `lp_pool`, whose threads never wait on them: no deadlock. The caller holds `quiet_stdout` while they run."""
+    global _SIDE
+    with _POOL_LOCK:
+        if _SIDE is None or _SIDE[0] != os.getpid():
+            _SIDE = (os.getpid(), ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1)),
+                                                     thread_name_prefix="agoq-side"))
+        return _SIDE[1]
+
+
+__all__ = ["milp", "lp_pool", "quiet_stdout", "side_pool"]

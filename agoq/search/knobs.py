@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -173,11 +173,14 @@ def _dominated(p: ChoiceProblem, q: ChoiceProblem) -> bool:
 
 def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_cap: Optional[float] = None,
                 time_cap=None, space: KnobSpace = KnobSpace(),
-                base: ProblemSettings = ProblemSettings(), prune: bool = True) -> KnobSearch:
+                base: ProblemSettings = ProblemSettings(), prune: bool = True,
+                before_binding: Optional[Callable[[], object]] = None) -> KnobSearch:
     """The best combination of `space` under `budget` bytes per stage and the caps (see the module docstring).
     `time_cap` is seconds, None or "checkpoint" (each combination no slower than its own best checkpointing that
     fits). Raises InfeasibleBudget when no combination fits, with the smallest budget
-    any combination fits."""
+    any combination fits. `before_binding` is called once the best is found, before its binding constraints are
+    solved: their solves stop at a time limit (BINDING_SECONDS), so what the caller runs beside the search
+    (agoq.search.search: the alternatives) is waited for there, not left to take their cores."""
     tried: list[KnobResult] = []
     built = []
     for knobs in combinations(profile, space, base):
@@ -268,6 +271,8 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             r.error = "slower" if objective == "time" else "less exact"
     solved = [r for r in solved if r.error is None]
     best = min(solved, key=lambda r: r.key(objective))
+    if before_binding is not None:
+        before_binding()
     return KnobSearch(best, tried, binding_constraints(best, budget, objective, error_cap, best.time_cap))
 
 

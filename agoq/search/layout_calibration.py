@@ -99,24 +99,28 @@ def anchor(profile: ProfileData, row: dict) -> Optional[dict]:
     """{"compute_seconds", "communication_seconds", "peak_bytes"} of R's configuration priced by the calibrated
     one-rank model (module docstring; on a profile of one rank, one-rank FSDP2: no communication); None where the
     profile cannot price it (cached on the profile)."""
+    cache = profile.cache.setdefault("layout_anchor", {})
+    key = repr(sorted((k, v) for k, v in row.items() if not isinstance(v, list)))
+    if key not in cache:  # made whole, then kept: threads share the profile (a placeholder would be read as "none")
+        cache[key] = _anchor(profile, row)
+    return cache[key]
+
+
+def _anchor(profile: ProfileData, row: dict) -> Optional[dict]:
+    """`anchor`, uncached."""
     from agoq.search.calibration import calibrate_problem
     from agoq.search.cost_model import model_problem
 
-    cache = profile.cache.setdefault("layout_anchor", {})
-    key = repr(sorted((k, v) for k, v in row.items() if not isinstance(v, list)))
-    if key not in cache:
-        cache[key] = None
-        knobs = row_knobs(profile, row)
-        try:
-            problem = model_problem(profile, knobs, one_rank=profile.world_size == 1)
-        except ValueError:
-            return None
-        calibrate_problem(problem, profile, knobs, row["compile"], row["micro_batch"], row["grad_accum"])
-        figures = problem.evaluate(np.nonzero(problem.keeps_16bit())[0], np.zeros(problem.num_layers, dtype=bool))
-        comm = float(problem.communication_seconds)
-        cache[key] = {"compute_seconds": float(figures["step_seconds"]) - comm, "communication_seconds": comm,
-                      "peak_bytes": float(max(figures["peak_bytes_per_stage"]))}
-    return cache[key]
+    knobs = row_knobs(profile, row)
+    try:
+        problem = model_problem(profile, knobs, one_rank=profile.world_size == 1)
+    except ValueError:
+        return None
+    calibrate_problem(problem, profile, knobs, row["compile"], row["micro_batch"], row["grad_accum"])
+    figures = problem.evaluate(np.nonzero(problem.keeps_16bit())[0], np.zeros(problem.num_layers, dtype=bool))
+    comm = float(problem.communication_seconds)
+    return {"compute_seconds": float(figures["step_seconds"]) - comm, "communication_seconds": comm,
+            "peak_bytes": float(max(figures["peak_bytes_per_stage"]))}
 
 
 def calibrate_layout(problem: ChoiceProblem, profile: ProfileData, knobs: ProblemSettings, compile_mode: str) -> None:

@@ -4,11 +4,14 @@ the search cannot show agoq is faster."""
 
 from __future__ import annotations
 
-from typing import Optional
+from concurrent.futures import Future
+from typing import Optional, Sequence
 
 from agoq.formats.plan import Plan
 from agoq.formats.profile import ProfileData
-from agoq.search.alternatives import best_alternative, price_alternatives
+from agoq.search.alternatives import PricedAlternative, best_alternative, price_alternatives
+from agoq.search.costs import ProblemSettings
+from agoq.search.highs import side_pool
 from agoq.search.knobs import KnobSearch
 from agoq.search.layouts import resolve_layout
 from agoq.search.plan_builder import plan_of_alternative
@@ -38,20 +41,25 @@ def unless_an_alternative_is_as_fast(plan: Plan, profile: ProfileData) -> Plan:
                                      f"than {FASTER_BY:.0%} faster: the plan is that alternative", profile)
 
 
-def attach_alternatives(plan: Plan, profile: ProfileData, budget: int, found: Optional[KnobSearch] = None) -> None:
+def alternatives_pricing(profile: ProfileData, budget: int, knobs: Sequence[ProblemSettings]) -> Optional[Future]:
+    """The alternatives of a search about to try the combinations `knobs`, priced on agoq.search.highs.side_pool
+    while it searches them: they depend on the combinations and the budget only, not on the plan (the caller holds
+    agoq.search.highs.quiet_stdout until they are in, and passes them to attach_alternatives). None where some
+    combination leaves its micro-batch, compile mode or master to the plan (knobs.combinations sets them all):
+    attach_alternatives prices them after the plan, as it does without a head start."""
+    if not knobs or any(k.micro_batch is None or k.compile_mode is None or not k.master for k in knobs):
+        return None
+    return side_pool().submit(price_alternatives, profile, budget, **_pricing(profile, knobs, None))
+
+
+def attach_alternatives(plan: Plan, profile: ProfileData, budget: int, found: Optional[KnobSearch] = None,
+                        priced: Optional[list[PricedAlternative]] = None) -> None:
     """Price the alternatives (agoq.search.alternatives) at the plan's budget over the same batch splits and compile
-    modes, and write `plan.alternatives` and `plan.alternative` (the fastest that fits, with the plan's speed-up)."""
-    tried = found.tried if found is not None else []
-    splits = sorted({(int(r.knobs.micro_batch or plan.training.micro_batch), int(r.knobs.grad_accum)) for r in tried}
-                    or {(plan.training.micro_batch, plan.training.grad_accum)}, reverse=True)
-    modes = sorted({plan.training.compile} | ({r.knobs.compile_mode for r in tried if r.knobs.compile_mode}
-                                              & set(compile_modes(profile))))
-    offload = [(r.knobs.allow_offload, r.knobs.host_budget) for r in tried] or [(True, None)]
-    masters = {r.knobs.master for r in tried if r.knobs.master} or {plan.optimizer.master}
-    layouts = {resolve_layout(r.knobs.layout, r.knobs.gradient_mode) for r in tried} \
-        or {plan_layout(plan) or resolve_layout(None, plan.gradients.mode)}
-    priced = price_alternatives(profile, budget, splits, modes, offload=offload[0][0], host_budget=offload[0][1],
-                                masters=masters, layouts=tuple(sorted(layouts)))
+    modes, and write `plan.alternatives` and `plan.alternative` (the fastest that fits, with the plan's speed-up).
+    `priced`: those already priced for the combinations `found` tried (alternatives_pricing)."""
+    if priced is None:
+        knobs = [r.knobs for r in found.tried] if found is not None else []
+        priced = price_alternatives(profile, budget, **_pricing(profile, knobs, plan))
     seq = plan.training.seq_len
     mine = plan.training.micro_batch * plan.training.grad_accum * seq / plan.predicted.step_seconds \
         if plan.predicted.step_seconds else None
@@ -60,4 +68,20 @@ def attach_alternatives(plan: Plan, profile: ProfileData, budget: int, found: Op
     plan.alternative = None if best is None else best.as_plan_field(mine)
 
 
-__all__ = ["FASTER_BY", "attach_alternatives", "unless_an_alternative_is_as_fast"]
+def _pricing(profile: ProfileData, knobs: Sequence[ProblemSettings], plan: Optional[Plan]) -> dict:
+    """price_alternatives' splits, compile modes, offload, masters and layouts: those of the combinations `knobs`
+    (the first one's offload), with the plan's own where they leave one unset or there are none. `plan` None:
+    every combination sets them (alternatives_pricing)."""
+    splits = sorted({(int(k.micro_batch or plan.training.micro_batch), int(k.grad_accum)) for k in knobs}
+                    or {(plan.training.micro_batch, plan.training.grad_accum)}, reverse=True)
+    own = {plan.training.compile} if plan is not None else set()
+    modes = sorted(own | ({k.compile_mode for k in knobs if k.compile_mode} & set(compile_modes(profile))))
+    offload = [(k.allow_offload, k.host_budget) for k in knobs] or [(True, None)]
+    masters = {k.master for k in knobs if k.master} or {plan.optimizer.master}
+    layouts = {resolve_layout(k.layout, k.gradient_mode) for k in knobs} \
+        or {plan_layout(plan) or resolve_layout(None, plan.gradients.mode)}
+    return {"splits": splits, "compile_modes": modes, "offload": offload[0][0], "host_budget": offload[0][1],
+            "masters": masters, "layouts": tuple(sorted(layouts))}
+
+
+__all__ = ["FASTER_BY", "alternatives_pricing", "attach_alternatives", "unless_an_alternative_is_as_fast"]

@@ -11,6 +11,7 @@ budget that fits (or the caps no budget meets), for the caller to word.
 
 from __future__ import annotations
 
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -19,11 +20,12 @@ from agoq.formats.plan import Plan
 from agoq.formats.profile import ProfileData, load_profile
 from agoq.progress import phase
 from agoq.search.costs import ProblemSettings, build_problem
-from agoq.search.knobs import KnobSearch, knob_values, solve_knobs
+from agoq.search.highs import quiet_stdout
+from agoq.search.knobs import KnobSearch, combinations, knob_values, solve_knobs
 from agoq.search.milp import Solver, resolve_error_cap, resolve_time_cap
 from agoq.search.outputs import CSV_COLUMNS, pareto_rows, side_files, write_outputs  # noqa: F401 (agoq search's)
 from agoq.search.pareto import memory_error_front
-from agoq.search.plan_alternatives import attach_alternatives, unless_an_alternative_is_as_fast
+from agoq.search.plan_alternatives import alternatives_pricing, attach_alternatives, unless_an_alternative_is_as_fast
 from agoq.search.plan_builder import alternative_knobs, build_plan, plan_of_alternative
 from agoq.search.request import CHECKPOINT_CAP, RECIPE_CAP, InfeasibleBudget, KnobSpace, SearchRequest
 from agoq.units import format_bytes
@@ -84,15 +86,22 @@ def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, erro
     """The best plan over the outer knobs (agoq.search.knobs), with its decision and best alternative recorded;
     returns (plan, KnobSearch). With `progress` a line on stderr says `what` is running, for how long
     (agoq.progress.phase)."""
-    with phase(what, enabled=progress) as bar:
-        found = solve_knobs(profile, budget, objective=objective, error_cap=error_cap, time_cap=time_cap,
-                            space=space)
+    with phase(what, enabled=progress) as bar, quiet_stdout():
+        # the alternatives are priced beside the search (they need the combinations and the budget, not the plan)
+        pricing = alternatives_pricing(profile, budget, combinations(profile, space)) if alternatives else None
+        try:
+            found = solve_knobs(profile, budget, objective=objective, error_cap=error_cap, time_cap=time_cap,
+                                space=space, before_binding=None if pricing is None else lambda: wait([pricing]))
+        except BaseException:  # refused (no plan fits): not needed, but done before stdout is back (quiet_stdout)
+            if pricing is not None and not pricing.cancel():
+                wait([pricing])
+            raise
         best = found.best
         plan = build_plan(profile, best.problem, best.alloc, best.knobs, budget, "milp", objective)
         record_decision(plan, profile, found, objective, error_cap, cap_source)
         if alternatives:
             bar.set_postfix_str("pricing the alternatives", refresh=False)
-            attach_alternatives(plan, profile, budget, found)
+            attach_alternatives(plan, profile, budget, found, None if pricing is None else pricing.result())
             # an alternative stores bf16 gradients: where the request rules them out, it cannot be the plan
             if objective == "time" and (space.gradient_modes is None or "bf16" in space.gradient_modes):
                 plan = unless_an_alternative_is_as_fast(plan, profile)

@@ -216,3 +216,45 @@ def test_without_masters_is_offered_where_the_search_may_drop_them(tmp_path):
         with_masters = next(a for a in plain if a.compile == mode and " bf16," in a.name and a.optimizer == "adamw8bit")
         masters = state_parts(profile, "bf16", "adamw8bit", "fp32")["masters"]  # the masters are all they differ by
         assert with_masters.peak_bytes - got.peak_bytes == pytest.approx(masters, abs=2), seed
+
+
+def test_alternatives_priced_beside_the_search_are_those_priced_after_it(tmp_path, monkeypatch):
+    """The search prices the alternatives on agoq.search.highs.side_pool while it searches the combinations
+    (plan_alternatives.alternatives_pricing): the plan must carry exactly what pricing them after the plan, from the
+    combinations it tried, gives (the way without a head start), at budgets across the range, and the pricing must
+    have run on the side thread. Below the least budget the search is refused, with the pricing finished or
+    cancelled, and the side thread free for the next request."""
+    import threading
+
+    from agoq.search import alternatives, plan_alternatives, search
+    from agoq.search.highs import side_pool
+    from agoq.search.knobs import budget_bounds
+    from agoq.search.request import InfeasibleBudget
+
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng, compiled=True)
+    least, largest = budget_bounds(profile)
+    threads = []
+    real = alternatives.price_alternatives
+
+    def noted(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan_alternatives, "price_alternatives", noted)
+    for budget in sorted(rng.randint(least, largest) for _ in range(3)):
+        threads.clear()
+        beside = plan_from_profile(profile, budget, error_cap=None).to_dict()
+        assert threads and all(name.startswith("agoq-side") for name in threads), (seed, threads)
+        with monkeypatch.context() as m:
+            m.setattr(search, "alternatives_pricing", lambda *a, **k: None)
+            threads.clear()
+            after = plan_from_profile(profile, budget, error_cap=None).to_dict()
+            assert threads == [threading.current_thread().name], (seed, threads)
+        for d in (beside, after):
+            d.pop("created", None)
+            d.get("source", {}).pop("date", None)
+        assert beside["alternatives"] and beside == after, (seed, budget)
+    with pytest.raises(InfeasibleBudget):
+        plan_from_profile(profile, least - 1 - rng.randrange(least // 2), error_cap=None)
+    assert side_pool().submit(lambda: "free").result(timeout=5) == "free"

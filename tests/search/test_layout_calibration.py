@@ -134,3 +134,41 @@ def test_search_verbose_says_how_each_layout_was_calibrated(tmp_path, seed, caps
            f"{measured * 1e3:.4g} ms" in said, said
     notes = json.loads(out.read_text())["source"]["notes"]
     assert any("calibrated on the profile's 2-rank layout step" in n for n in notes)
+
+
+def test_a_layout_steps_anchor_is_the_same_for_threads_that_ask_while_it_is_made(tmp_path, seed, monkeypatch):
+    """Threads share a profile (the plan service's requests, a search's side thread pricing its alternatives): a
+    thread asking for a layout step's anchor while another is making it must get the anchor, never a placeholder
+    (an anchor of None leaves a problem uncalibrated, silently: the search then prices that layout uncalibrated)."""
+    import threading
+    import time
+
+    from agoq.search import layout_calibration
+
+    rng = random.Random(seed)
+    folder = _profile(tmp_path, rng)
+    header = json.loads((folder / "profile.json").read_text())
+    row = {"layout": "fsdp", "gradients": "bf16", "compile": "eager", "micro_batch": 3, "grad_accum": 1,
+           "optimizer": "adamw8bit", "master": "fp32", "steps": 6, "step_seconds": rng.uniform(0.01, 0.1),
+           "peak_bytes": None}
+    header["layout_steps"] = {"version": 1, "world_size": 2, "rows": [row]}
+    (folder / "profile.json").write_text(json.dumps(header))
+    row = load_profile(folder).layout_steps()[0]  # as the profile reads it
+    expected = layout_calibration._anchor(load_profile(folder), row)  # on a profile of its own
+    assert expected is not None
+    profile = load_profile(folder)
+    real, started = layout_calibration._anchor, threading.Event()
+
+    def slow(*args):
+        started.set()
+        time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(layout_calibration, "_anchor", slow)
+    first = []
+    maker = threading.Thread(target=lambda: first.append(layout_calibration.anchor(profile, row)))
+    maker.start()
+    assert started.wait(10)
+    meanwhile = layout_calibration.anchor(profile, row)
+    maker.join()
+    assert meanwhile == expected and first == [expected], (seed, meanwhile, first, expected)

@@ -53,3 +53,26 @@ def test_other_threads_leave_stdout_alone(capfd, monkeypatch, seed):
     t.join()
     assert done and done[0].status == 0
     assert "tmpSolver" in capfd.readouterr().out  # untouched: the line went where the process's stdout goes
+
+
+def test_a_side_threads_solves_are_quiet_while_the_main_thread_holds_quiet_stdout(capfd, monkeypatch, seed):
+    """The search prices its alternatives on highs.side_pool while it searches (agoq.search.search): inside the
+    main thread's quiet_stdout block, a solve on the side thread drops HiGHS's line too, blocks nest, and agoq's
+    own output before and after the block (and text left unflushed in it) still reaches stdout."""
+    rng = np.random.default_rng(seed)
+    _noisy.real = highs._scipy_milp
+    monkeypatch.setattr(highs, "_scipy_milp", _noisy)
+    c, cons, _ = _small_problem(rng)
+    print("before the block", flush=True)
+    with highs.quiet_stdout():
+        side = highs.side_pool().submit(highs.milp, c, constraints=[cons], integrality=np.ones(len(c)),
+                                        bounds=(0, 1))
+        with highs.quiet_stdout():
+            mine = highs.milp(c, constraints=[cons], integrality=np.ones(len(c)), bounds=(0, 1))
+        theirs = side.result(timeout=60)
+        print("written in the block", end="")
+    print(" and after it", flush=True)
+    out = capfd.readouterr().out
+    assert "tmpSolver" not in out, out
+    assert "before the block" in out and "written in the block and after it" in out, out
+    assert mine.status == theirs.status == 0 and abs(mine.fun - theirs.fun) <= 1e-12 * max(1.0, abs(mine.fun))
