@@ -89,8 +89,9 @@ _SIDE = None
 
 def side_pool() -> ThreadPoolExecutor:
     """Threads (one per core, up to two: two requests of the plan service at once) for a whole search that runs
-    beside its caller's and is not needed until the caller's ends (a plan's alternatives, agoq.search.search): HiGHS
-    releases the GIL, so its solves fill the core that one MILP of the caller's leaves idle. Their own LPs go to
+    beside its caller's and is not needed until the caller's ends (a plan's alternatives, agoq.search.search; the
+    winner's binding constraints while its ties are broken, agoq.search.knobs): HiGHS releases the GIL, so its
+    solves fill the core that one MILP of the caller's leaves idle. Their own LPs go to
     `lp_pool`, whose threads never wait on them: no deadlock. The caller holds `quiet_stdout` while they run."""
     global _SIDE
     with _POOL_LOCK:

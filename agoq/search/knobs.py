@@ -29,6 +29,8 @@ when the same knobs without it would be faster, else "none".
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import wait
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -45,7 +47,7 @@ from agoq.search.costs import (
     profile_compile_mode,
     resolve_optimizer,
 )
-from agoq.search.highs import lp_pool
+from agoq.search.highs import lp_pool, quiet_stdout, side_pool
 from agoq.search.hsdp import hsdp_refusal
 from agoq.search.layouts import layouts, resolve_layout
 from agoq.search.milp import Allocation, Solver, resolve_time_cap
@@ -262,18 +264,39 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             f"{format_bytes_apart(asked, least)[0]} per GPU: the smallest feasible budget is "
             f"{format_bytes_apart(least, asked)[0]} ({least} bytes)", least)
     top = min(first(r) for r in solved)
-    for r in solved:  # those reaching the best first objective: their ties broken by the second
-        if first(r) <= top + abs(top) * 1e-9 + 1e-15:
-            r.solver.tie_break = True  # its first objective is not solved again
-            r.alloc = r.solver.solve(budget, objective, r.time_cap, error_cap=error_cap)
-            r.tokens_per_second = tokens_per_second(profile, r.knobs, r.alloc.step_seconds)
-        else:
+    tied = [r for r in solved if first(r) <= top + abs(top) * 1e-9 + 1e-15]  # their ties broken by the second
+    for r in solved:
+        if not any(r is t for t in tied):
             r.error = "slower" if objective == "time" else "less exact"
-    solved = [r for r in solved if r.error is None]
-    best = min(solved, key=lambda r: r.key(objective))
-    if before_binding is not None:
-        before_binding()
-    return KnobSearch(best, tried, binding_constraints(best, budget, objective, error_cap, best.time_cap))
+    early = None
+    with quiet_stdout():  # (the early question's solves are a side thread's: kept quiet by the caller's thread)
+        if len(tied) == 1 and (os.cpu_count() or 1) > 1:
+            # one winner: its binding constraints are asked beside its tie-break, a core each (on the H100 probe's
+            # smallest budget 0.3 s each, one after the other). The tie-break keeps the first objective, within
+            # FIRST_GAP of its optimum, or betters it: bettered, the question is asked again of the new value
+            if before_binding is not None:
+                before_binding()
+                before_binding = None
+            early = (first(tied[0]), side_pool().submit(binding_constraints, tied[0].problem, first(tied[0]),
+                                                        budget, objective, error_cap, tied[0].time_cap))
+        try:
+            for r in tied:
+                r.solver.tie_break = True  # its first objective is not solved again
+                r.alloc = r.solver.solve(budget, objective, r.time_cap, error_cap=error_cap)
+                r.tokens_per_second = tokens_per_second(profile, r.knobs, r.alloc.step_seconds)
+        except BaseException:
+            if early is not None and not early[1].cancel():
+                wait([early[1]])  # its solves end before stdout is back
+            raise
+        best = min(tied, key=lambda r: r.key(objective))
+        if early is not None:
+            binding = early[1].result()  # waited for even when asked again below: no solve is left running
+            if abs(first(best) - early[0]) <= abs(early[0]) * 1e-9 + 1e-15:
+                return KnobSearch(best, tried, binding)
+        if before_binding is not None:
+            before_binding()
+        return KnobSearch(best, tried, binding_constraints(best.problem, first(best), budget, objective, error_cap,
+                                                           best.time_cap))
 
 
 def budget_bounds(profile: ProfileData, space: KnobSpace = KnobSpace(),
@@ -296,17 +319,16 @@ def budget_bounds(profile: ProfileData, space: KnobSpace = KnobSpace(),
 BINDING_SECONDS = 0.3  # a relaxed solve of binding_constraints stops here
 
 
-def binding_constraints(result: KnobResult, budget, objective: str, error_cap: Optional[float],
+def binding_constraints(problem, mine: float, budget, objective: str, error_cap: Optional[float],
                         time_cap: Optional[float]) -> list[str]:
-    """Which constraints bind the chosen plan: those whose removal (one at a time, same knobs) improves its
-    objective by more than the first objective's MIP gap (FIRST_GAP, relative: a plan within it of its optimum
-    would otherwise name a constraint that a better choice under the same constraints beats); ["none"] when none
-    does. Each removal asks Solver.improves (a relaxation that cannot improve answers without a solve; a solve
+    """Which constraints bind a plan of `problem` whose first objective is `mine` (step seconds or gradient error):
+    those whose removal (one at a time, same knobs) improves that objective by more than the first objective's MIP
+    gap (FIRST_GAP, relative: a plan within it of its optimum would otherwise name a constraint that a better choice
+    under the same constraints beats); ["none"] when none does. Each removal asks Solver.improves (a relaxation that cannot improve answers without a solve; a solve
     stops after BINDING_SECONDS and names the constraint binding only where it found an improvement by then: a plan
     request on the H100 probe profile's tightest budget waited 5-7 s in four of five requests where the relaxed
     solve, stopped before any choice, searched on without a limit)."""
-    solver = Solver(result.problem, tie_break=False)
-    mine = result.alloc.grad_error if objective == "error" else result.alloc.step_seconds
+    solver = Solver(problem, tie_break=False)
     out = []
     relaxed = {"memory budget": dict(budget=math.inf, error_cap=error_cap, time_cap=time_cap)}
     if error_cap is not None:
@@ -314,10 +336,10 @@ def binding_constraints(result: KnobResult, budget, objective: str, error_cap: O
     if time_cap is not None:
         relaxed["time cap"] = dict(budget=budget, error_cap=error_cap, time_cap=None)
     for name, args in relaxed.items():
-        if name == "memory budget" and _unbounded_keeps_improve(result.problem, objective, mine, error_cap, time_cap):
+        if name == "memory budget" and _unbounded_keeps_improve(problem, objective, mine, error_cap, time_cap):
             out.append(name)  # shown without a solve: keeping every tensor as it is does better
             continue
-        if solver.improves(np.full(result.problem.num_stages, float(args["budget"])), objective,
+        if solver.improves(np.full(problem.num_stages, float(args["budget"])), objective,
                            mine - FIRST_GAP * max(abs(mine), 1e-12), time_cap=args["time_cap"],
                            error_cap=args["error_cap"], time_limit=BINDING_SECONDS):
             out.append(name)

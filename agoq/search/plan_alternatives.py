@@ -5,7 +5,7 @@ the search cannot show agoq is faster."""
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from agoq.formats.plan import Plan
 from agoq.formats.profile import ProfileData
@@ -49,23 +49,38 @@ def alternatives_pricing(profile: ProfileData, budget: int, knobs: Sequence[Prob
     attach_alternatives prices them after the plan, as it does without a head start."""
     if not knobs or any(k.micro_batch is None or k.compile_mode is None or not k.master for k in knobs):
         return None
-    return side_pool().submit(price_alternatives, profile, budget, **_pricing(profile, knobs, None))
+    return side_pool().submit(_priced, profile, budget, _pricing(profile, knobs, None))
+
+
+class Priced(NamedTuple):
+    """Alternatives priced at one budget, and what they were priced over (price_alternatives' keywords)."""
+
+    asked: dict
+    alternatives: list[PricedAlternative]
 
 
 def attach_alternatives(plan: Plan, profile: ProfileData, budget: int, found: Optional[KnobSearch] = None,
-                        priced: Optional[list[PricedAlternative]] = None) -> None:
+                        priced: Optional[Priced] = None) -> Priced:
     """Price the alternatives (agoq.search.alternatives) at the plan's budget over the same batch splits and compile
     modes, and write `plan.alternatives` and `plan.alternative` (the fastest that fits, with the plan's speed-up).
-    `priced`: those already priced for the combinations `found` tried (alternatives_pricing)."""
-    if priced is None:
-        knobs = [r.knobs for r in found.tried] if found is not None else []
-        priced = price_alternatives(profile, budget, **_pricing(profile, knobs, plan))
+    `priced`: alternatives already priced at `budget` (alternatives_pricing's, or this function's return for another
+    plan of the same search), used where this plan asks for the same splits, compile modes, masters and layouts (a
+    plan of the Optuna study may add its own compile mode: priced again). Returns the alternatives written."""
+    knobs = [r.knobs for r in found.tried] if found is not None else []
+    asked = _pricing(profile, knobs, plan)
+    if priced is None or priced.asked != asked:
+        priced = _priced(profile, budget, asked)
     seq = plan.training.seq_len
     mine = plan.training.micro_batch * plan.training.grad_accum * seq / plan.predicted.step_seconds \
         if plan.predicted.step_seconds else None
-    plan.alternatives = [a.as_plan_field(mine) for a in priced]
-    best = best_alternative(priced)
+    plan.alternatives = [a.as_plan_field(mine) for a in priced.alternatives]
+    best = best_alternative(priced.alternatives)
     plan.alternative = None if best is None else best.as_plan_field(mine)
+    return priced
+
+
+def _priced(profile: ProfileData, budget: int, asked: dict) -> Priced:
+    return Priced(asked, price_alternatives(profile, budget, **asked))
 
 
 def _pricing(profile: ProfileData, knobs: Sequence[ProblemSettings], plan: Optional[Plan]) -> dict:
@@ -84,4 +99,4 @@ def _pricing(profile: ProfileData, knobs: Sequence[ProblemSettings], plan: Optio
             "masters": masters, "layouts": tuple(sorted(layouts))}
 
 
-__all__ = ["FASTER_BY", "alternatives_pricing", "attach_alternatives", "unless_an_alternative_is_as_fast"]
+__all__ = ["FASTER_BY", "Priced", "alternatives_pricing", "attach_alternatives", "unless_an_alternative_is_as_fast"]

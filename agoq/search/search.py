@@ -84,7 +84,7 @@ def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, erro
                cap_source: Optional[str], space: KnobSpace, alternatives: bool, progress: bool = False,
                what: str = "the best plan over the knob combinations") -> tuple:
     """The best plan over the outer knobs (agoq.search.knobs), with its decision and best alternative recorded;
-    returns (plan, KnobSearch). With `progress` a line on stderr says `what` is running, for how long
+    returns (plan, KnobSearch, the alternatives priced: None without `alternatives`). With `progress` a line on stderr says `what` is running, for how long
     (agoq.progress.phase)."""
     with phase(what, enabled=progress) as bar, quiet_stdout():
         # the alternatives are priced beside the search (they need the combinations and the budget, not the plan)
@@ -99,13 +99,14 @@ def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, erro
         best = found.best
         plan = build_plan(profile, best.problem, best.alloc, best.knobs, budget, "milp", objective)
         record_decision(plan, profile, found, objective, error_cap, cap_source)
+        priced = None
         if alternatives:
             bar.set_postfix_str("pricing the alternatives", refresh=False)
-            attach_alternatives(plan, profile, budget, found, None if pricing is None else pricing.result())
+            priced = attach_alternatives(plan, profile, budget, found, None if pricing is None else pricing.result())
             # an alternative stores bf16 gradients: where the request rules them out, it cannot be the plan
             if objective == "time" and (space.gradient_modes is None or "bf16" in space.gradient_modes):
                 plan = unless_an_alternative_is_as_fast(plan, profile)
-    return plan, found
+    return plan, found, priced
 
 
 def record_decision(plan: Plan, profile: ProfileData, found: KnobSearch, objective: str,
@@ -159,7 +160,7 @@ def plan_from_profile(profile_dir, request: Union[SearchRequest, int], *, knobs:
     if knobs is not None:
         problem, _, alloc = _milp_plan(profile, knobs, r.budget, r.objective, r.time_cap, error_cap)
         return build_plan(profile, problem, alloc, knobs, r.budget, "milp", r.objective)
-    plan, _ = _knob_plan(profile, r.budget, r.objective, r.time_cap, error_cap, _cap_source(r.error_cap), r.space,
+    plan, _, _ = _knob_plan(profile, r.budget, r.objective, r.time_cap, error_cap, _cap_source(r.error_cap), r.space,
                          alternatives, progress, what or "the best plan over the knob combinations")
     return plan
 
@@ -239,8 +240,8 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
     budget, objective, time_cap = r.budget, r.objective, r.time_cap
     cap_notes: list = []
     error_cap = _recipe_cap(profile, r.error_cap, cap_notes)
-    plan, found = _knob_plan(profile, budget, objective, time_cap, error_cap, _cap_source(r.error_cap), r.space,
-                             alternatives, progress)
+    plan, found, priced = _knob_plan(profile, budget, objective, time_cap, error_cap, _cap_source(r.error_cap),
+                                     r.space, alternatives, progress)
     knobs, problem = found.best.knobs, found.best.problem
     outcome = SearchOutcome(plan)
     outcome.notes += cap_notes + problem.notes
@@ -292,8 +293,8 @@ def search(profile: ProfileData, request: Union[SearchRequest, int], *, storage:
             candidates.append(Candidate(plan, "optuna", budget, trial=t.number))
         study = result.study
     best = min((c for c in candidates if c.source in ("milp", "optuna")), key=lambda c: c.key(objective))
-    if best.plan is not outcome.plan and alternatives:
-        attach_alternatives(best.plan, profile, budget, found)
+    if best.plan is not outcome.plan and alternatives:  # those priced for the MILP plan, where they are its
+        attach_alternatives(best.plan, profile, budget, found, priced)
     outcome.plan = best.plan
     outcome.candidates = candidates
     if r.validate > 0:

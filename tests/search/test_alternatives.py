@@ -258,3 +258,35 @@ def test_alternatives_priced_beside_the_search_are_those_priced_after_it(tmp_pat
     with pytest.raises(InfeasibleBudget):
         plan_from_profile(profile, least - 1 - rng.randrange(least // 2), error_cap=None)
     assert side_pool().submit(lambda: "free").result(timeout=5) == "free"
+
+
+def test_a_plan_asking_for_the_same_pricing_reuses_alternatives_priced_for_another(tmp_path, monkeypatch):
+    """attach_alternatives returns what it priced and over what (plan_alternatives.Priced): given to a second plan of
+    the same search (the Optuna study's, agoq.search.search) they are reused where that plan asks for the same
+    splits, compile modes, masters and layouts, and priced again where it asks for others, equal to pricing afresh."""
+    from agoq.search import plan_alternatives
+    from agoq.search.knobs import budget_bounds
+
+    seed, rng = fresh_rng()
+    profile = _profile(tmp_path, rng, compiled=True)
+    least, largest = budget_bounds(profile)
+    budget = rng.randint(least, largest)
+    plan = plan_from_profile(profile, budget, error_cap=None)
+    calls, real = [], price_alternatives
+    monkeypatch.setattr(plan_alternatives, "price_alternatives", lambda *a, **k: calls.append(k) or real(*a, **k))
+
+    def copy(p):
+        return plan_from_dict(p.to_dict())
+
+    priced_first = copy(plan)
+    first = plan_alternatives.attach_alternatives(priced_first, profile, budget)  # its splits etc. from the plan
+    same = copy(plan)
+    assert plan_alternatives.attach_alternatives(same, profile, budget, priced=first) is first and len(calls) == 1
+    assert same.to_dict() == priced_first.to_dict() and same.alternatives, seed
+    other = copy(plan)
+    other.training.grad_accum = plan.training.grad_accum * rng.choice([2, 3])  # another batch split
+    again = plan_alternatives.attach_alternatives(other, profile, budget, priced=first)
+    assert len(calls) == 2 and again.asked["splits"] != first.asked["splits"], seed
+    fresh = copy(other)
+    plan_alternatives.attach_alternatives(fresh, profile, budget)
+    assert other.to_dict() == fresh.to_dict(), seed

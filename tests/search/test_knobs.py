@@ -168,3 +168,89 @@ def test_optuna_trials_keep_to_the_gradient_storage_asked(tmp_path):
                      out_dir=tmp_path / "s", space=Knobs(gradient_modes=("quangrad8",)))
     assert outcome.plan.gradients.mode == "quangrad8"
     assert {c.plan.gradients.mode for c in outcome.candidates} == {"quangrad8"}
+
+
+def _binding_spy(monkeypatch):
+    """Record each binding question (its thread, the objective value it was asked of, its answer)."""
+    import threading
+
+    from agoq.search import knobs as knobs_module
+
+    asked, real = [], knobs_module.binding_constraints
+
+    def spy(problem, mine, *args):
+        answer = real(problem, mine, *args)
+        asked.append((threading.current_thread().name, mine, answer))
+        return answer
+
+    monkeypatch.setattr(knobs_module, "binding_constraints", spy)
+    return asked
+
+
+def test_binding_asked_beside_the_tie_break_is_the_binding_asked_after_it(tmp_path, monkeypatch):
+    """With one winning combination its binding constraints are asked on a side thread while its ties are broken:
+    on a 5-layer profile at budgets across the range, under error caps, the answer and the plan equal those of the
+    search that asks after the tie-break (one core: nothing beside), and the side thread did the asking."""
+    import types
+
+    from agoq.search import knobs as knobs_module
+    from agoq.search.knobs import budget_bounds
+
+    seed, rng = fresh_rng()
+    profile = load_profile(write_profile(tmp_path / "p", rng, num_layers=5, micro_batch=4, seq_len=37))
+    space = KnobSpace(masters=("fp32", "none"))
+    least, largest = budget_bounds(profile, space)
+    asked = _binding_spy(monkeypatch)
+    beside = 0
+    for frac in (0.0, 0.01, 0.05, 0.3, 0.9):
+        budget = int(least + frac * (largest - least)) + rng.randrange(1, 1000)
+        cap = rng.choice([None, rng.uniform(0.01, 0.3)])
+        monkeypatch.setattr(knobs_module, "os", types.SimpleNamespace(cpu_count=lambda: 1))
+        try:
+            after = solve_knobs(profile, budget, error_cap=cap, space=space)
+        except InfeasibleBudget:
+            continue
+        monkeypatch.setattr(knobs_module, "os", types.SimpleNamespace(cpu_count=lambda: 2))
+        del asked[:]
+        found = solve_knobs(profile, budget, error_cap=cap, space=space)
+        assert found.binding == after.binding, (seed, budget, cap)
+        assert found.best.knobs == after.best.knobs and found.best.alloc.step_seconds == after.best.alloc.step_seconds
+        tied = [r for r in found.tried if r.alloc is not None and r.error is None]
+        if len(tied) == 1:
+            assert [a[0].startswith("agoq-side") for a in asked] == [True], (seed, asked)
+            beside += 1
+    assert beside, seed  # some budget had one winner: the side thread was exercised
+
+
+def test_a_tie_break_that_betters_the_first_objective_asks_the_binding_question_again(tmp_path, monkeypatch):
+    """The question asked beside the tie-break is of the first objective's value; where the tie-break returns a
+    faster choice (the first solve stops within FIRST_GAP of the optimum) it is asked again of the faster one."""
+    from dataclasses import replace as dc_replace
+
+    from agoq.search.milp import Solver
+
+    seed, rng = fresh_rng()
+    profile = load_profile(write_profile(tmp_path / "p", rng, num_layers=5, micro_batch=4, seq_len=37))
+    space = KnobSpace(gradient_modes=("bf16",), optimizers=("adamw",), masters=("fp32",), micro_batches=(4,))
+    asked = _binding_spy(monkeypatch)
+    real_solve = Solver.solve
+    factor = rng.uniform(0.9, 0.99)
+
+    def faster_tie_break(self, *args, **kwargs):  # the tie-break's choice, reported faster than the first's
+        alloc = real_solve(self, *args, **kwargs)
+        return dc_replace(alloc, step_seconds=alloc.step_seconds * factor) if self.tie_break else alloc
+
+    monkeypatch.setattr(Solver, "solve", faster_tie_break)
+    import types
+
+    from agoq.search import knobs as knobs_module
+    from agoq.search.knobs import budget_bounds
+
+    monkeypatch.setattr(knobs_module, "os", types.SimpleNamespace(cpu_count=lambda: 2))  # a core for the side thread
+
+    least, largest = budget_bounds(profile, space)
+    found = solve_knobs(profile, int(least + rng.uniform(0.05, 0.5) * (largest - least)), space=space)
+    assert [a[0].startswith("agoq-side") for a in asked] == [True, False], (seed, asked)
+    assert asked[1][1] == pytest.approx(asked[0][1] * factor, rel=1e-12)
+    assert asked[1][1] == found.best.alloc.step_seconds
+    assert found.binding == asked[1][2]
