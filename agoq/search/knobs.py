@@ -272,13 +272,20 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
     with quiet_stdout():  # (the early question's solves are a side thread's: kept quiet by the caller's thread)
         if len(tied) == 1 and (os.cpu_count() or 1) > 1:
             # one winner: its binding constraints are asked beside its tie-break, a core each (on the H100 probe's
-            # smallest budget 0.3 s each, one after the other). The tie-break keeps the first objective, within
-            # FIRST_GAP of its optimum, or betters it: bettered, the question is asked again of the new value
-            if before_binding is not None:
-                before_binding()
-                before_binding = None
-            early = (first(tied[0]), side_pool().submit(binding_constraints, tied[0].problem, first(tied[0]),
-                                                        budget, objective, error_cap, tied[0].time_cap))
+            # smallest budget 0.3 s each, one after the other), once what runs beside the search is in (the
+            # tie-break does not wait for it: at loose budgets the alternatives' pricing outlasts the search). The
+            # tie-break keeps the first objective, within FIRST_GAP of its optimum, or betters it: bettered, the
+            # question is asked again of the new value
+            winner, after = tied[0], before_binding
+
+            def ask():
+                if after is not None:
+                    after()  # submitted to side_pool before this question: never waits for a thread this one holds
+                return binding_constraints(winner.problem, first(winner), budget, objective, error_cap,
+                                           winner.time_cap)
+
+            early = (first(winner), side_pool().submit(ask))
+            before_binding = None
         try:
             for r in tied:
                 r.solver.tie_break = True  # its first objective is not solved again
