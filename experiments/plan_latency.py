@@ -15,6 +15,8 @@ bounded search must equal and beat. CPU only; the service solves on the CPU.
                                                        # a real GPU profile instead of the synthetic one
     python experiments/plan_latency.py --profile experiments/results/profiles/probe-h200-link --no-every --cli \
         --name plan_latency_probe_h200_link            # with its host link (offload offered), and `agoq search` too
+    python experiments/plan_latency.py --profile ... --no-every --toggle agoq.search.knobs:BINDING_BESIDE
+                                                       # each request with a switch on and off, in one process
 Writes experiments/results/NAME.json (default plan_latency).
 """
 
@@ -63,8 +65,23 @@ def main() -> None:
     ap.add_argument("--cli", action=argparse.BooleanOptionalAction, default=False,
                     help="also time `agoq search` with its defaults at each budget, as a whole process (imports, the "
                          "front and the files included; the median of --repeats runs)")
+    ap.add_argument("--toggle", default=None, metavar="MODULE:FLAG",
+                    help="a module's boolean switch (e.g. agoq.search.knobs:BINDING_BESIDE): each request is made with "
+                         "it on and off, alternately and in turn first, in this one process (the machine's drift "
+                         "between runs cancels); the median of each is reported")
     ap.add_argument("--name", default="plan_latency")
     args = ap.parse_args()
+    switch = None
+    if args.toggle:
+        import importlib
+
+        module_name, _, flag = args.toggle.partition(":")
+        try:
+            switch = (importlib.import_module(module_name), flag)
+        except ImportError as e:
+            ap.error(f"--toggle {args.toggle}: cannot import {module_name} ({e})")
+        if not isinstance(getattr(switch[0], flag, None), bool):
+            ap.error(f"--toggle {args.toggle}: {module_name} has no boolean {flag!r}")
     from agoq.formats.profile import load_profile
     from agoq.search import knobs as knob_search
     from agoq.search.search import search
@@ -82,14 +99,22 @@ def main() -> None:
         rows = []
         for frac in FRACTIONS:
             budget = int(least + frac * (largest - least))
-            times, plan = [], None
-            for _ in range(args.repeats):
-                t = time.perf_counter()
-                plan = search(profile, budget, **fixed).plan
-                times.append(time.perf_counter() - t)
+            times, plan, off = [], None, []
+            for i in range(args.repeats):
+                for on in ((True, False) if i % 2 == 0 else (False, True)) if switch else (True,):
+                    if switch:
+                        setattr(*switch, on)
+                    t = time.perf_counter()
+                    found = search(profile, budget, **fixed).plan
+                    (times if on else off).append(time.perf_counter() - t)
+                    plan = found if on else plan
+            if switch:
+                setattr(*switch, True)
             row = {"budget_fraction": frac, "budget_bytes": budget, "request_seconds_median": statistics.median(times),
                    "request_seconds_all": times, "tokens_per_second": plan.decision.tokens_per_second,
                    "plan_agoq": plan.decision.agoq}
+            if switch:
+                row.update(request_seconds_median_toggled_off=statistics.median(off), request_seconds_all_toggled_off=off)
             if args.cli:
                 runs = []
                 for _ in range(args.repeats):
@@ -108,6 +133,7 @@ def main() -> None:
                 row["every_combination_tokens_per_second"] = every.best.tokens_per_second
             rows.append(row)
             print(f"budget {budget / 2**30:7.2f} GiB ({frac:4.2f}): request {row['request_seconds_median']:6.2f} s"
+                  + (f" ({args.toggle} off: {row['request_seconds_median_toggled_off']:6.2f} s)" if switch else "")
                   + (f", agoq search {row['agoq_search_seconds_median']:6.2f} s" if args.cli else "")
                   + (f", every combination solved {row['every_combination_seconds']:6.2f} s" if args.every else ""),
                   flush=True)
@@ -116,7 +142,7 @@ def main() -> None:
                "error_cap": cap, "smallest_budget_bytes": least, "largest_budget_bytes": largest, "budgets": rows,
                "worst_request_seconds": max(r["request_seconds_median"] for r in rows),
                "cpu_count": os.cpu_count(), "load_average_1_5_15min_at_end": list(os.getloadavg()),
-               "target_request_seconds": 1.0,
+               "target_request_seconds": 1.0, **({"toggle": args.toggle} if switch else {}),
                **({"worst_agoq_search_seconds": max(r["agoq_search_seconds_median"] for r in rows),
                    "target_agoq_search_seconds": 10.0} if args.cli else {})}
     print("wrote", write_result(args.name, figures))

@@ -270,21 +270,20 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
             r.error = "slower" if objective == "time" else "less exact"
     early = None
     with quiet_stdout():  # (the early question's solves are a side thread's: kept quiet by the caller's thread)
-        if len(tied) == 1 and (os.cpu_count() or 1) > 1:
+        if BINDING_BESIDE and len(tied) == 1 and (os.cpu_count() or 1) > 1:
             # one winner: its binding constraints are asked beside its tie-break, a core each (on the H100 probe's
             # smallest budget 0.3 s each, one after the other), once what runs beside the search is in (the
             # tie-break does not wait for it: at loose budgets the alternatives' pricing outlasts the search). The
             # tie-break keeps the first objective, within FIRST_GAP of its optimum, or betters it: bettered, the
             # question is asked again of the new value
-            winner, after = tied[0], before_binding
+            winner, mine, after = tied[0], first(tied[0]), before_binding  # (its value before the tie-break)
 
             def ask():
                 if after is not None:
                     after()  # submitted to side_pool before this question: never waits for a thread this one holds
-                return binding_constraints(winner.problem, first(winner), budget, objective, error_cap,
-                                           winner.time_cap)
+                return binding_constraints(winner.problem, mine, budget, objective, error_cap, winner.time_cap)
 
-            early = (first(winner), side_pool().submit(ask))
+            early = (mine, side_pool().submit(ask))
             before_binding = None
         try:
             for r in tied:
@@ -324,6 +323,7 @@ def budget_bounds(profile: ProfileData, space: KnobSpace = KnobSpace(),
 
 
 BINDING_SECONDS = 0.3  # a relaxed solve of binding_constraints stops here
+BINDING_BESIDE = True  # False: the winner's binding constraints asked after its tie-break, not beside it
 
 
 def binding_constraints(problem, mine: float, budget, objective: str, error_cap: Optional[float],

@@ -190,7 +190,7 @@ def _binding_spy(monkeypatch):
 def test_binding_asked_beside_the_tie_break_is_the_binding_asked_after_it(tmp_path, monkeypatch):
     """With one winning combination its binding constraints are asked on a side thread while its ties are broken:
     on a 5-layer profile at budgets across the range, under error caps, the answer and the plan equal those of the
-    search that asks after the tie-break (one core: nothing beside), and the side thread did the asking."""
+    search that asks after the tie-break (knobs.BINDING_BESIDE off), and the side thread did the asking."""
     import types
 
     from agoq.search import knobs as knobs_module
@@ -205,11 +205,12 @@ def test_binding_asked_beside_the_tie_break_is_the_binding_asked_after_it(tmp_pa
     for frac in (0.0, 0.01, 0.05, 0.3, 0.9):
         budget = int(least + frac * (largest - least)) + rng.randrange(1, 1000)
         cap = rng.choice([None, rng.uniform(0.01, 0.3)])
-        monkeypatch.setattr(knobs_module, "os", types.SimpleNamespace(cpu_count=lambda: 1))
+        monkeypatch.setattr(knobs_module, "BINDING_BESIDE", False)
         try:
             after = solve_knobs(profile, budget, error_cap=cap, space=space)
         except InfeasibleBudget:
             continue
+        monkeypatch.setattr(knobs_module, "BINDING_BESIDE", True)
         monkeypatch.setattr(knobs_module, "os", types.SimpleNamespace(cpu_count=lambda: 2))
         del asked[:]
         found = solve_knobs(profile, budget, error_cap=cap, space=space)
