@@ -114,7 +114,8 @@ def main() -> None:
                    "request_seconds_all": times, "tokens_per_second": plan.decision.tokens_per_second,
                    "plan_agoq": plan.decision.agoq}
             if switch:
-                row.update(request_seconds_median_toggled_off=statistics.median(off), request_seconds_all_toggled_off=off)
+                row.update(request_seconds_median_toggled_off=statistics.median(off),
+                           request_seconds_all_toggled_off=off)
             if args.cli:
                 runs = []
                 for _ in range(args.repeats):

@@ -331,10 +331,10 @@ def binding_constraints(problem, mine: float, budget, objective: str, error_cap:
     """Which constraints bind a plan of `problem` whose first objective is `mine` (step seconds or gradient error):
     those whose removal (one at a time, same knobs) improves that objective by more than the first objective's MIP
     gap (FIRST_GAP, relative: a plan within it of its optimum would otherwise name a constraint that a better choice
-    under the same constraints beats); ["none"] when none does. Each removal asks Solver.improves (a relaxation that cannot improve answers without a solve; a solve
-    stops after BINDING_SECONDS and names the constraint binding only where it found an improvement by then: a plan
-    request on the H100 probe profile's tightest budget waited 5-7 s in four of five requests where the relaxed
-    solve, stopped before any choice, searched on without a limit)."""
+    under the same constraints beats); ["none"] when none does. Each removal asks Solver.improves (a relaxation that
+    cannot improve answers without a solve; a solve stops after BINDING_SECONDS and names the constraint binding only
+    where it found an improvement by then: a plan request on the H100 probe profile's tightest budget waited 5-7 s in
+    four of five requests where the relaxed solve, stopped before any choice, searched on without a limit)."""
     solver = Solver(problem, tie_break=False)
     out = []
     relaxed = {"memory budget": dict(budget=math.inf, error_cap=error_cap, time_cap=time_cap)}

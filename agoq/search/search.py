@@ -84,8 +84,8 @@ def _knob_plan(profile: ProfileData, budget: int, objective: str, time_cap, erro
                cap_source: Optional[str], space: KnobSpace, alternatives: bool, progress: bool = False,
                what: str = "the best plan over the knob combinations") -> tuple:
     """The best plan over the outer knobs (agoq.search.knobs), with its decision and best alternative recorded;
-    returns (plan, KnobSearch, the alternatives priced: None without `alternatives`). With `progress` a line on stderr says `what` is running, for how long
-    (agoq.progress.phase)."""
+    returns (plan, KnobSearch, the alternatives priced: None without `alternatives`). With `progress` a line on
+    stderr says `what` is running, for how long (agoq.progress.phase)."""
     with phase(what, enabled=progress) as bar, quiet_stdout():
         # the alternatives are priced beside the search (they need the combinations and the budget, not the plan)
         pricing = alternatives_pricing(profile, budget, combinations(profile, space)) if alternatives else None
