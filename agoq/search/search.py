@@ -160,8 +160,8 @@ def plan_from_profile(profile_dir, request: Union[SearchRequest, int], *, knobs:
     if knobs is not None:
         problem, _, alloc = _milp_plan(profile, knobs, r.budget, r.objective, r.time_cap, error_cap)
         return build_plan(profile, problem, alloc, knobs, r.budget, "milp", r.objective)
-    plan, _, _ = _knob_plan(profile, r.budget, r.objective, r.time_cap, error_cap, _cap_source(r.error_cap), r.space,
-                         alternatives, progress, what or "the best plan over the knob combinations")
+    plan, _, _ = _knob_plan(profile, r.budget, r.objective, r.time_cap, error_cap, _cap_source(r.error_cap),
+                            r.space, alternatives, progress, what or "the best plan over the knob combinations")
     return plan
 
 
