@@ -56,7 +56,8 @@ class Chromium:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self._stderr: list[bytes] = []
-        threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr), daemon=True).start()
+        self._stderr_reader = threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr), daemon=True)
+        self._stderr_reader.start()
         target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
         self.session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
@@ -158,3 +159,12 @@ class Chromium:
             self.proc.kill()
             self.proc.wait()
         os.close(self._to_chrome_w)
+        # both readers end at the pipes' EOF now that Chromium is gone, and their files are closed here: left to
+        # the garbage collector, they are warned of in whatever later test it runs in (a helper process Chromium
+        # left behind may hold a pipe open: its file then stays with its reader)
+        self._reader.join(timeout=10)
+        if not self._reader.is_alive():
+            os.close(self._from_chrome_r)
+        self._stderr_reader.join(timeout=10)
+        if not self._stderr_reader.is_alive():
+            self.proc.stderr.close()

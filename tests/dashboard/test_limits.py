@@ -132,6 +132,7 @@ def test_a_huge_body_is_413_unread(tmp_path, seed):
     finally:
         server.terminate()
         server.wait(timeout=30)
+        server.stdout.close()
 
 
 def test_bodies_up_to_the_limit_are_read(tmp_path):

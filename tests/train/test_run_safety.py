@@ -68,6 +68,7 @@ def test_sigterm_saves_a_checkpoint_at_the_step_boundary_and_resume_is_exact(tmp
     _wait_for_steps(proc, cut, 5)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 130, proc.stderr.read().decode()
+    proc.stderr.close()
     stopped_at = len(_losses(cut)[0])
     assert stopped_at < steps, "the run finished before the signal"
     _, state = find_checkpoint(cut)
@@ -184,6 +185,7 @@ def test_a_second_process_on_the_same_run_folder_is_refused(tmp_path):
         if first.poll() is None:
             first.kill()
             first.wait()
+        first.stderr.close()
     steps = [m["step"] for m in _lines(out) if "loss" in m]
     assert steps == list(range(1, len(steps) + 1))  # one writer: nothing interleaved
     assert _run_json(out)["status"] == "stopped"

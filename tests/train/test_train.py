@@ -119,6 +119,7 @@ def test_killed_process_resumes_exactly(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    proc.stderr.close()
     killed_at = len([x for x in (cut / "metrics.jsonl").read_text().splitlines() if '"loss"' in x])
     assert killed_at < 16, "the run finished before the kill"
     assert _run_json(cut)["status"] == "running"  # nothing got to say otherwise
@@ -294,6 +295,7 @@ def test_sigterm_marks_the_run_stopped(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 130
+    proc.stderr.close()
     run = _run_json(out)
     assert run["status"] == "stopped" and "--resume" in run["message"]
     assert run["step"] < 400
