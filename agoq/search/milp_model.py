@@ -24,6 +24,7 @@ from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
 from agoq.runtime.activations.policy import KINDS
 from agoq.search.highs import lp_pool, milp
 from agoq.search.milp_levels import Levels, count_priced
+from agoq.search.milp_neighbourhood import near_relaxation
 from agoq.search.milp_offload import Enumeration
 from agoq.search.milp_rows import OBJECTIVES, Rows, dominated_options
 from agoq.search.milp_uniform import tie_break
@@ -42,6 +43,7 @@ GAP = 1e-7  # relative MIP gap of the second objective (the tie-break) and the l
 # error. The tie-break then admits every choice as fast as the one found (every exact optimum among them), and a
 # plan shows a gap left only where a time limit stopped the solve (agoq.search.plan_builder).
 FIRST_GAP = 3e-3
+NEAR = True  # each offloaded prefix first solved near its relaxation (agoq.search.milp_neighbourhood); False: whole
 
 
 @dataclass
@@ -161,14 +163,14 @@ class Model(Rows):
                 continue  # not even the relaxation fits: no choice offloads exactly these layers
             if relaxed.x is None:
                 return None
-            ranked.append((float(c @ relaxed.x), k, fixed))
+            ranked.append((float(c @ relaxed.x), k, fixed, relaxed.x))
         # the time limit bounds the MILPs, not the relaxations before them (a small LP per prefix, two at a time): on a
         # loaded 2-core machine those took most of the 0.3 s a binding constraint's question is given and left its MILP
         # none, so the answer changed with the load (the H200 probe's tightest budget, 1 of 5 requests)
         start = time.perf_counter()
         best, best_value = None, np.inf
         unsettled = np.inf  # the least bound of a prefix the time limit left unsolved or unproven
-        for bound, _k, fixed in sorted(ranked, key=lambda t: (t[0], t[1])):
+        for bound, _k, fixed, relaxed_x in sorted(ranked, key=lambda t: (t[0], t[1])):
             if bound >= best_value - gap * abs(best_value):
                 break  # neither this prefix nor any after it (their bounds are no lower) can do better
             left = None if time_limit is None else time_limit - (time.perf_counter() - start)
@@ -180,8 +182,15 @@ class Model(Rows):
             # profiles' tightest budgets a request took 1.65-2.0 s against 1.45-1.68 s (H100) and 2.8-4.5 s against
             # 3.8-5.8 s (H200). Each way can call a choice that meets a row exactly infeasible: then the other is asked
             opts = {**options, **({"time_limit": left} if left is not None else {})}
-            res = milp(c, constraints=constraints, integrality=self.integrality, bounds=fixed,
-                       options={**opts, "presolve": False})
+            res = near_relaxation(self, c, constraints, fixed, relaxed_x, bound, gap, opts) if NEAR else None
+            if res is None:  # not certified near its relaxation: the whole prefix
+                left = None if time_limit is None else time_limit - (time.perf_counter() - start)
+                if left is not None and left <= 0:
+                    unsettled = min(unsettled, bound)
+                    break
+                opts = {**options, **({"time_limit": left} if left is not None else {})}
+                res = milp(c, constraints=constraints, integrality=self.integrality, bounds=fixed,
+                           options={**opts, "presolve": False})
             if res.x is None and res.status == 2:
                 res = milp(c, constraints=constraints, integrality=self.integrality, bounds=fixed, options=opts)
             if res.x is None:
@@ -204,7 +213,7 @@ class Model(Rows):
             best.mip_gap = float((best_value - unsettled) / max(abs(best_value), 1e-30))
         else:
             best.status, best.success, best.mip_gap = 0, True, 0.0
-        best.bounds_by_prefix = {k: bound for bound, k, _ in ranked}
+        best.bounds_by_prefix = {k: bound for bound, k, _, _ in ranked}
         return best
 
     def _keep_first(self, key, res):
