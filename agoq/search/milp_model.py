@@ -168,27 +168,30 @@ class Model(Rows):
         # loaded 2-core machine those took most of the 0.3 s a binding constraint's question is given and left its MILP
         # none, so the answer changed with the load (the H200 probe's tightest budget, 1 of 5 requests)
         start = time.perf_counter()
+
+        def time_left() -> Optional[dict]:  # `options` with the MILPs' time left, None once it is spent
+            if time_limit is None:
+                return dict(options)
+            left = time_limit - (time.perf_counter() - start)
+            return None if left <= 0 else {**options, "time_limit": left}
+
         best, best_value = None, np.inf
         unsettled = np.inf  # the least bound of a prefix the time limit left unsolved or unproven
         for bound, _k, fixed, relaxed_x in sorted(ranked, key=lambda t: (t[0], t[1])):
             if bound >= best_value - gap * abs(best_value):
                 break  # neither this prefix nor any after it (their bounds are no lower) can do better
-            left = None if time_limit is None else time_limit - (time.perf_counter() - start)
-            if left is not None and left <= 0:
-                unsettled = min(unsettled, bound)
-                break
-            # without HiGHS's presolve: with it, one prefix of a test problem (seed 300 of test_milp_offload's brute
-            # force) was reported optimal at 0.0946 of error where 0.0914 fitted; interleaved with it on the probe
-            # profiles' tightest budgets a request took 1.65-2.0 s against 1.45-1.68 s (H100) and 2.8-4.5 s against
-            # 3.8-5.8 s (H200). Each way can call a choice that meets a row exactly infeasible: then the other is asked
-            opts = {**options, **({"time_limit": left} if left is not None else {})}
-            res = near_relaxation(self, c, constraints, fixed, relaxed_x, bound, gap, opts) if NEAR else None
+            opts = time_left()
+            res = near_relaxation(self, c, constraints, fixed, relaxed_x, bound, gap, opts) if NEAR and opts else None
             if res is None:  # not certified near its relaxation: the whole prefix
-                left = None if time_limit is None else time_limit - (time.perf_counter() - start)
-                if left is not None and left <= 0:
+                opts = time_left()
+                if opts is None:
                     unsettled = min(unsettled, bound)
                     break
-                opts = {**options, **({"time_limit": left} if left is not None else {})}
+                # without HiGHS's presolve: with it, one prefix of a test problem (seed 300 of test_milp_offload's
+                # brute force) was reported optimal at 0.0946 of error where 0.0914 fitted; interleaved with it on the
+                # probe profiles' tightest budgets a request took 1.65-2.0 s against 1.45-1.68 s (H100) and 2.8-4.5 s
+                # against 3.8-5.8 s (H200). Each way can call a choice that meets a row exactly infeasible: then the
+                # other is asked
                 res = milp(c, constraints=constraints, integrality=self.integrality, bounds=fixed,
                            options={**opts, "presolve": False})
             if res.x is None and res.status == 2:
