@@ -22,7 +22,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
 
 from agoq.runtime.activations.policy import KINDS
-from agoq.search.highs import lp_pool, milp
+from agoq.search.highs import WarmLP, lp_pool, milp
 from agoq.search.milp_levels import Levels, count_priced
 from agoq.search.milp_neighbourhood import near_relaxation
 from agoq.search.milp_offload import Enumeration
@@ -43,6 +43,7 @@ GAP = 1e-7  # relative MIP gap of the second objective (the tie-break) and the l
 # error. The tie-break then admits every choice as fast as the one found (every exact optimum among them), and a
 # plan shows a gap left only where a time limit stopped the solve (agoq.search.plan_builder).
 FIRST_GAP = 3e-3
+WARM = True  # the prefixes' relaxations solved one after another, each from the last one's basis (highs.WarmLP)
 NEAR = True  # each offloaded prefix first solved near its relaxation (agoq.search.milp_neighbourhood); False: whole
 
 
@@ -154,17 +155,22 @@ class Model(Rows):
             lb[on], ub[on], lb[off], ub[off] = 1.0, 1.0, 0.0, 0.0
             visits.append((k, Bounds(lb, ub)))
 
-        def relax(visit):  # without presolve: half the time of these small LPs (and nothing for it to misjudge)
-            return milp(c, constraints=constraints, integrality=np.zeros(self.nv), bounds=visit[1],
-                        options={"presolve": False})
+        if WARM:
+            lp = WarmLP(c, constraints)
+            relaxations = [lp.solve(fixed) for _, fixed in visits]
+        else:
+            def relax(visit):  # without presolve: half the time of these small LPs (and nothing for it to misjudge)
+                return milp(c, constraints=constraints, integrality=np.zeros(self.nv), bounds=visit[1],
+                            options={"presolve": False})
+            relaxations = lp_pool().map(relax, visits)
 
-        for (k, fixed), relaxed in zip(visits, lp_pool().map(relax, visits)):
+        for (k, fixed), relaxed in zip(visits, relaxations):
             if relaxed.status == 2:
                 continue  # not even the relaxation fits: no choice offloads exactly these layers
             if relaxed.x is None:
                 return None
             ranked.append((float(c @ relaxed.x), k, fixed, relaxed.x))
-        # the time limit bounds the MILPs, not the relaxations before them (a small LP per prefix, two at a time): on a
+        # the time limit bounds the MILPs, not the relaxations before them (a small LP per prefix): on a
         # loaded 2-core machine those took most of the 0.3 s a binding constraint's question is given and left its MILP
         # none, so the answer changed with the load (the H200 probe's tightest budget, 1 of 5 requests)
         start = time.perf_counter()

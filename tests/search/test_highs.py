@@ -4,6 +4,7 @@ first fits."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -52,3 +53,57 @@ def test_the_probes_least_peak_under_the_recipe_cap_is_where_the_milp_first_fits
     assert max(solver.solve(least, "time", error_cap=cap).peak_bytes_per_stage) <= least
     with pytest.raises(InfeasibleBudget):
         solver.solve(int(least * 0.999), "time", error_cap=cap)
+
+
+def _vertex_optimum(c, a, lo, hi, lb, ub):
+    """min c x over {lo <= a x <= hi, lb <= x <= ub} by brute force: every vertex (n of the constraints active, a
+    bounded polytope has its optimum at one), None when no vertex is feasible (then the polytope is empty)."""
+    n = len(c)
+    g, h = [], []
+    for row, low, high in zip(a, lo, hi):
+        if np.isfinite(high):
+            g.append(row), h.append(high)
+        if np.isfinite(low):
+            g.append(-row), h.append(-low)
+    for j in range(n):
+        e = np.eye(n)[j]
+        g += [e, -e]
+        h += [ub[j], -lb[j]]
+    g, h = np.array(g), np.array(h)
+    best = None
+    for active in itertools.combinations(range(len(g)), n):
+        sub = g[list(active)]
+        if abs(np.linalg.det(sub)) < 1e-9:
+            continue
+        x = np.linalg.solve(sub, h[list(active)])
+        if (g @ x <= h + 1e-9).all() and (best is None or c @ x < best):
+            best = float(c @ x)
+    return best
+
+
+def test_a_warm_lp_solved_again_under_new_bounds_has_each_one_s_optimum():
+    """WarmLP's answers, each solve starting from the last one's basis, against brute force over the vertices:
+    the same optimum where the bounds leave a choice, "infeasible" where they leave none."""
+    rng = np.random.default_rng(random.randrange(2**32))
+    n, m = int(rng.integers(4, 6)), int(rng.integers(2, 4))
+    a = np.round(rng.uniform(-2, 3, (m, n)) * (rng.random((m, n)) < 0.8), 3)
+    c = np.round(rng.uniform(-1, 2, n), 3)
+    lo = np.where(rng.random(m) < 0.5, -np.inf, rng.uniform(-1.5, 0.5, m))
+    hi = np.where(np.isinf(lo), rng.uniform(0.3, 2.5, m), lo + rng.uniform(0, 2, m))
+    hi[0] = lo[0] = rng.uniform(0.2, 1.0) if rng.random() < 0.5 else hi[0]  # sometimes an equality row, as the MILP's
+    lp = highs.WarmLP(c, [LinearConstraint(a[:1], lo[:1], hi[:1]), LinearConstraint(a[1:], lo[1:], hi[1:])])
+    seen = {0: 0, 2: 0}
+    for i in range(23):
+        lb = rng.uniform(-1.3, 0.4, n) if i % 2 else rng.uniform(-3, -1.5, n)  # narrow boxes, and wide ones
+        ub = lb + (rng.uniform(0, 1.7, n) if i % 2 else rng.uniform(3, 4.5, n))
+        fixed = rng.random(n) < 0.3  # some variables fixed, as the offloaded prefixes' are
+        ub[fixed] = lb[fixed]
+        res = lp.solve(Bounds(lb, ub))
+        best = _vertex_optimum(c, a, lo, hi, lb, ub)
+        assert res.status == (2 if best is None else 0), (res.status, best)
+        seen[res.status] += 1
+        if best is not None:
+            assert float(c @ res.x) == pytest.approx(best, abs=1e-7) and res.fun == pytest.approx(best, abs=1e-7)
+            assert (res.x >= lb - 1e-7).all() and (res.x <= ub + 1e-7).all()
+            assert (a @ res.x <= hi + 1e-7).all() and (a @ res.x >= lo - 1e-7).all()
+    assert seen[0] and seen[2]  # both answers were asked for, at least once each
