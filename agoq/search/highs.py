@@ -1,6 +1,7 @@
-"""HiGHS through scipy: `milp` (scipy.optimize.milp without HiGHS's stray output line), a small thread pool for
-independent LPs, and threads for whole searches beside the caller's (`side_pool`, kept quiet by `quiet_stdout`);
-and through highspy, HiGHS's own binding: `WarmLP`, one LP solved again under new bounds from its last basis.
+"""HiGHS through highspy, its own binding: `milp` (scipy.optimize.milp's arguments and answer, with a first
+incumbent where one is known, and without HiGHS's stray output line), `WarmLP` (one LP solved again under new
+bounds from its last basis), a small thread pool for independent LPs, and threads for whole searches beside the
+caller's (`side_pool`, kept quiet by `quiet_stdout`).
 The MILP's modules (agoq.search.milp_model, milp_levels) solve through these."""
 
 from __future__ import annotations
@@ -10,38 +11,108 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Optional
 
 import highspy
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
-from scipy.optimize import milp as _scipy_milp
 from scipy.sparse import csr_matrix, vstack
 
 
-SOLVE_ERROR = 4  # scipy.optimize.milp's status for "HiGHS Status 4: Solve error"
+SOLVE_ERROR = 4  # the status of a solve HiGHS ended in error (scipy.optimize.milp's number for it)
+# HiGHS's feasibility jump, a primal heuristic run before the root LP of every MILP, found none of the choices the
+# search keeps: on the probe profiles' tightest budgets the tie-break's MILP took 0.25 s without it against 0.33 s
+# (H100), 0.17 against 0.22 s (H200), a whole offloaded prefix 0.35 against 0.44 s, with the same answers (medians
+# of 8 solves, 2-core CPU)
+DEFAULT_OPTIONS = {"mip_heuristic_run_feasibility_jump": False}
+_STATUS = {  # HiGHS's model status -> scipy.optimize.milp's status: 0 optimal, 1 a limit, 2 infeasible, 3 unbounded
+    highspy.HighsModelStatus.kOptimal: 0, highspy.HighsModelStatus.kTimeLimit: 1,
+    highspy.HighsModelStatus.kIterationLimit: 1, highspy.HighsModelStatus.kSolutionLimit: 1,
+    highspy.HighsModelStatus.kInfeasible: 2, highspy.HighsModelStatus.kModelError: 2,
+    highspy.HighsModelStatus.kUnbounded: 3}
 
 
-def milp(c, **kwargs):
-    """scipy.optimize.milp, without HiGHS's stray standard-output line, and solved again without HiGHS's presolve
-    where it ends in a solve error (status 4): on the shipped H200 probe profile the least peak of the compiled
-    QuanGrad problem at 1 x 2 under the recipe's error cap ended so, which made the search report that no choice
-    met its caps at any budget; without presolve HiGHS solves it (9.83 GB), as it does every other problem.
+def milp(c, *, constraints, integrality=None, bounds=None, options: Optional[dict] = None,
+         initial: Optional[np.ndarray] = None) -> OptimizeResult:
+    """min c x subject to `constraints` (LinearConstraint, or a list of them), `bounds` (Bounds, or (lb, ub);
+    default 0 and +inf) and `integrality` (1 where a variable is integer): scipy.optimize.milp's arguments and
+    answer (x, fun, status, success, message, mip_gap, mip_dual_bound, mip_node_count), solved by HiGHS through
+    highspy with DEFAULT_OPTIONS under `options` (mip_rel_gap, time_limit, presolve: HiGHS's own names).
+    `initial`, a choice known to meet every row and bound, is HiGHS's first incumbent: it prunes from the start.
 
-    HiGHS 1.12 (inside scipy) prints "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
-    to the process's file descriptor 1 on some solves, whatever its display option. In the main thread (the CLI,
-    scripts) descriptor 1 points at /dev/null for the solve's duration; Python's own output is flushed first and
-    is untouched after. Other threads (the dashboard's solver pool) solve as they are: redirecting a descriptor
-    the whole process shares would swallow the server's own output."""
-    result = _quiet_milp(c, **kwargs)
-    if result.status == SOLVE_ERROR and (kwargs.get("options") or {}).get("presolve", True):
-        result = _quiet_milp(c, **{**kwargs, "options": {**(kwargs.get("options") or {}), "presolve": False}})
+    Solved again without HiGHS's presolve where it ends in a solve error (status 4): on the shipped H200 probe
+    profile the least peak of the compiled QuanGrad problem at 1 x 2 under the recipe's error cap ended so, which
+    made the search report that no choice met its caps at any budget; without presolve HiGHS solves it (9.83 GB), as
+    it does every other problem.
+
+    HiGHS 1.12 prints "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();" to the process's
+    file descriptor 1 on some solves, whatever its display option. In the main thread (the CLI, scripts)
+    descriptor 1 points at /dev/null for the solve's duration (`quiet_stdout`); other threads (the dashboard's
+    solver pool) solve as they are: redirecting a descriptor the whole process shares would swallow the server's
+    own output."""
+    options = dict(options or {})
+    result = _solve(c, constraints, integrality, bounds, options, initial)
+    if result.status == SOLVE_ERROR and options.get("presolve", True):
+        result = _solve(c, constraints, integrality, bounds, {**options, "presolve": False}, initial)
     return result
 
 
-def _quiet_milp(c, **kwargs):
-    """scipy.optimize.milp with descriptor 1 pointed at /dev/null in the main thread (see `milp`)."""
+def _solve(c, constraints, integrality, bounds, options: dict, initial: Optional[np.ndarray]) -> OptimizeResult:
+    c = np.asarray(c, float)
+    n = len(c)
+    integer = np.zeros(n) if integrality is None else np.broadcast_to(np.asarray(integrality, float), (n,))
+    if bounds is None:
+        bounds = Bounds(0.0, np.inf)
+    elif not isinstance(bounds, Bounds):
+        bounds = Bounds(*bounds)
+    lp = _highs_lp(c, [constraints] if isinstance(constraints, LinearConstraint) else list(constraints))
+    lp.col_lower_ = _finite(np.broadcast_to(np.asarray(bounds.lb, float), (n,)))
+    lp.col_upper_ = _finite(np.broadcast_to(np.asarray(bounds.ub, float), (n,)))
+    mip = bool(integer.any())
+    if mip:
+        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integer]
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    for key, value in {**DEFAULT_OPTIONS, **options}.items():
+        if key == "presolve":
+            value = "on" if value else "off"
+        if highs.setOptionValue(key, value) != highspy.HighsStatus.kOk:
+            raise ValueError(f"HiGHS refused the option {key}={value!r}")
+    highs.passModel(lp)
+    if initial is not None and mip:
+        start = highspy.HighsSolution()
+        start.col_value = np.where(integer > 0, np.round(initial), initial)
+        start.value_valid = True
+        highs.setSolution(start)
     with quiet_stdout():
-        return _scipy_milp(c, **kwargs)
+        highs.run()
+    status = highs.getModelStatus()
+    info = highs.getInfo()
+    code = _STATUS.get(status, SOLVE_ERROR)
+    found = code == 0 or (mip and code == 1 and info.objective_function_value < highspy.kHighsInf)
+    x = np.asarray(highs.getSolution().col_value, float) if found else None
+    result = OptimizeResult(x=x, fun=float(c @ x) if found else None, status=code, success=code == 0,
+                            message=highs.modelStatusToString(status))
+    if mip:
+        result.mip_gap, result.mip_dual_bound = info.mip_gap, info.mip_dual_bound
+        result.mip_node_count = info.mip_node_count
+    return result
+
+
+def _highs_lp(c: np.ndarray, constraints: list):
+    """HiGHS's LP of min c x over the rows of `constraints` (column bounds and integrality not yet set)."""
+    stacked = [LinearConstraint(k.A, k.lb, k.ub) for k in constraints]  # scalar sides broadcast
+    a = vstack([csr_matrix(np.atleast_2d(k.A) if not hasattr(k.A, "tocsr") else k.A) for k in stacked]).tocsc()
+    lo = np.concatenate([np.broadcast_to(np.asarray(k.lb, float), (k.A.shape[0],)) for k in stacked])
+    hi = np.concatenate([np.broadcast_to(np.asarray(k.ub, float), (k.A.shape[0],)) for k in stacked])
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = len(c), a.shape[0]
+    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = len(c), a.shape[0]
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
+    lp.col_cost_ = np.asarray(c, float)
+    lp.row_lower_, lp.row_upper_ = _finite(lo), _finite(hi)
+    return lp
 
 
 @contextmanager
@@ -114,17 +185,7 @@ class WarmLP:
     0.18-0.29 s solved each from scratch (one after another, 2-core CPU). Not thread-safe: one per thread."""
 
     def __init__(self, c: np.ndarray, constraints: list):
-        stacked = [LinearConstraint(k.A, k.lb, k.ub) for k in constraints]  # scalar sides broadcast
-        a = vstack([csr_matrix(k.A) for k in stacked]).tocsc()
-        lo = np.concatenate([np.broadcast_to(np.asarray(k.lb, float), (k.A.shape[0],)) for k in stacked])
-        hi = np.concatenate([np.broadcast_to(np.asarray(k.ub, float), (k.A.shape[0],)) for k in stacked])
-        self._lp = lp = highspy.HighsLp()
-        lp.num_col_, lp.num_row_ = len(c), a.shape[0]
-        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = len(c), a.shape[0]
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = a.indptr, a.indices, a.data
-        lp.col_cost_ = np.asarray(c, float)
-        lp.row_lower_, lp.row_upper_ = _finite(lo), _finite(hi)
+        self._lp = _highs_lp(np.asarray(c, float), list(constraints))
         self._highs = None
         self.n = len(c)
 

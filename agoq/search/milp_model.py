@@ -44,6 +44,7 @@ GAP = 1e-7  # relative MIP gap of the second objective (the tie-break) and the l
 # plan shows a gap left only where a time limit stopped the solve (agoq.search.plan_builder).
 FIRST_GAP = 3e-3
 WARM = True  # the prefixes' relaxations solved one after another, each from the last one's basis (highs.WarmLP)
+START = True  # a prefix whose neighbourhood's choice is not certified solved from that choice (highs.milp's initial)
 NEAR = True  # each offloaded prefix first solved near its relaxation (agoq.search.milp_neighbourhood); False: whole
 
 
@@ -187,8 +188,9 @@ class Model(Rows):
             if bound >= best_value - gap * abs(best_value):
                 break  # neither this prefix nor any after it (their bounds are no lower) can do better
             opts = time_left()
-            res = near_relaxation(self, c, constraints, fixed, relaxed_x, bound, gap, opts) if NEAR and opts else None
-            if res is None:  # not certified near its relaxation: the whole prefix
+            near = near_relaxation(self, c, constraints, fixed, relaxed_x, bound, gap, opts) if NEAR and opts else None
+            res = near if near is not None and near.certified else None
+            if res is None:  # not certified near its relaxation: the whole prefix, from the neighbourhood's choice
                 opts = time_left()
                 if opts is None:
                     unsettled = min(unsettled, bound)
@@ -199,7 +201,7 @@ class Model(Rows):
                 # against 3.8-5.8 s (H200). Each way can call a choice that meets a row exactly infeasible: then the
                 # other is asked
                 res = milp(c, constraints=constraints, integrality=self.integrality, bounds=fixed,
-                           options={**opts, "presolve": False})
+                           options={**opts, "presolve": False}, initial=near.x if near is not None and START else None)
             if res.x is None and res.status == 2:
                 res = milp(c, constraints=constraints, integrality=self.integrality, bounds=fixed, options=opts)
             if res.x is None:

@@ -50,9 +50,10 @@ def settled_layers(model, x: np.ndarray) -> np.ndarray:
 def near_relaxation(model, c: np.ndarray, constraints: list, bounds: Bounds, x: np.ndarray, bound: float,
                     gap: float, options: dict) -> Optional[OptimizeResult]:
     """min c x over `model`'s choices within `bounds` and `constraints`, with the layers the relaxed answer `x`
-    (value `bound`) settles fixed as it has them; its answer where its value v has v - bound <= gap |v| (status 0,
-    `mip_gap` that relative distance), else None. Also None where every layer is fractional (nothing to fix) or
-    `gap` is below LEAST_GAP."""
+    (value `bound`) settles fixed as it has them: its answer, `certified` where its value v has v - bound <= gap |v|
+    (then status 0, `mip_gap` that relative distance; else status 1, a choice of the prefix to start its whole
+    solve from). None where it has no choice, where every layer is fractional (nothing to fix) or `gap` is below
+    LEAST_GAP."""
     if gap < LEAST_GAP:
         return None
     settled = settled_layers(model, x)
@@ -70,8 +71,7 @@ def near_relaxation(model, c: np.ndarray, constraints: list, bounds: Bounds, x: 
         return None
     value = float(c @ model.rounded(res.x))
     distance = value - bound
-    if distance > gap * abs(value):
-        return None
-    res.status, res.success = 0, True
+    res.certified = distance <= gap * abs(value)
+    res.status, res.success = (0, True) if res.certified else (1, False)
     res.mip_gap = float(max(distance, 0.0) / max(abs(value), 1e-30))
     return res

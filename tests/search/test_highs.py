@@ -26,14 +26,14 @@ def test_a_solve_error_is_solved_again_without_presolve(monkeypatch):
     cap = float(weights.sum()) * rng.uniform(0.3, 0.7)
     calls = []
 
-    def flaky(c, **kwargs):  # HiGHS failing with presolve on, as it did on the probe's least peak
-        calls.append(dict(kwargs.get("options") or {}))
-        if (kwargs.get("options") or {}).get("presolve", True):
+    def flaky(c, constraints, integrality, bounds, options, initial):  # failing with presolve on, as on the probe
+        calls.append(dict(options))
+        if options.get("presolve", True):
             return OptimizeResult(x=None, status=highs.SOLVE_ERROR, message="HiGHS Status 4: Solve error")
-        return flaky.real(c, **kwargs)
+        return flaky.real(c, constraints, integrality, bounds, options, initial)
 
-    flaky.real = highs._scipy_milp
-    monkeypatch.setattr(highs, "_scipy_milp", flaky)
+    flaky.real = highs._solve
+    monkeypatch.setattr(highs, "_solve", flaky)
     res = highs.milp(c, constraints=[LinearConstraint(weights[None, :], -np.inf, cap)], integrality=np.ones(n),
                      bounds=Bounds(0, 1), options={"mip_rel_gap": 1e-9})
     assert res.status == 0 and [o.get("presolve", True) for o in calls] == [True, False]
@@ -107,3 +107,24 @@ def test_a_warm_lp_solved_again_under_new_bounds_has_each_one_s_optimum():
             assert (res.x >= lb - 1e-7).all() and (res.x <= ub + 1e-7).all()
             assert (a @ res.x <= hi + 1e-7).all() and (a @ res.x >= lo - 1e-7).all()
     assert seen[0] and seen[2]  # both answers were asked for, at least once each
+
+
+def test_a_first_incumbent_is_where_the_solve_starts_and_the_optimum_is_still_found():
+    """`initial`: a choice meeting every row is HiGHS's incumbent from the start (a solve stopped at once still has
+    it, where without it there is no choice), and a solve let run ends at brute force's optimum from it."""
+    rng = np.random.default_rng(random.randrange(2**32))
+    n = int(rng.integers(7, 12))
+    c = rng.uniform(0.1, 1.0, n)
+    weights = rng.uniform(1.0, 3.0, n)
+    cover = LinearConstraint(weights[None, :], float(weights.sum() * rng.uniform(0.2, 0.6)), np.inf)
+    start = (rng.random(n) < 0.8).astype(float)
+    start[np.argsort(-weights)[:int(np.ceil(n * 0.6))]] = 1.0  # the heaviest 60 %: meets the cover
+    assert weights @ start >= cover.lb[0]
+    stopped = [highs.milp(c, constraints=[cover], integrality=np.ones(n), bounds=(0, 1),
+                          options={"time_limit": 1e-9}, initial=given) for given in (None, start)]
+    assert stopped[0].x is None and stopped[1].status == 1 and float(c @ stopped[1].x) <= float(c @ start) + 1e-12
+    res = highs.milp(c, constraints=[cover], integrality=np.ones(n), bounds=(0, 1), options={"mip_rel_gap": 0.0},
+                     initial=start)
+    best = min(float(c @ x) for x in map(np.array, itertools.product((0.0, 1.0), repeat=n))
+               if weights @ x >= cover.lb[0])
+    assert res.status == 0 and res.fun == pytest.approx(best, abs=1e-9)

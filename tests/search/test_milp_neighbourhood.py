@@ -43,7 +43,7 @@ def test_settled_layers_are_those_integral_in_every_variable_of_theirs(seed):
         assert (milp_neighbourhood.settled_layers(model, x) == want).all()
 
 
-def test_a_certified_neighbourhood_answer_is_within_its_gap_of_the_prefix_optimum(seed, monkeypatch):
+def test_a_neighbourhood_answer_is_a_choice_of_its_prefix_within_its_gap_where_certified(seed, monkeypatch):
     rng = random.Random(seed)
     asked = []
     near = milp_neighbourhood.near_relaxation
@@ -71,7 +71,7 @@ def test_a_certified_neighbourhood_answer_is_within_its_gap_of_the_prefix_optimu
             for model, c, bounds, bound, gap, res in asked:
                 if res is None:
                     continue
-                certified += 1
+                certified += res.certified
                 k = int(bounds.lb[model.o0:model.o0 + model.L].sum())
                 scale = float(np.abs(model.time_row).max())  # c is the time row scaled to its largest entry
                 fits = [f["step_seconds"] for f, off in everything
@@ -80,7 +80,9 @@ def test_a_certified_neighbourhood_answer_is_within_its_gap_of_the_prefix_optimu
                 assert fits, where  # it found a choice of this prefix, so brute force has one
                 best = (min(fits) - model.time_constant) / scale
                 value = float(c @ model.rounded(res.x))
-                assert bound <= best + 1e-9 and best - 1e-9 <= value <= best + gap * abs(value) + 1e-9, where
+                assert bound <= best + 1e-9 and best - 1e-9 <= value, where  # a choice of the prefix, certified or not
+                if res.certified:  # (an uncertified one is where the prefix's whole solve starts)
+                    assert value <= best + gap * abs(value) + 1e-9, where
                 alloc = model.allocation(res.x)
                 f = p.evaluate(alloc.chosen, alloc.checkpoint, alloc.offloaded())
                 assert max(f["peak_bytes_per_stage"]) <= budget + 1, where

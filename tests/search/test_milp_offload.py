@@ -379,6 +379,12 @@ def test_the_time_limit_of_improves_is_the_milps_not_the_prefixes_relaxations(mo
             clock.sleep(0.08)
         return real(c, **kwargs)
 
+    real_warm = milp_model.WarmLP.solve
+
+    def slow_warm(self, bounds):  # the prefixes' relaxations, one after another from the last one's basis
+        clock.sleep(0.08)
+        return real_warm(self, bounds)
+
     asked = 0
     for trial in range(6):
         if asked == 2:
@@ -394,6 +400,7 @@ def test_the_time_limit_of_improves_is_the_milps_not_the_prefixes_relaxations(mo
         value = (fits[0] + fits[1]) / 2 if fits[1] > fits[0] else fits[-1] + 1.0  # the least fitting error beats it
         with monkeypatch.context() as m:
             m.setattr(milp_model, "milp", slow_lps)
+            m.setattr(milp_model.WarmLP, "solve", slow_warm)
             started = clock.perf_counter()
             got = Solver(p).improves(budget, "error", value, time_limit=0.1)
             took = clock.perf_counter() - started

@@ -1,18 +1,19 @@
-"""The MILP solver's stray standard-output line (HiGHS, inside scipy) never reaches the user's terminal from the
+"""The MILP solver's stray standard-output line (HiGHS's) never reaches the user's terminal from the
 main thread, while agoq's own output does."""
 
 import os
 import threading
 
+import highspy
 import numpy as np
 from scipy.optimize import LinearConstraint
 
 from agoq.search import highs
 
 
-def _noisy(c, **kwargs):
+def _noisy(self):
     os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")  # as HiGHS does
-    return _noisy.real(c, **kwargs)
+    return _noisy.real(self)
 
 
 def _small_problem(rng):
@@ -25,8 +26,8 @@ def _small_problem(rng):
 
 def test_solver_lines_on_stdout_are_dropped_in_the_main_thread(capfd, monkeypatch, seed):
     rng = np.random.default_rng(seed)
-    _noisy.real = highs._scipy_milp
-    monkeypatch.setattr(highs, "_scipy_milp", _noisy)
+    _noisy.real = highspy.Highs.run
+    monkeypatch.setattr(highspy.Highs, "run", _noisy)
     c, cons, weights = _small_problem(rng)
     print("before the solve", flush=True)
     res = highs.milp(c, constraints=[cons], integrality=np.ones(len(c)), bounds=(0, 1))
@@ -34,7 +35,7 @@ def test_solver_lines_on_stdout_are_dropped_in_the_main_thread(capfd, monkeypatc
     out = capfd.readouterr().out
     assert "tmpSolver" not in out
     assert "before the solve" in out and "after the solve" in out
-    # the answer is scipy's: a cover of >= 30 % of the weight at least cost, checked by brute force
+    # the answer is HiGHS's: a cover of >= 30 % of the weight at least cost, checked by brute force
     best = min(float(c @ x) for x in (np.array([(k >> i) & 1 for i in range(len(c))]) for k in range(2 ** len(c)))
                if float(weights @ x) >= weights.sum() * 0.3)
     assert res.status == 0 and abs(res.fun - best) <= 1e-9 * max(1.0, abs(best))
@@ -43,8 +44,8 @@ def test_solver_lines_on_stdout_are_dropped_in_the_main_thread(capfd, monkeypatc
 def test_other_threads_leave_stdout_alone(capfd, monkeypatch, seed):
     """A worker thread (the dashboard's solver pool) must not redirect the descriptor the server writes to."""
     rng = np.random.default_rng(seed)
-    _noisy.real = highs._scipy_milp
-    monkeypatch.setattr(highs, "_scipy_milp", _noisy)
+    _noisy.real = highspy.Highs.run
+    monkeypatch.setattr(highspy.Highs, "run", _noisy)
     c, cons, _ = _small_problem(rng)
     done = []
     t = threading.Thread(target=lambda: done.append(highs.milp(c, constraints=[cons],
@@ -60,8 +61,8 @@ def test_a_side_threads_solves_are_quiet_while_the_main_thread_holds_quiet_stdou
     main thread's quiet_stdout block, a solve on the side thread drops HiGHS's line too, blocks nest, and agoq's
     own output before and after the block (and text left unflushed in it) still reaches stdout."""
     rng = np.random.default_rng(seed)
-    _noisy.real = highs._scipy_milp
-    monkeypatch.setattr(highs, "_scipy_milp", _noisy)
+    _noisy.real = highspy.Highs.run
+    monkeypatch.setattr(highspy.Highs, "run", _noisy)
     c, cons, _ = _small_problem(rng)
     print("before the block", flush=True)
     with highs.quiet_stdout():
