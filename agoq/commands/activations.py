@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 from agoq.runtime.activations.policy import as_policy
 from agoq.commands.arguments import positive_int

@@ -1,4 +1,4 @@
-"""The exact per-layer choice as a mixed-integer program (scipy.optimize.milp, HiGHS): its lexicographic solve,
+"""The exact per-layer choice as a mixed-integer program (HiGHS, agoq.search.highs): its lexicographic solve,
 over the matrices of agoq.search.milp_rows (its variables and constraint rows, built once per problem), and the
 Allocation it gives. `agoq.search.milp.Solver` asks it questions.
 
@@ -22,7 +22,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult
 
 from agoq.runtime.activations.policy import KINDS
-from agoq.search.highs import WarmLP, lp_pool, milp
+from agoq.search.highs import WarmLP, milp
 from agoq.search.milp_levels import Levels, count_priced
 from agoq.search.milp_neighbourhood import near_relaxation
 from agoq.search.milp_offload import Enumeration
@@ -43,7 +43,6 @@ GAP = 1e-7  # relative MIP gap of the second objective (the tie-break) and the l
 # error. The tie-break then admits every choice as fast as the one found (every exact optimum among them), and a
 # plan shows a gap left only where a time limit stopped the solve (agoq.search.plan_builder).
 FIRST_GAP = 3e-3
-WARM = True  # the prefixes' relaxations solved one after another, each from the last one's basis (highs.WarmLP)
 START = True  # a prefix whose neighbourhood's choice is not certified solved from that choice (highs.milp's initial)
 NEAR = True  # each offloaded prefix first solved near its relaxation (agoq.search.milp_neighbourhood); False: whole
 
@@ -156,16 +155,9 @@ class Model(Rows):
             lb[on], ub[on], lb[off], ub[off] = 1.0, 1.0, 0.0, 0.0
             visits.append((k, Bounds(lb, ub)))
 
-        if WARM:
-            lp = WarmLP(c, constraints)
-            relaxations = [lp.solve(fixed) for _, fixed in visits]
-        else:
-            def relax(visit):  # without presolve: half the time of these small LPs (and nothing for it to misjudge)
-                return milp(c, constraints=constraints, integrality=np.zeros(self.nv), bounds=visit[1],
-                            options={"presolve": False})
-            relaxations = lp_pool().map(relax, visits)
-
-        for (k, fixed), relaxed in zip(visits, relaxations):
+        lp = WarmLP(c, constraints)  # one after another, each from the last one's basis
+        for k, fixed in visits:
+            relaxed = lp.solve(fixed)
             if relaxed.status == 2:
                 continue  # not even the relaxation fits: no choice offloads exactly these layers
             if relaxed.x is None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 
 from agoq.formats.profile import load_profile
 from agoq.search.search import search
