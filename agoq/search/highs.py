@@ -150,8 +150,8 @@ _POOL_LOCK = threading.Lock()
 
 
 def lp_pool() -> ThreadPoolExecutor:
-    """Threads for independent small LPs (the prefixes' relaxations), one per core up to two: HiGHS releases the
-    GIL, so two LPs run at once (the H100 probe's smallest budget: 34 of them, 0.17 s one after another)."""
+    """Threads for independent small LPs (the knob combinations' relaxations, agoq.search.knobs), one per core up
+    to two: HiGHS releases the GIL, so two LPs run at once."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None or _POOL[0] != os.getpid():  # a forked child has none of its parent's threads
