@@ -86,7 +86,10 @@ def test_a_neighbourhood_answer_is_a_choice_of_its_prefix_within_its_gap_where_c
                 alloc = model.allocation(res.x)
                 f = p.evaluate(alloc.chosen, alloc.checkpoint, alloc.offloaded())
                 assert max(f["peak_bytes_per_stage"]) <= budget + 1, where
-                assert f["step_seconds"] == pytest.approx(value * scale + model.time_constant, rel=1e-9), where
+                # the choice's own time, at or below the MILP's value for it: a choice not proven optimal may hold an
+                # auxiliary (the link time not hidden) above its least, which only overstates its time
+                own = (f["step_seconds"] - model.time_constant) / scale
+                assert best - 1e-9 <= own <= value + 1e-9 * max(1.0, abs(value)), where
     assert certified > 0, f"seed {seed}: the neighbourhood never answered"
 
 
