@@ -102,7 +102,7 @@ def _solve(c, constraints, integrality, bounds, options: dict, initial: Optional
 def _highs_lp(c: np.ndarray, constraints: list):
     """HiGHS's LP of min c x over the rows of `constraints` (column bounds and integrality not yet set)."""
     stacked = [LinearConstraint(k.A, k.lb, k.ub) for k in constraints]  # scalar sides broadcast
-    a = vstack([csr_matrix(np.atleast_2d(k.A) if not hasattr(k.A, "tocsr") else k.A) for k in stacked]).tocsc()
+    a = vstack([csr_matrix(k.A) for k in stacked]).tocsc()  # (LinearConstraint has made each A two-dimensional)
     lo = np.concatenate([np.broadcast_to(np.asarray(k.lb, float), (k.A.shape[0],)) for k in stacked])
     hi = np.concatenate([np.broadcast_to(np.asarray(k.ub, float), (k.A.shape[0],)) for k in stacked])
     lp = highspy.HighsLp()
