@@ -32,6 +32,17 @@ _STATUS = {  # HiGHS's model status -> scipy.optimize.milp's status: 0 optimal, 
     highspy.HighsModelStatus.kUnbounded: 3}
 
 
+class _Solver(highspy._core._Highs):
+    """HiGHS's solver object as the C++ library has it, made with its log off. highspy's `Highs` (a subclass of
+    this one) turns on Python callbacks when it is made, and highspy 1.16 then writes HiGHS's banner ("Running
+    HiGHS 1.16.0 ...") to descriptor 1, once a process, before any option can be set: into a script's output or
+    the dashboard server's log. Made so, no line is written (test_highs). The search uses no callback."""
+
+    def __init__(self):
+        super().__init__()
+        self.setOptionValue("output_flag", False)
+
+
 def milp(c, *, constraints, integrality=None, bounds=None, options: Optional[dict] = None,
          initial: Optional[np.ndarray] = None) -> OptimizeResult:
     """min c x subject to `constraints` (LinearConstraint, or a list of them), `bounds` (Bounds, or (lb, ub);
@@ -71,8 +82,7 @@ def _solve(c, constraints, integrality, bounds, options: dict, initial: Optional
     mip = bool(integer.any())
     if mip:
         lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integer]
-    highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
+    highs = _Solver()
     for key, value in {**DEFAULT_OPTIONS, **options}.items():
         if key == "presolve":
             value = "on" if value else "off"
@@ -194,8 +204,7 @@ class WarmLP:
         x None and status 4 where HiGHS ends otherwise (as scipy.optimize.milp's statuses)."""
         lb, ub = _finite(np.asarray(bounds.lb, float)), _finite(np.asarray(bounds.ub, float))
         if self._highs is None:
-            self._highs = highs = highspy.Highs()
-            highs.setOptionValue("output_flag", False)
+            self._highs = highs = _Solver()
             highs.setOptionValue("presolve", "off")  # (a warm start needs none; these small LPs are quicker without)
             self._lp.col_lower_, self._lp.col_upper_ = lb, ub
             highs.passModel(self._lp)

@@ -128,3 +128,38 @@ def test_a_first_incumbent_is_where_the_solve_starts_and_the_optimum_is_still_fo
     best = min(float(c @ x) for x in map(np.array, itertools.product((0.0, 1.0), repeat=n))
                if weights @ x >= cover.lb[0])
     assert res.status == 0 and res.fun == pytest.approx(best, abs=1e-9)
+
+
+def test_a_fresh_process_solving_writes_nothing_to_stdout():
+    """HiGHS's banner ("Running HiGHS ...") is written once a process, when highspy's first solver object is made:
+    a process that solves a MILP and a warm LP through agoq.search.highs outside any quiet_stdout block (a script,
+    a server thread) prints nothing but its own answer, and the answers are brute force's."""
+    import subprocess
+    import sys
+
+    rng = random.Random()
+    n = rng.randint(3, 9)
+    c = [round(rng.uniform(-2, -0.1), 6) for _ in range(n)]
+    w = [round(rng.uniform(0.5, 3), 6) for _ in range(n)]
+    cap = round(sum(w) * rng.uniform(0.3, 0.7), 6)
+    script = (
+        "import numpy as np\n"
+        "from scipy.optimize import Bounds, LinearConstraint\n"
+        "from agoq.search import highs\n"
+        f"c, w, cap = np.array({c}), np.array({w}), {cap}\n"
+        "rows = [LinearConstraint(w[None, :], -np.inf, cap)]\n"
+        "a = highs.milp(c, constraints=rows, integrality=np.ones(len(c)), bounds=Bounds(0, 1))\n"
+        "b = highs.WarmLP(c, rows).solve(Bounds(np.zeros(len(c)), np.ones(len(c))))\n"
+        "print(repr((a.fun, b.fun)))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.count("\n") == 1, out  # the answer's line alone
+    mip, lp = eval(out)
+    best = min(float(np.dot(c, x)) for x in np.ndindex(*(2,) * n) if np.dot(w, x) <= cap)
+    assert mip == pytest.approx(best, abs=1e-9)
+    # the relaxation (fractional knapsack): greedy by value per weight, brute force's bound from below
+    order = sorted(range(n), key=lambda i: c[i] / w[i])
+    room, relaxed = cap, 0.0
+    for i in order:
+        take = min(1.0, room / w[i])
+        relaxed, room = relaxed + take * c[i], room - take * w[i]
+    assert lp == pytest.approx(relaxed, abs=1e-9) and lp <= best + 1e-12

@@ -4,7 +4,6 @@ main thread, while agoq's own output does."""
 import os
 import threading
 
-import highspy
 import numpy as np
 from scipy.optimize import LinearConstraint
 
@@ -26,8 +25,8 @@ def _small_problem(rng):
 
 def test_solver_lines_on_stdout_are_dropped_in_the_main_thread(capfd, monkeypatch, seed):
     rng = np.random.default_rng(seed)
-    _noisy.real = highspy.Highs.run
-    monkeypatch.setattr(highspy.Highs, "run", _noisy)
+    _noisy.real = highs._Solver.run
+    monkeypatch.setattr(highs._Solver, "run", _noisy)
     c, cons, weights = _small_problem(rng)
     print("before the solve", flush=True)
     res = highs.milp(c, constraints=[cons], integrality=np.ones(len(c)), bounds=(0, 1))
@@ -44,8 +43,8 @@ def test_solver_lines_on_stdout_are_dropped_in_the_main_thread(capfd, monkeypatc
 def test_other_threads_leave_stdout_alone(capfd, monkeypatch, seed):
     """A worker thread (the dashboard's solver pool) must not redirect the descriptor the server writes to."""
     rng = np.random.default_rng(seed)
-    _noisy.real = highspy.Highs.run
-    monkeypatch.setattr(highspy.Highs, "run", _noisy)
+    _noisy.real = highs._Solver.run
+    monkeypatch.setattr(highs._Solver, "run", _noisy)
     c, cons, _ = _small_problem(rng)
     done = []
     t = threading.Thread(target=lambda: done.append(highs.milp(c, constraints=[cons],
@@ -61,8 +60,8 @@ def test_a_side_threads_solves_are_quiet_while_the_main_thread_holds_quiet_stdou
     main thread's quiet_stdout block, a solve on the side thread drops HiGHS's line too, blocks nest, and agoq's
     own output before and after the block (and text left unflushed in it) still reaches stdout."""
     rng = np.random.default_rng(seed)
-    _noisy.real = highspy.Highs.run
-    monkeypatch.setattr(highspy.Highs, "run", _noisy)
+    _noisy.real = highs._Solver.run
+    monkeypatch.setattr(highs._Solver, "run", _noisy)
     c, cons, _ = _small_problem(rng)
     print("before the block", flush=True)
     with highs.quiet_stdout():
