@@ -8,7 +8,10 @@ The tight end is the hard one: the error cap and the memory budget both bind.
 
 Each budget is solved as the service does, and again with every knob combination solved
 (agoq.search.knobs.solve_knobs(prune=False): no dominance or relaxation bound skips any), the reference the
-bounded search must equal and beat. CPU only; the service solves on the CPU.
+bounded search must equal and beat. Then a budget of half the smallest, which nothing fits: the answer is the
+smallest budget that fits (agoq.search.knobs.least_budget), as `agoq search` and the service give it. The budget
+range itself (agoq.search.knobs.budget_bounds, what the dashboard's slider spans) is timed once. CPU only; the
+service solves on the CPU.
 
     python experiments/plan_latency.py                 # about 2 minutes on 2 cores
     python experiments/plan_latency.py --profile experiments/results/profiles/probe-h200-1125 --name plan_latency_probe_h200
@@ -46,13 +49,51 @@ def default_range(profile) -> tuple[int, int, float]:
     from agoq.search.request import DEFAULT_ERROR_CAP, InfeasibleBudget
     from agoq.search.search import _recipe_cap
 
+    t = time.perf_counter()
     least, largest = knob_search.budget_bounds(profile)  # the smallest with no caps
+    default_range.budget_bounds_seconds = time.perf_counter() - t  # the dashboard's budget range, once a profile
     cap = _recipe_cap(profile, DEFAULT_ERROR_CAP, [])
     try:  # the smallest under the recipe's error cap: where the range starts for the default objective
         knob_search.solve_knobs(profile, least, error_cap=cap)
     except InfeasibleBudget as e:
         least = e.smallest_budget
     return least, largest, cap
+
+
+def infeasible(args, profile, folder: Path, least: int, fixed: dict, tmp: Path) -> dict:
+    """A budget of half the smallest that fits: nothing fits, and the answer names the smallest budget that does
+    (InfeasibleBudget; `agoq search` exits 2 with that message). Timed as a request and, with --cli, as a process."""
+    from agoq.search.request import InfeasibleBudget
+    from agoq.search.search import search
+
+    budget, times, answered = least // 2, [], set()
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        try:
+            search(profile, budget, **fixed)
+        except InfeasibleBudget as e:
+            answered.add(e.smallest_budget)
+        else:
+            raise SystemExit(f"a plan fitted {budget} bytes, half the smallest budget {least}")
+        times.append(time.perf_counter() - t)
+    row = {"budget_bytes": budget, "request_seconds_median": statistics.median(times), "request_seconds_all": times,
+           "smallest_budget_answered": sorted(answered)}
+    if args.cli:
+        runs = []
+        for _ in range(args.repeats):
+            cmd = [sys.executable, "-m", "agoq.cli", "search", "--profile", str(folder), "--budget", str(budget),
+                   "--out", str(tmp / "cli" / "refused.json"), "--quiet"]
+            t = time.perf_counter()
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  cwd=Path(__file__).resolve().parent.parent)
+            runs.append(time.perf_counter() - t)
+            if done.returncode != 2:
+                raise SystemExit(f"agoq search at {budget} bytes exited {done.returncode}, not 2 (nothing fits)")
+        row.update(agoq_search_seconds_median=statistics.median(runs), agoq_search_seconds_all=runs)
+    print(f"budget {budget / 2**30:7.2f} GiB (nothing fits): request {row['request_seconds_median']:6.2f} s"
+          + (f", agoq search {row['agoq_search_seconds_median']:6.2f} s" if args.cli else "")
+          + f"; answered the smallest budget {row['smallest_budget_answered']}", flush=True)
+    return row
 
 
 def main() -> None:
@@ -138,10 +179,12 @@ def main() -> None:
                   + (f", agoq search {row['agoq_search_seconds_median']:6.2f} s" if args.cli else "")
                   + (f", every combination solved {row['every_combination_seconds']:6.2f} s" if args.every else ""),
                   flush=True)
+        rows_infeasible = infeasible(args, profile, folder, least, fixed, Path(tmp))
     figures = {"model": args.model,
                "profile": args.profile or "synthetic (tests/search/synthetic_profile.py, seed 7)",
                "error_cap": cap, "smallest_budget_bytes": least, "largest_budget_bytes": largest, "budgets": rows,
                "worst_request_seconds": max(r["request_seconds_median"] for r in rows),
+               "budget_bounds_seconds": default_range.budget_bounds_seconds, "infeasible": rows_infeasible,
                "cpu_count": os.cpu_count(), "load_average_1_5_15min_at_end": list(os.getloadavg()),
                "target_request_seconds": 1.0, **({"toggle": args.toggle} if switch else {}),
                **({"worst_agoq_search_seconds": max(r["agoq_search_seconds_median"] for r in rows),

@@ -28,6 +28,7 @@ when the same knobs without it would be faster, else "none".
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 from concurrent.futures import wait
@@ -243,13 +244,18 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
     solved = [r for r in tried if r.alloc is not None]
     for result in hopeless:
         result.error = "does not fit the budget"
-        if not solved:  # nothing fits: each combination says why, and the least budget any of them fits is the answer
-            try:
-                result.solver.solve(budget, objective, result.time_cap, error_cap=error_cap)
-            except InfeasibleBudget as e:
-                result.error = str(e)
-                refused.append(e)
         tried.append(result)
+    if not solved and hopeless:  # nothing fits: the least budget any of them fits is the answer
+        least, _ = least_budget([(r.solver, r.time_cap) for r in hopeless], error_cap)
+        if least is not None:
+            refused.append(InfeasibleBudget("", least))
+        else:  # no combination meets the caps at any budget: each says why
+            for result in hopeless:
+                try:
+                    result.solver.solve(budget, objective, result.time_cap, error_cap=error_cap)
+                except InfeasibleBudget as e:
+                    result.error = str(e)
+                    refused.append(e)
     position = {id(knobs): i for i, knobs in enumerate(k for k, _ in built)}
     tried.sort(key=lambda r: position.get(id(r.knobs), -1))  # the combinations' own order, whatever was solved first
     if not solved:
@@ -305,21 +311,61 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
                                                            best.time_cap))
 
 
+def least_budget(solvers: list, error_cap: Optional[float] = None) -> tuple[Optional[int], Optional[int]]:
+    """(the least budget, bytes per stage, that a choice of one of `solvers` fits, each under its own time cap and
+    the shared `error_cap`; the index of the one that fits it), (None, None) when none meets the caps. `solvers`:
+    [(Solver, time cap or None)].
+
+    Best bound first: each one's least peak is bounded from below by its linear relaxation (one LP each, two at a
+    time), and the lowest bound, when taken, by its offloaded prefixes' relaxations (tighter: taken again in its
+    turn); one whose bound is no lower than the least found so far is not solved, and the others are asked only for
+    a choice under it (agoq.search.milp_least's `below`). On the H200 probe profile under the recipe's error cap
+    the 16 combinations' least peaks took 22 s solved each in full, one after another."""
+    bounds = lp_pool().map(lambda item: item[0].least_memory_bound(item[1], error_cap), solvers)
+    queue = [(b, i, False) for i, b in enumerate(bounds) if b is not None]
+    heapq.heapify(queue)
+    least, who, ranked = None, None, []
+    while queue and (least is None or queue[0][0] < least):  # the first pass: quick solves, for a least to beat
+        bound, i, tight = heapq.heappop(queue)
+        solver, time_cap = solvers[i]
+        if not tight:
+            tighter = solver.least_memory_bound(time_cap, error_cap, by_prefix=True)
+            if tighter is not None:
+                heapq.heappush(queue, (max(bound, tighter), i, True))
+            continue
+        ranked.append((bound, i))
+        alloc = solver.least_memory(time_cap, error_cap, time_limit=QUICK_SECONDS, below=least, patient=False)
+        if alloc is not None:
+            least, who = int(max(alloc.peak_bytes_per_stage)), i  # floor included
+    for bound, i in ranked:  # the second: each one whose bound is below the least found, exactly
+        if least is not None and bound >= least:
+            continue
+        solver, time_cap = solvers[i]
+        alloc = solver.least_memory(time_cap, error_cap, below=least)
+        if alloc is not None:
+            least, who = int(max(alloc.peak_bytes_per_stage)), i
+    return least, who
+
+
+QUICK_SECONDS = 0.2  # least_budget's first pass: each combination's least peak searched this long at most
+
+
 def budget_bounds(profile: ProfileData, space: KnobSpace = KnobSpace(),
                   base: ProblemSettings = ProblemSettings()) -> tuple[Optional[int], int]:
     """(the smallest budget any combination of `space` fits with no caps — None if none fits at any budget —,
     the largest peak of a combination's plan that keeps everything: more buys nothing), bytes per stage."""
-    smallest, largest = [], 0
+    solvers, largest = [], 0
     for knobs in combinations(profile, space, base):
         try:
             solver = Solver(build_problem(profile, knobs))
         except ValueError:  # a combination the profile cannot price: it bounds nothing
             continue
-        least = solver.smallest_budget()
-        if least is not None:
-            smallest.append(int(least))
+        try:
             largest = max(largest, int(math.ceil(max(solver.solve(math.inf).peak_bytes_per_stage))))
-    return (min(smallest) if smallest else None), largest
+        except InfeasibleBudget:  # fits no budget (the optimizer step alone is unbounded): it bounds nothing
+            continue
+        solvers.append((solver, None))
+    return least_budget(solvers)[0], largest
 
 
 BINDING_SECONDS = 0.3  # a relaxed solve of binding_constraints stops here
@@ -381,4 +427,5 @@ def knob_values(profile: ProfileData, knobs: ProblemSettings) -> dict:
 
 
 __all__ = ["KnobSpace", "KnobResult", "KnobSearch", "combinations", "solve_knobs", "binding_constraints", "budget_bounds",
+           "least_budget",
            "tokens_per_second", "knob_values", "weight_gathers", "MASTER_CHOICES"]

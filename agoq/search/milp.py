@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 
 from agoq.search.problem import ChoiceProblem, checkpointing_only, recipe_error
+from agoq.search.milp_least import least_peak, least_peak_bound
 from agoq.search.milp_model import Allocation, Model, primary_gap
 from agoq.search.request import CHECKPOINT_CAP, RECIPE_CAP, InfeasibleBudget
 from agoq.units import format_bytes_apart
@@ -82,10 +83,20 @@ class Solver:
         return np.floor(np.full(self.problem.num_stages, float(b)) if b.ndim == 0 else b)
 
     def least_memory(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None,
-                     time_limit: Optional[float] = None) -> Optional[Allocation]:
-        """The choice of least peak (the largest stage's), within the caps; None when the caps cannot be met.
-        `time_limit` (default PRIMARY_SECONDS) bounds the solve: then the least peak found by then."""
-        return self._model.least_peak(time_cap, error_cap, PRIMARY_SECONDS if time_limit is None else time_limit)
+                     time_limit: Optional[float] = None, below: Optional[float] = None,
+                     patient: bool = True) -> Optional[Allocation]:
+        """The choice of least peak (the largest stage's), within the caps; None when the caps cannot be met, or,
+        with `below` (bytes), when no choice peaks under it. `time_limit` (default PRIMARY_SECONDS) bounds the solve:
+        then the least peak found by then; none found by then, it searches on, unless not `patient` (then None)
+        (agoq.search.milp_least)."""
+        return least_peak(self._model, time_cap, error_cap, PRIMARY_SECONDS if time_limit is None else time_limit,
+                          below, patient)
+
+    def least_memory_bound(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None,
+                           by_prefix: bool = False) -> Optional[float]:
+        """A lower bound on least_memory's peak, bytes, from one LP (`by_prefix`: one per offloaded prefix, tighter);
+        None when no choice meets the caps (agoq.search.milp_least.least_peak_bound)."""
+        return least_peak_bound(self._model, time_cap, error_cap, by_prefix)
 
     def smallest_budget(self, time_cap: Optional[float] = None, error_cap: Optional[float] = None,
                         time_limit: Optional[float] = None) -> Optional[int]:

@@ -131,7 +131,8 @@ class Model(Rows):
         return self._keep_first(key, res)
 
     def over_prefixes(self, c: np.ndarray, constraints: list, bounds: Bounds, options: dict,
-                      time_limit: Optional[float], prefixes=None) -> Optional[OptimizeResult]:
+                      time_limit: Optional[float], prefixes=None, integrality: Optional[np.ndarray] = None,
+                      cutoff: float = np.inf) -> Optional[OptimizeResult]:
         """min c x over the MILP's choices (`constraints`, `bounds`), one offloaded prefix at a time.
 
         Offload is a prefix (o_{l+1} <= o_l): every choice offloads layers 0..K-1 for one K in 0..L, so the
@@ -144,25 +145,14 @@ class Model(Rows):
         relaxation: the caller then solves the whole MILP. An OptimizeResult with x None and status 2 when no
         prefix has a choice. `prefixes` (None: all) limits the K visited to those known to hold every choice that
         can meet the constraints; the result's `bounds_by_prefix` gives each K's relaxed optimum (K without a
-        relaxed choice left out)."""
+        relaxed choice left out). `integrality` (default the model's) covers columns after the model's own too:
+        the least peak's bound (agoq.search.milp_least). Only a choice with c x under `cutoff` is looked for:
+        prefixes whose relaxation is no lower are not solved (none found: status 2)."""
+        integrality = self.integrality if integrality is None else integrality
         gap = float(options.get("mip_rel_gap", GAP))  # a prefix must beat the best found by more than this
-        ranked, visits = [], []
-        for k in range(self.L + 1) if prefixes is None else sorted(prefixes):
-            lb, ub = bounds.lb.copy(), bounds.ub.copy()
-            on, off = slice(self.o0, self.o0 + k), slice(self.o0 + k, self.o0 + self.L)
-            if (ub[on] < 1).any() or (lb[off] > 0).any():
-                continue  # a layer that cannot be offloaded in the prefix, or one that must be above it
-            lb[on], ub[on], lb[off], ub[off] = 1.0, 1.0, 0.0, 0.0
-            visits.append((k, Bounds(lb, ub)))
-
-        lp = WarmLP(c, constraints)  # one after another, each from the last one's basis
-        for k, fixed in visits:
-            relaxed = lp.solve(fixed)
-            if relaxed.status == 2:
-                continue  # not even the relaxation fits: no choice offloads exactly these layers
-            if relaxed.x is None:
-                return None
-            ranked.append((float(c @ relaxed.x), k, fixed, relaxed.x))
+        ranked = self.relaxed_prefixes(c, constraints, bounds, prefixes)
+        if ranked is None:
+            return None
         # the time limit bounds the MILPs, not the relaxations before them (a small LP per prefix): on a
         # loaded 2-core machine those took most of the 0.3 s a binding constraint's question is given and left its MILP
         # none, so the answer changed with the load (the H200 probe's tightest budget, 1 of 5 requests)
@@ -174,13 +164,14 @@ class Model(Rows):
             left = time_limit - (time.perf_counter() - start)
             return None if left <= 0 else {**options, "time_limit": left}
 
-        best, best_value = None, np.inf
+        best, best_value = None, cutoff
         unsettled = np.inf  # the least bound of a prefix the time limit left unsolved or unproven
         for bound, _k, fixed, relaxed_x in sorted(ranked, key=lambda t: (t[0], t[1])):
             if bound >= best_value - gap * abs(best_value):
                 break  # neither this prefix nor any after it (their bounds are no lower) can do better
             opts = time_left()
-            near = near_relaxation(self, c, constraints, fixed, relaxed_x, bound, gap, opts) if NEAR and opts else None
+            near = near_relaxation(self, c, constraints, fixed, relaxed_x, bound, gap, opts,
+                                   integrality) if NEAR and opts else None
             res = near if near is not None and near.certified else None
             if res is None:  # not certified near its relaxation: the whole prefix, from the neighbourhood's choice
                 opts = time_left()
@@ -192,10 +183,10 @@ class Model(Rows):
                 # probe profiles' tightest budgets a request took 1.65-2.0 s against 1.45-1.68 s (H100) and 2.8-4.5 s
                 # against 3.8-5.8 s (H200). Each way can call a choice that meets a row exactly infeasible: then the
                 # other is asked
-                res = milp(c, constraints=constraints, integrality=self.integrality, bounds=fixed,
+                res = milp(c, constraints=constraints, integrality=integrality, bounds=fixed,
                            options={**opts, "presolve": False}, initial=near.x if near is not None and START else None)
             if res.x is None and res.status == 2:
-                res = milp(c, constraints=constraints, integrality=self.integrality, bounds=fixed, options=opts)
+                res = milp(c, constraints=constraints, integrality=integrality, bounds=fixed, options=opts)
             if res.x is None:
                 if res.status == 2:
                     continue
@@ -218,6 +209,28 @@ class Model(Rows):
             best.status, best.success, best.mip_gap = 0, True, 0.0
         best.bounds_by_prefix = {k: bound for bound, k, _, _ in ranked}
         return best
+
+    def relaxed_prefixes(self, c: np.ndarray, constraints: list, bounds: Bounds, prefixes=None) -> Optional[list]:
+        """[(relaxed optimum, K, the bounds with layers 0..K-1 offloaded and the rest not, relaxed x)] for each K
+        of `prefixes` (None: 0..L) whose linear relaxation has a choice: one HiGHS LP, each K solved from the last
+        one's basis (agoq.search.highs.WarmLP). None where HiGHS gives no answer for one."""
+        visits = []
+        for k in range(self.L + 1) if prefixes is None else sorted(prefixes):
+            lb, ub = bounds.lb.copy(), bounds.ub.copy()
+            on, off = slice(self.o0, self.o0 + k), slice(self.o0 + k, self.o0 + self.L)
+            if (ub[on] < 1).any() or (lb[off] > 0).any():
+                continue  # a layer that cannot be offloaded in the prefix, or one that must be above it
+            lb[on], ub[on], lb[off], ub[off] = 1.0, 1.0, 0.0, 0.0
+            visits.append((k, Bounds(lb, ub)))
+        ranked, lp = [], WarmLP(c, constraints)
+        for k, fixed in visits:
+            relaxed = lp.solve(fixed)
+            if relaxed.status == 2:
+                continue  # not even the relaxation fits: no choice offloads exactly these layers
+            if relaxed.x is None:
+                return None
+            ranked.append((float(c @ relaxed.x), k, fixed, relaxed.x))
+        return ranked
 
     def _keep_first(self, key, res):
         if len(self._first) >= 16:
@@ -329,40 +342,6 @@ class Model(Rows):
         return Allocation(chosen, ckpt, figures["peak_bytes_per_stage"], figures["step_seconds"],
                           figures["grad_error"], figures["activation_bytes_per_stage"], float(second_gap), float(gap),
                           off, figures["host_bytes"], figures["offload_link_seconds"])
-
-    def least_peak(self, time_cap: Optional[float], error_cap: Optional[float],
-                   time_limit: Optional[float]) -> Optional[Allocation]:
-        """The choice of least peak (the largest stage's), within the caps; None when the caps cannot be met.
-        `time_limit` bounds HiGHS's search (its best choice found by then is kept; none found: it searches on)."""
-        # minimise t subject to memory_s <= t for every stage (and every backward peak): t is the last variable
-        nv = self.nv + 1
-        mem = np.hstack([self.peak_rows / self.unit, -np.ones((len(self.peak_stage), 1))])
-        rows = self.structure.A.toarray()
-        structure = LinearConstraint(np.hstack([rows, np.zeros((rows.shape[0], 1))]), self.structure.lb,
-                                     self.structure.ub)
-        cons = [structure, LinearConstraint(mem, -np.inf,
-                                            -(self.p.static_bytes[self.peak_stage] + self.peak_offset) / self.unit)]
-        if len(self.floor_rows):  # offloading any layer: t >= the floor (constraints)
-            row = np.hstack([self.floor_rows / self.unit, -np.ones((len(self.floor_rows), 1))])
-            cons.append(LinearConstraint(row, -np.inf, -float(self.p.static_bytes[0]) / self.unit))
-        if time_cap is not None:
-            cons.append(LinearConstraint(np.append(self.time_row, 0.0)[None, :] * 1e3, -np.inf,
-                                         (time_cap - self.time_constant) * 1e3))
-        if error_cap is not None:
-            scale = max(float(np.abs(self.error_row).max()), 1e-30)
-            cons.append(LinearConstraint(np.append(self.error_row, 0.0)[None, :] / scale, -np.inf, error_cap / scale))
-        c = np.zeros(nv)
-        c[-1] = 1.0
-        lb = np.append(self.bounds.lb, 0.0)
-        ub = np.append(self.bounds.ub, np.inf)
-        integrality = np.append(self.integrality, 0)
-        res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub),
-                   options={"mip_rel_gap": GAP, **({"time_limit": time_limit} if time_limit else {})})
-        if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
-            res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub), options={"mip_rel_gap": GAP})
-        if res.x is None:
-            return None
-        return self.allocation(res.x[:-1], gap=primary_gap(res))
 
     def improves(self, budgets: np.ndarray, objective: str, value: float, time_cap: Optional[float],
                  error_cap: Optional[float], time_limit: float) -> bool:

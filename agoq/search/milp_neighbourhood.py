@@ -48,12 +48,12 @@ def settled_layers(model, x: np.ndarray) -> np.ndarray:
 
 
 def near_relaxation(model, c: np.ndarray, constraints: list, bounds: Bounds, x: np.ndarray, bound: float,
-                    gap: float, options: dict) -> Optional[OptimizeResult]:
+                    gap: float, options: dict, integrality: Optional[np.ndarray] = None) -> Optional[OptimizeResult]:
     """min c x over `model`'s choices within `bounds` and `constraints`, with the layers the relaxed answer `x`
     (value `bound`) settles fixed as it has them: its answer, `certified` where its value v has v - bound <= gap |v|
     (then status 0, `mip_gap` that relative distance; else status 1, a choice of the prefix to start its whole
     solve from). None where it has no choice, where every layer is fractional (nothing to fix) or `gap` is below
-    LEAST_GAP."""
+    LEAST_GAP. `integrality`: as over_prefixes'."""
     if gap < LEAST_GAP:
         return None
     settled = settled_layers(model, x)
@@ -65,7 +65,8 @@ def near_relaxation(model, c: np.ndarray, constraints: list, bounds: Bounds, x: 
             lb[list(idx)] = ub[list(idx)] = np.round(x[list(idx)])
     checkpoints = model.c0 + np.flatnonzero(settled)
     lb[checkpoints] = ub[checkpoints] = np.round(x[checkpoints])
-    res = milp(c, constraints=constraints, integrality=model.integrality, bounds=Bounds(lb, ub),
+    res = milp(c, constraints=constraints, integrality=model.integrality if integrality is None else integrality,
+               bounds=Bounds(lb, ub),
                options={**options, "mip_rel_gap": gap, "presolve": True})  # see the module docstring
     if res.x is None:
         return None

@@ -339,8 +339,10 @@ class Rows:
 
     def rounded(self, x: np.ndarray) -> np.ndarray:
         """A solution with its integer variables rounded (HiGHS returns them within its tolerance) and each pair's p
-        at the product of its two options (no more error than the choice has)."""
-        x = np.where(self.integrality > 0, np.round(x), x)
+        at the product of its two options (no more error than the choice has). Columns after the model's own (the
+        least peak's bound) are kept as they are."""
+        x = np.asarray(x, float).copy()
+        x[:self.nv] = np.where(self.integrality > 0, np.round(x[:self.nv]), x[:self.nv])
         if self.nq:
             x[self.q0:self.q0 + self.nq] = np.maximum(0.0, x[self.pair_x[:, 0]] + x[self.pair_x[:, 1]] - 1.0)
         return x

@@ -48,12 +48,12 @@ def test_a_neighbourhood_answer_is_a_choice_of_its_prefix_within_its_gap_where_c
     asked = []
     near = milp_neighbourhood.near_relaxation
 
-    def recorded(model, c, constraints, bounds, x, bound, gap, options):
+    def recorded(model, c, constraints, bounds, x, bound, gap, options, integrality=None):
         if gap != FIRST_GAP:  # the tie-break's (c its second objective): not asked of the neighbourhood
-            return near(model, c, constraints, bounds, x, bound, gap, options)
+            return near(model, c, constraints, bounds, x, bound, gap, options, integrality)
         # a gap this wide certifies often on problems this small, where FIRST_GAP rarely does
         wide = rng.choice([gap, 0.05, 0.3])
-        res = near(model, c, constraints, bounds, x, bound, wide, options)
+        res = near(model, c, constraints, bounds, x, bound, wide, options, integrality)
         asked.append((model, c, bounds, bound, wide, res))
         return res if wide == gap else None
 
