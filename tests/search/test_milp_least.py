@@ -17,10 +17,13 @@ from tests.search.test_milp_offload import with_offload
 
 
 def _problem(rng):
-    p = random_problem(rng, layers=3, kinds_per_layer=2, stages=1)
+    """A random problem, with a host link priced 60 % of the time (one stage), else of one or two pipeline stages
+    (the least peak is the largest stage's), and every choice's figures."""
     if rng.random() < 0.6:
+        p = random_problem(rng, layers=3, kinds_per_layer=2, stages=1)
         p = replace(with_offload(rng, p), in_flight=np.ones(1))
         return p, [f for f, _ in offload_brute_force(p)]
+    p = random_problem(rng, layers=3, kinds_per_layer=2, stages=rng.choice([1, 2]))
     return p, [f for _, f in kept_brute_force(p)]
 
 
