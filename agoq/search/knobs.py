@@ -245,11 +245,10 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
     for result in hopeless:
         result.error = "does not fit the budget"
         tried.append(result)
-    if not solved and hopeless:  # nothing fits: the least budget any of them fits is the answer
-        least, _ = least_budget([(r.solver, r.time_cap) for r in hopeless], error_cap)
-        if least is not None:
-            refused.append(InfeasibleBudget("", least))
-        else:  # no combination meets the caps at any budget: each says why
+    fits_at = None  # where nothing fits, the least budget one of them fits: the answer
+    if not solved and hopeless:
+        fits_at, _ = least_budget([(r.solver, r.time_cap) for r in hopeless], error_cap)
+        if fits_at is None:  # no combination meets the caps at any budget: each says why
             for result in hopeless:
                 try:
                     result.solver.solve(budget, objective, result.time_cap, error_cap=error_cap)
@@ -260,7 +259,8 @@ def solve_knobs(profile: ProfileData, budget, *, objective: str = "time", error_
     tried.sort(key=lambda r: position.get(id(r.knobs), -1))  # the combinations' own order, whatever was solved first
     if not solved:
         asked = int(np.min(np.atleast_1d(budget)))
-        least = min((e.smallest_budget for e in refused if e.smallest_budget is not None), default=None)
+        least = min([e.smallest_budget for e in refused if e.smallest_budget is not None]
+                    + ([fits_at] if fits_at is not None else []), default=None)
         if least is None:
             reasons = "; ".join(dict.fromkeys(r.error for r in tried if r.error and r.error != "dominated"))
             caps = tuple(dict.fromkeys(cap for e in refused for cap in e.caps))

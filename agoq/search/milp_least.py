@@ -69,18 +69,17 @@ def least_peak(model, time_cap: Optional[float], error_cap: Optional[float], tim
     res = None
     if model.offload:
         res = model.over_prefixes(c, cons, bounds, options, time_limit, integrality=integrality, cutoff=cutoff)
-    if res is None and not (model.offload and not patient):  # no offload, or the time limit came before a
-        # prefix's choice: the whole MILP
+    if res is None:  # no offload, or the time limit came before a prefix's choice: the whole MILP
+        if model.offload and not patient:
+            return None
         res = milp(c, constraints=cons, integrality=integrality, bounds=bounds, options=options)
-    if res is None or (res.x is None and not patient):
-        return None
-    if res.x is None and res.status == 1:  # the time limit came before any choice: search on without it
+    if res.x is None and res.status == 1 and patient:  # the time limit came before any choice: search on
         res = milp(c, constraints=cons, integrality=integrality, bounds=bounds,
                    options={k: v for k, v in options.items() if k != "time_limit"})
     if res.x is None:
         return None
     alloc = model.allocation(res.x[:-1], gap=primary_gap(res))
-    return alloc if max(alloc.peak_bytes_per_stage) < (below if below is not None else np.inf) else None
+    return alloc if below is None or max(alloc.peak_bytes_per_stage) < below else None
 
 
 def least_peak_bound(model, time_cap: Optional[float], error_cap: Optional[float],
