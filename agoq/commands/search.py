@@ -14,7 +14,7 @@ error cap, time cap or none - and the knob values) and the best alternative that
 (plan "alternative": the fastest of bf16, selective/full checkpointing and, where the profile has compiled
 steps, torch.compile with activation_memory_budget, each with float32 or 8-bit AdamW), with the speed-up.
 
-  milp    exact per-layer choice with scipy's MILP solver, plus the memory/error Pareto front over
+  milp    exact per-layer choice with the MILP solver HiGHS, plus the memory/error Pareto front over
           --front-budgets budgets (from the smallest feasible one to the unconstrained plan's peak)
   optuna  a multi-objective Optuna study (memory, time, error) over the knobs the MILP cannot add up:
           block size, 4-bit format, gradient mode, micro-batch x gradient accumulation, per-kind floor
@@ -27,6 +27,7 @@ Writes the chosen plan (--out), OUT_STEM.pareto.csv beside it (one row per Paret
 and the front's plans in OUT_STEM-pareto/: every file is named after the plan (plan.json: plan.pareto.csv,
 plan-pareto/, plan.study.db), so searches into one folder with different --out change none of each other's files.
 An --out that is an agoq plan is replaced with its files (said on stderr); any other existing file is refused.
+Where no plan fits --budget, nothing is written and it exits 2, naming the smallest budget that fits.
 With --validate K, the K best plans are run for real (a few steps of `agoq train`'s own training, in this
 process, on its built-in synthetic corpus: agoq.train.measure) and the measured peak memory (GPU only; the largest
 of any step, the first included), step time and loss deviation from bf16 are written into the plans, the Pareto
